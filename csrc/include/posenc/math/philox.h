@@ -1,0 +1,85 @@
+// Counter-based random bits for the fused dropout, shared by the CPU and CUDA kernels
+// so that both draw the same mask from the same (seed, offset).
+//
+// Philox4x32-10 (Salmon et al., "Parallel random numbers: as easy as 1, 2, 3", 2011)
+// maps a 128-bit counter and a 64-bit key to 128 random bits. We give every element
+// 16 bits, so one call serves a block of 8 consecutive elements:
+//   key     = seed (64 bit)
+//   counter = (block index: 64 bit, generator offset: 64 bit), block = element / 8
+// Element e keeps its value iff bits16(e) >= round(p * 65536): p is resolved to
+// multiples of 2^-16 (p = 1 drops everything, p = 0 nothing).
+#pragma once
+
+#include <cstdint>
+
+#include "posenc/math/host_device.h"
+
+namespace posenc {
+namespace math {
+
+constexpr int kDropoutBlock = 8;  // elements served by one Philox call
+
+struct Philox4x32 {
+  uint32_t v[4];
+};
+
+POSENC_HOST_DEVICE void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi,
+                                       uint32_t& lo) {
+  const uint64_t product = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
+  hi = static_cast<uint32_t>(product >> 32);
+  lo = static_cast<uint32_t>(product);
+}
+
+// Ten rounds of Philox4x32 on counter (c0..c3) with key (k0, k1).
+POSENC_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
+                                            uint32_t c3, uint32_t k0, uint32_t k1) {
+  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
+  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
+#if defined(__CUDACC__)
+#pragma unroll
+#endif
+  for (int round = 0; round < 10; ++round) {
+    uint32_t hi0, lo0, hi1, lo1;
+    philox_mulhilo(kMul0, c0, hi0, lo0);
+    philox_mulhilo(kMul1, c2, hi1, lo1);
+    const uint32_t n0 = hi1 ^ c1 ^ k0;
+    const uint32_t n2 = hi0 ^ c3 ^ k1;
+    c0 = n0;
+    c1 = lo1;
+    c2 = n2;
+    c3 = lo0;
+    k0 += kWeyl0;
+    k1 += kWeyl1;
+  }
+  return Philox4x32{{c0, c1, c2, c3}};
+}
+
+// The 128 random bits for dropout block `block` of a call with (seed, offset).
+POSENC_HOST_DEVICE Philox4x32 dropout_block_bits(uint64_t seed, uint64_t offset,
+                                                 uint64_t block) {
+  return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
+                       static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32),
+                       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+}
+
+// The 16 random bits of lane (0..7) within its block.
+POSENC_HOST_DEVICE uint32_t dropout_lane_bits(const Philox4x32& bits, int lane) {
+  return (bits.v[lane >> 1] >> ((lane & 1) * 16)) & 0xFFFFu;
+}
+
+// The keep/drop parameters of one call, computed once on the host.
+struct DropoutParams {
+  uint32_t threshold;  // drop iff bits16 < threshold; 0 disables dropout
+  double scale;        // 1 / (1 - p) for survivors, 0 when p == 1
+};
+
+inline DropoutParams make_dropout_params(double p) {
+  DropoutParams params;
+  const double scaled = p * 65536.0 + 0.5;
+  params.threshold = scaled >= 65536.0 ? 65536u : static_cast<uint32_t>(scaled);
+  params.scale = p >= 1.0 ? 0.0 : 1.0 / (1.0 - p);
+  return params;
+}
+
+}  // namespace math
+}  // namespace posenc

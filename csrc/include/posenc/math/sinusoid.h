@@ -1,0 +1,32 @@
+// The sinusoidal encoding of Vaswani et al. (2017), sec. 3.5, column by column:
+//   PE(pos, 2i)   = sin(pos * base^(-2i/d))
+//   PE(pos, 2i+1) = cos(pos * base^(-2i/d))
+// Column j uses the frequency index i = j / 2, so an odd d ends with a sine column.
+// Everything is evaluated in double precision and rounded once by the caller: the
+// angle pos * freq is the ill-conditioned part (pos up to max_len), and a float32
+// angle would cost up to ~3e-4 absolute error at pos = 5000.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "posenc/math/host_device.h"
+
+namespace posenc {
+namespace math {
+
+// base^(-2i/d) for column j, as exp(-(2i/d) * ln(base)) (the classic formulation).
+POSENC_HOST_DEVICE double sinusoid_inv_freq(int64_t column, int64_t d_model,
+                                            double log_base) {
+  const double two_i = static_cast<double>(column - (column & 1));
+  return exp(-two_i * log_base / static_cast<double>(d_model));
+}
+
+POSENC_HOST_DEVICE double sinusoid_value(double position, int64_t column,
+                                         int64_t d_model, double log_base) {
+  const double angle = position * sinusoid_inv_freq(column, d_model, log_base);
+  return (column & 1) ? cos(angle) : sin(angle);
+}
+
+}  // namespace math
+}  // namespace posenc

@@ -1,0 +1,5 @@
+// Everything posenc offers to LibTorch applications.
+#pragma once
+
+#include "posenc/modules.h"
+#include "posenc/ops.h"

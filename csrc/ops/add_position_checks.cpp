@@ -1,0 +1,124 @@
+#include "ops/add_position_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+
+namespace posenc {
+namespace ops {
+
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+const char* layout_name(bool batch_first) {
+  return batch_first ? "(batch, seq, d_model) with batch_first=True"
+                     : "(seq, batch, d_model) with batch_first=False";
+}
+
+}  // namespace
+
+void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
+                                  const std::optional<at::Tensor>& positions,
+                                  bool batch_first, double p) {
+  TORCH_CHECK(x.dim() == 3, "posenc: expected x to be a 3-D tensor ", layout_name(batch_first),
+              ", got a ", x.dim(), "-D tensor of shape ", x.sym_sizes());
+  TORCH_CHECK_TYPE(is_supported_float(x.scalar_type()),
+                   "posenc: expected x to have a floating-point dtype (float16, bfloat16, "
+                   "float32 or float64), got ",
+                   x.scalar_type());
+  TORCH_CHECK(table.dim() == 2 || (table.dim() == 3 && table.sym_size(0) == 1),
+              "posenc: expected the position table to have shape (max_len, d_model) or "
+              "(1, max_len, d_model), got shape ",
+              table.sym_sizes());
+  TORCH_CHECK_TYPE(is_supported_float(table.scalar_type()),
+                   "posenc: expected the position table to have a floating-point dtype, got ",
+                   table.scalar_type());
+  TORCH_CHECK(x.device() == table.device(), "posenc: expected x and the position table on the ",
+              "same device, got x on ", x.device(), " and the table on ", table.device(),
+              " (move the module with .to(x.device))");
+  TORCH_CHECK(x.sym_size(2) == table.sym_size(-1), "posenc: expected the last dimension of x ",
+              "(d_model) to be ", table.sym_size(-1), " like the position table, got x of shape ",
+              x.sym_sizes());
+  TORCH_CHECK_VALUE(std::isfinite(p) && p >= 0.0 && p <= 1.0,
+                    "posenc: expected dropout probability p in [0, 1], got ", p);
+  if (positions.has_value()) {
+    const at::Tensor& pos = *positions;
+    TORCH_CHECK_TYPE(pos.scalar_type() == at::kLong,
+                     "posenc: expected positions to have dtype torch.int64, got ",
+                     pos.scalar_type());
+    TORCH_CHECK(pos.device() == x.device(), "posenc: expected positions on x's device ",
+                x.device(), ", got positions on ", pos.device());
+    const auto batch = x.sym_size(batch_first ? 0 : 1);
+    const auto seq = x.sym_size(batch_first ? 1 : 0);
+    const bool ok = (pos.dim() == 1 && pos.sym_size(0) == seq) ||
+                    (pos.dim() == 2 && pos.sym_size(0) == batch && pos.sym_size(1) == seq);
+    TORCH_CHECK(ok, "posenc: expected positions of shape (seq,) = (", seq, ",) or (batch, seq) = (",
+                batch, ", ", seq, "), got shape ", pos.sym_sizes());
+  }
+}
+
+AddPositionGeometry check_add_position_inputs(const at::Tensor& x, const at::Tensor& table,
+                                              const std::optional<at::Tensor>& positions,
+                                              int64_t offset, bool batch_first, double p) {
+  check_add_position_structure(x, table, positions, batch_first, p);
+  AddPositionGeometry g;
+  g.batch_first = batch_first;
+  g.batch = x.size(batch_first ? 0 : 1);
+  g.seq = x.size(batch_first ? 1 : 0);
+  g.d = x.size(2);
+  g.table_len = table.size(-2);
+  g.offset = offset;
+  if (positions.has_value()) {
+    TORCH_CHECK_VALUE(offset == 0, "posenc: pass either offset or positions, not both (got offset=",
+                      offset, " with positions)");
+    g.has_positions = true;
+    g.positions_batch_stride = positions->dim() == 2 ? g.seq : 0;
+  } else {
+    TORCH_CHECK_VALUE(offset >= 0, "posenc: expected offset >= 0, got ", offset);
+    TORCH_CHECK_VALUE(offset + g.seq <= g.table_len, "posenc: sequence length ", g.seq,
+                      " plus offset ", offset, " exceeds max_len=", g.table_len,
+                      " of the position table (build the encoding with a larger max_len)");
+  }
+  return g;
+}
+
+void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len) {
+  const at::Tensor pos = positions.contiguous();
+  const int64_t* data = pos.const_data_ptr<int64_t>();
+  const int64_t n = pos.numel();
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK_INDEX(data[i] >= 0 && data[i] < table_len,
+                      "posenc: expected positions in [0, max_len=", table_len, "), found ",
+                      data[i], " at flat index ", i);
+  }
+}
+
+at::Tensor table_as_matrix(const at::Tensor& table, at::ScalarType x_dtype) {
+  at::Tensor t = table.dim() == 3 ? table.select(0, 0) : table;
+  const at::ScalarType wide = x_dtype == at::kDouble ? at::kDouble : at::kFloat;
+  if (t.scalar_type() != x_dtype && t.scalar_type() != wide) {
+    t = t.to(wide);
+  }
+  return t.contiguous();
+}
+
+void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base,
+                                 std::optional<at::ScalarType> dtype) {
+  TORCH_CHECK_VALUE(d_model > 0, "posenc: expected d_model > 0, got ", d_model);
+  TORCH_CHECK_VALUE(std::isfinite(base) && base > 0.0 && base != 1.0,
+                    "posenc: expected base > 0 and != 1, got ", base);
+  TORCH_CHECK_TYPE(!positions.is_complex() && positions.scalar_type() != at::kBool,
+                   "posenc: expected integer or floating-point positions, got ",
+                   positions.scalar_type());
+  if (dtype.has_value()) {
+    TORCH_CHECK_TYPE(is_supported_float(*dtype),
+                     "posenc: expected dtype to be float16, bfloat16, float32 or float64, got ",
+                     *dtype);
+  }
+}
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,49 @@
+// Argument validation for the add_position ops, shared by the CPU, CUDA and Meta
+// kernels so that every backend rejects the same inputs with the same message.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace posenc {
+namespace ops {
+
+// The logical geometry of an add_position call. x is (batch, seq, d) when
+// batch_first, (seq, batch, d) otherwise; rows are x's leading two dimensions in
+// memory order.
+struct AddPositionGeometry {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t d = 0;
+  int64_t table_len = 0;
+  bool batch_first = true;
+  bool has_positions = false;
+  int64_t positions_batch_stride = 0;  // 0 for (S,) positions, seq for (B, S)
+  int64_t offset = 0;
+};
+
+// Checks shapes, dtypes, devices and p; works on Meta tensors (no data access).
+// Returns the geometry, with concrete sizes (Meta callers use sym sizes separately).
+void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
+                                  const std::optional<at::Tensor>& positions,
+                                  bool batch_first, double p);
+
+// Full checks for a real kernel: structure, then the offset/sequence range. Position
+// values are checked by the caller where reading them costs no device sync.
+AddPositionGeometry check_add_position_inputs(const at::Tensor& x, const at::Tensor& table,
+                                              const std::optional<at::Tensor>& positions,
+                                              int64_t offset, bool batch_first, double p);
+
+// Throws IndexError naming the first position outside [0, table_len). CPU tensors only.
+void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len);
+
+// The table as a contiguous (max_len, d) matrix whose dtype the kernels accept: x's
+// own dtype or float32 (float64 for float64 x); any other dtype is converted.
+at::Tensor table_as_matrix(const at::Tensor& table, at::ScalarType x_dtype);
+
+void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base,
+                                 std::optional<at::ScalarType> dtype);
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,19 @@
+// posenc/ops.h: C++ entry points that call the ops through the dispatcher.
+#include "posenc/ops.h"
+
+#include "ops/op_handles.h"
+
+namespace posenc {
+
+at::Tensor sinusoidal_table(const at::Tensor& positions, int64_t d_model, double base,
+                            std::optional<at::ScalarType> dtype) {
+  return ops::sinusoidal_table_op().call(positions, c10::SymInt(d_model), base, dtype);
+}
+
+at::Tensor add_position(const at::Tensor& x, const at::Tensor& table,
+                        const std::optional<at::Tensor>& positions, int64_t offset,
+                        bool batch_first, double p) {
+  return ops::add_position_op().call(x, table, positions, c10::SymInt(offset), batch_first, p);
+}
+
+}  // namespace posenc

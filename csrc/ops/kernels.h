@@ -1,0 +1,30 @@
+// Backend kernels of the posenc ops, one set per dispatch key. Registration lives with
+// each backend (cpu/*.cpp, ../cuda/*.cu, meta_kernels.cpp); autograd calls the ops back
+// through the dispatcher, never these functions directly.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace posenc {
+namespace ops {
+
+// add_position_forward: (dropout(x + table[positions]), rng). rng is an int64 tensor on
+// x's device holding (seed, offset) of the dropout draw, or empty when p == 0.
+using AddPositionForwardFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& x, const at::Tensor& table, const std::optional<at::Tensor>& positions,
+    int64_t offset, bool batch_first, double p);
+
+// add_position_backward: grad * mask * scale, the mask regenerated from rng.
+using AddPositionBackwardFn = at::Tensor(const at::Tensor& grad, const at::Tensor& rng, double p);
+
+AddPositionForwardFn add_position_forward_cpu;
+AddPositionBackwardFn add_position_backward_cpu;
+
+at::Tensor sinusoidal_table_cpu(const at::Tensor& positions, int64_t d_model, double base,
+                                std::optional<at::ScalarType> dtype);
+
+}  // namespace ops
+}  // namespace posenc

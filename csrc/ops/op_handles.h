@@ -1,0 +1,46 @@
+// Typed dispatcher handles of the posenc ops, looked up once.
+#pragma once
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <tuple>
+
+namespace posenc {
+namespace ops {
+
+using AddPositionSig = at::Tensor(const at::Tensor&, const at::Tensor&,
+                                  const std::optional<at::Tensor>&, c10::SymInt, bool, double);
+using AddPositionForwardSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, bool,
+    double);
+using AddPositionBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double,
+                                      std::optional<at::ScalarType>);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> find_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Sig>();
+}
+
+// Each handle is looked up once, on first use (after the library has registered).
+inline const c10::TypedOperatorHandle<AddPositionSig>& add_position_op() {
+  static const auto handle = find_op<AddPositionSig>("posenc::add_position");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<AddPositionForwardSig>& add_position_forward_op() {
+  static const auto handle = find_op<AddPositionForwardSig>("posenc::add_position_forward");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<AddPositionBackwardSig>& add_position_backward_op() {
+  static const auto handle = find_op<AddPositionBackwardSig>("posenc::add_position_backward");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<SinusoidalTableSig>& sinusoidal_table_op() {
+  static const auto handle = find_op<SinusoidalTableSig>("posenc::sinusoidal_table");
+  return handle;
+}
+
+}  // namespace ops
+}  // namespace posenc

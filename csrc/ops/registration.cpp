@@ -1,0 +1,25 @@
+// The posenc operator schemas: the single definition of every op, reached from Python as
+// torch.ops.posenc.* and from C++ through the functions in posenc/ops.h.
+//
+//   add_position           public op: dropout(x + table[positions]); autograd in C++.
+//   add_position_forward   its forward kernel; also returns the dropout (seed, offset).
+//   add_position_backward  grad * mask * scale, the mask regenerated from (seed, offset),
+//                          so the autograd graph stores no mask.
+//   sinusoidal_table       the fixed encoding evaluated at arbitrary positions.
+#include <ATen/core/enum_tag.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(posenc, m) {
+  m.def(
+      "add_position(Tensor x, Tensor table, Tensor? positions=None, SymInt offset=0, "
+      "bool batch_first=True, float p=0.0) -> Tensor",
+      {at::Tag::nondeterministic_seeded});
+  m.def(
+      "add_position_forward(Tensor x, Tensor table, Tensor? positions, SymInt offset, "
+      "bool batch_first, float p) -> (Tensor, Tensor)",
+      {at::Tag::nondeterministic_seeded});
+  m.def("add_position_backward(Tensor grad, Tensor rng, float p) -> Tensor");
+  m.def(
+      "sinusoidal_table(Tensor positions, SymInt d_model, float base=10000.0, "
+      "ScalarType? dtype=None) -> Tensor");
+}

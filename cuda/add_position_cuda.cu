@@ -1,0 +1,290 @@
+// CUDA kernels of add_position_forward / add_position_backward.
+//
+// One thread handles a group of 8 consecutive output elements per step: exactly one
+// Philox call (see posenc/math/philox.h) and, on the fast path, 16-byte loads and stores.
+// The fast path needs d % 8 == 0 (a group never straddles two rows) and 16-byte aligned
+// pointers; offset views and odd sizes take the element-wise path, which draws the same
+// mask. Indices are 32-bit when the tensor allows, 64-bit otherwise.
+//
+// The dropout (seed, offset) comes from the device's default generator as a
+// PhiloxCudaState, unpacked inside the kernel (so CUDA graph capture works), and the
+// kernel writes the pair to the small `rng` output that backward reads on the device:
+// no host-device synchronisation anywhere.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <ATen/cuda/PhiloxUtils.cuh>
+#include <ATen/cuda/detail/IntegerDivider.cuh>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <mutex>
+
+#include "cuda/vector_access.cuh"
+#include "ops/add_position_checks.h"
+#include "posenc/math/philox.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+using cuda::is_aligned16;
+using cuda::load_group;
+using cuda::store_group;
+using at::cuda::detail::IntDivider;
+
+constexpr int kThreads = 256;
+constexpr int kGroup = math::kDropoutBlock;
+
+template <typename index_t>
+struct RowMap {
+  IntDivider<index_t> d;      // element -> (row, column)
+  IntDivider<index_t> inner;  // row -> (outer, inner): (b, s) or (s, b)
+  bool batch_first;
+  const int64_t* positions;  // null: position = offset + s
+  int64_t positions_batch_stride;
+  int64_t offset;
+  int64_t table_len;
+
+  // Table row for output row `row`, or -1 when the position is out of range.
+  __device__ __forceinline__ int64_t position(index_t row) const {
+    const auto qr = inner.divmod(row);
+    const index_t b = batch_first ? qr.div : qr.mod;
+    const index_t s = batch_first ? qr.mod : qr.div;
+    const int64_t pos = positions != nullptr
+                            ? positions[static_cast<int64_t>(b) * positions_batch_stride + s]
+                            : offset + static_cast<int64_t>(s);
+    return (pos >= 0 && pos < table_len) ? pos : -1;
+  }
+};
+
+struct DropoutArgs {
+  at::PhiloxCudaState philox;
+  uint32_t threshold;
+  double scale;
+  bool active;
+};
+
+template <typename acc_t>
+__device__ __forceinline__ void dropout_factors(uint64_t seed, uint64_t offset, uint64_t group,
+                                                uint32_t threshold, acc_t scale,
+                                                acc_t (&factors)[kGroup]) {
+  const math::Philox4x32 bits = math::dropout_block_bits(seed, offset, group);
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) {
+    factors[k] = math::dropout_lane_bits(bits, k) >= threshold ? scale : acc_t(0);
+  }
+}
+
+template <typename scalar_t, typename table_t, typename index_t, bool kVectorized>
+__global__ void __launch_bounds__(kThreads)
+    add_position_forward_kernel(const scalar_t* __restrict__ x, const table_t* __restrict__ table,
+                                scalar_t* __restrict__ out, index_t numel, RowMap<index_t> map,
+                                DropoutArgs dropout, int64_t* __restrict__ rng_out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  uint64_t seed = 0, offset = 0;
+  if (dropout.active) {
+    const auto state = at::cuda::philox::unpack(dropout.philox);
+    seed = std::get<0>(state);
+    offset = std::get<1>(state);
+    if (blockIdx.x == 0 && threadIdx.x == 0) {
+      rng_out[0] = static_cast<int64_t>(seed);
+      rng_out[1] = static_cast<int64_t>(offset);
+    }
+  }
+  const acc_t scale = static_cast<acc_t>(dropout.scale);
+  const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+  const index_t groups = (numel + kGroup - 1) / kGroup;
+  const index_t stride = static_cast<index_t>(gridDim.x) * kThreads;
+  for (index_t g = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups;
+       g += stride) {
+    acc_t factors[kGroup];
+    if (dropout.active) dropout_factors<acc_t>(seed, offset, g, dropout.threshold, scale, factors);
+    const index_t e0 = g * kGroup;
+    if (kVectorized) {
+      const auto rc = map.d.divmod(e0);
+      const int64_t pos = map.position(rc.div);
+      acc_t v[kGroup], t[kGroup];
+      load_group<scalar_t, acc_t>(x + e0, v);
+      if (pos >= 0) {
+        load_group<table_t, acc_t>(table + pos * map.d.divisor + rc.mod, t);
+      }
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) {
+        v[k] = pos >= 0 ? v[k] + t[k] : nan;
+        if (dropout.active) v[k] *= factors[k];
+      }
+      store_group<scalar_t, acc_t>(out + e0, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) {
+        const index_t e = e0 + k;
+        if (e >= numel) break;
+        const auto rc = map.d.divmod(e);
+        const int64_t pos = map.position(rc.div);
+        acc_t v = pos >= 0 ? static_cast<acc_t>(x[e]) +
+                                 static_cast<acc_t>(table[pos * map.d.divisor + rc.mod])
+                           : nan;
+        if (dropout.active) v *= factors[k];
+        out[e] = static_cast<scalar_t>(v);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, typename index_t, bool kVectorized>
+__global__ void __launch_bounds__(kThreads)
+    add_position_backward_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ out,
+                                 index_t numel, const int64_t* __restrict__ rng,
+                                 uint32_t threshold, double scale_d) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const uint64_t seed = static_cast<uint64_t>(rng[0]);
+  const uint64_t offset = static_cast<uint64_t>(rng[1]);
+  const acc_t scale = static_cast<acc_t>(scale_d);
+  const index_t groups = (numel + kGroup - 1) / kGroup;
+  const index_t stride = static_cast<index_t>(gridDim.x) * kThreads;
+  for (index_t g = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups;
+       g += stride) {
+    acc_t factors[kGroup];
+    dropout_factors<acc_t>(seed, offset, g, threshold, scale, factors);
+    const index_t e0 = g * kGroup;
+    if (kVectorized && e0 + kGroup <= numel) {
+      acc_t v[kGroup];
+      load_group<scalar_t, acc_t>(grad + e0, v);
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) v[k] *= factors[k];
+      store_group<scalar_t, acc_t>(out + e0, v);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) {
+        const index_t e = e0 + k;
+        if (e >= numel) break;
+        out[e] = static_cast<scalar_t>(static_cast<acc_t>(grad[e]) * factors[k]);
+      }
+    }
+  }
+}
+
+int64_t grid_for(int64_t numel) {
+  const int64_t groups = (numel + kGroup - 1) / kGroup;
+  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  return std::max<int64_t>(1, std::min<int64_t>((groups + kThreads - 1) / kThreads, sms * 16));
+}
+
+template <typename scalar_t, typename table_t, typename index_t>
+void launch_forward(const at::Tensor& x, const at::Tensor& table, const at::Tensor& pos,
+                    const AddPositionGeometry& g, const DropoutArgs& dropout, at::Tensor& out,
+                    at::Tensor& rng) {
+  RowMap<index_t> map{IntDivider<index_t>(static_cast<index_t>(g.d)),
+                      IntDivider<index_t>(static_cast<index_t>(g.batch_first ? g.seq : g.batch)),
+                      g.batch_first,
+                      pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr,
+                      g.positions_batch_stride,
+                      g.offset,
+                      g.table_len};
+  const bool vectorized = g.d % kGroup == 0 && is_aligned16(x.const_data_ptr()) &&
+                          is_aligned16(out.const_data_ptr()) &&
+                          is_aligned16(table.const_data_ptr());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  const index_t numel = static_cast<index_t>(x.numel());
+  int64_t* rng_ptr = dropout.active ? rng.mutable_data_ptr<int64_t>() : nullptr;
+  auto kernel = vectorized ? add_position_forward_kernel<scalar_t, table_t, index_t, true>
+                           : add_position_forward_kernel<scalar_t, table_t, index_t, false>;
+  kernel<<<grid_for(x.numel()), kThreads, 0, stream>>>(
+      x.const_data_ptr<scalar_t>(), table.const_data_ptr<table_t>(),
+      out.mutable_data_ptr<scalar_t>(), numel, map, dropout, rng_ptr);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+bool fits_int32(int64_t numel) {
+  return numel + kGroup * static_cast<int64_t>(kThreads) * 2 <
+         std::numeric_limits<int32_t>::max();
+}
+
+std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
+    const at::Tensor& x_in, const at::Tensor& table_in, const std::optional<at::Tensor>& positions,
+    int64_t offset, bool batch_first, double p) {
+  const AddPositionGeometry g =
+      check_add_position_inputs(x_in, table_in, positions, offset, batch_first, p);
+  const c10::cuda::CUDAGuard device_guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor table = table_as_matrix(table_in, x.scalar_type());
+  const at::Tensor pos = positions.has_value() ? positions->contiguous() : at::Tensor();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+
+  DropoutArgs dropout{};
+  dropout.active = p > 0.0;
+  at::Tensor rng = at::empty({dropout.active ? 2 : 0}, x.options().dtype(at::kLong));
+  if (dropout.active) {
+    const auto params = math::make_dropout_params(p);
+    dropout.threshold = params.threshold;
+    dropout.scale = params.scale;
+    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(x.device().index()));
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    // Our counters put the offset in their own words, so any increment keeps calls apart.
+    dropout.philox = gen->philox_cuda_state(4);
+  }
+  if (x.numel() == 0 && !dropout.active) return {out, rng};
+
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_add_position_cuda", [&] {
+        using wide_t = at::opmath_type<scalar_t>;
+        const bool same = table.scalar_type() == x.scalar_type();
+        if (fits_int32(x.numel())) {
+          if (same) launch_forward<scalar_t, scalar_t, uint32_t>(x, table, pos, g, dropout, out, rng);
+          else launch_forward<scalar_t, wide_t, uint32_t>(x, table, pos, g, dropout, out, rng);
+        } else {
+          if (same) launch_forward<scalar_t, scalar_t, uint64_t>(x, table, pos, g, dropout, out, rng);
+          else launch_forward<scalar_t, wide_t, uint64_t>(x, table, pos, g, dropout, out, rng);
+        }
+      });
+  return {out, rng};
+}
+
+at::Tensor add_position_backward_cuda(const at::Tensor& grad_in, const at::Tensor& rng,
+                                      double p) {
+  TORCH_CHECK(rng.device() == grad_in.device() && rng.numel() == 2 &&
+                  rng.scalar_type() == at::kLong,
+              "posenc: expected rng to be the int64 (seed, offset) pair from the forward on ",
+              grad_in.device(), ", got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ",
+              rng.device());
+  const c10::cuda::CUDAGuard device_guard(grad_in.device());
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor state = rng.contiguous();
+  at::Tensor out = at::empty(grad.sizes(), grad.options());
+  if (grad.numel() == 0) return out;
+  const auto params = math::make_dropout_params(p);
+  const bool vectorized = is_aligned16(grad.const_data_ptr()) && is_aligned16(out.const_data_ptr());
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_cuda", [&] {
+        auto launch = [&](auto index_zero) {
+          using index_t = decltype(index_zero);
+          auto kernel = vectorized ? add_position_backward_kernel<scalar_t, index_t, true>
+                                   : add_position_backward_kernel<scalar_t, index_t, false>;
+          kernel<<<grid_for(grad.numel()), kThreads, 0, stream>>>(
+              grad.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
+              static_cast<index_t>(grad.numel()), state.const_data_ptr<int64_t>(),
+              params.threshold, params.scale);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+        };
+        if (fits_int32(grad.numel())) launch(uint32_t{0});
+        else launch(uint64_t{0});
+      });
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("add_position_forward", &add_position_forward_cuda);
+  m.impl("add_position_backward", &add_position_backward_cuda);
+}
+
+}  // namespace ops
+}  // namespace posenc

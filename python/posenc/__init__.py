@@ -1,0 +1,11 @@
+"""posenc: positional encodings for Transformers as fused LibTorch ops.
+
+``import posenc`` loads the compiled library that registers ``torch.ops.posenc.*``.
+"""
+
+from posenc import _library  # noqa: F401  (registers torch.ops.posenc)
+from posenc import functional
+from posenc.modules import PositionalEncoding
+
+__all__ = ["PositionalEncoding", "functional"]
+__version__ = "0.1.0"

@@ -1,0 +1,79 @@
+// GoogleTest: posenc::PositionalEncoding against a C++ reference, gradients, save/load.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdio>
+#include <string>
+
+#include "posenc/posenc.h"
+
+namespace {
+
+// The classic float64 construction written out: sin at even, cos at odd columns.
+torch::Tensor reference_pe(int64_t max_len, int64_t d) {
+  auto pe = torch::zeros({max_len, d}, torch::kDouble);
+  auto acc = pe.accessor<double, 2>();
+  for (int64_t pos = 0; pos < max_len; ++pos) {
+    for (int64_t j = 0; j < d; ++j) {
+      const double angle = pos * std::exp(-static_cast<double>(j - j % 2) * std::log(10000.0) / d);
+      acc[pos][j] = j % 2 == 0 ? std::sin(angle) : std::cos(angle);
+    }
+  }
+  return pe.unsqueeze(0);
+}
+
+TEST(PositionalEncodingModule, BufferIsTheCorrectlyRoundedTable) {
+  posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(33).max_len(300));
+  ASSERT_EQ(pe->pe.sizes(), (std::vector<int64_t>{1, 300, 33}));
+  EXPECT_EQ(pe->pe.scalar_type(), torch::kFloat);
+  auto err = (pe->pe.to(torch::kDouble) - reference_pe(300, 33)).abs().max().item<double>();
+  EXPECT_LE(err, std::ldexp(1.0, -24));
+  auto named = pe->named_buffers();
+  ASSERT_EQ(named.size(), 1u);
+  EXPECT_TRUE(named.contains("pe"));
+}
+
+TEST(PositionalEncodingModule, ForwardEvalAddsRows) {
+  posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(16).max_len(64).dropout(0.5));
+  pe->eval();
+  auto x = torch::randn({2, 10, 16});
+  EXPECT_TRUE(torch::allclose(pe->forward(x), x + pe->pe.slice(1, 0, 10), 0, 0));
+  EXPECT_TRUE(torch::allclose(pe->forward(x, 5), x + pe->pe.slice(1, 5, 15), 0, 0));
+  auto pos = torch::randint(0, 64, {2, 10}, torch::kLong);
+  auto want = x + pe->pe[0].index_select(0, pos.reshape(-1)).reshape({2, 10, 16});
+  EXPECT_TRUE(torch::allclose(pe->forward(x, pos), want, 0, 0));
+  EXPECT_THROW(pe->forward(x, 60), c10::Error);
+}
+
+TEST(PositionalEncodingModule, TrainingGradientsAreMaskTimesScale) {
+  posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(8).max_len(32).dropout(0.25));
+  pe->train();
+  auto x = torch::randn({3, 7, 8}, torch::requires_grad(true));
+  auto y = pe->forward(x);
+  y.sum().backward();
+  auto kept = y.detach() != 0;
+  auto expected = kept.to(torch::kFloat) * static_cast<float>(1.0 / 0.75);
+  EXPECT_TRUE(torch::allclose(x.grad(), expected, 0, 0));
+}
+
+TEST(PositionalEncodingModule, SaveLoadRoundTrip) {
+  posenc::PositionalEncoding a(posenc::PositionalEncodingOptions(12).max_len(20));
+  a->pe.mul_(3.0);  // an edited table must survive the round trip
+  const std::string path = ::testing::TempDir() + "posenc_module.pt";
+  torch::save(a, path);
+  posenc::PositionalEncoding b(posenc::PositionalEncodingOptions(12).max_len(20));
+  torch::load(b, path);
+  std::remove(path.c_str());
+  EXPECT_TRUE(torch::equal(a->pe, b->pe));
+}
+
+TEST(PositionalEncodingModule, RejectsBadOptions) {
+  EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(0)), c10::Error);
+  EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(8).max_len(0)),
+               c10::Error);
+  EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(8).dropout(-0.1)),
+               c10::Error);
+}
+
+}  // namespace

@@ -1,0 +1,114 @@
+// GoogleTest: the shared math headers and the functional ops against C++ references
+// written here from the formulas, in double precision.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "posenc/math/philox.h"
+#include "posenc/posenc.h"
+
+namespace {
+
+// Reference table: PE(pos, 2i) = sin(pos / base^(2i/d)), PE(pos, 2i+1) = cos(same).
+torch::Tensor reference_table(const torch::Tensor& positions, int64_t d, double base) {
+  auto pos = positions.to(torch::kDouble).contiguous();
+  auto out = torch::empty({pos.numel(), d}, torch::kDouble);
+  auto acc = out.accessor<double, 2>();
+  const double* p = pos.data_ptr<double>();
+  for (int64_t r = 0; r < pos.numel(); ++r) {
+    for (int64_t j = 0; j < d; ++j) {
+      const double angle = p[r] / std::pow(base, static_cast<double>(2 * (j / 2)) / d);
+      acc[r][j] = j % 2 == 0 ? std::sin(angle) : std::cos(angle);
+    }
+  }
+  auto shape = positions.sizes().vec();
+  shape.push_back(d);
+  return out.reshape(shape);
+}
+
+TEST(Philox, KnownAnswerVectors) {
+  // Known-answer tests of Philox4x32-10 published with Random123.
+  auto zero = posenc::math::philox4x32_10(0, 0, 0, 0, 0, 0);
+  EXPECT_EQ(zero.v[0], 0x6627e8d5u);
+  EXPECT_EQ(zero.v[1], 0xe169c58du);
+  EXPECT_EQ(zero.v[2], 0xbc57ac4cu);
+  EXPECT_EQ(zero.v[3], 0x9b00dbd8u);
+  auto ones = posenc::math::philox4x32_10(0xffffffffu, 0xffffffffu, 0xffffffffu, 0xffffffffu,
+                                          0xffffffffu, 0xffffffffu);
+  EXPECT_EQ(ones.v[0], 0x408f276du);
+  EXPECT_EQ(ones.v[1], 0x41c83b0eu);
+  EXPECT_EQ(ones.v[2], 0xa20bc7c6u);
+  EXPECT_EQ(ones.v[3], 0x6d5451fdu);
+}
+
+TEST(DropoutParams, ThresholdAndScale) {
+  auto half = posenc::math::make_dropout_params(0.5);
+  EXPECT_EQ(half.threshold, 32768u);
+  EXPECT_DOUBLE_EQ(half.scale, 2.0);
+  auto all = posenc::math::make_dropout_params(1.0);
+  EXPECT_EQ(all.threshold, 65536u);
+  EXPECT_EQ(all.scale, 0.0);
+  EXPECT_EQ(posenc::math::make_dropout_params(0.0).threshold, 0u);
+}
+
+TEST(SinusoidalTable, MatchesReferenceAtIntegerAndFloatPositions) {
+  for (int64_t d : {1, 2, 7, 64, 129}) {
+    auto pos = torch::randint(0, 6000, {3, 5}, torch::kLong);
+    auto got = posenc::sinusoidal_table(pos, d, 10000.0, torch::kDouble);
+    auto want = reference_table(pos, d, 10000.0);
+    ASSERT_EQ(got.sizes(), want.sizes());
+    EXPECT_LT((got - want).abs().max().item<double>(), 1e-12) << "d=" << d;
+    auto fpos = torch::rand({11}, torch::kDouble) * 300.0;
+    auto got_f = posenc::sinusoidal_table(fpos, d, 500.0);
+    EXPECT_EQ(got_f.scalar_type(), torch::kFloat);
+    EXPECT_LT((got_f.to(torch::kDouble) - reference_table(fpos, d, 500.0)).abs().max().item<double>(),
+              1e-7);
+  }
+}
+
+TEST(AddPosition, MatchesReferenceBothLayouts) {
+  for (bool batch_first : {true, false}) {
+    auto x = torch::randn({3, 5, 6}, torch::kDouble);
+    auto table = torch::randn({1, 20, 6}, torch::kDouble);
+    const int64_t seq = batch_first ? 5 : 3;
+    auto rows = table[0].slice(0, 4, 4 + seq);
+    auto want = batch_first ? x + rows.unsqueeze(0) : x + rows.unsqueeze(1);
+    auto got = posenc::add_position(x, table, std::nullopt, 4, batch_first, 0.0);
+    EXPECT_TRUE(torch::equal(got, want));
+  }
+}
+
+TEST(AddPosition, DropoutRegeneratesTheMaskInBackward) {
+  auto x = torch::randn({4, 33, 10}, torch::requires_grad(true).dtype(torch::kDouble));
+  auto table = torch::randn({40, 10}, torch::kDouble);
+  torch::manual_seed(7);
+  auto y = posenc::add_position(x, table, std::nullopt, 0, true, 0.3);
+  auto g = torch::randn_like(y);
+  y.backward(g);
+  auto base = x.detach() + table.slice(0, 0, 33).unsqueeze(0);
+  auto kept = y.detach() != 0;
+  // Survivors are exactly scaled, dropped ones are zero, and the gradient follows the mask.
+  EXPECT_TRUE(torch::allclose(y.detach().masked_select(kept), (base * (1.0 / 0.7)).masked_select(kept),
+                              0, 0));
+  EXPECT_TRUE(torch::equal(x.grad(), torch::where(kept, g * (1.0 / 0.7), torch::zeros_like(g))));
+  const double frac = 1.0 - kept.to(torch::kDouble).mean().item<double>();
+  EXPECT_NEAR(frac, 0.3, 4 * std::sqrt(0.3 * 0.7 / kept.numel()));
+  // Same seed, same mask.
+  torch::manual_seed(7);
+  auto y2 = posenc::add_position(x.detach(), table, std::nullopt, 0, true, 0.3);
+  EXPECT_TRUE(torch::equal(y.detach(), y2));
+}
+
+TEST(AddPosition, RejectsBadInput) {
+  auto table = torch::randn({8, 4});
+  EXPECT_THROW(posenc::add_position(torch::randn({2, 4}), table), c10::Error);
+  EXPECT_THROW(posenc::add_position(torch::randn({2, 3, 5}), table), c10::Error);
+  EXPECT_THROW(posenc::add_position(torch::randn({2, 9, 4}), table), c10::Error);
+  EXPECT_THROW(posenc::add_position(torch::randn({2, 3, 4}), table, std::nullopt, 0, true, 1.5),
+               c10::Error);
+  EXPECT_THROW(posenc::add_position(torch::randn({2, 3, 4}), table, torch::tensor({0, 1, 8})),
+               c10::IndexError);
+}
+
+}  // namespace
