@@ -24,7 +24,7 @@
 #include <limits>
 #include <mutex>
 
-#include "cuda/vector_access.cuh"
+#include "vector_access.cuh"
 #include "ops/add_position_checks.h"
 #include "posenc/math/philox.h"
 

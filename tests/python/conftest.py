@@ -1,0 +1,59 @@
+import math
+
+import pytest
+import torch
+
+import posenc  # noqa: F401  (loads the ops)
+
+CUDA = torch.cuda.is_available()
+
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")),
+]
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def reference_table(positions: torch.Tensor, d: int, base: float = 10000.0) -> torch.Tensor:
+    """PE(pos, 2i) = sin(pos / base^(2i/d)), PE(pos, 2i+1) = cos(same), in float64."""
+    pos = positions.to(torch.float64).unsqueeze(-1)
+    j = torch.arange(d, dtype=torch.float64, device=positions.device)
+    angle = pos / torch.pow(torch.tensor(base, dtype=torch.float64), (2 * torch.div(j, 2, rounding_mode="floor")) / d)
+    return torch.where(j % 2 == 0, torch.sin(angle), torch.cos(angle))
+
+
+class ClassicPositionalEncoding(torch.nn.Module):
+    """The Annotated Transformer listing (the seeds' example), written out; DEVICE = cpu."""
+
+    def __init__(self, d_model, dropout, max_len=5000):
+        super().__init__()
+        self.dropout = torch.nn.Dropout(p=dropout)
+        pe = torch.zeros(max_len, d_model)
+        position = torch.arange(0.0, max_len).unsqueeze(1)
+        div_term = torch.exp(torch.arange(0.0, d_model, 2) * -(math.log(10000.0) / d_model))
+        pe_pos = torch.mul(position, div_term)
+        pe[:, 0::2] = torch.sin(pe_pos)
+        pe[:, 1::2] = torch.cos(pe_pos)
+        pe = pe.unsqueeze(0)
+        self.register_buffer("pe", pe)
+
+    def forward(self, x):
+        x = x + self.pe[:, : x.size(1)].requires_grad_(False)
+        return self.dropout(x)
+
+
+def reference_add(x, table, positions=None, offset=0, batch_first=True, rounded=True):
+    """x + table rows, summed in float32 (float64 for float64 x) and rounded once to x.dtype
+    (left unrounded in that accumulation dtype when rounded=False)."""
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    t = table.reshape(-1, table.shape[-1]).to(acc)
+    bs = x if batch_first else x.transpose(0, 1)
+    B, S = bs.shape[0], bs.shape[1]
+    if positions is None:
+        rows = t[offset : offset + S].unsqueeze(0).expand(B, S, -1)
+    else:
+        pos = positions if positions.dim() == 2 else positions.unsqueeze(0).expand(B, S)
+        rows = t[pos]
+    out = bs.to(acc) + rows
+    out = out.to(x.dtype) if rounded else out
+    return out if batch_first else out.transpose(0, 1)

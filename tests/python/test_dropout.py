@@ -1,0 +1,119 @@
+"""The fused dropout: statistics, exact scaling, RNG behaviour and the unsaved mask."""
+import math
+
+import pytest
+import torch
+
+import posenc
+from conftest import DEVICES, reference_add
+
+
+def train_module(p, d=64, max_len=512, device="cpu"):
+    return posenc.PositionalEncoding(d, p, max_len).to(device).train()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_zeroed_fraction_and_exact_survivors(device, p, dtype):
+    pe = train_module(p, device=device)
+    x = torch.randn(8, 500, 64, device=device).to(dtype)
+    y = pe(x)
+    kept = y != 0
+    n = y.numel()
+    frac = 1 - kept.double().mean().item()
+    assert abs(frac - p) <= 4 * math.sqrt(p * (1 - p) / n)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    summed = reference_add(x, pe.pe, rounded=False)
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=acc)
+    want = (summed * scale).to(dtype)
+    assert torch.equal(y[kept], want[kept])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_p_one_gives_zeros_and_p_zero_is_identity_plus_table(device):
+    x = torch.randn(3, 40, 64, device=device)
+    assert torch.equal(train_module(1.0, device=device)(x), torch.zeros_like(x))
+    pe0 = train_module(0.0, device=device)
+    assert torch.equal(pe0(x), reference_add(x, pe0.pe))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_eval_and_p_zero_consume_no_random_numbers(device):
+    gen_state = (lambda: torch.cuda.get_rng_state()) if device == "cuda" else torch.get_rng_state
+    x = torch.randn(2, 30, 64, device=device)
+    for pe in (train_module(0.0, device=device), train_module(0.5, device=device).eval()):
+        before = gen_state()
+        pe(x)
+        assert torch.equal(before, gen_state())
+    before = gen_state()
+    train_module(0.5, device=device)(x)
+    assert not torch.equal(before, gen_state())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_manual_seed_reproduces_and_calls_draw_fresh_masks(device):
+    pe = train_module(0.5, device=device)
+    x = torch.randn(4, 100, 64, device=device)
+    torch.manual_seed(1234)
+    a, b = pe(x), pe(x)
+    torch.manual_seed(1234)
+    a2, b2 = pe(x), pe(x)
+    assert torch.equal(a, a2) and torch.equal(b, b2)
+    assert not torch.equal(a != 0, b != 0)
+    # The masks of two calls are uncorrelated: agreement near 1/2 for p = 1/2.
+    agree = ((a != 0) == (b != 0)).double().mean().item()
+    assert abs(agree - 0.5) < 0.01
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_backward_regenerates_the_forward_mask(device, batch_first):
+    pe = posenc.PositionalEncoding(24, 0.3, 64, batch_first=batch_first).to(device).train()
+    x = torch.randn(5, 33, 24, device=device, requires_grad=True)
+    y = pe(x, positions=torch.randint(0, 64, (33 if batch_first else 5,), device=device))
+    g = torch.randn_like(y)
+    y.backward(g)
+    kept = y.detach() != 0
+    scale = torch.tensor(1 / 0.7, dtype=torch.float32)
+    assert torch.equal(x.grad, torch.where(kept, g * scale, torch.zeros_like(g)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_autograd_graph_saves_no_tensor_of_x_size(device):
+    pe = train_module(0.2, d=64, device=device)
+    x = torch.randn(4, 128, 64, device=device, requires_grad=True)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        y = pe(x, positions=torch.arange(128, device=device))
+    assert saved, "the op must save its (seed, offset) pair"
+    assert max(t.numel() for t in saved) <= 128  # rng (2) and positions (128), never x-sized
+    assert all(t.numel() != x.numel() for t in saved)
+    y.sum().backward()
+
+
+def test_mask_resolution_is_two_to_the_minus_16():
+    """p is quantised to multiples of 2**-16: p = 2**-16 drops, p = 2**-18 cannot."""
+    x = torch.ones(64, 1024, 64)
+    table = torch.zeros(1024, 64)
+    torch.manual_seed(0)
+    y = posenc.functional.add_position(x, table, p=2.0**-16)
+    dropped = (y == 0).sum().item()
+    n = x.numel()
+    assert abs(dropped - n * 2.0**-16) <= 4 * math.sqrt(n * 2.0**-16)
+    y = posenc.functional.add_position(x, table, p=2.0**-18)
+    assert (y == 0).sum().item() == 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cpu_and_cuda_draw_the_same_mask_from_the_same_state():
+    grad = torch.randn(3, 37, 40)
+    rng = torch.tensor([0x1234_5678_9ABC, 777], dtype=torch.int64)
+    cpu = torch.ops.posenc.add_position_backward(grad, rng, 0.4)
+    gpu = torch.ops.posenc.add_position_backward(grad.cuda(), rng.cuda(), 0.4)
+    assert torch.equal(cpu, gpu.cpu())

@@ -1,0 +1,146 @@
+"""PositionalEncoding in eval mode: the numbers, layouts, dtypes, views and state_dict."""
+import io
+
+import pytest
+import torch
+
+import posenc
+from conftest import DEVICES, DTYPES, ClassicPositionalEncoding, reference_add, reference_table
+
+
+def make(d=16, max_len=64, p=0.1, **kw):
+    return posenc.PositionalEncoding(d, p, max_len, **kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("shape", [(2, 5, 16), (3, 1, 16), (1, 64, 16), (7, 13, 16)])
+def test_eval_forward_equals_reference(device, dtype, batch_first, shape):
+    pe = make(batch_first=batch_first).to(device).eval()
+    x = torch.randn(shape, device=device).to(dtype)
+    got = pe(x)
+    assert got.dtype == dtype and got.shape == x.shape and got.device == x.device
+    assert torch.equal(got, reference_add(x, pe.pe, batch_first=batch_first))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [1, 3, 8, 17, 24, 100])
+def test_odd_and_unaligned_widths(device, d):
+    pe = make(d=d, max_len=40).to(device).eval()
+    x = torch.randn(3, 11, d, device=device)
+    assert torch.equal(pe(x), reference_add(x, pe.pe))
+    torch.testing.assert_close(pe.pe[0].double().cpu(), reference_table(torch.arange(40), d),
+                               atol=2.0**-24, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_matches_classic_class(device):
+    ours = posenc.PositionalEncoding(64, 0.1).to(device).eval()
+    classic = ClassicPositionalEncoding(64, 0.1).to(device).eval()
+    x = torch.randn(4, 300, 64, device=device)
+    # Same layout and formula; only the classic float32 table rounding differs.
+    torch.testing.assert_close(ours(x), classic(x), atol=5e-4, rtol=0)
+    # With the classic table loaded, the outputs are identical.
+    ours.load_state_dict(classic.state_dict(), strict=True)
+    assert torch.equal(ours(x), classic(x))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_offset_and_positions(device, batch_first):
+    pe = make(batch_first=batch_first).to(device).eval()
+    x = torch.randn(3, 6, 16, device=device)
+    B, S = (3, 6) if batch_first else (6, 3)
+    assert torch.equal(pe(x, offset=10), reference_add(x, pe.pe, offset=10, batch_first=batch_first))
+    assert torch.equal(pe(x, offset=64 - S), reference_add(x, pe.pe, offset=64 - S, batch_first=batch_first))
+    pos1 = torch.randint(0, 64, (S,), device=device)
+    assert torch.equal(pe(x, positions=pos1), reference_add(x, pe.pe, pos1, batch_first=batch_first))
+    pos2 = torch.randint(0, 64, (B, S), device=device)
+    assert torch.equal(pe(x, positions=pos2), reference_add(x, pe.pe, pos2, batch_first=batch_first))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_incremental_decoding_matches_full_sequence(device):
+    pe = make().to(device).eval()
+    x = torch.randn(2, 20, 16, device=device)
+    full = pe(x)
+    steps = torch.cat([pe(x[:, t : t + 1], offset=t) for t in range(20)], dim=1)
+    assert torch.equal(full, steps)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_non_contiguous_and_offset_views(device, dtype):
+    pe = make(d=24).to(device).eval()
+    big = torch.randn(4, 30, 48, device=device).to(dtype)
+    views = {
+        "strided": big[:, ::3, ::2],                                    # (4, 10, 24)
+        "transposed": big[:, :24, :10].transpose(1, 2),                 # (4, 10, 24)
+        "offset": big.flatten()[1 : 1 + 4 * 10 * 24].view(4, 10, 24),   # misaligned start
+        "expanded": big[:1, :10, :24].expand(4, 10, 24),
+    }
+    for name, x in views.items():
+        assert torch.equal(pe(x), reference_add(x, pe.pe)), name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", [(0, 5, 16), (3, 0, 16), (0, 0, 16)])
+def test_empty_batch_or_sequence(device, shape):
+    pe = make().to(device)
+    x = torch.randn(shape, device=device, requires_grad=True)
+    for mode in (pe.eval, pe.train):
+        mode()
+        y = pe(x)
+        assert y.shape == x.shape
+        y.sum().backward()
+        assert x.grad.shape == x.shape
+
+
+def test_edited_table_is_honoured():
+    pe = make().eval()
+    with torch.no_grad():
+        pe.pe.mul_(-2.0).add_(0.25)
+    x = torch.randn(2, 9, 16)
+    assert torch.equal(pe(x), x + pe.pe[:, :9])
+
+
+def test_half_module_and_double_input():
+    pe = make().eval()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    assert torch.equal(pe(x), x + pe.pe[:, :5].double())
+    half = make().half().eval()
+    assert half.pe.dtype == torch.float16
+    xh = torch.randn(2, 5, 16).half()
+    assert torch.equal(half(xh), reference_add(xh, half.pe))
+
+
+def test_state_dict_round_trips_with_classic_class():
+    ours = make(d=32, max_len=100)
+    assert list(ours.state_dict().keys()) == ["pe"]
+    assert ours.state_dict()["pe"].shape == (1, 100, 32)
+    assert ours.state_dict()["pe"].dtype == torch.float32
+    assert dict(ours.named_buffers()).keys() == {"pe"}
+    assert list(ours.parameters()) == []
+    classic = ClassicPositionalEncoding(32, 0.1, 100)
+    # classic -> ours
+    ours.load_state_dict(classic.state_dict(), strict=True)
+    assert torch.equal(ours.pe, classic.pe)
+    # ours -> classic, through a file
+    with torch.no_grad():
+        ours.pe.add_(1.0)
+    buf = io.BytesIO()
+    torch.save(ours.state_dict(), buf)
+    buf.seek(0)
+    classic.load_state_dict(torch.load(buf), strict=True)
+    assert torch.equal(classic.pe, ours.pe)
+
+
+def test_same_positional_arguments_as_classic():
+    pe = posenc.PositionalEncoding(8, 0.3, 50)
+    assert pe.dropout.p == 0.3 and pe.pe.shape == (1, 50, 8)
+    assert posenc.PositionalEncoding(8, 0.0).pe.shape == (1, 5000, 8)
+    pe.dropout.p = 0.0  # settable like the classic nn.Dropout child
+    pe.train()
+    x = torch.randn(2, 3, 8)
+    assert torch.equal(pe(x), x + pe.pe[:, :3])

@@ -1,0 +1,105 @@
+import math
+
+import pytest
+import torch
+
+import posenc
+from posenc.functional import sinusoidal_table, timestep_embedding
+from conftest import DEVICES, DTYPES, ClassicPositionalEncoding, reference_table
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [1, 2, 3, 8, 31, 64, 513])
+@pytest.mark.parametrize("shape", [(5,), (2, 3), (0,), (4, 1, 3)])
+def test_matches_float64_reference_integer_positions(device, d, shape):
+    pos = torch.randint(0, 9000, shape, device=device)
+    got = sinusoidal_table(pos, d, dtype=torch.float64)
+    assert got.shape == (*shape, d) and got.dtype == torch.float64 and got.device.type == device
+    torch.testing.assert_close(got, reference_table(pos, d), atol=1e-11, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_float_positions_and_rounding_once(device, dtype):
+    pos = torch.rand(7, 3, dtype=torch.float64, device=device) * 1000 - 200
+    got = sinusoidal_table(pos, 10, base=777.0, dtype=dtype)
+    want = reference_table(pos, 10, base=777.0)
+    assert got.dtype == dtype
+    # Rounded once from an accurate value: within half an ulp of the dtype (plus slack).
+    eps = torch.finfo(dtype).eps
+    assert (got.double() - want).abs().max().item() <= eps * 0.5 + 1e-11
+
+
+def test_buffer_error_bound_and_classic_distance():
+    """The buffer is within 2**-25 of exact at max_len 5000; the classic float32 one is not."""
+    pe = posenc.PositionalEncoding(512, 0.1, max_len=5000).pe
+    exact = reference_table(torch.arange(5000), 512).unsqueeze(0)
+    ours = (pe.double() - exact).abs().max().item()
+    classic = (ClassicPositionalEncoding(512, 0.1).pe.double() - exact).abs().max().item()
+    assert ours <= 2.0**-25 + 1e-12
+    assert 1e-4 < classic < 1e-3  # the classic construction's float32 angle error
+
+
+def test_odd_d_model_ends_with_sine():
+    pos = torch.arange(50)
+    got = sinusoidal_table(pos, 7, dtype=torch.float64)
+    torch.testing.assert_close(got[:, 6], torch.sin(pos.double() * 10000.0 ** (-6 / 7)), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_rejects_bad_d_model(bad):
+    with pytest.raises(ValueError, match="d_model"):
+        sinusoidal_table(torch.arange(3), bad)
+
+
+def test_rejects_bad_dtype_and_positions():
+    with pytest.raises(TypeError, match="dtype"):
+        sinusoidal_table(torch.arange(3), 4, dtype=torch.int32)
+    with pytest.raises(TypeError, match="positions"):
+        sinusoidal_table(torch.ones(3, dtype=torch.bool), 4)
+
+
+def diffusers_reference(timesteps, embedding_dim, flip_sin_to_cos=False, downscale_freq_shift=1.0,
+                        scale=1.0, max_period=10000):
+    """diffusers' get_timestep_embedding, written out from its formula."""
+    half_dim = embedding_dim // 2
+    exponent = -math.log(max_period) * torch.arange(start=0, end=half_dim, dtype=torch.float32)
+    exponent = exponent / (half_dim - downscale_freq_shift)
+    emb = torch.exp(exponent)
+    emb = timesteps[:, None].float() * emb[None, :]
+    emb = scale * emb
+    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=-1)
+    if flip_sin_to_cos:
+        emb = torch.cat([emb[:, half_dim:], emb[:, :half_dim]], dim=-1)
+    if embedding_dim % 2 == 1:
+        emb = torch.nn.functional.pad(emb, (0, 1, 0, 0))
+    return emb
+
+
+@pytest.mark.parametrize("dim", [4, 9, 320])
+@pytest.mark.parametrize("flip", [False, True])
+@pytest.mark.parametrize("shift,scale,period", [(1.0, 1.0, 10000.0), (0.0, 1000.0, 500.0)])
+def test_timestep_embedding_matches_diffusers(dim, flip, shift, scale, period):
+    t = torch.rand(13) * 1000
+    got = timestep_embedding(t, dim, max_period=period, flip_sin_to_cos=flip,
+                             downscale_freq_shift=shift, scale=scale)
+    want = diffusers_reference(t, dim, flip, shift, scale, period)
+    assert got.shape == (13, dim)
+    assert torch.equal(got, want)
+    # And close to the exact value (float32 angles are the only error source).
+    half = dim // 2
+    freqs = torch.exp(-math.log(period) * torch.arange(half, dtype=torch.float64) / (half - shift))
+    ang = scale * t.double()[:, None] * freqs
+    exact = torch.cat([torch.sin(ang), torch.cos(ang)], -1)
+    if flip:
+        exact = torch.cat([exact[:, half:], exact[:, :half]], -1)
+    # float32 angles: error grows with the angle, a few ulps of its largest value.
+    atol = 4 * ang.abs().max().item() * 2.0**-24 + 1e-6
+    torch.testing.assert_close(got[:, : 2 * half].double(), exact, atol=atol, rtol=0)
+
+
+def test_timestep_embedding_rejects_bad_input():
+    with pytest.raises(ValueError, match="1-D"):
+        timestep_embedding(torch.rand(2, 2), 8)
+    with pytest.raises(ValueError, match="dim"):
+        timestep_embedding(torch.rand(2), 0)
