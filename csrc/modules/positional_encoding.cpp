@@ -45,16 +45,13 @@ void PositionalEncodingImpl::pretty_print(std::ostream& stream) const {
          << ", base=" << options.base() << ")";
 }
 
-torch::Tensor PositionalEncodingImpl::forward(const torch::Tensor& x, int64_t offset) {
+torch::Tensor PositionalEncodingImpl::forward(const torch::Tensor& x, int64_t offset,
+                                              const std::optional<torch::Tensor>& positions) {
+  if (positions.has_value() && options.check_positions()) {
+    check_positions_on_host(*positions, pe.size(1));
+  }
   const double p = is_training() ? options.dropout() : 0.0;
-  return add_position(x, pe, std::nullopt, offset, options.batch_first(), p);
-}
-
-torch::Tensor PositionalEncodingImpl::forward(const torch::Tensor& x,
-                                              const torch::Tensor& positions) {
-  if (options.check_positions()) check_positions_on_host(positions, pe.size(1));
-  const double p = is_training() ? options.dropout() : 0.0;
-  return add_position(x, pe, positions, 0, options.batch_first(), p);
+  return add_position(x, pe, positions, offset, options.batch_first(), p);
 }
 
 }  // namespace posenc

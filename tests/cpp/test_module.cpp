@@ -42,7 +42,8 @@ TEST(PositionalEncodingModule, ForwardEvalAddsRows) {
   EXPECT_TRUE(torch::allclose(pe->forward(x, 5), x + pe->pe.slice(1, 5, 15), 0, 0));
   auto pos = torch::randint(0, 64, {2, 10}, torch::kLong);
   auto want = x + pe->pe[0].index_select(0, pos.reshape(-1)).reshape({2, 10, 16});
-  EXPECT_TRUE(torch::allclose(pe->forward(x, pos), want, 0, 0));
+  EXPECT_TRUE(torch::allclose(pe->forward(x, 0, pos), want, 0, 0));
+  EXPECT_TRUE(torch::allclose(pe(x), x + pe->pe.slice(1, 0, 10), 0, 0));  // holder operator()
   EXPECT_THROW(pe->forward(x, 60), c10::Error);
 }
 

@@ -7,6 +7,7 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <optional>
 #include <ostream>
 
 namespace posenc {
@@ -37,10 +38,11 @@ class PositionalEncodingImpl : public torch::nn::Cloneable<PositionalEncodingImp
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
 
-  // dropout(x + pe[offset : offset + seq]).
-  torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0);
-  // dropout(x + pe[positions]); positions: int64 (seq,) or (batch, seq).
-  torch::Tensor forward(const torch::Tensor& x, const torch::Tensor& positions);
+  // dropout(x + pe[offset : offset + seq]), or dropout(x + pe[positions]) when positions
+  // (int64, (seq,) or (batch, seq)) are given. One signature, as in Python, so that the
+  // TORCH_MODULE holder's operator() works: pe(x), pe(x, 128), pe(x, 0, positions).
+  torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0,
+                        const std::optional<torch::Tensor>& positions = std::nullopt);
 
   PositionalEncodingOptions options;
   torch::Tensor pe;

@@ -1,0 +1,42 @@
+# posenc: `make demo` runs the main job, `make test` runs every test. Both set up a fresh
+# machine first (scripts/bootstrap.sh) and build what is out of date.
+PY        := .venv/bin/python
+BUILD     := build
+INSTALL   := $(BUILD)/install
+MAX_JOBS  ?= 2
+export PYTHONPATH := $(CURDIR)/python
+
+.PHONY: all setup build demo test test-cpp test-example test-python bench clean
+
+all: build
+
+setup:
+	bash scripts/bootstrap.sh
+
+$(BUILD)/build.ninja: CMakeLists.txt | setup
+	cmake -S . -B $(BUILD) -G Ninja -DPython3_EXECUTABLE=$(CURDIR)/$(PY) \
+	  -DPOSENC_INSTALL_PYTHON_LIB=ON -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(INSTALL)
+
+build: setup $(BUILD)/build.ninja
+	cmake --build $(BUILD) -j $(MAX_JOBS)
+	cmake --install $(BUILD) > /dev/null
+
+demo: build
+	$(PY) -m posenc demo
+
+test: build test-cpp test-example test-python
+
+test-cpp:
+	ctest --test-dir $(BUILD) --output-on-failure
+
+test-example:
+	bash tests/cpp/run_example.sh $(CURDIR)/$(INSTALL) $(CURDIR)/$(PY)
+
+test-python:
+	$(PY) -m pytest tests/python -q -p no:cacheprovider
+
+bench: build
+	$(PY) benchmarks/bench_add_position.py
+
+clean:
+	rm -rf $(BUILD) python/posenc/lib

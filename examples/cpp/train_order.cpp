@@ -1,0 +1,80 @@
+// A LibTorch app using posenc through its installed CMake package.
+//
+// Task: tag every token of a random sequence with its position (16 classes). Token
+// identity says nothing about position, so a model without a positional encoding stays at
+// chance (1/16); with posenc::PositionalEncoding it learns the task. Exits non-zero if not.
+#include <posenc/posenc.h>
+#include <torch/torch.h>
+
+#include <cstdio>
+#include <string>
+
+namespace {
+
+constexpr int64_t kVocab = 32, kSeq = 16, kModel = 32, kBatch = 64;
+
+struct TaggerImpl : torch::nn::Module {
+  explicit TaggerImpl(bool use_positions)
+      : embed(register_module("embed", torch::nn::Embedding(kVocab, kModel))),
+        pe(register_module("pe", posenc::PositionalEncoding(
+                                     posenc::PositionalEncodingOptions(kModel).dropout(0.1).max_len(64)))),
+        hidden(register_module("hidden", torch::nn::Linear(kModel, 64))),
+        head(register_module("head", torch::nn::Linear(64, kSeq))),
+        use_positions(use_positions) {}
+
+  torch::Tensor forward(const torch::Tensor& tokens) {
+    torch::Tensor x = embed(tokens);
+    if (use_positions) x = pe(x);
+    return head(torch::relu(hidden(x)));
+  }
+
+  torch::nn::Embedding embed;
+  posenc::PositionalEncoding pe;
+  torch::nn::Linear hidden, head;
+  bool use_positions;
+};
+TORCH_MODULE(Tagger);
+
+double train_and_evaluate(bool use_positions) {
+  torch::manual_seed(0);
+  Tagger model(use_positions);
+  torch::optim::Adam opt(model->parameters(), torch::optim::AdamOptions(1e-2));
+  const torch::Tensor targets = torch::arange(kSeq).repeat({kBatch, 1});
+  model->train();
+  for (int step = 0; step < 150; ++step) {
+    const torch::Tensor tokens = torch::randint(kVocab, {kBatch, kSeq});
+    const torch::Tensor loss = torch::nn::functional::cross_entropy(
+        model->forward(tokens).reshape({-1, kSeq}), targets.reshape(-1));
+    opt.zero_grad();
+    loss.backward();
+    opt.step();
+  }
+  model->eval();
+  torch::NoGradGuard no_grad;
+  const torch::Tensor tokens = torch::randint(kVocab, {256, kSeq});
+  const torch::Tensor pred = model->forward(tokens).argmax(-1);
+  return pred.eq(torch::arange(kSeq)).to(torch::kDouble).mean().item<double>();
+}
+
+}  // namespace
+
+int main() {
+  const double without = train_and_evaluate(false);
+  const double with = train_and_evaluate(true);
+  std::printf("position tagging accuracy: without encoding %.3f, with posenc %.3f (chance %.3f)\n",
+              without, with, 1.0 / kSeq);
+
+  // The module saves and loads like any LibTorch module (buffer "pe").
+  posenc::PositionalEncoding a(posenc::PositionalEncodingOptions(kModel).max_len(64));
+  const std::string path = "posenc_example_pe.pt";
+  torch::save(a, path);
+  posenc::PositionalEncoding b(posenc::PositionalEncodingOptions(kModel).max_len(64));
+  torch::load(b, path);
+  std::remove(path.c_str());
+  const bool saved_ok = torch::equal(a->pe, b->pe);
+  std::printf("save/load round trip: %s\n", saved_ok ? "ok" : "MISMATCH");
+
+  const bool ok = with > 0.95 && without < 0.2 && saved_ok;
+  std::printf("%s\n", ok ? "PASS" : "FAIL");
+  return ok ? 0 : 1;
+}

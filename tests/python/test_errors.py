@@ -1,0 +1,105 @@
+"""Bad input: every case raises an error that names the argument and what was expected."""
+import pytest
+import torch
+
+import posenc
+from posenc.functional import add_position
+from conftest import DEVICES
+
+
+@pytest.fixture
+def pe():
+    return posenc.PositionalEncoding(16, 0.1, 32)
+
+
+def test_x_not_3d(pe):
+    with pytest.raises(RuntimeError, match=r"x to be a 3-D tensor .*got a 2-D tensor"):
+        pe(torch.randn(5, 16))
+    with pytest.raises(RuntimeError, match=r"seq, batch, d_model\) with batch_first=False"):
+        posenc.PositionalEncoding(16, batch_first=False)(torch.randn(2, 3, 4, 16))
+
+
+def test_last_dim_not_d_model(pe):
+    with pytest.raises(RuntimeError, match=r"last dimension of x \(d_model\) to be 16.*\[2, 3, 15\]"):
+        pe(torch.randn(2, 3, 15))
+
+
+def test_sequence_plus_offset_beyond_max_len(pe):
+    with pytest.raises(ValueError, match=r"sequence length 33 plus offset 0 exceeds max_len=32"):
+        pe(torch.randn(1, 33, 16))
+    with pytest.raises(ValueError, match=r"sequence length 10 plus offset 30 exceeds max_len=32"):
+        pe(torch.randn(1, 10, 16), offset=30)
+    with pytest.raises(ValueError, match=r"offset >= 0, got -1"):
+        pe(torch.randn(1, 10, 16), offset=-1)
+
+
+def test_positions_wrong_dtype_shape_range(pe):
+    x = torch.randn(2, 5, 16)
+    with pytest.raises(TypeError, match=r"positions to have dtype torch.int64, got Float"):
+        pe(x, positions=torch.arange(5.0))
+    with pytest.raises(RuntimeError, match=r"positions of shape \(seq,\) = \(5,\) or \(batch, seq\) = \(2, 5\), got shape \[4\]"):
+        pe(x, positions=torch.arange(4))
+    with pytest.raises(IndexError, match=r"positions in \[0, max_len=32\), found 32"):
+        pe(x, positions=torch.tensor([0, 1, 2, 3, 32]))
+    with pytest.raises(IndexError, match=r"found -1"):
+        pe(x, positions=torch.tensor([0, 1, -1, 3, 4]))
+    with pytest.raises(ValueError, match=r"either offset or positions"):
+        pe(x, offset=2, positions=torch.arange(5))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_positions_on_another_device_and_cuda_range():
+    pe = posenc.PositionalEncoding(16, 0.1, 32).cuda()
+    x = torch.randn(2, 5, 16, device="cuda")
+    with pytest.raises(RuntimeError, match=r"positions on x's device cuda:0, got positions on cpu"):
+        pe(x, positions=torch.arange(5))
+    with pytest.raises(IndexError, match=r"positions in \[0, max_len=32\)"):
+        pe(x, positions=torch.tensor([0, 1, 2, 3, 99], device="cuda"))
+    # Unchecked (the raw op), an out-of-range row is NaN, never an out-of-bounds read.
+    y = torch.ops.posenc.add_position(x, pe.pe, torch.tensor([0, 1, 2, 3, 99], device="cuda"), 0, True, 0.0)
+    assert torch.isnan(y[:, 4]).all() and not torch.isnan(y[:, :4]).any()
+
+
+def test_integer_x(pe):
+    with pytest.raises(TypeError, match=r"x to have a floating-point dtype .*got Long"):
+        pe(torch.ones(2, 3, 16, dtype=torch.long))
+
+
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
+def test_dropout_outside_unit_interval(p):
+    with pytest.raises(ValueError, match=r"dropout to be a probability in \[0, 1\]"):
+        posenc.PositionalEncoding(16, p)
+    with pytest.raises(ValueError, match=r"dropout probability p in \[0, 1\]"):
+        add_position(torch.randn(1, 2, 4), torch.randn(5, 4), p=p)
+
+
+@pytest.mark.parametrize("kw", [{"d_model": 0}, {"d_model": -4}, {"max_len": 0}, {"d_model": 2.5}])
+def test_d_model_and_max_len_positive(kw):
+    args = {"d_model": 8, "dropout": 0.1, "max_len": 10, **kw}
+    name = next(iter(kw))
+    with pytest.raises(ValueError, match=rf"expected {name} to be a positive integer, got {kw[name]!r}"):
+        posenc.PositionalEncoding(**args)
+
+
+def test_table_shape_and_device_mismatch():
+    with pytest.raises(RuntimeError, match=r"table to have shape \(max_len, d_model\) or \(1, max_len, d_model\)"):
+        add_position(torch.randn(1, 2, 4), torch.randn(2, 5, 4))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_x_and_module_on_different_devices():
+    pe = posenc.PositionalEncoding(16, 0.1, 32)
+    with pytest.raises(RuntimeError, match=r"x and the position table on the same device, got x on cuda:0 and the table on cpu"):
+        pe(torch.randn(2, 3, 16, device="cuda"))
+
+
+def test_x_and_table_on_different_devices_meta():
+    # Device mismatch without a GPU: the meta device stands in for a second device.
+    pe = posenc.PositionalEncoding(16, 0.1, 32)
+    with pytest.raises(RuntimeError, match=r"same device, got x on meta and the table on cpu"):
+        pe(torch.randn(2, 3, 16, device="meta"))
+
+
+def test_backward_rejects_bad_rng():
+    with pytest.raises(RuntimeError, match=r"rng to be the int64 \(seed, offset\) pair"):
+        torch.ops.posenc.add_position_backward(torch.randn(2, 3), torch.zeros(3, dtype=torch.long), 0.5)
