@@ -6,22 +6,10 @@
 
 #include <optional>
 
+#include "ops/add_position_geometry.h"
+
 namespace posenc {
 namespace ops {
-
-// The logical geometry of an add_position call. x is (batch, seq, d) when
-// batch_first, (seq, batch, d) otherwise; rows are x's leading two dimensions in
-// memory order.
-struct AddPositionGeometry {
-  int64_t batch = 0;
-  int64_t seq = 0;
-  int64_t d = 0;
-  int64_t table_len = 0;
-  bool batch_first = true;
-  bool has_positions = false;
-  int64_t positions_batch_stride = 0;  // 0 for (S,) positions, seq for (B, S)
-  int64_t offset = 0;
-};
 
 // Checks shapes, dtypes, devices and p; works on Meta tensors (no data access).
 // Returns the geometry, with concrete sizes (Meta callers use sym sizes separately).

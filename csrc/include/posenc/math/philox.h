@@ -30,36 +30,53 @@ POSENC_HOST_DEVICE void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi,
   lo = static_cast<uint32_t>(product);
 }
 
+constexpr uint32_t kPhiloxMul0 = 0xD2511F53u, kPhiloxMul1 = 0xCD9E8D57u;
+constexpr uint32_t kPhiloxWeyl0 = 0x9E3779B9u, kPhiloxWeyl1 = 0xBB67AE85u;
+constexpr int kPhiloxRounds = 10;
+
+// One Philox4x32 round on counter (c0..c3) with round key (k0, k1). Kept separate so
+// the CPU kernel can run the rounds over several counters at once (SIMD lanes).
+POSENC_HOST_DEVICE void philox_round(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3,
+                                     uint32_t k0, uint32_t k1) {
+  uint32_t hi0, lo0, hi1, lo1;
+  philox_mulhilo(kPhiloxMul0, c0, hi0, lo0);
+  philox_mulhilo(kPhiloxMul1, c2, hi1, lo1);
+  c0 = hi1 ^ c1 ^ k0;
+  c1 = lo1;
+  c2 = hi0 ^ c3 ^ k1;
+  c3 = lo0;
+}
+
 // Ten rounds of Philox4x32 on counter (c0..c3) with key (k0, k1).
 POSENC_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c2,
                                             uint32_t c3, uint32_t k0, uint32_t k1) {
-  constexpr uint32_t kMul0 = 0xD2511F53u, kMul1 = 0xCD9E8D57u;
-  constexpr uint32_t kWeyl0 = 0x9E3779B9u, kWeyl1 = 0xBB67AE85u;
 #if defined(__CUDACC__)
 #pragma unroll
 #endif
-  for (int round = 0; round < 10; ++round) {
-    uint32_t hi0, lo0, hi1, lo1;
-    philox_mulhilo(kMul0, c0, hi0, lo0);
-    philox_mulhilo(kMul1, c2, hi1, lo1);
-    const uint32_t n0 = hi1 ^ c1 ^ k0;
-    const uint32_t n2 = hi0 ^ c3 ^ k1;
-    c0 = n0;
-    c1 = lo1;
-    c2 = n2;
-    c3 = lo0;
-    k0 += kWeyl0;
-    k1 += kWeyl1;
+  for (int round = 0; round < kPhiloxRounds; ++round) {
+    philox_round(c0, c1, c2, c3, k0, k1);
+    k0 += kPhiloxWeyl0;
+    k1 += kPhiloxWeyl1;
   }
   return Philox4x32{{c0, c1, c2, c3}};
+}
+
+// The counter of dropout block `block` in a call with generator offset `offset`.
+POSENC_HOST_DEVICE void dropout_counter(uint64_t offset, uint64_t block, uint32_t& c0,
+                                        uint32_t& c1, uint32_t& c2, uint32_t& c3) {
+  c0 = static_cast<uint32_t>(block);
+  c1 = static_cast<uint32_t>(block >> 32);
+  c2 = static_cast<uint32_t>(offset);
+  c3 = static_cast<uint32_t>(offset >> 32);
 }
 
 // The 128 random bits for dropout block `block` of a call with (seed, offset).
 POSENC_HOST_DEVICE Philox4x32 dropout_block_bits(uint64_t seed, uint64_t offset,
                                                  uint64_t block) {
-  return philox4x32_10(static_cast<uint32_t>(block), static_cast<uint32_t>(block >> 32),
-                       static_cast<uint32_t>(offset), static_cast<uint32_t>(offset >> 32),
-                       static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32));
+  uint32_t c0, c1, c2, c3;
+  dropout_counter(offset, block, c0, c1, c2, c3);
+  return philox4x32_10(c0, c1, c2, c3, static_cast<uint32_t>(seed),
+                       static_cast<uint32_t>(seed >> 32));
 }
 
 // The 16 random bits of lane (0..7) within its block.

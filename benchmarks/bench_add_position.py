@@ -1,0 +1,56 @@
+"""Benchmark of posenc's fused add + dropout against plain PyTorch and torch.compile.
+
+CPU: (32, 512, 512) float32, the issue's reference point. GPU (when present): tensors of
+1 GiB and more in bfloat16 and float32, plus the device-to-device copy bandwidth they are
+measured against. Usage: python benchmarks/bench_add_position.py [--quick] [--no-compile]
+"""
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+from posenc.benchmark import bench_shape, format_table, time_ms
+
+
+def copy_bandwidth(device: str, gib: float = 2.0) -> float:
+    src = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, reps=20)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="small shapes, few repetitions")
+    parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
+    parser.add_argument("--json", help="also write the rows as JSON here")
+    parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    args = parser.parse_args()
+
+    rows = []
+    if args.device in ("cpu", "all"):
+        shape = (8, 256, 512) if args.quick else (32, 512, 512)
+        rows += bench_shape("cpu", torch.float32, shape, reps=5 if args.quick else 20,
+                            with_compile=not args.no_compile)
+    if args.device in ("cuda", "all") and torch.cuda.is_available():
+        print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
+        print(f"device-to-device copy: {copy_bandwidth('cuda'):.0f} GB/s (read + write)", flush=True)
+        shapes = {torch.bfloat16: [(64, 4096, 2048), (16, 8192, 4096)],
+                  torch.float32: [(32, 4096, 2048), (8, 8192, 4096)]}
+        for dtype, dtype_shapes in shapes.items():
+            for shape in dtype_shapes[:1] if args.quick else dtype_shapes:
+                rows += bench_shape("cuda", dtype, shape, reps=20,
+                                    with_compile=not args.no_compile)
+                torch.cuda.empty_cache()
+    print(format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.__dict__ | {"gbps": r.gbps} for r in rows], f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

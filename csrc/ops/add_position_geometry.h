@@ -1,0 +1,23 @@
+// The logical geometry of an add_position call, as plain data for the kernels.
+#pragma once
+
+#include <cstdint>
+
+namespace posenc {
+namespace ops {
+
+// x is (batch, seq, d) when batch_first, (seq, batch, d) otherwise; the kernels see x as
+// batch * seq contiguous rows of d elements in memory order.
+struct AddPositionGeometry {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t d = 0;
+  int64_t table_len = 0;
+  bool batch_first = true;
+  bool has_positions = false;
+  int64_t positions_batch_stride = 0;  // 0 for (S,) positions, seq for (B, S)
+  int64_t offset = 0;
+};
+
+}  // namespace ops
+}  // namespace posenc

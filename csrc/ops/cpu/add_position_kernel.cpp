@@ -1,0 +1,251 @@
+// CPU kernels of add_position: one pass over x that adds the table rows and applies the
+// dropout mask. Rows are spread over threads with at::parallel_for; within a row, the
+// Philox rounds run over 8 counters at a time (SIMD lanes) and the add/scale uses at::vec.
+// The bits are those of the shared header posenc/math/philox.h, so CPU and CUDA agree.
+#include "ops/cpu/add_position_kernel.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include "posenc/math/philox.h"
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+namespace {
+
+using at::vec::Vectorized;
+
+// Elements per chunk: keep factors and random bits of a chunk stay in L1.
+constexpr int64_t kChunk = 1024;
+constexpr int kLanes = 8;  // Philox counters processed together
+
+// Stores the 16 random bits of the element lanes of 8 blocks: block i's bits are its four
+// Philox words (c0[i], c1[i], c2[i], c3[i]), low half first, i.e. dropout_lane_bits order.
+void store_block_bits(const uint32_t (&c0)[kLanes], const uint32_t (&c1)[kLanes],
+                      const uint32_t (&c2)[kLanes], const uint32_t (&c3)[kLanes], int64_t lanes,
+                      uint16_t* bits) {
+  for (int64_t i = 0; i < lanes; ++i) {
+    const uint32_t words[4] = {c0[i], c1[i], c2[i], c3[i]};
+    uint16_t* out = bits + i * math::kDropoutBlock;
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = static_cast<uint16_t>(words[w]);
+      out[2 * w + 1] = static_cast<uint16_t>(words[w] >> 16);
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// (hi, lo) halves of the 32x32 -> 64-bit products of 8 lanes with a constant.
+inline void mulhilo8(__m256i c, __m256i mul, __m256i& hi, __m256i& lo) {
+  const __m256i even = _mm256_mul_epu32(c, mul);                         // lanes 0, 2, 4, 6
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(c, 32), mul);  // lanes 1, 3, 5, 7
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// philox4x32_10 of posenc/math/philox.h on 8 counters at once (same rounds and constants);
+// writes the 8 blocks' bits in element order: block i's words (c0, c1, c2, c3)[i] at
+// bits + 8 * i, which on little-endian x86 is dropout_lane_bits order.
+void philox8_bits(uint32_t (&c0)[kLanes], uint32_t (&c1)[kLanes], uint32_t (&c2)[kLanes],
+                  uint32_t (&c3)[kLanes], uint32_t k0, uint32_t k1, int64_t lanes,
+                  uint16_t* bits) {
+  __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0));
+  __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1));
+  __m256i v2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c2));
+  __m256i v3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c3));
+  const __m256i mul0 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul0));
+  const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul1));
+  for (int round = 0; round < math::kPhiloxRounds; ++round) {
+    __m256i hi0, lo0, hi1, lo1;
+    mulhilo8(v0, mul0, hi0, lo0);
+    mulhilo8(v2, mul1, hi1, lo1);
+    v0 = _mm256_xor_si256(_mm256_xor_si256(hi1, v1), _mm256_set1_epi32(static_cast<int>(k0)));
+    v1 = lo1;
+    v2 = _mm256_xor_si256(_mm256_xor_si256(hi0, v3), _mm256_set1_epi32(static_cast<int>(k1)));
+    v3 = lo0;
+    k0 += math::kPhiloxWeyl0;
+    k1 += math::kPhiloxWeyl1;
+  }
+  if (lanes == kLanes) {
+    // 4 x 8 transpose of 32-bit words: rows v0..v3 (one per word), columns = blocks.
+    const __m256i t0 = _mm256_unpacklo_epi32(v0, v1), t1 = _mm256_unpackhi_epi32(v0, v1);
+    const __m256i t2 = _mm256_unpacklo_epi32(v2, v3), t3 = _mm256_unpackhi_epi32(v2, v3);
+    const __m256i b04 = _mm256_unpacklo_epi64(t0, t2), b15 = _mm256_unpackhi_epi64(t0, t2);
+    const __m256i b26 = _mm256_unpacklo_epi64(t1, t3), b37 = _mm256_unpackhi_epi64(t1, t3);
+    __m256i* out = reinterpret_cast<__m256i*>(bits);
+    _mm256_storeu_si256(out + 0, _mm256_permute2x128_si256(b04, b15, 0x20));
+    _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(b26, b37, 0x20));
+    _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(b04, b15, 0x31));
+    _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(b26, b37, 0x31));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c0), v0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c1), v1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c2), v2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3), v3);
+    store_block_bits(c0, c1, c2, c3, lanes, bits);
+  }
+}
+#else
+void philox8_bits(uint32_t (&c0)[kLanes], uint32_t (&c1)[kLanes], uint32_t (&c2)[kLanes],
+                  uint32_t (&c3)[kLanes], uint32_t k0, uint32_t k1, int64_t lanes,
+                  uint16_t* bits) {
+  for (int round = 0; round < math::kPhiloxRounds; ++round) {
+    for (int i = 0; i < kLanes; ++i) math::philox_round(c0[i], c1[i], c2[i], c3[i], k0, k1);
+    k0 += math::kPhiloxWeyl0;
+    k1 += math::kPhiloxWeyl1;
+  }
+  store_block_bits(c0, c1, c2, c3, lanes, bits);
+}
+#endif
+
+// 16 random bits for each element of dropout blocks [block0, block0 + nblocks).
+void dropout_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t nblocks,
+                  uint16_t* bits) {
+  for (int64_t b = 0; b < nblocks; b += kLanes) {
+    alignas(32) uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+    for (int i = 0; i < kLanes; ++i) {
+      math::dropout_counter(offset, block0 + b + i, c0[i], c1[i], c2[i], c3[i]);
+    }
+    philox8_bits(c0, c1, c2, c3, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
+                 std::min<int64_t>(kLanes, nblocks - b), bits + b * math::kDropoutBlock);
+  }
+}
+
+// factors[k] = scale or 0 for elements first .. first + n - 1 of the call (n <= kChunk).
+template <typename acc_t>
+void dropout_factors(const DropoutDraw& draw, int64_t first, int64_t n, acc_t* factors) {
+  constexpr int64_t B = math::kDropoutBlock;
+  alignas(64) uint16_t bits[kChunk + 2 * B * kLanes];
+  const int64_t block0 = first / B;
+  const int64_t nblocks = (first + n + B - 1) / B - block0;
+  dropout_bits(draw.seed, draw.offset, static_cast<uint64_t>(block0), nblocks, bits);
+  const uint16_t* mine = bits + (first - block0 * B);
+  const acc_t scale = static_cast<acc_t>(draw.scale);
+  const uint32_t threshold = draw.threshold;
+  for (int64_t k = 0; k < n; ++k) factors[k] = mine[k] >= threshold ? scale : acc_t(0);
+}
+
+template <typename T, typename acc_t>
+Vectorized<acc_t> load_as(const T* src, int64_t n) {
+  constexpr int64_t W = Vectorized<acc_t>::size();
+  if constexpr (std::is_same_v<T, acc_t>) {
+    return n == W ? Vectorized<acc_t>::loadu(src) : Vectorized<acc_t>::loadu(src, n);
+  } else {
+    alignas(64) acc_t buf[W] = {};
+    for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<acc_t>(src[k]);
+    return Vectorized<acc_t>::loadu(buf);
+  }
+}
+
+template <typename T, typename acc_t>
+void store_as(const Vectorized<acc_t>& v, T* dst, int64_t n) {
+  constexpr int64_t W = Vectorized<acc_t>::size();
+  if constexpr (std::is_same_v<T, acc_t>) {
+    if (n == W) v.store(dst); else v.store(dst, n);
+  } else {
+    alignas(64) acc_t buf[W];
+    v.store(buf);
+    for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<T>(buf[k]);
+  }
+}
+
+// out[j] = (x[j] + t[j]) * factors[j] for j < n; t and factors may be null.
+template <typename scalar_t, typename table_t, typename acc_t>
+void combine(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t* out, int64_t n) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  for (int64_t j = 0; j < n; j += W) {
+    const int64_t m = std::min<int64_t>(W, n - j);
+    Vec v = load_as<scalar_t, acc_t>(x + j, m);
+    if (t != nullptr) v = v + load_as<table_t, acc_t>(t + j, m);
+    if (factors != nullptr) v = v * load_as<acc_t, acc_t>(factors + j, m);
+    store_as<scalar_t, acc_t>(v, out + j, m);
+  }
+}
+
+}  // namespace
+
+template <typename scalar_t, typename table_t>
+void add_position_rows(const AddPositionGeometry& g, const scalar_t* x, const table_t* table,
+                       const int64_t* positions, const DropoutDraw& draw, scalar_t* out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = g.batch * g.seq;
+  const int64_t d = g.d;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) acc_t factors[kChunk];
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t b = g.batch_first ? r / g.seq : r % g.batch;
+      const int64_t s = g.batch_first ? r % g.seq : r / g.batch;
+      const int64_t pos =
+          positions != nullptr ? positions[b * g.positions_batch_stride + s] : g.offset + s;
+      const scalar_t* x_row = x + r * d;
+      const table_t* t_row = table + pos * d;
+      scalar_t* o_row = out + r * d;
+      for (int64_t j = 0; j < d; j += kChunk) {
+        const int64_t n = std::min(kChunk, d - j);
+        if (draw.active) dropout_factors<acc_t>(draw, r * d + j, n, factors);
+        combine<scalar_t, table_t, acc_t>(x_row + j, t_row + j, draw.active ? factors : nullptr,
+                                          o_row + j, n);
+      }
+    }
+  });
+}
+
+template <typename scalar_t>
+void dropout_backward(const scalar_t* grad, int64_t n, const DropoutDraw& draw, scalar_t* out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  at::parallel_for(0, (n + kChunk - 1) / kChunk, 16, [&](int64_t begin, int64_t end) {
+    alignas(64) acc_t factors[kChunk];
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t first = c * kChunk;
+      const int64_t m = std::min(kChunk, n - first);
+      dropout_factors<acc_t>(draw, first, m, factors);
+      combine<scalar_t, scalar_t, acc_t>(grad + first, nullptr, factors, out + first, m);
+    }
+  });
+}
+
+#define POSENC_INSTANTIATE(scalar_t, table_t)                                              \
+  template void add_position_rows<scalar_t, table_t>(const AddPositionGeometry&,            \
+                                                     const scalar_t*, const table_t*,       \
+                                                     const int64_t*, const DropoutDraw&,    \
+                                                     scalar_t*);
+POSENC_INSTANTIATE(float, float)
+POSENC_INSTANTIATE(double, double)
+POSENC_INSTANTIATE(double, float)
+POSENC_INSTANTIATE(c10::Half, c10::Half)
+POSENC_INSTANTIATE(c10::Half, float)
+POSENC_INSTANTIATE(c10::BFloat16, c10::BFloat16)
+POSENC_INSTANTIATE(c10::BFloat16, float)
+#undef POSENC_INSTANTIATE
+
+template void dropout_backward<float>(const float*, int64_t, const DropoutDraw&, float*);
+template void dropout_backward<double>(const double*, int64_t, const DropoutDraw&, double*);
+template void dropout_backward<c10::Half>(const c10::Half*, int64_t, const DropoutDraw&,
+                                          c10::Half*);
+template void dropout_backward<c10::BFloat16>(const c10::BFloat16*, int64_t, const DropoutDraw&,
+                                              c10::BFloat16*);
+
+const char* cpu_kernels_isa() {
+#if defined(CPU_CAPABILITY_AVX2)
+  return "AVX2";
+#else
+  return "DEFAULT";
+#endif
+}
+
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,38 @@
+// Raw-pointer CPU kernels of add_position, compiled in their own translation unit with
+// the host's vector ISA (AVX2 + FMA on x86-64, see CMakeLists.txt). Callers must check
+// cpu_kernels_supported() first.
+#pragma once
+
+#include <cstdint>
+
+#include "ops/add_position_geometry.h"
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+
+// Dropout of one call: the (seed, offset) key plus the keep threshold and scale.
+struct DropoutDraw {
+  bool active = false;
+  uint64_t seed = 0;
+  uint64_t offset = 0;
+  uint32_t threshold = 0;
+  double scale = 1.0;
+};
+
+// out = dropout(x + table[position(row)]) for contiguous x/out rows of g.d elements.
+template <typename scalar_t, typename table_t>
+void add_position_rows(const AddPositionGeometry& g, const scalar_t* x, const table_t* table,
+                       const int64_t* positions, const DropoutDraw& draw, scalar_t* out);
+
+// out = grad * mask * scale over n contiguous elements.
+template <typename scalar_t>
+void dropout_backward(const scalar_t* grad, int64_t n, const DropoutDraw& draw, scalar_t* out);
+
+// False when the kernels were built for a vector ISA this CPU lacks.
+bool cpu_kernels_supported();
+const char* cpu_kernels_isa();
+
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc
