@@ -5,6 +5,7 @@
 
 #include <cmath>
 
+#include "ops/op_handles.h"
 #include "posenc/math/philox.h"
 #include "posenc/posenc.h"
 
@@ -50,6 +51,26 @@ TEST(DropoutParams, ThresholdAndScale) {
   EXPECT_EQ(all.threshold, 65536u);
   EXPECT_EQ(all.scale, 0.0);
   EXPECT_EQ(posenc::math::make_dropout_params(0.0).threshold, 0u);
+}
+
+TEST(DropoutMask, CpuKernelDrawsTheSharedScalarBits) {
+  // The CPU kernel runs Philox over 8 counters in SIMD lanes; every element must still
+  // get exactly the bits of the scalar header function (which the CUDA kernel uses).
+  const uint64_t seed = 0x0123456789ABCDEFull, offset = 4242;
+  const double p = 0.3;
+  const auto params = posenc::math::make_dropout_params(p);
+  const auto rng = torch::tensor({static_cast<int64_t>(seed), static_cast<int64_t>(offset)});
+  for (int64_t n : {1, 7, 8, 9, 63, 64, 65, 1023, 1024, 1025, 5000}) {
+    const auto grad = torch::ones({n}, torch::kDouble);
+    const auto got = posenc::ops::add_position_backward_op().call(grad, rng, p);
+    auto want = torch::empty({n}, torch::kDouble);
+    for (int64_t e = 0; e < n; ++e) {
+      const auto bits = posenc::math::dropout_block_bits(seed, offset, e / 8);
+      const bool keep = posenc::math::dropout_lane_bits(bits, static_cast<int>(e % 8)) >= params.threshold;
+      want[e] = keep ? params.scale : 0.0;
+    }
+    ASSERT_TRUE(torch::equal(got, want)) << "n=" << n;
+  }
 }
 
 TEST(SinusoidalTable, MatchesReferenceAtIntegerAndFloatPositions) {
