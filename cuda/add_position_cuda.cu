@@ -217,7 +217,8 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
   at::Tensor out = at::empty(x.sizes(), x.options());
 
   DropoutArgs dropout{};
-  dropout.active = p > 0.0;
+  // An empty x has no mask to draw (and backward never reads its rng).
+  dropout.active = p > 0.0 && x.numel() > 0;
   at::Tensor rng = at::empty({dropout.active ? 2 : 0}, x.options().dtype(at::kLong));
   if (dropout.active) {
     const auto params = math::make_dropout_params(p);
@@ -229,7 +230,10 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
     // Our counters put the offset in their own words, so any increment keeps calls apart.
     dropout.philox = gen->philox_cuda_state(4);
   }
-  if (x.numel() == 0 && !dropout.active) return {out, rng};
+  if (x.numel() == 0) {
+    if (p > 0.0) rng = at::zeros({2}, x.options().dtype(at::kLong));
+    return {out, rng};
+  }
 
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_add_position_cuda", [&] {

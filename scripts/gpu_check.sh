@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The GPU machine's one call (the `device` tool): build posenc from source for sm_90, run
+# every test (the CUDA ones run there, skip here), then the GPU benchmark. Under 6 minutes.
+# Logs and the benchmark JSON go to $OUT (the device tool brings that folder back).
+#   device: bash scripts/gpu_check.sh
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-$PWD/out/gpu}"
+mkdir -p "$OUT"
+PY="${PYTHON:-python3}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export PYTHONPATH="$PWD/python"
+status=0
+
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv \
+  | tee "$OUT/gpu.txt"
+"$PY" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$OUT/gpu.txt"
+
+echo "== build"
+start=$(date +%s)
+cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
+  -DPOSENC_WITH_CUDA=ON -DPOSENC_BUILD_TESTS=OFF -DPOSENC_INSTALL_PYTHON_LIB=ON \
+  > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+echo "built in $(( $(date +%s) - start )) s"
+# Registers, shared memory and spills of every kernel, for the notes.
+cuobjdump --dump-resource-usage build-gpu/libposenc.so > "$OUT/resource_usage.txt" 2>&1 || true
+
+echo "== tests"
+timeout 240 "$PY" -m pytest tests/python -q -p no:cacheprovider -rs > "$OUT/pytest.log" 2>&1 || status=1
+tail -25 "$OUT/pytest.log"
+
+echo "== benchmark"
+timeout 200 "$PY" benchmarks/bench_add_position.py --device cuda --json "$OUT/bench.json" \
+  > "$OUT/bench.txt" 2>&1 || status=1
+grep -v "^W[0-9]" "$OUT/bench.txt" | tail -20
+exit $status
