@@ -100,6 +100,12 @@ def test_x_and_table_on_different_devices_meta():
         pe(torch.randn(2, 3, 16, device="meta"))
 
 
+def test_positions_on_another_device_meta():
+    pe = posenc.PositionalEncoding(16, 0.1, 32)
+    with pytest.raises(RuntimeError, match=r"positions on x's device cpu, got positions on meta"):
+        pe(torch.randn(2, 5, 16), positions=torch.arange(5, device="meta"))
+
+
 def test_backward_rejects_bad_rng():
     with pytest.raises(RuntimeError, match=r"rng to be the int64 \(seed, offset\) pair"):
         torch.ops.posenc.add_position_backward(torch.randn(2, 3), torch.zeros(3, dtype=torch.long), 0.5)
