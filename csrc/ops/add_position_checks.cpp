@@ -108,8 +108,8 @@ at::Tensor table_as_matrix(const at::Tensor& table, at::ScalarType x_dtype) {
 void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base,
                                  std::optional<at::ScalarType> dtype) {
   TORCH_CHECK_VALUE(d_model > 0, "posenc: expected d_model > 0, got ", d_model);
-  TORCH_CHECK_VALUE(std::isfinite(base) && base > 0.0 && base != 1.0,
-                    "posenc: expected base > 0 and != 1, got ", base);
+  TORCH_CHECK_VALUE(std::isfinite(base) && base > 0.0,
+                    "posenc: expected base to be a positive finite number, got ", base);
   TORCH_CHECK_TYPE(!positions.is_complex() && positions.scalar_type() != at::kBool,
                    "posenc: expected integer or floating-point positions, got ",
                    positions.scalar_type());

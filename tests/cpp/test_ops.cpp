@@ -121,6 +121,17 @@ TEST(AddPosition, DropoutRegeneratesTheMaskInBackward) {
   EXPECT_TRUE(torch::equal(y.detach(), y2));
 }
 
+TEST(AddPosition, TableGradientSumsOverRepeatedPositions) {
+  auto x = torch::randn({3, 6, 4}, torch::requires_grad(true).dtype(torch::kDouble));
+  auto table = torch::randn({1, 9, 4}, torch::requires_grad(true).dtype(torch::kDouble));
+  auto pos = torch::randint(0, 3, {3, 6}, torch::kLong);  // many repeats
+  auto g = torch::randn({3, 6, 4}, torch::kDouble);
+  posenc::add_position(x, table, pos).backward(g);
+  auto want = torch::zeros({9, 4}, torch::kDouble).index_add_(0, pos.reshape(-1), g.reshape({-1, 4}));
+  EXPECT_TRUE(torch::allclose(table.grad().squeeze(0), want, 1e-12, 1e-12));
+  EXPECT_TRUE(torch::equal(x.grad(), g));
+}
+
 TEST(AddPosition, RejectsBadInput) {
   auto table = torch::randn({8, 4});
   EXPECT_THROW(posenc::add_position(torch::randn({2, 4}), table), c10::Error);

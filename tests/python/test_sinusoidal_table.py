@@ -52,6 +52,12 @@ def test_rejects_bad_d_model(bad):
         sinusoidal_table(torch.arange(3), bad)
 
 
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf")])
+def test_rejects_bad_base(bad):
+    with pytest.raises(ValueError, match=rf"base to be a positive finite number, got {bad}"):
+        sinusoidal_table(torch.arange(3), 4, base=bad)
+
+
 def test_rejects_bad_dtype_and_positions():
     with pytest.raises(TypeError, match="dtype"):
         sinusoidal_table(torch.arange(3), 4, dtype=torch.int32)
