@@ -54,7 +54,7 @@ def test_rejects_bad_d_model(bad):
 
 @pytest.mark.parametrize("bad", [0.0, -2.0, float("inf")])
 def test_rejects_bad_base(bad):
-    with pytest.raises(ValueError, match=rf"base to be a positive finite number, got {bad}"):
+    with pytest.raises(ValueError, match=rf"base to be a positive finite number, got {bad:g}"):
         sinusoidal_table(torch.arange(3), 4, base=bad)
 
 
