@@ -8,6 +8,12 @@ single pass must move: x read and the output written (the table rows are S*d, ne
 
 from __future__ import annotations
 
+import os
+
+# Inductor otherwise starts a pool of compile workers in the background, which on a small
+# machine steals the cores the timings run on. Must be set before inductor's config loads.
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
 import statistics
 import time
 from dataclasses import dataclass
@@ -67,6 +73,19 @@ def time_ms(fn: Callable[[], object], device: str, reps: int, warmup: int = 3) -
     return statistics.median(samples)
 
 
+def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3) -> dict:
+    """Median time (ms) of each fn, measured in alternation (one call of each per round) so
+    that slow drifts of a shared machine (page reclaim, other tenants) hit all of them."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            samples[name].append(time_ms(fn, device, reps=1, warmup=0))
+    return {name: statistics.median(v) for name, v in samples.items()}
+
+
 def _reference(pe: torch.Tensor, p: float, training: bool):
     def forward(x):
         return F.dropout(x + pe[:, : x.size(1)], p, training)
@@ -82,26 +101,28 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
         module.pe = table  # keep the reference and posenc on the same table dtype
     x = torch.randn(shape, device=device, dtype=dtype)
     nbytes = 2 * x.numel() * x.element_size()
-    floor = time_ms(lambda: x.clone(), device, reps)
     rows = []
+    tag = str(dtype).replace("torch.", "")
+
+    def clone():
+        return x.clone()
 
     for training in (False, True):
         module.train(training)
         ref = _reference(table, p, training)
-        compiled = torch.compile(ref) if with_compile else None
+        fns = {"ours": lambda: module(x), "ref": lambda: ref(x), "floor": clone}
+        if with_compile:
+            fns["compiled"] = torch.compile(ref)
+            fns["compiled"] = (lambda c: (lambda: c(x)))(fns["compiled"])
         with torch.no_grad():
-            ours_ms = time_ms(lambda: module(x), device, reps)
-            ref_ms = time_ms(lambda: ref(x), device, reps)
-            comp_ms = time_ms(lambda: compiled(x), device, reps) if compiled else None
-        rows.append(Row(device, str(dtype).replace("torch.", ""), shape,
-                        "train forward" if training else "eval forward",
-                        ours_ms, ref_ms, comp_ms, floor, nbytes))
+            t = time_interleaved(fns, device, reps)
+        rows.append(Row(device, tag, shape, "train forward" if training else "eval forward",
+                        t["ours"], t["ref"], t.get("compiled"), t["floor"], nbytes))
 
     # Backward in training mode: the gradient of x only (posenc regenerates the mask,
     # the reference multiplies by its stored mask).
     module.train(True)
     ref = _reference(table, p, True)
-    compiled = torch.compile(ref) if with_compile else None
     xg = x.detach().requires_grad_(True)
     grad = torch.randn_like(x)
 
@@ -109,11 +130,12 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
         y = fn(xg)
         return lambda: torch.autograd.grad(y, xg, grad, retain_graph=True)
 
-    ours_ms = time_ms(backward_of(module), device, reps)
-    ref_ms = time_ms(backward_of(ref), device, reps)
-    comp_ms = time_ms(backward_of(compiled), device, reps) if compiled else None
-    rows.append(Row(device, str(dtype).replace("torch.", ""), shape, "train backward",
-                    ours_ms, ref_ms, comp_ms, floor, nbytes))
+    fns = {"ours": backward_of(module), "ref": backward_of(ref), "floor": clone}
+    if with_compile:
+        fns["compiled"] = backward_of(torch.compile(ref))
+    t = time_interleaved(fns, device, reps)
+    rows.append(Row(device, tag, shape, "train backward", t["ours"], t["ref"], t.get("compiled"),
+                    t["floor"], nbytes))
     return rows
 
 
