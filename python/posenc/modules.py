@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Optional
 
@@ -41,7 +42,32 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
             )
 
 
-class PositionalEncoding(nn.Module):
+class _AddPositionModule(nn.Module):
+    """Shared front end: ``forward(x, offset=0, positions=None) = dropout(x + pe[rows])``
+    through the fused op, with the classic ``nn.Dropout`` child and argument checks."""
+
+    pe: Tensor
+
+    def __init__(self, d_model, dropout, max_len, batch_first) -> None:
+        super().__init__()
+        self.d_model = _check_positive_int("d_model", d_model)
+        self.max_len = _check_positive_int("max_len", max_len)
+        self.batch_first = bool(batch_first)
+        # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
+        self.dropout = nn.Dropout(p=_check_probability("dropout", dropout))
+
+    def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
+        """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given."""
+        if positions is not None:
+            _check_positions_on_host(positions, self.pe.shape[1])
+        p = self.dropout.p if self.training else 0.0
+        return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}"
+
+
+class PositionalEncoding(_AddPositionModule):
     r"""Fixed sinusoidal positional encoding with fused dropout.
 
     A drop-in replacement for the classic ``PositionalEncoding(d_model, dropout,
@@ -57,12 +83,10 @@ class PositionalEncoding(nn.Module):
             (seq, batch, d_model) (the PyTorch-tutorial layout).
         base: wavelength base of the sinusoids (10000 in the paper).
 
-    ``pe`` is built in float64 and rounded once: every entry is within 2**-24 of the
-    exact value (the classic float32 construction is off by up to ~5e-4 at max_len 5000).
+    ``pe`` is built in float64 and rounded once: every entry is within 2**-25 of the
+    exact value (the classic float32 construction is off by up to ~4e-4 at max_len 5000).
     The forward adds rows of ``pe`` as it is, so a loaded or edited table is honoured.
     """
-
-    pe: Tensor
 
     def __init__(
         self,
@@ -73,28 +97,13 @@ class PositionalEncoding(nn.Module):
         batch_first: bool = True,
         base: float = 10000.0,
     ) -> None:
-        super().__init__()
-        self.d_model = _check_positive_int("d_model", d_model)
-        self.max_len = _check_positive_int("max_len", max_len)
-        self.batch_first = bool(batch_first)
-        if not isinstance(base, numbers.Real) or not base > 0:
-            raise ValueError(f"expected base to be a positive number, got {base!r}")
+        super().__init__(d_model, dropout, max_len, batch_first)
+        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 0 < base < math.inf:
+            raise ValueError(f"expected base to be a positive finite number, got {base!r}")
         self.base = float(base)
-        # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
-        self.dropout = nn.Dropout(p=_check_probability("dropout", dropout))
         positions = torch.arange(self.max_len, dtype=torch.int64)
         table = functional.sinusoidal_table(positions, self.d_model, base=self.base)
         self.register_buffer("pe", table.unsqueeze(0))
 
-    def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
-        """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given."""
-        if positions is not None:
-            _check_positions_on_host(positions, self.pe.shape[1])
-        p = self.dropout.p if self.training else 0.0
-        return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
-
     def extra_repr(self) -> str:
-        return (
-            f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}, "
-            f"base={self.base}"
-        )
+        return f"{super().extra_repr()}, base={self.base}"
