@@ -5,7 +5,7 @@
 
 from posenc import _library  # noqa: F401  (registers torch.ops.posenc)
 from posenc import functional
-from posenc.modules import PositionalEncoding
+from posenc.modules import LearnedPositionalEncoding, PositionalEncoding
 
-__all__ = ["PositionalEncoding", "functional"]
+__all__ = ["LearnedPositionalEncoding", "PositionalEncoding", "functional"]
 __version__ = "0.1.0"

@@ -8,7 +8,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-__all__ = ["add_position", "sinusoidal_table", "timestep_embedding"]
+__all__ = [
+    "add_position",
+    "make_positions",
+    "resample_position_table",
+    "sinusoidal_2d_table",
+    "sinusoidal_table",
+    "timestep_embedding",
+]
 
 
 def sinusoidal_table(
@@ -86,3 +93,112 @@ def timestep_embedding(
     if dim % 2 == 1:
         emb = torch.nn.functional.pad(emb, (0, 1, 0, 0))
     return emb
+
+
+def make_positions(tokens: Tensor, padding_idx: int) -> Tensor:
+    """Padding-aware positions, fairseq style: non-padding tokens are numbered
+    ``padding_idx + 1, padding_idx + 2, ...`` along dim 1 and padding gets ``padding_idx``.
+
+    ``tokens``: integer (batch, seq). Returns int64 positions of the same shape, ready for
+    ``positions=`` (with a table of at least ``padding_idx + seq + 1`` rows).
+    """
+    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
+        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+        raise ValueError(f"make_positions: expected integer tokens of shape (batch, seq), got {shape}")
+    mask = tokens.ne(padding_idx).to(torch.int64)
+    return torch.cumsum(mask, dim=1) * mask + padding_idx
+
+
+def _sincos_halves(coords: Tensor, dim: int, base: float) -> Tensor:
+    """[sin | cos] halves of dim/2 frequencies base^(-i/(dim/2)), in float64 (MAE's 1-D form)."""
+    omega = torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0)
+    omega = 1.0 / base**omega
+    angles = coords.reshape(-1, 1).to(torch.float64) * omega
+    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+
+
+def sinusoidal_2d_table(
+    grid_h: int, grid_w: int, dim: int, *, base: float = 10000.0, num_prefix_tokens: int = 0,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """The fixed 2-D sin-cos table of MAE (``get_2d_sincos_pos_embed``), same layout.
+
+    Returns (num_prefix_tokens + grid_h * grid_w, dim): zero rows for the prefix (class)
+    tokens, then the patches in row-major (h, w) order. As in MAE the first dim/2 columns
+    encode the patch's column index w and the last dim/2 its row index h, each as [sin | cos]
+    halves of dim/4 frequencies. ``dim`` must be a multiple of 4.
+    """
+    for name, value in (("grid_h", grid_h), ("grid_w", grid_w), ("dim", dim)):
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"sinusoidal_2d_table: expected {name} to be a positive integer, got {value!r}")
+    if dim % 4 != 0:
+        raise ValueError(f"sinusoidal_2d_table: expected dim to be a multiple of 4, got {dim}")
+    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
+        raise ValueError(f"sinusoidal_2d_table: expected num_prefix_tokens >= 0, got {num_prefix_tokens!r}")
+    rows = torch.arange(grid_h, dtype=torch.float64).repeat_interleave(grid_w)
+    cols = torch.arange(grid_w, dtype=torch.float64).repeat(grid_h)
+    table = torch.cat([_sincos_halves(cols, dim // 2, base), _sincos_halves(rows, dim // 2, base)], dim=1)
+    table = torch.cat([torch.zeros(num_prefix_tokens, dim, dtype=torch.float64), table], dim=0)
+    return table.to(dtype)
+
+
+def resample_position_table(
+    pe: Tensor,
+    new_grid,
+    *,
+    old_grid=None,
+    num_prefix_tokens: int = 1,
+    mode: str = "bicubic",
+    antialias: bool = True,
+) -> Tensor:
+    """Resize a learned ViT position table (1, prefix + H*W, d) to another patch grid.
+
+    Prefix (class/register) rows are kept unchanged; the H x W patch rows are resampled
+    with ``F.interpolate`` (in float32, then cast back), as timm's
+    ``resample_abs_pos_embed`` does. ``old_grid`` defaults to the square grid the table
+    implies. Returns (1, prefix + new_h * new_w, d).
+    """
+    if not isinstance(pe, Tensor) or pe.dim() != 3 or pe.shape[0] != 1:
+        shape = tuple(pe.shape) if isinstance(pe, Tensor) else type(pe).__name__
+        raise ValueError(f"resample_position_table: expected pe of shape (1, tokens, dim), got {shape}")
+    new_grid = _as_grid("new_grid", new_grid)
+    if num_prefix_tokens < 0 or num_prefix_tokens > pe.shape[1]:
+        raise ValueError(
+            f"resample_position_table: expected 0 <= num_prefix_tokens <= {pe.shape[1]}, got {num_prefix_tokens}"
+        )
+    patches = pe.shape[1] - num_prefix_tokens
+    if old_grid is None:
+        side = math.isqrt(patches)
+        if side * side != patches:
+            raise ValueError(
+                f"resample_position_table: {patches} patch rows (after {num_prefix_tokens} prefix "
+                f"tokens) are not a square grid; pass old_grid=(h, w)"
+            )
+        old_grid = (side, side)
+    old_grid = _as_grid("old_grid", old_grid)
+    if old_grid[0] * old_grid[1] != patches:
+        raise ValueError(
+            f"resample_position_table: old_grid {old_grid} has {old_grid[0] * old_grid[1]} cells but "
+            f"the table has {patches} patch rows after {num_prefix_tokens} prefix tokens"
+        )
+    if old_grid == new_grid:
+        return pe
+    prefix, grid = pe[:, :num_prefix_tokens], pe[:, num_prefix_tokens:]
+    dim = pe.shape[-1]
+    image = grid.float().reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2)
+    kwargs = {"antialias": antialias} if mode in ("bilinear", "bicubic") else {}
+    image = torch.nn.functional.interpolate(image, size=new_grid, mode=mode, **kwargs)
+    grid = image.permute(0, 2, 3, 1).reshape(1, -1, dim).to(pe.dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+def _as_grid(name: str, grid):
+    if isinstance(grid, int):
+        grid = (grid, grid)
+    try:
+        h, w = (int(v) for v in grid)
+    except (TypeError, ValueError):
+        raise ValueError(f"resample_position_table: expected {name} to be (h, w), got {grid!r}") from None
+    if h <= 0 or w <= 0:
+        raise ValueError(f"resample_position_table: expected {name} to be positive, got {(h, w)}")
+    return (h, w)

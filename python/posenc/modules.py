@@ -11,7 +11,7 @@ from torch import Tensor, nn
 
 from posenc import functional
 
-__all__ = ["PositionalEncoding"]
+__all__ = ["PositionalEncoding", "LearnedPositionalEncoding"]
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -107,3 +107,52 @@ class PositionalEncoding(_AddPositionModule):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, base={self.base}"
+
+
+class LearnedPositionalEncoding(_AddPositionModule):
+    r"""Learned absolute position embeddings (BERT, GPT-2, ViT) with fused dropout.
+
+    Same arguments and forward as :class:`PositionalEncoding`, but ``pe`` is an
+    ``nn.Parameter`` of shape (1, max_len, d_model), initialised from a normal distribution
+    with std ``init_std`` truncated at +-2 std (the BERT/ViT convention). Its gradient is the
+    sum over the batch of the gradient reaching x, for exactly the positions used.
+
+    A ViT-style ``pos_embed`` of shape (1, N, d) loads directly through ``load_state_dict``
+    (key ``pe``); a BERT/GPT-2 table of shape (max_len, d) (``position_embeddings.weight``,
+    ``wpe.weight``) loads through :meth:`load_table`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        dropout: float = 0.1,
+        max_len: int = 5000,
+        *,
+        batch_first: bool = True,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__(d_model, dropout, max_len, batch_first)
+        if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not init_std >= 0:
+            raise ValueError(f"expected init_std to be a non-negative number, got {init_std!r}")
+        self.init_std = float(init_std)
+        self.pe = nn.Parameter(torch.empty(1, self.max_len, self.d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.trunc_normal_(self.pe, std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
+
+    @torch.no_grad()
+    def load_table(self, table: Tensor) -> None:
+        """Copy a (max_len, d_model) or (1, max_len, d_model) table into ``pe``."""
+        if not isinstance(table, Tensor) or table.dim() not in (2, 3) or (
+            table.dim() == 3 and table.shape[0] != 1
+        ) or tuple(table.shape[-2:]) != tuple(self.pe.shape[1:]):
+            shape = tuple(table.shape) if isinstance(table, Tensor) else type(table).__name__
+            raise ValueError(
+                f"load_table: expected a table of shape ({self.max_len}, {self.d_model}) or "
+                f"(1, {self.max_len}, {self.d_model}), got {shape}"
+            )
+        self.pe.copy_(table.reshape(self.pe.shape))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, init_std={self.init_std}"

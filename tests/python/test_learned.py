@@ -1,0 +1,254 @@
+"""LearnedPositionalEncoding and the vision/fairseq helpers, against references written out here."""
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+import posenc
+from posenc.functional import make_positions, resample_position_table, sinusoidal_2d_table
+from conftest import DEVICES, DTYPES, reference_add
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_forward_equals_reference(device, dtype, batch_first):
+    m = posenc.LearnedPositionalEncoding(24, 0.1, 40, batch_first=batch_first).to(device).eval()
+    x = torch.randn(3, 9, 24, device=device).to(dtype)
+    with torch.no_grad():
+        assert torch.equal(m(x), reference_add(x, m.pe, batch_first=batch_first))
+        assert torch.equal(m(x, offset=7), reference_add(x, m.pe, offset=7, batch_first=batch_first))
+
+
+def test_parameter_init_and_state_dict():
+    torch.manual_seed(0)
+    m = posenc.LearnedPositionalEncoding(64, 0.1, 500, init_std=0.02)
+    assert isinstance(m.pe, torch.nn.Parameter) and m.pe.shape == (1, 500, 64)
+    assert list(m.state_dict()) == ["pe"] and [n for n, _ in m.named_parameters()] == ["pe"]
+    assert m.pe.abs().max().item() <= 0.04 + 1e-7  # truncated at 2 std
+    assert abs(m.pe.std().item() - 0.02 * 0.8796) < 1e-3  # std of a normal truncated at +-2 sigma
+
+
+def test_bert_style_embedding_reference_and_load_table():
+    # BERT: embeddings = x + position_embeddings(arange(S)) with an nn.Embedding table.
+    emb = torch.nn.Embedding(30, 16)
+    m = posenc.LearnedPositionalEncoding(16, 0.0, 30).eval()
+    m.load_table(emb.weight)
+    x = torch.randn(2, 11, 16)
+    with torch.no_grad():
+        assert torch.equal(m(x), x + emb(torch.arange(11)))
+        pos = torch.randint(0, 30, (2, 11))
+        assert torch.equal(m(x, positions=pos), x + emb(pos))
+    with pytest.raises(ValueError, match=r"expected a table of shape \(30, 16\) or \(1, 30, 16\), got \(31, 16\)"):
+        m.load_table(torch.randn(31, 16))
+
+
+def test_vit_pos_embed_loads_directly():
+    pos_embed = torch.randn(1, 65, 48)  # CIFAR-10 ViT: 64 patches + class token
+    m = posenc.LearnedPositionalEncoding(48, 0.1, max_len=65)
+    m.load_state_dict({"pe": pos_embed}, strict=True)
+    assert torch.equal(m.pe.detach(), pos_embed)
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        m.load_state_dict({"pe": torch.randn(1, 64, 48)})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("positions", [None, "1d_repeated", "2d"])
+def test_gradcheck_x_and_pe(device, positions):
+    m = posenc.LearnedPositionalEncoding(5, 0.3, 10).double().to(device).train()
+    x = torch.randn(3, 4, 5, dtype=torch.float64, device=device, requires_grad=True)
+    pos = {"1d_repeated": torch.tensor([2, 2, 9, 2], device=device),
+           "2d": torch.randint(0, 10, (3, 4), device=device), None: None}[positions]
+
+    def fn(a, table):
+        torch.manual_seed(5)
+        return posenc.functional.add_position(a, table, positions=pos, p=0.3)
+
+    assert torch.autograd.gradcheck(fn, (x, m.pe))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_table_gradient_is_batch_sum_and_bitwise_deterministic(device):
+    m = posenc.LearnedPositionalEncoding(32, 0.0, 64).to(device)
+    x = torch.randn(8, 50, 32, device=device, requires_grad=True)
+    pos = torch.randint(0, 64, (8, 50), device=device)
+    g = torch.randn(8, 50, 32, device=device)
+    grads = []
+    for _ in range(3):
+        m.pe.grad = None
+        m(x, positions=pos).backward(g)
+        grads.append(m.pe.grad.clone())
+    assert all(torch.equal(grads[0], other) for other in grads[1:])
+    want = torch.zeros(64, 32, dtype=torch.float64, device=device).index_add_(
+        0, pos.reshape(-1), g.reshape(-1, 32).double())
+    torch.testing.assert_close(grads[0][0].double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_deterministic_mode_does_not_complain():
+    m = posenc.LearnedPositionalEncoding(16, 0.2, 32).train()
+    x = torch.randn(4, 10, 16, requires_grad=True)
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        m(x, positions=torch.randint(0, 32, (4, 10))).sum().backward()
+        m(x).sum().backward()
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    assert m.pe.grad is not None
+
+
+def test_mixed_precision_accumulates_table_gradient_in_float32():
+    m = posenc.LearnedPositionalEncoding(16, 0.0, 8)
+    x = torch.randn(64, 8, 16).to(torch.bfloat16).requires_grad_(True)
+    y = m(x)
+    assert y.dtype == torch.bfloat16
+    g = torch.randn(64, 8, 16).to(torch.bfloat16)
+    y.backward(g)
+    assert m.pe.grad.dtype == torch.float32
+    want = g.float().sum(0)  # exact-ish float32 sum of bf16 values
+    torch.testing.assert_close(m.pe.grad[0], want, atol=1e-4, rtol=1e-5)
+
+
+def test_compile_fullgraph_forward_and_backward_equal_eager():
+    torch._dynamo.reset()
+    m = posenc.LearnedPositionalEncoding(16, 0.25, 32).train()
+    compiled = torch.compile(m, fullgraph=True)
+    x = torch.randn(3, 12, 16)
+    outs = []
+    for module in (m, compiled):
+        m.pe.grad = None
+        xi = x.clone().requires_grad_(True)
+        torch.manual_seed(11)
+        y = module(xi)
+        y.square().sum().backward()
+        outs.append((y.detach(), xi.grad, m.pe.grad.clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
+
+
+def test_make_positions_matches_fairseq_formula():
+    tokens = torch.tensor([[5, 6, 7, 1, 1], [1, 1, 8, 9, 4], [3, 1, 4, 1, 5]])
+    mask = tokens.ne(1).int()
+    want = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + 1
+    assert torch.equal(make_positions(tokens, 1), want)
+    with pytest.raises(ValueError, match="integer tokens of shape"):
+        make_positions(torch.rand(2, 3), 1)
+
+
+def mae_2d_sincos(embed_dim, grid_h, grid_w, cls_token=False):
+    """MAE's get_2d_sincos_pos_embed, written out in numpy from its formulas."""
+    def one_d(dim, pos):
+        omega = np.arange(dim // 2, dtype=np.float64) / (dim / 2.0)
+        omega = 1.0 / 10000**omega
+        out = np.einsum("m,d->md", pos.reshape(-1), omega)
+        return np.concatenate([np.sin(out), np.cos(out)], axis=1)
+    grid = np.meshgrid(np.arange(grid_w, dtype=np.float32), np.arange(grid_h, dtype=np.float32))
+    grid = np.stack(grid, axis=0).reshape([2, 1, grid_h, grid_w])
+    emb = np.concatenate([one_d(embed_dim // 2, grid[0]), one_d(embed_dim // 2, grid[1])], axis=1)
+    if cls_token:
+        emb = np.concatenate([np.zeros([1, embed_dim]), emb], axis=0)
+    return emb
+
+
+@pytest.mark.parametrize("h,w,dim,prefix", [(4, 4, 16, 1), (3, 5, 8, 0), (14, 14, 768, 1)])
+def test_sinusoidal_2d_table_matches_mae(h, w, dim, prefix):
+    got = sinusoidal_2d_table(h, w, dim, num_prefix_tokens=prefix, dtype=torch.float64)
+    want = torch.from_numpy(mae_2d_sincos(dim, h, w, cls_token=bool(prefix)))
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=0)
+    with pytest.raises(ValueError, match="multiple of 4"):
+        sinusoidal_2d_table(4, 4, 10)
+
+
+def timm_resample(posemb, new_size, old_size=None, num_prefix_tokens=1, interpolation="bicubic", antialias=True):
+    """timm's resample_abs_pos_embed, written out from its documented behaviour."""
+    if old_size is None:
+        hw = int(math.sqrt(posemb.shape[1] - num_prefix_tokens))
+        old_size = (hw, hw)
+    prefix, grid = posemb[:, :num_prefix_tokens], posemb[:, num_prefix_tokens:]
+    dim, dtype = posemb.shape[-1], posemb.dtype
+    grid = grid.float().reshape(1, old_size[0], old_size[1], -1).permute(0, 3, 1, 2)
+    grid = F.interpolate(grid, size=new_size, mode=interpolation, antialias=antialias)
+    grid = grid.permute(0, 2, 3, 1).reshape(1, -1, dim).to(dtype)
+    return torch.cat([prefix, grid], dim=1)
+
+
+@pytest.mark.parametrize("old,new,prefix,mode", [((8, 8), (12, 12), 1, "bicubic"), ((8, 8), (4, 6), 1, "bilinear"),
+                                                 ((7, 5), (3, 9), 4, "bicubic"), ((6, 6), (9, 9), 0, "bicubic")])
+def test_resample_position_table_matches_timm(old, new, prefix, mode):
+    pe = torch.randn(1, prefix + old[0] * old[1], 32)
+    got = resample_position_table(pe, new, old_grid=old if old[0] != old[1] else None,
+                                  num_prefix_tokens=prefix, mode=mode)
+    want = timm_resample(pe, new, old, prefix, mode)
+    assert got.shape == (1, prefix + new[0] * new[1], 32)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, :prefix], pe[:, :prefix])
+
+
+def test_resample_rejects_mismatched_grid():
+    with pytest.raises(ValueError, match=r"old_grid \(4, 5\) has 20 cells but the table has 16 patch rows"):
+        resample_position_table(torch.randn(1, 17, 8), (6, 6), old_grid=(4, 5))
+    with pytest.raises(ValueError, match="not a square grid"):
+        resample_position_table(torch.randn(1, 19, 8), (6, 6))
+    with pytest.raises(ValueError, match=r"pe of shape \(1, tokens, dim\)"):
+        resample_position_table(torch.randn(17, 8), (6, 6))
+
+
+def test_bad_input_learned():
+    m = posenc.LearnedPositionalEncoding(8, 0.1, 16)
+    with pytest.raises(IndexError, match=r"found -3"):
+        m(torch.randn(2, 3, 8), positions=torch.tensor([0, -3, 1]))
+    with pytest.raises(ValueError, match="init_std"):
+        posenc.LearnedPositionalEncoding(8, 0.1, 16, init_std=-1.0)
+    with pytest.raises(RuntimeError, match=r"table to have shape"):
+        posenc.functional.add_position(torch.randn(2, 3, 8), torch.randn(2, 16, 8))
+
+
+class TinyClassifier(torch.nn.Module):
+    def __init__(self, encoding, vocab=6, d=32, seq=12):
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, d)
+        self.encoding = encoding
+        self.layer = torch.nn.TransformerEncoderLayer(d, 4, 64, dropout=0.0, batch_first=True)
+        self.head = torch.nn.Linear(d, 2)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        if self.encoding is not None:
+            x = self.encoding(x)
+        return self.head(self.layer(x).mean(dim=1))
+
+
+def marker_batch(n, seq=12, gen=None):
+    """Fillers 2..5 with markers 0 and 1 at two random places; label: does 0 come first?"""
+    tokens = torch.randint(2, 6, (n, seq), generator=gen)
+    order = torch.rand(n, seq, generator=gen).argsort(dim=1)[:, :2]
+    tokens.scatter_(1, order[:, :1], 0)
+    tokens.scatter_(1, order[:, 1:], 1)
+    return tokens, (order[:, 0] < order[:, 1]).long()
+
+
+def train_accuracy(encoding, steps=250):
+    torch.manual_seed(0)
+    model = TinyClassifier(encoding)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        tokens, labels = marker_batch(64, gen=gen)
+        loss = F.cross_entropy(model(tokens), labels)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+    tokens, labels = marker_batch(2000, gen=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        return (model(tokens).argmax(-1) == labels).double().mean().item()
+
+
+def test_training_learns_order_only_with_the_encoding():
+    with_pe = train_accuracy(posenc.LearnedPositionalEncoding(32, 0.1, 12))
+    without = train_accuracy(None)
+    assert with_pe > 0.9, with_pe
+    assert abs(without - 0.5) < 0.06, without
