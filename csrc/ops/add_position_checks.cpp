@@ -60,16 +60,17 @@ void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
   }
 }
 
-AddPositionGeometry check_add_position_inputs(const at::Tensor& x, const at::Tensor& table,
-                                              const std::optional<at::Tensor>& positions,
-                                              int64_t offset, bool batch_first, double p) {
-  check_add_position_structure(x, table, positions, batch_first, p);
+namespace {
+
+// Sizes, positions layout and the offset range, once the structure has been checked.
+AddPositionGeometry make_geometry(const at::Tensor& x, const std::optional<at::Tensor>& positions,
+                                  int64_t offset, bool batch_first, int64_t table_len) {
   AddPositionGeometry g;
   g.batch_first = batch_first;
   g.batch = x.size(batch_first ? 0 : 1);
   g.seq = x.size(batch_first ? 1 : 0);
   g.d = x.size(2);
-  g.table_len = table.size(-2);
+  g.table_len = table_len;
   g.offset = offset;
   if (positions.has_value()) {
     TORCH_CHECK_VALUE(offset == 0, "posenc: pass either offset or positions, not both (got offset=",
@@ -83,6 +84,35 @@ AddPositionGeometry check_add_position_inputs(const at::Tensor& x, const at::Ten
                       " of the position table (build the encoding with a larger max_len)");
   }
   return g;
+}
+
+}  // namespace
+
+AddPositionGeometry check_add_position_inputs(const at::Tensor& x, const at::Tensor& table,
+                                              const std::optional<at::Tensor>& positions,
+                                              int64_t offset, bool batch_first, double p) {
+  check_add_position_structure(x, table, positions, batch_first, p);
+  return make_geometry(x, positions, offset, batch_first, table.size(-2));
+}
+
+AddPositionGeometry check_add_position_backward_inputs(const at::Tensor& grad,
+                                                       const at::Tensor& rng,
+                                                       const std::optional<at::Tensor>& positions,
+                                                       int64_t offset, bool batch_first, double p,
+                                                       int64_t table_len) {
+  TORCH_CHECK_VALUE(table_len >= 0, "posenc: expected table_len >= 0, got ", table_len);
+  TORCH_CHECK(grad.dim() == 3, "posenc: expected grad to be a 3-D tensor, got shape ",
+              grad.sizes());
+  // The structure checks of the forward, against a stand-in table on grad's device
+  // (zero strides: it allocates one element, not a table).
+  const at::Tensor table = at::empty_strided({table_len, grad.size(2)}, {0, 0}, grad.options());
+  check_add_position_structure(grad, table, positions, batch_first, p);
+  TORCH_CHECK(p == 0.0 || (rng.numel() == 2 && rng.scalar_type() == at::kLong &&
+                           rng.device() == grad.device()),
+              "posenc: expected rng to be the int64 (seed, offset) pair from the forward on ",
+              grad.device(), ", got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ",
+              rng.device());
+  return make_geometry(grad, positions, offset, batch_first, table_len);
 }
 
 void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len) {

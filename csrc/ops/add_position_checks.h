@@ -23,6 +23,13 @@ AddPositionGeometry check_add_position_inputs(const at::Tensor& x, const at::Ten
                                               const std::optional<at::Tensor>& positions,
                                               int64_t offset, bool batch_first, double p);
 
+// Checks of the fused backward (grad, rng, positions, offset, table_len), as in the forward.
+AddPositionGeometry check_add_position_backward_inputs(const at::Tensor& grad,
+                                                       const at::Tensor& rng,
+                                                       const std::optional<at::Tensor>& positions,
+                                                       int64_t offset, bool batch_first, double p,
+                                                       int64_t table_len);
+
 // Throws IndexError naming the first position outside [0, table_len). CPU tensors only.
 void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len);
 

@@ -20,7 +20,13 @@ using AddPositionForwardFn = std::tuple<at::Tensor, at::Tensor>(
 // add_position_backward: grad * mask * scale, the mask regenerated from rng.
 using AddPositionBackwardFn = at::Tensor(const at::Tensor& grad, const at::Tensor& rng, double p);
 
+// add_position_backward_with_table: (grad_x or empty, table gradient in float32/64).
+using AddPositionBackwardWithTableFn = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
+    int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x);
+
 AddPositionForwardFn add_position_forward_cpu;
+AddPositionBackwardWithTableFn add_position_backward_with_table_cpu;
 AddPositionBackwardFn add_position_backward_cpu;
 
 at::Tensor sinusoidal_table_cpu(const at::Tensor& positions, int64_t d_model, double base,

@@ -23,6 +23,19 @@ at::Tensor add_position_backward_meta(const at::Tensor& grad, const at::Tensor& 
   return at::empty_symint(grad.sym_sizes(), grad.options());
 }
 
+std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_meta(
+    const at::Tensor& grad, const at::Tensor& /*rng*/, const std::optional<at::Tensor>& positions,
+    c10::SymInt /*offset*/, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
+  TORCH_CHECK(grad.dim() == 3, "posenc: expected grad to be a 3-D tensor, got shape ",
+              grad.sym_sizes());
+  const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor grad_x = need_x ? at::empty_symint(grad.sym_sizes(), grad.options())
+                             : at::empty({0}, grad.options());
+  at::Tensor grad_table =
+      at::empty_symint({std::move(table_len), grad.sym_size(2)}, grad.options().dtype(acc));
+  return {grad_x, grad_table};
+}
+
 at::Tensor sinusoidal_table_meta(const at::Tensor& positions, c10::SymInt d_model,
                                  double /*base*/, std::optional<at::ScalarType> dtype) {
   std::vector<c10::SymInt> shape(positions.sym_sizes().begin(), positions.sym_sizes().end());
@@ -35,6 +48,7 @@ at::Tensor sinusoidal_table_meta(const at::Tensor& positions, c10::SymInt d_mode
 TORCH_LIBRARY_IMPL(posenc, Meta, m) {
   m.impl("add_position_forward", &add_position_forward_meta);
   m.impl("add_position_backward", &add_position_backward_meta);
+  m.impl("add_position_backward_with_table", &add_position_backward_with_table_meta);
   m.impl("sinusoidal_table", &sinusoidal_table_meta);
 }
 

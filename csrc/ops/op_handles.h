@@ -16,6 +16,9 @@ using AddPositionForwardSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, bool,
     double);
 using AddPositionBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
+using AddPositionBackwardWithTableSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, bool,
+    double, c10::SymInt, bool);
 using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double,
                                       std::optional<at::ScalarType>);
 
@@ -35,6 +38,12 @@ inline const c10::TypedOperatorHandle<AddPositionForwardSig>& add_position_forwa
 }
 inline const c10::TypedOperatorHandle<AddPositionBackwardSig>& add_position_backward_op() {
   static const auto handle = find_op<AddPositionBackwardSig>("posenc::add_position_backward");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<AddPositionBackwardWithTableSig>&
+add_position_backward_with_table_op() {
+  static const auto handle = find_op<AddPositionBackwardWithTableSig>(
+      "posenc::add_position_backward_with_table");
   return handle;
 }
 inline const c10::TypedOperatorHandle<SinusoidalTableSig>& sinusoidal_table_op() {

@@ -5,6 +5,9 @@
 //   add_position_forward   its forward kernel; also returns the dropout (seed, offset).
 //   add_position_backward  grad * mask * scale, the mask regenerated from (seed, offset),
 //                          so the autograd graph stores no mask.
+//   add_position_backward_with_table
+//                          fused backward for x and the table: grad read once, the
+//                          table gradient summed deterministically over the batch.
 //   sinusoidal_table       the fixed encoding evaluated at arbitrary positions.
 #include <ATen/core/enum_tag.h>
 #include <torch/library.h>
@@ -19,6 +22,12 @@ TORCH_LIBRARY(posenc, m) {
       "bool batch_first, float p) -> (Tensor, Tensor)",
       {at::Tag::nondeterministic_seeded});
   m.def("add_position_backward(Tensor grad, Tensor rng, float p) -> Tensor");
+  // Returns (grad_x, grad_table): grad_x is empty unless need_x; grad_table is
+  // (table_len, d) in float32 (float64 for float64 grad).
+  m.def(
+      "add_position_backward_with_table(Tensor grad, Tensor rng, Tensor? positions, "
+      "SymInt offset, bool batch_first, float p, SymInt table_len, bool need_x) "
+      "-> (Tensor, Tensor)");
   m.def(
       "sinusoidal_table(Tensor positions, SymInt d_model, float base=10000.0, "
       "ScalarType? dtype=None) -> Tensor");

@@ -18,34 +18,40 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// Gradient of the table rows, accumulated in float32 (float64 for a float64 table).
-at::Tensor table_gradient(const at::Tensor& grad_x, const at::Tensor& positions,
-                          const c10::SymInt& offset, bool batch_first,
-                          const c10::SymInt& table_len, int64_t table_dim,
-                          at::ScalarType table_dtype) {
-  const at::ScalarType acc = table_dtype == at::kDouble ? at::kDouble : at::kFloat;
-  const int64_t batch_dim = batch_first ? 0 : 1;
-  at::Tensor grad_table;
+// The table gradient by composition (backends without a fused kernel, e.g. CUDA for now):
+// the masked gradient scattered into the rows that were read, summed over the batch, in
+// float32 (float64 for float64 grad). Deterministic: a reduction over the batch dimension,
+// or index_put with accumulate, which is sort based on CUDA.
+at::Tensor table_gradient_composite(const at::Tensor& grad_x, const at::Tensor& positions,
+                                    const c10::SymInt& offset, bool batch_first,
+                                    const c10::SymInt& table_len) {
+  const at::ScalarType acc = grad_x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   if (!positions.defined()) {
     // Rows offset .. offset + seq - 1, each read once per batch element.
-    const at::Tensor summed = grad_x.sum({batch_dim}, false, acc);
+    const at::Tensor summed = grad_x.sum({batch_first ? 0 : 1}, false, acc);
     const c10::SymInt seq = summed.sym_size(0);
-    grad_table = at::constant_pad_nd_symint(
-        summed, {0, 0, offset, table_len - offset - seq}, 0);
-  } else {
-    const at::Tensor rows = batch_first ? grad_x : grad_x.transpose(0, 1);  // (B, S, d)
-    const at::Tensor pos = positions.dim() == 1
-                               ? positions.unsqueeze(0).expand_symint(
-                                     {rows.sym_size(0), rows.sym_size(1)})
-                               : positions;
-    const at::Tensor zeros =
-        at::zeros_symint({table_len, rows.sym_size(2)}, grad_x.options().dtype(acc));
-    // index_put with accumulate is deterministic on CUDA (sort based).
-    grad_table = at::index_put(zeros, {pos.reshape(-1)},
-                               rows.reshape_symint({-1, rows.sym_size(2)}).to(acc), true);
+    return at::constant_pad_nd_symint(summed, {0, 0, offset, table_len - offset - seq}, 0);
   }
-  grad_table = grad_table.to(table_dtype);
-  return table_dim == 3 ? grad_table.unsqueeze(0) : grad_table;
+  const at::Tensor rows = batch_first ? grad_x : grad_x.transpose(0, 1);  // (B, S, d)
+  const at::Tensor pos =
+      positions.dim() == 1
+          ? positions.unsqueeze(0).expand_symint({rows.sym_size(0), rows.sym_size(1)})
+          : positions;
+  const at::Tensor zeros =
+      at::zeros_symint({table_len, rows.sym_size(2)}, grad_x.options().dtype(acc));
+  return at::index_put(zeros, {pos.reshape(-1)},
+                       rows.reshape_symint({-1, rows.sym_size(2)}).to(acc), true);
+}
+
+std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
+    const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
+    c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
+  const at::Tensor masked = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
+  at::Tensor grad_table = table_gradient_composite(masked, positions.value_or(at::Tensor()),
+                                                   offset, batch_first, table_len);
+  at::Tensor grad_x = !need_x ? at::empty({0}, grad.options())
+                              : (p > 0.0 ? masked : grad.clone(at::MemoryFormat::Contiguous));
+  return {grad_x, grad_table};
 }
 
 class AddPositionFunction : public torch::autograd::Function<AddPositionFunction> {
@@ -75,16 +81,18 @@ class AddPositionFunction : public torch::autograd::Function<AddPositionFunction
     at::Tensor grad_x, grad_table;
     const bool want_x = ctx->needs_input_grad(0);
     const bool want_table = ctx->needs_input_grad(1);
-    if (grad.defined() && (want_x || want_table)) {
-      const at::Tensor masked = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
-      if (want_x) grad_x = masked;
-      if (want_table) {
-        grad_table = table_gradient(masked, positions, ctx->saved_data["offset"].toSymInt(),
-                                    ctx->saved_data["batch_first"].toBool(),
-                                    ctx->saved_data["table_len"].toSymInt(),
-                                    ctx->saved_data["table_dim"].toInt(),
-                                    ctx->saved_data["table_dtype"].toScalarType());
-      }
+    if (grad.defined() && want_table) {
+      // One fused pass: grad read once, grad_x (when p > 0) and the table gradient.
+      const bool masked_x = want_x && p > 0.0;
+      auto [gx, gt] = add_position_backward_with_table_op().call(
+          grad, rng, positions.defined() ? std::optional<at::Tensor>(positions) : std::nullopt,
+          ctx->saved_data["offset"].toSymInt(), ctx->saved_data["batch_first"].toBool(), p,
+          ctx->saved_data["table_len"].toSymInt(), masked_x);
+      gt = gt.to(ctx->saved_data["table_dtype"].toScalarType());
+      grad_table = ctx->saved_data["table_dim"].toInt() == 3 ? gt.unsqueeze(0) : gt;
+      if (want_x) grad_x = masked_x ? gx : grad;
+    } else if (grad.defined() && want_x) {
+      grad_x = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
     }
     return {grad_x, grad_table, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
@@ -112,6 +120,7 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
   m.impl("add_position", &add_position_no_grad);
+  m.impl("add_position_backward_with_table", &add_position_backward_with_table_composite);
 }
 
 }  // namespace ops

@@ -143,7 +143,43 @@ at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor
   return out;
 }
 
+std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
+    const at::Tensor& grad_in, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
+    int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x) {
+  const AddPositionGeometry g = check_add_position_backward_inputs(
+      grad_in, rng, positions, offset, batch_first, p, table_len);
+  check_cpu_isa();
+  at::Tensor pos;
+  if (positions.has_value()) {
+    pos = positions->contiguous();
+    check_positions_in_range_cpu(pos, g.table_len);
+  }
+  cpu::DropoutDraw draw;
+  if (p > 0.0) {
+    draw = dropout_params(p);
+    const at::Tensor state = rng.contiguous();
+    draw.seed = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[0]);
+    draw.offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
+  }
+  const at::Tensor grad = grad_in.contiguous();
+  const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor grad_x = need_x ? empty_output(grad.sizes(), grad.options())
+                             : at::empty({0}, grad.options());
+  at::Tensor grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
+  if (grad.numel() == 0) return {grad_x, grad_table};
+  AT_DISPATCH_FLOATING_TYPES_AND2(
+      at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_table_cpu", [&] {
+        using acc_t = at::opmath_type<scalar_t>;
+        cpu::add_position_backward_rows<scalar_t, acc_t>(
+            g, grad.const_data_ptr<scalar_t>(), pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr,
+            draw, need_x ? grad_x.mutable_data_ptr<scalar_t>() : nullptr,
+            grad_table.mutable_data_ptr<acc_t>());
+      });
+  return {grad_x, grad_table};
+}
+
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
+  m.impl("add_position_backward_with_table", &add_position_backward_with_table_cpu);
   m.impl("add_position_forward", &add_position_forward_cpu);
   m.impl("add_position_backward", &add_position_backward_cpu);
   m.impl("sinusoidal_table", &sinusoidal_table_cpu);

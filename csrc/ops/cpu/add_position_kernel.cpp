@@ -174,6 +174,13 @@ void combine(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t
   }
 }
 
+// The table row that output row r reads.
+inline int64_t row_position(const AddPositionGeometry& g, const int64_t* positions, int64_t r) {
+  const int64_t b = g.batch_first ? r / g.seq : r % g.batch;
+  const int64_t s = g.batch_first ? r % g.seq : r / g.batch;
+  return positions != nullptr ? positions[b * g.positions_batch_stride + s] : g.offset + s;
+}
+
 }  // namespace
 
 template <typename scalar_t, typename table_t>
@@ -186,10 +193,7 @@ void add_position_rows(const AddPositionGeometry& g, const scalar_t* x, const ta
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     alignas(64) acc_t factors[kChunk];
     for (int64_t r = begin; r < end; ++r) {
-      const int64_t b = g.batch_first ? r / g.seq : r % g.batch;
-      const int64_t s = g.batch_first ? r % g.seq : r / g.batch;
-      const int64_t pos =
-          positions != nullptr ? positions[b * g.positions_batch_stride + s] : g.offset + s;
+      const int64_t pos = row_position(g, positions, r);
       const scalar_t* x_row = x + r * d;
       const table_t* t_row = table + pos * d;
       scalar_t* o_row = out + r * d;
@@ -198,6 +202,41 @@ void add_position_rows(const AddPositionGeometry& g, const scalar_t* x, const ta
         if (draw.active) dropout_factors<acc_t>(draw, r * d + j, n, factors);
         combine<scalar_t, table_t, acc_t>(x_row + j, t_row + j, draw.active ? factors : nullptr,
                                           o_row + j, n);
+      }
+    }
+  });
+}
+
+template <typename scalar_t, typename acc_t>
+void add_position_backward_rows(const AddPositionGeometry& g, const scalar_t* grad,
+                                const int64_t* positions, const DropoutDraw& draw,
+                                scalar_t* grad_x, acc_t* grad_table) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  const int64_t rows = g.batch * g.seq;
+  const int64_t d = g.d;
+  // Column ranges, one or more per thread, at least 64 columns (whole cache lines).
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t width = std::max<int64_t>(64, ((d + threads - 1) / threads + 15) / 16 * 16);
+  const int64_t ranges = (d + width - 1) / width;
+  at::parallel_for(0, ranges, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) acc_t factors[kChunk];
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t j_end = std::min(d, (c + 1) * width);
+      for (int64_t j0 = c * width; j0 < j_end; j0 += kChunk) {
+        const int64_t n = std::min(kChunk, j_end - j0);
+        for (int64_t r = 0; r < rows; ++r) {  // row order: the deterministic summation order
+          const scalar_t* g_row = grad + r * d + j0;
+          acc_t* t_row = grad_table + row_position(g, positions, r) * d + j0;
+          if (draw.active) dropout_factors<acc_t>(draw, r * d + j0, n, factors);
+          for (int64_t k = 0; k < n; k += W) {
+            const int64_t m = std::min<int64_t>(W, n - k);
+            Vec v = load_as<scalar_t, acc_t>(g_row + k, m);
+            if (draw.active) v = v * load_as<acc_t, acc_t>(factors + k, m);
+            if (grad_x != nullptr) store_as<scalar_t, acc_t>(v, grad_x + r * d + j0 + k, m);
+            store_as<acc_t, acc_t>(load_as<acc_t, acc_t>(t_row + k, m) + v, t_row + k, m);
+          }
+        }
       }
     }
   });
@@ -230,6 +269,16 @@ POSENC_INSTANTIATE(c10::Half, float)
 POSENC_INSTANTIATE(c10::BFloat16, c10::BFloat16)
 POSENC_INSTANTIATE(c10::BFloat16, float)
 #undef POSENC_INSTANTIATE
+
+#define POSENC_INSTANTIATE_BACKWARD(scalar_t, acc_t)                                      \
+  template void add_position_backward_rows<scalar_t, acc_t>(                                \
+      const AddPositionGeometry&, const scalar_t*, const int64_t*, const DropoutDraw&,       \
+      scalar_t*, acc_t*);
+POSENC_INSTANTIATE_BACKWARD(float, float)
+POSENC_INSTANTIATE_BACKWARD(double, double)
+POSENC_INSTANTIATE_BACKWARD(c10::Half, float)
+POSENC_INSTANTIATE_BACKWARD(c10::BFloat16, float)
+#undef POSENC_INSTANTIATE_BACKWARD
 
 template void dropout_backward<float>(const float*, int64_t, const DropoutDraw&, float*);
 template void dropout_backward<double>(const double*, int64_t, const DropoutDraw&, double*);

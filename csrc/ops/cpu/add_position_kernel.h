@@ -25,6 +25,15 @@ template <typename scalar_t, typename table_t>
 void add_position_rows(const AddPositionGeometry& g, const scalar_t* x, const table_t* table,
                        const int64_t* positions, const DropoutDraw& draw, scalar_t* out);
 
+// The fused backward for x and the table: reads grad once, writes grad_x (when not null)
+// = grad * mask * scale, and accumulates the same values into the rows of grad_table
+// (table_len x d, accumulation dtype, zero-initialised by the caller). Threads own
+// column ranges and walk the rows in order, so the sums are bitwise deterministic.
+template <typename scalar_t, typename acc_t>
+void add_position_backward_rows(const AddPositionGeometry& g, const scalar_t* grad,
+                                const int64_t* positions, const DropoutDraw& draw,
+                                scalar_t* grad_x, acc_t* grad_table);
+
 // out = grad * mask * scale over n contiguous elements.
 template <typename scalar_t>
 void dropout_backward(const scalar_t* grad, int64_t n, const DropoutDraw& draw, scalar_t* out);
