@@ -252,3 +252,45 @@ def test_training_learns_order_only_with_the_encoding():
     without = train_accuracy(None)
     assert with_pe > 0.9, with_pe
     assert abs(without - 0.5) < 0.06, without
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_fused_backward_op_against_reference(device, batch_first, positions, p):
+    B, S, d, L = 3, 7, 20, 12
+    grad = torch.randn((B, S, d) if batch_first else (S, B, d), device=device)
+    rng = torch.tensor([987654321, 64], device=device)
+    pos = {None: None, "1d": torch.randint(0, L, (S,), device=device),
+           "2d": torch.randint(0, L, (B, S), device=device)}[positions]
+    offset = 0 if pos is not None else 4
+    op = torch.ops.posenc.add_position_backward_with_table
+    gx, gt = op(grad, rng, pos, offset, batch_first, p, L, True)
+    masked = torch.ops.posenc.add_position_backward(grad, rng, p) if p > 0 else grad
+    assert torch.equal(gx, masked)
+    rows = (masked if batch_first else masked.transpose(0, 1)).double()
+    idx = (torch.arange(S, device=device) + offset).expand(B, S) if pos is None else pos.expand(B, S)
+    want = torch.zeros(L, d, dtype=torch.float64, device=device).index_add_(0, idx.reshape(-1), rows.reshape(-1, d))
+    assert gt.dtype == torch.float32 and gt.shape == (L, d)
+    torch.testing.assert_close(gt.double(), want, atol=1e-5, rtol=1e-5)
+    gx2, gt2 = op(grad, rng, pos, offset, batch_first, p, L, False)
+    assert gx2.numel() == 0 and torch.equal(gt2, gt)
+    torch.library.opcheck(op.default, (grad, rng, pos, offset, batch_first, p, L, True))
+
+
+def test_fused_backward_is_bitwise_independent_of_thread_count():
+    grad = torch.randn(16, 300, 96)
+    pos = torch.randint(0, 40, (16, 300))
+    rng = torch.tensor([5, 6])
+    op = torch.ops.posenc.add_position_backward_with_table
+    threads = torch.get_num_threads()
+    results = []
+    try:
+        for n in (1, 2, 3):
+            torch.set_num_threads(n)
+            results.append(op(grad, rng, pos, 0, True, 0.2, 40, True))
+    finally:
+        torch.set_num_threads(threads)
+    for gx, gt in results[1:]:
+        assert torch.equal(gx, results[0][0]) and torch.equal(gt, results[0][1])
