@@ -1,24 +1,39 @@
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
+#include <cmath>
+
+#include "modules/module_forward.h"
 #include "posenc/modules.h"
 #include "posenc/ops.h"
 
 namespace posenc {
 
-namespace {
+namespace detail {
 
-// Check CUDA positions on the host when asked: the kernel itself never reads out of
-// bounds, but it can only flag bad rows with NaN, not raise.
-void check_positions_on_host(const torch::Tensor& positions, int64_t max_len) {
-  if (positions.numel() == 0 || !positions.is_cuda()) return;  // CPU kernels check themselves
-  const auto lo = positions.min().item<int64_t>();
-  const auto hi = positions.max().item<int64_t>();
-  TORCH_CHECK_INDEX(lo >= 0 && hi < max_len, "posenc: expected positions in [0, max_len=",
-                    max_len, "), got values from ", lo, " to ", hi);
+torch::Tensor add_position_module_forward(const torch::Tensor& x, const torch::Tensor& pe,
+                                          int64_t offset,
+                                          const std::optional<torch::Tensor>& positions,
+                                          bool batch_first, double p, bool check_positions) {
+  if (positions.has_value() && check_positions && positions->is_cuda() &&
+      positions->numel() > 0) {
+    const int64_t max_len = pe.size(1);
+    const auto lo = positions->min().item<int64_t>();
+    const auto hi = positions->max().item<int64_t>();
+    TORCH_CHECK_INDEX(lo >= 0 && hi < max_len, "posenc: expected positions in [0, max_len=",
+                      max_len, "), got values from ", lo, " to ", hi);
+  }
+  return add_position(x, pe, positions, offset, batch_first, p);
 }
 
-}  // namespace
+void check_module_options(const char* module, int64_t d_model, int64_t max_len, double dropout) {
+  TORCH_CHECK_VALUE(d_model > 0, module, ": expected d_model > 0, got ", d_model);
+  TORCH_CHECK_VALUE(max_len > 0, module, ": expected max_len > 0, got ", max_len);
+  TORCH_CHECK_VALUE(dropout >= 0.0 && dropout <= 1.0, module, ": expected dropout in [0, 1], got ",
+                    dropout);
+}
+
+}  // namespace detail
 
 PositionalEncodingImpl::PositionalEncodingImpl(const PositionalEncodingOptions& options_)
     : options(options_) {
@@ -26,12 +41,8 @@ PositionalEncodingImpl::PositionalEncodingImpl(const PositionalEncodingOptions& 
 }
 
 void PositionalEncodingImpl::reset() {
-  TORCH_CHECK_VALUE(options.d_model() > 0, "PositionalEncoding: expected d_model > 0, got ",
-                    options.d_model());
-  TORCH_CHECK_VALUE(options.max_len() > 0, "PositionalEncoding: expected max_len > 0, got ",
-                    options.max_len());
-  TORCH_CHECK_VALUE(options.dropout() >= 0.0 && options.dropout() <= 1.0,
-                    "PositionalEncoding: expected dropout in [0, 1], got ", options.dropout());
+  detail::check_module_options("PositionalEncoding", options.d_model(), options.max_len(),
+                               options.dropout());
   const torch::Tensor positions = torch::arange(options.max_len(), torch::kLong);
   pe = register_buffer(
       "pe", sinusoidal_table(positions, options.d_model(), options.base(), torch::kFloat)
@@ -47,11 +58,57 @@ void PositionalEncodingImpl::pretty_print(std::ostream& stream) const {
 
 torch::Tensor PositionalEncodingImpl::forward(const torch::Tensor& x, int64_t offset,
                                               const std::optional<torch::Tensor>& positions) {
-  if (positions.has_value() && options.check_positions()) {
-    check_positions_on_host(*positions, pe.size(1));
-  }
-  const double p = is_training() ? options.dropout() : 0.0;
-  return add_position(x, pe, positions, offset, options.batch_first(), p);
+  return detail::add_position_module_forward(x, pe, offset, positions, options.batch_first(),
+                                             is_training() ? options.dropout() : 0.0,
+                                             options.check_positions());
+}
+
+LearnedPositionalEncodingImpl::LearnedPositionalEncodingImpl(
+    const LearnedPositionalEncodingOptions& options_)
+    : options(options_) {
+  reset();
+}
+
+void LearnedPositionalEncodingImpl::reset() {
+  detail::check_module_options("LearnedPositionalEncoding", options.d_model(),
+                               options.max_len(), options.dropout());
+  TORCH_CHECK_VALUE(options.init_std() >= 0.0,
+                    "LearnedPositionalEncoding: expected init_std >= 0, got ", options.init_std());
+  pe = register_parameter("pe", torch::empty({1, options.max_len(), options.d_model()}));
+  reset_parameters();
+}
+
+void LearnedPositionalEncodingImpl::reset_parameters() {
+  // Truncated normal on [-2 std, 2 std] by inverting the normal CDF of a uniform draw
+  // between the CDF values of the cut points: Phi(+-2) = 0.5 * (1 + erf(+-2 / sqrt(2))).
+  torch::NoGradGuard no_grad;
+  const double std = options.init_std();
+  const double hi = std::erf(2.0 / std::sqrt(2.0));  // 2 * Phi(2) - 1
+  pe.uniform_(-hi, hi).erfinv_().mul_(std * std::sqrt(2.0)).clamp_(-2.0 * std, 2.0 * std);
+}
+
+void LearnedPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
+  stream << "posenc::LearnedPositionalEncoding(d_model=" << options.d_model()
+         << ", dropout=" << options.dropout() << ", max_len=" << options.max_len()
+         << ", batch_first=" << (options.batch_first() ? "true" : "false")
+         << ", init_std=" << options.init_std() << ")";
+}
+
+torch::Tensor LearnedPositionalEncodingImpl::forward(
+    const torch::Tensor& x, int64_t offset, const std::optional<torch::Tensor>& positions) {
+  return detail::add_position_module_forward(x, pe, offset, positions, options.batch_first(),
+                                             is_training() ? options.dropout() : 0.0,
+                                             options.check_positions());
+}
+
+void LearnedPositionalEncodingImpl::load_table(const torch::Tensor& table) {
+  const bool ok = (table.dim() == 2 || (table.dim() == 3 && table.size(0) == 1)) &&
+                  table.size(-2) == options.max_len() && table.size(-1) == options.d_model();
+  TORCH_CHECK_VALUE(ok, "LearnedPositionalEncoding::load_table: expected a table of shape (",
+                    options.max_len(), ", ", options.d_model(), ") or (1, ", options.max_len(),
+                    ", ", options.d_model(), "), got ", table.sizes());
+  torch::NoGradGuard no_grad;
+  pe.copy_(table.reshape(pe.sizes()));
 }
 
 }  // namespace posenc

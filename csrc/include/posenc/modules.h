@@ -50,4 +50,41 @@ class PositionalEncodingImpl : public torch::nn::Cloneable<PositionalEncodingImp
 
 TORCH_MODULE(PositionalEncoding);
 
+struct LearnedPositionalEncodingOptions {
+  /* implicit */ LearnedPositionalEncodingOptions(int64_t d_model) : d_model_(d_model) {}
+  TORCH_ARG(int64_t, d_model);
+  TORCH_ARG(double, dropout) = 0.1;
+  TORCH_ARG(int64_t, max_len) = 5000;
+  TORCH_ARG(bool, batch_first) = true;
+  // Std of the truncated-normal initialisation (cut at +-2 std), the BERT/ViT convention.
+  TORCH_ARG(double, init_std) = 0.02;
+  TORCH_ARG(bool, check_positions) = true;
+};
+
+// Learned absolute position embeddings (BERT, GPT-2, ViT) with fused dropout: the
+// trainable parameter `pe` of shape (1, max_len, d_model). Its gradient is the batch sum
+// of the gradient reaching x, computed deterministically.
+class LearnedPositionalEncodingImpl
+    : public torch::nn::Cloneable<LearnedPositionalEncodingImpl> {
+ public:
+  explicit LearnedPositionalEncodingImpl(const LearnedPositionalEncodingOptions& options);
+
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  // As PositionalEncodingImpl::forward.
+  torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0,
+                        const std::optional<torch::Tensor>& positions = std::nullopt);
+
+  // Copies a (max_len, d_model) table (BERT/GPT-2 style) or a (1, max_len, d_model) one
+  // (ViT pos_embed) into `pe`.
+  void load_table(const torch::Tensor& table);
+
+  LearnedPositionalEncodingOptions options;
+  torch::Tensor pe;
+};
+
+TORCH_MODULE(LearnedPositionalEncoding);
+
 }  // namespace posenc

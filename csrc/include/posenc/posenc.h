@@ -1,5 +1,6 @@
 // Everything posenc offers to LibTorch applications.
 #pragma once
 
+#include "posenc/functional.h"
 #include "posenc/modules.h"
 #include "posenc/ops.h"
