@@ -33,8 +33,9 @@ def main() -> int:
     rows = []
     if args.device in ("cpu", "all"):
         shape = (8, 256, 512) if args.quick else (32, 512, 512)
-        rows += bench_shape("cpu", torch.float32, shape, reps=5 if args.quick else 20,
-                            with_compile=not args.no_compile)
+        for kind in ("sinusoidal", "learned"):
+            rows += bench_shape("cpu", torch.float32, shape, reps=5 if args.quick else 20,
+                                with_compile=not args.no_compile, kind=kind)
     if args.device in ("cuda", "all") and torch.cuda.is_available():
         print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
         print(f"device-to-device copy: {copy_bandwidth('cuda'):.0f} GB/s (read + write)", flush=True)
@@ -42,8 +43,9 @@ def main() -> int:
                   torch.float32: [(32, 4096, 2048), (8, 8192, 4096)]}
         for dtype, dtype_shapes in shapes.items():
             for shape in dtype_shapes[:1] if args.quick else dtype_shapes:
-                rows += bench_shape("cuda", dtype, shape, reps=20,
-                                    with_compile=not args.no_compile)
+                for kind in ("sinusoidal", "learned"):
+                    rows += bench_shape("cuda", dtype, shape, reps=20,
+                                        with_compile=not args.no_compile, kind=kind)
                 torch.cuda.empty_cache()
     print(format_table(rows))
     if args.json:

@@ -31,6 +31,7 @@ class Row:
     dtype: str
     shape: tuple
     case: str
+    kind: str
     ours_ms: float
     ref_ms: float
     compiled_ms: Optional[float]
@@ -93,12 +94,19 @@ def _reference(pe: torch.Tensor, p: float, training: bool):
 
 
 def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, reps: int = 20,
-                with_compile: bool = True) -> List[Row]:
+                with_compile: bool = True, kind: str = "sinusoidal") -> List[Row]:
+    """Rows for one shape. kind="sinusoidal": PositionalEncoding (fixed table, gradient of x
+    only); kind="learned": LearnedPositionalEncoding (float32 table, backward computes the
+    gradients of x and of the table)."""
     B, S, d = shape
-    module = posenc.PositionalEncoding(d, p, max_len=max(S, 1)).to(device)
-    table = module.pe.to(dtype) if dtype != torch.float32 else module.pe
-    if dtype != torch.float32:
-        module.pe = table  # keep the reference and posenc on the same table dtype
+    if kind == "learned":
+        module = posenc.LearnedPositionalEncoding(d, p, max_len=max(S, 1)).to(device)
+        table = module.pe
+    else:
+        module = posenc.PositionalEncoding(d, p, max_len=max(S, 1)).to(device)
+        table = module.pe.to(dtype) if dtype != torch.float32 else module.pe
+        if dtype != torch.float32:
+            module.pe = table  # keep the reference and posenc on the same table dtype
     x = torch.randn(shape, device=device, dtype=dtype)
     nbytes = 2 * x.numel() * x.element_size()
     rows = []
@@ -110,37 +118,42 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
     for training in (False, True):
         module.train(training)
         ref = _reference(table, p, training)
-        fns = {"ours": lambda: module(x), "ref": lambda: ref(x), "floor": clone}
+        fns = {"ours": lambda: module(x), "ref": lambda: ref(x)}
         if with_compile:
             fns["compiled"] = torch.compile(ref)
             fns["compiled"] = (lambda c: (lambda: c(x)))(fns["compiled"])
         with torch.no_grad():
             t = time_interleaved(fns, device, reps)
-        rows.append(Row(device, tag, shape, "train forward" if training else "eval forward",
+            # Timed apart: interleaved with the others, clone's 4 KiB-page allocations were
+            # seen to slow the next huge-page allocations of posenc's outputs (2x, CPU).
+            t["floor"] = time_ms(clone, device, reps)
+        rows.append(Row(device, tag, shape, "train forward" if training else "eval forward", kind,
                         t["ours"], t["ref"], t.get("compiled"), t["floor"], nbytes))
 
-    # Backward in training mode: the gradient of x only (posenc regenerates the mask,
-    # the reference multiplies by its stored mask).
+    # Backward in training mode (posenc regenerates the mask, the reference multiplies by
+    # its stored one): the gradient of x, and of the table too for the learned encoding.
     module.train(True)
     ref = _reference(table, p, True)
     xg = x.detach().requires_grad_(True)
     grad = torch.randn_like(x)
+    inputs = [xg, table] if kind == "learned" else [xg]
 
     def backward_of(fn):
         y = fn(xg)
-        return lambda: torch.autograd.grad(y, xg, grad, retain_graph=True)
+        return lambda: torch.autograd.grad(y, inputs, grad, retain_graph=True)
 
-    fns = {"ours": backward_of(module), "ref": backward_of(ref), "floor": clone}
+    fns = {"ours": backward_of(module), "ref": backward_of(ref)}
     if with_compile:
         fns["compiled"] = backward_of(torch.compile(ref))
     t = time_interleaved(fns, device, reps)
-    rows.append(Row(device, tag, shape, "train backward", t["ours"], t["ref"], t.get("compiled"),
-                    t["floor"], nbytes))
+    t["floor"] = time_ms(clone, device, reps)
+    rows.append(Row(device, tag, shape, "train backward", kind, t["ours"], t["ref"],
+                    t.get("compiled"), t["floor"], nbytes))
     return rows
 
 
 def format_table(rows: Iterable[Row]) -> str:
-    header = (f"{'device':6} {'dtype':8} {'shape':>16} {'case':15} {'posenc ms':>10} {'GB/s':>8} "
+    header = (f"{'device':6} {'dtype':8} {'shape':>16} {'encoding':10} {'case':15} {'posenc ms':>10} {'GB/s':>8} "
               f"{'%floor':>7} {'eager ms':>9} {'compile ms':>10} {'eager/ours':>10} {'comp/ours':>9}")
     lines = [header, "-" * len(header)]
     for r in rows:
@@ -148,7 +161,7 @@ def format_table(rows: Iterable[Row]) -> str:
         comp_ratio = f"{r.compiled_ms / r.ours_ms:9.2f}" if r.compiled_ms is not None else f"{'-':>9}"
         shape = "x".join(str(s) for s in r.shape)
         lines.append(
-            f"{r.device:6} {r.dtype:8} {shape:>16} {r.case:15} {r.ours_ms:10.3f} {r.gbps:8.1f} "
+            f"{r.device:6} {r.dtype:8} {shape:>16} {r.kind:10} {r.case:15} {r.ours_ms:10.3f} {r.gbps:8.1f} "
             f"{100 * r.floor_ms / r.ours_ms:6.0f}% {r.ref_ms:9.3f} {comp} {r.ref_ms / r.ours_ms:10.2f} {comp_ratio}"
         )
     lines.append("%floor: time of x.clone() (one read + one write of x) over posenc's time; "

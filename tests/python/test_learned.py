@@ -279,17 +279,19 @@ def test_fused_backward_op_against_reference(device, batch_first, positions, p):
     torch.library.opcheck(op.default, (grad, rng, pos, offset, batch_first, p, L, True))
 
 
-def test_fused_backward_is_bitwise_independent_of_thread_count():
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+def test_fused_backward_is_bitwise_independent_of_thread_count(positions):
     grad = torch.randn(16, 300, 96)
-    pos = torch.randint(0, 40, (16, 300))
+    pos = {None: None, "1d": torch.randint(0, 40, (300,)), "2d": torch.randint(0, 40, (16, 300))}[positions]
     rng = torch.tensor([5, 6])
     op = torch.ops.posenc.add_position_backward_with_table
+    table_len = 400
     threads = torch.get_num_threads()
     results = []
     try:
         for n in (1, 2, 3):
             torch.set_num_threads(n)
-            results.append(op(grad, rng, pos, 0, True, 0.2, 40, True))
+            results.append(op(grad, rng, pos, 0, True, 0.2, table_len, True))
     finally:
         torch.set_num_threads(threads)
     for gx, gt in results[1:]:

@@ -213,9 +213,59 @@ void add_position_backward_rows(const AddPositionGeometry& g, const scalar_t* gr
                                 scalar_t* grad_x, acc_t* grad_table) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
-  const int64_t rows = g.batch * g.seq;
   const int64_t d = g.d;
-  // Column ranges, one or more per thread, at least 64 columns (whole cache lines).
+
+  // Masked gradient of n elements of row r from column j0: written to grad_x (if wanted)
+  // and added to acc (n accumulators). The mask is regenerated from the row's flat index.
+  auto masked_row_into = [&](int64_t r, int64_t j0, int64_t n, acc_t* factors, acc_t* acc) {
+    const scalar_t* g_row = grad + r * d + j0;
+    if (draw.active) dropout_factors<acc_t>(draw, r * d + j0, n, factors);
+    for (int64_t k = 0; k < n; k += W) {
+      const int64_t m = std::min<int64_t>(W, n - k);
+      Vec v = load_as<scalar_t, acc_t>(g_row + k, m);
+      if (draw.active) v = v * load_as<acc_t, acc_t>(factors + k, m);
+      if (grad_x != nullptr) store_as<scalar_t, acc_t>(v, grad_x + r * d + j0 + k, m);
+      store_as<acc_t, acc_t>(load_as<acc_t, acc_t>(acc + k, m) + v, acc + k, m);
+    }
+  };
+  auto row_of = [&](int64_t b, int64_t s) { return g.batch_first ? b * g.seq + s : s * g.batch + b; };
+
+  if (positions == nullptr || g.positions_batch_stride == 0) {
+    // The table row depends on s only: sum over the batch in registers-sized chunks, then
+    // add once per s. Without positions every s has its own row, so s can be split over
+    // threads; with (S,) positions two s may share a row, so threads own columns instead.
+    // Either way each table entry is summed in a fixed order (b, then s): deterministic.
+    const bool unique = positions == nullptr;
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t width = unique ? d : std::max<int64_t>(64, ((d + threads - 1) / threads + 15) / 16 * 16);
+    const int64_t ranges = (d + width - 1) / width;
+    const int64_t s_grain = unique ? std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d * g.batch)) : g.seq;
+    at::parallel_for(0, ranges * ((g.seq + s_grain - 1) / s_grain), 1, [&](int64_t begin, int64_t end) {
+      alignas(64) acc_t factors[kChunk];
+      alignas(64) acc_t acc[kChunk];
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t c = task % ranges;
+        const int64_t s_begin = (task / ranges) * s_grain;
+        const int64_t s_end = std::min(g.seq, s_begin + s_grain);
+        const int64_t j_end = std::min(d, (c + 1) * width);
+        for (int64_t s = s_begin; s < s_end; ++s) {
+          const int64_t pos = positions != nullptr ? positions[s] : g.offset + s;
+          for (int64_t j0 = c * width; j0 < j_end; j0 += kChunk) {
+            const int64_t n = std::min(kChunk, j_end - j0);
+            std::fill(acc, acc + n, acc_t(0));
+            for (int64_t b = 0; b < g.batch; ++b) masked_row_into(row_of(b, s), j0, n, factors, acc);
+            acc_t* t_row = grad_table + pos * d + j0;
+            for (int64_t k = 0; k < n; ++k) t_row[k] += acc[k];
+          }
+        }
+      }
+    });
+    return;
+  }
+
+  // (B, S) positions: any two rows may share a table row. Threads own column ranges and
+  // walk the rows in order, accumulating straight into the table: deterministic.
+  const int64_t rows = g.batch * g.seq;
   const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
   const int64_t width = std::max<int64_t>(64, ((d + threads - 1) / threads + 15) / 16 * 16);
   const int64_t ranges = (d + width - 1) / width;
@@ -225,17 +275,8 @@ void add_position_backward_rows(const AddPositionGeometry& g, const scalar_t* gr
       const int64_t j_end = std::min(d, (c + 1) * width);
       for (int64_t j0 = c * width; j0 < j_end; j0 += kChunk) {
         const int64_t n = std::min(kChunk, j_end - j0);
-        for (int64_t r = 0; r < rows; ++r) {  // row order: the deterministic summation order
-          const scalar_t* g_row = grad + r * d + j0;
-          acc_t* t_row = grad_table + row_position(g, positions, r) * d + j0;
-          if (draw.active) dropout_factors<acc_t>(draw, r * d + j0, n, factors);
-          for (int64_t k = 0; k < n; k += W) {
-            const int64_t m = std::min<int64_t>(W, n - k);
-            Vec v = load_as<scalar_t, acc_t>(g_row + k, m);
-            if (draw.active) v = v * load_as<acc_t, acc_t>(factors + k, m);
-            if (grad_x != nullptr) store_as<scalar_t, acc_t>(v, grad_x + r * d + j0 + k, m);
-            store_as<acc_t, acc_t>(load_as<acc_t, acc_t>(t_row + k, m) + v, t_row + k, m);
-          }
+        for (int64_t r = 0; r < rows; ++r) {
+          masked_row_into(r, j0, n, factors, grad_table + row_position(g, positions, r) * d + j0);
         }
       }
     }
