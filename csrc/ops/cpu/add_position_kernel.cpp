@@ -57,13 +57,26 @@ inline void mulhilo8(__m256i c, __m256i mul, __m256i& hi, __m256i& lo) {
 // philox4x32_10 of posenc/math/philox.h on 8 counters at once (same rounds and constants);
 // writes the 8 blocks' bits in element order: block i's words (c0, c1, c2, c3)[i] at
 // bits + 8 * i, which on little-endian x86 is dropout_lane_bits order.
-void philox8_bits(uint32_t (&c0)[kLanes], uint32_t (&c1)[kLanes], uint32_t (&c2)[kLanes],
-                  uint32_t (&c3)[kLanes], uint32_t k0, uint32_t k1, int64_t lanes,
+void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
                   uint16_t* bits) {
-  __m256i v0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c0));
-  __m256i v1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c1));
-  __m256i v2 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c2));
-  __m256i v3 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c3));
+  alignas(32) uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+  __m256i v0, v1, v2, v3;
+  if (static_cast<uint32_t>(block0) <= 0xFFFFFFFFu - kLanes) {
+    // The usual case: the 8 block indices share their high word, so the counters are
+    // built in registers (dropout_counter's layout: block lo/hi, offset lo/hi).
+    v0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0))),
+                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    v1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0 >> 32)));
+    v2 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset)));
+    v3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
+  } else {
+    for (int i = 0; i < kLanes; ++i) math::dropout_counter(offset, block0 + i, c0[i], c1[i], c2[i], c3[i]);
+    v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0));
+    v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c1));
+    v2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c2));
+    v3 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c3));
+  }
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   const __m256i mul0 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul0));
   const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul1));
   for (int round = 0; round < math::kPhiloxRounds; ++round) {
@@ -97,9 +110,11 @@ void philox8_bits(uint32_t (&c0)[kLanes], uint32_t (&c1)[kLanes], uint32_t (&c2)
   }
 }
 #else
-void philox8_bits(uint32_t (&c0)[kLanes], uint32_t (&c1)[kLanes], uint32_t (&c2)[kLanes],
-                  uint32_t (&c3)[kLanes], uint32_t k0, uint32_t k1, int64_t lanes,
+void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
                   uint16_t* bits) {
+  uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+  for (int i = 0; i < kLanes; ++i) math::dropout_counter(offset, block0 + i, c0[i], c1[i], c2[i], c3[i]);
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
   for (int round = 0; round < math::kPhiloxRounds; ++round) {
     for (int i = 0; i < kLanes; ++i) math::philox_round(c0[i], c1[i], c2[i], c3[i], k0, k1);
     k0 += math::kPhiloxWeyl0;
@@ -113,12 +128,8 @@ void philox8_bits(uint32_t (&c0)[kLanes], uint32_t (&c1)[kLanes], uint32_t (&c2)
 void dropout_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t nblocks,
                   uint16_t* bits) {
   for (int64_t b = 0; b < nblocks; b += kLanes) {
-    alignas(32) uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-    for (int i = 0; i < kLanes; ++i) {
-      math::dropout_counter(offset, block0 + b + i, c0[i], c1[i], c2[i], c3[i]);
-    }
-    philox8_bits(c0, c1, c2, c3, static_cast<uint32_t>(seed), static_cast<uint32_t>(seed >> 32),
-                 std::min<int64_t>(kLanes, nblocks - b), bits + b * math::kDropoutBlock);
+    philox8_bits(seed, offset, block0 + b, std::min<int64_t>(kLanes, nblocks - b),
+                 bits + b * math::kDropoutBlock);
   }
 }
 
