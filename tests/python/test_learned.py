@@ -296,3 +296,34 @@ def test_fused_backward_is_bitwise_independent_of_thread_count(positions):
         torch.set_num_threads(threads)
     for gx, gt in results[1:]:
         assert torch.equal(gx, results[0][0]) and torch.equal(gt, results[0][1])
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+@pytest.mark.parametrize("p", [0.0, 0.4])
+@pytest.mark.parametrize("need_x", [True, False])
+def test_composite_backward_matches_the_cpu_kernel(batch_first, positions, p, need_x):
+    """The composite implementation serves backends without a fused kernel (CUDA today);
+    run it on the CPU through the dispatcher and compare with the CPU kernel."""
+    B, S, d, L = 4, 6, 10, 9
+    grad = torch.randn((B, S, d) if batch_first else (S, B, d))
+    rng = torch.tensor([42, 7])
+    pos = {None: None, "1d": torch.randint(0, L, (S,)), "2d": torch.randint(0, L, (B, S))}[positions]
+    args = (grad, rng, pos, 0 if pos is not None else 2, batch_first, p, L, need_x)
+    op = torch.ops.posenc.add_position_backward_with_table.default
+    composite_keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    gx_c, gt_c = op.redispatch(composite_keys, *args)
+    gx, gt = op(*args)
+    assert gx_c.shape == gx.shape and torch.equal(gx_c, gx)
+    assert gt_c.dtype == gt.dtype and gt_c.shape == gt.shape
+    torch.testing.assert_close(gt_c, gt, atol=1e-5, rtol=1e-5)
+
+
+def test_export_learned_module_with_positions():
+    m = posenc.LearnedPositionalEncoding(16, 0.1, 64).eval()
+    x = torch.randn(2, 10, 16)
+    pos = torch.randint(0, 64, (2, 10))
+    ep = torch.export.export(m, (x, 0, pos))
+    assert any("posenc.add_position" in str(n.target) for n in ep.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x, 0, pos), m(x, positions=pos))
