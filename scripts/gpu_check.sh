@@ -27,8 +27,8 @@ echo "built in $(( $(date +%s) - start )) s"
 cuobjdump --dump-resource-usage build-gpu/libposenc.so > "$OUT/resource_usage.txt" 2>&1 || true
 
 echo "== tests"
-timeout 200 "$PY" -m pytest tests/python -q -p no:cacheprovider -rs > "$OUT/pytest.log" 2>&1 || status=1
-tail -25 "$OUT/pytest.log"
+timeout 200 "$PY" -m pytest tests/python -q -p no:cacheprovider -rfE > "$OUT/pytest.log" 2>&1 || status=1
+tail -15 "$OUT/pytest.log"
 
 echo "== benchmark"
 # --quick: the 1 GiB shape per dtype (the 2 GiB ones too would not fit the 6-minute call
