@@ -44,9 +44,15 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
 
 class _AddPositionModule(nn.Module):
     """Shared front end: ``forward(x, offset=0, positions=None) = dropout(x + pe[rows])``
-    through the fused op, with the classic ``nn.Dropout`` child and argument checks."""
+    through the fused op, with the classic ``nn.Dropout`` child and argument checks.
+
+    ``check_positions`` (attribute, default True): range-check CUDA ``positions`` on the
+    host in eager mode, which costs one device sync. Set it to False in a hot loop whose
+    positions are known to be valid; out-of-range rows then come out as NaN.
+    """
 
     pe: Tensor
+    check_positions: bool = True
 
     def __init__(self, d_model, dropout, max_len, batch_first) -> None:
         super().__init__()
@@ -58,7 +64,7 @@ class _AddPositionModule(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given."""
-        if positions is not None:
+        if positions is not None and self.check_positions:
             _check_positions_on_host(positions, self.pe.shape[1])
         p = self.dropout.p if self.training else 0.0
         return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
