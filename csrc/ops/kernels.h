@@ -25,6 +25,11 @@ using AddPositionBackwardWithTableFn = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
     int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x);
 
+// The composite implementation (any backend), see add_position_composite.cpp.
+std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
+    const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
+    c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x);
+
 AddPositionForwardFn add_position_forward_cpu;
 AddPositionBackwardWithTableFn add_position_backward_with_table_cpu;
 AddPositionBackwardFn add_position_backward_cpu;

@@ -1,0 +1,57 @@
+// add_position_backward_with_table composed from torch ops: the implementation for
+// backends without a fused kernel (CompositeExplicitAutograd), and the CUDA backend's path
+// for (batch, seq) positions.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include "ops/kernels.h"
+#include "ops/op_handles.h"
+
+namespace posenc {
+namespace ops {
+
+namespace {
+
+// The masked gradient scattered into the table rows that were read, summed over the batch,
+// in float32 (float64 for float64 grad). Deterministic: a reduction over the batch
+// dimension, or index_put with accumulate, which is sort based on CUDA.
+at::Tensor table_gradient_composite(const at::Tensor& grad_x, const at::Tensor& positions,
+                                    const c10::SymInt& offset, bool batch_first,
+                                    const c10::SymInt& table_len) {
+  const at::ScalarType acc = grad_x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  if (!positions.defined()) {
+    // Rows offset .. offset + seq - 1, each read once per batch element.
+    const at::Tensor summed = grad_x.sum({batch_first ? 0 : 1}, false, acc);
+    const c10::SymInt seq = summed.sym_size(0);
+    return at::constant_pad_nd_symint(summed, {0, 0, offset, table_len - offset - seq}, 0);
+  }
+  const at::Tensor rows = batch_first ? grad_x : grad_x.transpose(0, 1);  // (B, S, d)
+  const at::Tensor pos =
+      positions.dim() == 1
+          ? positions.unsqueeze(0).expand_symint({rows.sym_size(0), rows.sym_size(1)})
+          : positions;
+  const at::Tensor zeros =
+      at::zeros_symint({table_len, rows.sym_size(2)}, grad_x.options().dtype(acc));
+  return at::index_put(zeros, {pos.reshape(-1)},
+                       rows.reshape_symint({-1, rows.sym_size(2)}).to(acc), true);
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
+    const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
+    c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
+  const at::Tensor masked = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
+  at::Tensor grad_table = table_gradient_composite(masked, positions.value_or(at::Tensor()),
+                                                   offset, batch_first, table_len);
+  at::Tensor grad_x = !need_x ? at::empty({0}, grad.options())
+                              : (p > 0.0 ? masked : grad.clone(at::MemoryFormat::Contiguous));
+  return {grad_x, grad_table};
+}
+
+TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+  m.impl("add_position_backward_with_table", &add_position_backward_with_table_composite);
+}
+
+}  // namespace ops
+}  // namespace posenc
