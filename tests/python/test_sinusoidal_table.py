@@ -40,6 +40,18 @@ def test_buffer_error_bound_and_classic_distance():
     assert 1e-4 < classic < 1e-3  # the classic construction's float32 angle error
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("d", [1, 6, 7])
+def test_gradient_wrt_float_positions(device, d):
+    pos = (torch.rand(4, 3, dtype=torch.float64, device=device) * 50).requires_grad_(True)
+    assert torch.autograd.gradcheck(lambda q: sinusoidal_table(q, d, base=100.0, dtype=torch.float64), (pos,))
+    g = torch.randn(4, 3, d, dtype=torch.float64, device=device)
+    (grad,) = torch.autograd.grad(sinusoidal_table(pos, d, base=100.0, dtype=torch.float64), pos, g)
+    ref_pos = pos.detach().clone().requires_grad_(True)
+    (want,) = torch.autograd.grad(reference_table(ref_pos, d, base=100.0), ref_pos, g)
+    torch.testing.assert_close(grad, want, atol=1e-10, rtol=1e-10)
+
+
 def test_odd_d_model_ends_with_sine():
     pos = torch.arange(50)
     got = sinusoidal_table(pos, 7, dtype=torch.float64)
