@@ -79,6 +79,16 @@ cpu::DropoutDraw draw_cpu(double p) {
   return draw;
 }
 
+// The draw of a forward call, read back from its (seed, offset) rng tensor (validated by
+// the caller).
+cpu::DropoutDraw draw_from_rng(const at::Tensor& rng, double p) {
+  cpu::DropoutDraw draw = dropout_params(p);
+  const at::Tensor state = rng.contiguous();
+  draw.seed = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[0]);
+  draw.offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
+  return draw;
+}
+
 at::Tensor rng_tensor(const cpu::DropoutDraw& draw) {
   if (!draw.active) return at::empty({0}, at::TensorOptions().dtype(at::kLong));
   at::Tensor rng = at::empty({2}, at::TensorOptions().dtype(at::kLong));
@@ -128,10 +138,7 @@ at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor
               "posenc: expected rng to be the int64 (seed, offset) pair from the forward on the "
               "CPU, got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ", rng.device());
   check_cpu_isa();
-  const at::Tensor state = rng.contiguous();
-  cpu::DropoutDraw draw = dropout_params(p);
-  draw.seed = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[0]);
-  draw.offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
+  const cpu::DropoutDraw draw = draw_from_rng(rng, p);
   const at::Tensor grad = grad_in.contiguous();
   at::Tensor out = empty_output(grad.sizes(), grad.options());
   if (grad.numel() == 0) return out;
@@ -154,13 +161,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
     pos = positions->contiguous();
     check_positions_in_range_cpu(pos, g.table_len);
   }
-  cpu::DropoutDraw draw;
-  if (p > 0.0) {
-    draw = dropout_params(p);
-    const at::Tensor state = rng.contiguous();
-    draw.seed = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[0]);
-    draw.offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
-  }
+  const cpu::DropoutDraw draw = p > 0.0 ? draw_from_rng(rng, p) : cpu::DropoutDraw{};
   const at::Tensor grad = grad_in.contiguous();
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor grad_x = need_x ? empty_output(grad.sizes(), grad.options())
