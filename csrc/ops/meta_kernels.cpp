@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "ops/add_position_checks.h"
+#include "ops/rope_checks.h"
 
 namespace posenc {
 namespace ops {
@@ -43,9 +44,34 @@ at::Tensor sinusoidal_table_meta(const at::Tensor& positions, c10::SymInt d_mode
   return at::empty_symint(shape, positions.options().dtype(dtype.value_or(at::kFloat)));
 }
 
+// rope: q's (and k's) shape and strides, as the backends allocate them (empty_like).
+std::tuple<at::Tensor, at::Tensor> rope_meta(
+    const at::Tensor& q, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& offsets,
+    c10::SymInt /*offset*/, const std::optional<at::Tensor>& cu_seqlens, double /*base*/,
+    c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t /*seq_len*/,
+    int64_t rotary_dim, bool /*interleaved*/, c10::string_view layout, bool /*inverse*/) {
+  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
+  parse_rope_scaling(rope_type, scaling);
+  return {at::empty_like(q), k.has_value() ? at::empty_like(*k) : at::empty({0}, q.options())};
+}
+
+void rope_inplace_meta(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                       const std::optional<at::Tensor>& positions,
+                       const std::optional<at::Tensor>& offsets, c10::SymInt /*offset*/,
+                       const std::optional<at::Tensor>& cu_seqlens, double /*base*/,
+                       c10::string_view rope_type, at::ArrayRef<double> scaling,
+                       int64_t /*seq_len*/, int64_t rotary_dim, bool /*interleaved*/,
+                       c10::string_view layout, bool /*inverse*/) {
+  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
+  parse_rope_scaling(rope_type, scaling);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, Meta, m) {
+  m.impl("rope", &rope_meta);
+  m.impl("rope_", &rope_inplace_meta);
   m.impl("add_position_forward", &add_position_forward_meta);
   m.impl("add_position_backward", &add_position_backward_meta);
   m.impl("add_position_backward_with_table", &add_position_backward_with_table_meta);

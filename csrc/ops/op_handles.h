@@ -22,6 +22,17 @@ using AddPositionBackwardWithTableSig = std::tuple<at::Tensor, at::Tensor>(
 using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double,
                                       std::optional<at::ScalarType>);
 
+// rope and rope_ share their arguments; rope returns (q, k-or-empty), rope_ nothing.
+#define POSENC_ROPE_ARGS                                                                      \
+  const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,     \
+      const std::optional<at::Tensor>&, c10::SymInt, const std::optional<at::Tensor>&, double, \
+      c10::string_view, at::ArrayRef<double>, int64_t, int64_t, bool, c10::string_view, bool
+using RopeSig = std::tuple<at::Tensor, at::Tensor>(POSENC_ROPE_ARGS);
+using RopeInplaceSig = void(POSENC_ROPE_ARGS);
+#undef POSENC_ROPE_ARGS
+using RopeFrequenciesSig = std::tuple<at::Tensor, double>(int64_t, double, c10::string_view,
+                                                          at::ArrayRef<double>, int64_t);
+
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Sig>();
@@ -48,6 +59,19 @@ add_position_backward_with_table_op() {
 }
 inline const c10::TypedOperatorHandle<SinusoidalTableSig>& sinusoidal_table_op() {
   static const auto handle = find_op<SinusoidalTableSig>("posenc::sinusoidal_table");
+  return handle;
+}
+
+inline const c10::TypedOperatorHandle<RopeSig>& rope_op() {
+  static const auto handle = find_op<RopeSig>("posenc::rope");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<RopeInplaceSig>& rope_inplace_op() {
+  static const auto handle = find_op<RopeInplaceSig>("posenc::rope_");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<RopeFrequenciesSig>& rope_frequencies_op() {
+  static const auto handle = find_op<RopeFrequenciesSig>("posenc::rope_frequencies");
   return handle;
 }
 

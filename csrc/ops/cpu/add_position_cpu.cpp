@@ -10,53 +10,17 @@
 #include <cstdint>
 #include <mutex>
 
-#if defined(__linux__)
-#include <sys/mman.h>
-#endif
-
 #include "ops/add_position_checks.h"
 #include "ops/cpu/add_position_kernel.h"
+#include "ops/cpu/cpu_support.h"
 #include "ops/kernels.h"
 #include "posenc/math/philox.h"
 
 namespace posenc {
 namespace ops {
 
-namespace cpu {
-bool cpu_kernels_supported() {
-#if defined(POSENC_CPU_AVX2) && (defined(__x86_64__) || defined(__i386__))
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return true;
-#endif
-}
-}  // namespace cpu
 
 namespace {
-
-void check_cpu_isa() {
-  TORCH_CHECK(cpu::cpu_kernels_supported(), "posenc: the CPU kernels were built for ",
-              cpu::cpu_kernels_isa(), ", which this CPU does not support; rebuild with "
-              "-DPOSENC_CPU_AVX2=OFF");
-}
-
-// An output that the kernel writes once, front to back. For large ones we advise Linux to
-// back the pages with transparent huge pages: a fresh 32 MiB output otherwise costs ~8000
-// page faults, which take longer than the kernel itself (measured in benchmarks/NOTES.md).
-at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
-  at::Tensor out = at::empty(sizes, options);
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-  constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
-  const uintptr_t begin = reinterpret_cast<uintptr_t>(out.mutable_data_ptr());
-  const uintptr_t lo = (begin + kHugePage - 1) & ~(kHugePage - 1);
-  const uintptr_t hi = (begin + out.nbytes()) & ~(kHugePage - 1);
-  if (out.nbytes() >= 4 * kHugePage && hi > lo) {
-    // Advice only: the result is ignored (e.g. THP disabled), correctness does not depend on it.
-    (void)madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);
-  }
-#endif
-  return out;
-}
 
 cpu::DropoutDraw dropout_params(double p) {
   const auto params = math::make_dropout_params(p);

@@ -1,0 +1,195 @@
+// Rotary position embedding (Su et al., RoFormer): the frequencies, the long-context scaling
+// rules and the rotation angle, shared by the CPU and the CUDA kernels.
+//
+// Pair i of a head (i < rotary_dim / 2) turns by the angle pos * inv_freq[i], where
+//   inv_freq[i] = base^(-2i / rotary_dim)
+// before scaling. The scaling rules follow Hugging Face transformers' rope initialisation
+// functions (modeling_rope_utils.py) for the types linear, dynamic, yarn and llama3; they are
+// evaluated in double precision (transformers rounds to float32, a difference of < 1 ulp of
+// float32 in the frequencies).
+//
+// Accuracy of the angle: a float32 product pos * inv_freq is off by up to ~0.06 rad at
+// pos = 1e6 (the float32 rounding of inv_freq alone is a relative 6e-8). Here the product
+// is formed in double, reduced modulo pi/2 in double (Cody-Waite, two-part pi/2), and only
+// the reduced angle in [-pi/4, pi/4] is rounded to the working precision.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+
+#include "posenc/math/host_device.h"
+
+namespace posenc {
+namespace math {
+
+// The scaling types, in the order of their names in rope_type_names().
+enum class RopeType : int { kDefault = 0, kLinear = 1, kDynamic = 2, kYarn = 3, kLlama3 = 4 };
+
+// The parameters of Hugging Face's `rope_scaling` dict, one field per key. A NaN marks a
+// key that was not given (its default, where it has one, applies).
+struct RopeScaling {
+  RopeType type = RopeType::kDefault;
+  double factor = NAN;
+  double low_freq_factor = NAN;                   // llama3
+  double high_freq_factor = NAN;                  // llama3
+  double original_max_position_embeddings = NAN;  // dynamic, yarn, llama3
+  double beta_fast = NAN;                         // yarn, default 32
+  double beta_slow = NAN;                         // yarn, default 1
+  double attention_factor = NAN;                  // yarn, default from mscale
+  double mscale = NAN;                            // yarn
+  double mscale_all_dim = NAN;                    // yarn
+  double truncate = NAN;                          // yarn, default true (nonzero)
+};
+
+// Number of fields of RopeScaling after `type`: the length of the op's float[] argument.
+constexpr int kRopeScalingFields = 10;
+
+// True for a field that was not given (NaN); written out so that it needs no isnan overload.
+POSENC_HOST_DEVICE bool rope_missing(double v) { return v != v; }
+
+POSENC_HOST_DEVICE double rope_default_inv_freq(int64_t i, int64_t rotary_dim, double base) {
+  return 1.0 / pow(base, static_cast<double>(2 * i) / static_cast<double>(rotary_dim));
+}
+
+// yarn's attention scaling: 0.1 * mscale * ln(scale) + 1 for scale > 1.
+POSENC_HOST_DEVICE double yarn_get_mscale(double scale, double mscale) {
+  return scale <= 1.0 ? 1.0 : 0.1 * mscale * log(scale) + 1.0;
+}
+
+// yarn: the (fractional) pair index whose wavelength makes num_rotations turns over
+// max_pos positions.
+POSENC_HOST_DEVICE double yarn_correction_dim(double num_rotations, int64_t dim, double base,
+                                              double max_pos) {
+  const double two_pi = 6.283185307179586476925286766559;
+  return (static_cast<double>(dim) * log(max_pos / (num_rotations * two_pi))) / (2.0 * log(base));
+}
+
+// The frequency of pair i after scaling. seq_len matters for "dynamic" only: the longest
+// position + 1 of the call (0 or anything up to original_max_position_embeddings gives the
+// unscaled frequencies, as in transformers).
+POSENC_HOST_DEVICE double rope_inv_freq(int64_t i, int64_t rotary_dim, double base,
+                                        const RopeScaling& s, int64_t seq_len) {
+  switch (s.type) {
+    case RopeType::kLinear:
+      return rope_default_inv_freq(i, rotary_dim, base) / s.factor;
+    case RopeType::kDynamic: {
+      const double orig = s.original_max_position_embeddings;
+      const double len = static_cast<double>(seq_len) > orig ? static_cast<double>(seq_len) : orig;
+      const double d = static_cast<double>(rotary_dim);
+      const double scaled_base =
+          base * pow(s.factor * len / orig - (s.factor - 1.0), d / (d - 2.0));
+      return rope_default_inv_freq(i, rotary_dim, scaled_base);
+    }
+    case RopeType::kYarn: {
+      const double beta_fast = rope_missing(s.beta_fast) ? 32.0 : s.beta_fast;
+      const double beta_slow = rope_missing(s.beta_slow) ? 1.0 : s.beta_slow;
+      const bool truncate = rope_missing(s.truncate) || s.truncate != 0.0;
+      const double orig = s.original_max_position_embeddings;
+      double low = yarn_correction_dim(beta_fast, rotary_dim, base, orig);
+      double high = yarn_correction_dim(beta_slow, rotary_dim, base, orig);
+      if (truncate) {
+        low = floor(low);
+        high = ceil(high);
+      }
+      low = low > 0.0 ? low : 0.0;
+      high = high < static_cast<double>(rotary_dim - 1) ? high : static_cast<double>(rotary_dim - 1);
+      if (low == high) high += 0.001;  // as transformers: no division by zero in the ramp
+      double ramp = (static_cast<double>(i) - low) / (high - low);
+      ramp = ramp < 0.0 ? 0.0 : (ramp > 1.0 ? 1.0 : ramp);
+      const double extrapolation = rope_default_inv_freq(i, rotary_dim, base);
+      const double interpolation = extrapolation / s.factor;
+      // ramp 0: high frequency, kept (extrapolated); ramp 1: low frequency, interpolated.
+      const double keep = 1.0 - ramp;
+      return interpolation * (1.0 - keep) + extrapolation * keep;
+    }
+    case RopeType::kLlama3: {
+      const double two_pi = 6.283185307179586476925286766559;
+      const double inv = rope_default_inv_freq(i, rotary_dim, base);
+      const double orig = s.original_max_position_embeddings;
+      const double low_freq_wavelen = orig / s.low_freq_factor;
+      const double high_freq_wavelen = orig / s.high_freq_factor;
+      const double wavelen = two_pi / inv;
+      if (wavelen < high_freq_wavelen) return inv;
+      if (wavelen > low_freq_wavelen) return inv / s.factor;
+      const double smooth =
+          (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
+      return (1.0 - smooth) * inv / s.factor + smooth * inv;
+    }
+    case RopeType::kDefault:
+    default:
+      return rope_default_inv_freq(i, rotary_dim, base);
+  }
+}
+
+// The factor cos and sin are multiplied by (yarn's attention scaling; 1 for the others).
+POSENC_HOST_DEVICE double rope_attention_factor(const RopeScaling& s) {
+  if (s.type != RopeType::kYarn) return 1.0;
+  if (!rope_missing(s.attention_factor)) return s.attention_factor;
+  if (!rope_missing(s.mscale) && !rope_missing(s.mscale_all_dim) && s.mscale != 0.0 && s.mscale_all_dim != 0.0) {
+    return yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim);
+  }
+  return yarn_get_mscale(s.factor, 1.0);
+}
+
+// sin and cos of r in [-pi/4, pi/4]: minimax polynomials (float32, < 1 ulp on that range),
+// the same on host and device so that CPU and CUDA kernels agree.
+POSENC_HOST_DEVICE void rope_sincos_reduced(float r, float* s, float* c) {
+  const float r2 = r * r;
+  *s = r + r * r2 * (-1.6666654611e-1f + r2 * (8.3321608736e-3f + r2 * -1.9515295891e-4f));
+  *c = 1.0f - 0.5f * r2 +
+       r2 * r2 * (4.166664568298827e-2f + r2 * (-1.388731625493765e-3f + r2 * 2.443315711809948e-5f));
+}
+
+POSENC_HOST_DEVICE void rope_sincos_reduced(double r, double* s, double* c) {
+  *s = sin(r);
+  *c = cos(r);
+}
+
+// sin and cos of pos * inv_freq in precision T (float or double). The product and the
+// reduction modulo pi/2 are done in double, so the error does not grow with pos.
+template <typename T>
+POSENC_HOST_DEVICE void rope_sincos(int64_t pos, double inv_freq, T* s, T* c) {
+  const double two_over_pi = 0.63661977236758134308;
+  const double pio2_hi = 1.5707963267948965580e+00;  // pi/2 rounded to double
+  const double pio2_lo = 6.1232339957367658e-17;     // pi/2 - pio2_hi
+  const double angle = static_cast<double>(pos) * inv_freq;
+  const double k = rint(angle * two_over_pi);
+  const double r = fma(-k, pio2_lo, fma(-k, pio2_hi, angle));
+  T sr, cr;
+  rope_sincos_reduced(static_cast<T>(r), &sr, &cr);
+  // Quadrant q: angle = r + q * pi/2.
+  const int64_t q = static_cast<int64_t>(k) & 3;
+  if (q == 0) {
+    *s = sr;
+    *c = cr;
+  } else if (q == 1) {
+    *s = cr;
+    *c = -sr;
+  } else if (q == 2) {
+    *s = -sr;
+    *c = -cr;
+  } else {
+    *s = -cr;
+    *c = sr;
+  }
+}
+
+// Packed variable-length batches ("thd"): the sequence that token t belongs to, given the
+// cumulative lengths cu[0..n] (cu[0] = 0, increasing). Returns -1 when t is not covered,
+// so that a kernel can mark the token instead of reading out of bounds.
+POSENC_HOST_DEVICE int64_t rope_sequence_of(const int64_t* cu, int64_t n, int64_t t) {
+  if (n <= 0 || t < cu[0] || t >= cu[n]) return -1;
+  int64_t lo = 0, hi = n;  // invariant: cu[lo] <= t < cu[hi]
+  while (hi - lo > 1) {
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (cu[mid] <= t) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+}  // namespace math
+}  // namespace posenc

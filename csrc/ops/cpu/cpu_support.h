@@ -1,0 +1,22 @@
+// What every CPU backend file needs: the vector-ISA check and output allocation.
+#pragma once
+
+#include <ATen/ATen.h>
+
+namespace posenc {
+namespace ops {
+
+// Raises a clear error when the vector kernels were built for an ISA this CPU lacks.
+void check_cpu_isa();
+
+// An output that a kernel writes once, front to back. Large ones are advised onto
+// transparent huge pages: a fresh 32 MiB output otherwise costs ~8000 page faults, which
+// take longer than the kernel itself (measured in benchmarks/NOTES.md).
+at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options);
+
+// As empty_output, with the sizes and strides of `like` when it is dense (a transposed or
+// channels-last tensor keeps its layout), contiguous otherwise.
+at::Tensor empty_output_like(const at::Tensor& like);
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,162 @@
+// CPU kernel of the rope ops. Tokens are spread over threads with at::parallel_for; each
+// token's cos/sin (one per pair) are computed once with the shared math of
+// posenc/math/rope.h and reused for every head of q and k. Rows whose last dimension is
+// contiguous take an at::vec path (float, double); the rest, and half precision, a scalar
+// loop with the rotation done in float32 (float64 for float64).
+#include "ops/cpu/rope_kernel.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+namespace {
+
+using at::vec::Vectorized;
+
+// cos and sin of one token, already multiplied by the attention factor (sin negated for the
+// inverse rotation).
+template <typename acc_t>
+struct TokenAngles {
+  acc_t cs[kMaxRopePairs];
+  acc_t sn[kMaxRopePairs];
+};
+
+template <typename acc_t>
+void token_angles(const RopeArgs& a, int64_t pos, TokenAngles<acc_t>& t) {
+  const acc_t factor = static_cast<acc_t>(a.attention_factor);
+  const acc_t sign = a.inverse ? acc_t(-1) : acc_t(1);
+  for (int64_t i = 0; i < a.rotary_dim / 2; ++i) {
+    acc_t s, c;
+    math::rope_sincos<acc_t>(pos, a.inv_freq[i], &s, &c);
+    t.cs[i] = c * factor;
+    t.sn[i] = s * factor * sign;
+  }
+}
+
+// Pair (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+template <typename scalar_t, typename acc_t>
+inline void rotate_pair(const scalar_t* in, int64_t i1, int64_t i2, scalar_t* out, int64_t o1,
+                        int64_t o2, acc_t c, acc_t s) {
+  const acc_t x1 = static_cast<acc_t>(in[i1]);
+  const acc_t x2 = static_cast<acc_t>(in[i2]);
+  out[o1] = static_cast<scalar_t>(x1 * c - x2 * s);
+  out[o2] = static_cast<scalar_t>(x2 * c + x1 * s);
+}
+
+// Any strides, any dtype: pair p of the row with element strides si (in) and so (out).
+template <typename scalar_t, typename acc_t>
+void rotate_row_strided(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
+                        int64_t so, const TokenAngles<acc_t>& t, int64_t first_pair) {
+  const int64_t half = a.rotary_dim / 2;
+  for (int64_t p = first_pair; p < half; ++p) {
+    const int64_t e1 = a.interleaved ? 2 * p : p;
+    const int64_t e2 = a.interleaved ? 2 * p + 1 : p + half;
+    rotate_pair(in, e1 * si, e2 * si, out, e1 * so, e2 * so, t.cs[p], t.sn[p]);
+  }
+}
+
+// Contiguous rows of float or double: at::vec over pairs, the scalar loop for the tail.
+template <typename scalar_t>
+void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
+                    const TokenAngles<scalar_t>& t) {
+  using Vec = Vectorized<scalar_t>;
+  constexpr int64_t W = Vec::size();
+  const int64_t half = a.rotary_dim / 2;
+  int64_t p = 0;
+  if (!a.interleaved) {
+    for (; p + W <= half; p += W) {
+      const Vec x1 = Vec::loadu(in + p), x2 = Vec::loadu(in + half + p);
+      const Vec c = Vec::loadu(t.cs + p), s = Vec::loadu(t.sn + p);
+      (x1 * c - x2 * s).store(out + p);
+      (x2 * c + x1 * s).store(out + half + p);
+    }
+  } else {
+    for (; p + W <= half; p += W) {
+      auto [x1, x2] = at::vec::deinterleave2(Vec::loadu(in + 2 * p), Vec::loadu(in + 2 * p + W));
+      const Vec c = Vec::loadu(t.cs + p), s = Vec::loadu(t.sn + p);
+      auto [o0, o1] = at::vec::interleave2(x1 * c - x2 * s, x2 * c + x1 * s);
+      o0.store(out + 2 * p);
+      o1.store(out + 2 * p + W);
+    }
+  }
+  rotate_row_strided<scalar_t, scalar_t>(a, in, 1, out, 1, t, p);
+}
+
+template <typename scalar_t, typename acc_t>
+void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
+                const TokenAngles<acc_t>& t) {
+  constexpr bool kVec = std::is_same_v<scalar_t, acc_t>;
+  if constexpr (kVec) {
+    if (si == 1 && so == 1) {
+      rotate_row_vec<scalar_t>(a, in, out, t);
+    } else {
+      rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
+    }
+  } else {
+    rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
+  }
+  if (in != out) {  // the features beyond rotary_dim pass through
+    for (int64_t j = a.rotary_dim; j < a.head_dim; ++j) out[j * so] = in[j * si];
+  }
+}
+
+template <typename scalar_t>
+void nan_row(const RopeArgs& a, scalar_t* out, int64_t so) {
+  for (int64_t j = 0; j < a.head_dim; ++j) {
+    out[j * so] = std::numeric_limits<scalar_t>::quiet_NaN();
+  }
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void rope_tokens(const RopeArgs& a) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t tokens = a.batch * a.seq;
+  const int64_t row_elems = std::max<int64_t>(1, (a.q.heads + a.k.heads) * a.head_dim);
+  // About 32k elements per task: large enough to amortise the per-token angles.
+  const int64_t grain = std::max<int64_t>(1, 32768 / row_elems);
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+    TokenAngles<acc_t> angles;
+    for (int64_t token = begin; token < end; ++token) {
+      const int64_t b = token / a.seq, s = token % a.seq;
+      int64_t pos = 0;
+      const bool valid = rope_token_position(a, b, s, &pos);
+      if (valid) token_angles<acc_t>(a, pos, angles);
+      for (const RopeOperand* op : {&a.q, &a.k}) {
+        const auto* in = static_cast<const scalar_t*>(op->in);
+        auto* out = static_cast<scalar_t*>(op->out);
+        for (int64_t h = 0; h < op->heads; ++h) {
+          const scalar_t* in_row =
+              in + b * op->in_stride[0] + s * op->in_stride[1] + h * op->in_stride[2];
+          scalar_t* out_row =
+              out + b * op->out_stride[0] + s * op->out_stride[1] + h * op->out_stride[2];
+          if (valid) {
+            rotate_row<scalar_t, acc_t>(a, in_row, op->in_stride[3], out_row,
+                                        op->out_stride[3], angles);
+          } else {
+            nan_row(a, out_row, op->out_stride[3]);
+          }
+        }
+      }
+    }
+  });
+}
+
+template void rope_tokens<float>(const RopeArgs&);
+template void rope_tokens<double>(const RopeArgs&);
+template void rope_tokens<c10::Half>(const RopeArgs&);
+template void rope_tokens<c10::BFloat16>(const RopeArgs&);
+
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,63 @@
+// Argument validation and preparation for the rope ops, shared by the CPU, CUDA and Meta
+// kernels so that every backend rejects the same inputs with the same message.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/string_view.h>
+
+#include <optional>
+
+#include "ops/rope_args.h"
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+
+enum class RopeLayout { kBSHD, kBHSD, kSBHD, kTHD };
+
+// "bshd", "bhsd", "sbhd" or "thd"; anything else raises ValueError listing these.
+RopeLayout parse_rope_layout(c10::string_view layout);
+
+// rope_type plus the float[] of the op (math::kRopeScalingFields values, NaN = not given,
+// or an empty list for "default"). Raises ValueError naming a missing or invalid key.
+math::RopeScaling parse_rope_scaling(c10::string_view rope_type, at::ArrayRef<double> fields);
+
+// The tensor seen as (batch, seq, heads, head_dim): a view, no copy.
+at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout);
+
+// Structure checks (shapes, dtypes, devices, rotary_dim); work on Meta tensors. Returns the
+// resolved rotary_dim (-1 means head_dim).
+int64_t check_rope_structure(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                             const std::optional<at::Tensor>& positions,
+                             const std::optional<at::Tensor>& offsets,
+                             const std::optional<at::Tensor>& cu_seqlens, int64_t rotary_dim,
+                             c10::string_view layout);
+
+// Everything a kernel launch needs, with the small index tensors it points into kept alive.
+struct RopeLaunch {
+  RopeArgs args;
+  at::Tensor positions, offsets, cu_seqlens;  // contiguous int64 copies (or the originals)
+};
+
+// Full preparation for a real kernel: the checks above, the frequencies of the call, and
+// value checks of CPU index tensors (CUDA ones would cost a sync: the kernels mark tokens
+// outside every packed sequence with NaN instead). out_q/out_k: where the kernel writes
+// (the inputs themselves in place).
+RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                               const std::optional<at::Tensor>& positions,
+                               const std::optional<at::Tensor>& offsets, int64_t offset,
+                               const std::optional<at::Tensor>& cu_seqlens, double base,
+                               c10::string_view rope_type, at::ArrayRef<double> scaling,
+                               int64_t seq_len, int64_t rotary_dim, bool interleaved,
+                               c10::string_view layout, bool inverse, const at::Tensor& out_q,
+                               const std::optional<at::Tensor>& out_k);
+
+// In place: q and k must not overlap themselves or each other.
+void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k);
+
+// The frequencies and attention factor of a configuration, validated.
+std::vector<double> rope_frequencies_host(int64_t rotary_dim, double base,
+                                          const math::RopeScaling& scaling, int64_t seq_len);
+
+}  // namespace ops
+}  // namespace posenc
