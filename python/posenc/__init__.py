@@ -5,7 +5,7 @@
 
 from posenc import _library  # noqa: F401  (registers torch.ops.posenc)
 from posenc import functional
-from posenc.modules import LearnedPositionalEncoding, PositionalEncoding
+from posenc.modules import LearnedPositionalEncoding, PositionalEncoding, RotaryPositionalEncoding
 
-__all__ = ["LearnedPositionalEncoding", "PositionalEncoding", "functional"]
+__all__ = ["LearnedPositionalEncoding", "PositionalEncoding", "RotaryPositionalEncoding", "functional"]
 __version__ = "0.1.0"

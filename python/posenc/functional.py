@@ -8,10 +8,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from posenc._rope import apply_rope, rope_frequencies
+
 __all__ = [
     "add_position",
+    "apply_rope",
     "make_positions",
     "resample_position_table",
+    "rope_frequencies",
     "sinusoidal_2d_table",
     "sinusoidal_table",
     "timestep_embedding",

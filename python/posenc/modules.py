@@ -9,9 +9,9 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from posenc import functional
+from posenc import _rope, functional
 
-__all__ = ["PositionalEncoding", "LearnedPositionalEncoding"]
+__all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding"]
 
 
 def _check_positive_int(name: str, value) -> int:
@@ -162,3 +162,116 @@ class LearnedPositionalEncoding(_AddPositionModule):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, init_std={self.init_std}"
+
+
+class RotaryPositionalEncoding(nn.Module):
+    r"""Rotary position embedding (RoPE, Su et al.) of queries and keys, fused for q and k.
+
+    ``q, k = rope(q, k)`` returns rotated copies (one kernel launch for both); ``x =
+    rope(x)`` rotates one tensor (torchtune's ``RotaryPositionalEmbeddings`` call form).
+    Positions are ``0 .. seq-1`` plus ``offset`` (an int, or an int64 (batch,) tensor of
+    per-sequence KV-cache lengths), or ``positions`` (int64 (seq,) or (batch, seq)).
+
+    Args:
+        dim: head_dim of q and k.
+        max_len: positions must lie in ``[0, max_len)``; a clear error is raised otherwise
+            (the functional :func:`posenc.functional.apply_rope` has no limit).
+        base: RoPE base ("rope_theta").
+        interleaved: rotate adjacent pairs (GPT-J, Meta LLaMA, torchtune) instead of halves
+            (GPT-NeoX, Hugging Face ``rotate_half``).
+        rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary);
+            default ``dim``.
+        scaling: None or a Hugging Face ``rope_scaling`` dict ("linear", "dynamic", "yarn",
+            "llama3"); for "dynamic" and "yarn" ``original_max_position_embeddings``
+            defaults to ``max_len``.
+        layout: "bshd" (default), "bhsd", "sbhd" or "thd" (packed, with ``cu_seqlens``).
+
+    ``inv_freq`` is a non-persistent float32 buffer (Hugging Face's name and convention, so
+    state_dicts stay clean) holding the frequencies for inspection; the kernel evaluates them
+    itself in float64 from the configuration, so a dtype cast of the module does not change
+    the numbers. ``attention_scaling`` is yarn's factor on cos and sin (1 otherwise).
+
+    ``check_positions`` (attribute, default True): positions given as CUDA tensors are
+    range-checked on the host in eager mode, one device sync; set it to False in a hot loop
+    whose positions are known to be valid.
+    """
+
+    inv_freq: Tensor
+    check_positions: bool = True
+
+    def __init__(
+        self,
+        dim: int,
+        max_len: int = 4096,
+        base: float = 10000.0,
+        *,
+        interleaved: bool = False,
+        rotary_dim: Optional[int] = None,
+        scaling=None,
+        layout: str = "bshd",
+    ) -> None:
+        super().__init__()
+        self.dim = _check_positive_int("dim", dim)
+        self.max_len = _check_positive_int("max_len", max_len)
+        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
+            raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
+        self.base = float(base)
+        self.interleaved = bool(interleaved)
+        self.rotary_dim = self.dim if rotary_dim is None else _check_positive_int("rotary_dim", rotary_dim)
+        if self.rotary_dim % 2 != 0 or self.rotary_dim > self.dim:
+            raise ValueError(
+                f"expected rotary_dim to be even and at most dim={self.dim}, got {self.rotary_dim}"
+            )
+        if layout not in _rope.LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(_rope.LAYOUTS)}")
+        self.layout = layout
+        self.scaling = None if scaling is None else dict(scaling)
+        rope_type, values = _rope.scaling_arguments(self.scaling, self.max_len)
+        self._rope_type, self._scaling_values = rope_type, values
+        inv_freq, factor = torch.ops.posenc.rope_frequencies(
+            self.rotary_dim, self.base, rope_type, values, 0
+        )
+        self.attention_scaling = float(factor)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Optional[Tensor] = None,
+        *,
+        positions: Optional[Tensor] = None,
+        offset=0,
+        cu_seqlens: Optional[Tensor] = None,
+    ):
+        """Rotated q, or (q, k) when k is given."""
+        if q.dim() >= 1 and q.shape[-1] != self.dim:
+            raise ValueError(f"expected q with head_dim {self.dim} (the module's dim), got shape {tuple(q.shape)}")
+        self._check_range(q, positions, offset, cu_seqlens)
+        return _rope.apply_rope(
+            q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, base=self.base,
+            interleaved=self.interleaved, rotary_dim=self.rotary_dim, scaling=self.scaling,
+            layout=self.layout, _original_max=self.max_len,
+        )
+
+    def _check_range(self, q: Tensor, positions, offset, cu_seqlens) -> None:
+        """Positions must lie in [0, max_len). Free for an int offset; reads tensors back
+        (a sync on CUDA) only when check_positions is set and not under torch.compile."""
+        on_cuda = any(t is not None and isinstance(t, Tensor) and t.is_cuda for t in (positions, offset, cu_seqlens))
+        tensors = any(isinstance(t, Tensor) for t in (positions, offset, cu_seqlens))
+        if tensors and (torch.compiler.is_compiling() or (on_cuda and not self.check_positions)):
+            return
+        if q.dim() not in (3, 4) or q.numel() == 0:
+            return  # the op raises for a wrong rank; nothing to rotate when empty
+        lo, hi = _rope.position_bounds(q, self.layout, positions, offset, cu_seqlens)
+        if hi >= lo and (lo < 0 or hi >= self.max_len):
+            raise IndexError(
+                f"posenc: expected positions in [0, max_len={self.max_len}), got values from {lo} to {hi}"
+            )
+
+    def extra_repr(self) -> str:
+        extra = f"dim={self.dim}, max_len={self.max_len}, base={self.base}, interleaved={self.interleaved}"
+        if self.rotary_dim != self.dim:
+            extra += f", rotary_dim={self.rotary_dim}"
+        if self.scaling is not None:
+            extra += f", scaling={self.scaling}"
+        return extra + f", layout={self.layout!r}"

@@ -1,0 +1,221 @@
+"""Rotary position embedding (RoPE): the Python front end of ``torch.ops.posenc.rope``.
+
+The scaling dict follows Hugging Face's ``rope_scaling``; it is flattened here into the op's
+``(rope_type, scaling)`` arguments, and the frequencies themselves are computed by the
+library (``posenc/math/rope.h``), the same code the kernels run.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Mapping, Optional, Tuple, Union
+
+import torch
+from torch import Tensor
+
+# The op's scaling list, in order (posenc/math/rope.h, RopeScaling).
+SCALING_KEYS = (
+    "factor",
+    "low_freq_factor",
+    "high_freq_factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "attention_factor",
+    "mscale",
+    "mscale_all_dim",
+    "truncate",
+)
+ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
+LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
+
+
+def scaling_arguments(
+    scaling: Optional[Mapping], default_original_max: Optional[int] = None
+) -> Tuple[str, list]:
+    """``(rope_type, values)`` for the op from a Hugging Face ``rope_scaling`` dict.
+
+    ``default_original_max`` fills ``original_max_position_embeddings`` for "dynamic" and
+    "yarn" when the dict has none (transformers takes the model's max_position_embeddings).
+    """
+    if scaling is None:
+        return "default", []
+    if not isinstance(scaling, Mapping):
+        raise TypeError(f"rope: expected scaling to be None or a dict, got {type(scaling).__name__}")
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if rope_type is None:
+        raise ValueError(f"rope: the scaling dict needs 'rope_type', one of {', '.join(ROPE_TYPES)}; got {dict(scaling)}")
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"rope: unknown rope scaling type {rope_type!r}; expected one of {', '.join(ROPE_TYPES)}")
+    unknown = sorted(set(scaling) - set(SCALING_KEYS) - {"rope_type", "type"})
+    if unknown:
+        raise ValueError(
+            f"rope: unknown rope scaling key(s) {unknown}; accepted keys are rope_type, "
+            f"{', '.join(SCALING_KEYS)}"
+        )
+    values = [math.nan] * len(SCALING_KEYS)
+    for i, key in enumerate(SCALING_KEYS):
+        value = scaling.get(key)
+        if value is None:
+            continue
+        if key == "truncate":
+            if not isinstance(value, bool):
+                raise TypeError(f"rope: expected scaling key 'truncate' to be a bool, got {value!r}")
+            value = 1.0 if value else 0.0
+        elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
+        values[i] = float(value)
+    orig = SCALING_KEYS.index("original_max_position_embeddings")
+    if default_original_max is not None and rope_type in ("dynamic", "yarn") and math.isnan(values[orig]):
+        values[orig] = float(default_original_max)
+    return rope_type, values
+
+
+def rope_frequencies(
+    rotary_dim: int, *, base: float = 10000.0, scaling: Optional[Mapping] = None, seq_len: int = 0
+) -> Tuple[Tensor, float]:
+    """``(inv_freq, attention_factor)`` of a RoPE configuration: float64 inverse
+    frequencies of the ``rotary_dim // 2`` pairs (Hugging Face's ``inv_freq``, unrounded) and
+    the factor cos and sin are multiplied by (yarn's attention scaling, else 1).
+    ``seq_len`` (longest position + 1) matters for "dynamic" only."""
+    rope_type, values = scaling_arguments(scaling)
+    return torch.ops.posenc.rope_frequencies(int(rotary_dim), float(base), rope_type, values, int(seq_len))
+
+
+def _canonical(x: Tensor, layout: str) -> Tensor:
+    """x as (batch, seq, heads, head_dim)."""
+    if layout == "bhsd":
+        return x.transpose(1, 2)
+    if layout == "sbhd":
+        return x.transpose(0, 1)
+    if layout == "thd":
+        return x.unsqueeze(0)
+    return x
+
+
+def position_bounds(
+    q: Tensor,
+    layout: str,
+    positions: Optional[Tensor],
+    offset: Union[int, Tensor],
+    cu_seqlens: Optional[Tensor],
+) -> Tuple[int, int]:
+    """(smallest, largest) position of a call, as Python ints. Reads tensors back to the
+    host when positions, per-sequence offsets or cu_seqlens are given (a device sync on CUDA)."""
+    offsets = offset if isinstance(offset, Tensor) else None
+    base = 0 if offsets is not None else int(offset)
+    if cu_seqlens is not None:
+        cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
+        lengths = cu[1:] - cu[:-1]
+        if offsets is not None:
+            shift = offsets.cpu()
+            nonempty = lengths > 0
+            if not bool(nonempty.any()):
+                return 0, -1
+            lo = int(shift[nonempty].min())
+            hi = int((shift + lengths - 1)[nonempty].max())
+            return lo, hi
+        if lengths.numel() == 0:
+            return 0, -1
+        return base, int(lengths.max()) - 1 + base
+    seq = _canonical(q, layout).shape[1]
+    if positions is None:
+        lo_p, hi_p = 0, seq - 1
+    elif positions.numel() == 0:
+        return 0, -1
+    else:
+        lo_t, hi_t = torch.aminmax(positions)
+        lo_p, hi_p = int(lo_t), int(hi_t)
+    if offsets is not None and offsets.numel() > 0:
+        lo_o, hi_o = torch.aminmax(offsets)
+        return lo_p + int(lo_o) + base, hi_p + int(hi_o) + base
+    return lo_p + base, hi_p + base
+
+
+def check_cu_seqlens(cu_seqlens: Tensor, tokens: int) -> None:
+    """Values of CUDA cu_seqlens (CPU ones are checked in the op): one device sync."""
+    cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
+    if cu.dim() != 1 or cu.numel() == 0:
+        return  # the op raises with the shape
+    ok = int(cu[0]) == 0 and int(cu[-1]) == tokens and bool((cu[1:] >= cu[:-1]).all())
+    if not ok:
+        raise ValueError(
+            f"posenc: expected cu_seqlens to start at 0, never decrease and end at the number of "
+            f"tokens {tokens}, got {cu.tolist()[:16]}"
+        )
+
+
+def apply_rope(
+    q: Tensor,
+    k: Optional[Tensor] = None,
+    *,
+    positions: Optional[Tensor] = None,
+    offset: Union[int, Tensor] = 0,
+    cu_seqlens: Optional[Tensor] = None,
+    base: float = 10000.0,
+    interleaved: bool = False,
+    rotary_dim: Optional[int] = None,
+    scaling: Optional[Mapping] = None,
+    layout: str = "bshd",
+    inplace: bool = False,
+    check_inputs: bool = True,
+    _original_max: Optional[int] = None,
+):
+    """Rotary position embedding of q (and k), fused in one kernel launch.
+
+    Args:
+        q, k: (batch, seq, heads, head_dim) for layout "bshd"; "bhsd" (Hugging Face),
+            "sbhd" (Megatron) or "thd" (packed tokens, with ``cu_seqlens``). q and k may have
+            different head counts (GQA/MQA) and any strides; float16, bfloat16, float32 or
+            float64 (half precision is rotated in float32).
+        positions: int64 (seq,) or (batch, seq); default ``0 .. seq-1``.
+        offset: added to every position: an int, or an int64 (batch,) tensor of
+            per-sequence offsets (one per sequence of ``cu_seqlens`` for "thd").
+        cu_seqlens: int32/int64 cumulative lengths ``[0, n0, n0+n1, ..., tokens]`` for "thd";
+            positions restart at 0 at each sequence start.
+        base, rotary_dim, interleaved: frequencies ``base**(-2i/rotary_dim)`` of the first
+            ``rotary_dim`` features (default all); pairs are halves ``(i, i + rotary_dim/2)``
+            (GPT-NeoX, HF LLaMA) or adjacent ``(2i, 2i+1)`` when ``interleaved`` (GPT-J, Meta).
+        scaling: None or a Hugging Face ``rope_scaling`` dict of type "linear", "dynamic",
+            "yarn" or "llama3". "dynamic" scales by the longest position of the call (read
+            from the tensors when positions/offsets/cu_seqlens are given: a device sync).
+        inplace: rotate q and k in their own storage (inference; no autograd) and return them.
+        check_inputs: check CUDA ``cu_seqlens`` values on the host (one sync) in eager mode.
+            Unchecked, tokens outside every sequence come out as NaN.
+
+    Returns the rotated q, or (q, k) when k is given. Positions are unbounded (no table); the
+    angle is formed in float64 and reduced exactly, so it stays accurate at any position.
+    """
+    if not isinstance(q, Tensor):
+        raise TypeError(f"apply_rope: expected q to be a Tensor, got {type(q).__name__}")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"apply_rope: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
+        raise TypeError(f"apply_rope: expected rotary_dim to be an int or None, got {rotary_dim!r}")
+    offsets = None
+    if isinstance(offset, Tensor):
+        offsets, offset = offset, 0
+    elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
+        raise TypeError(f"apply_rope: expected offset to be an int or an int64 tensor, got {offset!r}")
+    rope_type, values = scaling_arguments(scaling, _original_max)
+    seq_len = 0
+    if rope_type == "dynamic" and q.numel() > 0:
+        seq_len = position_bounds(q, layout, positions, offsets if offsets is not None else offset, cu_seqlens)[1] + 1
+    if (
+        check_inputs
+        and cu_seqlens is not None
+        and cu_seqlens.is_cuda
+        and q.dim() == 3
+        and not torch.compiler.is_compiling()
+    ):
+        check_cu_seqlens(cu_seqlens, q.shape[0])
+    args = (
+        q, k, positions, offsets, offset, cu_seqlens, float(base), rope_type, values, seq_len,
+        -1 if rotary_dim is None else rotary_dim, bool(interleaved), layout, False,
+    )
+    if inplace:
+        torch.ops.posenc.rope_(*args)
+        return q if k is None else (q, k)
+    out_q, out_k = torch.ops.posenc.rope(*args)
+    return out_q if k is None else (out_q, out_k)
