@@ -1,0 +1,133 @@
+"""Independent float64 references for RoPE, written from the formulas (not from posenc).
+
+- frequencies: base**(-2i/d) and the scaling rules of Hugging Face transformers'
+  modeling_rope_utils (linear, dynamic, yarn, llama3), written out here in float64;
+- the rotation: Hugging Face's ``rotate_half`` formulation (GPT-NeoX convention) and the
+  complex-multiplication formulation of Meta's LLaMA (GPT-J convention).
+"""
+
+import math
+
+import torch
+
+F64 = torch.float64
+
+
+def default_inv_freq(dim, base):
+    return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=F64) / dim))
+
+
+def reference_inv_freq(dim, base=10000.0, scaling=None, seq_len=0):
+    """(inv_freq float64, attention_factor) for a Hugging Face rope_scaling dict."""
+    if scaling is None:
+        return default_inv_freq(dim, base), 1.0
+    kind = scaling["rope_type"]
+    factor = scaling.get("factor")
+    if kind == "default":
+        return default_inv_freq(dim, base), 1.0
+    if kind == "linear":
+        return default_inv_freq(dim, base) / factor, 1.0
+    if kind == "dynamic":
+        orig = scaling["original_max_position_embeddings"]
+        seq_len = max(seq_len, orig)
+        new_base = base * ((factor * seq_len / orig) - (factor - 1)) ** (dim / (dim - 2))
+        return default_inv_freq(dim, new_base), 1.0
+    if kind == "llama3":
+        inv = default_inv_freq(dim, base)
+        orig = scaling["original_max_position_embeddings"]
+        lo, hi = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        wavelen = 2 * math.pi / inv
+        out = torch.where(wavelen > orig / lo, inv / factor, inv)
+        smooth = (orig / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = (wavelen >= orig / hi) & (wavelen <= orig / lo)
+        return torch.where(medium, smoothed, out), 1.0
+    if kind == "yarn":
+        orig = scaling["original_max_position_embeddings"]
+        beta_fast = scaling.get("beta_fast", 32)
+        beta_slow = scaling.get("beta_slow", 1)
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+                attn = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+            else:
+                attn = mscale(factor)
+
+        def correction_dim(rotations):
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+        if scaling.get("truncate", True):
+            low, high = math.floor(low), math.ceil(high)
+        low, high = max(low, 0), min(high, dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = ((torch.arange(dim // 2, dtype=F64) - low) / (high - low)).clamp(0, 1)
+        extrapolation = default_inv_freq(dim, base)
+        interpolation = extrapolation / factor
+        keep = 1 - ramp
+        return interpolation * (1 - keep) + extrapolation * keep, attn
+    raise ValueError(kind)
+
+
+def rotate_half(x):
+    x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def rope_neox(x, pos, inv_freq, rotary_dim, attn=1.0):
+    """Hugging Face: x * cos + rotate_half(x) * sin on the first rotary_dim features.
+    x: (B, S, H, D) float64; pos: (B, S) integer positions."""
+    angle = pos.to(F64)[..., None] * inv_freq  # (B, S, rot/2)
+    emb = torch.cat((angle, angle), dim=-1)[:, :, None, :]
+    cos, sin = emb.cos() * attn, emb.sin() * attn
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    return torch.cat((xr * cos + rotate_half(xr) * sin, xp), dim=-1)
+
+
+def rope_gptj(x, pos, inv_freq, rotary_dim, attn=1.0):
+    """Meta LLaMA: adjacent pairs as complex numbers times exp(i * angle)."""
+    angle = pos.to(F64)[..., None] * inv_freq
+    rot = torch.polar(torch.full_like(angle, attn), angle)[:, :, None, :]
+    xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
+    xc = torch.view_as_complex(xr.reshape(*xr.shape[:-1], -1, 2).contiguous())
+    out = torch.view_as_real(xc * rot).flatten(-2)
+    return torch.cat((out, xp), dim=-1)
+
+
+def to_bshd(x, layout):
+    if layout == "bhsd":
+        return x.transpose(1, 2)
+    if layout == "sbhd":
+        return x.transpose(0, 1)
+    if layout == "thd":
+        return x.unsqueeze(0)
+    return x
+
+
+def from_bshd(x, layout):
+    if layout == "thd":
+        return x.squeeze(0)
+    return to_bshd(x, layout)  # the transposes are their own inverses
+
+
+def reference_rope(x, layout, pos, inv_freq, rotary_dim, interleaved, attn=1.0):
+    """x in the user's layout (any dtype) -> float64 reference in the same layout.
+    pos: (B, S) positions of the canonical (batch, seq) grid ((1, T) for thd)."""
+    xb = to_bshd(x.to(F64), layout)
+    f = rope_gptj if interleaved else rope_neox
+    return from_bshd(f(xb, pos, inv_freq, rotary_dim, attn), layout)
+
+
+def thd_positions(cu_seqlens, offsets=None):
+    """(1, T) positions restarting at each sequence of cu_seqlens, plus per-sequence offsets."""
+    cu = cu_seqlens.tolist()
+    pos = []
+    for j in range(len(cu) - 1):
+        shift = int(offsets[j]) if offsets is not None else 0
+        pos.extend(range(shift, shift + cu[j + 1] - cu[j]))
+    return torch.tensor(pos, dtype=torch.int64).reshape(1, -1)

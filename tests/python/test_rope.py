@@ -1,0 +1,337 @@
+"""RoPE against the float64 references of rope_reference.py: layouts, conventions, GQA,
+partial rotary, positions, offsets, packed sequences, strides, dtypes, empty tensors,
+scaling types, the relative-position property and long-position accuracy."""
+
+import math
+
+import pytest
+import torch
+
+import posenc
+from conftest import DEVICES, DTYPES
+from posenc.functional import apply_rope, rope_frequencies
+from rope_reference import (
+    default_inv_freq,
+    reference_inv_freq,
+    reference_rope,
+    thd_positions,
+    to_bshd,
+)
+
+TOL = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=2e-6, rtol=2e-6),
+    torch.float16: dict(atol=4e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=1.6e-2),
+}
+
+
+def make(shape, layout, dtype, device, heads):
+    """A random tensor of canonical shape (B, S, heads, D) laid out as `layout`."""
+    B, S, D = shape
+    x = torch.randn(B, S, heads, D, dtype=torch.float64) * 2 + 0.5
+    if layout == "bhsd":
+        x = x.transpose(1, 2).contiguous()
+    elif layout == "sbhd":
+        x = x.transpose(0, 1).contiguous()
+    elif layout == "thd":
+        x = x.reshape(B * S, heads, D)
+    return x.to(dtype=dtype, device=device)
+
+
+def grid_positions(B, S, positions=None, offset=0):
+    if positions is None:
+        pos = torch.arange(S).expand(B, S)
+    elif positions.dim() == 1:
+        pos = positions.cpu().expand(B, S)
+    else:
+        pos = positions.cpu()
+    if isinstance(offset, torch.Tensor):
+        return pos + offset.cpu()[:, None]
+    return pos + offset
+
+
+def check(out, ref, dtype):
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu().to(torch.float64), ref, **TOL[dtype])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 14])
+def test_q_and_k_match_reference(device, dtype, layout, interleaved, rotary_dim):
+    torch.manual_seed(0)
+    B, S, D = 3, 11, 24  # head_dim 24: even, not a power of two; rotary_dim 14 neither
+    q = make((B, S, D), layout, dtype, device, heads=6)
+    k = make((B, S, D), layout, dtype, device, heads=2)  # GQA: 6 q heads, 2 k heads
+    oq, ok = apply_rope(q, k, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
+    rot = rotary_dim or D
+    pos = grid_positions(B, S)
+    inv = default_inv_freq(rot, 10000.0)
+    check(oq, reference_rope(q.cpu(), layout, pos, inv, rot, interleaved), dtype)
+    check(ok, reference_rope(k.cpu(), layout, pos, inv, rot, interleaved), dtype)
+    assert oq.shape == q.shape and ok.shape == k.shape
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_positions_and_offsets(device, interleaved):
+    torch.manual_seed(1)
+    B, S, D = 4, 9, 16
+    q = make((B, S, D), "bshd", torch.float64, device, heads=3)
+    k = make((B, S, D), "bshd", torch.float64, device, heads=1)  # MQA
+    inv = default_inv_freq(D, 500.0)
+    cases = [
+        dict(positions=torch.randint(0, 100000, (S,))),
+        dict(positions=torch.randint(0, 100000, (B, S))),
+        dict(positions=torch.randint(0, 1000, (B, S)), offset=17),
+        dict(offset=123456),
+        dict(offset=torch.tensor([0, 5, 1000, 7])),  # per-sequence KV-cache lengths
+        dict(positions=torch.randint(-50, 50, (S,)), offset=torch.tensor([3, 0, 2, 1])),
+    ]
+    for case in cases:
+        kwargs = {key: (v.to(device) if isinstance(v, torch.Tensor) else v) for key, v in case.items()}
+        oq, ok = apply_rope(q, k, base=500.0, interleaved=interleaved, **kwargs)
+        pos = grid_positions(B, S, case.get("positions"), case.get("offset", 0))
+        check(oq, reference_rope(q.cpu(), "bshd", pos, inv, D, interleaved), torch.float64)
+        check(ok, reference_rope(k.cpu(), "bshd", pos, inv, D, interleaved), torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_packed_sequences_thd(device, dtype, interleaved):
+    torch.manual_seed(2)
+    lengths = [5, 0, 1, 12, 3]  # an empty sequence too
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32)
+    T, D = int(cu[-1]), 32
+    q = (torch.randn(T, 4, D, dtype=torch.float64) + 0.3).to(dtype=dtype, device=device)
+    k = (torch.randn(T, 2, D, dtype=torch.float64) - 0.2).to(dtype=dtype, device=device)
+    inv = default_inv_freq(D, 10000.0)
+    for offsets in (None, torch.tensor([7, 0, 100, 3, 2048])):
+        off = offsets.to(device) if offsets is not None else 0
+        oq, ok = apply_rope(q, k, cu_seqlens=cu.to(device), offset=off, layout="thd", interleaved=interleaved)
+        pos = thd_positions(cu, offsets)
+        check(oq, reference_rope(q.cpu(), "thd", pos, inv, D, interleaved), dtype)
+        check(ok, reference_rope(k.cpu(), "thd", pos, inv, D, interleaved), dtype)
+    # An int offset and int64 cu_seqlens as well.
+    oq = apply_rope(q, cu_seqlens=cu.long().to(device), offset=11, layout="thd", interleaved=interleaved)
+    check(oq, reference_rope(q.cpu(), "thd", thd_positions(cu) + 11, inv, D, interleaved), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_strided_views(device, dtype, interleaved):
+    """Slices of a fused qkv projection, a transposed view, a strided last dimension and a
+    misaligned storage offset: every one equals the reference on a contiguous copy."""
+    torch.manual_seed(3)
+    B, S, Hq, Hk, D = 2, 13, 4, 2, 40
+    qkv = torch.randn(B, S, (Hq + 2 * Hk) * D, dtype=torch.float64).to(dtype=dtype, device=device)
+    q = qkv[..., : Hq * D].view(B, S, Hq, D)
+    k = qkv[..., Hq * D : (Hq + Hk) * D].view(B, S, Hk, D)
+    assert not q.is_contiguous()
+    views = {
+        "qkv slices": (q, k, "bshd"),
+        "transposed": (q.transpose(1, 2), k.transpose(1, 2), "bhsd"),
+        "strided last dim": (
+            torch.randn(B, S, Hq, 2 * D, device=device).to(dtype)[..., ::2],
+            torch.randn(B, S, Hk, 2 * D, device=device).to(dtype)[..., 1::2],
+            "bshd",
+        ),
+        "storage offset": (
+            torch.randn(B * S * Hq * D + 1, device=device).to(dtype)[1:].view(B, S, Hq, D),
+            torch.randn(B * S * Hk * D + 3, device=device).to(dtype)[3:].view(B, S, Hk, D),
+            "bshd",
+        ),
+    }
+    inv = default_inv_freq(D, 10000.0)
+    pos = grid_positions(B, S)
+    for name, (qv, kv, layout) in views.items():
+        oq, ok = apply_rope(qv, kv, layout=layout, interleaved=interleaved)
+        check(oq, reference_rope(qv.cpu(), layout, pos, inv, D, interleaved), dtype)
+        check(ok, reference_rope(kv.cpu(), layout, pos, inv, D, interleaved), dtype)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_empty_tensors(device, dtype):
+    for shape_q, shape_k in [((0, 5, 2, 8), (0, 5, 1, 8)), ((2, 0, 2, 8), (2, 0, 1, 8)), ((2, 3, 2, 8), (2, 3, 0, 8))]:
+        q = torch.randn(shape_q, device=device).to(dtype)
+        k = torch.randn(shape_k, device=device).to(dtype)
+        oq, ok = apply_rope(q, k)
+        assert oq.shape == q.shape and ok.shape == k.shape
+    q = torch.randn(0, 2, 8, device=device).to(dtype)
+    out = apply_rope(q, cu_seqlens=torch.tensor([0], device=device), layout="thd")
+    assert out.shape == (0, 2, 8)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_relative_position_property(device, interleaved):
+    """<R(m) q, R(n) k> depends only on m - n."""
+    torch.manual_seed(4)
+    D = 64
+    q = torch.randn(1, 1, 1, D, dtype=torch.float64, device=device)
+    k = torch.randn(1, 1, 1, D, dtype=torch.float64, device=device)
+
+    def score(m, n):
+        rq = apply_rope(q, positions=torch.tensor([m], device=device), interleaved=interleaved)
+        rk = apply_rope(k, positions=torch.tensor([n], device=device), interleaved=interleaved)
+        return float((rq * rk).sum())
+
+    for delta in (0, 1, 7, -13, 1000):
+        scores = [score(m, m - delta) for m in (delta + 5, 3000, 2**20, 123457)]
+        assert max(scores) - min(scores) < 1e-9 * max(1.0, abs(scores[0])), (delta, scores)
+    assert abs(score(10, 3) - score(10, 4)) > 1e-3  # and it does depend on m - n
+
+
+SCALINGS = [
+    {"rope_type": "linear", "factor": 4.0},
+    {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "beta_fast": 16,
+     "beta_slow": 2, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False},
+    {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "attention_factor": 1.25},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+]
+
+
+@pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: s["rope_type"])
+@pytest.mark.parametrize("rotary_dim", [128, 96])
+def test_scaling_frequencies(scaling, rotary_dim):
+    for seq_len in (0, 50, 1000):
+        inv, attn = rope_frequencies(rotary_dim, base=500000.0, scaling=scaling, seq_len=seq_len)
+        ref, ref_attn = reference_inv_freq(rotary_dim, 500000.0, scaling, seq_len)
+        assert inv.dtype == torch.float64 and inv.shape == (rotary_dim // 2,)
+        torch.testing.assert_close(inv, ref, atol=0, rtol=1e-13)
+        assert attn == pytest.approx(ref_attn, rel=1e-14)
+    assert not torch.equal(inv, default_inv_freq(rotary_dim, 500000.0))  # scaling did something
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: s["rope_type"])
+def test_scaled_rotation(device, scaling):
+    torch.manual_seed(5)
+    B, S, D = 2, 80, 32
+    q = make((B, S, D), "bshd", torch.float64, device, heads=2)
+    k = make((B, S, D), "bshd", torch.float64, device, heads=1)
+    offset = 30
+    oq, ok = apply_rope(q, k, offset=offset, scaling=scaling, base=10000.0)
+    # dynamic: the call's longest position + 1 (here 110 > original 64) sets the frequencies.
+    inv, attn = reference_inv_freq(D, 10000.0, scaling, seq_len=S + offset)
+    pos = grid_positions(B, S, offset=offset)
+    check(oq, reference_rope(q.cpu(), "bshd", pos, inv, D, False, attn), torch.float64)
+    check(ok, reference_rope(k.cpu(), "bshd", pos, inv, D, False, attn), torch.float64)
+
+
+def test_hf_float32_frequencies_agree():
+    """transformers computes inv_freq in float32: we agree to float32 rounding."""
+    dim, base = 128, 500000.0
+    hf = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    inv, _ = rope_frequencies(dim, base=base)
+    torch.testing.assert_close(inv.float(), hf, atol=0, rtol=2.5e-7)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_long_position_accuracy(device):
+    """Angle error at positions up to 2**20 against float64: posenc (float32 output) vs a plain
+    float32 `pos * inv_freq`; must be at least 100x smaller. Measured numbers in the README."""
+    D = 128
+    pos = torch.cat([torch.arange(0, 2**20 + 1, 4099), torch.tensor([2**20 - 1, 2**20])])
+    x = torch.zeros(1, pos.numel(), 1, D)
+    x[..., : D // 2] = 1.0  # (1, 0) in every pair: the output is (cos, sin)
+    out = apply_rope(x.to(device), positions=pos.to(device)).cpu()
+    inv = default_inv_freq(D, 10000.0)
+    exact = pos.to(torch.float64)[:, None] * inv
+    ours_err = torch.maximum((out[0, :, 0, : D // 2].double() - exact.cos()).abs(), (out[0, :, 0, D // 2 :].double() - exact.sin()).abs()).max().item()
+    plain = pos.float()[:, None] * inv.float()
+    plain_err = torch.maximum((plain.cos().double() - exact.cos()).abs(), (plain.sin().double() - exact.sin()).abs()).max().item()
+    print(f"max |error| at positions <= 2**20: posenc {ours_err:.3g}, plain float32 {plain_err:.3g}")
+    assert plain_err > 1e-2  # the float32 product really is that far off
+    assert ours_err * 100 <= plain_err
+    assert ours_err < 1e-6
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_reads_longest_position(device):
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    q = torch.randn(2, 4, 1, 8, dtype=torch.float64, device=device)
+    positions = torch.tensor([[0, 1, 2, 3], [40, 41, 42, 99]], device=device)
+    out = apply_rope(q, positions=positions, scaling=scaling)
+    inv, _ = reference_inv_freq(8, 10000.0, scaling, seq_len=100)
+    check(out, reference_rope(q.cpu(), "bshd", positions.cpu(), inv, 8, False), torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_inverse_undoes_rotation(device, interleaved):
+    q = torch.randn(2, 7, 3, 20, dtype=torch.float64, device=device)
+    args = dict(interleaved=interleaved, rotary_dim=12, base=333.0)
+    rq, _ = torch.ops.posenc.rope(q, None, None, None, 5, None, 333.0, "default", [], 0, 12, interleaved, "bshd", False)
+    back, _ = torch.ops.posenc.rope(rq, None, None, None, 5, None, 333.0, "default", [], 0, 12, interleaved, "bshd", True)
+    torch.testing.assert_close(back, q, atol=1e-13, rtol=0)
+    assert not torch.allclose(rq, q)
+    del args
+
+
+class TestModule:
+    def test_state_dict_and_buffer(self):
+        rope = posenc.RotaryPositionalEncoding(64, max_len=128, base=500000.0)
+        assert list(rope.state_dict()) == []
+        assert rope.inv_freq.dtype == torch.float32 and rope.inv_freq.shape == (32,)
+        torch.testing.assert_close(rope.inv_freq, default_inv_freq(64, 500000.0).float(), atol=0, rtol=0)
+        scaled = posenc.RotaryPositionalEncoding(
+            64, max_len=128, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+        )
+        ref, attn = reference_inv_freq(64, 10000.0, scaled.scaling)
+        torch.testing.assert_close(scaled.inv_freq, ref.float(), atol=0, rtol=0)
+        assert scaled.attention_scaling == pytest.approx(attn)
+        assert "yarn" in repr(scaled)
+
+    @pytest.mark.parametrize("device", DEVICES)
+    def test_forward_forms(self, device):
+        torch.manual_seed(6)
+        rope = posenc.RotaryPositionalEncoding(16, max_len=64, interleaved=True).to(device)
+        q = torch.randn(2, 5, 4, 16, dtype=torch.float64, device=device)
+        k = torch.randn(2, 5, 2, 16, dtype=torch.float64, device=device)
+        inv = default_inv_freq(16, 10000.0)
+        oq, ok = rope(q, k, offset=3)
+        pos = grid_positions(2, 5, offset=3)
+        check(oq, reference_rope(q.cpu(), "bshd", pos, inv, 16, True), torch.float64)
+        check(ok, reference_rope(k.cpu(), "bshd", pos, inv, 16, True), torch.float64)
+        x = rope(q)  # one tensor, torchtune's form
+        check(x, reference_rope(q.cpu(), "bshd", grid_positions(2, 5), inv, 16, True), torch.float64)
+        offsets = torch.tensor([10, 59], device=device)
+        oq, _ = rope(q, k, offset=offsets)
+        check(oq, reference_rope(q.cpu(), "bshd", grid_positions(2, 5, offset=offsets), inv, 16, True), torch.float64)
+
+    @pytest.mark.parametrize("device", DEVICES)
+    def test_positions_beyond_max_len_raise(self, device):
+        rope = posenc.RotaryPositionalEncoding(8, max_len=32)
+        q = torch.randn(2, 4, 1, 8, device=device)
+        with pytest.raises(IndexError, match=r"max_len=32\), got values from 29 to 32"):
+            rope(q, offset=29)
+        with pytest.raises(IndexError, match="max_len=32"):
+            rope(q, positions=torch.tensor([0, 1, 2, 32], device=device))
+        with pytest.raises(IndexError, match="from -1"):
+            rope(q, positions=torch.tensor([-1, 1, 2, 3], device=device))
+        with pytest.raises(IndexError, match="max_len=32"):
+            rope(q, offset=torch.tensor([0, 29], device=device))
+        packed = posenc.RotaryPositionalEncoding(8, max_len=4, layout="thd")
+        with pytest.raises(IndexError, match=r"max_len=4\), got values from 0 to 4"):
+            packed(torch.randn(7, 1, 8, device=device), cu_seqlens=torch.tensor([0, 2, 7], device=device))
+        assert rope(q, offset=28).shape == q.shape  # 28..31 is fine
+
+    def test_arguments_are_checked(self):
+        with pytest.raises(ValueError, match="rotary_dim"):
+            posenc.RotaryPositionalEncoding(8, rotary_dim=7)
+        with pytest.raises(ValueError, match="rotary_dim"):
+            posenc.RotaryPositionalEncoding(8, rotary_dim=10)
+        with pytest.raises(ValueError, match="layout"):
+            posenc.RotaryPositionalEncoding(8, layout="bsdh")
+        with pytest.raises(ValueError, match="head_dim 8"):
+            posenc.RotaryPositionalEncoding(8)(torch.randn(1, 2, 1, 6))
