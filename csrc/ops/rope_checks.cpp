@@ -4,6 +4,7 @@
 #include <c10/util/Exception.h>
 
 #include <cmath>
+#include <limits>
 #include <sstream>
 #include <string>
 
@@ -231,18 +232,53 @@ std::vector<double> rope_frequencies_host(int64_t rotary_dim, double base,
   return freqs;
 }
 
-void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k) {
+namespace {
+
+// True when q and k (canonical (B, S, H, D) views of one storage) provably share no element,
+// for the common case that at::get_overlap_status cannot decide: slices of one fused qkv
+// buffer, i.e. the same (batch, seq) strides, every (b, s) row starting at a multiple of the
+// seq stride, and the two rows' extents disjoint modulo that stride.
+bool rows_provably_disjoint(const at::Tensor& q, const at::Tensor& k) {
+  if (q.stride(0) != k.stride(0) || q.stride(1) != k.stride(1)) return false;
+  const int64_t row = q.stride(1);
+  if (row <= 0 || (q.size(0) > 1 && q.stride(0) % row != 0)) return false;
+  auto extent = [](const at::Tensor& t) {
+    int64_t e = 1;
+    for (int d = 2; d < 4; ++d) {
+      if (t.stride(d) < 0) return std::numeric_limits<int64_t>::max();
+      e += (t.size(d) - 1) * t.stride(d);
+    }
+    return e;
+  };
+  const int64_t eq = extent(q), ek = extent(k);
+  if (eq > row || ek > row) return false;
+  const int64_t oq = q.storage_offset() % row, ok = k.storage_offset() % row;
+  // Circular intervals [oq, oq + eq) and [ok, ok + ek) on a circle of length `row`.
+  const int64_t dq = ((ok - oq) % row + row) % row;  // where k starts, seen from q
+  return dq >= eq && dq + ek <= row;
+}
+
+}  // namespace
+
+void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                        c10::string_view layout) {
   TORCH_CHECK(at::has_internal_overlap(q) != at::MemOverlap::Yes,
               "posenc: inplace=True needs q without internal overlap (an expanded tensor ",
               "cannot be rotated in place); pass a contiguous copy or use inplace=False");
-  if (k.has_value()) {
-    TORCH_CHECK(at::has_internal_overlap(*k) != at::MemOverlap::Yes,
-                "posenc: inplace=True needs k without internal overlap (an expanded tensor ",
-                "cannot be rotated in place); pass a contiguous copy or use inplace=False");
-    const auto overlap = at::get_overlap_status(q, *k);
-    TORCH_CHECK(overlap == at::MemOverlapStatus::No,
-                "posenc: inplace=True needs q and k in separate memory, got overlapping tensors");
+  if (!k.has_value()) return;
+  TORCH_CHECK(at::has_internal_overlap(*k) != at::MemOverlap::Yes,
+              "posenc: inplace=True needs k without internal overlap (an expanded tensor ",
+              "cannot be rotated in place); pass a contiguous copy or use inplace=False");
+  const auto overlap = at::get_overlap_status(q, *k);
+  bool separate = overlap == at::MemOverlapStatus::No;
+  if (overlap == at::MemOverlapStatus::TooHard) {
+    const RopeLayout l = parse_rope_layout(layout);
+    separate = rows_provably_disjoint(rope_canonical_view(q, l), rope_canonical_view(*k, l));
   }
+  TORCH_CHECK(separate, "posenc: inplace=True needs q and k in separate memory, got ",
+              overlap == at::MemOverlapStatus::TooHard ? "views whose separation cannot be proven"
+                                                       : "overlapping tensors",
+              "; use inplace=False");
 }
 
 RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tensor>& k,

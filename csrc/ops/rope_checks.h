@@ -52,8 +52,10 @@ RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tens
                                c10::string_view layout, bool inverse, const at::Tensor& out_q,
                                const std::optional<at::Tensor>& out_k);
 
-// In place: q and k must not overlap themselves or each other.
-void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k);
+// In place: q and k must not overlap themselves or each other (slices of one fused qkv
+// buffer are fine).
+void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                        c10::string_view layout);
 
 // The frequencies and attention factor of a configuration, validated.
 std::vector<double> rope_frequencies_host(int64_t rotary_dim, double base,

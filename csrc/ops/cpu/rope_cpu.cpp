@@ -43,7 +43,7 @@ void rope_inplace_cpu(const at::Tensor& q, const std::optional<at::Tensor>& k,
                       int64_t rotary_dim, bool interleaved, c10::string_view layout,
                       bool inverse) {
   check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
-  check_rope_inplace(q, k);
+  check_rope_inplace(q, k, layout);
   check_cpu_isa();
   const RopeLaunch launch =
       prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,

@@ -1,0 +1,204 @@
+"""RoPE: gradcheck, opcheck on rope / rope_ / rope_frequencies, in place, what backward saves,
+torch.compile(fullgraph=True) and torch.export."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import posenc
+from conftest import DEVICES
+from posenc.functional import apply_rope
+
+SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize(
+    "case",
+    ["plain", "positions", "offsets", "partial+yarn", "thd", "bhsd", "q only"],
+)
+def test_gradcheck(device, interleaved, case):
+    torch.manual_seed(0)
+    opts = dict(interleaved=interleaved)
+    B, S, D = 2, 5, 12
+    q = torch.randn(B, S, 3, D, dtype=torch.float64, device=device, requires_grad=True)
+    k = torch.randn(B, S, 1, D, dtype=torch.float64, device=device, requires_grad=True)
+    if case == "positions":
+        opts["positions"] = torch.randint(0, 5000, (B, S), device=device)
+    elif case == "offsets":
+        opts["offset"] = torch.tensor([3, 900], device=device)
+    elif case == "partial+yarn":
+        opts.update(rotary_dim=6, scaling=SCALING, offset=40)
+    elif case == "thd":
+        q = torch.randn(7, 3, D, dtype=torch.float64, device=device, requires_grad=True)
+        k = torch.randn(7, 2, D, dtype=torch.float64, device=device, requires_grad=True)
+        opts.update(layout="thd", cu_seqlens=torch.tensor([0, 3, 7], device=device))
+    elif case == "bhsd":
+        q = torch.randn(B, 3, S, D, dtype=torch.float64, device=device).transpose(2, 3).contiguous().transpose(2, 3)
+        q.requires_grad_(True)
+        k = torch.randn(B, 1, S, D, dtype=torch.float64, device=device, requires_grad=True)
+        opts["layout"] = "bhsd"
+    if case == "q only":
+        assert torch.autograd.gradcheck(lambda a: apply_rope(a, **opts), (q,))
+    else:
+        assert torch.autograd.gradcheck(lambda a, b: apply_rope(a, b, **opts), (q, k))
+        assert torch.autograd.gradgradcheck(lambda a, b: apply_rope(a, b, **opts), (q, k))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_backward_is_inverse_rotation_and_saves_no_activation(device):
+    q = torch.randn(2, 64, 4, 32, device=device, requires_grad=True)
+    k = torch.randn(2, 64, 2, 32, device=device, requires_grad=True)
+    positions = torch.randint(0, 1000, (2, 64), device=device)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        oq, ok = apply_rope(q, k, positions=positions)
+    # Only the index tensor is saved: nothing of q's or k's size.
+    assert [tuple(t.shape) for t in saved] == [(2, 64)]
+    gq, gk = torch.randn_like(oq), torch.randn_like(ok)
+    (oq * gq).sum().add((ok * gk).sum()).backward()
+    # The gradient of an orthogonal map is its inverse: rotating it forward gives gq back.
+    back_q, back_k = apply_rope(q.grad, k.grad, positions=positions)
+    torch.testing.assert_close(back_q, gq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(back_k, gk, atol=1e-5, rtol=1e-5)
+
+
+def opcheck_cases(device):
+    q = torch.randn(2, 5, 3, 8, device=device)
+    k = torch.randn(2, 5, 1, 8, device=device)
+    t = torch.randn(9, 2, 8, device=device)
+    nan = float("nan")
+    yarn = [4.0, nan, nan, 16.0, nan, nan, nan, nan, nan, nan]
+    return [
+        (q, k),
+        (q, None, torch.randint(0, 99, (2, 5), device=device), torch.tensor([1, 2], device=device), 3),
+        (q.transpose(1, 2), k.transpose(1, 2), None, None, 0, None, 500.0, "yarn", yarn, 0, 6, True, "bhsd"),
+        (t, t[:, :1].clone(), None, None, 2, torch.tensor([0, 4, 9], device=device), 10000.0, "default", [], 0, -1, False, "thd"),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_rope(device):
+    for args in opcheck_cases(device):
+        opcheck(torch.ops.posenc.rope.default, args)
+        grad_args = tuple(a.clone().requires_grad_(True) if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args)
+        opcheck(torch.ops.posenc.rope.default, grad_args)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_rope_inplace(device):
+    for args in opcheck_cases(device):
+        args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
+        opcheck(torch.ops.posenc.rope_.default, args)
+
+
+def test_opcheck_rope_frequencies():
+    # No tensor inputs: the schema and fake-tensor checks still apply.
+    opcheck(torch.ops.posenc.rope_frequencies.default, (16, 10000.0), test_utils=("test_schema",))
+    inv, factor = torch.ops.posenc.rope_frequencies(16, 10000.0, "linear", [2.0] + [float("nan")] * 9)
+    assert inv.shape == (8,) and factor == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_inplace(device, interleaved):
+    q = torch.randn(2, 6, 4, 16, device=device, dtype=torch.bfloat16)
+    k = torch.randn(2, 6, 2, 16, device=device, dtype=torch.bfloat16)
+    pos = torch.randint(0, 10**6, (6,), device=device)
+    expect_q, expect_k = apply_rope(q, k, positions=pos, interleaved=interleaved, rotary_dim=10)
+    q_ptr, version = q.data_ptr(), q._version
+    rq, rk = apply_rope(q, k, positions=pos, interleaved=interleaved, rotary_dim=10, inplace=True)
+    assert rq is q and rk is k and q.data_ptr() == q_ptr
+    assert q._version > version
+    assert torch.equal(q, expect_q) and torch.equal(k, expect_k)
+    # A fused qkv buffer rotated in place through its slices.
+    qkv = torch.randn(2, 6, 3, 4, 16, device=device)
+    q2, k2 = qkv[:, :, 0], qkv[:, :, 1]
+    v_before = qkv[:, :, 2].clone()
+    expect_q, expect_k = apply_rope(q2, k2, interleaved=interleaved)
+    apply_rope(q2, k2, interleaved=interleaved, inplace=True)
+    assert torch.equal(qkv[:, :, 0], expect_q) and torch.equal(qkv[:, :, 1], expect_k)
+    assert torch.equal(qkv[:, :, 2], v_before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_inplace_refuses_autograd_and_overlap(device):
+    q = torch.randn(1, 3, 2, 8, device=device, requires_grad=True)
+    with pytest.raises(RuntimeError, match="inplace=True"):
+        apply_rope(q, inplace=True)
+    with torch.no_grad():
+        apply_rope(q, inplace=True)  # inference: fine
+    expanded = torch.randn(1, 3, 1, 8, device=device).expand(1, 3, 4, 8)
+    with pytest.raises(RuntimeError, match="internal overlap"):
+        apply_rope(expanded, inplace=True)
+    x = torch.randn(1, 3, 2, 8, device=device)
+    with pytest.raises(RuntimeError, match="separate memory"):
+        apply_rope(x, x[:, :, :1], inplace=True)
+    with pytest.raises(RuntimeError, match="separate memory"):
+        apply_rope(x, x, inplace=True)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_equals_eager_forward_and_backward(device):
+    torch.manual_seed(1)
+    rope = posenc.RotaryPositionalEncoding(32, max_len=512, scaling={"rope_type": "llama3", "factor": 8.0,
+        "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 64}).to(device)
+
+    def step(fn, q, k, offset):
+        q = q.detach().requires_grad_(True)
+        k = k.detach().requires_grad_(True)
+        oq, ok = fn(q, k, offset=offset)
+        (oq.square().sum() + (ok * 3).sum()).backward()
+        return oq, ok, q.grad, k.grad
+
+    compiled = torch.compile(rope, fullgraph=True)
+    for S, offset in ((16, 0), (16, 7), (40, 100)):
+        q = torch.randn(2, S, 4, 32, device=device)
+        k = torch.randn(2, S, 2, 32, device=device)
+        for a, b in zip(step(compiled, q, k, offset), step(rope, q, k, offset)):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+
+    fn = torch.compile(lambda q, k, pos: apply_rope(q, k, positions=pos, interleaved=True, layout="bhsd"), fullgraph=True)
+    q = torch.randn(2, 4, 9, 16, device=device)
+    k = torch.randn(2, 1, 9, 16, device=device)
+    pos = torch.randint(0, 10**5, (2, 9), device=device)
+    for a, b in zip(fn(q, k, pos), apply_rope(q, k, positions=pos, interleaved=True, layout="bhsd")):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_inplace(device):
+    def f(q, k):
+        apply_rope(q, k, offset=5, inplace=True)
+        return q * 2, k
+
+    q = torch.randn(1, 4, 2, 8, device=device)
+    k = torch.randn(1, 4, 1, 8, device=device)
+    expect = f(q.clone(), k.clone())
+    got = torch.compile(f, fullgraph=True)(q.clone(), k.clone())
+    for a, b in zip(got, expect):
+        assert torch.equal(a, b)
+
+
+def test_export():
+    class Attention(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.rope = posenc.RotaryPositionalEncoding(16, max_len=128)
+
+        def forward(self, q, k):
+            q, k = self.rope(q, k)
+            return q @ k.transpose(-1, -2)
+
+    model = Attention()
+    q = torch.randn(2, 10, 3, 16)
+    k = torch.randn(2, 10, 3, 16)
+    ep = torch.export.export(model, (q, k))
+    assert any("posenc.rope" in str(n.target) for n in ep.graph.nodes)
+    torch.testing.assert_close(ep.module()(q, k), model(q, k))
