@@ -1,0 +1,121 @@
+"""RoPE: bad input raises a clear error naming the argument, its value and what was expected."""
+
+import pytest
+import torch
+
+import posenc
+from conftest import DEVICES
+from posenc.functional import apply_rope, rope_frequencies
+
+
+def qk(device="cpu", D=8):
+    return torch.randn(2, 5, 3, D, device=device), torch.randn(2, 5, 1, D, device=device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rotary_dim_and_head_dim(device):
+    q, k = qk(device)
+    with pytest.raises(ValueError, match="rotary_dim to be even.*got 5"):
+        apply_rope(q, k, rotary_dim=5)
+    with pytest.raises(ValueError, match=r"rotary_dim <= head_dim = 8, got 10"):
+        apply_rope(q, k, rotary_dim=10)
+    with pytest.raises(ValueError, match="positive even number or None, got 0"):
+        apply_rope(q, rotary_dim=0)
+    with pytest.raises(ValueError, match=r"even.*got 7 \(the head_dim of q\)"):
+        apply_rope(torch.randn(1, 2, 1, 7, device=device))
+    assert apply_rope(torch.randn(1, 2, 1, 7, device=device), rotary_dim=6).shape == (1, 2, 1, 7)
+    with pytest.raises(RuntimeError, match="same head_dim"):
+        apply_rope(q, torch.randn(2, 5, 1, 6, device=device))
+    with pytest.raises(RuntimeError, match="same batch and sequence sizes"):
+        apply_rope(q, torch.randn(2, 4, 1, 8, device=device))
+    with pytest.raises(ValueError, match="rotary_dim 1024 is not supported; expected at most 512"):
+        apply_rope(torch.randn(1, 1, 1, 1024, device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dtypes_and_ranks(device):
+    q, k = qk(device)
+    with pytest.raises(TypeError, match="floating-point dtype.*torch.int64|floating-point dtype.*Long"):
+        apply_rope(torch.ones(1, 2, 1, 8, dtype=torch.int64, device=device))
+    with pytest.raises(TypeError, match="k to have q's dtype"):
+        apply_rope(q, k.double())
+    with pytest.raises(RuntimeError, match=r"q to be a 4-D tensor \(batch, seq, heads, head_dim\)"):
+        apply_rope(q[0])
+    with pytest.raises(RuntimeError, match=r"3-D tensor \(tokens, heads, head_dim\) for layout 'thd'"):
+        apply_rope(q, layout="thd", cu_seqlens=torch.tensor([0, 2], device=device))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_dtype_shape_device(device):
+    q, k = qk(device)
+    with pytest.raises(TypeError, match="positions to have dtype torch.int64, got Float"):
+        apply_rope(q, k, positions=torch.arange(5.0, device=device))
+    with pytest.raises(TypeError, match="positions to have dtype torch.int64, got Int"):
+        apply_rope(q, k, positions=torch.arange(5, dtype=torch.int32, device=device))
+    with pytest.raises(RuntimeError, match=r"positions of shape \(seq,\) = \(5,\) or \(batch, seq\) = \(2, 5\), got shape \[4\]"):
+        apply_rope(q, k, positions=torch.arange(4, device=device))
+    with pytest.raises(RuntimeError, match="positions on q's device"):
+        apply_rope(q, k, positions=torch.arange(5, device="meta"))
+    with pytest.raises(RuntimeError, match=r"offsets of shape \(2,\), one per batch row"):
+        apply_rope(q, k, offset=torch.tensor([1, 2, 3], device=device))
+    with pytest.raises(TypeError, match="offset to be an int or an int64 tensor, got 1.5"):
+        apply_rope(q, k, offset=1.5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_cu_seqlens(device):
+    x = torch.randn(9, 2, 8, device=device)
+    for bad in ([0, 5, 3, 9], [0, 4, 8], [1, 4, 9], [0, 4, 10]):
+        with pytest.raises(ValueError, match=r"cu_seqlens to start at 0, never decrease and end at the number of tokens 9"):
+            apply_rope(x, cu_seqlens=torch.tensor(bad, device=device), layout="thd")
+    with pytest.raises(ValueError, match="layout 'thd' .* needs cu_seqlens"):
+        apply_rope(x, layout="thd")
+    with pytest.raises(ValueError, match="cu_seqlens is only used with layout 'thd'"):
+        apply_rope(torch.randn(1, 9, 2, 8, device=device), cu_seqlens=torch.tensor([0, 9], device=device))
+    with pytest.raises(TypeError, match="cu_seqlens to have dtype torch.int64 or torch.int32"):
+        apply_rope(x, cu_seqlens=torch.tensor([0.0, 9.0], device=device), layout="thd")
+    with pytest.raises(ValueError, match="positions=None with layout 'thd'"):
+        apply_rope(x, cu_seqlens=torch.tensor([0, 9], device=device), positions=torch.arange(9, device=device), layout="thd")
+
+
+def test_unchecked_cuda_cu_seqlens_give_nan_not_garbage():
+    """The kernels never read outside cu_seqlens: uncovered tokens come out NaN (on the CPU
+    the op raises first, so call the kernel path through CUDA only when present)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU (CPU cu_seqlens are always checked, see test_cu_seqlens)")
+    x = torch.randn(9, 2, 8, device="cuda")
+    out = apply_rope(x, cu_seqlens=torch.tensor([0, 4, 6], device="cuda"), layout="thd", check_inputs=False)
+    assert torch.isnan(out[6:]).all() and not torch.isnan(out[:6]).any()
+
+
+def test_layout_and_scaling_names():
+    q, k = qk()
+    with pytest.raises(ValueError, match="unknown layout 'bsdh'; expected one of bshd, bhsd, sbhd, thd"):
+        apply_rope(q, k, layout="bsdh")
+    with pytest.raises(ValueError, match="unknown layout 'hsd'; expected one of 'bshd', 'bhsd', 'sbhd' or 'thd'"):
+        torch.ops.posenc.rope(q, k, layout="hsd")
+    with pytest.raises(ValueError, match="unknown rope scaling type 'ntk'; expected one of default, linear, dynamic, yarn, llama3"):
+        apply_rope(q, scaling={"rope_type": "ntk", "factor": 2.0})
+    with pytest.raises(ValueError, match="unknown rope scaling type 'longrope'; expected one of 'default', 'linear'"):
+        torch.ops.posenc.rope(q, k, rope_type="longrope")
+    with pytest.raises(ValueError, match="needs 'rope_type'"):
+        apply_rope(q, scaling={"factor": 2.0})
+    with pytest.raises(ValueError, match=r"unknown rope scaling key\(s\) \['fator'\]"):
+        apply_rope(q, scaling={"rope_type": "linear", "fator": 2.0})
+    with pytest.raises(ValueError, match="'llama3' needs the key 'low_freq_factor'"):
+        apply_rope(q, scaling={"rope_type": "llama3", "factor": 8.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192})
+    with pytest.raises(ValueError, match="'yarn' needs the key 'original_max_position_embeddings'"):
+        apply_rope(q, scaling={"rope_type": "yarn", "factor": 8.0})
+    with pytest.raises(ValueError, match="'factor' to be a positive number, got -2"):
+        apply_rope(q, scaling={"rope_type": "linear", "factor": -2.0})
+    with pytest.raises(TypeError, match="'factor' to be a number, got '2'"):
+        apply_rope(q, scaling={"rope_type": "linear", "factor": "2"})
+    with pytest.raises(ValueError, match="'high_freq_factor' .* greater than 'low_freq_factor'"):
+        rope_frequencies(8, scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 1.0, "original_max_position_embeddings": 64})
+    with pytest.raises(TypeError, match="scaling to be None or a dict"):
+        apply_rope(q, scaling="linear")
+    with pytest.raises(ValueError, match="base > 1, got 1"):
+        apply_rope(q, base=1.0)
+    # Module: yarn/dynamic take original_max_position_embeddings from max_len.
+    rope = posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "yarn", "factor": 2.0})
+    assert rope(q).shape == q.shape
