@@ -38,7 +38,9 @@ TORCH_LIBRARY(posenc, m) {
   // RoPE. rope_type and scaling carry Hugging Face's rope_scaling dict: scaling lists
   // (factor, low_freq_factor, high_freq_factor, original_max_position_embeddings, beta_fast,
   // beta_slow, attention_factor, mscale, mscale_all_dim, truncate), NaN where not given.
-  // seq_len (longest position + 1) matters for "dynamic" only. rotary_dim=-1: head_dim.
+  // seq_len (longest position + 1) matters for "dynamic" only; -1 derives it from the call
+  // (a device sync when positions, offsets or cu_seqlens are CUDA tensors). rotary_dim=-1:
+  // head_dim.
   // Returns (q rotated, k rotated or an empty tensor when k is None).
   m.def(
       "rope(Tensor q, Tensor? k=None, Tensor? positions=None, Tensor? offsets=None, "

@@ -53,6 +53,25 @@ void check_index_tensor(const char* name, const at::Tensor& t, const at::Tensor&
               ", got ", name, " on ", t.device());
 }
 
+// The largest position of a call ("dynamic" scaling needs it). Reads the index tensors
+// back to the host: a device sync for CUDA tensors, paid only by "dynamic" with tensors.
+int64_t longest_position(int64_t seq, const std::optional<at::Tensor>& positions,
+                         const std::optional<at::Tensor>& offsets, int64_t offset,
+                         const std::optional<at::Tensor>& cu_seqlens) {
+  if (seq == 0) return -1;
+  if (cu_seqlens.has_value()) {
+    const at::Tensor cu = cu_seqlens->to(at::kLong);
+    at::Tensor last = cu.slice(0, 1) - cu.slice(0, 0, -1) - 1;
+    if (offsets.has_value()) last = last + *offsets;
+    return last.numel() == 0 ? -1 : last.max().item<int64_t>() + offset;
+  }
+  if (!positions.has_value() && !offsets.has_value()) return seq - 1 + offset;
+  at::Tensor pos = positions.has_value() ? positions->reshape({-1, seq})
+                                         : at::arange(seq, offsets->options()).unsqueeze(0);
+  if (offsets.has_value()) pos = pos + offsets->unsqueeze(1);
+  return pos.numel() == 0 ? -1 : pos.max().item<int64_t>() + offset;
+}
+
 int64_t* long_data(const at::Tensor& t) { return t.defined() ? t.data_ptr<int64_t>() : nullptr; }
 
 }  // namespace
@@ -292,8 +311,12 @@ RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tens
   const int64_t rot =
       check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout_name);
   const math::RopeScaling s = parse_rope_scaling(rope_type, scaling);
-  const std::vector<double> freqs = rope_frequencies_host(rot, base, s, seq_len);
   const RopeLayout layout = parse_rope_layout(layout_name);
+  if (s.type == math::RopeType::kDynamic && seq_len < 0) {
+    seq_len = longest_position(rope_canonical_view(q, layout).size(1), positions, offsets, offset,
+                               cu_seqlens) + 1;
+  }
+  const std::vector<double> freqs = rope_frequencies_host(rot, base, s, std::max<int64_t>(seq_len, 0));
 
   RopeLaunch launch;
   RopeArgs& a = launch.args;

@@ -199,9 +199,7 @@ def apply_rope(
     elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
         raise TypeError(f"apply_rope: expected offset to be an int or an int64 tensor, got {offset!r}")
     rope_type, values = scaling_arguments(scaling, _original_max)
-    seq_len = 0
-    if rope_type == "dynamic" and q.numel() > 0:
-        seq_len = position_bounds(q, layout, positions, offsets if offsets is not None else offset, cu_seqlens)[1] + 1
+    seq_len = -1 if rope_type == "dynamic" else 0  # -1: the op reads the longest position
     if (
         check_inputs
         and cu_seqlens is not None

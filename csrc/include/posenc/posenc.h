@@ -4,3 +4,4 @@
 #include "posenc/functional.h"
 #include "posenc/modules.h"
 #include "posenc/ops.h"
+#include "posenc/rope.h"

@@ -1,0 +1,116 @@
+// Rotary position embedding (RoPE) for LibTorch applications: the functional form and the
+// RotaryPositionalEncoding module, mirroring posenc.functional.apply_rope and
+// posenc.RotaryPositionalEncoding in Python. Both call the dispatcher ops posenc::rope and
+// posenc::rope_, so they run on CPU or CUDA by the inputs' device and record gradients.
+#pragma once
+
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <tuple>
+#include <vector>
+
+namespace posenc {
+
+// Hugging Face's rope_scaling dict as a struct: rope_type is "default", "linear", "dynamic",
+// "yarn" or "llama3"; a key left unset is "not given" (its default applies where it has one).
+struct RopeScaling {
+  std::string rope_type = "default";
+  std::optional<double> factor;
+  std::optional<double> low_freq_factor;
+  std::optional<double> high_freq_factor;
+  std::optional<double> original_max_position_embeddings;
+  std::optional<double> beta_fast;
+  std::optional<double> beta_slow;
+  std::optional<double> attention_factor;
+  std::optional<double> mscale;
+  std::optional<double> mscale_all_dim;
+  std::optional<bool> truncate;
+
+  // The values in the order of the op's `scaling` argument (NaN for unset keys).
+  std::vector<double> values() const;
+};
+
+struct ApplyRopeOptions {
+  // int64 (seq,) or (batch, seq); default 0 .. seq-1.
+  TORCH_ARG(std::optional<torch::Tensor>, positions) = std::nullopt;
+  // Added to every position.
+  TORCH_ARG(int64_t, offset) = 0;
+  // int64 (batch,) per-sequence offsets (KV-cache lengths), added too.
+  TORCH_ARG(std::optional<torch::Tensor>, offsets) = std::nullopt;
+  // Cumulative sequence lengths for layout "thd" (int32 or int64).
+  TORCH_ARG(std::optional<torch::Tensor>, cu_seqlens) = std::nullopt;
+  TORCH_ARG(double, base) = 10000.0;
+  // Adjacent pairs (GPT-J, Meta LLaMA) instead of halves (GPT-NeoX, HF rotate_half).
+  TORCH_ARG(bool, interleaved) = false;
+  // Rotate only the first rotary_dim features; default head_dim.
+  TORCH_ARG(std::optional<int64_t>, rotary_dim) = std::nullopt;
+  TORCH_ARG(RopeScaling, scaling) = {};
+  // "bshd", "bhsd", "sbhd" or "thd".
+  TORCH_ARG(std::string, layout) = "bshd";
+};
+
+// Rotated copies of q and k (one fused launch); k may have fewer heads (GQA/MQA).
+std::tuple<torch::Tensor, torch::Tensor> apply_rope(const torch::Tensor& q, const torch::Tensor& k,
+                                                    const ApplyRopeOptions& options = {});
+// One tensor.
+torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& options = {});
+// In place (inference): q and k rotated in their own storage.
+void apply_rope_(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
+                 const ApplyRopeOptions& options = {});
+
+// (inv_freq float64 of rotary_dim / 2 pairs, attention factor) of a configuration.
+std::tuple<torch::Tensor, double> rope_frequencies(int64_t rotary_dim, double base = 10000.0,
+                                                   const RopeScaling& scaling = {},
+                                                   int64_t seq_len = 0);
+
+struct RotaryPositionalEncodingOptions {
+  /* implicit */ RotaryPositionalEncodingOptions(int64_t dim) : dim_(dim) {}
+  // head_dim of q and k.
+  TORCH_ARG(int64_t, dim);
+  // Positions must lie in [0, max_len).
+  TORCH_ARG(int64_t, max_len) = 4096;
+  TORCH_ARG(double, base) = 10000.0;
+  TORCH_ARG(bool, interleaved) = false;
+  TORCH_ARG(std::optional<int64_t>, rotary_dim) = std::nullopt;
+  // For "dynamic" and "yarn", original_max_position_embeddings defaults to max_len.
+  TORCH_ARG(RopeScaling, scaling) = {};
+  TORCH_ARG(std::string, layout) = "bshd";
+  // Range-check CUDA position tensors on the host (one device sync).
+  TORCH_ARG(bool, check_positions) = true;
+};
+
+// RoPE as a module. It holds no parameters or buffers (the kernel evaluates the frequencies
+// from the options), so it saves nothing; inv_freq() returns them for inspection.
+class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositionalEncodingImpl> {
+ public:
+  explicit RotaryPositionalEncodingImpl(const RotaryPositionalEncodingOptions& options);
+
+  void reset() override;
+  void pretty_print(std::ostream& stream) const override;
+
+  // Rotated (q, k). positions: int64 (seq,) or (batch, seq); offset: added to each position.
+  std::tuple<torch::Tensor, torch::Tensor> forward(
+      const torch::Tensor& q, const torch::Tensor& k,
+      const std::optional<torch::Tensor>& positions = std::nullopt, int64_t offset = 0);
+
+  // The float64 inverse frequencies and the attention factor (yarn; 1 otherwise).
+  torch::Tensor inv_freq() const;
+  double attention_scaling() const;
+
+  RotaryPositionalEncodingOptions options;
+
+ private:
+  ApplyRopeOptions call_options(const std::optional<torch::Tensor>& positions,
+                                int64_t offset) const;
+};
+
+TORCH_MODULE(RotaryPositionalEncoding);
+
+}  // namespace posenc

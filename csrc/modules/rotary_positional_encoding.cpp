@@ -1,0 +1,132 @@
+// posenc/rope.h: apply_rope, rope_frequencies and the RotaryPositionalEncoding module.
+#include "posenc/rope.h"
+
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <limits>
+
+#include "ops/op_handles.h"
+
+namespace posenc {
+
+std::vector<double> RopeScaling::values() const {
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  auto v = [nan](const std::optional<double>& x) { return x.value_or(nan); };
+  return {v(factor),      v(low_freq_factor),  v(high_freq_factor),
+          v(original_max_position_embeddings), v(beta_fast),
+          v(beta_slow),   v(attention_factor), v(mscale),
+          v(mscale_all_dim),
+          truncate.has_value() ? (*truncate ? 1.0 : 0.0) : nan};
+}
+
+namespace {
+
+// -1 lets the op read the longest position of the call ("dynamic" only).
+int64_t seq_len_argument(const RopeScaling& s) { return s.rope_type == "dynamic" ? -1 : 0; }
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> apply_rope(const torch::Tensor& q, const torch::Tensor& k,
+                                                    const ApplyRopeOptions& o) {
+  return ops::rope_op().call(q, k, o.positions(), o.offsets(), c10::SymInt(o.offset()),
+                             o.cu_seqlens(), o.base(), o.scaling().rope_type,
+                             o.scaling().values(), seq_len_argument(o.scaling()),
+                             o.rotary_dim().value_or(-1), o.interleaved(), o.layout(), false);
+}
+
+torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& o) {
+  return std::get<0>(ops::rope_op().call(
+      q, std::nullopt, o.positions(), o.offsets(), c10::SymInt(o.offset()), o.cu_seqlens(),
+      o.base(), o.scaling().rope_type, o.scaling().values(), seq_len_argument(o.scaling()),
+      o.rotary_dim().value_or(-1), o.interleaved(), o.layout(), false));
+}
+
+void apply_rope_(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
+                 const ApplyRopeOptions& o) {
+  ops::rope_inplace_op().call(q, k, o.positions(), o.offsets(), c10::SymInt(o.offset()),
+                              o.cu_seqlens(), o.base(), o.scaling().rope_type,
+                              o.scaling().values(), seq_len_argument(o.scaling()),
+                              o.rotary_dim().value_or(-1), o.interleaved(), o.layout(), false);
+}
+
+std::tuple<torch::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,
+                                                   const RopeScaling& scaling, int64_t seq_len) {
+  return ops::rope_frequencies_op().call(rotary_dim, base, scaling.rope_type, scaling.values(),
+                                         seq_len);
+}
+
+RotaryPositionalEncodingImpl::RotaryPositionalEncodingImpl(
+    const RotaryPositionalEncodingOptions& options_)
+    : options(options_) {
+  reset();
+}
+
+void RotaryPositionalEncodingImpl::reset() {
+  TORCH_CHECK_VALUE(options.dim() > 0, "RotaryPositionalEncoding: expected dim > 0, got ",
+                    options.dim());
+  TORCH_CHECK_VALUE(options.max_len() > 0, "RotaryPositionalEncoding: expected max_len > 0, got ",
+                    options.max_len());
+  const int64_t rot = options.rotary_dim().value_or(options.dim());
+  TORCH_CHECK_VALUE(rot > 0 && rot % 2 == 0 && rot <= options.dim(),
+                    "RotaryPositionalEncoding: expected rotary_dim to be even and at most dim=",
+                    options.dim(), ", got ", rot);
+  RopeScaling& s = options.scaling();
+  if ((s.rope_type == "dynamic" || s.rope_type == "yarn") &&
+      !s.original_max_position_embeddings.has_value()) {
+    s.original_max_position_embeddings = static_cast<double>(options.max_len());
+  }
+  inv_freq();  // validates base, scaling and layout-independent arguments now
+}
+
+torch::Tensor RotaryPositionalEncodingImpl::inv_freq() const {
+  return std::get<0>(rope_frequencies(options.rotary_dim().value_or(options.dim()),
+                                      options.base(), options.scaling()));
+}
+
+double RotaryPositionalEncodingImpl::attention_scaling() const {
+  return std::get<1>(rope_frequencies(options.rotary_dim().value_or(options.dim()),
+                                      options.base(), options.scaling()));
+}
+
+void RotaryPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
+  stream << "posenc::RotaryPositionalEncoding(dim=" << options.dim()
+         << ", max_len=" << options.max_len() << ", base=" << options.base()
+         << ", interleaved=" << (options.interleaved() ? "true" : "false")
+         << ", rotary_dim=" << options.rotary_dim().value_or(options.dim())
+         << ", scaling=" << options.scaling().rope_type << ", layout=" << options.layout() << ")";
+}
+
+ApplyRopeOptions RotaryPositionalEncodingImpl::call_options(
+    const std::optional<torch::Tensor>& positions, int64_t offset) const {
+  return ApplyRopeOptions()
+      .positions(positions)
+      .offset(offset)
+      .base(options.base())
+      .interleaved(options.interleaved())
+      .rotary_dim(options.rotary_dim())
+      .scaling(options.scaling())
+      .layout(options.layout());
+}
+
+std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward(
+    const torch::Tensor& q, const torch::Tensor& k, const std::optional<torch::Tensor>& positions,
+    int64_t offset) {
+  const int64_t max_len = options.max_len();
+  int64_t lo = offset, hi = -1;
+  if (positions.has_value()) {
+    if (positions->numel() > 0 && (positions->is_cpu() || options.check_positions())) {
+      lo = positions->min().item<int64_t>() + offset;
+      hi = positions->max().item<int64_t>() + offset;
+    }
+  } else if (q.dim() >= 2) {
+    const int64_t seq_dim = options.layout() == "bhsd" ? 2 : (options.layout() == "sbhd" ? 0 : 1);
+    hi = offset + (options.layout() == "thd" ? q.size(0) : q.size(seq_dim)) - 1;
+  }
+  TORCH_CHECK_INDEX(hi < lo || (lo >= 0 && hi < max_len),
+                    "posenc: expected positions in [0, max_len=", max_len, "), got values from ",
+                    lo, " to ", hi);
+  return apply_rope(q, k, call_options(positions, offset));
+}
+
+}  // namespace posenc

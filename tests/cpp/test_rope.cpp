@@ -1,0 +1,107 @@
+// GoogleTest: posenc::RotaryPositionalEncoding, apply_rope and the shared RoPE math.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+
+#include "posenc/math/rope.h"
+#include "posenc/posenc.h"
+
+namespace {
+
+// Hugging Face's rotate_half formulation in float64, written from the formula.
+torch::Tensor reference_neox(const torch::Tensor& x, const torch::Tensor& pos, double base) {
+  const int64_t d = x.size(-1);
+  auto inv = 1.0 / torch::pow(torch::tensor(base, torch::kDouble),
+                              torch::arange(0, d, 2, torch::kDouble) / static_cast<double>(d));
+  auto angle = pos.to(torch::kDouble).unsqueeze(-1) * inv;  // (B, S, d/2)
+  auto emb = torch::cat({angle, angle}, -1).unsqueeze(2);
+  auto xd = x.to(torch::kDouble);
+  auto rotated = torch::cat({-xd.slice(-1, d / 2), xd.slice(-1, 0, d / 2)}, -1);
+  return xd * emb.cos() + rotated * emb.sin();
+}
+
+TEST(RopeMath, SincosIsAccurateAtLongPositions) {
+  for (int64_t pos : {int64_t{0}, int64_t{1}, int64_t{12345}, int64_t{1} << 20, int64_t{1} << 40}) {
+    for (double inv : {1.0, 0.3, 1e-4}) {
+      float s = 0, c = 0;
+      posenc::math::rope_sincos<float>(pos, inv, &s, &c);
+      const long double angle = static_cast<long double>(pos) * inv;
+      EXPECT_NEAR(s, static_cast<double>(std::sin(angle)), 2e-7) << pos << " " << inv;
+      EXPECT_NEAR(c, static_cast<double>(std::cos(angle)), 2e-7) << pos << " " << inv;
+    }
+  }
+}
+
+TEST(RopeMath, SequenceOfToken) {
+  const int64_t cu[] = {0, 3, 3, 7};
+  EXPECT_EQ(posenc::math::rope_sequence_of(cu, 3, 0), 0);
+  EXPECT_EQ(posenc::math::rope_sequence_of(cu, 3, 2), 0);
+  EXPECT_EQ(posenc::math::rope_sequence_of(cu, 3, 3), 2);  // the empty sequence is skipped
+  EXPECT_EQ(posenc::math::rope_sequence_of(cu, 3, 6), 2);
+  EXPECT_EQ(posenc::math::rope_sequence_of(cu, 3, 7), -1);
+  EXPECT_EQ(posenc::math::rope_sequence_of(cu, 3, -1), -1);
+}
+
+TEST(RotaryModule, ForwardMatchesReferenceWithGqaAndOffset) {
+  torch::manual_seed(0);
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(16).max_len(64));
+  auto q = torch::randn({2, 7, 4, 16}, torch::kDouble);
+  auto k = torch::randn({2, 7, 2, 16}, torch::kDouble);
+  auto [oq, ok] = rope(q, k, std::nullopt, 5);
+  auto pos = (torch::arange(7, torch::kLong) + 5).expand({2, 7});
+  EXPECT_TRUE(torch::allclose(oq, reference_neox(q, pos, 10000.0), 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(ok, reference_neox(k, pos, 10000.0), 1e-12, 1e-12));
+  EXPECT_EQ(rope->parameters().size(), 0u);
+  EXPECT_EQ(rope->buffers().size(), 0u);
+  EXPECT_EQ(rope->inv_freq().size(0), 8);
+}
+
+TEST(RotaryModule, PositionsBeyondMaxLenRaise) {
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8).max_len(10));
+  auto q = torch::randn({1, 4, 1, 8});
+  EXPECT_THROW(rope(q, q, std::nullopt, 7), c10::IndexError);
+  EXPECT_THROW(rope(q, q, torch::tensor({0, 1, 2, 10}, torch::kLong)), c10::IndexError);
+  EXPECT_NO_THROW(rope(q, q, std::nullopt, 6));
+  EXPECT_THROW(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).rotary_dim(5)),
+               c10::ValueError);
+}
+
+TEST(RotaryModule, GradientsAreTheInverseRotation) {
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(12).interleaved(true));
+  auto q = torch::randn({2, 5, 3, 12}, torch::requires_grad(true).dtype(torch::kDouble));
+  auto k = torch::randn({2, 5, 1, 12}, torch::requires_grad(true).dtype(torch::kDouble));
+  auto pos = torch::randint(0, 4000, {2, 5}, torch::kLong);
+  auto [oq, ok] = rope(q, k, pos);
+  auto gq = torch::randn_like(oq), gk = torch::randn_like(ok);
+  ((oq * gq).sum() + (ok * gk).sum()).backward();
+  // Rotating the gradient forward again gives the incoming gradient back.
+  auto opts = posenc::ApplyRopeOptions().positions(pos).interleaved(true);
+  auto [bq, bk] = posenc::apply_rope(q.grad(), k.grad(), opts);
+  EXPECT_TRUE(torch::allclose(bq, gq, 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(bk, gk, 1e-12, 1e-12));
+}
+
+TEST(ApplyRope, ScalingLayoutsAndInPlace) {
+  auto q = torch::randn({3, 2, 6, 8});  // bhsd
+  posenc::RopeScaling llama3;
+  llama3.rope_type = "llama3";
+  llama3.factor = 8.0;
+  llama3.low_freq_factor = 1.0;
+  llama3.high_freq_factor = 4.0;
+  llama3.original_max_position_embeddings = 16;
+  auto opts = posenc::ApplyRopeOptions().layout("bhsd").scaling(llama3).offset(100);
+  auto out = posenc::apply_rope(q, opts);
+  auto copy = q.clone();
+  posenc::apply_rope_(copy, std::nullopt, opts);
+  EXPECT_TRUE(torch::equal(copy, out));
+  auto [inv, factor] = posenc::rope_frequencies(8, 10000.0, llama3);
+  EXPECT_EQ(factor, 1.0);
+  EXPECT_LT(inv[3].item<double>(), std::pow(10000.0, -6.0 / 8.0));  // low frequency scaled down
+  posenc::RopeScaling bad;
+  bad.rope_type = "ntk";
+  EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().scaling(bad)), c10::ValueError);
+  EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().layout("hsd")), c10::ValueError);
+}
+
+}  // namespace
