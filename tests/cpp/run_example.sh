@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds examples/cpp against the *installed* posenc package (find_package(posenc)) and
-# runs it: the app trains a tiny model and fails unless it learns the task.
+# runs them: each app trains a tiny model and fails unless it learns its task.
 set -euo pipefail
 prefix="$1"; python="$2"
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -11,3 +11,4 @@ cmake -S "$root/examples/cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" -j "${MAX_JOBS:-2}"
 "$build/train_order"
+"$build/rope_order"
