@@ -12,14 +12,7 @@ import sys
 
 import torch
 
-from posenc.benchmark import bench_shape, format_table, time_ms
-
-
-def copy_bandwidth(device: str, gib: float = 2.0) -> float:
-    src = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).uniform_()
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), device, reps=20)
-    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+from posenc.benchmark import bench_shape, copy_bandwidth, format_table
 
 
 def main() -> int:

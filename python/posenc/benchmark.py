@@ -87,6 +87,15 @@ def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3) -> dict
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def copy_bandwidth(device: str, gib: float = 2.0) -> float:
+    """Measured device copy bandwidth in GB/s (bytes read + written), the ceiling that
+    memory-bound kernels are compared against."""
+    src = torch.empty(int(gib * 2**30) // 4, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), device, reps=20)
+    return 2 * src.numel() * 4 / (ms * 1e-3) / 1e9
+
+
 def _reference(pe: torch.Tensor, p: float, training: bool):
     def forward(x):
         return F.dropout(x + pe[:, : x.size(1)], p, training)
