@@ -37,6 +37,7 @@ test-python:
 
 bench: build
 	$(PY) benchmarks/bench_add_position.py
+	$(PY) benchmarks/bench_rope.py --device all
 
 clean:
 	rm -rf $(BUILD) python/posenc/lib

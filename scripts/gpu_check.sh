@@ -27,13 +27,17 @@ echo "built in $(( $(date +%s) - start )) s"
 cuobjdump --dump-resource-usage build-gpu/libposenc.so > "$OUT/resource_usage.txt" 2>&1 || true
 
 echo "== tests"
-timeout 200 "$PY" -m pytest tests/python -q -p no:cacheprovider -rfE > "$OUT/pytest.log" 2>&1 || status=1
+timeout 150 "$PY" -m pytest tests/python -q -p no:cacheprovider -rfE > "$OUT/pytest.log" 2>&1 || status=1
 tail -15 "$OUT/pytest.log"
 
 echo "== benchmark"
 # --quick: the 1 GiB shape per dtype (the 2 GiB ones too would not fit the 6-minute call
 # with torch.compile of every reference).
-timeout 240 "$PY" benchmarks/bench_add_position.py --device cuda --quick --json "$OUT/bench.json" \
+timeout 120 "$PY" benchmarks/bench_add_position.py --device cuda --quick --json "$OUT/bench.json" \
   > "$OUT/bench.txt" 2>&1 || status=1
 grep -v "^W[0-9]" "$OUT/bench.txt" | tail -20
+# RoPE at (8, 4096, 32, 8, 128) bfloat16 (--quick: bfloat16 only).
+timeout 60 "$PY" benchmarks/bench_rope.py --device cuda --quick --json "$OUT/bench_rope.json" \
+  > "$OUT/bench_rope.txt" 2>&1 || status=1
+grep -v "^W[0-9]" "$OUT/bench_rope.txt" | tail -8
 exit $status
