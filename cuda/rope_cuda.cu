@@ -216,22 +216,20 @@ void run_rope_cuda(const RopeLaunch& l, at::ScalarType dtype) {
   });
 }
 
+at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
+
 std::tuple<at::Tensor, at::Tensor> rope_cuda(
     const at::Tensor& q, const std::optional<at::Tensor>& k,
     const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& offsets,
     int64_t offset, const std::optional<at::Tensor>& cu_seqlens, double base,
     c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
     int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse) {
+  // Devices first: a CPU q with a CUDA index tensor lands here and gets the clear message.
   check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
   const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out_q = at::empty_like(q);
-  std::optional<at::Tensor> out_k;
-  if (k.has_value()) out_k = at::empty_like(*k);
-  const RopeLaunch l =
-      prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
-                          seq_len, rotary_dim, interleaved, layout, inverse, out_q, out_k);
-  run_rope_cuda(l, q.scalar_type());
-  return {out_q, out_k.has_value() ? *out_k : at::empty({0}, q.options())};
+  return rope_out_of_place(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
+                           seq_len, rotary_dim, interleaved, layout, inverse, &empty_like_input,
+                           &run_rope_cuda);
 }
 
 void rope_inplace_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k,
@@ -242,12 +240,9 @@ void rope_inplace_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k,
                        int64_t rotary_dim, bool interleaved, c10::string_view layout,
                        bool inverse) {
   check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
-  check_rope_inplace(q, k, layout);
   const c10::cuda::CUDAGuard guard(q.device());
-  const RopeLaunch l =
-      prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
-                          seq_len, rotary_dim, interleaved, layout, inverse, q, k);
-  run_rope_cuda(l, q.scalar_type());
+  rope_in_place(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling, seq_len,
+                rotary_dim, interleaved, layout, inverse, &run_rope_cuda);
 }
 
 }  // namespace

@@ -375,5 +375,38 @@ RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tens
   return launch;
 }
 
+std::tuple<at::Tensor, at::Tensor> rope_out_of_place(
+    const at::Tensor& q, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& offsets,
+    int64_t offset, const std::optional<at::Tensor>& cu_seqlens, double base,
+    c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
+    int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse,
+    RopeOutputAllocator allocate, RopeKernelRunner run) {
+  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
+  at::Tensor out_q = allocate(q);
+  std::optional<at::Tensor> out_k;
+  if (k.has_value()) out_k = allocate(*k);
+  const RopeLaunch launch =
+      prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
+                          seq_len, rotary_dim, interleaved, layout, inverse, out_q, out_k);
+  run(launch, q.scalar_type());
+  return {out_q, out_k.has_value() ? *out_k : at::empty({0}, q.options())};
+}
+
+void rope_in_place(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                   const std::optional<at::Tensor>& positions,
+                   const std::optional<at::Tensor>& offsets, int64_t offset,
+                   const std::optional<at::Tensor>& cu_seqlens, double base,
+                   c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
+                   int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse,
+                   RopeKernelRunner run) {
+  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
+  check_rope_inplace(q, k, layout);
+  const RopeLaunch launch =
+      prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
+                          seq_len, rotary_dim, interleaved, layout, inverse, q, k);
+  run(launch, q.scalar_type());
+}
+
 }  // namespace ops
 }  // namespace posenc

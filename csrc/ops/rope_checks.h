@@ -52,6 +52,28 @@ RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tens
                                c10::string_view layout, bool inverse, const at::Tensor& out_q,
                                const std::optional<at::Tensor>& out_k);
 
+// The body every backend shares, given the backend's kernel launcher and output allocator:
+// checks, outputs (allocated like the inputs), preparation, launch. Returns (q, k) rotated,
+// k an empty tensor when absent; the in-place form rotates q and k themselves.
+using RopeKernelRunner = void (*)(const RopeLaunch& launch, at::ScalarType dtype);
+using RopeOutputAllocator = at::Tensor (*)(const at::Tensor& like);
+
+std::tuple<at::Tensor, at::Tensor> rope_out_of_place(
+    const at::Tensor& q, const std::optional<at::Tensor>& k,
+    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& offsets,
+    int64_t offset, const std::optional<at::Tensor>& cu_seqlens, double base,
+    c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
+    int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse,
+    RopeOutputAllocator allocate, RopeKernelRunner run);
+
+void rope_in_place(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                   const std::optional<at::Tensor>& positions,
+                   const std::optional<at::Tensor>& offsets, int64_t offset,
+                   const std::optional<at::Tensor>& cu_seqlens, double base,
+                   c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
+                   int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse,
+                   RopeKernelRunner run);
+
 // In place: q and k must not overlap themselves or each other (slices of one fused qkv
 // buffer are fine).
 void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k,

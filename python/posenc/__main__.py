@@ -13,6 +13,7 @@ import torch
 
 import posenc
 from posenc.benchmark import bench_shape, format_table
+from posenc.benchmark_rope import bench as bench_rope, format_rows as format_rope_rows
 
 SENTENCES = (["dog", "bites", "man"], ["man", "bites", "dog"])
 
@@ -55,6 +56,23 @@ def why_position_matters(d: int = 16) -> None:
         print(f"outputs for 'dog' and 'man' across the two sentences: {verdict}\n")
 
 
+def rope_depends_on_relative_position(d: int = 64) -> None:
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randn(1, 1, 1, d, generator=gen, dtype=torch.float64)
+    k = torch.randn(1, 1, 1, d, generator=gen, dtype=torch.float64)
+
+    def score(m, n):
+        rq = posenc.functional.apply_rope(q, positions=torch.tensor([m]))
+        rk = posenc.functional.apply_rope(k, positions=torch.tensor([n]))
+        return float((rq * rk).sum())
+
+    print("Rotary embedding (RoPE): the attention score of a query at position m and a key at")
+    print("position n depends only on m - n, however far along the sequence they are:")
+    for m, n in ((5, 2), (1005, 1002), (1_000_005, 1_000_002), (5, 4)):
+        print(f"  m={m:>9,}  n={n:>9,}  m-n={m - n}  score {score(m, n):+.9f}")
+    print()
+
+
 def benchmark(quick: bool) -> None:
     print("Benchmark: fused x + pe + dropout (posenc) vs plain PyTorch and torch.compile")
     rows = bench_shape("cpu", torch.float32, (8, 256, 512) if quick else (32, 512, 512),
@@ -63,6 +81,13 @@ def benchmark(quick: bool) -> None:
         rows += bench_shape("cuda", torch.bfloat16, (16, 2048, 2048), reps=20)
         rows += bench_shape("cuda", torch.float32, (16, 2048, 2048), reps=20)
     print(format_table(rows))
+    print()
+    print("Benchmark: RoPE of q and k, fused (posenc) vs Hugging Face's rotate_half and torch.compile")
+    rope_rows = bench_rope("cpu", torch.float32, (2, 256, 16, 4, 128) if quick else (4, 1024, 16, 4, 128),
+                           5 if quick else 15, True)
+    if torch.cuda.is_available():
+        rope_rows += bench_rope("cuda", torch.bfloat16, (8, 4096, 32, 8, 128), 20, True)
+    print(format_rope_rows(rope_rows))
     print()
 
 
@@ -95,6 +120,7 @@ def main(argv=None) -> int:
         benchmark(args.quick)
         return 0
     why_position_matters()
+    rope_depends_on_relative_position()
     benchmark(args.quick)
     os.makedirs(args.out, exist_ok=True)
     print("Heatmap of the encoding written to", heatmap(os.path.join(args.out, "posenc_heatmap.png")))

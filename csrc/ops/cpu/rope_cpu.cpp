@@ -1,5 +1,5 @@
-// CPU backend of the rope ops: argument checks (rope_checks.h), output allocation, and
-// dispatch over dtypes to the vectorised kernel in rope_kernel.cpp.
+// CPU backend of the rope ops: the shared front end (rope_checks.h) with outputs advised
+// onto huge pages, and dispatch over dtypes to the vectorised kernel in rope_kernel.cpp.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <torch/library.h>
@@ -23,16 +23,10 @@ std::tuple<at::Tensor, at::Tensor> rope_cpu(
     int64_t offset, const std::optional<at::Tensor>& cu_seqlens, double base,
     c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
     int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse) {
-  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
   check_cpu_isa();
-  at::Tensor out_q = empty_output_like(q);
-  std::optional<at::Tensor> out_k;
-  if (k.has_value()) out_k = empty_output_like(*k);
-  const RopeLaunch launch =
-      prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
-                          seq_len, rotary_dim, interleaved, layout, inverse, out_q, out_k);
-  run_rope_cpu(launch, q.scalar_type());
-  return {out_q, out_k.has_value() ? *out_k : at::empty({0}, q.options())};
+  return rope_out_of_place(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
+                           seq_len, rotary_dim, interleaved, layout, inverse, &empty_output_like,
+                           &run_rope_cpu);
 }
 
 void rope_inplace_cpu(const at::Tensor& q, const std::optional<at::Tensor>& k,
@@ -42,13 +36,9 @@ void rope_inplace_cpu(const at::Tensor& q, const std::optional<at::Tensor>& k,
                       c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
                       int64_t rotary_dim, bool interleaved, c10::string_view layout,
                       bool inverse) {
-  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
-  check_rope_inplace(q, k, layout);
   check_cpu_isa();
-  const RopeLaunch launch =
-      prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
-                          seq_len, rotary_dim, interleaved, layout, inverse, q, k);
-  run_rope_cpu(launch, q.scalar_type());
+  rope_in_place(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling, seq_len,
+                rotary_dim, interleaved, layout, inverse, &run_rope_cpu);
 }
 
 }  // namespace

@@ -146,7 +146,9 @@ POSENC_HOST_DEVICE void rope_sincos_reduced(double r, double* s, double* c) {
 }
 
 // sin and cos of pos * inv_freq in precision T (float or double). The product and the
-// reduction modulo pi/2 are done in double, so the error does not grow with pos.
+// reduction modulo pi/2 are done in double, so the error does not grow with pos. Written
+// without branches (the quadrant picks values by selects) so that a loop over the pairs of
+// a token vectorises on the CPU.
 template <typename T>
 POSENC_HOST_DEVICE void rope_sincos(int64_t pos, double inv_freq, T* s, T* c) {
   const double two_over_pi = 0.63661977236758134308;
@@ -157,21 +159,14 @@ POSENC_HOST_DEVICE void rope_sincos(int64_t pos, double inv_freq, T* s, T* c) {
   const double r = fma(-k, pio2_lo, fma(-k, pio2_hi, angle));
   T sr, cr;
   rope_sincos_reduced(static_cast<T>(r), &sr, &cr);
-  // Quadrant q: angle = r + q * pi/2.
-  const int64_t q = static_cast<int64_t>(k) & 3;
-  if (q == 0) {
-    *s = sr;
-    *c = cr;
-  } else if (q == 1) {
-    *s = cr;
-    *c = -sr;
-  } else if (q == 2) {
-    *s = -sr;
-    *c = -cr;
-  } else {
-    *s = -cr;
-    *c = sr;
-  }
+  // Quadrant q = k mod 4 (exact in double): angle = r + q * pi/2, so
+  // q = 0: (sr, cr); 1: (cr, -sr); 2: (-sr, -cr); 3: (-cr, sr).
+  const double q = k - 4.0 * floor(k * 0.25);
+  const bool swap = q == 1.0 || q == 3.0;
+  const T ss = swap ? cr : sr;
+  const T cc = swap ? sr : cr;
+  *s = q >= 2.0 ? -ss : ss;
+  *c = (q == 1.0 || q == 2.0) ? -cc : cc;
 }
 
 // Packed variable-length batches ("thd"): the sequence that token t belongs to, given the
