@@ -99,7 +99,8 @@ def test_opcheck_rope_inplace(device):
 
 
 def test_opcheck_rope_frequencies():
-    # No tensor inputs: the schema and fake-tensor checks still apply.
+    # No tensor inputs: a host-side helper (module construction), never traced; fake tensors
+    # have no device to come from, so the schema check is the one that applies.
     opcheck(torch.ops.posenc.rope_frequencies.default, (16, 10000.0), test_utils=("test_schema",))
     inv, factor = torch.ops.posenc.rope_frequencies(16, 10000.0, "linear", [2.0] + [float("nan")] * 9)
     assert inv.shape == (8,) and factor == 1.0
