@@ -12,6 +12,7 @@
 
 #include <algorithm>
 #include <type_traits>
+#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -242,31 +243,52 @@ void add_position_backward_rows(const AddPositionGeometry& g, const scalar_t* gr
   auto row_of = [&](int64_t b, int64_t s) { return g.batch_first ? b * g.seq + s : s * g.batch + b; };
 
   if (positions == nullptr || g.positions_batch_stride == 0) {
-    // The table row depends on s only: sum over the batch in registers-sized chunks, then
-    // add once per s. Without positions every s has its own row, so s can be split over
-    // threads; with (S,) positions two s may share a row, so threads own columns instead.
-    // Either way each table entry is summed in a fixed order (b, then s): deterministic.
+    // The table row depends on s only: sum over the batch into accumulators of a block of
+    // s (at most kAccElems values, L1/L2-resident), then add each s once to its row.
+    // Without positions every s has its own row, so s blocks can be split over threads;
+    // with (S,) positions two s may share a row, so threads own columns instead. Each table
+    // entry is summed in a fixed order (b ascending into acc, then s ascending into the
+    // table): deterministic, whatever the loop order below. The loop order follows memory:
+    // with batch_first, rows (b, s0..s1) are contiguous, so b is the outer loop.
+    constexpr int64_t kAccElems = 8192;
     const bool unique = positions == nullptr;
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     const int64_t width = unique ? d : std::max<int64_t>(64, ((d + threads - 1) / threads + 15) / 16 * 16);
     const int64_t ranges = (d + width - 1) / width;
-    const int64_t s_grain = unique ? std::max<int64_t>(1, 16384 / std::max<int64_t>(1, d * g.batch)) : g.seq;
+    const int64_t block_s = std::max<int64_t>(1, kAccElems / std::min(width, d));
+    const int64_t s_grain = unique ? block_s : g.seq;
     at::parallel_for(0, ranges * ((g.seq + s_grain - 1) / s_grain), 1, [&](int64_t begin, int64_t end) {
       alignas(64) acc_t factors[kChunk];
-      alignas(64) acc_t acc[kChunk];
+      std::vector<acc_t> acc_buffer(static_cast<size_t>(block_s * std::min(width, d)));
+      acc_t* acc = acc_buffer.data();
       for (int64_t task = begin; task < end; ++task) {
         const int64_t c = task % ranges;
+        const int64_t j_begin = c * width;
+        const int64_t j_end = std::min(d, j_begin + width);
+        const int64_t wc = j_end - j_begin;
         const int64_t s_begin = (task / ranges) * s_grain;
         const int64_t s_end = std::min(g.seq, s_begin + s_grain);
-        const int64_t j_end = std::min(d, (c + 1) * width);
-        for (int64_t s = s_begin; s < s_end; ++s) {
-          const int64_t pos = positions != nullptr ? positions[s] : g.offset + s;
-          for (int64_t j0 = c * width; j0 < j_end; j0 += kChunk) {
-            const int64_t n = std::min(kChunk, j_end - j0);
-            std::fill(acc, acc + n, acc_t(0));
-            for (int64_t b = 0; b < g.batch; ++b) masked_row_into(row_of(b, s), j0, n, factors, acc);
-            acc_t* t_row = grad_table + pos * d + j0;
-            for (int64_t k = 0; k < n; ++k) t_row[k] += acc[k];
+        for (int64_t s0 = s_begin; s0 < s_end; s0 += block_s) {
+          const int64_t s1 = std::min(s_end, s0 + block_s);
+          std::fill(acc, acc + (s1 - s0) * wc, acc_t(0));
+          auto add_row = [&](int64_t b, int64_t s) {
+            for (int64_t j0 = j_begin; j0 < j_end; j0 += kChunk) {
+              masked_row_into(row_of(b, s), j0, std::min(kChunk, j_end - j0), factors,
+                              acc + (s - s0) * wc + (j0 - j_begin));
+            }
+          };
+          if (g.batch_first) {
+            for (int64_t b = 0; b < g.batch; ++b)
+              for (int64_t s = s0; s < s1; ++s) add_row(b, s);
+          } else {
+            for (int64_t s = s0; s < s1; ++s)
+              for (int64_t b = 0; b < g.batch; ++b) add_row(b, s);
+          }
+          for (int64_t s = s0; s < s1; ++s) {
+            const int64_t pos = positions != nullptr ? positions[s] : g.offset + s;
+            acc_t* t_row = grad_table + pos * d + j_begin;
+            const acc_t* a_row = acc + (s - s0) * wc;
+            for (int64_t k = 0; k < wc; ++k) t_row[k] += a_row[k];
           }
         }
       }
