@@ -1,8 +1,8 @@
 // CPU kernel of the rope ops. Tokens are spread over threads with at::parallel_for; each
 // token's cos/sin (one per pair) are computed once with the shared math of
 // posenc/math/rope.h and reused for every head of q and k. Rows whose last dimension is
-// contiguous take an at::vec path (float, double); the rest, and half precision, a scalar
-// loop with the rotation done in float32 (float64 for float64).
+// contiguous take an at::vec path (half precision widened to float32); the rest a scalar
+// loop. The rotation is done in float32 (float64 for float64) and rounded once.
 #include "ops/cpu/rope_kernel.h"
 
 #include <ATen/OpMathType.h>
@@ -91,18 +91,59 @@ void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
   rotate_row_strided<scalar_t, scalar_t>(a, in, 1, out, 1, t, p);
 }
 
+// Contiguous rows of bfloat16 or float16: 16 elements per load, widened to two float32
+// vectors, rotated in float32 and rounded once on the way back.
+template <typename scalar_t>
+void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out,
+                            const TokenAngles<float>& t) {
+  using VecH = Vectorized<scalar_t>;
+  using VecF = Vectorized<float>;
+  constexpr int64_t W = VecH::size();  // 2 * VecF::size()
+  constexpr int64_t F = VecF::size();
+  const int64_t half = a.rotary_dim / 2;
+  auto rotate = [&](const VecF& x1, const VecF& x2, int64_t p, VecF& y1, VecF& y2) {
+    const VecF c = VecF::loadu(t.cs + p), s = VecF::loadu(t.sn + p);
+    y1 = x1 * c - x2 * s;
+    y2 = x2 * c + x1 * s;
+  };
+  int64_t p = 0;
+  if (!a.interleaved) {
+    for (; p + W <= half; p += W) {
+      auto [x1a, x1b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + p));
+      auto [x2a, x2b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + half + p));
+      VecF y1a, y2a, y1b, y2b;
+      rotate(x1a, x2a, p, y1a, y2a);
+      rotate(x1b, x2b, p + F, y1b, y2b);
+      at::vec::convert_from_float<scalar_t>(y1a, y1b).store(out + p);
+      at::vec::convert_from_float<scalar_t>(y2a, y2b).store(out + half + p);
+    }
+  } else {
+    for (; p + W <= half; p += W) {  // 2W elements: pairs p .. p + W - 1
+      auto [v0, v1] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + 2 * p));
+      auto [v2, v3] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + 2 * p + W));
+      auto [x1a, x2a] = at::vec::deinterleave2(v0, v1);
+      auto [x1b, x2b] = at::vec::deinterleave2(v2, v3);
+      VecF y1a, y2a, y1b, y2b;
+      rotate(x1a, x2a, p, y1a, y2a);
+      rotate(x1b, x2b, p + F, y1b, y2b);
+      auto [o0, o1] = at::vec::interleave2(y1a, y2a);
+      auto [o2, o3] = at::vec::interleave2(y1b, y2b);
+      at::vec::convert_from_float<scalar_t>(o0, o1).store(out + 2 * p);
+      at::vec::convert_from_float<scalar_t>(o2, o3).store(out + 2 * p + W);
+    }
+  }
+  rotate_row_strided<scalar_t, float>(a, in, 1, out, 1, t, p);
+}
+
 template <typename scalar_t, typename acc_t>
 void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
                 const TokenAngles<acc_t>& t) {
-  constexpr bool kVec = std::is_same_v<scalar_t, acc_t>;
-  if constexpr (kVec) {
-    if (si == 1 && so == 1) {
-      rotate_row_vec<scalar_t>(a, in, out, t);
-    } else {
-      rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
-    }
-  } else {
+  if (si != 1 || so != 1) {
     rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
+  } else if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    rotate_row_vec<scalar_t>(a, in, out, t);
+  } else {
+    rotate_row_vec_reduced<scalar_t>(a, in, out, t);
   }
   if (in != out) {  // the features beyond rotary_dim pass through
     for (int64_t j = a.rotary_dim; j < a.head_dim; ++j) out[j * so] = in[j * si];
