@@ -4,6 +4,7 @@ torch.compile) and, where installed, Liger-Kernel; see posenc/benchmark_rope.py.
 CPU (default): (4, 1024, 16 q heads, 4 k heads, 128) float32, the issue's reference point.
 GPU: (8, 4096, 32, 8, 128) bfloat16 and float32 against measured copy bandwidth.
 Usage: python benchmarks/bench_rope.py [--device cpu|cuda|all] [--quick] [--no-compile] [--json F]
+                                      [--cpu-dtypes float32,bfloat16,float16]
 """
 
 import argparse
@@ -22,11 +23,13 @@ def main():
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--no-compile", action="store_true")
     parser.add_argument("--json")
+    parser.add_argument("--cpu-dtypes", default="float32", help="comma-separated, e.g. float32,bfloat16,float16")
     args = parser.parse_args()
     rows = []
     if args.device in ("cpu", "all"):
         shape = (2, 256, 16, 4, 128) if args.quick else (4, 1024, 16, 4, 128)
-        rows += bench("cpu", torch.float32, shape, 5 if args.quick else 20, not args.no_compile)
+        for name in args.cpu_dtypes.split(","):
+            rows += bench("cpu", getattr(torch, name), shape, 5 if args.quick else 20, not args.no_compile)
     if args.device in ("cuda", "all") and torch.cuda.is_available():
         print(f"GPU: {torch.cuda.get_device_name()}; device-to-device copy: "
               f"{copy_bandwidth('cuda'):.0f} GB/s (read + write)", flush=True)
