@@ -36,7 +36,14 @@ echo "== benchmark"
 timeout 120 "$PY" benchmarks/bench_add_position.py --device cuda --quick --json "$OUT/bench.json" \
   > "$OUT/bench.txt" 2>&1 || status=1
 grep -v "^W[0-9]" "$OUT/bench.txt" | tail -20
-# RoPE at (8, 4096, 32, 8, 128) bfloat16 (--quick: bfloat16 only).
+# RoPE at (8, 4096, 32, 8, 128) bfloat16 (--quick: bfloat16 only). A Liger-Kernel wheel in
+# benchmarks/wheels (scripts/fetch_liger_wheel.sh, carried to the device) is unpacked onto
+# the path for the comparison; without one the benchmark says so and goes on.
+for wheel in benchmarks/wheels/liger_kernel-*.whl; do
+  [ -f "$wheel" ] || continue
+  rm -rf build-gpu/wheels && mkdir -p build-gpu/wheels
+  "$PY" -m zipfile -e "$wheel" build-gpu/wheels && export PYTHONPATH="$PYTHONPATH:$PWD/build-gpu/wheels"
+done
 timeout 60 "$PY" benchmarks/bench_rope.py --device cuda --quick --json "$OUT/bench_rope.json" \
   > "$OUT/bench_rope.txt" 2>&1 || status=1
 grep -v "^W[0-9]" "$OUT/bench_rope.txt" | tail -8

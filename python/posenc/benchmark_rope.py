@@ -4,7 +4,9 @@ The reference is Hugging Face's formulation: cos/sin tables gathered at the posi
 ``q * cos + rotate_half(q) * sin`` (and the same for k), forward and autograd backward; it is
 also timed under torch.compile. GB/s counts q and k read plus q and k written (the bytes one
 pass must move); "copy" is q.clone() + k.clone(), the memory floor. Where Liger-Kernel is
-installed (its Triton kernel, GPU only) it is timed too.
+importable (its Triton kernel, GPU only; scripts/fetch_liger_wheel.sh fetches a wheel that
+scripts/gpu_check.sh puts on the path) it is timed too, in its in-place form, so posenc's
+in-place op is timed beside it.
 """
 
 from __future__ import annotations
@@ -31,11 +33,19 @@ def reference(q, k, cos_table, sin_table, positions):
 
 
 def liger_or_none():
+    """Liger-Kernel's Triton RoPE (an autograd Function that rotates in place), or None."""
     try:
-        from liger_kernel.transformers.rope import liger_rotary_pos_emb  # type: ignore
+        from liger_kernel.ops.rope import LigerRopeFunction  # type: ignore
     except Exception:  # noqa: BLE001 - optional comparison
         return None
-    return liger_rotary_pos_emb
+    return LigerRopeFunction
+
+
+def liger_call(liger, q, k, cos_table, sin_table):
+    """Liger takes Hugging Face's (batch, heads, seq, head_dim) views of (batch, seq, heads,
+    head_dim) storage, and (seq, head_dim) cos/sin; returns the same views."""
+    oq, ok = liger.apply(q.transpose(1, 2), k.transpose(1, 2), cos_table, sin_table)[:2]
+    return oq.transpose(1, 2), ok.transpose(1, 2)
 
 
 def bench(device, dtype, shape, reps, with_compile):
@@ -49,21 +59,31 @@ def bench(device, dtype, shape, reps, with_compile):
     cos_table, sin_table = emb.cos().to(dtype), emb.sin().to(dtype)
     rope = posenc.RotaryPositionalEncoding(D, max_len=S).to(device)
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
+    # In-place variants work on their own copies (a rotation keeps the values' scale).
+    q_own, k_own = q.clone(), k.clone()
 
     def ours():
         return rope(q, k)
 
+    def ours_inplace():
+        posenc.functional.apply_rope(q_own, k_own, inplace=True)
+
     def ref():
         return reference(q, k, cos_table, sin_table, positions)
 
-    fns = {"posenc": ours, "eager": ref}
+    fns = {"posenc": ours, "in-place": ours_inplace, "eager": ref}
     if with_compile:
         compiled = torch.compile(reference)
         fns["compile"] = lambda: compiled(q, k, cos_table, sin_table, positions)
     liger = liger_or_none() if device == "cuda" else None
     if liger is not None:
-        qt, kt = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
-        fns["liger"] = lambda: liger(qt, kt, cos_table[None], sin_table[None])
+        q_liger, k_liger = q.clone(), k.clone()
+        # Same numbers first: a comparison is only fair between kernels that agree.
+        with torch.no_grad():
+            lq, _ = liger_call(liger, q.clone(), k.clone(), cos_table, sin_table)
+            diff = (lq.float() - rope(q, k)[0].float()).abs().max().item()
+        print(f"liger vs posenc, max |difference| of rotated q: {diff:.3g}", flush=True)
+        fns["liger"] = lambda: liger_call(liger, q_liger, k_liger, cos_table, sin_table)
     rows = []
     with torch.no_grad():
         t = time_interleaved(fns, device, reps)
@@ -82,6 +102,9 @@ def bench(device, dtype, shape, reps, with_compile):
     if with_compile:
         compiled_b = torch.compile(reference)
         bfns["compile"] = backward_of(lambda a, b: compiled_b(a, b, cos_table, sin_table, positions))
+    if liger is not None:
+        # Liger rotates its input in place: give it a non-leaf copy (clone is free in backward).
+        bfns["liger"] = backward_of(lambda a, b: liger_call(liger, a.clone(), b.clone(), cos_table, sin_table))
     t = time_interleaved(bfns, device, reps)
     t["copy"] = rows[0][1]["copy"]
     rows.append(("backward", t))
@@ -91,7 +114,7 @@ def bench(device, dtype, shape, reps, with_compile):
 
 
 def format_rows(rows):
-    names = [n for n in ("posenc", "eager", "compile", "liger", "copy") if any(f"{n}_ms" in r for r in rows)]
+    names = [n for n in ("posenc", "in-place", "eager", "compile", "liger", "copy") if any(f"{n}_ms" in r for r in rows)]
     header = f"{'device':6} {'dtype':8} {'shape (B,S,Hq,Hk,D)':>22} {'case':9} " + " ".join(f"{n + ' ms':>11}" for n in names)
     header += f" {'GB/s':>7} {'%copy':>6} {'eager/posenc':>12} {'compile/posenc':>14}"
     lines = [header, "-" * len(header)]
