@@ -200,6 +200,10 @@ def test_export():
     model = Attention()
     q = torch.randn(2, 10, 3, 16)
     k = torch.randn(2, 10, 3, 16)
-    ep = torch.export.export(model, (q, k))
+    batch, seq = torch.export.Dim("batch"), torch.export.Dim("seq", max=128)
+    shapes = ({0: batch, 1: seq}, {0: batch, 1: seq})
+    ep = torch.export.export(model, (q, k), dynamic_shapes=shapes)
     assert any("posenc.rope" in str(n.target) for n in ep.graph.nodes)
     torch.testing.assert_close(ep.module()(q, k), model(q, k))
+    q2, k2 = torch.randn(3, 50, 3, 16), torch.randn(3, 50, 3, 16)  # other batch and seq sizes
+    torch.testing.assert_close(ep.module()(q2, k2), model(q2, k2))
