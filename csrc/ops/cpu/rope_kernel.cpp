@@ -1,6 +1,7 @@
 // CPU kernel of the rope ops. Tokens are spread over threads with at::parallel_for; each
 // token's cos/sin (one per pair) are computed once with the shared math of
-// posenc/math/rope.h and reused for every head of q and k. Rows whose last dimension is
+// posenc/math/rope.h and reused for every head of q and k (and for every batch row when
+// all rows share their positions). Rows whose last dimension is
 // contiguous take an at::vec path (half precision widened to float32); the rest a scalar
 // loop. The rotation is done in float32 (float64 for float64) and rounded once.
 #include "ops/cpu/rope_kernel.h"
@@ -162,32 +163,49 @@ void nan_row(const RopeArgs& a, scalar_t* out, int64_t so) {
 template <typename scalar_t>
 void rope_tokens(const RopeArgs& a) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t tokens = a.batch * a.seq;
   const int64_t row_elems = std::max<int64_t>(1, (a.q.heads + a.k.heads) * a.head_dim);
+  // When every batch row sees the same positions (no per-row positions, offsets or packing),
+  // work goes by sequence index s and the angles of s serve all batch rows.
+  const bool shared = a.cu_seqlens == nullptr && a.offsets == nullptr &&
+                      (a.positions == nullptr || a.positions_batch_stride == 0);
+  const int64_t per_item = shared ? a.batch : 1;
+  const int64_t items = shared ? a.seq : a.batch * a.seq;
   // About 32k elements per task: large enough to amortise the per-token angles.
-  const int64_t grain = std::max<int64_t>(1, 32768 / row_elems);
-  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
-    TokenAngles<acc_t> angles;
-    for (int64_t token = begin; token < end; ++token) {
-      const int64_t b = token / a.seq, s = token % a.seq;
-      int64_t pos = 0;
-      const bool valid = rope_token_position(a, b, s, &pos);
-      if (valid) token_angles<acc_t>(a, pos, angles);
-      for (const RopeOperand* op : {&a.q, &a.k}) {
-        const auto* in = static_cast<const scalar_t*>(op->in);
-        auto* out = static_cast<scalar_t*>(op->out);
-        for (int64_t h = 0; h < op->heads; ++h) {
-          const scalar_t* in_row =
-              in + b * op->in_stride[0] + s * op->in_stride[1] + h * op->in_stride[2];
-          scalar_t* out_row =
-              out + b * op->out_stride[0] + s * op->out_stride[1] + h * op->out_stride[2];
-          if (valid) {
-            rotate_row<scalar_t, acc_t>(a, in_row, op->in_stride[3], out_row,
-                                        op->out_stride[3], angles);
-          } else {
-            nan_row(a, out_row, op->out_stride[3]);
-          }
+  const int64_t grain = std::max<int64_t>(1, 32768 / (row_elems * std::max<int64_t>(per_item, 1)));
+
+  auto rotate_token = [&](int64_t b, int64_t s, bool valid, const TokenAngles<acc_t>& angles) {
+    for (const RopeOperand* op : {&a.q, &a.k}) {
+      const auto* in = static_cast<const scalar_t*>(op->in);
+      auto* out = static_cast<scalar_t*>(op->out);
+      for (int64_t h = 0; h < op->heads; ++h) {
+        const scalar_t* in_row =
+            in + b * op->in_stride[0] + s * op->in_stride[1] + h * op->in_stride[2];
+        scalar_t* out_row =
+            out + b * op->out_stride[0] + s * op->out_stride[1] + h * op->out_stride[2];
+        if (valid) {
+          rotate_row<scalar_t, acc_t>(a, in_row, op->in_stride[3], out_row, op->out_stride[3],
+                                      angles);
+        } else {
+          nan_row(a, out_row, op->out_stride[3]);
         }
+      }
+    }
+  };
+
+  at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
+    TokenAngles<acc_t> angles;
+    for (int64_t item = begin; item < end; ++item) {
+      if (shared) {
+        int64_t pos = 0;
+        rope_token_position(a, 0, item, &pos);
+        token_angles<acc_t>(a, pos, angles);
+        for (int64_t b = 0; b < a.batch; ++b) rotate_token(b, item, true, angles);
+      } else {
+        const int64_t b = item / a.seq, s = item % a.seq;
+        int64_t pos = 0;
+        const bool valid = rope_token_position(a, b, s, &pos);
+        if (valid) token_angles<acc_t>(a, pos, angles);
+        rotate_token(b, s, valid, angles);
       }
     }
   });
