@@ -1,11 +1,11 @@
 // CUDA kernels of the rope ops (out of place and in place; the backward is the same kernel
 // with inverse=true).
 //
-// A block handles one token at a time (grid-stride over tokens). Thread t owns a chunk of P
-// consecutive pairs (c = t % chunks) and a head lane (t / chunks): it computes the P
-// cos/sin of its chunk once per token, with the shared math of posenc/math/rope.h (angle
-// formed and reduced in float64, so accurate at any position), then walks the heads of q
-// and k at stride `head_lanes`. On the fast path (last dimension contiguous, 16-byte aligned
+// A block handles one token at a time (grid-stride over tokens). The token's cos/sin are
+// evaluated once per block into shared memory, one pair per thread, with the shared math of
+// posenc/math/rope.h (angle formed and reduced in float64, so accurate at any position).
+// Thread t then owns a chunk of P consecutive pairs (c = t % chunks) and a head lane
+// (t / chunks), and walks the heads of q and k at stride `head_lanes`. On the fast path (last dimension contiguous, 16-byte aligned
 // rows, rotary_dim/2 a multiple of P) each chunk is one 16-byte load per half (rotate_half
 // layout) or two consecutive ones (interleaved layout); otherwise P = 1 with element loads
 // and any strides. The frequencies travel in the kernel parameters (__grid_constant__, no
@@ -120,20 +120,32 @@ __global__ void __launch_bounds__(kMaxThreads)
   const acc_t factor = static_cast<acc_t>(a.attention_factor);
   const acc_t sign = a.inverse ? acc_t(-1) : acc_t(1);
   const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+  // The frequencies, then each token's cos/sin, live in shared memory: a token's half
+  // pairs are evaluated once per block (one per thread), not once per head lane.
+  __shared__ double s_freq[kMaxRopePairs];
+  __shared__ acc_t s_cos[kMaxRopePairs];
+  __shared__ acc_t s_sin[kMaxRopePairs];
+  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) s_freq[i] = a.inv_freq[i];
 
   for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
     const int64_t b = token / a.seq;
     const int64_t s = token - b * a.seq;
     int64_t pos = 0;
-    const bool valid = rope_token_position(a, b, s, &pos);
+    const bool valid = rope_token_position(a, b, s, &pos);  // the same for the whole block
+    __syncthreads();  // s_freq written (first token); the previous token's readers are done
+    for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+      acc_t sv = nan, cv = nan;
+      if (valid) math::rope_sincos<acc_t>(pos, s_freq[i], &sv, &cv);
+      s_cos[i] = cv * factor;
+      s_sin[i] = sv * factor * sign;
+    }
+    __syncthreads();
     if (lane < head_lanes) {
       acc_t cs[P], sn[P];
 #pragma unroll
       for (int k = 0; k < P; ++k) {
-        acc_t sv = nan, cv = nan;
-        if (valid) math::rope_sincos<acc_t>(pos, a.inv_freq[p0 + k], &sv, &cv);
-        cs[k] = cv * factor;
-        sn[k] = sv * factor * sign;
+        cs[k] = s_cos[p0 + k];
+        sn[k] = s_sin[p0 + k];
       }
       for (int64_t h = lane; h < heads; h += head_lanes) {
         const bool is_q = h < a.q.heads;
