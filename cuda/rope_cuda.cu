@@ -215,10 +215,11 @@ void launch(const RopeArgs& a) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-void run_rope_cuda(const RopeLaunch& l, at::ScalarType dtype) {
+void run_rope_cuda(const RopeLaunch& l, const at::Tensor& q) {
   const RopeArgs& a = l.args;
   if (a.batch * a.seq == 0 || a.q.heads + a.k.heads == 0 || a.head_dim == 0) return;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "posenc_rope_cuda", [&] {
+  const c10::cuda::CUDAGuard guard(q.device());  // current stream and properties of q's GPU
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_rope_cuda", [&] {
     constexpr int P = cuda::kPerVector<scalar_t>;
     if (can_vectorize(a, P)) {
       launch<scalar_t, P, true>(a);
@@ -236,9 +237,6 @@ std::tuple<at::Tensor, at::Tensor> rope_cuda(
     int64_t offset, const std::optional<at::Tensor>& cu_seqlens, double base,
     c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
     int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse) {
-  // Devices first: a CPU q with a CUDA index tensor lands here and gets the clear message.
-  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
-  const c10::cuda::CUDAGuard guard(q.device());
   return rope_out_of_place(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
                            seq_len, rotary_dim, interleaved, layout, inverse, &empty_like_input,
                            &run_rope_cuda);
@@ -251,8 +249,6 @@ void rope_inplace_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k,
                        c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
                        int64_t rotary_dim, bool interleaved, c10::string_view layout,
                        bool inverse) {
-  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
-  const c10::cuda::CUDAGuard guard(q.device());
   rope_in_place(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling, seq_len,
                 rotary_dim, interleaved, layout, inverse, &run_rope_cuda);
 }

@@ -300,16 +300,21 @@ void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k,
               "; use inplace=False");
 }
 
+namespace {
+
+// Everything a kernel launch needs, for inputs that passed check_rope_structure (rot is its
+// resolved rotary_dim): the frequencies of the call, the canonical views' pointers and
+// strides, and value checks of CPU cu_seqlens (CUDA ones would cost a sync: the kernels
+// mark tokens outside every packed sequence with NaN instead). out_q/out_k: where the
+// kernel writes (the inputs themselves in place).
 RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tensor>& k,
                                const std::optional<at::Tensor>& positions,
                                const std::optional<at::Tensor>& offsets, int64_t offset,
                                const std::optional<at::Tensor>& cu_seqlens, double base,
                                c10::string_view rope_type, at::ArrayRef<double> scaling,
-                               int64_t seq_len, int64_t rotary_dim, bool interleaved,
+                               int64_t seq_len, int64_t rot, bool interleaved,
                                c10::string_view layout_name, bool inverse,
                                const at::Tensor& out_q, const std::optional<at::Tensor>& out_k) {
-  const int64_t rot =
-      check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout_name);
   const math::RopeScaling s = parse_rope_scaling(rope_type, scaling);
   const RopeLayout layout = parse_rope_layout(layout_name);
   if (s.type == math::RopeType::kDynamic && seq_len < 0) {
@@ -375,6 +380,8 @@ RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tens
   return launch;
 }
 
+}  // namespace
+
 std::tuple<at::Tensor, at::Tensor> rope_out_of_place(
     const at::Tensor& q, const std::optional<at::Tensor>& k,
     const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& offsets,
@@ -382,14 +389,15 @@ std::tuple<at::Tensor, at::Tensor> rope_out_of_place(
     c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
     int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse,
     RopeOutputAllocator allocate, RopeKernelRunner run) {
-  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
+  const int64_t rot =
+      check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
   at::Tensor out_q = allocate(q);
   std::optional<at::Tensor> out_k;
   if (k.has_value()) out_k = allocate(*k);
   const RopeLaunch launch =
       prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
-                          seq_len, rotary_dim, interleaved, layout, inverse, out_q, out_k);
-  run(launch, q.scalar_type());
+                          seq_len, rot, interleaved, layout, inverse, out_q, out_k);
+  run(launch, q);
   return {out_q, out_k.has_value() ? *out_k : at::empty({0}, q.options())};
 }
 
@@ -400,12 +408,13 @@ void rope_in_place(const at::Tensor& q, const std::optional<at::Tensor>& k,
                    c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
                    int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse,
                    RopeKernelRunner run) {
-  check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
+  const int64_t rot =
+      check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
   check_rope_inplace(q, k, layout);
   const RopeLaunch launch =
       prepare_rope_launch(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
-                          seq_len, rotary_dim, interleaved, layout, inverse, q, k);
-  run(launch, q.scalar_type());
+                          seq_len, rot, interleaved, layout, inverse, q, k);
+  run(launch, q);
 }
 
 }  // namespace ops

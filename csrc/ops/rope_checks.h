@@ -39,23 +39,12 @@ struct RopeLaunch {
   at::Tensor positions, offsets, cu_seqlens;  // contiguous int64 copies (or the originals)
 };
 
-// Full preparation for a real kernel: the checks above, the frequencies of the call, and
-// value checks of CPU index tensors (CUDA ones would cost a sync: the kernels mark tokens
-// outside every packed sequence with NaN instead). out_q/out_k: where the kernel writes
-// (the inputs themselves in place).
-RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                               const std::optional<at::Tensor>& positions,
-                               const std::optional<at::Tensor>& offsets, int64_t offset,
-                               const std::optional<at::Tensor>& cu_seqlens, double base,
-                               c10::string_view rope_type, at::ArrayRef<double> scaling,
-                               int64_t seq_len, int64_t rotary_dim, bool interleaved,
-                               c10::string_view layout, bool inverse, const at::Tensor& out_q,
-                               const std::optional<at::Tensor>& out_k);
-
 // The body every backend shares, given the backend's kernel launcher and output allocator:
 // checks, outputs (allocated like the inputs), preparation, launch. Returns (q, k) rotated,
-// k an empty tensor when absent; the in-place form rotates q and k themselves.
-using RopeKernelRunner = void (*)(const RopeLaunch& launch, at::ScalarType dtype);
+// k an empty tensor when absent; the in-place form rotates q and k themselves. Inputs are
+// checked once, before anything touches a device; the runner launches on q's device with
+// q's dtype (the CUDA one sets the device guard itself).
+using RopeKernelRunner = void (*)(const RopeLaunch& launch, const at::Tensor& q);
 using RopeOutputAllocator = at::Tensor (*)(const at::Tensor& like);
 
 std::tuple<at::Tensor, at::Tensor> rope_out_of_place(

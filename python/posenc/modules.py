@@ -226,8 +226,7 @@ class RotaryPositionalEncoding(nn.Module):
             raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(_rope.LAYOUTS)}")
         self.layout = layout
         self.scaling = None if scaling is None else dict(scaling)
-        rope_type, values = _rope.scaling_arguments(self.scaling, self.max_len)
-        self._rope_type, self._scaling_values = rope_type, values
+        rope_type, values = _rope.scaling_arguments(self.scaling, self.max_len)  # validates now
         inv_freq, factor = torch.ops.posenc.rope_frequencies(
             self.rotary_dim, self.base, rope_type, values, 0
         )

@@ -12,8 +12,8 @@ namespace posenc {
 namespace ops {
 namespace {
 
-void run_rope_cpu(const RopeLaunch& launch, at::ScalarType dtype) {
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "posenc_rope_cpu",
+void run_rope_cpu(const RopeLaunch& launch, const at::Tensor& q) {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_rope_cpu",
                                   [&] { cpu::rope_tokens<scalar_t>(launch.args); });
 }
 
