@@ -97,11 +97,12 @@ void RotaryPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
          << ", scaling=" << options.scaling().rope_type << ", layout=" << options.layout() << ")";
 }
 
-ApplyRopeOptions RotaryPositionalEncodingImpl::call_options(
-    const std::optional<torch::Tensor>& positions, int64_t offset) const {
+ApplyRopeOptions RotaryPositionalEncodingImpl::call_options(const RopePositions& where) const {
   return ApplyRopeOptions()
-      .positions(positions)
-      .offset(offset)
+      .positions(where.positions())
+      .offset(where.offset())
+      .offsets(where.offsets())
+      .cu_seqlens(where.cu_seqlens())
       .base(options.base())
       .interleaved(options.interleaved())
       .rotary_dim(options.rotary_dim())
@@ -112,21 +113,31 @@ ApplyRopeOptions RotaryPositionalEncodingImpl::call_options(
 std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward(
     const torch::Tensor& q, const torch::Tensor& k, const std::optional<torch::Tensor>& positions,
     int64_t offset) {
+  return forward_at(q, k, RopePositions().positions(positions).offset(offset));
+}
+
+std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_at(
+    const torch::Tensor& q, const torch::Tensor& k, const RopePositions& where) {
   const int64_t max_len = options.max_len();
-  int64_t lo = offset, hi = -1;
-  if (positions.has_value()) {
-    if (positions->numel() > 0 && (positions->is_cpu() || options.check_positions())) {
-      lo = positions->min().item<int64_t>() + offset;
-      hi = positions->max().item<int64_t>() + offset;
-    }
-  } else if (q.dim() >= 2) {
-    const int64_t seq_dim = options.layout() == "bhsd" ? 2 : (options.layout() == "sbhd" ? 0 : 1);
-    hi = offset + (options.layout() == "thd" ? q.size(0) : q.size(seq_dim)) - 1;
+  // The range check reads index tensors back to the host: a sync for CUDA ones, skipped
+  // when the options turn check_positions off. A q of the wrong rank is left to
+  // apply_rope's own message.
+  const auto on_cuda = [](const std::optional<torch::Tensor>& t) {
+    return t.has_value() && !t->is_cpu();
+  };
+  const bool reads_device = on_cuda(where.positions()) || on_cuda(where.offsets()) ||
+                            on_cuda(where.cu_seqlens());
+  int64_t lo = 0, hi = -1;
+  if (q.dim() == (options.layout() == "thd" ? 3 : 4) &&
+      (options.check_positions() || !reads_device)) {
+    std::tie(lo, hi) = ops::rope_position_bounds_op().call(
+        q, where.positions(), where.offsets(), where.offset(), where.cu_seqlens(),
+        options.layout());
   }
   TORCH_CHECK_INDEX(hi < lo || (lo >= 0 && hi < max_len),
                     "posenc: expected positions in [0, max_len=", max_len, "), got values from ",
                     lo, " to ", hi);
-  return apply_rope(q, k, call_options(positions, offset));
+  return apply_rope(q, k, call_options(where));
 }
 
 }  // namespace posenc

@@ -32,6 +32,9 @@ using RopeInplaceSig = void(POSENC_ROPE_ARGS);
 #undef POSENC_ROPE_ARGS
 using RopeFrequenciesSig = std::tuple<at::Tensor, double>(int64_t, double, c10::string_view,
                                                           at::ArrayRef<double>, int64_t);
+using RopePositionBoundsSig = std::tuple<int64_t, int64_t>(
+    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
+    const std::optional<at::Tensor>&, c10::string_view);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
@@ -72,6 +75,10 @@ inline const c10::TypedOperatorHandle<RopeInplaceSig>& rope_inplace_op() {
 }
 inline const c10::TypedOperatorHandle<RopeFrequenciesSig>& rope_frequencies_op() {
   static const auto handle = find_op<RopeFrequenciesSig>("posenc::rope_frequencies");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<RopePositionBoundsSig>& rope_position_bounds_op() {
+  static const auto handle = find_op<RopePositionBoundsSig>("posenc::rope_position_bounds");
   return handle;
 }
 

@@ -13,6 +13,8 @@
 //                          backward is the same op with inverse=True.
 //   rope_                  the same rotation in place (inference).
 //   rope_frequencies       inverse frequencies and attention factor of a configuration.
+//   rope_position_bounds   (smallest, largest) position a rope call rotates ((0, -1): none);
+//                          reads index tensors back to the host.
 #include <ATen/core/enum_tag.h>
 #include <torch/library.h>
 
@@ -55,4 +57,7 @@ TORCH_LIBRARY(posenc, m) {
   m.def(
       "rope_frequencies(int rotary_dim, float base=10000.0, str rope_type=\"default\", "
       "float[] scaling=[], int seq_len=0) -> (Tensor, float)");
+  m.def(
+      "rope_position_bounds(Tensor q, Tensor? positions=None, Tensor? offsets=None, "
+      "int offset=0, Tensor? cu_seqlens=None, str layout=\"bshd\") -> (int, int)");
 }

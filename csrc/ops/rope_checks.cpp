@@ -53,25 +53,6 @@ void check_index_tensor(const char* name, const at::Tensor& t, const at::Tensor&
               ", got ", name, " on ", t.device());
 }
 
-// The largest position of a call ("dynamic" scaling needs it). Reads the index tensors
-// back to the host: a device sync for CUDA tensors, paid only by "dynamic" with tensors.
-int64_t longest_position(int64_t seq, const std::optional<at::Tensor>& positions,
-                         const std::optional<at::Tensor>& offsets, int64_t offset,
-                         const std::optional<at::Tensor>& cu_seqlens) {
-  if (seq == 0) return -1;
-  if (cu_seqlens.has_value()) {
-    const at::Tensor cu = cu_seqlens->to(at::kLong);
-    at::Tensor last = cu.slice(0, 1) - cu.slice(0, 0, -1) - 1;
-    if (offsets.has_value()) last = last + *offsets;
-    return last.numel() == 0 ? -1 : last.max().item<int64_t>() + offset;
-  }
-  if (!positions.has_value() && !offsets.has_value()) return seq - 1 + offset;
-  at::Tensor pos = positions.has_value() ? positions->reshape({-1, seq})
-                                         : at::arange(seq, offsets->options()).unsqueeze(0);
-  if (offsets.has_value()) pos = pos + offsets->unsqueeze(1);
-  return pos.numel() == 0 ? -1 : pos.max().item<int64_t>() + offset;
-}
-
 int64_t* long_data(const at::Tensor& t) { return t.defined() ? t.data_ptr<int64_t>() : nullptr; }
 
 }  // namespace
@@ -156,11 +137,7 @@ at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout) {
   }
 }
 
-int64_t check_rope_structure(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                             const std::optional<at::Tensor>& positions,
-                             const std::optional<at::Tensor>& offsets,
-                             const std::optional<at::Tensor>& cu_seqlens, int64_t rotary_dim,
-                             c10::string_view layout_name) {
+RopeLayout check_rope_q(const at::Tensor& q, c10::string_view layout_name) {
   const RopeLayout layout = parse_rope_layout(layout_name);
   const int64_t want_dim = layout == RopeLayout::kTHD ? 3 : 4;
   TORCH_CHECK(q.dim() == want_dim, "posenc: expected q to be a ", want_dim, "-D tensor ",
@@ -170,36 +147,15 @@ int64_t check_rope_structure(const at::Tensor& q, const std::optional<at::Tensor
                    "posenc: expected q to have a floating-point dtype (float16, bfloat16, "
                    "float32 or float64), got ",
                    q.scalar_type());
-  const at::Tensor qv = rope_canonical_view(q, layout);
-  const c10::SymInt head_dim = qv.sym_size(3);
-  if (k.has_value()) {
-    TORCH_CHECK(k->dim() == want_dim, "posenc: expected k to be a ", want_dim, "-D tensor ",
-                layout_shape(layout), " for layout '", to_string(layout_name), "', got shape ",
-                k->sym_sizes());
-    TORCH_CHECK_TYPE(k->scalar_type() == q.scalar_type(), "posenc: expected k to have q's dtype ",
-                     q.scalar_type(), ", got ", k->scalar_type());
-    TORCH_CHECK(k->device() == q.device(), "posenc: expected k on q's device ", q.device(),
-                ", got k on ", k->device());
-    const at::Tensor kv = rope_canonical_view(*k, layout);
-    TORCH_CHECK(kv.sym_size(3) == head_dim, "posenc: expected q and k to have the same head_dim, ",
-                "got q of shape ", q.sym_sizes(), " and k of shape ", k->sym_sizes());
-    TORCH_CHECK(kv.sym_size(0) == qv.sym_size(0) && kv.sym_size(1) == qv.sym_size(1),
-                "posenc: expected q and k to have the same batch and sequence sizes (they may "
-                "differ in heads), got q of shape ",
-                q.sym_sizes(), " and k of shape ", k->sym_sizes(), " for layout '",
-                to_string(layout_name), "'");
-  }
-  const int64_t hd = head_dim.guard_int(__FILE__, __LINE__);
-  const int64_t rot = rotary_dim < 0 ? hd : rotary_dim;
-  TORCH_CHECK_VALUE(rotary_dim == -1 || rotary_dim > 0,
-                    "posenc: expected rotary_dim to be a positive even number or None, got ",
-                    rotary_dim);
-  TORCH_CHECK_VALUE(rot % 2 == 0, "posenc: expected rotary_dim to be even (features rotate in ",
-                    "pairs), got ", rot, rotary_dim < 0 ? " (the head_dim of q)" : "");
-  TORCH_CHECK_VALUE(rot <= hd, "posenc: expected rotary_dim <= head_dim = ", hd, ", got ", rot);
-  TORCH_CHECK_VALUE(rot / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rot, " is not supported; ",
-                    "expected at most ", 2 * kMaxRopePairs);
+  return layout;
+}
 
+void check_rope_indices(const at::Tensor& q, const std::optional<at::Tensor>& positions,
+                        const std::optional<at::Tensor>& offsets,
+                        const std::optional<at::Tensor>& cu_seqlens,
+                        c10::string_view layout_name) {
+  const RopeLayout layout = parse_rope_layout(layout_name);
+  const at::Tensor qv = rope_canonical_view(q, layout);
   const c10::SymInt batch = qv.sym_size(0);
   const c10::SymInt seq = qv.sym_size(1);
   if (layout == RopeLayout::kTHD) {
@@ -235,6 +191,45 @@ int64_t check_rope_structure(const at::Tensor& q, const std::optional<at::Tensor
                 layout == RopeLayout::kTHD ? "sequence of cu_seqlens" : "batch row",
                 ", got shape ", offsets->sym_sizes());
   }
+}
+
+int64_t check_rope_structure(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                             const std::optional<at::Tensor>& positions,
+                             const std::optional<at::Tensor>& offsets,
+                             const std::optional<at::Tensor>& cu_seqlens, int64_t rotary_dim,
+                             c10::string_view layout_name) {
+  const RopeLayout layout = check_rope_q(q, layout_name);
+  const at::Tensor qv = rope_canonical_view(q, layout);
+  const c10::SymInt head_dim = qv.sym_size(3);
+  if (k.has_value()) {
+    TORCH_CHECK(k->dim() == q.dim(), "posenc: expected k to be a ", q.dim(), "-D tensor ",
+                layout_shape(layout), " for layout '", to_string(layout_name), "', got shape ",
+                k->sym_sizes());
+    TORCH_CHECK_TYPE(k->scalar_type() == q.scalar_type(), "posenc: expected k to have q's dtype ",
+                     q.scalar_type(), ", got ", k->scalar_type());
+    TORCH_CHECK(k->device() == q.device(), "posenc: expected k on q's device ", q.device(),
+                ", got k on ", k->device());
+    const at::Tensor kv = rope_canonical_view(*k, layout);
+    TORCH_CHECK(kv.sym_size(3) == head_dim, "posenc: expected q and k to have the same head_dim, ",
+                "got q of shape ", q.sym_sizes(), " and k of shape ", k->sym_sizes());
+    TORCH_CHECK(kv.sym_size(0) == qv.sym_size(0) && kv.sym_size(1) == qv.sym_size(1),
+                "posenc: expected q and k to have the same batch and sequence sizes (they may "
+                "differ in heads), got q of shape ",
+                q.sym_sizes(), " and k of shape ", k->sym_sizes(), " for layout '",
+                to_string(layout_name), "'");
+  }
+  const int64_t hd = head_dim.guard_int(__FILE__, __LINE__);
+  const int64_t rot = rotary_dim < 0 ? hd : rotary_dim;
+  TORCH_CHECK_VALUE(rotary_dim == -1 || rotary_dim > 0,
+                    "posenc: expected rotary_dim to be a positive even number or None, got ",
+                    rotary_dim);
+  TORCH_CHECK_VALUE(rot % 2 == 0, "posenc: expected rotary_dim to be even (features rotate in ",
+                    "pairs), got ", rot, rotary_dim < 0 ? " (the head_dim of q)" : "");
+  TORCH_CHECK_VALUE(rot <= hd, "posenc: expected rotary_dim <= head_dim = ", hd, ", got ", rot);
+  TORCH_CHECK_VALUE(rot / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rot, " is not supported; ",
+                    "expected at most ", 2 * kMaxRopePairs);
+
+  check_rope_indices(q, positions, offsets, cu_seqlens, layout_name);
   return rot;
 }
 
@@ -318,8 +313,9 @@ RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tens
   const math::RopeScaling s = parse_rope_scaling(rope_type, scaling);
   const RopeLayout layout = parse_rope_layout(layout_name);
   if (s.type == math::RopeType::kDynamic && seq_len < 0) {
-    seq_len = longest_position(rope_canonical_view(q, layout).size(1), positions, offsets, offset,
-                               cu_seqlens) + 1;
+    // The longest position of the call + 1 (0 when it rotates nothing).
+    seq_len = std::get<1>(rope_position_bounds_unchecked(q, positions, offsets, offset,
+                                                         cu_seqlens, layout)) + 1;
   }
   const std::vector<double> freqs = rope_frequencies_host(rot, base, s, std::max<int64_t>(seq_len, 0));
 

@@ -25,6 +25,26 @@ math::RopeScaling parse_rope_scaling(c10::string_view rope_type, at::ArrayRef<do
 // The tensor seen as (batch, seq, heads, head_dim): a view, no copy.
 at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout);
 
+// q's rank for the layout and its dtype; returns the parsed layout. Works on Meta tensors.
+RopeLayout check_rope_q(const at::Tensor& q, c10::string_view layout);
+
+// The index arguments against q (a checked q): 'thd' needs cu_seqlens and no positions,
+// others no cu_seqlens; dtypes, devices and shapes of positions, offsets and cu_seqlens.
+// Works on Meta tensors.
+void check_rope_indices(const at::Tensor& q, const std::optional<at::Tensor>& positions,
+                        const std::optional<at::Tensor>& offsets,
+                        const std::optional<at::Tensor>& cu_seqlens, c10::string_view layout);
+
+// The (smallest, largest) position a call with these (checked) arguments rotates, exactly:
+// position = positions[b, s] (or s) + offsets[b] + offset, per token of a packed sequence in
+// 'thd'; (0, -1) when the call rotates no token. One read back to the host when an index
+// tensor is given (a device sync for CUDA tensors), none otherwise. The op
+// posenc::rope_position_bounds (rope_position_bounds.cpp) is the checked form.
+std::tuple<int64_t, int64_t> rope_position_bounds_unchecked(
+    const at::Tensor& q, const std::optional<at::Tensor>& positions,
+    const std::optional<at::Tensor>& offsets, int64_t offset,
+    const std::optional<at::Tensor>& cu_seqlens, RopeLayout layout);
+
 // Structure checks (shapes, dtypes, devices, rotary_dim); work on Meta tensors. Returns the
 // resolved rotary_dim (-1 means head_dim).
 int64_t check_rope_structure(const at::Tensor& q, const std::optional<at::Tensor>& k,

@@ -94,45 +94,6 @@ def _canonical(x: Tensor, layout: str) -> Tensor:
     return x
 
 
-def position_bounds(
-    q: Tensor,
-    layout: str,
-    positions: Optional[Tensor],
-    offset: Union[int, Tensor],
-    cu_seqlens: Optional[Tensor],
-) -> Tuple[int, int]:
-    """(smallest, largest) position of a call, as Python ints. Reads tensors back to the
-    host when positions, per-sequence offsets or cu_seqlens are given (a device sync on CUDA)."""
-    offsets = offset if isinstance(offset, Tensor) else None
-    base = 0 if offsets is not None else int(offset)
-    if cu_seqlens is not None:
-        cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
-        lengths = cu[1:] - cu[:-1]
-        if offsets is not None:
-            shift = offsets.cpu()
-            nonempty = lengths > 0
-            if not bool(nonempty.any()):
-                return 0, -1
-            lo = int(shift[nonempty].min())
-            hi = int((shift + lengths - 1)[nonempty].max())
-            return lo, hi
-        if lengths.numel() == 0:
-            return 0, -1
-        return base, int(lengths.max()) - 1 + base
-    seq = _canonical(q, layout).shape[1]
-    if positions is None:
-        lo_p, hi_p = 0, seq - 1
-    elif positions.numel() == 0:
-        return 0, -1
-    else:
-        lo_t, hi_t = torch.aminmax(positions)
-        lo_p, hi_p = int(lo_t), int(hi_t)
-    if offsets is not None and offsets.numel() > 0:
-        lo_o, hi_o = torch.aminmax(offsets)
-        return lo_p + int(lo_o) + base, hi_p + int(hi_o) + base
-    return lo_p + base, hi_p + base
-
-
 def check_cu_seqlens(cu_seqlens: Tensor, tokens: int) -> None:
     """Values of CUDA cu_seqlens (CPU ones are checked in the op): one device sync."""
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64)

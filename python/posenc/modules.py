@@ -253,15 +253,26 @@ class RotaryPositionalEncoding(nn.Module):
         )
 
     def _check_range(self, q: Tensor, positions, offset, cu_seqlens) -> None:
-        """Positions must lie in [0, max_len). Free for an int offset; reads tensors back
-        (a sync on CUDA) only when check_positions is set and not under torch.compile."""
-        on_cuda = any(t is not None and isinstance(t, Tensor) and t.is_cuda for t in (positions, offset, cu_seqlens))
-        tensors = any(isinstance(t, Tensor) for t in (positions, offset, cu_seqlens))
-        if tensors and (torch.compiler.is_compiling() or (on_cuda and not self.check_positions)):
-            return
-        if q.dim() not in (3, 4) or q.numel() == 0:
-            return  # the op raises for a wrong rank; nothing to rotate when empty
-        lo, hi = _rope.position_bounds(q, self.layout, positions, offset, cu_seqlens)
+        """Positions must lie in [0, max_len). Free for an int offset; with index tensors
+        the op posenc::rope_position_bounds reads them back (a sync on CUDA), only when
+        check_positions is set (CUDA) and not under torch.compile."""
+        if q.dim() != (3 if self.layout == "thd" else 4):
+            return  # the rope op raises for a wrong rank, with its own message
+        offsets = offset if isinstance(offset, Tensor) else None
+        if offsets is None and (isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt))):
+            return  # apply_rope raises a TypeError naming offset
+        if positions is None and offsets is None and cu_seqlens is None:
+            # Positions offset .. offset + seq - 1: no tensor to read, traceable.
+            seq = _rope._canonical(q, self.layout).shape[1]
+            lo, hi = (offset, offset + seq - 1) if q.numel() > 0 else (0, -1)
+        else:
+            tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
+            on_cuda = any(t.is_cuda for t in tensors)
+            if torch.compiler.is_compiling() or (on_cuda and not self.check_positions):
+                return
+            lo, hi = torch.ops.posenc.rope_position_bounds(
+                q, positions, offsets, 0 if offsets is not None else offset, cu_seqlens, self.layout
+            )
         if hi >= lo and (lo < 0 or hi >= self.max_len):
             raise IndexError(
                 f"posenc: expected positions in [0, max_len={self.max_len}), got values from {lo} to {hi}"

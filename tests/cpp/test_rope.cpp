@@ -67,6 +67,32 @@ TEST(RotaryModule, PositionsBeyondMaxLenRaise) {
                c10::ValueError);
 }
 
+TEST(RotaryModule, ForwardAtTakesPerRowOffsetsAndPackedSequences) {
+  torch::manual_seed(1);
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8).max_len(32));
+  auto q = torch::randn({2, 3, 2, 8}, torch::kDouble);
+  auto k = torch::randn({2, 3, 1, 8}, torch::kDouble);
+  // Row 0 holds 29..31, row 1 holds 0..2: inside max_len, though the two ends summed are not.
+  auto positions = torch::tensor({29, 30, 31, 0, 1, 2}, torch::kLong).reshape({2, 3});
+  auto offsets = torch::tensor({0, 0}, torch::kLong);
+  auto [oq, ok] = rope->forward_at(q, k, posenc::RopePositions().positions(positions).offsets(offsets));
+  EXPECT_TRUE(torch::allclose(oq, reference_neox(q, positions, 10000.0), 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(ok, reference_neox(k, positions, 10000.0), 1e-12, 1e-12));
+  EXPECT_THROW(rope->forward_at(q, k, posenc::RopePositions().offsets(torch::tensor({0, 30}, torch::kLong))),
+               c10::IndexError);
+
+  // Packed: sequences of 2 and 3 tokens (and an empty one with a far offset) at offsets 4, 27.
+  posenc::RotaryPositionalEncoding packed(
+      posenc::RotaryPositionalEncodingOptions(8).max_len(32).layout("thd"));
+  auto qt = torch::randn({5, 2, 8}, torch::kDouble);
+  auto cu = torch::tensor({0, 2, 2, 5}, torch::kInt);
+  auto where = posenc::RopePositions().cu_seqlens(cu).offsets(torch::tensor({4, 500, 27}, torch::kLong));
+  auto [pq, pk] = packed->forward_at(qt, qt, where);
+  auto pos = torch::tensor({4, 5, 27, 28, 29}, torch::kLong).unsqueeze(0);
+  EXPECT_TRUE(torch::allclose(pq, reference_neox(qt.unsqueeze(0), pos, 10000.0).squeeze(0), 1e-12, 1e-12));
+  EXPECT_THROW(packed->forward_at(qt, qt, where.offset(3)), c10::IndexError);  // 30..32
+}
+
 TEST(RotaryModule, GradientsAreTheInverseRotation) {
   posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(12).interleaved(true));
   auto q = torch::randn({2, 5, 3, 12}, torch::requires_grad(true).dtype(torch::kDouble));

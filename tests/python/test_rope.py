@@ -266,6 +266,67 @@ def test_dynamic_reads_longest_position(device):
     check(out, reference_rope(q.cpu(), "bshd", positions.cpu(), inv, 8, False), torch.float64)
 
 
+def token_bounds(pos):
+    """(min, max) of a call's per-token positions written out, (0, -1) when there is none."""
+    return (int(pos.min()), int(pos.max())) if pos.numel() > 0 else (0, -1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_position_bounds_are_exact(device):
+    """posenc::rope_position_bounds against every token's position, written out. The
+    (batch, seq) positions + per-row offsets case is where a min + min bound would be loose."""
+    bounds = torch.ops.posenc.rope_position_bounds
+    q = torch.randn(2, 3, 1, 4, device=device)
+    pos2 = torch.tensor([[0, 1, 2], [100, 101, 102]], device=device)
+    offs = torch.tensor([100, 0], device=device)
+    pos1 = torch.tensor([5, 3, 9], device=device)
+    cases = [
+        (None, None, 7, grid_positions(2, 3, offset=7)),
+        (pos1, None, 0, grid_positions(2, 3, pos1)),
+        (pos1, offs, 2, grid_positions(2, 3, pos1, offs) + 2),
+        (pos2, offs, 0, grid_positions(2, 3, pos2, offs)),  # 100..102, not 100..202
+        (pos2, None, -4, grid_positions(2, 3, pos2) - 4),
+        (None, offs, 1, grid_positions(2, 3, offset=offs) + 1),
+    ]
+    for positions, offsets, offset, want in cases:
+        assert bounds(q, positions, offsets, offset, None, "bshd") == token_bounds(want)
+    # The layouts read seq from their own dimension.
+    qt = q.transpose(1, 2).contiguous()
+    assert bounds(qt, None, None, 0, None, "bhsd") == (0, 2)
+    assert bounds(q, None, None, 0, None, "sbhd") == (0, 1)  # (seq=2, batch=3, ...)
+    # Packed sequences: empty ones (even with a large offset) hold no position.
+    cu = torch.tensor([0, 5, 5, 6, 18, 21], dtype=torch.int32)
+    qp = torch.randn(21, 1, 4, device=device)
+    for offsets in (None, torch.tensor([7, 5000, 100, 3, 2048]), torch.tensor([7, 5000, 100, 3, -9])):
+        got = bounds(qp, None, None if offsets is None else offsets.to(device), 3, cu.to(device), "thd")
+        assert got == token_bounds(thd_positions(cu, offsets) + 3)
+    all_empty = torch.tensor([0, 0, 0], device=device)
+    assert bounds(qp[:0], None, torch.tensor([4, 9], device=device), 0, all_empty, "thd") == (0, -1)
+    # Nothing to rotate: empty batch or sequence.
+    assert bounds(q[:0], pos2[:0], offs[:0], 0, None, "bshd") == (0, -1)
+    assert bounds(q[:, :0], None, None, 5, None, "bshd") == (0, -1)
+    # The rope op's own checks apply.
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        bounds(qp, None, None, 0, None, "thd")
+    with pytest.raises(RuntimeError, match=r"positions of shape \(seq,\)"):
+        bounds(q, pos2[:, :2], None, 0, None, "bshd")
+    with pytest.raises(TypeError, match="offsets to have dtype torch.int64"):
+        bounds(q, None, offs.int(), 0, None, "bshd")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_dynamic_ignores_empty_packed_sequences(device):
+    """"dynamic" scales by the longest position rotated; an empty sequence's offset is not one."""
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    cu = torch.tensor([0, 6, 6, 30], device=device)
+    offsets = torch.tensor([0, 1000, 4], device=device)
+    q = torch.randn(30, 1, 8, dtype=torch.float64, device=device)
+    out = apply_rope(q, cu_seqlens=cu, offset=offsets, scaling=scaling, layout="thd")
+    inv, _ = reference_inv_freq(8, 10000.0, scaling, seq_len=28)  # longest: 4 + 23
+    pos = thd_positions(cu.cpu(), offsets.cpu())
+    check(out, reference_rope(q.cpu(), "thd", pos, inv, 8, False), torch.float64)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_inverse_undoes_rotation(device, interleaved):
@@ -326,6 +387,9 @@ class TestModule:
         with pytest.raises(IndexError, match=r"max_len=4\), got values from 0 to 4"):
             packed(torch.randn(7, 1, 8, device=device), cu_seqlens=torch.tensor([0, 2, 7], device=device))
         assert rope(q, offset=28).shape == q.shape  # 28..31 is fine
+        # Exact bounds: row 0 holds 29..31 + 0, row 1 holds 0..3 + 28; both inside.
+        positions = torch.tensor([[29, 30, 31, 31], [0, 1, 2, 3]], device=device)
+        assert rope(q, positions=positions, offset=torch.tensor([0, 28], device=device)).shape == q.shape
 
     def test_arguments_are_checked(self):
         with pytest.raises(ValueError, match="rotary_dim"):

@@ -1,4 +1,4 @@
-"""RoPE: gradcheck, opcheck on rope / rope_ / rope_frequencies, in place, what backward saves,
+"""RoPE: gradcheck, opcheck on rope / rope_ / rope_frequencies / rope_position_bounds, in place, what backward saves,
 torch.compile(fullgraph=True) and torch.export."""
 
 import pytest
@@ -104,6 +104,18 @@ def test_opcheck_rope_frequencies():
     opcheck(torch.ops.posenc.rope_frequencies.default, (16, 10000.0), test_utils=("test_schema",))
     inv, factor = torch.ops.posenc.rope_frequencies(16, 10000.0, "linear", [2.0] + [float("nan")] * 9)
     assert inv.shape == (8,) and factor == 1.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_rope_position_bounds(device):
+    # Returns Python ints read from the index tensors: a host-side check (the modules skip it
+    # under torch.compile), so fake tensors cannot run it; the schema and autograd
+    # registration checks apply.
+    q = torch.randn(2, 3, 1, 4, device=device, requires_grad=True)
+    args = (q, torch.tensor([[0, 1, 2], [5, 6, 7]], device=device), torch.tensor([3, 1], device=device), 2, None, "bshd")
+    opcheck(torch.ops.posenc.rope_position_bounds.default, args,
+            test_utils=("test_schema", "test_autograd_registration"))
+    assert torch.ops.posenc.rope_position_bounds(*args) == (5, 10)
 
 
 @pytest.mark.parametrize("device", DEVICES)

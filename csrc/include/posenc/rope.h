@@ -70,6 +70,17 @@ std::tuple<torch::Tensor, double> rope_frequencies(int64_t rotary_dim, double ba
                                                    const RopeScaling& scaling = {},
                                                    int64_t seq_len = 0);
 
+// Where a module call's tokens sit: the per-call position arguments of ApplyRopeOptions.
+struct RopePositions {
+  // int64 (seq,) or (batch, seq); default 0 .. seq-1 (restarting per packed sequence).
+  TORCH_ARG(std::optional<torch::Tensor>, positions) = std::nullopt;
+  TORCH_ARG(int64_t, offset) = 0;
+  // int64 per-row (or per packed sequence) offsets, added too.
+  TORCH_ARG(std::optional<torch::Tensor>, offsets) = std::nullopt;
+  // Cumulative sequence lengths for layout "thd".
+  TORCH_ARG(std::optional<torch::Tensor>, cu_seqlens) = std::nullopt;
+};
+
 struct RotaryPositionalEncodingOptions {
   /* implicit */ RotaryPositionalEncodingOptions(int64_t dim) : dim_(dim) {}
   // head_dim of q and k.
@@ -96,9 +107,16 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
   void pretty_print(std::ostream& stream) const override;
 
   // Rotated (q, k). positions: int64 (seq,) or (batch, seq); offset: added to each position.
+  // Every position must lie in [0, max_len) (IndexError otherwise; CUDA position tensors are
+  // read back for that check unless check_positions is off).
   std::tuple<torch::Tensor, torch::Tensor> forward(
       const torch::Tensor& q, const torch::Tensor& k,
       const std::optional<torch::Tensor>& positions = std::nullopt, int64_t offset = 0);
+  // The same with per-row offsets (KV caches of different lengths) or, for layout "thd",
+  // packed sequences. (A separate name: TORCH_MODULE's call operator needs one forward.)
+  std::tuple<torch::Tensor, torch::Tensor> forward_at(const torch::Tensor& q,
+                                                      const torch::Tensor& k,
+                                                      const RopePositions& where);
 
   // The float64 inverse frequencies and the attention factor (yarn; 1 otherwise).
   torch::Tensor inv_freq() const;
@@ -107,8 +125,7 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
   RotaryPositionalEncodingOptions options;
 
  private:
-  ApplyRopeOptions call_options(const std::optional<torch::Tensor>& positions,
-                                int64_t offset) const;
+  ApplyRopeOptions call_options(const RopePositions& where) const;
 };
 
 TORCH_MODULE(RotaryPositionalEncoding);
