@@ -4,7 +4,8 @@
 // values in registers, so grad is read once and each table entry gets a fixed-order sum
 // (deterministic, no atomics). Without positions the sums land straight in their table
 // rows (offset + s, all distinct); with (seq,) positions, which may repeat, they go to a
-// (seq, d) buffer reduced into the table by index_put (sort based: deterministic too).
+// (seq, d) buffer reduced into the table by index_put (sort based: deterministic too;
+// unchecked out-of-range positions add nothing, see scatter_rows_into_table).
 // (batch, seq) positions take the composite path (add_position_composite.cpp).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
@@ -122,8 +123,12 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor grad_x = need_x ? at::empty(grad.sizes(), grad.options())
                              : at::empty({0}, grad.options());
-  at::Tensor grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
-  if (grad.numel() == 0) return {grad_x, grad_table};
+  at::Tensor grad_table = positions.has_value()
+                             ? at::Tensor()
+                             : at::zeros({table_len, g.d}, grad.options().dtype(acc));
+  if (grad.numel() == 0) {
+    return {grad_x, at::zeros({table_len, g.d}, grad.options().dtype(acc))};
+  }
   // Sums per s: straight into rows offset + s of the table, or into a buffer when the
   // (seq,) positions may send two s to one row.
   at::Tensor sums = positions.has_value() ? at::empty({g.seq, g.d}, grad.options().dtype(acc))
@@ -149,7 +154,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
   if (positions.has_value()) {
-    grad_table = at::index_put(grad_table, {positions->contiguous()}, sums, true);
+    grad_table = scatter_rows_into_table(positions->contiguous(), sums, table_len);
   }
   return {grad_x, grad_table};
 }

@@ -227,7 +227,8 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
     auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
         std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(x.device().index()));
     std::lock_guard<std::mutex> lock(gen->mutex_);
-    // Our counters put the offset in their own words, so any increment keeps calls apart.
+    // One 128-bit Philox draw per block of 8 elements, each block its own subsequence (see
+    // posenc/math/philox.h): 4 offsets, as a torch kernel whose threads draw once.
     dropout.philox = gen->philox_cuda_state(4);
   }
   if (x.numel() == 0) {

@@ -167,7 +167,9 @@ __global__ void __launch_bounds__(kMaxThreads)
       }
     }
     // Features beyond rotary_dim pass through (nothing to do in place, unless invalid).
-    if (pass > 0 && (a.q.in != a.q.out || !valid)) {
+    // Both operands are asked: a q without elements has in == out == nullptr even out of
+    // place, and k's pass-through features must still be copied then.
+    if (pass > 0 && (a.q.in != a.q.out || a.k.in != a.k.out || !valid)) {
       for (int64_t e = threadIdx.x; e < heads * pass; e += blockDim.x) {
         const int64_t h = e / pass;
         const int64_t j = a.rotary_dim + (e - h * pass);

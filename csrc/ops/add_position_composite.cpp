@@ -30,13 +30,21 @@ at::Tensor table_gradient_composite(const at::Tensor& grad_x, const at::Tensor& 
       positions.dim() == 1
           ? positions.unsqueeze(0).expand_symint({rows.sym_size(0), rows.sym_size(1)})
           : positions;
-  const at::Tensor zeros =
-      at::zeros_symint({table_len, rows.sym_size(2)}, grad_x.options().dtype(acc));
-  return at::index_put(zeros, {pos.reshape(-1)},
-                       rows.reshape_symint({-1, rows.sym_size(2)}).to(acc), true);
+  return scatter_rows_into_table(pos.reshape(-1),
+                                 rows.reshape_symint({-1, rows.sym_size(2)}).to(acc), table_len);
 }
 
 }  // namespace
+
+at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor& rows,
+                                   const c10::SymInt& table_len) {
+  // Out-of-range positions go to a spare last row, dropped by the narrow: no sync, no assert.
+  const at::Tensor inside = positions.ge(0).logical_and(positions.lt(c10::Scalar(table_len)));
+  const at::Tensor safe = at::where(inside, positions, c10::Scalar(table_len));
+  at::Tensor table = at::zeros_symint({table_len + 1, rows.sym_size(1)}, rows.options());
+  table.index_put_({safe}, rows, /*accumulate=*/true);
+  return table.narrow_symint(0, 0, table_len);
+}
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,

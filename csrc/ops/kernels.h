@@ -25,6 +25,13 @@ using AddPositionBackwardWithTableFn = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
     int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x);
 
+// rows (n, d) summed into a zero (table_len, d) table at positions (n,), deterministically
+// (sort-based index_put on CUDA). A position outside [0, table_len) adds nothing: such
+// positions reach a backward only unchecked on CUDA (the forward wrote NaN rows for them),
+// and index_put would device-assert on them, or wrap negative ones.
+at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor& rows,
+                                   const c10::SymInt& table_len);
+
 // The composite implementation (any backend), see add_position_composite.cpp.
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,

@@ -319,6 +319,53 @@ def test_composite_backward_matches_the_cpu_kernel(batch_first, positions, p, ne
     torch.testing.assert_close(gt_c, gt, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("positions", ["1d", "2d"])
+def test_composite_backward_drops_out_of_range_positions(positions):
+    """Unchecked CUDA positions may lie outside the table (the forward wrote NaN rows for
+    them); the table gradient's scatter must neither device-assert nor wrap -1 to the last
+    row: those rows add nothing. Run through the dispatcher on the CPU, whose own kernel
+    would raise first."""
+    B, S, d, L = 3, 5, 6, 8
+    grad = torch.randn(B, S, d, dtype=torch.float64)
+    pos = torch.tensor([0, -1, 7, 8, 3]) if positions == "1d" else torch.tensor(
+        [[0, -1, 7, 8, 3], [12, 2, 2, -5, 7], [1, 1, 8, 0, 6]])
+    op = torch.ops.posenc.add_position_backward_with_table.default
+    composite_keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    _, gt = op.redispatch(composite_keys, grad, torch.tensor([1, 2]), pos, 0, True, 0.0, L, False)
+    want = torch.zeros(L, d, dtype=torch.float64)
+    full = pos.expand(B, S)
+    for b in range(B):
+        for s in range(S):
+            if 0 <= int(full[b, s]) < L:
+                want[int(full[b, s])] += grad[b, s]
+    assert gt.shape == (L, d)
+    torch.testing.assert_close(gt, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("shape", [(6,), (2, 6)])
+def test_unchecked_out_of_range_positions_on_cuda(shape):
+    """check_positions=False on CUDA: out-of-range rows come out NaN, and backward runs to
+    the end (no device assert) with a table gradient from the valid rows only."""
+    m = posenc.LearnedPositionalEncoding(8, 0.0, 10).cuda()
+    m.check_positions = False
+    x = torch.randn(2, 6, 8, device="cuda", requires_grad=True)
+    pos = torch.tensor([0, 3, 10, -1, 9, 3], device="cuda").expand(shape if len(shape) == 2 else (6,))
+    y = m(x, positions=pos.contiguous())
+    bad = (pos < 0) | (pos >= 10)
+    assert torch.isnan(y[..., 0][bad.expand(2, 6)]).all()
+    g = torch.randn_like(y)
+    torch.where(torch.isnan(y), torch.zeros_like(y), y * g).sum().backward()
+    torch.cuda.synchronize()
+    full = pos.expand(2, 6).cpu()
+    want = torch.zeros(10, 8)
+    for b in range(2):
+        for s in range(6):
+            if 0 <= int(full[b, s]) < 10:
+                want[int(full[b, s])] += g[b, s].cpu()
+    torch.testing.assert_close(m.pe.grad[0].cpu(), want)
+
+
 def test_export_learned_module_with_positions():
     m = posenc.LearnedPositionalEncoding(16, 0.1, 64).eval()
     x = torch.randn(2, 10, 16)

@@ -166,6 +166,14 @@ def test_empty_tensors(device, dtype):
     q = torch.randn(0, 2, 8, device=device).to(dtype)
     out = apply_rope(q, cu_seqlens=torch.tensor([0], device=device), layout="thd")
     assert out.shape == (0, 2, 8)
+    # A q without heads beside a k with some, partial rotary: k's pass-through features are
+    # still copied (an empty q has no storage, so "q.in == q.out" says nothing).
+    q = torch.randn(2, 3, 0, 8, device=device).to(dtype)
+    k = torch.randn(2, 3, 2, 8, device=device).to(dtype)
+    oq, ok = apply_rope(q, k, rotary_dim=4)
+    assert oq.shape == q.shape
+    inv = default_inv_freq(4, 10000.0)
+    check(ok, reference_rope(k.cpu().double(), "bshd", grid_positions(2, 3), inv, 4, False), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -64,12 +64,12 @@ void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes
   __m256i v0, v1, v2, v3;
   if (static_cast<uint32_t>(block0) <= 0xFFFFFFFFu - kLanes) {
     // The usual case: the 8 block indices share their high word, so the counters are
-    // built in registers (dropout_counter's layout: block lo/hi, offset lo/hi).
-    v0 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0))),
+    // built in registers (dropout_counter's layout: offset/4 lo/hi, block lo/hi).
+    v0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 2)));
+    v1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 34)));
+    v2 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0))),
                           _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    v1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0 >> 32)));
-    v2 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset)));
-    v3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 32)));
+    v3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0 >> 32)));
   } else {
     for (int i = 0; i < kLanes; ++i) math::dropout_counter(offset, block0 + i, c0[i], c1[i], c2[i], c3[i]);
     v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0));

@@ -5,7 +5,13 @@
 // maps a 128-bit counter and a 64-bit key to 128 random bits. We give every element
 // 16 bits, so one call serves a block of 8 consecutive elements:
 //   key     = seed (64 bit)
-//   counter = (block index: 64 bit, generator offset: 64 bit), block = element / 8
+//   counter = (generator offset / 4: 64 bit, block index: 64 bit), block = element / 8
+// This is the counter layout of curand_init(seed, subsequence = block, offset), which
+// PyTorch's CUDA random kernels use: our block b gets exactly the first four words a torch
+// kernel thread b would draw at the offset the generator reserved for this call. Since the
+// generator hands every call its own offset range, posenc's masks can coincide neither with
+// each other nor with another op's random numbers (an earlier layout, (block, offset),
+// could: block b of a call at offset O equalled thread O's draw n = b of a torch kernel).
 // Element e keeps its value iff bits16(e) >= round(p * 65536): p is resolved to
 // multiples of 2^-16 (p = 1 drops everything, p = 0 nothing).
 #pragma once
@@ -61,13 +67,14 @@ POSENC_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c
   return Philox4x32{{c0, c1, c2, c3}};
 }
 
-// The counter of dropout block `block` in a call with generator offset `offset`.
+// The counter of dropout block `block` in a call with generator offset `offset` (a multiple
+// of 4 on CUDA, where the call reserves 4 offsets: one 128-bit draw per block).
 POSENC_HOST_DEVICE void dropout_counter(uint64_t offset, uint64_t block, uint32_t& c0,
                                         uint32_t& c1, uint32_t& c2, uint32_t& c3) {
-  c0 = static_cast<uint32_t>(block);
-  c1 = static_cast<uint32_t>(block >> 32);
-  c2 = static_cast<uint32_t>(offset);
-  c3 = static_cast<uint32_t>(offset >> 32);
+  c0 = static_cast<uint32_t>(offset >> 2);
+  c1 = static_cast<uint32_t>(offset >> 34);
+  c2 = static_cast<uint32_t>(block);
+  c3 = static_cast<uint32_t>(block >> 32);
 }
 
 // The 128 random bits for dropout block `block` of a call with (seed, offset).
