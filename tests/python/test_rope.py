@@ -61,9 +61,13 @@ def check(out, ref, dtype):
 @pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize("rotary_dim", [None, 14])
-def test_q_and_k_match_reference(device, dtype, layout, interleaved, rotary_dim):
+@pytest.mark.parametrize("D", [24, 128])
+def test_q_and_k_match_reference(device, dtype, layout, interleaved, rotary_dim, D):
+    # head_dim 24: even, not a power of two, and its 12 pairs split into 16-byte chunks for
+    # float32/float64 only; 128 (LLaMA's) takes the vector path in every dtype; rotary_dim
+    # 14 (7 pairs) takes the element path.
     torch.manual_seed(0)
-    B, S, D = 3, 11, 24  # head_dim 24: even, not a power of two; rotary_dim 14 neither
+    B, S = 3, 11
     q = make((B, S, D), layout, dtype, device, heads=6)
     k = make((B, S, D), layout, dtype, device, heads=2)  # GQA: 6 q heads, 2 k heads
     oq, ok = apply_rope(q, k, layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
