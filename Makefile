@@ -6,7 +6,7 @@ INSTALL   := $(BUILD)/install
 MAX_JOBS  ?= 2
 export PYTHONPATH := $(CURDIR)/python
 
-.PHONY: all setup build demo test test-cpp test-example test-python bench clean
+.PHONY: all setup build demo test test-cpp test-example test-python test-install bench clean
 
 all: build
 
@@ -18,13 +18,14 @@ $(BUILD)/build.ninja: CMakeLists.txt | setup
 	  -DPOSENC_INSTALL_PYTHON_LIB=ON -DCMAKE_INSTALL_PREFIX=$(CURDIR)/$(INSTALL)
 
 build: setup $(BUILD)/build.ninja
+	$(if $(POSENC_WITH_CUDA),cmake -S . -B $(BUILD) -DPOSENC_WITH_CUDA=$(POSENC_WITH_CUDA) > /dev/null)
 	cmake --build $(BUILD) -j $(MAX_JOBS)
 	cmake --install $(BUILD) > /dev/null
 
 demo: build
 	$(PY) -m posenc demo
 
-test: build test-cpp test-example test-python
+test: build test-cpp test-example test-python test-install
 
 test-cpp:
 	ctest --test-dir $(BUILD) --output-on-failure
@@ -34,6 +35,9 @@ test-example:
 
 test-python:
 	$(PY) -m pytest tests/python -q -p no:cacheprovider
+
+test-install:
+	bash tests/python/run_pip_install.sh $(CURDIR)/$(PY)
 
 bench: build
 	$(PY) benchmarks/bench_add_position.py

@@ -1,9 +1,11 @@
-"""pip install for users who already have torch: `pip install --no-build-isolation .`
+"""pip install for users who already have torch: `pip install .`
 
 The Python package ships the same CMake-built libposenc that LibTorch apps link; this
 file only drives CMake (CUDA kernels when nvcc and a CUDA torch are present, see
 POSENC_WITH_CUDA and TORCH_CUDA_ARCH_LIST in the README) and copies the library into
-posenc/lib. --no-build-isolation lets the build see the torch it must match.
+posenc/lib. The library must be built against the torch it will run with, the one
+installed beside this Python: pip's build isolation hides it (an overlay on PYTHONPATH),
+so CMake runs this same interpreter without the overlay. `--no-build-isolation` works too.
 """
 
 import os
@@ -23,15 +25,25 @@ class CMakeLibrary(Extension):
         super().__init__(name, sources=[])
 
 
+def torch_environment() -> dict:
+    """The environment in which this interpreter imports the user's torch: the current one,
+    or, inside pip's isolated build (whose PYTHONPATH overlay hides site-packages), the
+    current one without the overlay."""
+    probe = [sys.executable, "-c", "import torch"]
+    if subprocess.run(probe, capture_output=True).returncode == 0:
+        return dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONNOUSERSITE")}
+    if subprocess.run(probe, env=env, capture_output=True).returncode == 0:
+        return env
+    raise RuntimeError(
+        f"posenc builds against the installed torch, which {sys.executable} cannot import: "
+        "install torch first (then `pip install .`, or `pip install --no-build-isolation .`)"
+    )
+
+
 class BuildWithCMake(build_ext):
     def build_extension(self, ext: Extension) -> None:
-        try:
-            import torch  # noqa: F401
-        except ImportError as exc:  # pragma: no cover - a set-up error, explained
-            raise RuntimeError(
-                "posenc builds against the installed torch: install torch first, then "
-                "`pip install --no-build-isolation .`"
-            ) from exc
+        env = torch_environment()
         lib_dir = Path(self.get_ext_fullpath(ext.name)).parent.resolve()
         build_dir = Path(self.build_temp).resolve() / "cmake"
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -44,9 +56,10 @@ class BuildWithCMake(build_ext):
         ]
         if shutil.which("ninja"):
             configure += ["-G", "Ninja"]
-        subprocess.check_call(configure)
+        subprocess.check_call(configure, env=env)
         jobs = os.environ.get("MAX_JOBS", str(os.cpu_count() or 2))
-        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "posenc", "-j", jobs])
+        subprocess.check_call(["cmake", "--build", str(build_dir), "--target", "posenc", "-j", jobs],
+                              env=env)
 
 
 setup(

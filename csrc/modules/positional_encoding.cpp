@@ -72,8 +72,9 @@ LearnedPositionalEncodingImpl::LearnedPositionalEncodingImpl(
 void LearnedPositionalEncodingImpl::reset() {
   detail::check_module_options("LearnedPositionalEncoding", options.d_model(),
                                options.max_len(), options.dropout());
-  TORCH_CHECK_VALUE(options.init_std() >= 0.0,
-                    "LearnedPositionalEncoding: expected init_std >= 0, got ", options.init_std());
+  TORCH_CHECK_VALUE(options.init_std() >= 0.0 && std::isfinite(options.init_std()),
+                    "LearnedPositionalEncoding: expected init_std to be finite and >= 0, got ",
+                    options.init_std());
   pe = register_parameter("pe", torch::empty({1, options.max_len(), options.d_model()}));
   reset_parameters();
 }

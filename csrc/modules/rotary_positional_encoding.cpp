@@ -72,8 +72,19 @@ void RotaryPositionalEncodingImpl::reset() {
                     "RotaryPositionalEncoding: expected rotary_dim to be even and at most dim=",
                     options.dim(), ", got ", rot);
   RopeScaling& s = options.scaling();
-  if ((s.rope_type == "dynamic" || s.rope_type == "yarn") &&
-      !s.original_max_position_embeddings.has_value()) {
+  if (s.rope_type == "dynamic") {
+    // "dynamic" rescales only positions beyond original_max_position_embeddings, and the
+    // module refuses positions at or beyond max_len: a baseline there would be a no-op.
+    TORCH_CHECK_VALUE(s.original_max_position_embeddings.has_value() &&
+                          *s.original_max_position_embeddings < options.max_len(),
+                      "RotaryPositionalEncoding: 'dynamic' scaling needs "
+                      "original_max_position_embeddings (the context the model was trained on) "
+                      "below max_len=", options.max_len(), ", got ",
+                      s.original_max_position_embeddings.has_value()
+                          ? std::to_string(*s.original_max_position_embeddings)
+                          : std::string("none"));
+  }
+  if (s.rope_type == "yarn" && !s.original_max_position_embeddings.has_value()) {
     s.original_max_position_embeddings = static_cast<double>(options.max_len());
   }
   inv_freq();  // validates base, scaling and layout-independent arguments now
@@ -118,6 +129,12 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward(
 
 std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_at(
     const torch::Tensor& q, const torch::Tensor& k, const RopePositions& where) {
+  // The module's dim is q's and k's head_dim: the frequencies (inv_freq()) and rotary_dim
+  // were set up for it, so another width would be rotated with other numbers.
+  TORCH_CHECK_VALUE(q.dim() >= 1 && q.size(-1) == options.dim() && k.dim() >= 1 &&
+                        k.size(-1) == options.dim(),
+                    "RotaryPositionalEncoding: expected q and k with head_dim ", options.dim(),
+                    " (the module's dim), got shapes ", q.sizes(), " and ", k.sizes());
   const int64_t max_len = options.max_len();
   // The range check reads index tensors back to the host: a sync for CUDA ones, skipped
   // when the options turn check_positions off. A q of the wrong rank is left to

@@ -34,7 +34,7 @@ def load() -> Path:
     raise ImportError(
         "posenc: could not find the compiled library libposenc (looked in "
         + ", ".join(str(p) for p in _candidates())
-        + "). Build it with `make build` or install the package with `pip install .`."
+        + "). Build it with `make build` or install the package with `pip install .` (torch installed first)."
     )
 
 

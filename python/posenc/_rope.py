@@ -67,7 +67,7 @@ def scaling_arguments(
             raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
         values[i] = float(value)
     orig = SCALING_KEYS.index("original_max_position_embeddings")
-    if default_original_max is not None and rope_type in ("dynamic", "yarn") and math.isnan(values[orig]):
+    if default_original_max is not None and rope_type == "yarn" and math.isnan(values[orig]):
         values[orig] = float(default_original_max)
     return rope_type, values
 

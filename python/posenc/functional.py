@@ -74,13 +74,15 @@ def timestep_embedding(
     ``[sin | cos]`` halves with frequencies ``exp(-ln(max_period) * i / (half -
     downscale_freq_shift))``, scaled angles, halves swapped when ``flip_sin_to_cos``,
     and one zero column appended when ``dim`` is odd. Computed in float32 with the same
-    operation order as diffusers so the numbers agree.
+    operation order as diffusers so the numbers agree. Where diffusers divides 0 by 0
+    (``dim // 2 == downscale_freq_shift``, e.g. dim 2 or 3 with the default shift) and
+    returns NaN, this raises ValueError instead.
     """
     if not isinstance(t, Tensor) or t.dim() != 1:
         shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"timestep_embedding: expected t to be a 1-D tensor of timesteps, got {shape}")
-    if dim <= 0:
-        raise ValueError(f"timestep_embedding: expected dim > 0, got {dim}")
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
+        raise ValueError(f"timestep_embedding: expected dim to be a positive int, got {dim!r}")
     half = dim // 2
     if half > 0 and half - downscale_freq_shift == 0:
         raise ValueError(
@@ -160,8 +162,16 @@ def resample_position_table(
     Prefix (class/register) rows are kept unchanged; the H x W patch rows are resampled
     with ``F.interpolate`` (in float32, then cast back), as timm's
     ``resample_abs_pos_embed`` does. ``old_grid`` defaults to the square grid the table
-    implies. Returns (1, prefix + new_h * new_w, d).
+    implies. Returns (1, prefix + new_h * new_w, d). ``mode``: "bicubic", "bilinear" or
+    "nearest" (``antialias`` applies to the first two).
+
+    One deliberate difference from timm: timm returns the table unchanged whenever the new
+    grid is square with as many cells as the old one, even if the old grid was not square
+    (e.g. 8x2 -> 4x4); posenc returns it unchanged only when the grids are equal, and
+    resamples otherwise.
     """
+    if mode not in ("bicubic", "bilinear", "nearest"):
+        raise ValueError(f"resample_position_table: expected mode bicubic, bilinear or nearest, got {mode!r}")
     if not isinstance(pe, Tensor) or pe.dim() != 3 or pe.shape[0] != 1:
         shape = tuple(pe.shape) if isinstance(pe, Tensor) else type(pe).__name__
         raise ValueError(f"resample_position_table: expected pe of shape (1, tokens, dim), got {shape}")

@@ -120,7 +120,10 @@ class LearnedPositionalEncoding(_AddPositionModule):
 
     Same arguments and forward as :class:`PositionalEncoding`, but ``pe`` is an
     ``nn.Parameter`` of shape (1, max_len, d_model), initialised from a normal distribution
-    with std ``init_std`` truncated at +-2 std (the BERT/ViT convention). Its gradient is the
+    with std ``init_std`` truncated at +-2 std (TensorFlow BERT's truncated_normal
+    initializer; the resulting std is about 0.88 init_std. timm's ViT calls
+    ``trunc_normal_(std=.02)`` with bounds +-2 in absolute terms, in effect untruncated, and
+    Hugging Face BERT a plain normal: call ``nn.init`` on ``pe`` to match either). Its gradient is the
     sum over the batch of the gradient reaching x, for exactly the positions used.
 
     A ViT-style ``pos_embed`` of shape (1, N, d) loads directly through ``load_state_dict``
@@ -138,8 +141,8 @@ class LearnedPositionalEncoding(_AddPositionModule):
         init_std: float = 0.02,
     ) -> None:
         super().__init__(d_model, dropout, max_len, batch_first)
-        if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not init_std >= 0:
-            raise ValueError(f"expected init_std to be a non-negative number, got {init_std!r}")
+        if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not 0 <= init_std < math.inf:
+            raise ValueError(f"expected init_std to be a finite non-negative number, got {init_std!r}")
         self.init_std = float(init_std)
         self.pe = nn.Parameter(torch.empty(1, self.max_len, self.d_model))
         self.reset_parameters()
@@ -164,6 +167,24 @@ class LearnedPositionalEncoding(_AddPositionModule):
         return f"{super().extra_repr()}, init_std={self.init_std}"
 
 
+def _check_dynamic_baseline(scaling: dict, max_len: int) -> None:
+    """"dynamic" rescales only when a call's positions pass original_max_position_embeddings,
+    and the module refuses positions at or beyond max_len: a baseline at or above max_len
+    (or a default of max_len) would make the scaling a silent no-op."""
+    orig = scaling.get("original_max_position_embeddings")
+    if orig is None:
+        raise ValueError(
+            "RotaryPositionalEncoding: 'dynamic' scaling needs 'original_max_position_embeddings' "
+            f"(the context length the model was trained on, Hugging Face's max_position_embeddings), "
+            f"below max_len={max_len}: positions beyond it are what it rescales"
+        )
+    if orig >= max_len:
+        raise ValueError(
+            f"RotaryPositionalEncoding: 'dynamic' scaling with original_max_position_embeddings={orig} "
+            f">= max_len={max_len} would never apply (positions stop below max_len); expected it below max_len"
+        )
+
+
 class RotaryPositionalEncoding(nn.Module):
     r"""Rotary position embedding (RoPE, Su et al.) of queries and keys, fused for q and k.
 
@@ -182,8 +203,9 @@ class RotaryPositionalEncoding(nn.Module):
         rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary);
             default ``dim``.
         scaling: None or a Hugging Face ``rope_scaling`` dict ("linear", "dynamic", "yarn",
-            "llama3"); for "dynamic" and "yarn" ``original_max_position_embeddings``
-            defaults to ``max_len``.
+            "llama3"). "dynamic" needs ``original_max_position_embeddings`` below ``max_len``
+            (the trained context, Hugging Face's ``max_position_embeddings``: positions
+            beyond it are what it rescales); for "yarn" it defaults to ``max_len``.
         layout: "bshd" (default), "bhsd", "sbhd" or "thd" (packed, with ``cu_seqlens``).
 
     ``inv_freq`` is a non-persistent float32 buffer (Hugging Face's name and convention, so
@@ -227,6 +249,8 @@ class RotaryPositionalEncoding(nn.Module):
         self.layout = layout
         self.scaling = None if scaling is None else dict(scaling)
         rope_type, values = _rope.scaling_arguments(self.scaling, self.max_len)  # validates now
+        if rope_type == "dynamic":
+            _check_dynamic_baseline(self.scaling, self.max_len)
         inv_freq, factor = torch.ops.posenc.rope_frequencies(
             self.rotary_dim, self.base, rope_type, values, 0
         )

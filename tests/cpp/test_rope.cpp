@@ -65,6 +65,10 @@ TEST(RotaryModule, PositionsBeyondMaxLenRaise) {
   EXPECT_NO_THROW(rope(q, q, std::nullopt, 6));
   EXPECT_THROW(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).rotary_dim(5)),
                c10::ValueError);
+  // q or k of another head_dim than the module's dim.
+  auto wide = torch::randn({1, 4, 1, 10});
+  EXPECT_THROW(rope(wide, wide), c10::ValueError);
+  EXPECT_THROW(rope(q, wide), c10::ValueError);
 }
 
 TEST(RotaryModule, ForwardAtTakesPerRowOffsetsAndPackedSequences) {

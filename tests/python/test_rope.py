@@ -327,6 +327,37 @@ def test_position_bounds_are_exact(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("D", [24, 128])
+def test_half_precision_rotates_in_float32(device, dtype, D):
+    """float16/bfloat16 inputs are rotated in float32 and rounded once: bit-equal to rotating
+    the same values in float32 and rounding the result (a half-precision rotation is not)."""
+    torch.manual_seed(5)
+    q = torch.randn(2, 7, 3, D, device=device).to(dtype)
+    k = torch.randn(2, 7, 1, D, device=device).to(dtype)
+    pos = torch.randint(0, 50000, (2, 7), device=device)
+    for interleaved in (False, True):
+        oq, ok = apply_rope(q, k, positions=pos, interleaved=interleaved)
+        wq, wk = apply_rope(q.float(), k.float(), positions=pos, interleaved=interleaved)
+        assert torch.equal(oq, wq.to(dtype)) and torch.equal(ok, wk.to(dtype))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_dynamic_scales_beyond_the_trained_context(device):
+    """The module with "dynamic": positions within original_max_position_embeddings rotate as
+    unscaled RoPE, longer calls rescale by their longest position, up to max_len."""
+    scaling = {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16}
+    rope = posenc.RotaryPositionalEncoding(8, max_len=64, scaling=scaling).to(device)
+    q = torch.randn(2, 40, 1, 8, dtype=torch.float64, device=device)
+    short = rope(q[:, :16])
+    check(short, reference_rope(q[:, :16].cpu(), "bshd", grid_positions(2, 16), default_inv_freq(8, 10000.0), 8, False), torch.float64)
+    long = rope(q, offset=20)  # positions 20..59: the call's length 60 sets the base
+    inv, _ = reference_inv_freq(8, 10000.0, scaling, seq_len=60)
+    assert not torch.allclose(inv, default_inv_freq(8, 10000.0))
+    check(long, reference_rope(q.cpu(), "bshd", grid_positions(2, 40, offset=20), inv, 8, False), torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_ignores_empty_packed_sequences(device):
     """"dynamic" scales by the longest position rotated; an empty sequence's offset is not one."""
     scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}

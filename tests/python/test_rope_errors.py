@@ -116,6 +116,12 @@ def test_layout_and_scaling_names():
         apply_rope(q, scaling="linear")
     with pytest.raises(ValueError, match="base > 1, got 1"):
         apply_rope(q, base=1.0)
-    # Module: yarn/dynamic take original_max_position_embeddings from max_len.
+    # Module: yarn takes original_max_position_embeddings from max_len.
     rope = posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "yarn", "factor": 2.0})
     assert rope(q).shape == q.shape
+    # "dynamic" rescales only beyond original_max_position_embeddings, and the module stops
+    # at max_len: a missing key (no default) or one at or above max_len would be a no-op.
+    with pytest.raises(ValueError, match=r"'dynamic' scaling needs 'original_max_position_embeddings'.*below max_len=64"):
+        posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings=64 >= max_len=64 would never apply"):
+        posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64})

@@ -90,7 +90,8 @@ struct RotaryPositionalEncodingOptions {
   TORCH_ARG(double, base) = 10000.0;
   TORCH_ARG(bool, interleaved) = false;
   TORCH_ARG(std::optional<int64_t>, rotary_dim) = std::nullopt;
-  // For "dynamic" and "yarn", original_max_position_embeddings defaults to max_len.
+  // "yarn": original_max_position_embeddings defaults to max_len. "dynamic" needs it given
+  // and below max_len (it rescales only positions beyond it).
   TORCH_ARG(RopeScaling, scaling) = {};
   TORCH_ARG(std::string, layout) = "bshd";
   // Range-check CUDA position tensors on the host (one device sync).
