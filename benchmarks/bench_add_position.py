@@ -24,22 +24,30 @@ def main() -> int:
     args = parser.parse_args()
 
     rows = []
+
+    def add(new_rows):
+        # Each shape's rows as soon as they are measured (a time limit still leaves them).
+        print(format_table(new_rows) + "\n", flush=True)
+        rows.extend(new_rows)
+
     if args.device in ("cpu", "all"):
         shape = (8, 256, 512) if args.quick else (32, 512, 512)
         for kind in ("sinusoidal", "learned"):
-            rows += bench_shape("cpu", torch.float32, shape, reps=5 if args.quick else 20,
-                                with_compile=not args.no_compile, kind=kind)
+            add(bench_shape("cpu", torch.float32, shape, reps=5 if args.quick else 20,
+                            with_compile=not args.no_compile, kind=kind))
     if args.device in ("cuda", "all") and torch.cuda.is_available():
         print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
-        print(f"device-to-device copy: {copy_bandwidth('cuda'):.0f} GB/s (read + write)", flush=True)
+        copy = copy_bandwidth("cuda")
+        print(f"device-to-device copy: {copy:.0f} GB/s (read + write)", flush=True)
         shapes = {torch.bfloat16: [(64, 4096, 2048), (16, 8192, 4096)],
                   torch.float32: [(32, 4096, 2048), (8, 8192, 4096)]}
         for dtype, dtype_shapes in shapes.items():
             for shape in dtype_shapes[:1] if args.quick else dtype_shapes:
                 for kind in ("sinusoidal", "learned"):
-                    rows += bench_shape("cuda", dtype, shape, reps=20,
-                                        with_compile=not args.no_compile, kind=kind)
+                    add(bench_shape("cuda", dtype, shape, reps=20,
+                                    with_compile=not args.no_compile, kind=kind, copy_gbps=copy))
                 torch.cuda.empty_cache()
+    print("All rows:")
     print(format_table(rows))
     if args.json:
         with open(args.json, "w") as f:
