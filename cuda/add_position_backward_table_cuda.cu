@@ -1,12 +1,14 @@
-// CUDA kernel of add_position_backward_with_table for positions that depend on the
-// sequence index only (offset, or (seq,) positions): one thread per (s, group of 8
-// columns) walks the batch in order, writes grad_x = grad * mask * scale and sums the same
-// values in registers, so grad is read once and each table entry gets a fixed-order sum
-// (deterministic, no atomics). Without positions the sums land straight in their table
-// rows (offset + s, all distinct); with (seq,) positions, which may repeat, they go to a
-// (seq, d) buffer reduced into the table by index_put (sort based: deterministic too;
-// unchecked out-of-range positions add nothing, see scatter_rows_into_table).
-// (batch, seq) positions take the composite path (add_position_composite.cpp).
+// CUDA kernels of add_position_backward_with_table: grad read once, grad_x = grad * mask *
+// scale written, and the same values summed into the table in a fixed order (deterministic,
+// no atomics).
+// - Positions that depend on the sequence index only (offset, or (seq,) positions): one
+//   thread per (s, group of 8 columns) walks the batch in order. Without positions the sums
+//   land straight in their table rows (offset + s, all distinct); with (seq,) positions,
+//   which may repeat, they go to a (seq, d) buffer reduced into the table by index_put (sort
+//   based: deterministic too; unchecked out-of-range positions add nothing, see
+//   scatter_rows_into_table).
+// - (batch, seq) positions: the rows are sorted (stably) by table row and each run of equal
+//   rows is summed by one thread per column group, which also writes those rows' grad_x.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -39,8 +41,56 @@ struct TableBackwardArgs {
   double scale;
 };
 
-// kAligned: d % 8 == 0 and 16-byte aligned pointers, so a thread's 8 columns of a row are
-// one Philox block and two 16-byte accesses at most.
+// The masked gradient of columns j0 .. j0+7 of memory row `row`: written to grad_x (when
+// wanted) and added to acc. kAligned: d % 8 == 0 and 16-byte aligned pointers, so the 8
+// columns are one Philox block and two 16-byte accesses at most; otherwise element by
+// element, one Philox call per dropout block touched.
+template <typename scalar_t, bool kAligned>
+__device__ __forceinline__ void accumulate_row_group(
+    const scalar_t* __restrict__ grad, scalar_t* __restrict__ grad_x, int64_t row, int64_t j0,
+    const TableBackwardArgs& args, uint64_t seed, uint64_t offset,
+    at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t> (&acc)[kGroup]) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const bool dropout = args.rng != nullptr;
+  const int64_t e0 = row * args.d + j0;
+  if (kAligned) {
+    acc_t v[kGroup];
+    load_group<scalar_t, acc_t>(grad + e0, v);
+    if (dropout) {
+      const math::Philox4x32 bits = math::dropout_block_bits(seed, offset, e0 / kGroup);
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) {
+        v[k] *= math::dropout_lane_bits(bits, k) >= args.threshold ? scale : acc_t(0);
+      }
+    }
+    if (grad_x != nullptr) store_group<scalar_t, acc_t>(grad_x + e0, v);
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) acc[k] += v[k];
+  } else {
+    uint64_t block = ~uint64_t{0};
+    math::Philox4x32 bits{};
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      if (j0 + k >= args.d) break;
+      const int64_t e = e0 + k;
+      acc_t v = static_cast<acc_t>(grad[e]);
+      if (dropout) {
+        const uint64_t e_block = static_cast<uint64_t>(e) / kGroup;
+        if (e_block != block) {
+          bits = math::dropout_block_bits(seed, offset, e_block);
+          block = e_block;
+        }
+        v *= math::dropout_lane_bits(bits, static_cast<int>(e % kGroup)) >= args.threshold
+                 ? scale
+                 : acc_t(0);
+      }
+      if (grad_x != nullptr) grad_x[e] = static_cast<scalar_t>(v);
+      acc[k] += v;
+    }
+  }
+}
+
+// Positions that depend on s only: one thread per (s, group of 8 columns) walks the batch.
 template <typename scalar_t, bool kAligned>
 __global__ void __launch_bounds__(kThreads)
     add_position_backward_table_kernel(const scalar_t* __restrict__ grad,
@@ -61,46 +111,10 @@ __global__ void __launch_bounds__(kThreads)
   acc_t acc[kGroup];
 #pragma unroll
   for (int k = 0; k < kGroup; ++k) acc[k] = acc_t(0);
-
   for (int64_t b = 0; b < args.batch; ++b) {  // batch order: the fixed summation order
     const int64_t row = args.batch_first ? b * args.seq + s : s * args.batch + b;
-    const int64_t e0 = row * args.d + j0;
-    if (kAligned) {
-      acc_t v[kGroup];
-      load_group<scalar_t, acc_t>(grad + e0, v);
-      if (dropout) {
-        const math::Philox4x32 bits = math::dropout_block_bits(seed, offset, e0 / kGroup);
-#pragma unroll
-        for (int k = 0; k < kGroup; ++k) {
-          v[k] *= math::dropout_lane_bits(bits, k) >= args.threshold ? scale : acc_t(0);
-        }
-      }
-      if (grad_x != nullptr) store_group<scalar_t, acc_t>(grad_x + e0, v);
-#pragma unroll
-      for (int k = 0; k < kGroup; ++k) acc[k] += v[k];
-    } else {
-      // Any d: element by element, one Philox call per dropout block touched.
-      uint64_t block = ~uint64_t{0};
-      math::Philox4x32 bits{};
-#pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        if (j0 + k >= args.d) break;
-        const int64_t e = e0 + k;
-        acc_t v = static_cast<acc_t>(grad[e]);
-        if (dropout) {
-          const uint64_t e_block = static_cast<uint64_t>(e) / kGroup;
-          if (e_block != block) {
-            bits = math::dropout_block_bits(seed, offset, e_block);
-            block = e_block;
-          }
-          v *= math::dropout_lane_bits(bits, static_cast<int>(e % kGroup)) >= args.threshold
-                   ? scale
-                   : acc_t(0);
-        }
-        if (grad_x != nullptr) grad_x[e] = static_cast<scalar_t>(v);
-        acc[k] += v;
-      }
-    }
+    accumulate_row_group<scalar_t, kAligned>(grad, grad_x, row, j0, args, seed, offset, scale,
+                                             acc);
   }
   acc_t* out = sums + s * args.d + j0;
 #pragma unroll
@@ -109,51 +123,112 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// (batch, seq) positions: the memory rows sorted (stably) by their table row, so the rows
+// of one table row form a run. One thread per (slot of the sorted order, group of 8
+// columns); the thread at the head of a run walks the run in order (ascending memory row:
+// a fixed summation order, deterministic), writes grad_x of each row it visits (every row
+// belongs to exactly one run, so grad_x is written once and grad read once) and stores the
+// run's sum in its table row. Keys equal to table_len mark positions outside the table
+// (possible only unchecked, on CUDA): their rows get grad_x and add nothing.
+template <typename scalar_t, bool kAligned>
+__global__ void __launch_bounds__(kThreads)
+    add_position_backward_table_sorted_kernel(const scalar_t* __restrict__ grad,
+                                              scalar_t* __restrict__ grad_x,
+                                              at::opmath_type<scalar_t>* __restrict__ table,
+                                              const int64_t* __restrict__ keys,
+                                              const int64_t* __restrict__ rows,
+                                              int64_t num_rows, int64_t table_len,
+                                              TableBackwardArgs args) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t groups_per_row = (args.d + kGroup - 1) / kGroup;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  if (tid >= num_rows * groups_per_row) return;
+  const int64_t slot = tid / groups_per_row;
+  const int64_t key = keys[slot];
+  if (slot > 0 && keys[slot - 1] == key) return;  // not the head of its run
+  const int64_t j0 = (tid - slot * groups_per_row) * kGroup;
+  const bool dropout = args.rng != nullptr;
+  const uint64_t seed = dropout ? static_cast<uint64_t>(args.rng[0]) : 0;
+  const uint64_t offset = dropout ? static_cast<uint64_t>(args.rng[1]) : 0;
+  const acc_t scale = static_cast<acc_t>(args.scale);
+
+  acc_t acc[kGroup];
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) acc[k] = acc_t(0);
+  for (int64_t i = slot; i < num_rows && keys[i] == key; ++i) {
+    accumulate_row_group<scalar_t, kAligned>(grad, grad_x, rows[i], j0, args, seed, offset,
+                                             scale, acc);
+  }
+  if (key < table_len) {
+    acc_t* out = table + key * args.d + j0;
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      if (j0 + k < args.d) out[k] = acc[k];
+    }
+  }
+}
+
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
     const at::Tensor& grad_in, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
     int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x) {
   const AddPositionGeometry g = check_add_position_backward_inputs(
       grad_in, rng, positions, offset, batch_first, p, table_len);
-  if (positions.has_value() && positions->dim() == 2) {
-    return add_position_backward_with_table_composite(grad_in, rng, positions, offset,
-                                                      batch_first, p, table_len, need_x);
-  }
   const c10::cuda::CUDAGuard device_guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor grad_x = need_x ? at::empty(grad.sizes(), grad.options())
                              : at::empty({0}, grad.options());
-  at::Tensor grad_table = positions.has_value()
-                             ? at::Tensor()
-                             : at::zeros({table_len, g.d}, grad.options().dtype(acc));
-  if (grad.numel() == 0) {
-    return {grad_x, at::zeros({table_len, g.d}, grad.options().dtype(acc))};
-  }
-  // Sums per s: straight into rows offset + s of the table, or into a buffer when the
-  // (seq,) positions may send two s to one row.
-  at::Tensor sums = positions.has_value() ? at::empty({g.seq, g.d}, grad.options().dtype(acc))
-                                          : grad_table.narrow(0, offset, g.seq);
+  at::Tensor grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
+  if (grad.numel() == 0) return {grad_x, grad_table};
+  const bool sorted = positions.has_value() && positions->dim() == 2;
   const auto params = math::make_dropout_params(p);
   const at::Tensor state = p > 0.0 ? rng.contiguous() : at::Tensor();
   TableBackwardArgs args{g.batch, g.seq, g.d, g.batch_first,
                          p > 0.0 ? state.const_data_ptr<int64_t>() : nullptr, params.threshold,
                          params.scale};
-  const int64_t threads = g.seq * ((g.d + kGroup - 1) / kGroup);
-  const int64_t blocks = (threads + kThreads - 1) / kThreads;
+  const int64_t groups_per_row = (g.d + kGroup - 1) / kGroup;
   const auto stream = at::cuda::getCurrentCUDAStream();
+
+  // (batch, seq) positions: each memory row's table row (table_len for one outside the
+  // table), sorted stably; the kernel sums each run of equal keys.
+  at::Tensor keys, rows;
+  if (sorted) {
+    const at::Tensor pos = batch_first ? *positions : positions->t();  // memory-row order
+    at::Tensor flat = pos.reshape({-1});
+    flat = at::where(flat.ge(0).logical_and(flat.lt(table_len)), flat, table_len);
+    std::tie(keys, rows) = at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+  }
+  // Sums per s: straight into rows offset + s of the table, or into a buffer when the
+  // (seq,) positions may send two s to one row.
+  at::Tensor sums;
+  if (!sorted) {
+    sums = positions.has_value() ? at::empty({g.seq, g.d}, grad.options().dtype(acc))
+                                 : grad_table.narrow(0, offset, g.seq);
+  }
+  const int64_t threads = (sorted ? g.batch * g.seq : g.seq) * groups_per_row;
+  const int64_t blocks = (threads + kThreads - 1) / kThreads;
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_table_cuda", [&] {
         using acc_t = at::opmath_type<scalar_t>;
         scalar_t* gx = need_x ? grad_x.mutable_data_ptr<scalar_t>() : nullptr;
         const bool aligned = g.d % kGroup == 0 && is_aligned16(grad.const_data_ptr()) &&
                              (gx == nullptr || is_aligned16(gx));
-        auto kernel = aligned ? add_position_backward_table_kernel<scalar_t, true>
-                              : add_position_backward_table_kernel<scalar_t, false>;
-        kernel<<<blocks, kThreads, 0, stream>>>(grad.const_data_ptr<scalar_t>(), gx,
-                                                sums.mutable_data_ptr<acc_t>(), args);
+        if (sorted) {
+          auto kernel = aligned ? add_position_backward_table_sorted_kernel<scalar_t, true>
+                                : add_position_backward_table_sorted_kernel<scalar_t, false>;
+          kernel<<<blocks, kThreads, 0, stream>>>(
+              grad.const_data_ptr<scalar_t>(), gx, grad_table.mutable_data_ptr<acc_t>(),
+              keys.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(), g.batch * g.seq,
+              table_len, args);
+        } else {
+          auto kernel = aligned ? add_position_backward_table_kernel<scalar_t, true>
+                                : add_position_backward_table_kernel<scalar_t, false>;
+          kernel<<<blocks, kThreads, 0, stream>>>(grad.const_data_ptr<scalar_t>(), gx,
+                                                  sums.mutable_data_ptr<acc_t>(), args);
+        }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });
-  if (positions.has_value()) {
+  if (positions.has_value() && !sorted) {
     grad_table = scatter_rows_into_table(positions->contiguous(), sums, table_len);
   }
   return {grad_x, grad_table};

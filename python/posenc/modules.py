@@ -148,7 +148,10 @@ class LearnedPositionalEncoding(_AddPositionModule):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        nn.init.trunc_normal_(self.pe, std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
+        if self.init_std == 0:
+            nn.init.zeros_(self.pe)  # trunc_normal_ divides by its (zero) width
+        else:
+            nn.init.trunc_normal_(self.pe, std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
 
     @torch.no_grad()
     def load_table(self, table: Tensor) -> None:

@@ -4,7 +4,10 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
+#include <tuple>
+#include <vector>
 
 #include "posenc/posenc.h"
 
@@ -103,6 +106,134 @@ TEST(Helpers, ResamplePositionTable) {
                               1e-6, 1e-6));
   EXPECT_THROW(posenc::resample_position_table(pe, 6, 6, 4, 5), c10::Error);
   EXPECT_THROW(posenc::resample_position_table(torch::randn({1, 20, 8}), 6, 6), c10::Error);
+}
+
+
+TEST(LearnedPositionalEncodingModule, OutOfRangePositionsThrowIndexError) {
+  // CPU positions are checked in the kernel; CUDA ones by the module on the host.
+  std::vector<torch::Device> devices{torch::kCPU};
+  if (torch::cuda::is_available()) devices.emplace_back(torch::kCUDA);
+  for (const auto& device : devices) {
+    posenc::LearnedPositionalEncoding m(posenc::LearnedPositionalEncodingOptions(8).max_len(16));
+    m->to(device);
+    auto x = torch::randn({2, 5, 8}, torch::TensorOptions().device(device));
+    auto pos = [&](std::vector<int64_t> v) { return torch::tensor(v, torch::kLong).to(device); };
+    EXPECT_THROW(m(x, 0, pos({0, -1, 2, 3, 4})), c10::IndexError);
+    EXPECT_THROW(m(x, 0, pos({0, 1, 16, 3, 4})), c10::IndexError);
+    EXPECT_THROW(m(x, 0, pos({0, 1, 2, 3, 4, 5, 6, 7, 8, -4}).reshape({2, 5})), c10::IndexError);
+    EXPECT_THROW(m(x, 0, pos({0, 1, 2, 3, 4, 5, 6, 700, 8, 9}).reshape({2, 5})), c10::IndexError);
+    try {
+      m(x, 0, pos({0, 1, 16, 3, 4}));
+      ADD_FAILURE() << "no exception";
+    } catch (const c10::IndexError& e) {
+      EXPECT_NE(std::string(e.what()).find("max_len=16"), std::string::npos) << e.what();
+    }
+    // The last valid row works.
+    m->eval();
+    torch::NoGradGuard no_grad;
+    auto ok = pos({15, 0, 15, 3, 4});
+    EXPECT_TRUE(torch::equal(m(x, 0, ok), x + m->pe.index_select(1, ok)));
+  }
+}
+
+TEST(Helpers, ResampleBicubicEqualsInterpolate) {
+  namespace F = torch::nn::functional;
+  torch::manual_seed(1);
+  const int64_t dim = 8;
+  for (auto [old_h, old_w, new_h, new_w, prefix] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t>>{
+           {6, 6, 9, 5, 1}, {12, 12, 5, 7, 1}, {8, 2, 4, 4, 2}, {5, 7, 10, 3, 0}}) {
+    auto pe = torch::randn({1, prefix + old_h * old_w, dim});
+    auto out = posenc::resample_position_table(pe, new_h, new_w, old_h, old_w, prefix);
+    ASSERT_EQ(out.sizes(), (std::vector<int64_t>{1, prefix + new_h * new_w, dim}));
+    auto grid = pe.slice(1, prefix).reshape({1, old_h, old_w, dim}).permute({0, 3, 1, 2});
+    auto image = F::interpolate(grid, F::InterpolateFuncOptions()
+                                          .size(std::vector<int64_t>{new_h, new_w})
+                                          .mode(torch::kBicubic)
+                                          .align_corners(false)
+                                          .antialias(true));
+    auto want = image.permute({0, 2, 3, 1}).reshape({1, new_h * new_w, dim});
+    EXPECT_TRUE(torch::equal(out.slice(1, prefix), want)) << old_h << "x" << old_w;
+    EXPECT_TRUE(torch::equal(out.slice(1, 0, prefix), pe.slice(1, 0, prefix)));
+    EXPECT_FALSE(torch::equal(out.slice(1, prefix), out.slice(1, prefix).mean(1, true).expand_as(want)));
+  }
+  // antialias=false and nearest are passed through too; an unknown mode is rejected.
+  auto pe = torch::randn({1, 1 + 144, dim});
+  auto grid = pe.slice(1, 1).reshape({1, 12, 12, dim}).permute({0, 3, 1, 2});
+  auto no_aa = posenc::resample_position_table(pe, 5, 7, std::nullopt, std::nullopt, 1, "bicubic", false);
+  auto want_no_aa = F::interpolate(grid, F::InterpolateFuncOptions()
+                                             .size(std::vector<int64_t>{5, 7})
+                                             .mode(torch::kBicubic)
+                                             .align_corners(false)
+                                             .antialias(false))
+                        .permute({0, 2, 3, 1})
+                        .reshape({1, 35, dim});
+  EXPECT_TRUE(torch::equal(no_aa.slice(1, 1), want_no_aa));
+  EXPECT_FALSE(torch::equal(no_aa, posenc::resample_position_table(pe, 5, 7)));
+  auto nearest = posenc::resample_position_table(pe, 5, 7, std::nullopt, std::nullopt, 1, "nearest");
+  auto want_nearest = F::interpolate(grid, F::InterpolateFuncOptions()
+                                               .size(std::vector<int64_t>{5, 7})
+                                               .mode(torch::kNearest))
+                          .permute({0, 2, 3, 1})
+                          .reshape({1, 35, dim});
+  EXPECT_TRUE(torch::equal(nearest.slice(1, 1), want_nearest));
+  EXPECT_THROW(posenc::resample_position_table(pe, 5, 7, std::nullopt, std::nullopt, 1, "bogus"),
+               c10::ValueError);
+  // A bfloat16 table is resampled in float32 and cast back.
+  auto half = pe.to(torch::kBFloat16);
+  auto out_half = posenc::resample_position_table(half, 9, 9);
+  EXPECT_EQ(out_half.scalar_type(), torch::kBFloat16);
+  auto want_half = F::interpolate(half.slice(1, 1).to(torch::kFloat).reshape({1, 12, 12, dim}).permute({0, 3, 1, 2}),
+                                  F::InterpolateFuncOptions()
+                                      .size(std::vector<int64_t>{9, 9})
+                                      .mode(torch::kBicubic)
+                                      .align_corners(false)
+                                      .antialias(true))
+                       .permute({0, 2, 3, 1})
+                       .reshape({1, 81, dim})
+                       .to(torch::kBFloat16);
+  EXPECT_TRUE(torch::equal(out_half.slice(1, 1), want_half));
+}
+
+TEST(LearnedPositionalEncodingModule, LoadTable3dAndNamedParameters) {
+  posenc::LearnedPositionalEncoding m(posenc::LearnedPositionalEncodingOptions(8).max_len(12));
+  auto table = torch::randn({1, 12, 8});
+  m->load_table(table);
+  EXPECT_TRUE(torch::equal(m->pe, table));
+  EXPECT_TRUE(m->pe.requires_grad());
+  EXPECT_THROW(m->load_table(torch::randn({2, 12, 8})), c10::ValueError);
+  EXPECT_THROW(m->load_table(torch::randn({1, 12, 9})), c10::ValueError);
+  EXPECT_THROW(m->load_table(torch::randn({12})), c10::ValueError);
+  auto params = m->named_parameters();
+  ASSERT_EQ(params.size(), 1u);
+  EXPECT_EQ(params.keys(), (std::vector<std::string>{"pe"}));
+  EXPECT_TRUE(params["pe"].is_same(m->pe));
+  EXPECT_EQ(m->named_buffers().size(), 0u);
+  // The loaded table is what the forward adds.
+  m->eval();
+  torch::NoGradGuard no_grad;
+  auto x = torch::randn({3, 12, 8});
+  EXPECT_TRUE(torch::equal(m(x), x + table));
+}
+
+TEST(LearnedPositionalEncodingModule, RejectsBadOptions) {
+  using Opts = posenc::LearnedPositionalEncodingOptions;
+  using Module = posenc::LearnedPositionalEncoding;
+  EXPECT_THROW(Module(Opts(8).init_std(-0.01)), c10::ValueError);
+  EXPECT_THROW(Module(Opts(8).init_std(std::numeric_limits<double>::infinity())), c10::ValueError);
+  EXPECT_THROW(Module(Opts(8).init_std(std::numeric_limits<double>::quiet_NaN())), c10::ValueError);
+  EXPECT_THROW(Module(Opts(0)), c10::ValueError);
+  EXPECT_THROW(Module(Opts(-4)), c10::ValueError);
+  EXPECT_THROW(Module(Opts(8).max_len(0)), c10::ValueError);
+  EXPECT_THROW(Module(Opts(8).max_len(-1)), c10::ValueError);
+  EXPECT_THROW(Module(Opts(8).dropout(-0.1)), c10::ValueError);
+  EXPECT_THROW(Module(Opts(8).dropout(1.5)), c10::ValueError);
+  EXPECT_THROW(Module(Opts(8).dropout(std::numeric_limits<double>::quiet_NaN())), c10::ValueError);
+  // The boundaries are accepted; init_std 0 gives a zero table.
+  EXPECT_NO_THROW(Module(Opts(8).max_len(1).dropout(0.0)));
+  EXPECT_NO_THROW(Module(Opts(8).dropout(1.0)));
+  Module zero(Opts(8).max_len(4).init_std(0.0));
+  EXPECT_TRUE(torch::equal(zero->pe, torch::zeros({1, 4, 8})));
 }
 
 }  // namespace

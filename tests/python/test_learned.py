@@ -86,46 +86,142 @@ def test_table_gradient_is_batch_sum_and_bitwise_deterministic(device):
     torch.testing.assert_close(grads[0][0].double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_deterministic_mode_does_not_complain():
-    m = posenc.LearnedPositionalEncoding(16, 0.2, 32).train()
-    x = torch.randn(4, 10, 16, requires_grad=True)
+def make_pos(kind, B, S, L, device, low=0):
+    """None, (S,) or (batch, S) positions drawn in [low, L) on the CPU, moved to device."""
+    if kind is None:
+        return None
+    shape = (S,) if kind == "1d" else (B, S)
+    return torch.randint(low, L, shape).to(device)
+
+
+def rows_used(pos, offset, B, S):
+    """The table row read at each (b, s), as a CPU (B, S) tensor."""
+    if pos is None:
+        return (torch.arange(S) + offset).expand(B, S)
+    return pos.cpu().expand(B, S)
+
+
+def table_grad_reference(grad_rows, idx, L):
+    """float64 table gradient: row idx[b, s] receives grad_rows[b, s], summed (index_add)."""
+    d = grad_rows.shape[-1]
+    return torch.zeros(L, d, dtype=torch.float64).index_add_(
+        0, idx.reshape(-1), grad_rows.detach().cpu().double().reshape(-1, d))
+
+
+def dropout_masked_grad(y, g, p):
+    """The x gradient of dropout(x + pe) from the forward's zeros: g * 1/(1-p) where kept."""
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
+    kept = y.detach() != 0
+    return torch.where(kept, g * scale, torch.zeros_like(g))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])  # three CUDA code paths
+@pytest.mark.parametrize("p", [0.0, 0.2])
+def test_deterministic_mode_does_not_complain(device, positions, p):
+    torch.manual_seed(0)
+    B, S, d, L = 4, 10, 16, 32
+    m = posenc.LearnedPositionalEncoding(d, p, L).to(device).train()
+    x = torch.randn(B, S, d, device=device, requires_grad=True)
+    pos = make_pos(positions, B, S, 6, device)  # few rows: many repeats
+    offset = 5 if pos is None else 0
+    g = torch.randn(B, S, d, device=device)
     prev = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
-        m(x, positions=torch.randint(0, 32, (4, 10))).sum().backward()
-        m(x).sum().backward()
+        y = m(x, offset=offset, positions=pos)
+        y.backward(g)
+        if device == "cuda":
+            torch.cuda.synchronize()
     finally:
         torch.use_deterministic_algorithms(prev)
-    assert m.pe.grad is not None
+    masked = dropout_masked_grad(y, g, p)
+    if p > 0:
+        frac = 1 - (y.detach() != 0).double().mean().item()
+        assert 0.05 < frac < 0.4, frac  # dropout did happen (B*S*d = 640 draws at p = 0.2)
+    assert torch.equal(x.grad, masked)
+    want = table_grad_reference(masked, rows_used(pos, offset, B, S), L)
+    assert m.pe.grad.shape == (1, L, d) and m.pe.grad.dtype == torch.float32
+    torch.testing.assert_close(m.pe.grad[0].cpu().double(), want, atol=1e-5, rtol=1e-5)
 
 
-def test_mixed_precision_accumulates_table_gradient_in_float32():
-    m = posenc.LearnedPositionalEncoding(16, 0.0, 8)
-    x = torch.randn(64, 8, 16).to(torch.bfloat16).requires_grad_(True)
-    y = m(x)
-    assert y.dtype == torch.bfloat16
-    g = torch.randn(64, 8, 16).to(torch.bfloat16)
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+def test_table_gradient_with_dropout_is_bitwise_repeatable(device, positions):
+    """Same seed, same inputs: bitwise the same table gradient (no racing float atomics),
+    with heavily repeated positions so that many terms land in each row."""
+    torch.manual_seed(1)
+    B, S, d, L = 16, 256, 64, 300
+    m = posenc.LearnedPositionalEncoding(d, 0.3, L).to(device).train()
+    x = torch.randn(B, S, d, device=device, requires_grad=True)
+    pos = make_pos(positions, B, S, 8, device)
+    offset = 17 if pos is None else 0
+    g = torch.randn(B, S, d, device=device)
+    runs = []
+    for _ in range(3):
+        m.pe.grad = None
+        x.grad = None
+        torch.manual_seed(21)
+        y = m(x, offset=offset, positions=pos)
+        y.backward(g)
+        runs.append((y.detach(), x.grad.clone(), m.pe.grad.clone()))
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+    y, gx, gt = runs[0]
+    masked = dropout_masked_grad(y, g, 0.3)
+    assert torch.equal(gx, masked)
+    want = table_grad_reference(masked, rows_used(pos, offset, B, S), L)
+    torch.testing.assert_close(gt[0].cpu().double(), want, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+def test_mixed_precision_accumulates_table_gradient_in_float32(device, dtype, positions):
+    """x in half precision, float32 table: the table gradient is float32 and summed in
+    float32 (a half-precision sum of ~100 terms would be off by ~1e-2)."""
+    torch.manual_seed(2)
+    B, S, d, L = 64, 8, 16, 8
+    m = posenc.LearnedPositionalEncoding(d, 0.0, L).to(device)
+    x = torch.randn(B, S, d, device=device).to(dtype).requires_grad_(True)
+    pos = make_pos(positions, B, S, 4, device)
+    y = m(x, positions=pos)
+    assert y.dtype == dtype
+    g = torch.randn(B, S, d, device=device).to(dtype)
     y.backward(g)
-    assert m.pe.grad.dtype == torch.float32
-    want = g.float().sum(0)  # exact-ish float32 sum of bf16 values
-    torch.testing.assert_close(m.pe.grad[0], want, atol=1e-4, rtol=1e-5)
+    assert m.pe.grad.dtype == torch.float32 and x.grad.dtype == dtype
+    assert torch.equal(x.grad, g)
+    want = table_grad_reference(g, rows_used(pos, 0, B, S), L)
+    torch.testing.assert_close(m.pe.grad[0].cpu().double(), want, atol=1e-4, rtol=1e-5)
 
 
-def test_compile_fullgraph_forward_and_backward_equal_eager():
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+def test_compile_fullgraph_forward_and_backward_equal_eager(device, positions):
     torch._dynamo.reset()
-    m = posenc.LearnedPositionalEncoding(16, 0.25, 32).train()
+    torch.manual_seed(3)
+    m = posenc.LearnedPositionalEncoding(16, 0.25, 32).to(device).train()
     compiled = torch.compile(m, fullgraph=True)
-    x = torch.randn(3, 12, 16)
+    x = torch.randn(3, 12, 16, device=device)
+    pos = make_pos(positions, 3, 12, 32, device)
+    offset = 5 if pos is None else 0
     outs = []
     for module in (m, compiled):
         m.pe.grad = None
         xi = x.clone().requires_grad_(True)
         torch.manual_seed(11)
-        y = module(xi)
+        y = module(xi, offset=offset, positions=pos)
         y.square().sum().backward()
         outs.append((y.detach(), xi.grad, m.pe.grad.clone()))
     for a, b in zip(*outs):
         assert torch.equal(a, b)
+    # ...and eager itself is right: d/dx sum(y^2) = 2 y * mask-scale.
+    y, gx, gt = outs[0]
+    masked = dropout_masked_grad(y, 2 * y, 0.25)
+    torch.testing.assert_close(gx, masked)
+    want = table_grad_reference(masked, rows_used(pos, offset, 3, 12), 32)
+    torch.testing.assert_close(gt[0].cpu().double(), want, atol=1e-5, rtol=1e-5)
 
 
 def test_make_positions_matches_fairseq_formula():
@@ -137,11 +233,11 @@ def test_make_positions_matches_fairseq_formula():
         make_positions(torch.rand(2, 3), 1)
 
 
-def mae_2d_sincos(embed_dim, grid_h, grid_w, cls_token=False):
-    """MAE's get_2d_sincos_pos_embed, written out in numpy from its formulas."""
+def mae_2d_sincos(embed_dim, grid_h, grid_w, cls_token=False, base=10000.0):
+    """MAE's get_2d_sincos_pos_embed, written out in numpy from its formulas (base 10000 there)."""
     def one_d(dim, pos):
         omega = np.arange(dim // 2, dtype=np.float64) / (dim / 2.0)
-        omega = 1.0 / 10000**omega
+        omega = 1.0 / base**omega
         out = np.einsum("m,d->md", pos.reshape(-1), omega)
         return np.concatenate([np.sin(out), np.cos(out)], axis=1)
     grid = np.meshgrid(np.arange(grid_w, dtype=np.float32), np.arange(grid_h, dtype=np.float32))
@@ -258,8 +354,9 @@ def test_training_learns_order_only_with_the_encoding():
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("positions", [None, "1d", "2d"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_fused_backward_op_against_reference(device, batch_first, positions, p):
-    B, S, d, L = 3, 7, 20, 12
+@pytest.mark.parametrize("d", [20, 32, 64, 13])  # 32, 64: the CUDA kernel's 16-byte vector path
+def test_fused_backward_op_against_reference(device, batch_first, positions, p, d):
+    B, S, L = 3, 7, 12
     grad = torch.randn((B, S, d) if batch_first else (S, B, d), device=device)
     rng = torch.tensor([987654321, 64], device=device)
     pos = {None: None, "1d": torch.randint(0, L, (S,), device=device),
@@ -277,6 +374,43 @@ def test_fused_backward_op_against_reference(device, batch_first, positions, p):
     gx2, gt2 = op(grad, rng, pos, offset, batch_first, p, L, False)
     assert gx2.numel() == 0 and torch.equal(gt2, gt)
     torch.library.opcheck(op.default, (grad, rng, pos, offset, batch_first, p, L, True))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("positions", [None, "1d"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_fused_backward_op_vector_widths_and_alignment(device, dtype, positions, p, misaligned):
+    """d % 8 == 0 reaches the CUDA kernel's 16-byte path when the gradient is aligned and its
+    scalar path when it starts one element into its storage; both must give the same numbers."""
+    B, S, d, L = 5, 9, 32, 16
+    n = B * S * d
+    base = torch.randn(n + 1, device=device).to(dtype)
+    grad = (base[1:] if misaligned else base[:n]).view(B, S, d)
+    assert (grad.data_ptr() % 16 != 0) == misaligned
+    rng = torch.tensor([123456789, 4], device=device)
+    pos = make_pos(positions, B, S, L, device)
+    offset = 0 if pos is not None else 6
+    op = torch.ops.posenc.add_position_backward_with_table
+    gx, gt = op(grad, rng, pos, offset, True, p, L, True)
+    masked = torch.ops.posenc.add_position_backward(grad, rng, p) if p > 0 else grad
+    assert gx.dtype == dtype and torch.equal(gx, masked)
+    # Reference from the mask alone: kept entries contribute g * 1/(1-p) (float32, unrounded).
+    kept = masked != 0
+    if p > 0:
+        assert 0.15 < 1 - kept.double().mean().item() < 0.45
+    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
+    rows = torch.where(kept, grad.float() * scale, torch.zeros((), device=device))
+    want = table_grad_reference(rows, rows_used(pos, offset, B, S), L)
+    assert gt.dtype == torch.float32 and gt.shape == (L, d)
+    # Terms may be rounded to x's dtype before the float32 sum (composite path) or not: allow
+    # exactly the summed rounding error of the terms, plus float32 summation slack.
+    rounding = table_grad_reference((masked.double() - rows.double()).abs(), rows_used(pos, offset, B, S), L)
+    err = (gt.cpu().double() - want).abs()
+    assert (err <= rounding + 1e-5 + 1e-5 * want.abs()).all(), (err - rounding).max()
+    gx2, gt2 = op(grad, rng, pos, offset, True, p, L, False)
+    assert gx2.numel() == 0 and torch.equal(gt2, gt)
 
 
 @pytest.mark.parametrize("positions", [None, "1d", "2d"])
@@ -374,3 +508,209 @@ def test_export_learned_module_with_positions():
     assert any("posenc.add_position" in str(n.target) for n in ep.graph.nodes)
     with torch.no_grad():
         assert torch.equal(ep.module()(x, 0, pos), m(x, positions=pos))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_opcheck_add_position_with_trainable_table(device, positions, p):
+    """opcheck with the table requiring grad (the fused table-gradient backward). With p > 0
+    the op is tagged nondeterministic_seeded, so opcheck checks schema, fake tensors and the
+    autograd registration without comparing masks, as in test_autograd_and_compile."""
+    B, S, d, L = 2, 7, 8, 16
+    x = torch.randn(B, S, d, device=device, requires_grad=True)
+    table = torch.randn(1, L, d, device=device, requires_grad=True)
+    pos = make_pos(positions, B, S, L, device)
+    offset = 3 if pos is None else 0
+    op = torch.ops.posenc.add_position.default
+    torch.library.opcheck(op, (x, table, pos, offset, True, p))
+    torch.library.opcheck(op, (x.detach(), table, pos, offset, True, p))  # only the table trains
+    seq_first = x.detach().transpose(0, 1).contiguous().requires_grad_(True)
+    flat_table = table.detach().squeeze(0).clone().requires_grad_(True)
+    torch.library.opcheck(op, (seq_first, flat_table, pos, offset, False, p))
+    half = x.detach().to(torch.bfloat16).requires_grad_(True)
+    torch.library.opcheck(op, (half, table, pos, offset, True, p))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("shape", ["1d", "2d"])
+@pytest.mark.parametrize("bad", [-1, 16, 1000])
+def test_out_of_range_positions_raise_index_error_naming_max_len(device, shape, bad):
+    """CPU: checked in the kernel; CUDA: checked on the host by the module (check_positions)."""
+    m = posenc.LearnedPositionalEncoding(8, 0.1, 16).to(device)
+    assert m.check_positions
+    x = torch.randn(2, 5, 8, device=device, requires_grad=True)
+    pos = torch.tensor([0, 3, bad, 15, 2])
+    pos = (pos if shape == "1d" else torch.stack([torch.tensor([1, 1, 1, 1, 1]), pos])).to(device)
+    with pytest.raises(IndexError, match=r"max_len=16"):
+        m(x, positions=pos)
+    with pytest.raises(IndexError, match=r"max_len=16"):
+        m.eval()(x, positions=pos)
+    # In range, the same call works: the error was about the bad value.
+    ok = torch.where(pos == bad, torch.full_like(pos, 15), pos)
+    with torch.no_grad():
+        torch.testing.assert_close(m(x, positions=ok), reference_add(x, m.pe, positions=ok), atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [0.1, 0.5])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("positions", [None, "2d"])
+def test_learned_dropout_zeroed_fraction_and_exact_survivors(device, p, dtype, positions):
+    """As test_dropout's test for PositionalEncoding: survivors are exactly (x + pe[pos]) / (1-p)
+    computed in the op's precision (float32, float64 for float64 x) and rounded once."""
+    torch.manual_seed(4)
+    m = posenc.LearnedPositionalEncoding(64, p, 512).to(device).train()
+    with torch.no_grad():
+        m.pe.normal_()  # a table of the size of x, so the addition matters
+    x = torch.randn(8, 500, 64, device=device).to(dtype)
+    pos = make_pos(positions, 8, 500, 512, device)
+    offset = 0 if pos is not None else 7
+    with torch.no_grad():
+        y = m(x, offset=offset, positions=pos)
+    assert y.dtype == dtype
+    kept = y != 0
+    n = y.numel()
+    frac = 1 - kept.double().mean().item()
+    assert abs(frac - p) <= 4 * math.sqrt(p * (1 - p) / n)
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    summed = reference_add(x, m.pe.detach(), positions=pos, offset=offset, rounded=False)
+    want = (summed * torch.tensor(1.0 / (1.0 - p), dtype=acc)).to(dtype)
+    assert torch.equal(y[kept], want[kept])
+    # In eval mode nothing is dropped.
+    with torch.no_grad():
+        assert torch.equal(m.eval()(x, offset=offset, positions=pos),
+                           reference_add(x, m.pe.detach(), positions=pos, offset=offset))
+
+
+@pytest.mark.parametrize("old,new,prefix,mode,antialias,dtype", [
+    ((12, 12), (6, 6), 1, "bicubic", False, torch.float32),   # downsampling: antialias matters
+    ((8, 8), (5, 7), 1, "bilinear", False, torch.float32),
+    ((8, 8), (12, 12), 1, "nearest", False, torch.float32),
+    ((7, 5), (3, 9), 2, "nearest", False, torch.float32),
+    ((8, 8), (12, 12), 1, "bicubic", True, torch.bfloat16),
+    ((12, 12), (7, 5), 1, "bicubic", True, torch.bfloat16),
+    ((6, 4), (9, 9), 0, "bilinear", True, torch.bfloat16),
+])
+def test_resample_position_table_matches_timm_more_modes(old, new, prefix, mode, antialias, dtype):
+    torch.manual_seed(5)
+    pe = torch.randn(1, prefix + old[0] * old[1], 32).to(dtype)
+    got = resample_position_table(pe, new, old_grid=old, num_prefix_tokens=prefix, mode=mode,
+                                  antialias=antialias)
+    want = timm_resample(pe, new, old, prefix, mode, antialias=antialias)
+    assert got.dtype == dtype and got.shape == (1, prefix + new[0] * new[1], 32)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, :prefix], pe[:, :prefix])
+    if mode == "nearest":
+        # antialias does not apply to nearest: the default (True) is ignored, not passed on.
+        assert torch.equal(resample_position_table(pe, new, old_grid=old, num_prefix_tokens=prefix,
+                                                   mode="nearest"), want)
+        # Every output row is one of the input rows.
+        rows = pe[0, prefix:]
+        assert all((rows == r).all(dim=1).any() for r in got[0, prefix:])
+    elif not antialias:
+        # The case discriminates: with antialias the downsampled numbers differ.
+        assert not torch.equal(got, timm_resample(pe, new, old, prefix, mode, antialias=True))
+
+
+def test_resample_rejects_unknown_mode():
+    with pytest.raises(ValueError, match=r"mode.*'bogus'"):
+        resample_position_table(torch.randn(1, 17, 8), (6, 6), mode="bogus")
+
+
+def test_resample_non_square_grid_to_square_grid_of_equal_size_is_resampled():
+    """posenc's documented difference from timm: 8x2 -> 4x4 (16 cells both) is resampled."""
+    torch.manual_seed(6)
+    pe = torch.randn(1, 1 + 16, 8)
+    got = resample_position_table(pe, (4, 4), old_grid=(8, 2))
+    assert got.shape == pe.shape
+    assert not torch.equal(got, pe)
+    grid = pe[:, 1:].reshape(1, 8, 2, 8).permute(0, 3, 1, 2)
+    image = F.interpolate(grid, size=(4, 4), mode="bicubic", align_corners=False, antialias=True)
+    want = torch.cat([pe[:, :1], image.permute(0, 2, 3, 1).reshape(1, 16, 8)], dim=1)
+    assert torch.equal(got, want)
+    # Equal grids are the identity.
+    assert torch.equal(resample_position_table(pe, (8, 2), old_grid=(8, 2)), pe)
+
+
+def test_vit_workflow_class_token_then_resample_to_a_finer_grid():
+    """CIFAR-10 ViT: class token + 8x8 patches of width 48, then fine-tuning on a 12x12 grid."""
+    torch.manual_seed(7)
+    m = posenc.LearnedPositionalEncoding(48, 0.0, max_len=65).train()
+    with torch.no_grad():
+        m.pe.normal_()
+    x = torch.randn(4, 65, 48)
+    assert torch.equal(m(x), x + m.pe)
+    table = resample_position_table(m.pe.detach(), (12, 12), num_prefix_tokens=1)
+    assert table.shape == (1, 145, 48)
+    assert torch.equal(table, timm_resample(m.pe.detach(), (12, 12), (8, 8), 1))
+    assert torch.equal(table[:, 0], m.pe.detach()[:, 0])  # class token row kept
+    fine = posenc.LearnedPositionalEncoding(48, 0.1, max_len=145)
+    fine.load_state_dict({"pe": table}, strict=True)
+    fine.eval()
+    x2 = torch.randn(4, 145, 48)
+    with torch.no_grad():
+        assert torch.equal(fine(x2), x2 + table)
+    # The loaded table trains: its gradient is the batch sum.
+    fine.dropout.p = 0.0
+    fine.train()
+    g = torch.randn(4, 145, 48)
+    fine(x2).backward(g)
+    torch.testing.assert_close(fine.pe.grad.double(), g.double().sum(0, keepdim=True), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("h,w,dim,prefix,base", [(4, 4, 16, 2, 100.0), (3, 5, 8, 3, 2.5), (2, 6, 12, 0, 1e6)])
+def test_sinusoidal_2d_table_base_and_prefix_rows(h, w, dim, prefix, base):
+    got = sinusoidal_2d_table(h, w, dim, base=base, num_prefix_tokens=prefix, dtype=torch.float64)
+    assert got.shape == (prefix + h * w, dim)
+    assert torch.equal(got[:prefix], torch.zeros(prefix, dim, dtype=torch.float64))
+    want = torch.from_numpy(mae_2d_sincos(dim, h, w, base=base))
+    torch.testing.assert_close(got[prefix:], want, atol=1e-12, rtol=0)
+    # The base matters (unless the table is too small to show it).
+    assert not torch.allclose(got[prefix:], torch.from_numpy(mae_2d_sincos(dim, h, w)), atol=1e-6)
+    assert sinusoidal_2d_table(h, w, dim, base=base, num_prefix_tokens=prefix).dtype == torch.float32
+
+
+@pytest.mark.parametrize("kwargs,name", [
+    (dict(grid_h=0, grid_w=4, dim=8), "grid_h"), (dict(grid_h=-2, grid_w=4, dim=8), "grid_h"),
+    (dict(grid_h=4, grid_w=0, dim=8), "grid_w"), (dict(grid_h=4, grid_w=-1, dim=8), "grid_w"),
+    (dict(grid_h=4, grid_w=4, dim=8, num_prefix_tokens=-1), "num_prefix_tokens"),
+])
+def test_sinusoidal_2d_table_rejects_bad_sizes(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        sinusoidal_2d_table(**kwargs)
+
+
+@pytest.mark.parametrize("init_std", [math.inf, -math.inf, math.nan])
+def test_init_std_must_be_finite(init_std):
+    with pytest.raises(ValueError, match="init_std"):
+        posenc.LearnedPositionalEncoding(8, 0.1, 16, init_std=init_std)
+
+
+def test_init_std_zero_gives_a_zero_table():
+    m = posenc.LearnedPositionalEncoding(8, 0.1, 16, init_std=0.0)
+    assert torch.equal(m.pe.detach(), torch.zeros(1, 16, 8))
+
+
+def test_make_positions_feed_the_learned_module_with_padding():
+    """fairseq-style learned positions: padding tokens read row padding_idx, the others
+    padding_idx + 1, padding_idx + 2, ... (the table needs padding_idx + seq + 1 rows)."""
+    torch.manual_seed(8)
+    padding_idx = 1
+    tokens = torch.tensor([[5, 6, 7, 1, 1], [1, 1, 8, 9, 4], [3, 1, 4, 1, 5]])
+    pos = make_positions(tokens, padding_idx)
+    assert (pos[tokens == padding_idx] == padding_idx).all()
+    m = posenc.LearnedPositionalEncoding(8, 0.0, max_len=padding_idx + 5 + 1).train()
+    with torch.no_grad():
+        m.pe.normal_()
+    x = torch.randn(3, 5, 8, requires_grad=True)
+    y = m(x, positions=pos)
+    want = x.detach().double() + m.pe.detach().double()[0, pos]
+    torch.testing.assert_close(y.detach().double(), want, atol=1e-6, rtol=0)
+    assert torch.equal(y.detach(), (x + m.pe[0, pos]).detach())
+    g = torch.randn(3, 5, 8)
+    y.backward(g)
+    ref = table_grad_reference(g, pos, padding_idx + 6)
+    torch.testing.assert_close(m.pe.grad[0].double(), ref, atol=1e-6, rtol=0)
+    assert m.pe.grad[0, padding_idx].abs().sum() > 0  # the padding row got the padding tokens' gradient
+    assert torch.equal(m.pe.grad[0, 0], torch.zeros(8))  # row 0 is never used
