@@ -109,6 +109,16 @@ math::RopeScaling parse_rope_scaling(c10::string_view rope_type, at::ArrayRef<do
       require_positive(type.c_str(), "factor", s.factor);
       require_positive(type.c_str(), "original_max_position_embeddings",
                        s.original_max_position_embeddings);
+      if (s.type == math::RopeType::kYarn) {
+        // Optional (defaults 32 and 1), but a given 0 would put a correction dimension at
+        // infinity (Hugging Face reads a 0 as "not given"; here it is an error).
+        for (const auto& [key, value] : {std::pair<const char*, double>{"beta_fast", s.beta_fast},
+                                         {"beta_slow", s.beta_slow}}) {
+          TORCH_CHECK_VALUE(math::rope_missing(value) || (std::isfinite(value) && value > 0.0),
+                            "posenc: expected rope scaling key '", key,
+                            "' to be a positive number, got ", value);
+        }
+      }
       break;
     case math::RopeType::kLlama3:
       require_positive(type.c_str(), "factor", s.factor);
