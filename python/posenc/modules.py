@@ -104,8 +104,8 @@ class PositionalEncoding(_AddPositionModule):
         base: float = 10000.0,
     ) -> None:
         super().__init__(d_model, dropout, max_len, batch_first)
-        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 0 < base < math.inf:
-            raise ValueError(f"expected base to be a positive finite number, got {base!r}")
+        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
+            raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
         self.base = float(base)
         positions = torch.arange(self.max_len, dtype=torch.int64)
         table = functional.sinusoidal_table(positions, self.d_model, base=self.base)

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <limits>
 #include <string>
 
 #include "posenc/posenc.h"
@@ -11,12 +12,12 @@
 namespace {
 
 // The classic float64 construction written out: sin at even, cos at odd columns.
-torch::Tensor reference_pe(int64_t max_len, int64_t d) {
+torch::Tensor reference_pe(int64_t max_len, int64_t d, double base = 10000.0) {
   auto pe = torch::zeros({max_len, d}, torch::kDouble);
   auto acc = pe.accessor<double, 2>();
   for (int64_t pos = 0; pos < max_len; ++pos) {
     for (int64_t j = 0; j < d; ++j) {
-      const double angle = pos * std::exp(-static_cast<double>(j - j % 2) * std::log(10000.0) / d);
+      const double angle = pos * std::exp(-static_cast<double>(j - j % 2) * std::log(base) / d);
       acc[pos][j] = j % 2 == 0 ? std::sin(angle) : std::cos(angle);
     }
   }
@@ -56,6 +57,69 @@ TEST(PositionalEncodingModule, TrainingGradientsAreMaskTimesScale) {
   auto kept = y.detach() != 0;
   auto expected = kept.to(torch::kFloat) * static_cast<float>(1.0 / 0.75);
   EXPECT_TRUE(torch::allclose(x.grad(), expected, 0, 0));
+}
+
+TEST(PositionalEncodingModule, BaseOptionBuildsTheTableWithThatBase) {
+  for (int64_t d : {20, 21}) {
+    posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(d).max_len(200).base(500.0));
+    ASSERT_EQ(pe->pe.sizes(), (std::vector<int64_t>{1, 200, d}));
+    EXPECT_EQ(pe->pe.scalar_type(), torch::kFloat);
+    const auto exact = reference_pe(200, d, 500.0);
+    // Rounded once from float64: within half an ulp of float32 at 1 (plus float64 slack).
+    const auto err = (pe->pe.to(torch::kDouble) - exact).abs().max().item<double>();
+    EXPECT_LE(err, std::ldexp(1.0, -25) + 1e-12) << "d=" << d;
+    // The base really is used: the default-base table is far from it.
+    const auto other = (reference_pe(200, d) - exact).abs().max().item<double>();
+    EXPECT_GT(other, 0.1);
+    // The forward adds rows of that table.
+    pe->eval();
+    auto x = torch::randn({2, 7, d});
+    EXPECT_TRUE(torch::equal(pe->forward(x, 3), x + pe->pe.slice(1, 3, 10)));
+  }
+  for (double bad : {0.0, -2.0, 0.5, 1.0, std::numeric_limits<double>::infinity(), std::nan("")}) {
+    EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(8).base(bad)),
+                 c10::ValueError)
+        << "base=" << bad;
+  }
+}
+
+TEST(PositionalEncodingModule, SequenceFirstLayoutEvalAddsRows) {
+  posenc::PositionalEncoding pe(
+      posenc::PositionalEncodingOptions(16).max_len(64).dropout(0.5).batch_first(false));
+  pe->eval();
+  auto x = torch::randn({9, 3, 16});  // (seq, batch, d_model)
+  auto rows = [&](int64_t start) { return pe->pe[0].slice(0, start, start + 9).unsqueeze(1); };
+  EXPECT_TRUE(torch::equal(pe->forward(x), x + rows(0)));
+  EXPECT_TRUE(torch::equal(pe->forward(x, 11), x + rows(11)));
+  auto pos = torch::randint(0, 64, {9}, torch::kLong);
+  EXPECT_TRUE(torch::equal(pe->forward(x, 0, pos), x + pe->pe[0].index_select(0, pos).unsqueeze(1)));
+  // Per-(batch, seq) positions are given as (batch, seq) in either layout.
+  auto pos2 = torch::randint(0, 64, {3, 9}, torch::kLong);
+  auto want2 = x + pe->pe[0].index_select(0, pos2.reshape(-1)).reshape({3, 9, 16}).transpose(0, 1);
+  EXPECT_TRUE(torch::equal(pe->forward(x, 0, pos2), want2));
+  // The sequence is dimension 0: 60 + 9 rows exceed max_len=64.
+  EXPECT_THROW(pe->forward(x, 60), c10::Error);
+}
+
+TEST(PositionalEncodingModule, SequenceFirstLayoutTrainingGradientsAreMaskTimesScale) {
+  const double p = 0.3;
+  posenc::PositionalEncoding pe(
+      posenc::PositionalEncodingOptions(8).max_len(32).dropout(p).batch_first(false));
+  pe->train();
+  auto x = torch::randn({11, 4, 8}, torch::requires_grad(true));  // (seq, batch, d_model)
+  auto y = pe->forward(x, 5);
+  auto kept = y.detach() != 0;
+  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  // Survivors are exactly (x + pe row) * scale, with row = 5 + seq index.
+  auto summed = x.detach() + pe->pe[0].slice(0, 5, 16).unsqueeze(1);
+  auto want = summed * scale;
+  EXPECT_TRUE(torch::equal(y.detach().masked_select(kept), want.masked_select(kept)));
+  const double frac = 1.0 - kept.to(torch::kDouble).mean().item<double>();
+  EXPECT_NEAR(frac, p, 4 * std::sqrt(p * (1 - p) / y.numel()));
+  auto g = torch::randn({11, 4, 8});
+  y.backward(g);
+  auto expected = torch::where(kept, g * scale, torch::zeros_like(g));
+  EXPECT_TRUE(torch::equal(x.grad(), expected));
 }
 
 TEST(PositionalEncodingModule, SaveLoadRoundTrip) {

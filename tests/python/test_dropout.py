@@ -14,7 +14,7 @@ def train_module(p, d=64, max_len=512, device="cpu"):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
 def test_zeroed_fraction_and_exact_survivors(device, p, dtype):
     pe = train_module(p, device=device)
     x = torch.randn(8, 500, 64, device=device).to(dtype)

@@ -7,16 +7,29 @@ from posenc.functional import add_position
 from conftest import DEVICES
 
 
+# The fixed and the learned encodings share their front end (_AddPositionModule) and the
+# C++ op, hence their argument checks and messages: every module-level case runs on both.
+MODULES = [
+    pytest.param(posenc.PositionalEncoding, id="sinusoidal"),
+    pytest.param(posenc.LearnedPositionalEncoding, id="learned"),
+]
+
+
+@pytest.fixture(params=MODULES)
+def module_cls(request):
+    return request.param
+
+
 @pytest.fixture
-def pe():
-    return posenc.PositionalEncoding(16, 0.1, 32)
+def pe(module_cls):
+    return module_cls(16, 0.1, 32)
 
 
-def test_x_not_3d(pe):
+def test_x_not_3d(pe, module_cls):
     with pytest.raises(RuntimeError, match=r"x to be a 3-D tensor .*got a 2-D tensor"):
         pe(torch.randn(5, 16))
     with pytest.raises(RuntimeError, match=r"seq, batch, d_model\) with batch_first=False"):
-        posenc.PositionalEncoding(16, batch_first=False)(torch.randn(2, 3, 4, 16))
+        module_cls(16, batch_first=False)(torch.randn(2, 3, 4, 16))
 
 
 def test_last_dim_not_d_model(pe):
@@ -48,8 +61,8 @@ def test_positions_wrong_dtype_shape_range(pe):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_positions_on_another_device_and_cuda_range():
-    pe = posenc.PositionalEncoding(16, 0.1, 32).cuda()
+def test_positions_on_another_device_and_cuda_range(module_cls):
+    pe = module_cls(16, 0.1, 32).cuda()
     x = torch.randn(2, 5, 16, device="cuda")
     with pytest.raises(RuntimeError, match=r"positions on x's device cuda:0, got positions on cpu"):
         pe(x, positions=torch.arange(5))
@@ -67,19 +80,22 @@ def test_integer_x(pe):
 
 
 @pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
-def test_dropout_outside_unit_interval(p):
+def test_dropout_outside_unit_interval(module_cls, p):
     with pytest.raises(ValueError, match=r"dropout to be a probability in \[0, 1\]"):
-        posenc.PositionalEncoding(16, p)
+        module_cls(16, p)
     with pytest.raises(ValueError, match=r"dropout probability p in \[0, 1\]"):
         add_position(torch.randn(1, 2, 4), torch.randn(5, 4), p=p)
 
 
 @pytest.mark.parametrize("kw", [{"d_model": 0}, {"d_model": -4}, {"max_len": 0}, {"d_model": 2.5}])
-def test_d_model_and_max_len_positive(kw):
+def test_d_model_and_max_len_positive(module_cls, kw):
     args = {"d_model": 8, "dropout": 0.1, "max_len": 10, **kw}
     name = next(iter(kw))
     with pytest.raises(ValueError, match=rf"expected {name} to be a positive integer, got {kw[name]!r}"):
-        posenc.PositionalEncoding(**args)
+        module_cls(**args)
+    # The same check through the positional arguments (d_model, dropout, max_len).
+    with pytest.raises(ValueError, match=rf"expected {name} to be a positive integer, got {kw[name]!r}"):
+        module_cls(args["d_model"], args["dropout"], args["max_len"])
 
 
 def test_table_shape_and_device_mismatch():
@@ -88,21 +104,21 @@ def test_table_shape_and_device_mismatch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_x_and_module_on_different_devices():
-    pe = posenc.PositionalEncoding(16, 0.1, 32)
+def test_x_and_module_on_different_devices(module_cls):
+    pe = module_cls(16, 0.1, 32)
     with pytest.raises(RuntimeError, match=r"x and the position table on the same device, got x on cuda:0 and the table on cpu"):
         pe(torch.randn(2, 3, 16, device="cuda"))
 
 
-def test_x_and_table_on_different_devices_meta():
+def test_x_and_table_on_different_devices_meta(module_cls):
     # Device mismatch without a GPU: the meta device stands in for a second device.
-    pe = posenc.PositionalEncoding(16, 0.1, 32)
+    pe = module_cls(16, 0.1, 32)
     with pytest.raises(RuntimeError, match=r"same device, got x on meta and the table on cpu"):
         pe(torch.randn(2, 3, 16, device="meta"))
 
 
-def test_positions_on_another_device_meta():
-    pe = posenc.PositionalEncoding(16, 0.1, 32)
+def test_positions_on_another_device_meta(module_cls):
+    pe = module_cls(16, 0.1, 32)
     with pytest.raises(RuntimeError, match=r"positions on x's device cpu, got positions on meta"):
         pe(torch.randn(2, 5, 16), positions=torch.arange(5, device="meta"))
 
@@ -110,3 +126,18 @@ def test_positions_on_another_device_meta():
 def test_backward_rejects_bad_rng():
     with pytest.raises(RuntimeError, match=r"rng to be the int64 \(seed, offset\) pair"):
         torch.ops.posenc.add_position_backward(torch.randn(2, 3), torch.zeros(3, dtype=torch.long), 0.5)
+
+
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), float("nan"), True, "x", None])
+def test_sinusoidal_base_must_be_a_finite_number_above_one(bad):
+    with pytest.raises(ValueError, match=r"expected base to be a finite number > 1, got"):
+        posenc.PositionalEncoding(16, 0.1, 32, base=bad)
+
+
+@pytest.mark.parametrize("bad", [1.0, 0.5])
+def test_sinusoidal_base_at_most_one_is_rejected(bad):
+    """base <= 1 gives frequencies base**(-2i/d) >= 1 that do not decrease along the
+    columns (base 1: every column pair is sin(pos), cos(pos)); RoPE rejects it with
+    "expected base > 1"."""
+    with pytest.raises(ValueError, match=rf"expected base to be a finite number > 1, got {bad!r}"):
+        posenc.PositionalEncoding(16, 0.1, 32, base=bad)

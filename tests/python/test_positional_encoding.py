@@ -6,6 +6,7 @@ import torch
 
 import posenc
 from conftest import DEVICES, DTYPES, ClassicPositionalEncoding, reference_add, reference_table
+from posenc.functional import sinusoidal_table
 
 
 def make(d=16, max_len=64, p=0.1, **kw):
@@ -70,9 +71,9 @@ def test_incremental_decoding_matches_full_sequence(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64, torch.float16])
 def test_non_contiguous_and_offset_views(device, dtype):
-    pe = make(d=24).to(device).eval()
+    pe = make(d=24, p=0.4).to(device).eval()
     big = torch.randn(4, 30, 48, device=device).to(dtype)
     views = {
         "strided": big[:, ::3, ::2],                                    # (4, 10, 24)
@@ -82,6 +83,22 @@ def test_non_contiguous_and_offset_views(device, dtype):
     }
     for name, x in views.items():
         assert torch.equal(pe(x), reference_add(x, pe.pe)), name
+    # Training mode with dropout: the mask depends on the logical element index only, so a
+    # view and its contiguous copy draw the same mask from the same seed; survivors are
+    # exactly (x + pe) * 1/(1-p), summed in float32 (float64) and rounded once.
+    pe.train()
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    scale = torch.tensor(1.0 / (1.0 - 0.4), dtype=acc)
+    for name, x in views.items():
+        torch.manual_seed(7)
+        y = pe(x)
+        torch.manual_seed(7)
+        y_contiguous = pe(x.contiguous())
+        assert torch.equal(y, y_contiguous), name
+        kept = y != 0
+        assert 0.2 < 1 - kept.double().mean().item() < 0.6, name  # 960 elements, p = 0.4
+        want = (reference_add(x, pe.pe, rounded=False) * scale).to(dtype)
+        assert torch.equal(y[kept], want[kept]), name
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -144,3 +161,22 @@ def test_same_positional_arguments_as_classic():
     pe.train()
     x = torch.randn(2, 3, 8)
     assert torch.equal(pe(x), x + pe.pe[:, :3])
+
+
+@pytest.mark.parametrize("d", [16, 7])
+@pytest.mark.parametrize("base", [500.0, 2.5, 1e6, 10000.0])
+def test_base_argument_builds_the_buffer(d, base):
+    max_len = 300
+    pe = posenc.PositionalEncoding(d, 0.1, max_len, base=base)
+    assert pe.base == base and pe.pe.shape == (1, max_len, d) and pe.pe.dtype == torch.float32
+    # The buffer is the functional table with that base ...
+    assert torch.equal(pe.pe[0], sinusoidal_table(torch.arange(max_len), d, base=base))
+    # ... which is the float64 formula with that base, rounded once to float32.
+    exact = reference_table(torch.arange(max_len), d, base=base)
+    assert (pe.pe[0].double() - exact).abs().max().item() <= 2.0**-25 + 1e-12
+    if base != 10000.0:  # the base is really used: the default-base table is far from it
+        assert (reference_table(torch.arange(max_len), d) - exact).abs().max().item() > 0.1
+    # The forward adds rows of that buffer, and the module says which base it has.
+    x = torch.randn(2, 9, d)
+    assert torch.equal(pe.eval()(x, offset=5), reference_add(x, pe.pe, offset=5))
+    assert f"base={base}" in repr(pe)

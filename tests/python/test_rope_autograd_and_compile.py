@@ -4,6 +4,7 @@ torch.compile(fullgraph=True) and torch.export."""
 import pytest
 import torch
 from torch.library import opcheck
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import posenc
 from conftest import DEVICES
@@ -16,7 +17,7 @@ SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings
 @pytest.mark.parametrize("interleaved", [False, True])
 @pytest.mark.parametrize(
     "case",
-    ["plain", "positions", "offsets", "partial+yarn", "thd", "bhsd", "q only"],
+    ["plain", "positions", "offsets", "partial+yarn", "dynamic", "thd", "bhsd", "sbhd", "q only"],
 )
 def test_gradcheck(device, interleaved, case):
     torch.manual_seed(0)
@@ -30,6 +31,10 @@ def test_gradcheck(device, interleaved, case):
         opts["offset"] = torch.tensor([3, 900], device=device)
     elif case == "partial+yarn":
         opts.update(rotary_dim=6, scaling=SCALING, offset=40)
+    elif case == "dynamic":
+        # Positions 30 .. 34 beyond original_max_position_embeddings=16: NTK-rescaled base.
+        opts.update(scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16},
+                    offset=30)
     elif case == "thd":
         q = torch.randn(7, 3, D, dtype=torch.float64, device=device, requires_grad=True)
         k = torch.randn(7, 2, D, dtype=torch.float64, device=device, requires_grad=True)
@@ -39,6 +44,10 @@ def test_gradcheck(device, interleaved, case):
         q.requires_grad_(True)
         k = torch.randn(B, 1, S, D, dtype=torch.float64, device=device, requires_grad=True)
         opts["layout"] = "bhsd"
+    elif case == "sbhd":
+        q = torch.randn(S, B, 3, D, dtype=torch.float64, device=device, requires_grad=True)
+        k = torch.randn(S, B, 1, D, dtype=torch.float64, device=device, requires_grad=True)
+        opts.update(layout="sbhd", positions=torch.randint(0, 5000, (B, S), device=device))
     if case == "q only":
         assert torch.autograd.gradcheck(lambda a: apply_rope(a, **opts), (q,))
     else:
@@ -65,6 +74,61 @@ def test_backward_is_inverse_rotation_and_saves_no_activation(device):
     (oq * gq).sum().add((ok * gk).sum()).backward()
     # The gradient of an orthogonal map is its inverse: rotating it forward gives gq back.
     back_q, back_k = apply_rope(q.grad, k.grad, positions=positions)
+    torch.testing.assert_close(back_q, gq, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(back_k, gk, atol=1e-5, rtol=1e-5)
+
+
+class PosencOpLog(TorchDispatchMode):
+    """Records every posenc op that reaches the dispatcher below autograd, with its q, k
+    and inverse arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if str(func).startswith("posenc."):
+            schema_args = func._schema.arguments
+            bound = dict(zip([a.name for a in schema_args], args))
+            bound.update(kwargs)
+            self.calls.append((str(func), bound))
+        return func(*args, **kwargs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_q_and_k_rotated_in_one_call_forward_and_one_backward(device, layout):
+    """Fused: apply_rope(q, k) is one posenc::rope call, and its backward one more
+    (the inverse rotation of both gradients), never one call per tensor."""
+    if layout == "thd":
+        q = torch.randn(9, 4, 16, device=device, requires_grad=True)
+        k = torch.randn(9, 2, 16, device=device, requires_grad=True)
+        opts = dict(layout="thd", cu_seqlens=torch.tensor([0, 4, 9], device=device))
+    else:
+        q = torch.randn(2, 9, 4, 16, device=device, requires_grad=True)
+        k = torch.randn(2, 9, 2, 16, device=device, requires_grad=True)
+        opts = dict(positions=torch.randint(0, 1000, (2, 9), device=device))
+    log = PosencOpLog()
+    with log:
+        oq, ok = apply_rope(q, k, **opts)
+    forward = [name for name, _ in log.calls]
+    assert forward == ["posenc.rope.default"], forward
+    fwd_args = log.calls[0][1]
+    assert fwd_args["q"].shape == q.shape and fwd_args["k"] is not None and fwd_args["k"].shape == k.shape
+    assert not fwd_args.get("inverse", False)
+    gq, gk = torch.randn_like(oq), torch.randn_like(ok)
+    log.calls.clear()
+    with log:
+        ((oq * gq).sum() + (ok * gk).sum()).backward()
+    backward = [name for name, _ in log.calls]
+    assert backward == ["posenc.rope.default"], backward
+    bwd_args = log.calls[0][1]
+    assert bwd_args["inverse"] is True
+    assert bwd_args["q"].shape == q.shape and bwd_args["k"] is not None and bwd_args["k"].shape == k.shape
+    # The one backward call gave both gradients, and they are the inverse rotations.
+    assert q.grad is not None and k.grad is not None
+    back_q, back_k = apply_rope(q.grad, k.grad, **opts)
     torch.testing.assert_close(back_q, gq, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(back_k, gk, atol=1e-5, rtol=1e-5)
 

@@ -125,3 +125,43 @@ def test_layout_and_scaling_names():
         posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match=r"original_max_position_embeddings=64 >= max_len=64 would never apply"):
         posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64})
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_q_with_cpu_index_tensors():
+    """Index tensors on another device than q: a RuntimeError naming the argument and both
+    devices, from the functional form and from the module (whose range check must not
+    swallow it)."""
+    q, k = qk("cuda")
+    dev = str(q.device)  # cuda:0
+    with pytest.raises(RuntimeError, match=rf"positions on q's device {dev}, got positions on cpu"):
+        apply_rope(q, k, positions=torch.arange(5))
+    with pytest.raises(RuntimeError, match=rf"offsets on q's device {dev}, got offsets on cpu"):
+        apply_rope(q, k, offset=torch.tensor([1, 2]))
+    x = torch.randn(9, 2, 8, device="cuda")
+    with pytest.raises(RuntimeError, match=rf"cu_seqlens on q's device {dev}, got cu_seqlens on cpu"):
+        apply_rope(x, cu_seqlens=torch.tensor([0, 4, 9]), layout="thd")
+    with pytest.raises(RuntimeError, match=rf"cu_seqlens on q's device {dev}, got cu_seqlens on cpu"):
+        apply_rope(x, x[:, :1].clone(), cu_seqlens=torch.tensor([0, 4, 9], dtype=torch.int32), layout="thd")
+    with pytest.raises(RuntimeError, match=rf"k on q's device {dev}, got k on cpu"):
+        apply_rope(q, k.cpu())
+    rope = posenc.RotaryPositionalEncoding(8, max_len=64).cuda()
+    with pytest.raises(RuntimeError, match=rf"positions on q's device {dev}, got positions on cpu"):
+        rope(q, k, positions=torch.arange(5))
+    with pytest.raises(RuntimeError, match=rf"offsets on q's device {dev}, got offsets on cpu"):
+        rope(q, k, offset=torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("key", ["beta_fast", "beta_slow"])
+@pytest.mark.parametrize("bad", [0.0, -1.0, float("inf")])
+def test_yarn_betas_must_be_positive(key, bad):
+    """yarn's optional beta_fast / beta_slow: a given 0 or negative value used to give NaN
+    frequencies (beta_fast=0) or a silently clamped ramp; now a ValueError naming the key."""
+    q = torch.randn(1, 4, 1, 8)
+    scaling = {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 4, key: bad}
+    with pytest.raises(ValueError, match=rf"rope scaling key '{key}' to be (a positive number|finite)"):
+        apply_rope(q, scaling=scaling)
+    # Positive values are taken as given (HF's defaults are 32 and 1).
+    ok = dict(scaling, **{key: 16.0 if key == "beta_fast" else 2.0})
+    inv, _ = rope_frequencies(8, scaling=ok)
+    assert torch.isfinite(inv).all()

@@ -64,9 +64,9 @@ def test_rejects_bad_d_model(bad):
         sinusoidal_table(torch.arange(3), bad)
 
 
-@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf")])
+@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), 1.0, 0.5])
 def test_rejects_bad_base(bad):
-    with pytest.raises(ValueError, match=rf"base to be a positive finite number, got {bad:g}"):
+    with pytest.raises(ValueError, match=rf"base to be a finite number > 1, got {bad:g}"):
         sinusoidal_table(torch.arange(3), 4, base=bad)
 
 
@@ -79,9 +79,10 @@ def test_rejects_bad_dtype_and_positions():
 
 def diffusers_reference(timesteps, embedding_dim, flip_sin_to_cos=False, downscale_freq_shift=1.0,
                         scale=1.0, max_period=10000):
-    """diffusers' get_timestep_embedding, written out from its formula."""
+    """diffusers' get_timestep_embedding, written out from its formula (on timesteps' device)."""
     half_dim = embedding_dim // 2
-    exponent = -math.log(max_period) * torch.arange(start=0, end=half_dim, dtype=torch.float32)
+    exponent = -math.log(max_period) * torch.arange(start=0, end=half_dim, dtype=torch.float32,
+                                                    device=timesteps.device)
     exponent = exponent / (half_dim - downscale_freq_shift)
     emb = torch.exp(exponent)
     emb = timesteps[:, None].float() * emb[None, :]
@@ -94,26 +95,30 @@ def diffusers_reference(timesteps, embedding_dim, flip_sin_to_cos=False, downsca
     return emb
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dim", [4, 9, 320])
 @pytest.mark.parametrize("flip", [False, True])
 @pytest.mark.parametrize("shift,scale,period", [(1.0, 1.0, 10000.0), (0.0, 1000.0, 500.0)])
-def test_timestep_embedding_matches_diffusers(dim, flip, shift, scale, period):
-    t = torch.rand(13) * 1000
+def test_timestep_embedding_matches_diffusers(device, dim, flip, shift, scale, period):
+    t = torch.rand(13, device=device) * 1000
     got = timestep_embedding(t, dim, max_period=period, flip_sin_to_cos=flip,
                              downscale_freq_shift=shift, scale=scale)
     want = diffusers_reference(t, dim, flip, shift, scale, period)
-    assert got.shape == (13, dim)
+    assert got.shape == (13, dim) and got.dtype == torch.float32 and got.device == t.device
+    # Same float32 operations in the same order on the same device: bit for bit.
     assert torch.equal(got, want)
+    if dim % 2 == 1:
+        assert torch.equal(got[:, -1].cpu(), torch.zeros(13))
     # And close to the exact value (float32 angles are the only error source).
     half = dim // 2
     freqs = torch.exp(-math.log(period) * torch.arange(half, dtype=torch.float64) / (half - shift))
-    ang = scale * t.double()[:, None] * freqs
+    ang = scale * t.cpu().double()[:, None] * freqs
     exact = torch.cat([torch.sin(ang), torch.cos(ang)], -1)
     if flip:
         exact = torch.cat([exact[:, half:], exact[:, :half]], -1)
     # float32 angles: error grows with the angle, a few ulps of its largest value.
     atol = 4 * ang.abs().max().item() * 2.0**-24 + 1e-6
-    torch.testing.assert_close(got[:, : 2 * half].double(), exact, atol=atol, rtol=0)
+    torch.testing.assert_close(got[:, : 2 * half].cpu().double(), exact, atol=atol, rtol=0)
 
 
 def test_timestep_embedding_rejects_bad_input():
@@ -121,3 +126,24 @@ def test_timestep_embedding_rejects_bad_input():
         timestep_embedding(torch.rand(2, 2), 8)
     with pytest.raises(ValueError, match="dim"):
         timestep_embedding(torch.rand(2), 0)
+
+
+
+@pytest.mark.parametrize("bad", [2.5, True, False, "8", -2])
+def test_timestep_embedding_rejects_non_integer_dim(bad):
+    with pytest.raises(ValueError, match=rf"expected dim to be a positive int, got {bad!r}"):
+        timestep_embedding(torch.rand(3) * 100, bad)
+
+
+@pytest.mark.parametrize("dim", [2, 3])
+def test_timestep_embedding_zero_denominator_raises(dim):
+    """dim // 2 == downscale_freq_shift divides 0 by 0 in diffusers, which returns NaN
+    columns; posenc raises ValueError instead (documented difference)."""
+    t = torch.rand(4) * 100 + 1
+    assert torch.isnan(diffusers_reference(t, dim)).any()  # what diffusers would return
+    with pytest.raises(ValueError, match=r"half of dim \(1\) minus downscale_freq_shift \(1.0\) must not be zero"):
+        timestep_embedding(t, dim)
+    # Another shift makes the same dim well defined, and equal to diffusers.
+    got = timestep_embedding(t, dim, downscale_freq_shift=0.0)
+    assert torch.equal(got, diffusers_reference(t, dim, downscale_freq_shift=0.0))
+    assert not torch.isnan(got).any()
