@@ -41,54 +41,84 @@ struct TableBackwardArgs {
   double scale;
 };
 
-// The masked gradient of columns j0 .. j0+7 of memory row `row`: written to grad_x (when
-// wanted) and added to acc. kAligned: d % 8 == 0 and 16-byte aligned pointers, so the 8
-// columns are one Philox block and two 16-byte accesses at most; otherwise element by
-// element, one Philox call per dropout block touched.
+// One thread's running sums for 8 columns j0 .. j0+7 of the table gradient, over the rows
+// it is given in a fixed order. add_row writes the row's masked gradient to grad_x (when
+// wanted) and adds it to the sums. kAligned: d % 8 == 0 and 16-byte aligned pointers, so
+// the 8 columns are one Philox block and two 16-byte accesses at most; otherwise element
+// by element, one Philox call per dropout block touched.
 template <typename scalar_t, bool kAligned>
-__device__ __forceinline__ void accumulate_row_group(
-    const scalar_t* __restrict__ grad, scalar_t* __restrict__ grad_x, int64_t row, int64_t j0,
-    const TableBackwardArgs& args, uint64_t seed, uint64_t offset,
-    at::opmath_type<scalar_t> scale, at::opmath_type<scalar_t> (&acc)[kGroup]) {
+struct ColumnGroupSum {
   using acc_t = at::opmath_type<scalar_t>;
-  const bool dropout = args.rng != nullptr;
-  const int64_t e0 = row * args.d + j0;
-  if (kAligned) {
-    acc_t v[kGroup];
-    load_group<scalar_t, acc_t>(grad + e0, v);
+  // Only what the loop reads (a copy of the whole argument struct costs registers).
+  const int64_t d, j0;
+  const bool dropout;
+  const uint32_t threshold;
+  uint64_t seed = 0, offset = 0;
+  const acc_t scale;
+  acc_t acc[kGroup];
+
+  __device__ ColumnGroupSum(const TableBackwardArgs& args, int64_t first_column)
+      : d(args.d),
+        j0(first_column),
+        dropout(args.rng != nullptr),
+        threshold(args.threshold),
+        scale(static_cast<acc_t>(args.scale)) {
     if (dropout) {
-      const math::Philox4x32 bits = math::dropout_block_bits(seed, offset, e0 / kGroup);
+      seed = static_cast<uint64_t>(args.rng[0]);
+      offset = static_cast<uint64_t>(args.rng[1]);
+    }
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) acc[k] = acc_t(0);
+  }
+
+  __device__ __forceinline__ void add_row(const scalar_t* __restrict__ grad,
+                                          scalar_t* __restrict__ grad_x, int64_t row) {
+    const int64_t e0 = row * d + j0;
+    if (kAligned) {
+      acc_t v[kGroup];
+      load_group<scalar_t, acc_t>(grad + e0, v);
+      if (dropout) {
+        const math::Philox4x32 bits = math::dropout_block_bits(seed, offset, e0 / kGroup);
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) {
+          v[k] *= math::dropout_lane_bits(bits, k) >= threshold ? scale : acc_t(0);
+        }
+      }
+      if (grad_x != nullptr) store_group<scalar_t, acc_t>(grad_x + e0, v);
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) acc[k] += v[k];
+    } else {
+      uint64_t block = ~uint64_t{0};
+      math::Philox4x32 bits{};
 #pragma unroll
       for (int k = 0; k < kGroup; ++k) {
-        v[k] *= math::dropout_lane_bits(bits, k) >= args.threshold ? scale : acc_t(0);
-      }
-    }
-    if (grad_x != nullptr) store_group<scalar_t, acc_t>(grad_x + e0, v);
-#pragma unroll
-    for (int k = 0; k < kGroup; ++k) acc[k] += v[k];
-  } else {
-    uint64_t block = ~uint64_t{0};
-    math::Philox4x32 bits{};
-#pragma unroll
-    for (int k = 0; k < kGroup; ++k) {
-      if (j0 + k >= args.d) break;
-      const int64_t e = e0 + k;
-      acc_t v = static_cast<acc_t>(grad[e]);
-      if (dropout) {
-        const uint64_t e_block = static_cast<uint64_t>(e) / kGroup;
-        if (e_block != block) {
-          bits = math::dropout_block_bits(seed, offset, e_block);
-          block = e_block;
+        if (j0 + k >= d) break;
+        const int64_t e = e0 + k;
+        acc_t v = static_cast<acc_t>(grad[e]);
+        if (dropout) {
+          const uint64_t e_block = static_cast<uint64_t>(e) / kGroup;
+          if (e_block != block) {
+            bits = math::dropout_block_bits(seed, offset, e_block);
+            block = e_block;
+          }
+          v *= math::dropout_lane_bits(bits, static_cast<int>(e % kGroup)) >= threshold
+                   ? scale
+                   : acc_t(0);
         }
-        v *= math::dropout_lane_bits(bits, static_cast<int>(e % kGroup)) >= args.threshold
-                 ? scale
-                 : acc_t(0);
+        if (grad_x != nullptr) grad_x[e] = static_cast<scalar_t>(v);
+        acc[k] += v;
       }
-      if (grad_x != nullptr) grad_x[e] = static_cast<scalar_t>(v);
-      acc[k] += v;
     }
   }
-}
+
+  // The sums into row `out` (of d columns).
+  __device__ __forceinline__ void store(acc_t* __restrict__ out) const {
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      if (j0 + k < d) out[j0 + k] = acc[k];
+    }
+  }
+};
 
 // Positions that depend on s only: one thread per (s, group of 8 columns) walks the batch.
 template <typename scalar_t, bool kAligned>
@@ -97,30 +127,15 @@ __global__ void __launch_bounds__(kThreads)
                                        scalar_t* __restrict__ grad_x,
                                        at::opmath_type<scalar_t>* __restrict__ sums,
                                        TableBackwardArgs args) {
-  using acc_t = at::opmath_type<scalar_t>;
   const int64_t groups_per_row = (args.d + kGroup - 1) / kGroup;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (tid >= args.seq * groups_per_row) return;
   const int64_t s = tid / groups_per_row;
-  const int64_t j0 = (tid - s * groups_per_row) * kGroup;
-  const bool dropout = args.rng != nullptr;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(args.rng[0]) : 0;
-  const uint64_t offset = dropout ? static_cast<uint64_t>(args.rng[1]) : 0;
-  const acc_t scale = static_cast<acc_t>(args.scale);
-
-  acc_t acc[kGroup];
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) acc[k] = acc_t(0);
+  ColumnGroupSum<scalar_t, kAligned> sum(args, (tid - s * groups_per_row) * kGroup);
   for (int64_t b = 0; b < args.batch; ++b) {  // batch order: the fixed summation order
-    const int64_t row = args.batch_first ? b * args.seq + s : s * args.batch + b;
-    accumulate_row_group<scalar_t, kAligned>(grad, grad_x, row, j0, args, seed, offset, scale,
-                                             acc);
+    sum.add_row(grad, grad_x, args.batch_first ? b * args.seq + s : s * args.batch + b);
   }
-  acc_t* out = sums + s * args.d + j0;
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) {
-    if (j0 + k < args.d) out[k] = acc[k];
-  }
+  sum.store(sums + s * args.d);
 }
 
 // (batch, seq) positions: the memory rows sorted (stably) by their table row, so the rows
@@ -139,33 +154,15 @@ __global__ void __launch_bounds__(kThreads)
                                               const int64_t* __restrict__ rows,
                                               int64_t num_rows, int64_t table_len,
                                               TableBackwardArgs args) {
-  using acc_t = at::opmath_type<scalar_t>;
   const int64_t groups_per_row = (args.d + kGroup - 1) / kGroup;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
   if (tid >= num_rows * groups_per_row) return;
   const int64_t slot = tid / groups_per_row;
   const int64_t key = keys[slot];
   if (slot > 0 && keys[slot - 1] == key) return;  // not the head of its run
-  const int64_t j0 = (tid - slot * groups_per_row) * kGroup;
-  const bool dropout = args.rng != nullptr;
-  const uint64_t seed = dropout ? static_cast<uint64_t>(args.rng[0]) : 0;
-  const uint64_t offset = dropout ? static_cast<uint64_t>(args.rng[1]) : 0;
-  const acc_t scale = static_cast<acc_t>(args.scale);
-
-  acc_t acc[kGroup];
-#pragma unroll
-  for (int k = 0; k < kGroup; ++k) acc[k] = acc_t(0);
-  for (int64_t i = slot; i < num_rows && keys[i] == key; ++i) {
-    accumulate_row_group<scalar_t, kAligned>(grad, grad_x, rows[i], j0, args, seed, offset,
-                                             scale, acc);
-  }
-  if (key < table_len) {
-    acc_t* out = table + key * args.d + j0;
-#pragma unroll
-    for (int k = 0; k < kGroup; ++k) {
-      if (j0 + k < args.d) out[k] = acc[k];
-    }
-  }
+  ColumnGroupSum<scalar_t, kAligned> sum(args, (tid - slot * groups_per_row) * kGroup);
+  for (int64_t i = slot; i < num_rows && keys[i] == key; ++i) sum.add_row(grad, grad_x, rows[i]);
+  if (key < table_len) sum.store(table + key * args.d);
 }
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
