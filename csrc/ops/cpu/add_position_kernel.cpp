@@ -6,6 +6,7 @@
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
@@ -148,11 +149,26 @@ void dropout_factors(const DropoutDraw& draw, int64_t first, int64_t n, acc_t* f
   for (int64_t k = 0; k < n; ++k) factors[k] = mine[k] >= threshold ? scale : acc_t(0);
 }
 
+// bfloat16/float16 widened to float (and narrowed back) a whole vector at a time.
+template <typename T, typename acc_t>
+constexpr bool kReducedToFloat =
+    std::is_same_v<acc_t, float> && (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>);
+
 template <typename T, typename acc_t>
 Vectorized<acc_t> load_as(const T* src, int64_t n) {
   constexpr int64_t W = Vectorized<acc_t>::size();
   if constexpr (std::is_same_v<T, acc_t>) {
     return n == W ? Vectorized<acc_t>::loadu(src) : Vectorized<acc_t>::loadu(src, n);
+  } else if constexpr (kReducedToFloat<T, acc_t>) {
+    Vectorized<float> v;
+    if (n == W) {
+      at::vec::load_to_float<T>(src, v);
+    } else {
+      alignas(64) T buf[W] = {};
+      std::copy(src, src + n, buf);
+      at::vec::load_to_float<T>(buf, v);
+    }
+    return v;
   } else {
     alignas(64) acc_t buf[W] = {};
     for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<acc_t>(src[k]);
@@ -165,6 +181,8 @@ void store_as(const Vectorized<acc_t>& v, T* dst, int64_t n) {
   constexpr int64_t W = Vectorized<acc_t>::size();
   if constexpr (std::is_same_v<T, acc_t>) {
     if (n == W) v.store(dst); else v.store(dst, n);
+  } else if constexpr (kReducedToFloat<T, acc_t>) {
+    at::vec::convert_from_float<T>(v, v).store(dst, n);  // the first n of 2 W narrowed
   } else {
     alignas(64) acc_t buf[W];
     v.store(buf);
