@@ -3,6 +3,7 @@
 CPU: (32, 512, 512) float32, the issue's reference point. GPU (when present): tensors of
 1 GiB and more in bfloat16 and float32, plus the device-to-device copy bandwidth they are
 measured against. Usage: python benchmarks/bench_add_position.py [--quick] [--no-compile]
+[--device cpu|cuda|all] [--cpu-dtypes float32,bfloat16,float16] [--json F]
 """
 
 import argparse
@@ -21,6 +22,7 @@ def main() -> int:
     parser.add_argument("--no-compile", action="store_true", help="skip torch.compile")
     parser.add_argument("--json", help="also write the rows as JSON here")
     parser.add_argument("--device", choices=["cpu", "cuda", "all"], default="all")
+    parser.add_argument("--cpu-dtypes", default="float32", help="comma-separated, e.g. float32,bfloat16,float16")
     args = parser.parse_args()
 
     rows = []
@@ -32,9 +34,10 @@ def main() -> int:
 
     if args.device in ("cpu", "all"):
         shape = (8, 256, 512) if args.quick else (32, 512, 512)
-        for kind in ("sinusoidal", "learned"):
-            add(bench_shape("cpu", torch.float32, shape, reps=5 if args.quick else 20,
-                            with_compile=not args.no_compile, kind=kind))
+        for name in args.cpu_dtypes.split(","):
+            for kind in ("sinusoidal", "learned"):
+                add(bench_shape("cpu", getattr(torch, name), shape, reps=5 if args.quick else 20,
+                                with_compile=not args.no_compile, kind=kind))
     if args.device in ("cuda", "all") and torch.cuda.is_available():
         print(f"GPU: {torch.cuda.get_device_name()}", flush=True)
         copy = copy_bandwidth("cuda")
