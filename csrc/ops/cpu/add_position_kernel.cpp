@@ -126,10 +126,95 @@ void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2) && (defined(__GNUC__) || defined(__clang__))
+#define POSENC_AVX512_PHILOX 1
+constexpr int kWideLanes = 16;  // Philox counters per AVX-512 pass
+
+// The AVX-512 form of philox8_bits for 16 whole blocks whose indices share their high
+// word: the same rounds on 16 lanes, the two XORs of each half-round in one ternary-logic
+// instruction. Compiled for AVX-512 by attribute (the file targets AVX2) and called only
+// when the CPU reports AVX-512F/BW/VL at run time; gtest compares its bits with the scalar
+// header's (DropoutMask.CpuKernelDrawsTheSharedScalarBits).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+// GCC 12's avx512fintrin.h builds set1/setr from a self-initialised vector and then warns
+// about it under -Wuninitialized; nothing here reads an uninitialised value.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void philox16_bits(uint64_t seed,
+                                                                        uint64_t offset,
+                                                                        uint64_t block0,
+                                                                        uint16_t* bits) {
+  __m512i v0 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 2)));
+  __m512i v1 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 34)));
+  __m512i v2 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0))),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                  14, 15));
+  __m512i v3 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0 >> 32)));
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  const __m512i mul0 = _mm512_set1_epi32(static_cast<int>(math::kPhiloxMul0));
+  const __m512i mul1 = _mm512_set1_epi32(static_cast<int>(math::kPhiloxMul1));
+  constexpr __mmask16 kOdd = 0xAAAA;
+  for (int round = 0; round < math::kPhiloxRounds; ++round) {
+    // (hi, lo) of the 32x32 -> 64-bit products: even lanes, then odd lanes shifted down.
+    const __m512i e0 = _mm512_mul_epu32(v0, mul0);
+    const __m512i o0 = _mm512_mul_epu32(_mm512_srli_epi64(v0, 32), mul0);
+    const __m512i e1 = _mm512_mul_epu32(v2, mul1);
+    const __m512i o1 = _mm512_mul_epu32(_mm512_srli_epi64(v2, 32), mul1);
+    const __m512i lo0 = _mm512_mask_blend_epi32(kOdd, e0, _mm512_slli_epi64(o0, 32));
+    const __m512i hi0 = _mm512_mask_blend_epi32(kOdd, _mm512_srli_epi64(e0, 32), o0);
+    const __m512i lo1 = _mm512_mask_blend_epi32(kOdd, e1, _mm512_slli_epi64(o1, 32));
+    const __m512i hi1 = _mm512_mask_blend_epi32(kOdd, _mm512_srli_epi64(e1, 32), o1);
+    // 0x96: a ^ b ^ c.
+    v0 = _mm512_ternarylogic_epi32(hi1, v1, _mm512_set1_epi32(static_cast<int>(k0)), 0x96);
+    v1 = lo1;
+    v2 = _mm512_ternarylogic_epi32(hi0, v3, _mm512_set1_epi32(static_cast<int>(k1)), 0x96);
+    v3 = lo0;
+    k0 += math::kPhiloxWeyl0;
+    k1 += math::kPhiloxWeyl1;
+  }
+  // 4 x 16 transpose of 32-bit words to block order (block i's four words at bits + 8 i):
+  // within each 128-bit lane as in philox8_bits (A holds blocks 0, 4, 8, 12; B 1, 5, ...),
+  // then a 4 x 4 transpose of the 128-bit lanes.
+  const __m512i t0 = _mm512_unpacklo_epi32(v0, v1), t1 = _mm512_unpackhi_epi32(v0, v1);
+  const __m512i t2 = _mm512_unpacklo_epi32(v2, v3), t3 = _mm512_unpackhi_epi32(v2, v3);
+  const __m512i a = _mm512_unpacklo_epi64(t0, t2), b = _mm512_unpackhi_epi64(t0, t2);
+  const __m512i c = _mm512_unpacklo_epi64(t1, t3), d = _mm512_unpackhi_epi64(t1, t3);
+  const __m512i ab01 = _mm512_shuffle_i32x4(a, b, 0x44), cd01 = _mm512_shuffle_i32x4(c, d, 0x44);
+  const __m512i ab23 = _mm512_shuffle_i32x4(a, b, 0xEE), cd23 = _mm512_shuffle_i32x4(c, d, 0xEE);
+  _mm512_storeu_si512(bits + 0 * 32, _mm512_shuffle_i32x4(ab01, cd01, 0x88));
+  _mm512_storeu_si512(bits + 1 * 32, _mm512_shuffle_i32x4(ab01, cd01, 0xDD));
+  _mm512_storeu_si512(bits + 2 * 32, _mm512_shuffle_i32x4(ab23, cd23, 0x88));
+  _mm512_storeu_si512(bits + 3 * 32, _mm512_shuffle_i32x4(ab23, cd23, 0xDD));
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+bool cpu_has_avx512() {
+  static const bool has = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512vl");
+  return has;
+}
+#endif
+
 // 16 random bits for each element of dropout blocks [block0, block0 + nblocks).
 void dropout_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t nblocks,
                   uint16_t* bits) {
-  for (int64_t b = 0; b < nblocks; b += kLanes) {
+  int64_t b = 0;
+#if defined(POSENC_AVX512_PHILOX)
+  if (cpu_has_avx512()) {
+    // Whole groups of 16 blocks whose indices share their high word; the rest below.
+    for (; b + kWideLanes <= nblocks &&
+           static_cast<uint32_t>(block0 + b) <= 0xFFFFFFFFu - kWideLanes;
+         b += kWideLanes) {
+      philox16_bits(seed, offset, block0 + b, bits + b * math::kDropoutBlock);
+    }
+  }
+#endif
+  for (; b < nblocks; b += kLanes) {
     philox8_bits(seed, offset, block0 + b, std::min<int64_t>(kLanes, nblocks - b),
                  bits + b * math::kDropoutBlock);
   }

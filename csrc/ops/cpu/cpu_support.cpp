@@ -1,6 +1,8 @@
 #include "ops/cpu/cpu_support.h"
 
 #include <cstdint>
+#include <cstdlib>
+#include <string>
 
 #if defined(__linux__)
 #include <sys/mman.h>
@@ -30,6 +32,14 @@ void check_cpu_isa() {
 namespace {
 void advise_huge_pages(const at::Tensor& out) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
+  // POSENC_NO_HUGE_PAGES=1 turns the advice off: on a VM whose host takes freed 2 MiB
+  // blocks back (free page reporting), a huge-page output can fault in slower than 4 KiB
+  // pages from the guest's hot lists (benchmarks/NOTES.md, item 7).
+  static const bool off = [] {
+    const char* v = std::getenv("POSENC_NO_HUGE_PAGES");
+    return v != nullptr && *v != '\0' && std::string(v) != "0";
+  }();
+  if (off) return;
   constexpr uintptr_t kHugePage = uintptr_t{2} << 20;
   const uintptr_t begin = reinterpret_cast<uintptr_t>(out.mutable_data_ptr());
   const uintptr_t lo = (begin + kHugePage - 1) & ~(kHugePage - 1);
