@@ -21,11 +21,27 @@ nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --f
 
 echo "== build"
 start=$(date +%s)
-cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
-  -DPOSENC_WITH_CUDA=ON -DPOSENC_BUILD_TESTS=OFF -DPOSENC_INSTALL_PYTHON_LIB=ON \
-  > "$OUT/configure.log" 2>&1 || { tail -30 "$OUT/configure.log"; exit 1; }
+configure() {
+  cmake -S . -B build-gpu -G Ninja -DPython3_EXECUTABLE="$(command -v "$PY")" \
+    -DPOSENC_WITH_CUDA=ON -DPOSENC_INSTALL_PYTHON_LIB=ON "$@" > "$OUT/configure.log" 2>&1
+}
+# The C++ tests too when GoogleTest sources were carried (scripts/fetch_gtest_source.sh);
+# should that configure fail, the library and the Python tests still go ahead without them.
+gtests=0
+if [ -f third_party/googletest/CMakeLists.txt ] &&
+   configure -DPOSENC_BUILD_TESTS=ON -DPOSENC_GTEST_SOURCE_DIR="$PWD/third_party/googletest"; then
+  gtests=1
+else
+  rm -rf build-gpu
+  configure -DPOSENC_BUILD_TESTS=OFF || { tail -30 "$OUT/configure.log"; exit 1; }
+fi
 cmake --build build-gpu -j "$(nproc)" > "$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-echo "built in $(( $(date +%s) - start )) s"
+echo "built in $(( $(date +%s) - start )) s (C++ tests: $gtests)"
+if [ "$gtests" = 1 ]; then
+  echo "== C++ tests"
+  timeout 60 build-gpu/posenc_tests --gtest_brief=1 > "$OUT/gtest.log" 2>&1 || status=1
+  tail -8 "$OUT/gtest.log"
+fi
 # Registers, shared memory and spills of every kernel, for the notes.
 cuobjdump --dump-resource-usage build-gpu/libposenc.so > "$OUT/resource_usage.txt" 2>&1 || true
 
