@@ -8,7 +8,8 @@
 //   based: deterministic too; unchecked out-of-range positions add nothing, see
 //   scatter_rows_into_table).
 // - (batch, seq) positions: the rows are sorted (stably) by table row and each run of equal
-//   rows is summed by one thread per column group, which also writes those rows' grad_x.
+//   rows is summed in fixed order in two passes over chunks of the sorted order (long runs
+//   split over many threads, see ops/sorted_runs.h); pass 1 also writes grad_x.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -19,6 +20,7 @@
 
 #include "ops/add_position_checks.h"
 #include "ops/kernels.h"
+#include "ops/sorted_runs.h"
 #include "posenc/math/philox.h"
 #include "vector_access.cuh"
 
@@ -139,30 +141,78 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // (batch, seq) positions: the memory rows sorted (stably) by their table row, so the rows
-// of one table row form a run. One thread per (slot of the sorted order, group of 8
-// columns); the thread at the head of a run walks the run in order (ascending memory row:
-// a fixed summation order, deterministic), writes grad_x of each row it visits (every row
-// belongs to exactly one run, so grad_x is written once and grad read once) and stores the
-// run's sum in its table row. Keys equal to table_len mark positions outside the table
+// of one table row form a run, summed in two passes (csrc/ops/sorted_runs.h): long runs
+// (padding positions shared across a batch) are split over many threads, and every sum
+// still runs in a fixed order. Keys equal to table_len mark positions outside the table
 // (possible only unchecked, on CUDA): their rows get grad_x and add nothing.
+//
+// Pass 1: one thread per (segment, group of 8 columns), a segment being the equal keys of
+// one chunk. It writes grad_x of the segment's rows (every row lies in exactly one
+// segment: grad_x written once, grad read once) and stores the sum in the table row, or,
+// for a run crossing chunk boundaries, in its chunk's start or carry partial.
 template <typename scalar_t, bool kAligned>
 __global__ void __launch_bounds__(kThreads)
     add_position_backward_table_sorted_kernel(const scalar_t* __restrict__ grad,
                                               scalar_t* __restrict__ grad_x,
                                               at::opmath_type<scalar_t>* __restrict__ table,
-                                              const int64_t* __restrict__ keys,
-                                              const int64_t* __restrict__ rows,
-                                              int64_t num_rows, int64_t table_len,
-                                              TableBackwardArgs args) {
+                                              at::opmath_type<scalar_t>* __restrict__ start,
+                                              at::opmath_type<scalar_t>* __restrict__ carry,
+                                              SortedRuns runs, const int64_t* __restrict__ rows,
+                                              int64_t table_len, TableBackwardArgs args) {
   const int64_t groups_per_row = (args.d + kGroup - 1) / kGroup;
   const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (tid >= num_rows * groups_per_row) return;
-  const int64_t slot = tid / groups_per_row;
-  const int64_t key = keys[slot];
-  if (slot > 0 && keys[slot - 1] == key) return;  // not the head of its run
-  ColumnGroupSum<scalar_t, kAligned> sum(args, (tid - slot * groups_per_row) * kGroup);
-  for (int64_t i = slot; i < num_rows && keys[i] == key; ++i) sum.add_row(grad, grad_x, rows[i]);
-  if (key < table_len) sum.store(table + key * args.d);
+  if (tid >= runs.slots * groups_per_row) return;
+  const int64_t first = tid / groups_per_row;
+  if (!segment_begins(runs, first)) return;
+  const int64_t end = segment_end(runs, first);
+  ColumnGroupSum<scalar_t, kAligned> sum(args, (tid - first * groups_per_row) * kGroup);
+  for (int64_t i = first; i < end; ++i) sum.add_row(grad, grad_x, rows[i]);
+  const int64_t key = runs.keys[first];
+  const int64_t chunk = first / runs.chunk;
+  switch (segment_role(runs, first, end)) {
+    case SegmentRole::kWholeRun:
+      if (key < table_len) sum.store(table + key * args.d);
+      break;
+    case SegmentRole::kRunStart:
+      sum.store(start + chunk * args.d);
+      break;
+    case SegmentRole::kContinuation:
+      sum.store(carry + chunk * args.d);
+      break;
+  }
+}
+
+// Pass 2: one thread per (chunk, group of 8 columns) whose chunk starts a crossing run:
+// its start partial plus the carries of the following chunks, in chunk order.
+template <typename acc_t>
+__global__ void __launch_bounds__(kThreads)
+    add_position_backward_table_runs_kernel(acc_t* __restrict__ table,
+                                            const acc_t* __restrict__ start,
+                                            const acc_t* __restrict__ carry, SortedRuns runs,
+                                            int64_t table_len, int64_t d) {
+  const int64_t groups_per_row = (d + kGroup - 1) / kGroup;
+  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
+  const int64_t chunks = runs.chunks();
+  if (tid >= chunks * groups_per_row) return;
+  const int64_t c = tid / groups_per_row;
+  if (!chunk_starts_crossing_run(runs, c)) return;
+  const int64_t key = runs.keys[runs.chunk_end(c) - 1];
+  if (key >= table_len) return;  // positions outside the table add nothing
+  const int64_t j0 = (tid - c * groups_per_row) * kGroup;
+  const int64_t width = d - j0 < kGroup ? d - j0 : kGroup;
+  acc_t acc[kGroup];
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) acc[k] = k < width ? start[c * d + j0 + k] : acc_t(0);
+  for (int64_t j = c + 1; j < chunks && runs.keys[j * runs.chunk] == key; ++j) {
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) {
+      if (k < width) acc[k] += carry[j * d + j0 + k];
+    }
+  }
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) {
+    if (k < width) table[key * d + j0 + k] = acc[k];
+  }
 }
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
@@ -187,13 +237,18 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
   const auto stream = at::cuda::getCurrentCUDAStream();
 
   // (batch, seq) positions: each memory row's table row (table_len for one outside the
-  // table), sorted stably; the kernel sums each run of equal keys.
-  at::Tensor keys, rows;
+  // table), sorted stably; the two passes sum each run of equal keys.
+  at::Tensor keys, rows, start, carry;
+  SortedRuns runs{nullptr, 0, 1};
   if (sorted) {
     const at::Tensor pos = batch_first ? *positions : positions->t();  // memory-row order
     at::Tensor flat = pos.reshape({-1});
     flat = at::where(flat.ge(0).logical_and(flat.lt(table_len)), flat, table_len);
     std::tie(keys, rows) = at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    runs = SortedRuns{keys.const_data_ptr<int64_t>(), g.batch * g.seq,
+                      sorted_runs_chunk(g.batch * g.seq)};
+    start = at::empty({runs.chunks(), g.d}, grad.options().dtype(acc));
+    carry = at::empty({runs.chunks(), g.d}, grad.options().dtype(acc));
   }
   // Sums per s: straight into rows offset + s of the table, or into a buffer when the
   // (seq,) positions may send two s to one row.
@@ -215,8 +270,14 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
                                 : add_position_backward_table_sorted_kernel<scalar_t, false>;
           kernel<<<blocks, kThreads, 0, stream>>>(
               grad.const_data_ptr<scalar_t>(), gx, grad_table.mutable_data_ptr<acc_t>(),
-              keys.const_data_ptr<int64_t>(), rows.const_data_ptr<int64_t>(), g.batch * g.seq,
-              table_len, args);
+              start.mutable_data_ptr<acc_t>(), carry.mutable_data_ptr<acc_t>(), runs,
+              rows.const_data_ptr<int64_t>(), table_len, args);
+          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          const int64_t run_threads = runs.chunks() * groups_per_row;
+          add_position_backward_table_runs_kernel<acc_t>
+              <<<(run_threads + kThreads - 1) / kThreads, kThreads, 0, stream>>>(
+                  grad_table.mutable_data_ptr<acc_t>(), start.const_data_ptr<acc_t>(),
+                  carry.const_data_ptr<acc_t>(), runs, table_len, g.d);
         } else {
           auto kernel = aligned ? add_position_backward_table_kernel<scalar_t, true>
                                 : add_position_backward_table_kernel<scalar_t, false>;
