@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import operator
 from typing import Optional
 
 import torch
@@ -81,8 +82,13 @@ def timestep_embedding(
     if not isinstance(t, Tensor) or t.dim() != 1:
         shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
         raise ValueError(f"timestep_embedding: expected t to be a 1-D tensor of timesteps, got {shape}")
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim <= 0:
-        raise ValueError(f"timestep_embedding: expected dim to be a positive int, got {dim!r}")
+    original_dim = dim
+    try:
+        dim = operator.index(dim) if not isinstance(dim, bool) else None  # ints and numpy ints
+    except TypeError:
+        dim = None
+    if dim is None or dim <= 0:
+        raise ValueError(f"timestep_embedding: expected dim to be a positive int, got {original_dim!r}")
     half = dim // 2
     if half > 0 and half - downscale_freq_shift == 0:
         raise ValueError(

@@ -290,8 +290,8 @@ class RotaryPositionalEncoding(nn.Module):
             return  # apply_rope raises a TypeError naming offset
         if positions is None and offsets is None and cu_seqlens is None:
             # Positions offset .. offset + seq - 1: no tensor to read, traceable.
-            seq = _rope._canonical(q, self.layout).shape[1]
-            lo, hi = (offset, offset + seq - 1) if q.numel() > 0 else (0, -1)
+            batch, seq = _rope._canonical(q, self.layout).shape[:2]  # the op's rule: no token, no bound
+            lo, hi = (offset, offset + seq - 1) if batch > 0 and seq > 0 else (0, -1)
         else:
             tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
             on_cuda = any(t.is_cuda for t in tensors)

@@ -12,7 +12,7 @@ trap 'rm -rf "$work"' EXIT
 mkdir -p "$work/src"
 # The files git knows of (committed or not), never build outputs.
 git -C "$root" ls-files -z --cached --others --exclude-standard |
-  (cd "$root" && xargs -0 tar -cf - --ignore-failed-read) | tar -C "$work/src" -xf -
+  tar -C "$root" --null -T - --ignore-failed-read -cf - | tar -C "$work/src" -xf -
 
 start=$(date +%s)
 POSENC_WITH_CUDA=0 MAX_JOBS="${MAX_JOBS:-2}" "$py" -m pip install -q --no-deps \
