@@ -68,7 +68,9 @@ POSENC_HOST_DEVICE Philox4x32 philox4x32_10(uint32_t c0, uint32_t c1, uint32_t c
 }
 
 // The counter of dropout block `block` in a call with generator offset `offset` (a multiple
-// of 4 on CUDA, where the call reserves 4 offsets: one 128-bit draw per block).
+// of 4 on CUDA, where the call reserves 4 offsets: one 128-bit draw per block; the CPU
+// draws a fresh seed and uses offset 0). Offsets that differ only in their two low bits
+// share counters, as in curand; a hand-made rng pair should keep offset % 4 == 0.
 POSENC_HOST_DEVICE void dropout_counter(uint64_t offset, uint64_t block, uint32_t& c0,
                                         uint32_t& c1, uint32_t& c2, uint32_t& c3) {
   c0 = static_cast<uint32_t>(offset >> 2);
