@@ -61,9 +61,8 @@ __device__ __forceinline__ void load_pairs(const scalar_t* row, int64_t sd, int6
   } else {
 #pragma unroll
     for (int k = 0; k < P; ++k) {
-      const int64_t p = p0 + k;
-      const int64_t e1 = interleaved ? 2 * p : p;
-      const int64_t e2 = interleaved ? 2 * p + 1 : p + half;
+      int64_t e1, e2;
+      math::rope_pair_features(p0 + k, half, interleaved, &e1, &e2);
       x1[k] = static_cast<acc_t>(row[e1 * sd]);
       x2[k] = static_cast<acc_t>(row[e2 * sd]);
     }
@@ -97,9 +96,8 @@ __device__ __forceinline__ void store_pairs(scalar_t* row, int64_t sd, int64_t h
   } else {
 #pragma unroll
     for (int k = 0; k < P; ++k) {
-      const int64_t p = p0 + k;
-      const int64_t e1 = interleaved ? 2 * p : p;
-      const int64_t e2 = interleaved ? 2 * p + 1 : p + half;
+      int64_t e1, e2;
+      math::rope_pair_features(p0 + k, half, interleaved, &e1, &e2);
       row[e1 * sd] = static_cast<scalar_t>(y1[k]);
       row[e2 * sd] = static_cast<scalar_t>(y2[k]);
     }

@@ -25,21 +25,25 @@ namespace {
 // -1 lets the op read the longest position of the call ("dynamic" only).
 int64_t seq_len_argument(const RopeScaling& s) { return s.rope_type == "dynamic" ? -1 : 0; }
 
+// The one call of the out-of-place op; seq_len as the op takes it.
+std::tuple<torch::Tensor, torch::Tensor> call_rope(const torch::Tensor& q,
+                                                   const std::optional<torch::Tensor>& k,
+                                                   const ApplyRopeOptions& o, int64_t seq_len) {
+  return ops::rope_op().call(q, k, o.positions(), o.offsets(), c10::SymInt(o.offset()),
+                             o.cu_seqlens(), o.base(), o.scaling().rope_type,
+                             o.scaling().values(), seq_len, o.rotary_dim().value_or(-1),
+                             o.interleaved(), o.layout(), false);
+}
+
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> apply_rope(const torch::Tensor& q, const torch::Tensor& k,
                                                     const ApplyRopeOptions& o) {
-  return ops::rope_op().call(q, k, o.positions(), o.offsets(), c10::SymInt(o.offset()),
-                             o.cu_seqlens(), o.base(), o.scaling().rope_type,
-                             o.scaling().values(), seq_len_argument(o.scaling()),
-                             o.rotary_dim().value_or(-1), o.interleaved(), o.layout(), false);
+  return call_rope(q, k, o, seq_len_argument(o.scaling()));
 }
 
 torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& o) {
-  return std::get<0>(ops::rope_op().call(
-      q, std::nullopt, o.positions(), o.offsets(), c10::SymInt(o.offset()), o.cu_seqlens(),
-      o.base(), o.scaling().rope_type, o.scaling().values(), seq_len_argument(o.scaling()),
-      o.rotary_dim().value_or(-1), o.interleaved(), o.layout(), false));
+  return std::get<0>(call_rope(q, std::nullopt, o, seq_len_argument(o.scaling())));
 }
 
 void apply_rope_(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
@@ -145,16 +149,24 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   const bool reads_device = on_cuda(where.positions()) || on_cuda(where.offsets()) ||
                             on_cuda(where.cu_seqlens());
   int64_t lo = 0, hi = -1;
+  bool bounded = false;
   if (q.dim() == (options.layout() == "thd" ? 3 : 4) &&
       (options.check_positions() || !reads_device)) {
     std::tie(lo, hi) = ops::rope_position_bounds_op().call(
         q, where.positions(), where.offsets(), where.offset(), where.cu_seqlens(),
         options.layout());
+    bounded = true;
   }
   TORCH_CHECK_INDEX(hi < lo || (lo >= 0 && hi < max_len),
                     "posenc: expected positions in [0, max_len=", max_len, "), got values from ",
                     lo, " to ", hi);
-  return apply_rope(q, k, call_options(where));
+  // "dynamic" needs the longest position: hand over the one just read rather than have the
+  // op read the index tensors again.
+  const ApplyRopeOptions o = call_options(where);
+  const int64_t seq_len =
+      bounded && options.scaling().rope_type == "dynamic" ? std::max<int64_t>(hi + 1, 0)
+                                                          : seq_len_argument(o.scaling());
+  return call_rope(q, k, o, seq_len);
 }
 
 }  // namespace posenc

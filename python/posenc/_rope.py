@@ -122,6 +122,7 @@ def apply_rope(
     inplace: bool = False,
     check_inputs: bool = True,
     _original_max: Optional[int] = None,
+    _seq_len: Optional[int] = None,
 ):
     """Rotary position embedding of q (and k), fused in one kernel launch.
 
@@ -160,7 +161,8 @@ def apply_rope(
     elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
         raise TypeError(f"apply_rope: expected offset to be an int or an int64 tensor, got {offset!r}")
     rope_type, values = scaling_arguments(scaling, _original_max)
-    seq_len = -1 if rope_type == "dynamic" else 0  # -1: the op reads the longest position
+    # -1: the op reads the longest position; _seq_len: the module read it already.
+    seq_len = (-1 if _seq_len is None else _seq_len) if rope_type == "dynamic" else 0
     if (
         check_inputs
         and cu_seqlens is not None

@@ -272,17 +272,19 @@ class RotaryPositionalEncoding(nn.Module):
         """Rotated q, or (q, k) when k is given."""
         if q.dim() >= 1 and q.shape[-1] != self.dim:
             raise ValueError(f"expected q with head_dim {self.dim} (the module's dim), got shape {tuple(q.shape)}")
-        self._check_range(q, positions, offset, cu_seqlens)
+        longest = self._check_range(q, positions, offset, cu_seqlens)
         return _rope.apply_rope(
             q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, base=self.base,
             interleaved=self.interleaved, rotary_dim=self.rotary_dim, scaling=self.scaling,
             layout=self.layout, _original_max=self.max_len,
+            _seq_len=None if longest is None else max(longest + 1, 0),
         )
 
-    def _check_range(self, q: Tensor, positions, offset, cu_seqlens) -> None:
+    def _check_range(self, q: Tensor, positions, offset, cu_seqlens) -> Optional[int]:
         """Positions must lie in [0, max_len). Free for an int offset; with index tensors
         the op posenc::rope_position_bounds reads them back (a sync on CUDA), only when
-        check_positions is set (CUDA) and not under torch.compile."""
+        check_positions is set (CUDA) and not under torch.compile. Returns the longest
+        position when it was read from tensors (so "dynamic" need not read it again)."""
         if q.dim() != (3 if self.layout == "thd" else 4):
             return  # the rope op raises for a wrong rank, with its own message
         offsets = offset if isinstance(offset, Tensor) else None
@@ -296,7 +298,7 @@ class RotaryPositionalEncoding(nn.Module):
             tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
             on_cuda = any(t.is_cuda for t in tensors)
             if torch.compiler.is_compiling() or (on_cuda and not self.check_positions):
-                return
+                return None
             lo, hi = torch.ops.posenc.rope_position_bounds(
                 q, positions, offsets, 0 if offsets is not None else offset, cu_seqlens, self.layout
             )
@@ -304,6 +306,7 @@ class RotaryPositionalEncoding(nn.Module):
             raise IndexError(
                 f"posenc: expected positions in [0, max_len={self.max_len}), got values from {lo} to {hi}"
             )
+        return hi if positions is not None or offsets is not None or cu_seqlens is not None else None
 
     def extra_repr(self) -> str:
         extra = f"dim={self.dim}, max_len={self.max_len}, base={self.base}, interleaved={self.interleaved}"

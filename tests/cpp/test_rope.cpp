@@ -97,6 +97,24 @@ TEST(RotaryModule, ForwardAtTakesPerRowOffsetsAndPackedSequences) {
   EXPECT_THROW(packed->forward_at(qt, qt, where.offset(3)), c10::IndexError);  // 30..32
 }
 
+TEST(RotaryModule, DynamicWithTensorPositionsMatchesTheFunction) {
+  // The module hands the longest position it read for its range check to the op; the
+  // numbers must be those the op gets when it reads the positions itself.
+  posenc::RopeScaling dynamic;
+  dynamic.rope_type = "dynamic";
+  dynamic.factor = 2.0;
+  dynamic.original_max_position_embeddings = 16;
+  posenc::RotaryPositionalEncoding rope(
+      posenc::RotaryPositionalEncodingOptions(8).max_len(64).scaling(dynamic));
+  auto q = torch::randn({2, 5, 1, 8}, torch::kDouble);
+  auto positions = torch::tensor({0, 3, 9, 2, 40, 1, 1, 7, 50, 6}, torch::kLong).reshape({2, 5});
+  auto [oq, ok] = rope(q, q, positions);
+  auto want = posenc::apply_rope(q, posenc::ApplyRopeOptions().positions(positions).scaling(dynamic));
+  EXPECT_TRUE(torch::allclose(oq, want, 1e-12, 1e-12));
+  auto unscaled = posenc::apply_rope(q, posenc::ApplyRopeOptions().positions(positions));
+  EXPECT_FALSE(torch::allclose(oq, unscaled, 1e-6, 1e-6));
+}
+
 TEST(RotaryModule, GradientsAreTheInverseRotation) {
   posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(12).interleaved(true));
   auto q = torch::randn({2, 5, 3, 12}, torch::requires_grad(true).dtype(torch::kDouble));

@@ -358,6 +358,34 @@ def test_module_dynamic_scales_beyond_the_trained_context(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_module_dynamic_reads_tensor_positions_once(device):
+    """With tensor positions the module's range check already reads the longest position;
+    it hands it to the op (seq_len = longest + 1) instead of the op reading the tensors
+    again ("dynamic" would otherwise pass -1), and the numbers are those of that length."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class RecordRope(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seq_lens = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.posenc.rope.default:
+                self.seq_lens.append(args[9])
+            return func(*args, **(kwargs or {}))
+
+    scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    rope = posenc.RotaryPositionalEncoding(8, max_len=64, scaling=scaling).to(device)
+    q = torch.randn(2, 5, 1, 8, dtype=torch.float64, device=device)
+    positions = torch.tensor([[0, 3, 9, 2, 40], [1, 1, 7, 50, 6]], device=device)
+    with RecordRope() as mode:
+        out = rope(q, positions=positions)
+    assert mode.seq_lens == [51]
+    inv, _ = reference_inv_freq(8, 10000.0, scaling, seq_len=51)
+    check(out, reference_rope(q.cpu(), "bshd", positions.cpu(), inv, 8, False), torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_ignores_empty_packed_sequences(device):
     """"dynamic" scales by the longest position rotated; an empty sequence's offset is not one."""
     scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}

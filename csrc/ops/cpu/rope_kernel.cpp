@@ -59,8 +59,8 @@ void rotate_row_strided(const RopeArgs& a, const scalar_t* in, int64_t si, scala
                         int64_t so, const TokenAngles<acc_t>& t, int64_t first_pair) {
   const int64_t half = a.rotary_dim / 2;
   for (int64_t p = first_pair; p < half; ++p) {
-    const int64_t e1 = a.interleaved ? 2 * p : p;
-    const int64_t e2 = a.interleaved ? 2 * p + 1 : p + half;
+    int64_t e1, e2;
+    math::rope_pair_features(p, half, a.interleaved, &e1, &e2);
     rotate_pair(in, e1 * si, e2 * si, out, e1 * so, e2 * so, t.cs[p], t.sn[p]);
   }
 }

@@ -47,6 +47,15 @@ constexpr int kRopeScalingFields = 10;
 // True for a field that was not given (NaN); written out so that it needs no isnan overload.
 POSENC_HOST_DEVICE bool rope_missing(double v) { return v != v; }
 
+// The two features that pair p of a row rotates together: halves (p, p + half), as in
+// GPT-NeoX and Hugging Face's rotate_half, or adjacent (2p, 2p + 1), as in GPT-J and Meta's
+// LLaMA (interleaved). half = rotary_dim / 2.
+POSENC_HOST_DEVICE void rope_pair_features(int64_t p, int64_t half, bool interleaved,
+                                           int64_t* e1, int64_t* e2) {
+  *e1 = interleaved ? 2 * p : p;
+  *e2 = interleaved ? 2 * p + 1 : p + half;
+}
+
 POSENC_HOST_DEVICE double rope_default_inv_freq(int64_t i, int64_t rotary_dim, double base) {
   return 1.0 / pow(base, static_cast<double>(2 * i) / static_cast<double>(rotary_dim));
 }
