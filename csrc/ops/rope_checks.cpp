@@ -293,7 +293,13 @@ void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k,
   TORCH_CHECK(at::has_internal_overlap(*k) != at::MemOverlap::Yes,
               "posenc: inplace=True needs k without internal overlap (an expanded tensor ",
               "cannot be rotated in place); pass a contiguous copy or use inplace=False");
-  const auto overlap = at::get_overlap_status(q, *k);
+  // at::get_overlap_status answers TooHard for any tensor that is not dense before it looks
+  // at storages, so two strided views of separate allocations would be refused: tensors
+  // on different storages cannot overlap.
+  const bool different_storages = q.has_storage() && k->has_storage() &&
+                                   !q.storage().is_alias_of(k->storage());
+  const auto overlap =
+      different_storages ? at::MemOverlapStatus::No : at::get_overlap_status(q, *k);
   bool separate = overlap == at::MemOverlapStatus::No;
   if (overlap == at::MemOverlapStatus::TooHard) {
     const RopeLayout l = parse_rope_layout(layout);

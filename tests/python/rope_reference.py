@@ -30,6 +30,8 @@ def reference_inv_freq(dim, base=10000.0, scaling=None, seq_len=0):
     if kind == "dynamic":
         orig = scaling["original_max_position_embeddings"]
         seq_len = max(seq_len, orig)
+        if dim == 2:  # the one frequency is base**0 = 1 for any base (HF divides by zero)
+            return default_inv_freq(dim, base), 1.0
         new_base = base * ((factor * seq_len / orig) - (factor - 1)) ** (dim / (dim - 2))
         return default_inv_freq(dim, new_base), 1.0
     if kind == "llama3":
@@ -94,7 +96,8 @@ def rope_gptj(x, pos, inv_freq, rotary_dim, attn=1.0):
     angle = pos.to(F64)[..., None] * inv_freq
     rot = torch.polar(torch.full_like(angle, attn), angle)[:, :, None, :]
     xr, xp = x[..., :rotary_dim], x[..., rotary_dim:]
-    xc = torch.view_as_complex(xr.reshape(*xr.shape[:-1], -1, 2).contiguous())
+    # clone, not contiguous(): a contiguous view at an odd storage offset is no complex view.
+    xc = torch.view_as_complex(xr.reshape(*xr.shape[:-1], -1, 2).clone(memory_format=torch.contiguous_format))
     out = torch.view_as_real(xc * rot).flatten(-2)
     return torch.cat((out, xp), dim=-1)
 

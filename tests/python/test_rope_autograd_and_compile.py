@@ -202,6 +202,13 @@ def test_inplace(device, interleaved):
     apply_rope(q2, k2, interleaved=interleaved, inplace=True)
     assert torch.equal(qkv[:, :, 0], expect_q) and torch.equal(qkv[:, :, 1], expect_k)
     assert torch.equal(qkv[:, :, 2], v_before)
+    # Strided views of two separate allocations (neither dense: torch's overlap test
+    # cannot decide them, their storages can).
+    q3 = torch.randn(2, 6, 4, 32, device=device)[..., ::2]
+    k3 = torch.randn(2, 6, 2, 20, device=device)[..., 2:18]
+    expect_q, expect_k = apply_rope(q3, k3, interleaved=interleaved)
+    apply_rope(q3, k3, interleaved=interleaved, inplace=True)
+    assert torch.equal(q3, expect_q) and torch.equal(k3, expect_k)
 
 
 @pytest.mark.parametrize("device", DEVICES)
