@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 import torch
@@ -57,3 +58,24 @@ def reference_add(x, table, positions=None, offset=0, batch_first=True, rounded=
     out = bs.to(acc) + rows
     out = out.to(x.dtype) if rounded else out
     return out if batch_first else out.transpose(0, 1)
+
+
+def strided_random(rng: random.Random, shape, dtype, device, low=-2.0, high=2.0):
+    """Uniform values in [low, high) (drawn in float64, then rounded to dtype) in a tensor of
+    `shape` whose strides are not the contiguous ones: a random storage order of the
+    dimensions, possibly every other element along the last one, possibly a storage offset."""
+    perm = list(range(len(shape)))
+    rng.shuffle(perm)
+    step = rng.choice([1, 1, 2])
+    stored = [shape[p] for p in perm]
+    last = perm.index(len(shape) - 1)
+    stored[last] *= step
+    start = rng.choice([0, 0, 5])
+    n = math.prod(stored)
+    flat = (torch.rand(n + start, dtype=torch.float64) * (high - low) + low).to(dtype)
+    base = flat[start:].view(stored)
+    if step > 1:
+        base = base[(slice(None),) * last + (slice(None, None, step),)]
+    out = base.permute([perm.index(i) for i in range(len(shape))])
+    assert tuple(out.shape) == tuple(shape)
+    return out.to(device)

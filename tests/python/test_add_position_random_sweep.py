@@ -11,32 +11,10 @@ import random
 import pytest
 import torch
 
-from conftest import DEVICES, reference_add
+from conftest import DEVICES, reference_add, strided_random as strided
 from posenc.functional import add_position
 
 F64 = torch.float64
-
-
-def strided(rng: random.Random, shape, dtype, device, low=-2.0, high=2.0):
-    """Random values in [low, high) (never all zero) with a random storage order, possibly
-    every other element along the last dimension and a nonzero storage offset."""
-    perm = list(range(len(shape)))
-    rng.shuffle(perm)
-    step = rng.choice([1, 1, 2])
-    stored = [shape[p] for p in perm]
-    last = perm.index(len(shape) - 1)
-    stored[last] *= step
-    start = rng.choice([0, 0, 5])
-    n = 1
-    for s in stored:
-        n *= s
-    flat = (torch.rand(n + start, dtype=F64) * (high - low) + low).to(dtype)
-    base = flat[start:].view(stored)
-    if step > 1:
-        base = base[(slice(None),) * last + (slice(None, None, step),)]
-    out = base.permute([perm.index(i) for i in range(len(shape))])
-    assert tuple(out.shape) == tuple(shape)
-    return out.to(device)
 
 
 @pytest.mark.parametrize("device", DEVICES)

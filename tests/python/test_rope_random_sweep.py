@@ -11,7 +11,7 @@ import random
 import pytest
 import torch
 
-from conftest import DEVICES
+from conftest import DEVICES, strided_random
 from posenc.functional import apply_rope
 from rope_reference import F64, reference_inv_freq, reference_rope, thd_positions
 
@@ -33,30 +33,6 @@ SCALINGS = [
 
 def layout_shape(layout, B, S, H, D):
     return {"bshd": (B, S, H, D), "bhsd": (B, H, S, D), "sbhd": (S, B, H, D), "thd": (B * S, H, D)}[layout]
-
-
-def strided_tensor(rng: random.Random, shape, dtype, device):
-    """A random tensor of `shape` whose strides are not the contiguous ones: its storage
-    order is a random permutation of the dimensions, and the last dimension may be strided
-    (every other element) or the storage start offset by a few elements."""
-    perm = list(range(len(shape)))
-    rng.shuffle(perm)
-    step = rng.choice([1, 1, 2])
-    stored = [shape[p] for p in perm]
-    last = perm.index(len(shape) - 1)
-    stored[last] *= step
-    start = rng.choice([0, 0, 3])
-    n = 1
-    for s in stored:
-        n *= s
-    flat = (torch.randn(n + start, dtype=F64) * 1.5 + 0.25).to(dtype)
-    base = flat[start:].view(stored)
-    if step > 1:
-        base = base[(slice(None),) * last + (slice(None, None, step),)]
-    inverse = [perm.index(i) for i in range(len(shape))]
-    out = base.permute(inverse)
-    assert tuple(out.shape) == tuple(shape)
-    return out.to(device)
 
 
 def same_view(x):
@@ -91,8 +67,8 @@ def test_random_configuration(device, seed):
     torch.manual_seed(seed)
     layout, dtype, B, S, D = c["layout"], c["dtype"], c["B"], c["S"], c["D"]
     rotary_dim = c["rotary_dim"] or D
-    q = strided_tensor(rng, layout_shape(layout, B, S, c["Hq"], D), dtype, device)
-    k = strided_tensor(rng, layout_shape(layout, B, S, c["Hk"], D), dtype, device) if c["Hk"] else None
+    q = strided_random(rng, layout_shape(layout, B, S, c["Hq"], D), dtype, device)
+    k = strided_random(rng, layout_shape(layout, B, S, c["Hk"], D), dtype, device) if c["Hk"] else None
 
     kwargs = {}
     if layout == "thd":
