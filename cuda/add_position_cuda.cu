@@ -258,6 +258,7 @@ at::Tensor add_position_backward_cuda(const at::Tensor& grad_in, const at::Tenso
               "posenc: expected rng to be the int64 (seed, offset) pair from the forward on ",
               grad_in.device(), ", got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ",
               rng.device());
+  check_dropout_probability(p);
   const c10::cuda::CUDAGuard device_guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor state = rng.contiguous();

@@ -20,6 +20,11 @@ const char* layout_name(bool batch_first) {
 
 }  // namespace
 
+void check_dropout_probability(double p) {
+  TORCH_CHECK_VALUE(std::isfinite(p) && p >= 0.0 && p <= 1.0,
+                    "posenc: expected dropout probability p in [0, 1], got ", p);
+}
+
 void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
                                   const std::optional<at::Tensor>& positions,
                                   bool batch_first, double p) {
@@ -42,8 +47,7 @@ void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
   TORCH_CHECK(x.sym_size(2) == table.sym_size(-1), "posenc: expected the last dimension of x ",
               "(d_model) to be ", table.sym_size(-1), " like the position table, got x of shape ",
               x.sym_sizes());
-  TORCH_CHECK_VALUE(std::isfinite(p) && p >= 0.0 && p <= 1.0,
-                    "posenc: expected dropout probability p in [0, 1], got ", p);
+  check_dropout_probability(p);
   if (positions.has_value()) {
     const at::Tensor& pos = *positions;
     TORCH_CHECK_TYPE(pos.scalar_type() == at::kLong,
@@ -79,7 +83,8 @@ AddPositionGeometry make_geometry(const at::Tensor& x, const std::optional<at::T
     g.positions_batch_stride = positions->dim() == 2 ? g.seq : 0;
   } else {
     TORCH_CHECK_VALUE(offset >= 0, "posenc: expected offset >= 0, got ", offset);
-    TORCH_CHECK_VALUE(offset + g.seq <= g.table_len, "posenc: sequence length ", g.seq,
+    // offset <= len - seq, not offset + seq <= len: a huge offset must not wrap around.
+    TORCH_CHECK_VALUE(offset <= g.table_len - g.seq, "posenc: sequence length ", g.seq,
                       " plus offset ", offset, " exceeds max_len=", g.table_len,
                       " of the position table (build the encoding with a larger max_len)");
   }

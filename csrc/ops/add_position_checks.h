@@ -11,6 +11,9 @@
 namespace posenc {
 namespace ops {
 
+// ValueError unless p is in [0, 1] (a NaN or negative p would reach an unsigned cast).
+void check_dropout_probability(double p);
+
 // Checks shapes, dtypes, devices and p; works on Meta tensors (no data access).
 // Returns the geometry, with concrete sizes (Meta callers use sym sizes separately).
 void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,

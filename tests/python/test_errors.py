@@ -128,6 +128,48 @@ def test_backward_rejects_bad_rng():
         torch.ops.posenc.add_position_backward(torch.randn(2, 3), torch.zeros(3, dtype=torch.long), 0.5)
 
 
+@pytest.mark.parametrize("offset", [2**63 - 1, 2**63 - 2, 2**62])
+def test_huge_offset_is_refused_not_wrapped(module_cls, offset):
+    """offset + seq would wrap around int64 and pass a naive range check (then read
+    before the table, or corrupt the heap in backward)."""
+    pe = module_cls(8, 0.0, 10)
+    with pytest.raises(ValueError, match=rf"sequence length 2 plus offset {offset} exceeds max_len=10"):
+        pe(torch.randn(1, 2, 8), offset=offset)
+    with pytest.raises(ValueError, match=rf"plus offset {offset} exceeds max_len=4"):
+        torch.ops.posenc.add_position_backward_with_table(
+            torch.ones(1, 2, 8), torch.empty(0, dtype=torch.long), None, offset, True, 0.0, 4, False)
+
+
+@pytest.mark.parametrize("p", [-0.5, 1.5, float("inf"), float("nan")])
+def test_backward_ops_check_p(p):
+    grad, rng = torch.ones(2, 4, 8), torch.tensor([1, 2])
+    with pytest.raises(ValueError, match=r"expected dropout probability p in \[0, 1\], got"):
+        torch.ops.posenc.add_position_backward(grad, rng, p)
+    with pytest.raises(ValueError, match=r"expected dropout probability p in \[0, 1\], got"):
+        torch.ops.posenc.add_position_backward_with_table(grad, rng, None, 0, True, p, 4, True)
+    with pytest.raises(ValueError, match=r"expected dropout probability p in \[0, 1\], got"):
+        torch.ops.posenc.add_position_backward(grad.to("meta"), rng.to("meta"), p)
+
+
+def test_a_meta_tensor_among_real_ones_is_refused():
+    """One meta argument sends the call to the Meta kernel: without a check, real inputs
+    would get an uninitialised real output back."""
+    ops = torch.ops.posenc
+    meta_rng = torch.empty(2, dtype=torch.long, device="meta")
+    with pytest.raises(RuntimeError, match=r"add_position_backward: got rng on the meta device but grad on cpu"):
+        ops.add_position_backward(torch.ones(8, 16), meta_rng, 0.5)
+    with pytest.raises(RuntimeError, match=r"got rng on the meta device but grad on cpu"):
+        ops.add_position_backward_with_table(torch.ones(4, 8, 16), meta_rng, None, 0, True, 0.0, 8, True)
+    with pytest.raises(RuntimeError, match=r"expected offsets on q.s device cpu, got offsets on meta"):
+        ops.rope(torch.ones(2, 3, 1, 4), None, None, torch.zeros(2, dtype=torch.long, device="meta"))
+    with pytest.raises(TypeError, match=r"expected integer or floating-point positions, got ComplexFloat"):
+        ops.sinusoidal_table(torch.zeros(3, device="meta", dtype=torch.complex64), 4, 10000.0, None)
+    # All-meta calls still infer shapes.
+    gx, gt = ops.add_position_backward_with_table(torch.ones(4, 8, 16, device="meta"), meta_rng, None, 0,
+                                                  True, 0.5, 8, True)
+    assert gx.shape == (4, 8, 16) and gt.shape == (8, 16) and gx.is_meta
+
+
 @pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), float("nan"), True, "x", None])
 def test_sinusoidal_base_must_be_a_finite_number_above_one(bad):
     with pytest.raises(ValueError, match=r"expected base to be a finite number > 1, got"):
