@@ -11,8 +11,6 @@
 namespace posenc {
 namespace ops {
 
-namespace {
-
 // The masked gradient scattered into the table rows that were read, summed over the batch,
 // in float32 (float64 for float64 grad). Deterministic: a reduction over the batch
 // dimension, or index_put with accumulate, which is sort based on CUDA.
@@ -34,8 +32,6 @@ at::Tensor table_gradient_composite(const at::Tensor& grad_x, const at::Tensor& 
   return scatter_rows_into_table(pos.reshape(-1),
                                  rows.reshape_symint({-1, rows.sym_size(2)}).to(acc), table_len);
 }
-
-}  // namespace
 
 at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor& rows,
                                    const c10::SymInt& table_len) {

@@ -32,6 +32,14 @@ using AddPositionBackwardWithTableFn = std::tuple<at::Tensor, at::Tensor>(
 at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor& rows,
                                    const c10::SymInt& table_len);
 
+// The table gradient from the masked gradient of x (grad * mask * scale), in float32
+// (float64 for float64 grad), made of differentiable torch ops: the composite backend and
+// the create_graph path of autograd (twice-differentiable add_position) use it.
+// positions: undefined for rows offset .. offset + seq - 1.
+at::Tensor table_gradient_composite(const at::Tensor& masked_grad, const at::Tensor& positions,
+                                    const c10::SymInt& offset, bool batch_first,
+                                    const c10::SymInt& table_len);
+
 // The composite implementation (any backend), see add_position_composite.cpp.
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,

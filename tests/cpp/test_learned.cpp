@@ -52,6 +52,28 @@ TEST(LearnedPositionalEncodingModule, TableGradientIsBatchSumAndDeterministic) {
   EXPECT_TRUE(torch::equal(grads[0], grads[2]));
 }
 
+// create_graph: the gradients of x and of the table are linear in the incoming gradient g
+// with the forward's mask, so d/dg of <grad_x, v> + <grad_table, w> is (v + w[rows]) * mask * scale.
+TEST(LearnedPositionalEncodingModule, SecondDerivativeFollowsTheFormula) {
+  torch::manual_seed(5);
+  posenc::LearnedPositionalEncoding m(
+      posenc::LearnedPositionalEncodingOptions(8).max_len(16).dropout(0.5));
+  m->to(torch::kDouble);
+  m->train();
+  auto x = torch::randn({2, 5, 8}, torch::dtype(torch::kDouble).requires_grad(true));
+  auto g = (torch::rand({2, 5, 8}, torch::kDouble) + 0.5).requires_grad_(true);
+  auto y = m(x, 4);
+  auto grads = torch::autograd::grad({y}, {x, m->pe}, {g}, /*retain_graph=*/true,
+                                     /*create_graph=*/true);
+  auto v = torch::randn_like(grads[0]);
+  auto w = torch::randn_like(grads[1]);
+  auto dg = torch::autograd::grad({(grads[0] * v).sum() + (grads[1] * w).sum()}, {g})[0];
+  auto factor = grads[0].detach() / g.detach();  // 0 or 2
+  EXPECT_TRUE(factor.eq(0).any().item<bool>() && factor.eq(2).any().item<bool>());
+  auto want = (v + w[0].slice(0, 4, 9)) * factor;
+  EXPECT_TRUE(torch::allclose(dg, want, 1e-12, 1e-12));
+}
+
 TEST(LearnedPositionalEncodingModule, LoadTableAndSaveLoad) {
   posenc::LearnedPositionalEncoding a(posenc::LearnedPositionalEncodingOptions(8).max_len(12));
   auto table = torch::randn({12, 8});

@@ -37,6 +37,45 @@ def test_gradcheck_x_and_table(device, p, batch_first, positions):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("p", [0.0, 0.4])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("positions", [None, "1d", "2d_repeated"])
+@pytest.mark.parametrize("table_grad", [True, False])
+def test_gradgradcheck_x_and_table(device, p, batch_first, positions, table_grad):
+    """Second derivatives (create_graph=True): the gradients are linear in the incoming
+    gradient, with the same mask, so their derivative is exact and must not be dropped."""
+    x = torch.randn(3, 5, 6, dtype=torch.float64, device=device, requires_grad=True)
+    table = torch.randn(12, 6, dtype=torch.float64, device=device, requires_grad=table_grad)
+    B, S = (3, 5) if batch_first else (5, 3)
+    pos = None
+    if positions == "1d":
+        pos = torch.tensor([4, 0, 11, 2, 7][:S], device=device)
+    elif positions == "2d_repeated":
+        pos = torch.randint(0, 3, (B, S), device=device)
+    fn = seeded(lambda a, t: add_position(a, t, positions=pos, offset=0 if pos is not None else 3,
+                                          batch_first=batch_first, p=p))
+    assert torch.autograd.gradgradcheck(fn, (x, table))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_second_derivative_through_the_module_matches_the_formula(device):
+    """d/dg of <grad_x, v> + <grad_table, w> is (v + w[rows]) * mask * scale."""
+    torch.manual_seed(0)
+    lpe = posenc.LearnedPositionalEncoding(8, 0.5, max_len=16).double().to(device).train()
+    x = torch.randn(2, 5, 8, dtype=torch.float64, device=device, requires_grad=True)
+    g = (torch.rand(2, 5, 8, dtype=torch.float64, device=device) + 0.5).requires_grad_()
+    y = lpe(x, offset=4)
+    gx, gt = torch.autograd.grad(y, (x, lpe.pe), g, create_graph=True)
+    v = torch.randn_like(gx)
+    w = torch.randn_like(gt)
+    (dg,) = torch.autograd.grad((gx * v).sum() + (gt * w).sum(), g)
+    factor = gx.detach() / g.detach()  # mask * scale: 0 or 2
+    assert set(factor.unique().tolist()) <= {0.0, 2.0} and (factor == 0).any() and (factor == 2).any()
+    want = (v + w[0, 4:9]) * factor
+    torch.testing.assert_close(dg, want, atol=1e-12, rtol=1e-12)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_table_gradient_matches_index_add_reference(device):
     x = torch.randn(4, 9, 5, device=device, requires_grad=True)
     table = torch.randn(10, 5, device=device, requires_grad=True)

@@ -5,10 +5,15 @@
 // Saved for backward: the (seed, offset) pair and the positions, never a mask or any
 // tensor of x's size. d(out)/d(x) = mask * scale; d(out)/d(table) scatters that same
 // gradient into the table rows that were read, summed over the batch.
+//
+// Higher derivatives (create_graph=True): add_position_backward has its own autograd (it is
+// linear in grad with the same mask: its own derivative), and with grad mode on the table
+// gradient is made of differentiable torch ops instead of the fused kernel.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
+#include "ops/kernels.h"
 #include "ops/op_handles.h"
 
 namespace posenc {
@@ -45,22 +50,63 @@ class AddPositionFunction : public torch::autograd::Function<AddPositionFunction
     at::Tensor grad_x, grad_table;
     const bool want_x = ctx->needs_input_grad(0);
     const bool want_table = ctx->needs_input_grad(1);
-    if (grad.defined() && want_table) {
+    if (grad.defined() && want_table && at::GradMode::is_enabled()) {
+      // create_graph: every step differentiable (see the file comment).
+      const at::Tensor masked = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
+      const at::Tensor gt = table_gradient_composite(
+          masked, positions, ctx->saved_data["offset"].toSymInt(),
+          ctx->saved_data["batch_first"].toBool(), ctx->saved_data["table_len"].toSymInt());
+      grad_table = table_gradient_as_table(ctx, gt);
+      if (want_x) grad_x = masked;
+    } else if (grad.defined() && want_table) {
       // One fused pass: grad read once, grad_x (when p > 0) and the table gradient.
       const bool masked_x = want_x && p > 0.0;
       auto [gx, gt] = add_position_backward_with_table_op().call(
           grad, rng, positions.defined() ? std::optional<at::Tensor>(positions) : std::nullopt,
           ctx->saved_data["offset"].toSymInt(), ctx->saved_data["batch_first"].toBool(), p,
           ctx->saved_data["table_len"].toSymInt(), masked_x);
-      gt = gt.to(ctx->saved_data["table_dtype"].toScalarType());
-      grad_table = ctx->saved_data["table_dim"].toInt() == 3 ? gt.unsqueeze(0) : gt;
+      grad_table = table_gradient_as_table(ctx, gt);
       if (want_x) grad_x = masked_x ? gx : grad;
     } else if (grad.defined() && want_x) {
       grad_x = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
     }
     return {grad_x, grad_table, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
   }
+
+ private:
+  // The (table_len, d) accumulated gradient in the table's dtype and rank.
+  static at::Tensor table_gradient_as_table(AutogradContext* ctx, const at::Tensor& gt) {
+    const at::Tensor cast = gt.to(ctx->saved_data["table_dtype"].toScalarType());
+    return ctx->saved_data["table_dim"].toInt() == 3 ? cast.unsqueeze(0) : cast;
+  }
 };
+
+// grad * mask * scale is linear in grad with a fixed mask, so its derivative is the op
+// itself, applied to the incoming gradient; rng and p are not differentiable.
+class AddPositionBackwardFunction : public torch::autograd::Function<AddPositionBackwardFunction> {
+ public:
+  static at::Tensor forward(AutogradContext* ctx, const at::Tensor& grad, const at::Tensor& rng,
+                            double p) {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    ctx->save_for_backward({rng});
+    ctx->saved_data["p"] = p;
+    return add_position_backward_op().call(grad, rng, p);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
+    const at::Tensor& g = grad_outputs[0];
+    at::Tensor grad_grad;
+    if (g.defined()) {
+      grad_grad = add_position_backward_op().call(g, ctx->get_saved_variables()[0],
+                                                  ctx->saved_data["p"].toDouble());
+    }
+    return {grad_grad, at::Tensor(), at::Tensor()};
+  }
+};
+
+at::Tensor add_position_backward_autograd(const at::Tensor& grad, const at::Tensor& rng, double p) {
+  return AddPositionBackwardFunction::apply(grad, rng, p);
+}
 
 at::Tensor add_position_autograd(const at::Tensor& x, const at::Tensor& table,
                                  const std::optional<at::Tensor>& positions, c10::SymInt offset,
@@ -80,6 +126,7 @@ at::Tensor add_position_no_grad(const at::Tensor& x, const at::Tensor& table,
 
 TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("add_position", &add_position_autograd);
+  m.impl("add_position_backward", &add_position_backward_autograd);
 }
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
