@@ -247,6 +247,10 @@ std::vector<double> rope_frequencies_host(int64_t rotary_dim, double base,
                                           const math::RopeScaling& scaling, int64_t seq_len) {
   TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0,
                     "posenc: expected rotary_dim to be a positive even number, got ", rotary_dim);
+  // The kernels hold the frequencies per launch: a module with a larger dim would build
+  // and then fail at its first call, so rope_frequencies refuses it too.
+  TORCH_CHECK_VALUE(rotary_dim / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rotary_dim,
+                    " is not supported; expected at most ", 2 * kMaxRopePairs);
   TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0, "posenc: expected base > 1, got ", base);
   TORCH_CHECK_VALUE(seq_len >= 0, "posenc: expected seq_len >= 0, got ", seq_len);
   std::vector<double> freqs(rotary_dim / 2);
@@ -328,6 +332,7 @@ RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tens
                                const at::Tensor& out_q, const std::optional<at::Tensor>& out_k) {
   const math::RopeScaling s = parse_rope_scaling(rope_type, scaling);
   const RopeLayout layout = parse_rope_layout(layout_name);
+  check_rope_position_value("offset", offset);
   if (s.type == math::RopeType::kDynamic && seq_len < 0) {
     // The longest position of the call + 1 (0 when it rotates nothing).
     seq_len = std::get<1>(rope_position_bounds_unchecked(q, positions, offsets, offset,

@@ -35,11 +35,18 @@ void check_rope_indices(const at::Tensor& q, const std::optional<at::Tensor>& po
                         const std::optional<at::Tensor>& offsets,
                         const std::optional<at::Tensor>& cu_seqlens, c10::string_view layout);
 
+// Positions, offsets and the int offset must lie in [-2**53, 2**53]: every such integer is
+// exact in the float64 angle, and sums of three of them cannot overflow int64. ValueError
+// naming `what` otherwise.
+constexpr int64_t kRopeMaxPosition = int64_t{1} << 53;
+void check_rope_position_value(const char* what, int64_t value);
+
 // The (smallest, largest) position a call with these (checked) arguments rotates, exactly:
 // position = positions[b, s] (or s) + offsets[b] + offset, per token of a packed sequence in
 // 'thd'; (0, -1) when the call rotates no token. One read back to the host when an index
-// tensor is given (a device sync for CUDA tensors), none otherwise. The op
-// posenc::rope_position_bounds (rope_position_bounds.cpp) is the checked form.
+// tensor is given (a device sync for CUDA tensors), none otherwise; the values read are
+// checked with check_rope_position_value. The op posenc::rope_position_bounds
+// (rope_position_bounds.cpp) is the checked form.
 std::tuple<int64_t, int64_t> rope_position_bounds_unchecked(
     const at::Tensor& q, const std::optional<at::Tensor>& positions,
     const std::optional<at::Tensor>& offsets, int64_t offset,

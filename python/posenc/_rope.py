@@ -146,8 +146,11 @@ def apply_rope(
         check_inputs: check CUDA ``cu_seqlens`` values on the host (one sync) in eager mode.
             Unchecked, tokens outside every sequence come out as NaN.
 
-    Returns the rotated q, or (q, k) when k is given. Positions are unbounded (no table); the
-    angle is formed in float64 and reduced exactly, so it stays accurate at any position.
+    Returns the rotated q, or (q, k) when k is given. Positions have no table and no max_len;
+    positions, offsets and ``offset`` must lie in [-2**53, 2**53] (integers exact in the
+    float64 angle, which is reduced exactly, so accuracy holds over that whole range). An
+    int ``offset`` is checked for free; index tensors are checked where they are read anyway
+    ("dynamic" scaling, the module's range check), not otherwise.
     """
     if not isinstance(q, Tensor):
         raise TypeError(f"apply_rope: expected q to be a Tensor, got {type(q).__name__}")

@@ -165,3 +165,55 @@ def test_yarn_betas_must_be_positive(key, bad):
     ok = dict(scaling, **{key: 16.0 if key == "beta_fast" else 2.0})
     inv, _ = rope_frequencies(8, scaling=ok)
     assert torch.isfinite(inv).all()
+
+
+def test_rotary_dim_cap_applies_when_the_module_is_built():
+    """The kernels hold at most 256 frequency pairs: a module asking for more used to build
+    and fail only at its first call (and rope_frequencies raised MemoryError for 2**40)."""
+    with pytest.raises(ValueError, match="rotary_dim 1024 is not supported; expected at most 512"):
+        posenc.RotaryPositionalEncoding(1024)
+    with pytest.raises(ValueError, match="rotary_dim 1099511627776 is not supported"):
+        torch.ops.posenc.rope_frequencies(2**40, 10000.0, "default", [], 0)
+    assert posenc.RotaryPositionalEncoding(1024, rotary_dim=64).inv_freq.shape == (32,)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_positions_beyond_2_pow_53_are_refused_not_wrapped(device):
+    """Positions, offsets and the int offset live in [-2**53, 2**53]: beyond, sums could wrap
+    around int64 (the module's range check passed a position of 2**63 - 1 + 1 that way)."""
+    msg = r"expected {} within \[-2\*\*53, 2\*\*53\] \(integers exact in the float64 angle\), got {}"
+    q = torch.randn(1, 2, 1, 8, device=device)
+    with pytest.raises(ValueError, match=msg.format("offset", 2**53 + 1)):
+        apply_rope(q, offset=2**53 + 1)
+    with pytest.raises(ValueError, match=msg.format("offset", -(2**62))):
+        apply_rope(q, offset=-(2**62))
+    assert apply_rope(q, offset=2**53 - 1).shape == q.shape  # the edge is accepted
+    rope = posenc.RotaryPositionalEncoding(8, max_len=16)
+    big = torch.tensor([0, 2**63 - 1], device=device)
+    with pytest.raises(ValueError, match=msg.format("positions", 2**63 - 1)):
+        rope(q, positions=big, offset=1)
+    with pytest.raises(ValueError, match=msg.format("positions", -(2**63))):
+        rope(torch.randn(1, 1, 1, 8, device=device), positions=torch.tensor([-(2**63)], device=device),
+             offset=torch.tensor([-(2**63)], device=device))
+    thd = posenc.RotaryPositionalEncoding(8, max_len=16, layout="thd")
+    with pytest.raises(ValueError, match=msg.format("offsets", 2**63 - 1)):
+        thd(torch.randn(2, 1, 8, device=device), cu_seqlens=torch.tensor([0, 2], device=device),
+            offset=torch.tensor([2**63 - 1], device=device))
+    # "dynamic" reads the longest position through the same check.
+    dyn = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4}
+    with pytest.raises(ValueError, match=msg.format("positions", 2**62)):
+        apply_rope(q, positions=torch.tensor([0, 2**62], device=device), scaling=dyn)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_names_bad_cu_seqlens_not_the_positions_they_imply(device):
+    thd = posenc.RotaryPositionalEncoding(8, max_len=16, layout="thd")
+    q = torch.randn(3, 1, 8, device=device)
+    for cu, got in (([0, 100], "first value 0, last value 100, shortest step 100"),
+                    ([1, 3], "first value 1, last value 3"),
+                    ([0, 2, 1, 3], "first value 0, last value 3, shortest step -1")):
+        with pytest.raises(ValueError, match=rf"expected cu_seqlens to start at 0, never decrease and end at "
+                                             rf"the number of tokens 3, got {got}"):
+            thd(q, cu_seqlens=torch.tensor(cu, device=device))
+    with pytest.raises(ValueError, match=r"got 1 value\(s\) for 3 tokens"):
+        thd(q, cu_seqlens=torch.tensor([0], device=device))
