@@ -25,6 +25,9 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
   TORCH_CHECK_VALUE(tokens.dim() == 2 && !tokens.is_floating_point() && !tokens.is_complex(),
                     "make_positions: expected integer tokens of shape (batch, seq), got ",
                     tokens.scalar_type(), " of shape ", tokens.sizes());
+  constexpr int64_t kLimit = int64_t{1} << 62;  // padding_idx + seq must stay an int64
+  TORCH_CHECK_VALUE(padding_idx >= -kLimit && padding_idx <= kLimit,
+                    "make_positions: expected padding_idx within +-2**62, got ", padding_idx);
   const at::Tensor mask = tokens.ne(padding_idx).to(at::kLong);
   return at::cumsum(mask, 1) * mask + padding_idx;
 }
@@ -37,6 +40,10 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
                     "sinusoidal_2d_table: expected dim to be a multiple of 4, got ", dim);
   TORCH_CHECK_VALUE(num_prefix_tokens >= 0,
                     "sinusoidal_2d_table: expected num_prefix_tokens >= 0, got ", num_prefix_tokens);
+  TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0,
+                    "sinusoidal_2d_table: expected base to be a finite number > 1, got ", base);
+  TORCH_CHECK_VALUE(at::isFloatingType(dtype),
+                    "sinusoidal_2d_table: expected a floating-point dtype, got ", dtype);
   const at::Tensor rows = at::arange(grid_h, at::kDouble).repeat_interleave(grid_w);
   const at::Tensor cols = at::arange(grid_w, at::kDouble).repeat({grid_h});
   const at::Tensor table =

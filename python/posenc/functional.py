@@ -23,6 +23,25 @@ __all__ = [
 ]
 
 
+def _int_arg(fn: str, name: str, value) -> int:
+    """value as an int (Python or numpy integer, not bool), or ValueError naming it."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise ValueError(f"{fn}: expected {name} to be an int, got {value!r}")
+
+
+def _finite_arg(fn: str, name: str, value, *, above: Optional[float] = None) -> float:
+    """value as a finite float (above `above` when given), or ValueError naming it."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if ok and (above is None or value > above):
+        return float(value)
+    what = "a finite number" + (f" > {above:g}" if above is not None else "")
+    raise ValueError(f"{fn}: expected {name} to be {what}, got {value!r}")
+
+
 def sinusoidal_table(
     positions: Tensor, d_model: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32
 ) -> Tensor:
@@ -89,6 +108,9 @@ def timestep_embedding(
         dim = None
     if dim is None or dim <= 0:
         raise ValueError(f"timestep_embedding: expected dim to be a positive int, got {original_dim!r}")
+    max_period = _finite_arg("timestep_embedding", "max_period", max_period, above=0.0)
+    downscale_freq_shift = _finite_arg("timestep_embedding", "downscale_freq_shift", downscale_freq_shift)
+    scale = _finite_arg("timestep_embedding", "scale", scale)
     half = dim // 2
     if half > 0 and half - downscale_freq_shift == 0:
         raise ValueError(
@@ -117,6 +139,9 @@ def make_positions(tokens: Tensor, padding_idx: int) -> Tensor:
     if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
         shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
         raise ValueError(f"make_positions: expected integer tokens of shape (batch, seq), got {shape}")
+    padding_idx = _int_arg("make_positions", "padding_idx", padding_idx)
+    if not -(2**62) <= padding_idx <= 2**62:  # padding_idx + seq must stay an int64
+        raise ValueError(f"make_positions: expected padding_idx within +-2**62, got {padding_idx}")
     mask = tokens.ne(padding_idx).to(torch.int64)
     return torch.cumsum(mask, dim=1) * mask + padding_idx
 
@@ -147,6 +172,11 @@ def sinusoidal_2d_table(
         raise ValueError(f"sinusoidal_2d_table: expected dim to be a multiple of 4, got {dim}")
     if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
         raise ValueError(f"sinusoidal_2d_table: expected num_prefix_tokens >= 0, got {num_prefix_tokens!r}")
+    # base <= 1 gives frequencies that do not decrease (base 1: identical columns), as in
+    # sinusoidal_table and RoPE.
+    base = _finite_arg("sinusoidal_2d_table", "base", base, above=1.0)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"sinusoidal_2d_table: expected a floating-point dtype, got {dtype!r}")
     rows = torch.arange(grid_h, dtype=torch.float64).repeat_interleave(grid_w)
     cols = torch.arange(grid_w, dtype=torch.float64).repeat(grid_h)
     table = torch.cat([_sincos_halves(cols, dim // 2, base), _sincos_halves(rows, dim // 2, base)], dim=1)
@@ -182,6 +212,7 @@ def resample_position_table(
         shape = tuple(pe.shape) if isinstance(pe, Tensor) else type(pe).__name__
         raise ValueError(f"resample_position_table: expected pe of shape (1, tokens, dim), got {shape}")
     new_grid = _as_grid("new_grid", new_grid)
+    num_prefix_tokens = _int_arg("resample_position_table", "num_prefix_tokens", num_prefix_tokens)
     if num_prefix_tokens < 0 or num_prefix_tokens > pe.shape[1]:
         raise ValueError(
             f"resample_position_table: expected 0 <= num_prefix_tokens <= {pe.shape[1]}, got {num_prefix_tokens}"
@@ -213,12 +244,15 @@ def resample_position_table(
 
 
 def _as_grid(name: str, grid):
-    if isinstance(grid, int):
+    """(h, w) of ints (an int n means (n, n)); floats and bools are refused, not truncated."""
+    if not isinstance(grid, (tuple, list, torch.Size)):
         grid = (grid, grid)
     try:
-        h, w = (int(v) for v in grid)
+        if len(grid) != 2:
+            raise ValueError
+        h, w = (_int_arg("resample_position_table", name, v) for v in grid)
     except (TypeError, ValueError):
-        raise ValueError(f"resample_position_table: expected {name} to be (h, w), got {grid!r}") from None
+        raise ValueError(f"resample_position_table: expected {name} to be (h, w) of ints, got {grid!r}") from None
     if h <= 0 or w <= 0:
         raise ValueError(f"resample_position_table: expected {name} to be positive, got {(h, w)}")
     return (h, w)

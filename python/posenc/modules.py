@@ -64,6 +64,8 @@ class _AddPositionModule(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given."""
+        if isinstance(offset, bool):  # the op's SymInt would take True as 1
+            raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
         if positions is not None and self.check_positions:
             _check_positions_on_host(positions, self.pe.shape[1])
         p = self.dropout.p if self.training else 0.0

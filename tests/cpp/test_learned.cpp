@@ -93,6 +93,14 @@ TEST(Helpers, MakePositions) {
   auto want = torch::tensor({2, 3, 1, 1, 1, 2, 3, 4}, torch::kLong).reshape({2, 4});
   EXPECT_TRUE(torch::equal(posenc::make_positions(tokens, 1), want));
   EXPECT_THROW(posenc::make_positions(torch::rand({2, 3}), 1), c10::Error);
+  EXPECT_THROW(posenc::make_positions(tokens, std::numeric_limits<int64_t>::max()), c10::ValueError);
+}
+
+TEST(Helpers, Sinusoidal2dTableRefusesBadBaseAndDtype) {
+  EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, 1.0, 0, torch::kFloat), c10::ValueError);
+  EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, std::nan(""), 0, torch::kFloat), c10::ValueError);
+  EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, 100.0, 0, torch::kLong), c10::ValueError);
+  EXPECT_EQ(posenc::sinusoidal_2d_table(2, 2, 8, 100.0, 0, torch::kHalf).scalar_type(), torch::kHalf);
 }
 
 TEST(Helpers, Sinusoidal2dTableFollowsMaeLayout) {

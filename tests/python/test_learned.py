@@ -714,3 +714,28 @@ def test_make_positions_feed_the_learned_module_with_padding():
     torch.testing.assert_close(m.pe.grad[0].double(), ref, atol=1e-6, rtol=0)
     assert m.pe.grad[0, padding_idx].abs().sum() > 0  # the padding row got the padding tokens' gradient
     assert torch.equal(m.pe.grad[0, 0], torch.zeros(8))  # row 0 is never used
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: sinusoidal_2d_table(2, 2, 8, base=0), "expected base to be a finite number > 1, got 0"),
+    (lambda: sinusoidal_2d_table(2, 2, 8, base=1.0), "expected base to be a finite number > 1, got 1.0"),
+    (lambda: sinusoidal_2d_table(2, 2, 8, base=float("nan")), "expected base to be a finite number > 1, got nan"),
+    (lambda: sinusoidal_2d_table(2, 2, 8, dtype=torch.int64), "expected a floating-point dtype, got torch.int64"),
+    (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1.5), "expected padding_idx to be an int, got 1.5"),
+    (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 2**63 - 1), r"padding_idx within \+-2\*\*62"),
+    (lambda: resample_position_table(torch.randn(1, 17, 8), (2.7, 3.9)), r"new_grid to be \(h, w\) of ints, got \(2.7, 3.9\)"),
+    (lambda: resample_position_table(torch.randn(1, 17, 8), (True, True)), r"new_grid to be \(h, w\) of ints"),
+    (lambda: resample_position_table(torch.randn(1, 17, 8), (2, 3, 4)), r"new_grid to be \(h, w\) of ints"),
+    (lambda: resample_position_table(torch.randn(1, 17, 8), 3, num_prefix_tokens=True), "num_prefix_tokens to be an int, got True"),
+])
+def test_helpers_refuse_values_they_would_silently_misuse(call, message):
+    """Floats were truncated, bools taken as 1, NaN or base <= 1 gave NaN or identical
+    columns, and a huge padding_idx wrapped around int64."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def test_module_offset_must_not_be_a_bool():
+    for cls in (posenc.PositionalEncoding, posenc.LearnedPositionalEncoding):
+        with pytest.raises(TypeError, match="expected offset to be an int, got True"):
+            cls(8, 0.1, 10)(torch.randn(1, 2, 8), offset=True)

@@ -126,6 +126,15 @@ def test_timestep_embedding_rejects_bad_input():
         timestep_embedding(torch.rand(2, 2), 8)
     with pytest.raises(ValueError, match="dim"):
         timestep_embedding(torch.rand(2), 0)
+    # NaN/inf/non-positive settings gave NaN embeddings silently.
+    for kwargs, msg in (
+        (dict(max_period=float("nan")), "expected max_period to be a finite number > 0, got nan"),
+        (dict(max_period=0.0), "expected max_period to be a finite number > 0, got 0.0"),
+        (dict(downscale_freq_shift=float("inf")), "expected downscale_freq_shift to be a finite number, got inf"),
+        (dict(scale=float("nan")), "expected scale to be a finite number, got nan"),
+    ):
+        with pytest.raises(ValueError, match=msg):
+            timestep_embedding(torch.rand(2), 8, **kwargs)
 
 
 
