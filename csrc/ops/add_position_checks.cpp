@@ -2,7 +2,9 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
+#include <limits>
 
 namespace posenc {
 namespace ops {
@@ -108,6 +110,9 @@ AddPositionGeometry check_add_position_backward_inputs(const at::Tensor& grad,
   TORCH_CHECK_VALUE(table_len >= 0, "posenc: expected table_len >= 0, got ", table_len);
   TORCH_CHECK(grad.dim() == 3, "posenc: expected grad to be a 3-D tensor, got shape ",
               grad.sizes());
+  TORCH_CHECK_VALUE(table_len <= std::numeric_limits<int64_t>::max() / std::max<int64_t>(grad.size(2), 1),
+                    "posenc: table_len ", table_len, " times d_model ", grad.size(2),
+                    " overflows int64");
   // The structure checks of the forward, against a stand-in table on grad's device
   // (zero strides: it allocates one element, not a table).
   const at::Tensor table = at::empty_strided({table_len, grad.size(2)}, {0, 0}, grad.options());

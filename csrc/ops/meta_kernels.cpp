@@ -52,6 +52,8 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_meta(
   check_not_mixed_with_meta("add_position_backward_with_table",
                             {{"grad", &grad}, {"rng", &rng}, {"positions", optional_ptr(positions)}});
   check_dropout_probability(p);
+  TORCH_CHECK_VALUE(table_len.is_heap_allocated() || table_len.as_int_unchecked() >= 0,
+                    "posenc: expected table_len >= 0, got ", table_len);
   TORCH_CHECK(grad.dim() == 3, "posenc: expected grad to be a 3-D tensor, got shape ",
               grad.sym_sizes());
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;

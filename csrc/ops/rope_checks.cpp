@@ -256,6 +256,13 @@ std::vector<double> rope_frequencies_host(int64_t rotary_dim, double base,
   std::vector<double> freqs(rotary_dim / 2);
   for (int64_t i = 0; i < rotary_dim / 2; ++i) {
     freqs[i] = math::rope_inv_freq(i, rotary_dim, base, scaling, seq_len);
+    // Each key is checked alone; extreme combinations (a linear factor of 1e-310, a
+    // dynamic base beyond float64) could still give inf or 0 frequencies, i.e. NaN or
+    // unrotated outputs.
+    TORCH_CHECK_VALUE(std::isfinite(freqs[i]) && freqs[i] > 0.0, "posenc: the RoPE settings ",
+                      "(base ", base, ", rotary_dim ", rotary_dim, ", the scaling keys, seq_len ",
+                      seq_len, ") give inverse frequency ", freqs[i], " for pair ", i,
+                      "; expected finite positive frequencies");
   }
   return freqs;
 }

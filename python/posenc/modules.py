@@ -299,8 +299,9 @@ class RotaryPositionalEncoding(nn.Module):
         else:
             tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
             on_cuda = any(t.is_cuda for t in tensors)
-            if torch.compiler.is_compiling() or (on_cuda and not self.check_positions):
-                return None
+            if (torch.compiler.is_compiling() or (on_cuda and not self.check_positions)
+                    or q.is_meta or any(t.is_meta for t in tensors)):
+                return None  # nothing to read: traced, unchecked, or shapes only (meta)
             lo, hi = torch.ops.posenc.rope_position_bounds(
                 q, positions, offsets, 0 if offsets is not None else offset, cu_seqlens, self.layout
             )

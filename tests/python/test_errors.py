@@ -151,6 +151,17 @@ def test_backward_ops_check_p(p):
         torch.ops.posenc.add_position_backward(grad.to("meta"), rng.to("meta"), p)
 
 
+def test_backward_table_len_is_checked():
+    ops = torch.ops.posenc
+    with pytest.raises(ValueError, match=r"table_len 4611686018427387904 times d_model 8 overflows int64"):
+        ops.add_position_backward_with_table(torch.ones(1, 2, 8), torch.empty(0, dtype=torch.long), None, 0,
+                                             True, 0.0, 2**62, False)
+    with pytest.raises(ValueError, match=r"expected table_len >= 0, got -1"):
+        ops.add_position_backward_with_table(torch.ones(1, 2, 8, device="meta"),
+                                             torch.empty(0, dtype=torch.long, device="meta"), None, 0, True,
+                                             0.0, -1, False)
+
+
 def test_a_meta_tensor_among_real_ones_is_refused():
     """One meta argument sends the call to the Meta kernel: without a check, real inputs
     would get an uninitialised real output back."""

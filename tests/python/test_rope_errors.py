@@ -217,3 +217,24 @@ def test_module_names_bad_cu_seqlens_not_the_positions_they_imply(device):
             thd(q, cu_seqlens=torch.tensor(cu, device=device))
     with pytest.raises(ValueError, match=r"got 1 value\(s\) for 3 tokens"):
         thd(q, cu_seqlens=torch.tensor([0], device=device))
+
+
+def test_settings_giving_non_finite_frequencies_are_refused():
+    """Each scaling key passes its own check, but a linear factor of 1e-310 gives inf
+    frequencies (NaN outputs) and a dynamic base beyond float64 gives 0 (no rotation)."""
+    msg = r"give inverse frequency {} for pair {}; expected finite positive frequencies"
+    with pytest.raises(ValueError, match=msg.format("inf", 0)):
+        rope_frequencies(8, scaling={"rope_type": "linear", "factor": 1e-310})
+    with pytest.raises(ValueError, match=msg.format("inf", 0)):
+        apply_rope(torch.randn(1, 2, 1, 8), scaling={"rope_type": "linear", "factor": 1e-310})
+    nan = float("nan")
+    with pytest.raises(ValueError, match=msg.format(0, 1)):
+        torch.ops.posenc.rope_frequencies(8, 1e300, "dynamic", [2.0, nan, nan, 4.0] + [nan] * 6, 2**62)
+
+
+def test_module_on_meta_tensors_infers_shapes_without_reading_index_tensors():
+    rope = posenc.RotaryPositionalEncoding(8, max_len=16).to("meta")
+    q = torch.randn(1, 3, 2, 8, device="meta")
+    assert rope(q, positions=torch.arange(3, device="meta")).shape == q.shape
+    oq, ok = rope(q, q, offset=torch.zeros(1, dtype=torch.long, device="meta"))
+    assert oq.is_meta and ok.shape == q.shape

@@ -22,7 +22,7 @@
 namespace posenc {
 namespace math {
 
-// The scaling types, in the order of their names in rope_type_names().
+// The scaling types (parse_rope_scaling in csrc/ops/rope_checks.cpp maps HF's names to them).
 enum class RopeType : int { kDefault = 0, kLinear = 1, kDynamic = 2, kYarn = 3, kLlama3 = 4 };
 
 // The parameters of Hugging Face's `rope_scaling` dict, one field per key. A NaN marks a
