@@ -125,6 +125,17 @@ AddPositionGeometry check_add_position_backward_inputs(const at::Tensor& grad,
   return make_geometry(grad, positions, offset, batch_first, table_len);
 }
 
+void check_add_position_backward_inputs_if_concrete(const at::Tensor& grad, const at::Tensor& rng,
+                                                     const std::optional<at::Tensor>& positions,
+                                                     const c10::SymInt& offset, bool batch_first,
+                                                     double p, const c10::SymInt& table_len) {
+  if (!offset.is_heap_allocated() && !table_len.is_heap_allocated() &&
+      !grad.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    check_add_position_backward_inputs(grad, rng, positions, offset.as_int_unchecked(),
+                                       batch_first, p, table_len.as_int_unchecked());
+  }
+}
+
 void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len) {
   const at::Tensor pos = positions.contiguous();
   const int64_t* data = pos.const_data_ptr<int64_t>();

@@ -33,6 +33,13 @@ AddPositionGeometry check_add_position_backward_inputs(const at::Tensor& grad,
                                                        int64_t offset, bool batch_first, double p,
                                                        int64_t table_len);
 
+// The same, when offset, table_len and grad's sizes are concrete (the composite and Meta
+// kernels; symbolic sizes only trace, and the real kernels check at run time).
+void check_add_position_backward_inputs_if_concrete(const at::Tensor& grad, const at::Tensor& rng,
+                                                     const std::optional<at::Tensor>& positions,
+                                                     const c10::SymInt& offset, bool batch_first,
+                                                     double p, const c10::SymInt& table_len);
+
 // Throws IndexError naming the first position outside [0, table_len). CPU tensors only.
 void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len);
 

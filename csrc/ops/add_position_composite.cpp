@@ -46,13 +46,9 @@ at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
     c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
-  // The checks of the fused kernels (offset range, rng, p, positions layout), whenever the
-  // sizes are concrete (a real backend without a fused kernel; symbolic sizes only trace).
-  if (!offset.is_heap_allocated() && !table_len.is_heap_allocated() &&
-      !grad.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-    check_add_position_backward_inputs(grad, rng, positions, offset.as_int_unchecked(),
-                                       batch_first, p, table_len.as_int_unchecked());
-  }
+  // The checks of the fused kernels (offset range, rng, p, positions layout).
+  check_add_position_backward_inputs_if_concrete(grad, rng, positions, offset, batch_first, p,
+                                                 table_len);
   const at::Tensor masked = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
   at::Tensor grad_table = table_gradient_composite(masked, positions.value_or(at::Tensor()),
                                                    offset, batch_first, table_len);

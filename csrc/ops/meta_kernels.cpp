@@ -25,6 +25,12 @@ void check_not_mixed_with_meta(const char* op,
   }
 }
 
+// The scalar checks of the real rope kernels (base, the int offset's domain).
+void check_rope_meta_scalars(double base, const c10::SymInt& offset) {
+  check_rope_base(base);
+  if (!offset.is_heap_allocated()) check_rope_position_value("offset", offset.as_int_unchecked());
+}
+
 const at::Tensor* optional_ptr(const std::optional<at::Tensor>& t) {
   return t.has_value() ? &*t : nullptr;
 }
@@ -48,10 +54,12 @@ at::Tensor add_position_backward_meta(const at::Tensor& grad, const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_meta(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
-    c10::SymInt /*offset*/, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
+    c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
   check_not_mixed_with_meta("add_position_backward_with_table",
                             {{"grad", &grad}, {"rng", &rng}, {"positions", optional_ptr(positions)}});
   check_dropout_probability(p);
+  check_add_position_backward_inputs_if_concrete(grad, rng, positions, offset, batch_first, p,
+                                                 table_len);
   TORCH_CHECK_VALUE(table_len.is_heap_allocated() || table_len.as_int_unchecked() >= 0,
                     "posenc: expected table_len >= 0, got ", table_len);
   TORCH_CHECK(grad.dim() == 3, "posenc: expected grad to be a 3-D tensor, got shape ",
@@ -78,20 +86,21 @@ at::Tensor sinusoidal_table_meta(const at::Tensor& positions, c10::SymInt d_mode
 std::tuple<at::Tensor, at::Tensor> rope_meta(
     const at::Tensor& q, const std::optional<at::Tensor>& k,
     const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& offsets,
-    c10::SymInt /*offset*/, const std::optional<at::Tensor>& cu_seqlens, double /*base*/,
+    c10::SymInt offset, const std::optional<at::Tensor>& cu_seqlens, double base,
     c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t /*seq_len*/,
     int64_t rotary_dim, bool /*interleaved*/, c10::string_view layout, bool /*inverse*/) {
   check_rope_structure(q, k, positions, offsets, cu_seqlens, rotary_dim, layout);
   check_not_mixed_with_meta("rope", {{"q", &q}, {"k", optional_ptr(k)}, {"positions", optional_ptr(positions)},
                                      {"offsets", optional_ptr(offsets)}, {"cu_seqlens", optional_ptr(cu_seqlens)}});
   parse_rope_scaling(rope_type, scaling);
+  check_rope_meta_scalars(base, offset);
   return {at::empty_like(q), k.has_value() ? at::empty_like(*k) : at::empty({0}, q.options())};
 }
 
 void rope_inplace_meta(const at::Tensor& q, const std::optional<at::Tensor>& k,
                        const std::optional<at::Tensor>& positions,
-                       const std::optional<at::Tensor>& offsets, c10::SymInt /*offset*/,
-                       const std::optional<at::Tensor>& cu_seqlens, double /*base*/,
+                       const std::optional<at::Tensor>& offsets, c10::SymInt offset,
+                       const std::optional<at::Tensor>& cu_seqlens, double base,
                        c10::string_view rope_type, at::ArrayRef<double> scaling,
                        int64_t /*seq_len*/, int64_t rotary_dim, bool /*interleaved*/,
                        c10::string_view layout, bool /*inverse*/) {
@@ -99,6 +108,7 @@ void rope_inplace_meta(const at::Tensor& q, const std::optional<at::Tensor>& k,
   check_not_mixed_with_meta("rope_", {{"q", &q}, {"k", optional_ptr(k)}, {"positions", optional_ptr(positions)},
                                       {"offsets", optional_ptr(offsets)}, {"cu_seqlens", optional_ptr(cu_seqlens)}});
   parse_rope_scaling(rope_type, scaling);
+  check_rope_meta_scalars(base, offset);
 }
 
 }  // namespace

@@ -243,6 +243,10 @@ int64_t check_rope_structure(const at::Tensor& q, const std::optional<at::Tensor
   return rot;
 }
 
+void check_rope_base(double base) {
+  TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0, "posenc: expected base > 1, got ", base);
+}
+
 std::vector<double> rope_frequencies_host(int64_t rotary_dim, double base,
                                           const math::RopeScaling& scaling, int64_t seq_len) {
   TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0,
@@ -251,7 +255,7 @@ std::vector<double> rope_frequencies_host(int64_t rotary_dim, double base,
   // and then fail at its first call, so rope_frequencies refuses it too.
   TORCH_CHECK_VALUE(rotary_dim / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rotary_dim,
                     " is not supported; expected at most ", 2 * kMaxRopePairs);
-  TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0, "posenc: expected base > 1, got ", base);
+  check_rope_base(base);
   TORCH_CHECK_VALUE(seq_len >= 0, "posenc: expected seq_len >= 0, got ", seq_len);
   std::vector<double> freqs(rotary_dim / 2);
   for (int64_t i = 0; i < rotary_dim / 2; ++i) {
@@ -382,6 +386,15 @@ RopeLaunch prepare_rope_launch(const at::Tensor& q, const std::optional<at::Tens
   if (offsets.has_value()) {
     launch.offsets = offsets->contiguous();
     a.offsets = long_data(launch.offsets);
+  }
+  // CPU index values are checked against the position domain here, where reading them is
+  // a pass over a few integers per token: a huge one would wrap the int64 sum silently.
+  // (CUDA ones are read only where a sync is paid anyway: the module, "dynamic".)
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"positions", &launch.positions},
+                                {"offsets", &launch.offsets}}) {
+    if (!t->defined() || !t->is_cpu()) continue;
+    const int64_t* v = t->const_data_ptr<int64_t>();
+    for (int64_t i = 0, n = t->numel(); i < n; ++i) check_rope_position_value(name, v[i]);
   }
   if (cu_seqlens.has_value()) {
     launch.cu_seqlens = cu_seqlens->to(at::kLong).contiguous();

@@ -38,6 +38,8 @@ void check_rope_indices(const at::Tensor& q, const std::optional<at::Tensor>& po
 // Positions, offsets and the int offset must lie in [-2**53, 2**53]: every such integer is
 // exact in the float64 angle, and sums of three of them cannot overflow int64. ValueError
 // naming `what` otherwise.
+void check_rope_base(double base);
+
 constexpr int64_t kRopeMaxPosition = int64_t{1} << 53;
 void check_rope_position_value(const char* what, int64_t value);
 

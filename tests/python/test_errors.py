@@ -175,6 +175,13 @@ def test_a_meta_tensor_among_real_ones_is_refused():
         ops.rope(torch.ones(2, 3, 1, 4), None, None, torch.zeros(2, dtype=torch.long, device="meta"))
     with pytest.raises(TypeError, match=r"expected integer or floating-point positions, got ComplexFloat"):
         ops.sinusoidal_table(torch.zeros(3, device="meta", dtype=torch.complex64), 4, 10000.0, None)
+    # The Meta kernel runs the real kernels' checks when sizes are concrete.
+    with pytest.raises(TypeError, match=r"floating-point dtype .* got Bool"):
+        ops.add_position_backward_with_table(torch.empty(5, 6, 1, dtype=torch.bool, device="meta"), meta_rng,
+                                             None, 0, True, 0.5, 8, False)
+    with pytest.raises(ValueError, match=r"plus offset 4611686018427387904 exceeds max_len=8"):
+        ops.add_position_backward_with_table(torch.ones(5, 6, 1, device="meta"), meta_rng, None, 2**62, True,
+                                             0.5, 8, False)
     # All-meta calls still infer shapes.
     gx, gt = ops.add_position_backward_with_table(torch.ones(4, 8, 16, device="meta"), meta_rng, None, 0,
                                                   True, 0.5, 8, True)

@@ -199,6 +199,16 @@ def test_positions_beyond_2_pow_53_are_refused_not_wrapped(device):
     with pytest.raises(ValueError, match=msg.format("offsets", 2**63 - 1)):
         thd(torch.randn(2, 1, 8, device=device), cu_seqlens=torch.tensor([0, 2], device=device),
             offset=torch.tensor([2**63 - 1], device=device))
+    if device == "cpu":  # CPU index values are checked by the op itself (no sync to pay)
+        with pytest.raises(ValueError, match=msg.format("positions", 2**60)):
+            apply_rope(q, positions=torch.tensor([0, 2**60]))
+        with pytest.raises(ValueError, match=msg.format("offsets", -(2**62))):
+            apply_rope(q, offset=torch.tensor([-(2**62)]))
+    # Meta tensors: the int offset and base are checked by the Meta kernel too.
+    with pytest.raises(ValueError, match=msg.format("offset", 2**60)):
+        apply_rope(q.to("meta"), offset=2**60)
+    with pytest.raises(ValueError, match=r"expected base > 1, got -1"):
+        apply_rope(q.to("meta"), base=-1.0)
     # "dynamic" reads the longest position through the same check.
     dyn = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4}
     with pytest.raises(ValueError, match=msg.format("positions", 2**62)):
