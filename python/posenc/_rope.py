@@ -149,8 +149,8 @@ def apply_rope(
     Returns the rotated q, or (q, k) when k is given. Positions have no table and no max_len;
     positions, offsets and ``offset`` must lie in [-2**53, 2**53] (integers exact in the
     float64 angle, which is reduced exactly, so accuracy holds over that whole range). An
-    int ``offset`` is checked for free; index tensors are checked where they are read anyway
-    ("dynamic" scaling, the module's range check), not otherwise.
+    int ``offset`` and CPU index tensors are checked by the op; CUDA index tensors only where
+    they are read anyway ("dynamic" scaling, the module's range check).
     """
     if not isinstance(q, Tensor):
         raise TypeError(f"apply_rope: expected q to be a Tensor, got {type(q).__name__}")
