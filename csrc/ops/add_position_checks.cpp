@@ -129,10 +129,12 @@ void check_add_position_backward_inputs_if_concrete(const at::Tensor& grad, cons
                                                      const std::optional<at::Tensor>& positions,
                                                      const c10::SymInt& offset, bool batch_first,
                                                      double p, const c10::SymInt& table_len) {
-  if (!offset.is_heap_allocated() && !table_len.is_heap_allocated() &&
+  // maybe_as_int, not is_heap_allocated: a SymInt stores ints near -2**63 on the heap too.
+  const std::optional<int64_t> off = offset.maybe_as_int();
+  const std::optional<int64_t> len = table_len.maybe_as_int();
+  if (off.has_value() && len.has_value() &&
       !grad.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-    check_add_position_backward_inputs(grad, rng, positions, offset.as_int_unchecked(),
-                                       batch_first, p, table_len.as_int_unchecked());
+    check_add_position_backward_inputs(grad, rng, positions, *off, batch_first, p, *len);
   }
 }
 

@@ -28,7 +28,7 @@ void check_not_mixed_with_meta(const char* op,
 // The scalar checks of the real rope kernels (base, the int offset's domain).
 void check_rope_meta_scalars(double base, const c10::SymInt& offset) {
   check_rope_base(base);
-  if (!offset.is_heap_allocated()) check_rope_position_value("offset", offset.as_int_unchecked());
+  if (const auto v = offset.maybe_as_int()) check_rope_position_value("offset", *v);
 }
 
 const at::Tensor* optional_ptr(const std::optional<at::Tensor>& t) {
@@ -60,7 +60,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_meta(
   check_dropout_probability(p);
   check_add_position_backward_inputs_if_concrete(grad, rng, positions, offset, batch_first, p,
                                                  table_len);
-  TORCH_CHECK_VALUE(table_len.is_heap_allocated() || table_len.as_int_unchecked() >= 0,
+  TORCH_CHECK_VALUE(table_len.maybe_as_int().value_or(0) >= 0,
                     "posenc: expected table_len >= 0, got ", table_len);
   TORCH_CHECK(grad.dim() == 3, "posenc: expected grad to be a 3-D tensor, got shape ",
               grad.sym_sizes());
@@ -74,9 +74,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_meta(
 
 at::Tensor sinusoidal_table_meta(const at::Tensor& positions, c10::SymInt d_model, double base,
                                  std::optional<at::ScalarType> dtype) {
-  if (!d_model.is_heap_allocated()) {
-    check_sinusoidal_table_args(positions, d_model.as_int_unchecked(), base, dtype);
-  }
+  if (const auto d = d_model.maybe_as_int()) check_sinusoidal_table_args(positions, *d, base, dtype);
   std::vector<c10::SymInt> shape(positions.sym_sizes().begin(), positions.sym_sizes().end());
   shape.push_back(d_model);
   return at::empty_symint(shape, positions.options().dtype(dtype.value_or(at::kFloat)));
