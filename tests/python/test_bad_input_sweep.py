@@ -1,0 +1,130 @@
+"""Random bad (and borderline) arguments for every op, straight through torch.ops.posenc:
+each call must either succeed or raise one of torch's usual Python exceptions, never crash
+the process, hang, or raise anything else. The pools hold the values a fuzzing pass found
+dangerous (offsets near 2**63 that wrapped a range check, meta tensors among real ones,
+NaN/negative p, huge table_len and rotary_dim, positions beyond 2**53), so this guards
+those fixes and their neighbours; test_errors.py / test_rope_errors.py check the messages."""
+
+import math
+import random
+
+import pytest
+import torch
+
+import posenc  # noqa: F401  (loads the ops)
+
+ops = torch.ops.posenc
+ALLOWED = (RuntimeError, ValueError, IndexError, TypeError, NotImplementedError)
+HUGE = [2**31, 2**53 + 1, 2**62, 2**63 - 1, -(2**62), -(2**63), -1]
+NAN = float("nan")
+
+
+def pick(rng, usual, unusual, p_unusual=0.3):
+    return rng.choice(unusual) if rng.random() < p_unusual else rng.choice(usual)
+
+
+def tensor(rng, shape, dtype=None, device=None):
+    dtype = dtype or pick(rng, [torch.float32], [torch.float64, torch.float16, torch.bfloat16, torch.int64,
+                                                  torch.bool, torch.complex64])
+    device = device or pick(rng, ["cpu"], ["meta"], 0.15)
+    if dtype.is_floating_point or dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, device=device)
+    return torch.randint(0, 3, shape, device=device).to(dtype)
+
+
+def index(rng, shape, high):
+    values = torch.randint(0, max(high, 1), shape)
+    if rng.random() < 0.3 and values.numel():
+        values.view(-1)[rng.randrange(values.numel())] = rng.choice(HUGE)
+    dtype = pick(rng, [torch.int64], [torch.int32, torch.float32])
+    return values.to(dtype).to(pick(rng, ["cpu"], ["meta"], 0.1))
+
+
+def add_position_call(rng):
+    B, S, d = rng.choice([0, 1, 3]), rng.choice([0, 1, 5]), rng.choice([1, 4, 8])
+    L = rng.choice([S, S + 2, max(S - 1, 0)])
+    x = tensor(rng, pick(rng, [(B, S, d)], [(B, S), (B, S, d + 1), (1, B, S, d)]))
+    table = tensor(rng, pick(rng, [(L, d), (1, L, d)], [(L,), (2, L, d)]), device="cpu")
+    positions = None if rng.random() < 0.5 else index(rng, pick(rng, [(S,), (B, S)], [(S + 1,), (B, S, 1)]), L)
+    offset = 0 if positions is not None and rng.random() < 0.8 else pick(rng, [0, 1], HUGE)
+    p = pick(rng, [0.0, 0.5], [-0.5, 1.0, 1.5, NAN, math.inf])
+    return lambda: ops.add_position(x, table, positions, offset, rng.random() < 0.5, p)
+
+
+def add_position_backward_call(rng):
+    B, S, d = rng.choice([0, 2]), rng.choice([1, 4]), rng.choice([1, 8])
+    grad = tensor(rng, pick(rng, [(B, S, d)], [(B, S), (B * S * d,)]))
+    rng_t = pick(rng, [torch.tensor([7, 0])], [torch.tensor([1]), torch.empty(2, dtype=torch.long, device="meta"),
+                                              torch.zeros(2, dtype=torch.int32), torch.tensor([2**63 - 1, -(2**63)])])
+    p = pick(rng, [0.0, 0.3], [-0.5, 1.5, NAN, math.inf])
+    if rng.random() < 0.4:
+        return lambda: ops.add_position_backward(grad, rng_t, p)
+    table_len = pick(rng, [S, S + 3], [0, -1, 2**40, 2**62, 2**63 - 1])
+    positions = None if rng.random() < 0.5 else index(rng, pick(rng, [(S,), (B, S)], [(S + 2,)]), S)
+    offset = 0 if positions is not None else pick(rng, [0, 1], HUGE)
+    return lambda: ops.add_position_backward_with_table(grad, rng_t, positions, offset, rng.random() < 0.5, p,
+                                                        table_len, rng.random() < 0.5)
+
+
+def rope_call(rng):
+    # Many arguments, each possibly bad: a low rate per argument keeps some calls valid.
+    def pick(rng, usual, unusual, p_unusual=0.06):
+        return rng.choice(unusual) if rng.random() < p_unusual else rng.choice(usual)
+
+    layout = pick(rng, ["bshd", "bhsd", "sbhd", "thd"], ["", "BSHD", "xyz"])
+    D = pick(rng, [8, 16], [0, 7, 1024])
+    shape = (3, 2, D) if layout == "thd" else (1, 3, 2, D)
+    q = tensor(rng, pick(rng, [shape], [shape[:-1], (1,) + shape]))
+    k = None if rng.random() < 0.3 else tensor(rng, shape, dtype=q.dtype if q.dtype.is_floating_point else None,
+                                                 device=q.device.type)
+    positions = None if rng.random() < 0.6 else index(rng, pick(rng, [(3,), (1, 3)], [(4,)]), 100)
+    offsets = None if rng.random() < 0.7 else index(rng, pick(rng, [(1,)], [(2,)]), 100)
+    cu = None
+    if layout == "thd" or rng.random() < 0.1:
+        cu = index(rng, (3,), 4) if rng.random() < 0.3 else torch.tensor(pick(rng, [[0, 1, 3]], [[0, 4], [1, 3], [0, 3, 1]]))
+    rope_type = pick(rng, ["default", "linear", "dynamic", "yarn", "llama3"], ["", "ntk"])
+    scaling = [pick(rng, [2.0, 4.0, 64.0], [NAN, 0.0, -1.0, 1e-310, math.inf]) for _ in range(rng.choice([0, 10, 10, 3]))]
+    base = pick(rng, [10000.0], [1.0, -1.0, NAN, 1e300])
+    seq_len = pick(rng, [0, -1], [2**62, -5])
+    rotary_dim = pick(rng, [-1, 4], [0, 3, 2 * D + 2])
+    args = (q, k, positions, offsets, pick(rng, [0, 5], HUGE), cu, base, rope_type, scaling, seq_len, rotary_dim,
+            rng.random() < 0.5, layout, rng.random() < 0.5)
+    if rng.random() < 0.3:
+        return lambda: ops.rope_(*args)
+    return lambda: ops.rope(*args)
+
+
+def other_call(rng):
+    kind = rng.randrange(3)
+    if kind == 0:
+        return lambda: ops.rope_frequencies(pick(rng, [8, 64], [0, 3, 1026, 2**40]), pick(rng, [10000.0], [NAN, 0.5]),
+                                            pick(rng, ["default", "dynamic"], ["x"]),
+                                            [pick(rng, [2.0, 64.0], [NAN, 1e-310]) for _ in range(10)],
+                                            pick(rng, [0, 100], [2**62, -1]))
+    if kind == 1:
+        q = tensor(rng, (1, 3, 2, 8))
+        return lambda: ops.rope_position_bounds(q, index(rng, (3,), 10) if rng.random() < 0.5 else None,
+                                                index(rng, (1,), 10) if rng.random() < 0.5 else None,
+                                                pick(rng, [0, 3], HUGE), None, "bshd")
+    positions = index(rng, pick(rng, [(4,), (2, 3)], [(0,)]), 50)
+    return lambda: ops.sinusoidal_table(positions, pick(rng, [4, 7], [0, -3, 2**40]), pick(rng, [10000.0], [NAN, 1.0]),
+                                        pick(rng, [None, torch.float64], [torch.int64]))
+
+
+@pytest.mark.parametrize("family", [add_position_call, add_position_backward_call, rope_call, other_call])
+def test_random_bad_arguments_raise_cleanly(family):
+    rng = random.Random(f"sweep-{family.__name__}")  # a fixed seed per family
+    torch.manual_seed(0)
+    outcomes = {"ok": 0, "raised": 0}
+    for _ in range(400):
+        try:
+            call = family(rng)
+        except ALLOWED:  # building the arguments themselves (e.g. a float tensor cast) can fail
+            continue
+        try:
+            call()
+            outcomes["ok"] += 1
+        except ALLOWED:
+            outcomes["raised"] += 1
+    # Both kinds happen: the sweep reaches the kernels, not only the first check.
+    assert outcomes["ok"] > 10 and outcomes["raised"] > 50, outcomes
