@@ -42,7 +42,7 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
                     "sinusoidal_2d_table: expected num_prefix_tokens >= 0, got ", num_prefix_tokens);
   TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0,
                     "sinusoidal_2d_table: expected base to be a finite number > 1, got ", base);
-  TORCH_CHECK_VALUE(at::isFloatingType(dtype),
+  TORCH_CHECK_TYPE(at::isFloatingType(dtype),
                     "sinusoidal_2d_table: expected a floating-point dtype, got ", dtype);
   const at::Tensor rows = at::arange(grid_h, at::kDouble).repeat_interleave(grid_w);
   const at::Tensor cols = at::arange(grid_w, at::kDouble).repeat({grid_h});

@@ -309,12 +309,18 @@ void check_rope_inplace(const at::Tensor& q, const std::optional<at::Tensor>& k,
               "posenc: inplace=True needs k without internal overlap (an expanded tensor ",
               "cannot be rotated in place); pass a contiguous copy or use inplace=False");
   // at::get_overlap_status answers TooHard for any tensor that is not dense before it looks
-  // at storages, so two strided views of separate allocations would be refused: tensors
-  // on different storages cannot overlap.
-  const bool different_storages = q.has_storage() && k->has_storage() &&
-                                   !q.storage().is_alias_of(k->storage());
-  const auto overlap =
-      different_storages ? at::MemOverlapStatus::No : at::get_overlap_status(q, *k);
+  // at storages, so two strided views of separate allocations would be refused. Different
+  // storages are separate when their bytes are (two storages can wrap one buffer:
+  // from_blob, DLPack, numpy); the row-disjointness proof below needs one storage.
+  if (q.has_storage() && k->has_storage() && !q.storage().is_alias_of(k->storage())) {
+    const auto* q0 = static_cast<const char*>(q.storage().data());
+    const auto* k0 = static_cast<const char*>(k->storage().data());
+    const bool disjoint = q0 + q.storage().nbytes() <= k0 || k0 + k->storage().nbytes() <= q0;
+    TORCH_CHECK(disjoint, "posenc: inplace=True needs q and k in separate memory, got two ",
+                "storages over overlapping memory; use inplace=False");
+    return;
+  }
+  const auto overlap = at::get_overlap_status(q, *k);
   bool separate = overlap == at::MemOverlapStatus::No;
   if (overlap == at::MemOverlapStatus::TooHard) {
     const RopeLayout l = parse_rope_layout(layout);

@@ -35,8 +35,9 @@ void check_rope_indices(const at::Tensor& q, const std::optional<at::Tensor>& po
                         const std::optional<at::Tensor>& offsets,
                         const std::optional<at::Tensor>& cu_seqlens, c10::string_view layout);
 
-// Positions, offsets and the int offset must lie in [-2**53, 2**53]: every such integer is
-// exact in the float64 angle, and sums of three of them cannot overflow int64. ValueError
+// Positions, offsets and the int offset must each lie in [-2**53, 2**53]: sums of three of
+// them cannot overflow int64, and a summed position within +-2**53 is exact in the float64
+// angle (beyond, up to 3 * 2**53, it rounds to a neighbouring even integer). ValueError
 // naming `what` otherwise.
 void check_rope_base(double base);
 

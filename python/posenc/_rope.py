@@ -147,8 +147,9 @@ def apply_rope(
             Unchecked, tokens outside every sequence come out as NaN.
 
     Returns the rotated q, or (q, k) when k is given. Positions have no table and no max_len;
-    positions, offsets and ``offset`` must lie in [-2**53, 2**53] (integers exact in the
-    float64 angle, which is reduced exactly, so accuracy holds over that whole range). An
+    positions, offsets and ``offset`` must each lie in [-2**53, 2**53] (so their sum cannot
+    overflow int64; a summed position within that range is exact in the float64 angle, which
+    is reduced exactly, so accuracy holds there). An
     int ``offset`` and CPU index tensors are checked by the op; CUDA index tensors only where
     they are read anyway ("dynamic" scaling, the module's range check).
     """

@@ -34,10 +34,16 @@ def _int_arg(fn: str, name: str, value) -> int:
 
 
 def _finite_arg(fn: str, name: str, value, *, above: Optional[float] = None) -> float:
-    """value as a finite float (above `above` when given), or ValueError naming it."""
-    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
-    if ok and (above is None or value > above):
-        return float(value)
+    """value (a real number: Python, numpy or a one-element tensor; not bool or str) as a
+    finite float, above `above` when given, or ValueError naming it."""
+    number = None
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            number = float(value)
+        except (TypeError, ValueError, RuntimeError):
+            pass
+    if number is not None and math.isfinite(number) and (above is None or number > above):
+        return number
     what = "a finite number" + (f" > {above:g}" if above is not None else "")
     raise ValueError(f"{fn}: expected {name} to be {what}, got {value!r}")
 
@@ -176,7 +182,7 @@ def sinusoidal_2d_table(
     # sinusoidal_table and RoPE.
     base = _finite_arg("sinusoidal_2d_table", "base", base, above=1.0)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise ValueError(f"sinusoidal_2d_table: expected a floating-point dtype, got {dtype!r}")
+        raise TypeError(f"sinusoidal_2d_table: expected a floating-point dtype, got {dtype!r}")
     rows = torch.arange(grid_h, dtype=torch.float64).repeat_interleave(grid_w)
     cols = torch.arange(grid_w, dtype=torch.float64).repeat(grid_h)
     table = torch.cat([_sincos_halves(cols, dim // 2, base), _sincos_halves(rows, dim // 2, base)], dim=1)
@@ -244,13 +250,13 @@ def resample_position_table(
 
 
 def _as_grid(name: str, grid):
-    """(h, w) of ints (an int n means (n, n)); floats and bools are refused, not truncated."""
-    if not isinstance(grid, (tuple, list, torch.Size)):
-        grid = (grid, grid)
+    """(h, w) of ints (an int n means (n, n); any two-element sequence, tensor or array of
+    ints works); floats and bools are refused, not truncated."""
+    pair = grid if hasattr(grid, "__len__") and not isinstance(grid, (str, bytes)) else (grid, grid)
     try:
-        if len(grid) != 2:
+        if len(pair) != 2:
             raise ValueError
-        h, w = (_int_arg("resample_position_table", name, v) for v in grid)
+        h, w = (_int_arg("resample_position_table", name, v) for v in pair)
     except (TypeError, ValueError):
         raise ValueError(f"resample_position_table: expected {name} to be (h, w) of ints, got {grid!r}") from None
     if h <= 0 or w <= 0:

@@ -99,7 +99,7 @@ TEST(Helpers, MakePositions) {
 TEST(Helpers, Sinusoidal2dTableRefusesBadBaseAndDtype) {
   EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, 1.0, 0, torch::kFloat), c10::ValueError);
   EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, std::nan(""), 0, torch::kFloat), c10::ValueError);
-  EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, 100.0, 0, torch::kLong), c10::ValueError);
+  EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, 100.0, 0, torch::kLong), c10::TypeError);
   EXPECT_EQ(posenc::sinusoidal_2d_table(2, 2, 8, 100.0, 0, torch::kHalf).scalar_type(), torch::kHalf);
 }
 

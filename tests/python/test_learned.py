@@ -720,7 +720,6 @@ def test_make_positions_feed_the_learned_module_with_padding():
     (lambda: sinusoidal_2d_table(2, 2, 8, base=0), "expected base to be a finite number > 1, got 0"),
     (lambda: sinusoidal_2d_table(2, 2, 8, base=1.0), "expected base to be a finite number > 1, got 1.0"),
     (lambda: sinusoidal_2d_table(2, 2, 8, base=float("nan")), "expected base to be a finite number > 1, got nan"),
-    (lambda: sinusoidal_2d_table(2, 2, 8, dtype=torch.int64), "expected a floating-point dtype, got torch.int64"),
     (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1.5), "expected padding_idx to be an int, got 1.5"),
     (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 2**63 - 1), r"padding_idx within \+-2\*\*62"),
     (lambda: resample_position_table(torch.randn(1, 17, 8), (2.7, 3.9)), r"new_grid to be \(h, w\) of ints, got \(2.7, 3.9\)"),
@@ -733,6 +732,20 @@ def test_helpers_refuse_values_they_would_silently_misuse(call, message):
     columns, and a huge padding_idx wrapped around int64."""
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def test_helper_types_and_accepted_forms():
+    with pytest.raises(TypeError, match="expected a floating-point dtype, got torch.int64"):
+        sinusoidal_2d_table(2, 2, 8, dtype=torch.int64)  # as sinusoidal_table: TypeError
+    pe = torch.randn(1, 17, 8)
+    # Two-element tensors and arrays are grids; numpy and 0-d tensor numbers are numbers.
+    assert resample_position_table(pe, torch.tensor([2, 3])).shape == (1, 7, 8)
+    assert resample_position_table(pe, np.array([3, 2])).shape == (1, 7, 8)
+    from posenc.functional import timestep_embedding
+    t = torch.arange(3.0)
+    torch.testing.assert_close(timestep_embedding(t, 8, scale=np.float32(2.0)), timestep_embedding(t, 8, scale=2.0))
+    torch.testing.assert_close(timestep_embedding(t, 8, max_period=torch.tensor(100.0)),
+                               timestep_embedding(t, 8, max_period=100.0))
 
 
 def test_module_offset_must_not_be_a_bool():

@@ -226,6 +226,12 @@ def test_inplace_refuses_autograd_and_overlap(device):
         apply_rope(x, x[:, :, :1], inplace=True)
     with pytest.raises(RuntimeError, match="separate memory"):
         apply_rope(x, x, inplace=True)
+    if device == "cpu":
+        # Two storages over one buffer (numpy, DLPack, from_blob): not separate.
+        a = torch.randn(1, 4, 1, 16).numpy()
+        q, k = torch.from_numpy(a)[..., 0:8], torch.from_numpy(a)[..., 4:12]
+        with pytest.raises(RuntimeError, match="two storages over overlapping memory"):
+            apply_rope(q, k, inplace=True)
 
 
 @pytest.mark.parametrize("device", DEVICES)
