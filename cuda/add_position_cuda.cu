@@ -259,6 +259,7 @@ at::Tensor add_position_backward_cuda(const at::Tensor& grad_in, const at::Tenso
               grad_in.device(), ", got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ",
               rng.device());
   check_dropout_probability(p);
+  check_grad_dtype(grad_in);
   const c10::cuda::CUDAGuard device_guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor state = rng.contiguous();

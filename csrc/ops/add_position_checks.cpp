@@ -27,6 +27,12 @@ void check_dropout_probability(double p) {
                     "posenc: expected dropout probability p in [0, 1], got ", p);
 }
 
+void check_grad_dtype(const at::Tensor& grad) {
+  TORCH_CHECK_TYPE(is_supported_float(grad.scalar_type()),
+                   "posenc: expected grad to have a floating-point dtype (float16, bfloat16, "
+                   "float32 or float64), got ", grad.scalar_type());
+}
+
 void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
                                   const std::optional<at::Tensor>& positions,
                                   bool batch_first, double p) {
@@ -110,6 +116,7 @@ AddPositionGeometry check_add_position_backward_inputs(const at::Tensor& grad,
   TORCH_CHECK_VALUE(table_len >= 0, "posenc: expected table_len >= 0, got ", table_len);
   TORCH_CHECK(grad.dim() == 3, "posenc: expected grad to be a 3-D tensor, got shape ",
               grad.sizes());
+  check_grad_dtype(grad);
   TORCH_CHECK_VALUE(table_len <= std::numeric_limits<int64_t>::max() / std::max<int64_t>(grad.size(2), 1),
                     "posenc: table_len ", table_len, " times d_model ", grad.size(2),
                     " overflows int64");

@@ -176,7 +176,7 @@ def test_a_meta_tensor_among_real_ones_is_refused():
     with pytest.raises(TypeError, match=r"expected integer or floating-point positions, got ComplexFloat"):
         ops.sinusoidal_table(torch.zeros(3, device="meta", dtype=torch.complex64), 4, 10000.0, None)
     # The Meta kernel runs the real kernels' checks when sizes are concrete.
-    with pytest.raises(TypeError, match=r"floating-point dtype .* got Bool"):
+    with pytest.raises(TypeError, match=r"expected grad to have a floating-point dtype .* got Bool"):
         ops.add_position_backward_with_table(torch.empty(5, 6, 1, dtype=torch.bool, device="meta"), meta_rng,
                                              None, 0, True, 0.5, 8, False)
     with pytest.raises(ValueError, match=r"plus offset 4611686018427387904 exceeds max_len=8"):

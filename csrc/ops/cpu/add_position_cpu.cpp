@@ -102,6 +102,7 @@ at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor
               "posenc: expected rng to be the int64 (seed, offset) pair from the forward on the "
               "CPU, got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ", rng.device());
   check_dropout_probability(p);
+  check_grad_dtype(grad_in);
   check_cpu_isa();
   const cpu::DropoutDraw draw = draw_from_rng(rng, p);
   const at::Tensor grad = grad_in.contiguous();
