@@ -79,3 +79,14 @@ def strided_random(rng: random.Random, shape, dtype, device, low=-2.0, high=2.0)
     out = base.permute([perm.index(i) for i in range(len(shape))])
     assert tuple(out.shape) == tuple(shape)
     return out.to(device)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Every test that needs a GPU has "cuda" in its id (a "cuda" device parameter or its
+    name): scripts/gpu_check.sh selects the device's tests with -k cuda, so a GPU test
+    named otherwise would silently never run there."""
+    for item in items:
+        for mark in item.iter_markers("skipif"):
+            reason = str(mark.kwargs.get("reason", ""))
+            if "CUDA" in reason and "cuda" not in item.nodeid.lower():
+                raise pytest.UsageError(f"{item.nodeid}: needs CUDA but has no 'cuda' in its id")

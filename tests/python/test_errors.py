@@ -104,7 +104,7 @@ def test_table_shape_and_device_mismatch():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_x_and_module_on_different_devices(module_cls):
+def test_x_on_cuda_and_module_on_cpu(module_cls):
     pe = module_cls(16, 0.1, 32)
     with pytest.raises(RuntimeError, match=r"x and the position table on the same device, got x on cuda:0 and the table on cpu"):
         pe(torch.randn(2, 3, 16, device="cuda"))
