@@ -253,13 +253,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
 
 at::Tensor add_position_backward_cuda(const at::Tensor& grad_in, const at::Tensor& rng,
                                       double p) {
-  TORCH_CHECK(rng.device() == grad_in.device() && rng.numel() == 2 &&
-                  rng.scalar_type() == at::kLong,
-              "posenc: expected rng to be the int64 (seed, offset) pair from the forward on ",
-              grad_in.device(), ", got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ",
-              rng.device());
-  check_dropout_probability(p);
-  check_grad_dtype(grad_in);
+  check_dropout_backward_args(grad_in, rng, p);
   const c10::cuda::CUDAGuard device_guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();
   const at::Tensor state = rng.contiguous();

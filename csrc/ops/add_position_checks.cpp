@@ -33,6 +33,17 @@ void check_grad_dtype(const at::Tensor& grad) {
                    "float32 or float64), got ", grad.scalar_type());
 }
 
+void check_dropout_backward_args(const at::Tensor& grad, const at::Tensor& rng, double p) {
+  // sym_numel: the Meta kernel runs this too, where rng can have symbolic sizes.
+  TORCH_CHECK(rng.device() == grad.device() && rng.sym_numel() == 2 &&
+                  rng.scalar_type() == at::kLong,
+              "posenc: expected rng to be the int64 (seed, offset) pair from the forward on ",
+              grad.device(), ", got ", rng.scalar_type(), " of shape ", rng.sym_sizes(), " on ",
+              rng.device());
+  check_dropout_probability(p);
+  check_grad_dtype(grad);
+}
+
 void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
                                   const std::optional<at::Tensor>& positions,
                                   bool batch_first, double p) {

@@ -17,6 +17,10 @@ void check_grad_dtype(const at::Tensor& grad);
 // ValueError unless p is in [0, 1] (a NaN or negative p would reach an unsigned cast).
 void check_dropout_probability(double p);
 
+// The arguments of add_position_backward on every backend: rng the (seed, offset) pair on
+// grad's device (the kernels read it whatever p), p, grad's dtype.
+void check_dropout_backward_args(const at::Tensor& grad, const at::Tensor& rng, double p);
+
 // Checks shapes, dtypes, devices and p; works on Meta tensors (no data access).
 // Returns the geometry, with concrete sizes (Meta callers use sym sizes separately).
 void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,

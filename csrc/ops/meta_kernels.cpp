@@ -48,8 +48,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_meta(
 
 at::Tensor add_position_backward_meta(const at::Tensor& grad, const at::Tensor& rng, double p) {
   check_not_mixed_with_meta("add_position_backward", {{"grad", &grad}, {"rng", &rng}});
-  check_dropout_probability(p);
-  check_grad_dtype(grad);
+  check_dropout_backward_args(grad, rng, p);
   return at::empty_symint(grad.sym_sizes(), grad.options());
 }
 

@@ -98,11 +98,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
 }
 
 at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor& rng, double p) {
-  TORCH_CHECK(rng.device().is_cpu() && rng.numel() == 2 && rng.scalar_type() == at::kLong,
-              "posenc: expected rng to be the int64 (seed, offset) pair from the forward on the "
-              "CPU, got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ", rng.device());
-  check_dropout_probability(p);
-  check_grad_dtype(grad_in);
+  check_dropout_backward_args(grad_in, rng, p);
   check_cpu_isa();
   const cpu::DropoutDraw draw = draw_from_rng(rng, p);
   const at::Tensor grad = grad_in.contiguous();
