@@ -109,8 +109,8 @@ def timestep_embedding(
         raise ValueError(f"timestep_embedding: expected t to be a 1-D tensor of timesteps, got {shape}")
     original_dim = dim
     try:
-        dim = operator.index(dim) if not isinstance(dim, bool) else None  # ints and numpy ints
-    except TypeError:
+        dim = _int_arg("timestep_embedding", "dim", dim)  # ints and numpy ints, not bool
+    except ValueError:
         dim = None
     if dim is None or dim <= 0:
         raise ValueError(f"timestep_embedding: expected dim to be a positive int, got {original_dim!r}")
