@@ -2,7 +2,8 @@
 // with inverse=true).
 //
 // A block handles one token at a time (grid-stride over tokens). The token's cos/sin are
-// evaluated once per block into shared memory, one pair per thread, with the shared math of
+// evaluated once per block into shared memory, one pair per thread (from the token's
+// coordinate on the pair's axis: multi-axis RoPE), with the shared math of
 // posenc/math/rope.h (angle formed and reduced in float64, so accurate at any position).
 // Thread t then owns a chunk of P consecutive pairs (c = t % chunks) and a head lane
 // (t / chunks), and walks the heads of q and k at stride `head_lanes`. On the fast path (last dimension contiguous, 16-byte aligned
@@ -22,7 +23,7 @@
 #include <limits>
 
 #include "vector_access.cuh"
-#include "ops/rope_checks.h"
+#include "ops/rope/rope_launch.h"
 #include "posenc/math/rope.h"
 
 namespace posenc {
@@ -128,12 +129,15 @@ __global__ void __launch_bounds__(kMaxThreads)
   for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
     const int64_t b = token / a.seq;
     const int64_t s = token - b * a.seq;
-    int64_t pos = 0;
-    const bool valid = rope_token_position(a, b, s, &pos);  // the same for the whole block
+    int64_t shift = 0, restart = 0;
+    const bool valid = rope_token_shift(a, b, s, &shift, &restart);  // the same for the block
     __syncthreads();  // s_freq written (first token); the previous token's readers are done
     for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
       acc_t sv = nan, cv = nan;
-      if (valid) math::rope_sincos<acc_t>(pos, s_freq[i], &sv, &cv);
+      if (valid) {
+        const int64_t pos = rope_axis_position(a, b, s, shift, restart, a.pair_axis[i]);
+        math::rope_sincos<acc_t>(pos, s_freq[i], &sv, &cv);
+      }
       s_cos[i] = cv * factor;
       s_sin[i] = sv * factor * sign;
     }
@@ -231,33 +235,13 @@ void run_rope_cuda(const RopeLaunch& l, const at::Tensor& q) {
 
 at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
 
-std::tuple<at::Tensor, at::Tensor> rope_cuda(
-    const at::Tensor& q, const std::optional<at::Tensor>& k,
-    const std::optional<at::Tensor>& positions, const std::optional<at::Tensor>& offsets,
-    int64_t offset, const std::optional<at::Tensor>& cu_seqlens, double base,
-    c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
-    int64_t rotary_dim, bool interleaved, c10::string_view layout, bool inverse) {
-  return rope_out_of_place(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling,
-                           seq_len, rotary_dim, interleaved, layout, inverse, &empty_like_input,
-                           &run_rope_cuda);
-}
-
-void rope_inplace_cuda(const at::Tensor& q, const std::optional<at::Tensor>& k,
-                       const std::optional<at::Tensor>& positions,
-                       const std::optional<at::Tensor>& offsets, int64_t offset,
-                       const std::optional<at::Tensor>& cu_seqlens, double base,
-                       c10::string_view rope_type, at::ArrayRef<double> scaling, int64_t seq_len,
-                       int64_t rotary_dim, bool interleaved, c10::string_view layout,
-                       bool inverse) {
-  rope_in_place(q, k, positions, offsets, offset, cu_seqlens, base, rope_type, scaling, seq_len,
-                rotary_dim, interleaved, layout, inverse, &run_rope_cuda);
-}
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("rope", &rope_cuda);
-  m.impl("rope_", &rope_inplace_cuda);
+  m.impl("rope", torch::CppFunction::makeFromBoxedFunction<
+                     &rope_kernel_boxed<&empty_like_input, &run_rope_cuda>>());
+  m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<
+                      &rope_inplace_kernel_boxed<&empty_like_input, &run_rope_cuda>>());
 }
 
 }  // namespace ops

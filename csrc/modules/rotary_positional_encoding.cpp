@@ -7,17 +7,20 @@
 #include <limits>
 
 #include "ops/op_handles.h"
+#include "ops/rope/rope_call.h"
 
 namespace posenc {
 
 std::vector<double> RopeScaling::values() const {
   const double nan = std::numeric_limits<double>::quiet_NaN();
-  auto v = [nan](const std::optional<double>& x) { return x.value_or(nan); };
-  return {v(factor),      v(low_freq_factor),  v(high_freq_factor),
-          v(original_max_position_embeddings), v(beta_fast),
-          v(beta_slow),   v(attention_factor), v(mscale),
-          v(mscale_all_dim),
-          truncate.has_value() ? (*truncate ? 1.0 : 0.0) : nan};
+  const auto value = [nan](const auto& key) -> double {
+    return key.has_value() ? static_cast<double>(*key) : nan;  // a bool: 1 or 0
+  };
+  std::vector<double> out;
+#define POSENC_X(key) out.push_back(value(key));
+  POSENC_ROPE_SCALING_KEYS(POSENC_X)
+#undef POSENC_X
+  return out;
 }
 
 namespace {
@@ -25,39 +28,54 @@ namespace {
 // -1 lets the op read the longest position of the call ("dynamic" only).
 int64_t seq_len_argument(const RopeScaling& s) { return s.rope_type == "dynamic" ? -1 : 0; }
 
-// The one call of the out-of-place op; seq_len as the op takes it.
-std::tuple<torch::Tensor, torch::Tensor> call_rope(const torch::Tensor& q,
-                                                   const std::optional<torch::Tensor>& k,
-                                                   const ApplyRopeOptions& o, int64_t seq_len) {
-  return ops::rope_op().call(q, k, o.positions(), o.offsets(), c10::SymInt(o.offset()),
-                             o.cu_seqlens(), o.base(), o.scaling().rope_type,
-                             o.scaling().values(), seq_len, o.rotary_dim().value_or(-1),
-                             o.interleaved(), o.layout(), false);
+// The op's view of a C++ API call.
+ops::RopeCall make_call(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
+                        const ApplyRopeOptions& o, int64_t seq_len) {
+  ops::RopeCall c;
+  c.q = q;
+  c.k = k;
+  c.positions = o.positions();
+  c.offsets = o.offsets();
+  c.offset = o.offset();
+  c.cu_seqlens = o.cu_seqlens();
+  c.base = o.base();
+  c.scaling = ops::parse_rope_scaling(o.scaling().rope_type, o.scaling().values());
+  c.seq_len = seq_len;
+  c.rotary_dim = o.rotary_dim().value_or(-1);
+  c.interleaved = o.interleaved();
+  c.layout = ops::parse_rope_layout(o.layout());
+  c.sections = o.sections();
+  c.sections_mode = ops::parse_rope_sections_mode(o.sections_mode());
+  return c;
 }
 
 }  // namespace
 
 std::tuple<torch::Tensor, torch::Tensor> apply_rope(const torch::Tensor& q, const torch::Tensor& k,
                                                     const ApplyRopeOptions& o) {
-  return call_rope(q, k, o, seq_len_argument(o.scaling()));
+  return ops::call_rope(make_call(q, k, o, seq_len_argument(o.scaling())));
 }
 
 torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& o) {
-  return std::get<0>(call_rope(q, std::nullopt, o, seq_len_argument(o.scaling())));
+  return std::get<0>(ops::call_rope(make_call(q, std::nullopt, o, seq_len_argument(o.scaling()))));
 }
 
 void apply_rope_(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
                  const ApplyRopeOptions& o) {
-  ops::rope_inplace_op().call(q, k, o.positions(), o.offsets(), c10::SymInt(o.offset()),
-                              o.cu_seqlens(), o.base(), o.scaling().rope_type,
-                              o.scaling().values(), seq_len_argument(o.scaling()),
-                              o.rotary_dim().value_or(-1), o.interleaved(), o.layout(), false);
+  ops::call_rope_inplace(make_call(q, k, o, seq_len_argument(o.scaling())));
 }
 
 std::tuple<torch::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,
-                                                   const RopeScaling& scaling, int64_t seq_len) {
+                                                   const RopeScaling& scaling, int64_t seq_len,
+                                                   const std::vector<int64_t>& sections,
+                                                   const std::string& sections_mode) {
   return ops::rope_frequencies_op().call(rotary_dim, base, scaling.rope_type, scaling.values(),
-                                         seq_len);
+                                         seq_len, sections, sections_mode);
+}
+
+torch::Tensor rope_grid_positions(const std::vector<int64_t>& grid, int64_t num_prefix_tokens,
+                                  const torch::Device& device) {
+  return ops::rope_grid_positions_op().call(grid, num_prefix_tokens, device);
 }
 
 RotaryPositionalEncodingImpl::RotaryPositionalEncodingImpl(
@@ -71,7 +89,7 @@ void RotaryPositionalEncodingImpl::reset() {
                     options.dim());
   TORCH_CHECK_VALUE(options.max_len() > 0, "RotaryPositionalEncoding: expected max_len > 0, got ",
                     options.max_len());
-  const int64_t rot = options.rotary_dim().value_or(options.dim());
+  const int64_t rot = rotary_width();
   TORCH_CHECK_VALUE(rot > 0 && rot % 2 == 0 && rot <= options.dim(),
                     "RotaryPositionalEncoding: expected rotary_dim to be even and at most dim=",
                     options.dim(), ", got ", rot);
@@ -94,21 +112,31 @@ void RotaryPositionalEncodingImpl::reset() {
   inv_freq();  // validates base, scaling and layout-independent arguments now
 }
 
+int64_t RotaryPositionalEncodingImpl::rotary_width() const {
+  if (options.rotary_dim().has_value()) return *options.rotary_dim();
+  if (options.sections().empty()) return options.dim();
+  int64_t width = 0;
+  for (const int64_t s : options.sections()) width += 2 * std::max<int64_t>(s, 0);
+  return width;
+}
+
 torch::Tensor RotaryPositionalEncodingImpl::inv_freq() const {
-  return std::get<0>(rope_frequencies(options.rotary_dim().value_or(options.dim()),
-                                      options.base(), options.scaling()));
+  return std::get<0>(rope_frequencies(rotary_width(),
+                                      options.base(), options.scaling(), 0, options.sections(),
+                                      options.sections_mode()));
 }
 
 double RotaryPositionalEncodingImpl::attention_scaling() const {
-  return std::get<1>(rope_frequencies(options.rotary_dim().value_or(options.dim()),
-                                      options.base(), options.scaling()));
+  return std::get<1>(rope_frequencies(rotary_width(),
+                                      options.base(), options.scaling(), 0, options.sections(),
+                                      options.sections_mode()));
 }
 
 void RotaryPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
   stream << "posenc::RotaryPositionalEncoding(dim=" << options.dim()
          << ", max_len=" << options.max_len() << ", base=" << options.base()
          << ", interleaved=" << (options.interleaved() ? "true" : "false")
-         << ", rotary_dim=" << options.rotary_dim().value_or(options.dim())
+         << ", rotary_dim=" << rotary_width()
          << ", scaling=" << options.scaling().rope_type << ", layout=" << options.layout() << ")";
 }
 
@@ -122,7 +150,9 @@ ApplyRopeOptions RotaryPositionalEncodingImpl::call_options(const RopePositions&
       .interleaved(options.interleaved())
       .rotary_dim(options.rotary_dim())
       .scaling(options.scaling())
-      .layout(options.layout());
+      .layout(options.layout())
+      .sections(options.sections())
+      .sections_mode(options.sections_mode());
 }
 
 std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward(
@@ -148,13 +178,12 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   };
   const bool reads_device = on_cuda(where.positions()) || on_cuda(where.offsets()) ||
                             on_cuda(where.cu_seqlens());
+  const ApplyRopeOptions o = call_options(where);
   int64_t lo = 0, hi = -1;
   bool bounded = false;
   if (q.dim() == (options.layout() == "thd" ? 3 : 4) &&
       (options.check_positions() || !reads_device)) {
-    std::tie(lo, hi) = ops::rope_position_bounds_op().call(
-        q, where.positions(), where.offsets(), where.offset(), where.cu_seqlens(),
-        options.layout());
+    std::tie(lo, hi) = ops::call_rope_position_bounds(make_call(q, k, o, 0));
     bounded = true;
   }
   TORCH_CHECK_INDEX(hi < lo || (lo >= 0 && hi < max_len),
@@ -162,11 +191,10 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
                     lo, " to ", hi);
   // "dynamic" needs the longest position: hand over the one just read rather than have the
   // op read the index tensors again.
-  const ApplyRopeOptions o = call_options(where);
   const int64_t seq_len =
       bounded && options.scaling().rope_type == "dynamic" ? std::max<int64_t>(hi + 1, 0)
                                                           : seq_len_argument(o.scaling());
-  return call_rope(q, k, o, seq_len);
+  return ops::call_rope(make_call(q, k, o, seq_len));
 }
 
 }  // namespace posenc

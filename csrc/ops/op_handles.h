@@ -1,4 +1,5 @@
-// Typed dispatcher handles of the posenc ops, looked up once.
+// Typed dispatcher handles of the posenc ops, looked up once. (rope, rope_ and
+// rope_position_bounds are called boxed, through RopeCall: rope/rope_call.h.)
 #pragma once
 
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -22,19 +23,10 @@ using AddPositionBackwardWithTableSig = std::tuple<at::Tensor, at::Tensor>(
 using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double,
                                       std::optional<at::ScalarType>);
 
-// rope and rope_ share their arguments; rope returns (q, k-or-empty), rope_ nothing.
-#define POSENC_ROPE_ARGS                                                                      \
-  const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,     \
-      const std::optional<at::Tensor>&, c10::SymInt, const std::optional<at::Tensor>&, double, \
-      c10::string_view, at::ArrayRef<double>, int64_t, int64_t, bool, c10::string_view, bool
-using RopeSig = std::tuple<at::Tensor, at::Tensor>(POSENC_ROPE_ARGS);
-using RopeInplaceSig = void(POSENC_ROPE_ARGS);
-#undef POSENC_ROPE_ARGS
 using RopeFrequenciesSig = std::tuple<at::Tensor, double>(int64_t, double, c10::string_view,
-                                                          at::ArrayRef<double>, int64_t);
-using RopePositionBoundsSig = std::tuple<int64_t, int64_t>(
-    const at::Tensor&, const std::optional<at::Tensor>&, const std::optional<at::Tensor>&, int64_t,
-    const std::optional<at::Tensor>&, c10::string_view);
+                                                          at::ArrayRef<double>, int64_t,
+                                                          at::IntArrayRef, c10::string_view);
+using RopeGridPositionsSig = at::Tensor(at::IntArrayRef, int64_t, std::optional<at::Device>);
 
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
@@ -65,20 +57,12 @@ inline const c10::TypedOperatorHandle<SinusoidalTableSig>& sinusoidal_table_op()
   return handle;
 }
 
-inline const c10::TypedOperatorHandle<RopeSig>& rope_op() {
-  static const auto handle = find_op<RopeSig>("posenc::rope");
-  return handle;
-}
-inline const c10::TypedOperatorHandle<RopeInplaceSig>& rope_inplace_op() {
-  static const auto handle = find_op<RopeInplaceSig>("posenc::rope_");
-  return handle;
-}
 inline const c10::TypedOperatorHandle<RopeFrequenciesSig>& rope_frequencies_op() {
   static const auto handle = find_op<RopeFrequenciesSig>("posenc::rope_frequencies");
   return handle;
 }
-inline const c10::TypedOperatorHandle<RopePositionBoundsSig>& rope_position_bounds_op() {
-  static const auto handle = find_op<RopePositionBoundsSig>("posenc::rope_position_bounds");
+inline const c10::TypedOperatorHandle<RopeGridPositionsSig>& rope_grid_positions_op() {
+  static const auto handle = find_op<RopeGridPositionsSig>("posenc::rope_grid_positions");
   return handle;
 }
 

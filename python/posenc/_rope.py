@@ -9,26 +9,15 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Mapping, Optional, Tuple, Union
+from typing import Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-# The op's scaling list, in order (posenc/math/rope.h, RopeScaling).
-SCALING_KEYS = (
-    "factor",
-    "low_freq_factor",
-    "high_freq_factor",
-    "original_max_position_embeddings",
-    "beta_fast",
-    "beta_slow",
-    "attention_factor",
-    "mscale",
-    "mscale_all_dim",
-    "truncate",
-)
-ROPE_TYPES = ("default", "linear", "dynamic", "yarn", "llama3")
-LAYOUTS = ("bshd", "bhsd", "sbhd", "thd")
+# The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
+# types, the scaling keys in the order of the op's ``scaling`` list, the layouts and the
+# multi-axis sections modes.
+ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES = (tuple(names) for names in torch.ops.posenc.rope_scaling_spec())
 
 
 def scaling_arguments(
@@ -73,14 +62,45 @@ def scaling_arguments(
 
 
 def rope_frequencies(
-    rotary_dim: int, *, base: float = 10000.0, scaling: Optional[Mapping] = None, seq_len: int = 0
+    rotary_dim: int,
+    *,
+    base: float = 10000.0,
+    scaling: Optional[Mapping] = None,
+    seq_len: int = 0,
+    sections: Optional[Sequence[int]] = None,
+    sections_mode: str = "axial",
 ) -> Tuple[Tensor, float]:
     """``(inv_freq, attention_factor)`` of a RoPE configuration: float64 inverse
     frequencies of the ``rotary_dim // 2`` pairs (Hugging Face's ``inv_freq``, unrounded) and
     the factor cos and sin are multiplied by (yarn's attention scaling, else 1).
-    ``seq_len`` (longest position + 1) matters for "dynamic" only."""
+    ``seq_len`` (longest position + 1) matters for "dynamic" only. With ``sections`` (see
+    :func:`apply_rope`), each pair's frequency as multi-axis RoPE computes it."""
     rope_type, values = scaling_arguments(scaling)
-    return torch.ops.posenc.rope_frequencies(int(rotary_dim), float(base), rope_type, values, int(seq_len))
+    return torch.ops.posenc.rope_frequencies(
+        int(rotary_dim), float(base), rope_type, values, int(seq_len), _sections(sections), sections_mode
+    )
+
+
+def _sections(sections) -> list:
+    """sections as a list of ints (the op checks their values)."""
+    if sections is None:
+        return []
+    if isinstance(sections, (str, bytes)) or not isinstance(sections, Sequence) or not all(
+        isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sections
+    ):
+        raise TypeError(f"apply_rope: expected sections to be a list of ints (rotary pairs per axis), got {sections!r}")
+    return [int(s) for s in sections]
+
+
+def grid_positions(*grid: int, num_prefix_tokens: int = 0, device=None) -> Tensor:
+    """Multi-axis RoPE positions of a grid of patches: int64 ``(len(grid),
+    num_prefix_tokens + prod(grid))``, e.g. ``grid_positions(h, w)`` for an image of h x w
+    patches (axis 0 the row, axis 1 the column; patches in row-major order), ``(t, h, w)`` for
+    a video. ``num_prefix_tokens`` prefix (class, register) tokens come first, at position 0
+    on every axis, which leaves them unrotated."""
+    if len(grid) == 1 and isinstance(grid[0], (tuple, list)):
+        grid = tuple(grid[0])
+    return torch.ops.posenc.rope_grid_positions(list(grid), num_prefix_tokens, device)
 
 
 def _canonical(x: Tensor, layout: str) -> Tensor:
@@ -119,6 +139,8 @@ def apply_rope(
     rotary_dim: Optional[int] = None,
     scaling: Optional[Mapping] = None,
     layout: str = "bshd",
+    sections: Optional[Sequence[int]] = None,
+    sections_mode: str = "axial",
     inplace: bool = False,
     check_inputs: bool = True,
     _original_max: Optional[int] = None,
@@ -131,17 +153,28 @@ def apply_rope(
             "sbhd" (Megatron) or "thd" (packed tokens, with ``cu_seqlens``). q and k may have
             different head counts (GQA/MQA) and any strides; float16, bfloat16, float32 or
             float64 (half precision is rotated in float32).
-        positions: int64 (seq,) or (batch, seq); default ``0 .. seq-1``.
+        positions: int64 (seq,) or (batch, seq); default ``0 .. seq-1``. With ``sections``:
+            one coordinate per axis, (n_axes, seq) or (n_axes, batch, seq) ((n_axes, tokens)
+            for "thd", absolute per token); default ``0 .. seq-1`` on every axis.
         offset: added to every position: an int, or an int64 (batch,) tensor of
             per-sequence offsets (one per sequence of ``cu_seqlens`` for "thd").
         cu_seqlens: int32/int64 cumulative lengths ``[0, n0, n0+n1, ..., tokens]`` for "thd";
             positions restart at 0 at each sequence start.
         base, rotary_dim, interleaved: frequencies ``base**(-2i/rotary_dim)`` of the first
-            ``rotary_dim`` features (default all); pairs are halves ``(i, i + rotary_dim/2)``
+            ``rotary_dim`` features (default all; with ``sections``, ``2 * sum(sections)``); pairs are halves ``(i, i + rotary_dim/2)``
             (GPT-NeoX, HF LLaMA) or adjacent ``(2i, 2i+1)`` when ``interleaved`` (GPT-J, Meta).
         scaling: None or a Hugging Face ``rope_scaling`` dict of type "linear", "dynamic",
             "yarn" or "llama3". "dynamic" scales by the longest position of the call (read
             from the tensors when positions/offsets/cu_seqlens are given: a device sync).
+        sections: multi-axis RoPE (M-RoPE, axial 2-D/3-D RoPE): the number of rotary pairs
+            each position axis turns, summing to ``rotary_dim // 2``. ``offset`` is added on
+            every axis.
+        sections_mode: how the pairs are split. "axial" (default): contiguous sections,
+            each its own 1-D RoPE of width ``2 * sections[a]`` (FLUX ``axes_dim // 2``,
+            EVA-02 / timm, torchtune vision); "mrope": contiguous sections of one frequency
+            list over ``rotary_dim`` (Qwen2-VL / Qwen2.5-VL ``mrope_section``);
+            "mrope_interleaved": the same frequencies, pair p on axis ``p % n_axes`` within
+            the first ``n_axes * sections[a]`` pairs, else axis 0 (Qwen3-VL).
         inplace: rotate q and k in their own storage (inference; no autograd) and return them.
         check_inputs: check CUDA ``cu_seqlens`` values on the host (one sync) in eager mode.
             Unchecked, tokens outside every sequence come out as NaN.
@@ -175,12 +208,13 @@ def apply_rope(
         and not torch.compiler.is_compiling()
     ):
         check_cu_seqlens(cu_seqlens, q.shape[0])
-    args = (
-        q, k, positions, offsets, offset, cu_seqlens, float(base), rope_type, values, seq_len,
-        -1 if rotary_dim is None else rotary_dim, bool(interleaved), layout, False,
+    arguments = dict(
+        positions=positions, offsets=offsets, offset=offset, cu_seqlens=cu_seqlens, base=float(base),
+        rope_type=rope_type, scaling=values, seq_len=seq_len, rotary_dim=-1 if rotary_dim is None else rotary_dim,
+        interleaved=bool(interleaved), layout=layout, sections=_sections(sections), sections_mode=sections_mode,
     )
     if inplace:
-        torch.ops.posenc.rope_(*args)
+        torch.ops.posenc.rope_(q, k, **arguments)
         return q if k is None else (q, k)
-    out_q, out_k = torch.ops.posenc.rope(*args)
+    out_q, out_k = torch.ops.posenc.rope(q, k, **arguments)
     return out_q if k is None else (out_q, out_k)

@@ -9,11 +9,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from posenc._rope import apply_rope, rope_frequencies
+from posenc._rope import apply_rope, grid_positions, rope_frequencies
 
 __all__ = [
     "add_position",
     "apply_rope",
+    "grid_positions",
     "make_positions",
     "resample_position_table",
     "rope_frequencies",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -206,12 +206,15 @@ class RotaryPositionalEncoding(nn.Module):
         interleaved: rotate adjacent pairs (GPT-J, Meta LLaMA, torchtune) instead of halves
             (GPT-NeoX, Hugging Face ``rotate_half``).
         rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary);
-            default ``dim``.
+            default ``dim`` (``2 * sum(sections)`` with sections).
         scaling: None or a Hugging Face ``rope_scaling`` dict ("linear", "dynamic", "yarn",
             "llama3"). "dynamic" needs ``original_max_position_embeddings`` below ``max_len``
             (the trained context, Hugging Face's ``max_position_embeddings``: positions
             beyond it are what it rescales); for "yarn" it defaults to ``max_len``.
         layout: "bshd" (default), "bhsd", "sbhd" or "thd" (packed, with ``cu_seqlens``).
+        sections, sections_mode: multi-axis RoPE (Qwen2-VL M-RoPE, axial 2-D/3-D RoPE), as
+            in :func:`posenc.functional.apply_rope`; positions are then (n_axes, ...) and
+            every coordinate must lie in ``[0, max_len)``.
 
     ``inv_freq`` is a non-persistent float32 buffer (Hugging Face's name and convention, so
     state_dicts stay clean) holding the frequencies for inspection; the kernel evaluates them
@@ -236,6 +239,8 @@ class RotaryPositionalEncoding(nn.Module):
         rotary_dim: Optional[int] = None,
         scaling=None,
         layout: str = "bshd",
+        sections: Optional[Sequence[int]] = None,
+        sections_mode: str = "axial",
     ) -> None:
         super().__init__()
         self.dim = _check_positive_int("dim", dim)
@@ -244,7 +249,11 @@ class RotaryPositionalEncoding(nn.Module):
             raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
         self.base = float(base)
         self.interleaved = bool(interleaved)
-        self.rotary_dim = self.dim if rotary_dim is None else _check_positive_int("rotary_dim", rotary_dim)
+        self.sections = None if sections is None else _rope._sections(sections)
+        self.sections_mode = sections_mode
+        if rotary_dim is None:  # all of dim, or what the sections rotate
+            rotary_dim = self.dim if self.sections is None else 2 * sum(max(s, 0) for s in self.sections)
+        self.rotary_dim = _check_positive_int("rotary_dim", rotary_dim)
         if self.rotary_dim % 2 != 0 or self.rotary_dim > self.dim:
             raise ValueError(
                 f"expected rotary_dim to be even and at most dim={self.dim}, got {self.rotary_dim}"
@@ -257,7 +266,7 @@ class RotaryPositionalEncoding(nn.Module):
         if rope_type == "dynamic":
             _check_dynamic_baseline(self.scaling, self.max_len)
         inv_freq, factor = torch.ops.posenc.rope_frequencies(
-            self.rotary_dim, self.base, rope_type, values, 0
+            self.rotary_dim, self.base, rope_type, values, 0, self.sections or [], sections_mode
         )
         self.attention_scaling = float(factor)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -278,8 +287,8 @@ class RotaryPositionalEncoding(nn.Module):
         return _rope.apply_rope(
             q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, base=self.base,
             interleaved=self.interleaved, rotary_dim=self.rotary_dim, scaling=self.scaling,
-            layout=self.layout, _original_max=self.max_len,
-            _seq_len=None if longest is None else max(longest + 1, 0),
+            layout=self.layout, sections=self.sections, sections_mode=self.sections_mode,
+            _original_max=self.max_len, _seq_len=None if longest is None else max(longest + 1, 0),
         )
 
     def _check_range(self, q: Tensor, positions, offset, cu_seqlens) -> Optional[int]:
@@ -303,7 +312,9 @@ class RotaryPositionalEncoding(nn.Module):
                     or q.is_meta or any(t.is_meta for t in tensors)):
                 return None  # nothing to read: traced, unchecked, or shapes only (meta)
             lo, hi = torch.ops.posenc.rope_position_bounds(
-                q, positions, offsets, 0 if offsets is not None else offset, cu_seqlens, self.layout
+                q, positions=positions, offsets=offsets, offset=0 if offsets is not None else offset,
+                cu_seqlens=cu_seqlens, rotary_dim=self.rotary_dim, layout=self.layout,
+                sections=self.sections or [], sections_mode=self.sections_mode,
             )
         if hi >= lo and (lo < 0 or hi >= self.max_len):
             raise IndexError(
@@ -317,4 +328,6 @@ class RotaryPositionalEncoding(nn.Module):
             extra += f", rotary_dim={self.rotary_dim}"
         if self.scaling is not None:
             extra += f", scaling={self.scaling}"
+        if self.sections is not None:
+            extra += f", sections={self.sections}, sections_mode={self.sections_mode!r}"
         return extra + f", layout={self.layout!r}"

@@ -287,7 +287,11 @@ def token_bounds(pos):
 def test_position_bounds_are_exact(device):
     """posenc::rope_position_bounds against every token's position, written out. The
     (batch, seq) positions + per-row offsets case is where a min + min bound would be loose."""
-    bounds = torch.ops.posenc.rope_position_bounds
+    def bounds(q, positions, offsets, offset, cu_seqlens, layout):
+        return torch.ops.posenc.rope_position_bounds(
+            q, positions=positions, offsets=offsets, offset=offset, cu_seqlens=cu_seqlens, layout=layout
+        )
+
     q = torch.randn(2, 3, 1, 4, device=device)
     pos2 = torch.tensor([[0, 1, 2], [100, 101, 102]], device=device)
     offs = torch.tensor([100, 0], device=device)
@@ -403,9 +407,9 @@ def test_dynamic_ignores_empty_packed_sequences(device):
 def test_inverse_undoes_rotation(device, interleaved):
     """The op's inverse=True (what backward runs) undoes the rotation, pass-through included."""
     q = torch.randn(2, 7, 3, 20, dtype=torch.float64, device=device)
-    args = (None, None, None, 5, None, 333.0, "default", [], 0, 12, interleaved, "bshd")
-    rq, _ = torch.ops.posenc.rope(q, *args, False)
-    back, _ = torch.ops.posenc.rope(rq, *args, True)
+    args = dict(offset=5, base=333.0, rotary_dim=12, interleaved=interleaved)
+    rq, _ = torch.ops.posenc.rope(q, **args, inverse=False)
+    back, _ = torch.ops.posenc.rope(rq, **args, inverse=True)
     torch.testing.assert_close(back, q, atol=1e-13, rtol=0)
     assert not torch.allclose(rq[..., :12], q[..., :12])
     assert torch.equal(rq[..., 12:], q[..., 12:])

@@ -176,7 +176,7 @@ def test_opcheck_rope_position_bounds(device):
     # under torch.compile), so fake tensors cannot run it; the schema and autograd
     # registration checks apply.
     q = torch.randn(2, 3, 1, 4, device=device, requires_grad=True)
-    args = (q, torch.tensor([[0, 1, 2], [5, 6, 7]], device=device), torch.tensor([3, 1], device=device), 2, None, "bshd")
+    args = (q, None, torch.tensor([[0, 1, 2], [5, 6, 7]], device=device), torch.tensor([3, 1], device=device), 2)
     opcheck(torch.ops.posenc.rope_position_bounds.default, args,
             test_utils=("test_schema", "test_autograd_registration"))
     assert torch.ops.posenc.rope_position_bounds(*args) == (5, 10)

@@ -20,6 +20,7 @@ namespace posenc {
 
 // Hugging Face's rope_scaling dict as a struct: rope_type is "default", "linear", "dynamic",
 // "yarn" or "llama3"; a key left unset is "not given" (its default applies where it has one).
+// The keys are those of POSENC_ROPE_SCALING_KEYS (posenc/math/rope.h), the list the op reads.
 struct RopeScaling {
   std::string rope_type = "default";
   std::optional<double> factor;
@@ -49,11 +50,19 @@ struct ApplyRopeOptions {
   TORCH_ARG(double, base) = 10000.0;
   // Adjacent pairs (GPT-J, Meta LLaMA) instead of halves (GPT-NeoX, HF rotate_half).
   TORCH_ARG(bool, interleaved) = false;
-  // Rotate only the first rotary_dim features; default head_dim.
+  // Rotate only the first rotary_dim features; default head_dim (2 * sum(sections) with
+  // sections).
   TORCH_ARG(std::optional<int64_t>, rotary_dim) = std::nullopt;
   TORCH_ARG(RopeScaling, scaling) = {};
   // "bshd", "bhsd", "sbhd" or "thd".
   TORCH_ARG(std::string, layout) = "bshd";
+  // Multi-axis RoPE: rotary pairs per position axis (summing to rotary_dim / 2); positions
+  // are then int64 (n_axes, seq) or (n_axes, batch, seq) ((n_axes, tokens) for "thd"),
+  // default 0 .. seq-1 on every axis. sections_mode: "axial" (each section its own 1-D RoPE
+  // of width 2 * sections[a]: FLUX, EVA-02 / timm, torchtune vision), "mrope" (one frequency
+  // list, contiguous sections: Qwen2-VL) or "mrope_interleaved" (Qwen3-VL).
+  TORCH_ARG(std::vector<int64_t>, sections) = {};
+  TORCH_ARG(std::string, sections_mode) = "axial";
 };
 
 // Rotated copies of q and k (one fused launch); k may have fewer heads (GQA/MQA).
@@ -65,14 +74,26 @@ torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& options
 void apply_rope_(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
                  const ApplyRopeOptions& options = {});
 
-// (inv_freq float64 of rotary_dim / 2 pairs, attention factor) of a configuration.
+// (inv_freq float64 of rotary_dim / 2 pairs, attention factor) of a configuration; with
+// sections, each pair's frequency as multi-axis RoPE computes it.
 std::tuple<torch::Tensor, double> rope_frequencies(int64_t rotary_dim, double base = 10000.0,
                                                    const RopeScaling& scaling = {},
-                                                   int64_t seq_len = 0);
+                                                   int64_t seq_len = 0,
+                                                   const std::vector<int64_t>& sections = {},
+                                                   const std::string& sections_mode = "axial");
+
+// Positions of the patches of a grid (e.g. {h, w} patches of an image, {t, h, w} of a
+// video) for multi-axis RoPE: int64 (grid.size(), num_prefix_tokens + prod(grid)), axis 0
+// the slowest-varying coordinate, patches in row-major order after num_prefix_tokens prefix
+// (class, register) tokens at position 0 on every axis, i.e. unrotated.
+torch::Tensor rope_grid_positions(const std::vector<int64_t>& grid,
+                                  int64_t num_prefix_tokens = 0,
+                                  const torch::Device& device = torch::kCPU);
 
 // Where a module call's tokens sit: the per-call position arguments of ApplyRopeOptions.
 struct RopePositions {
-  // int64 (seq,) or (batch, seq); default 0 .. seq-1 (restarting per packed sequence).
+  // int64 (seq,) or (batch, seq), (n_axes, ...) with sections; default 0 .. seq-1
+  // (restarting per packed sequence).
   TORCH_ARG(std::optional<torch::Tensor>, positions) = std::nullopt;
   TORCH_ARG(int64_t, offset) = 0;
   // int64 per-row (or per packed sequence) offsets, added too.
@@ -94,6 +115,9 @@ struct RotaryPositionalEncodingOptions {
   // and below max_len (it rescales only positions beyond it).
   TORCH_ARG(RopeScaling, scaling) = {};
   TORCH_ARG(std::string, layout) = "bshd";
+  // Multi-axis RoPE (see ApplyRopeOptions); every coordinate must lie in [0, max_len).
+  TORCH_ARG(std::vector<int64_t>, sections) = {};
+  TORCH_ARG(std::string, sections_mode) = "axial";
   // Range-check CUDA position tensors on the host (one device sync).
   TORCH_ARG(bool, check_positions) = true;
 };
@@ -127,6 +151,8 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
 
  private:
   ApplyRopeOptions call_options(const RopePositions& where) const;
+  // rotary_dim, or 2 * sum(sections), or dim.
+  int64_t rotary_width() const;
 };
 
 TORCH_MODULE(RotaryPositionalEncoding);

@@ -1,6 +1,6 @@
 // CPU kernel of the rope ops. Tokens are spread over threads with at::parallel_for; each
-// token's cos/sin (one per pair) are computed once with the shared math of
-// posenc/math/rope.h and reused for every head of q and k (and for every batch row when
+// token's cos/sin (one per pair, from the position on the pair's axis) are computed once
+// with the shared math of posenc/math/rope.h and reused for every head of q and k (and for every batch row when
 // all rows share their positions). Rows whose last dimension is
 // contiguous take an at::vec path (half precision widened to float32); the rest a scalar
 // loop. The rotation is done in float32 (float64 for float64) and rounded once.
@@ -31,16 +31,28 @@ struct TokenAngles {
   acc_t sn[kMaxRopePairs];
 };
 
+// The angles of a token whose position on axis a is pos[a] (one axis for plain RoPE).
 template <typename acc_t>
-void token_angles(const RopeArgs& a, int64_t pos, TokenAngles<acc_t>& t) {
+void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t) {
   const acc_t factor = static_cast<acc_t>(a.attention_factor);
   const acc_t sign = a.inverse ? acc_t(-1) : acc_t(1);
   for (int64_t i = 0; i < a.rotary_dim / 2; ++i) {
     acc_t s, c;
-    math::rope_sincos<acc_t>(pos, a.inv_freq[i], &s, &c);
+    math::rope_sincos<acc_t>(pos[a.pair_axis[i]], a.inv_freq[i], &s, &c);
     t.cs[i] = c * factor;
     t.sn[i] = s * factor * sign;
   }
+}
+
+// The coordinates of token (b, s) on every axis; false for a packed token outside every
+// sequence.
+inline bool token_positions(const RopeArgs& a, int64_t b, int64_t s, int64_t* pos) {
+  int64_t shift = 0, restart = 0;
+  if (!rope_token_shift(a, b, s, &shift, &restart)) return false;
+  for (int64_t axis = 0; axis < a.n_axes; ++axis) {
+    pos[axis] = rope_axis_position(a, b, s, shift, restart, axis);
+  }
+  return true;
 }
 
 // Pair (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
@@ -194,16 +206,15 @@ void rope_tokens(const RopeArgs& a) {
 
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     TokenAngles<acc_t> angles;
+    int64_t pos[math::kRopeMaxAxes];
     for (int64_t item = begin; item < end; ++item) {
       if (shared) {
-        int64_t pos = 0;
-        rope_token_position(a, 0, item, &pos);
+        token_positions(a, 0, item, pos);
         token_angles<acc_t>(a, pos, angles);
         for (int64_t b = 0; b < a.batch; ++b) rotate_token(b, item, true, angles);
       } else {
         const int64_t b = item / a.seq, s = item % a.seq;
-        int64_t pos = 0;
-        const bool valid = rope_token_position(a, b, s, &pos);
+        const bool valid = token_positions(a, b, s, pos);
         if (valid) token_angles<acc_t>(a, pos, angles);
         rotate_token(b, s, valid, angles);
       }

@@ -2,7 +2,7 @@
 // rope_kernel.cpp (see CMakeLists.txt). Callers check cpu_kernels_supported() first.
 #pragma once
 
-#include "ops/rope_args.h"
+#include "ops/rope/rope_args.h"
 
 namespace posenc {
 namespace ops {

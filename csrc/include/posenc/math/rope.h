@@ -22,27 +22,56 @@
 namespace posenc {
 namespace math {
 
-// The scaling types (parse_rope_scaling in csrc/ops/rope_checks.cpp maps HF's names to them).
-enum class RopeType : int { kDefault = 0, kLinear = 1, kDynamic = 2, kYarn = 3, kLlama3 = 4 };
+// The scaling types and their Hugging Face names: the one list that the op's parser, its
+// error messages and Python's list of types come from (X(enumerator, "name")).
+#define POSENC_ROPE_TYPES(X) \
+  X(kDefault, "default")     \
+  X(kLinear, "linear")       \
+  X(kDynamic, "dynamic")     \
+  X(kYarn, "yarn")           \
+  X(kLlama3, "llama3")
 
-// The parameters of Hugging Face's `rope_scaling` dict, one field per key. A NaN marks a
-// key that was not given (its default, where it has one, applies).
-struct RopeScaling {
-  RopeType type = RopeType::kDefault;
-  double factor = NAN;
-  double low_freq_factor = NAN;                   // llama3
-  double high_freq_factor = NAN;                  // llama3
-  double original_max_position_embeddings = NAN;  // dynamic, yarn, llama3
-  double beta_fast = NAN;                         // yarn, default 32
-  double beta_slow = NAN;                         // yarn, default 1
-  double attention_factor = NAN;                  // yarn, default from mscale
-  double mscale = NAN;                            // yarn
-  double mscale_all_dim = NAN;                    // yarn
-  double truncate = NAN;                          // yarn, default true (nonzero)
+enum class RopeType : int {
+#define POSENC_X(e, name) e,
+  POSENC_ROPE_TYPES(POSENC_X)
+#undef POSENC_X
 };
 
-// Number of fields of RopeScaling after `type`: the length of the op's float[] argument.
-constexpr int kRopeScalingFields = 10;
+// The keys of Hugging Face's `rope_scaling` dict that posenc reads, in the order of the
+// rope op's float[] `scaling` argument: the one list that RopeScaling's fields, the op's
+// parser and error messages, the C++ API's RopeScaling::values() and Python's key list
+// (torch.ops.posenc.rope_scaling_spec) come from. Which type reads which key:
+//   factor: linear, dynamic, yarn, llama3;   low_freq_factor, high_freq_factor: llama3;
+//   original_max_position_embeddings: dynamic, yarn, llama3;
+//   beta_fast (default 32), beta_slow (default 1), attention_factor (default from mscale),
+//   mscale, mscale_all_dim, truncate (default true; nonzero is true): yarn.
+#define POSENC_ROPE_SCALING_KEYS(X)  \
+  X(factor)                          \
+  X(low_freq_factor)                 \
+  X(high_freq_factor)                \
+  X(original_max_position_embeddings) \
+  X(beta_fast)                       \
+  X(beta_slow)                       \
+  X(attention_factor)                \
+  X(mscale)                          \
+  X(mscale_all_dim)                  \
+  X(truncate)
+
+// The parameters of a `rope_scaling` dict, one field per key. A NaN marks a key that was
+// not given (its default, where it has one, applies).
+struct RopeScalingParams {
+  RopeType type = RopeType::kDefault;
+#define POSENC_X(key) double key = NAN;
+  POSENC_ROPE_SCALING_KEYS(POSENC_X)
+#undef POSENC_X
+};
+
+// Number of keys: the length of the op's float[] argument.
+constexpr int kRopeScalingFields = 0
+#define POSENC_X(key) +1
+    POSENC_ROPE_SCALING_KEYS(POSENC_X)
+#undef POSENC_X
+    ;
 
 // True for a field that was not given (NaN); written out so that it needs no isnan overload.
 POSENC_HOST_DEVICE bool rope_missing(double v) { return v != v; }
@@ -77,7 +106,7 @@ POSENC_HOST_DEVICE double yarn_correction_dim(double num_rotations, int64_t dim,
 // position + 1 of the call (0 or anything up to original_max_position_embeddings gives the
 // unscaled frequencies, as in transformers).
 POSENC_HOST_DEVICE double rope_inv_freq(int64_t i, int64_t rotary_dim, double base,
-                                        const RopeScaling& s, int64_t seq_len) {
+                                        const RopeScalingParams& s, int64_t seq_len) {
   switch (s.type) {
     case RopeType::kLinear:
       return rope_default_inv_freq(i, rotary_dim, base) / s.factor;
@@ -131,7 +160,7 @@ POSENC_HOST_DEVICE double rope_inv_freq(int64_t i, int64_t rotary_dim, double ba
 }
 
 // The factor cos and sin are multiplied by (yarn's attention scaling; 1 for the others).
-POSENC_HOST_DEVICE double rope_attention_factor(const RopeScaling& s) {
+POSENC_HOST_DEVICE double rope_attention_factor(const RopeScalingParams& s) {
   if (s.type != RopeType::kYarn) return 1.0;
   if (!rope_missing(s.attention_factor)) return s.attention_factor;
   if (!rope_missing(s.mscale) && !rope_missing(s.mscale_all_dim) && s.mscale != 0.0 && s.mscale_all_dim != 0.0) {
@@ -176,6 +205,67 @@ POSENC_HOST_DEVICE void rope_sincos(int64_t pos, double inv_freq, T* s, T* c) {
   const T cc = swap ? sr : cr;
   *s = q >= 2.0 ? -ss : ss;
   *c = (q == 1.0 || q == 2.0) ? -cc : cc;
+}
+
+// ---- Multi-axis RoPE: each token has n_axes integer coordinates (e.g. (t, h, w)), and the
+// rotary pairs are split into sections, one per axis (sections[a] pairs, summing to
+// rotary_dim / 2). Pair p turns by pos[axis(p)] * inv_freq(p). Three ways to assign them,
+// X(enumerator, "name"):
+//   axial              contiguous sections, each its own 1-D RoPE of width 2 * sections[a]
+//                      (FLUX's axes_dim / 2, EVA-02 / timm, torchtune vision);
+//   mrope              contiguous sections over one frequency list base^(-2p/rotary_dim)
+//                      (Qwen2-VL / Qwen2.5-VL mrope_section);
+//   mrope_interleaved  the same frequencies, axes interleaved as in Qwen3-VL: pair p with
+//                      p % n_axes == a >= 1 and p < n_axes * sections[a] reads axis a,
+//                      every other pair axis 0.
+#define POSENC_ROPE_SECTIONS_MODES(X) \
+  X(kAxial, "axial")                  \
+  X(kMrope, "mrope")                  \
+  X(kMropeInterleaved, "mrope_interleaved")
+
+enum class RopeSectionsMode : int {
+#define POSENC_X(e, name) e,
+  POSENC_ROPE_SECTIONS_MODES(POSENC_X)
+#undef POSENC_X
+};
+
+// Most axes a call may have (the kernels keep one position per axis in registers).
+constexpr int kRopeMaxAxes = 4;
+
+// The axis of pair p (sections checked: positive, summing to half = rotary_dim / 2, and for
+// mrope_interleaved n_axes * sections[a] <= half for a >= 1).
+POSENC_HOST_DEVICE int rope_pair_axis(int64_t p, const int64_t* sections, int n_axes,
+                                      RopeSectionsMode mode) {
+  if (mode == RopeSectionsMode::kMropeInterleaved) {
+    const int a = static_cast<int>(p % n_axes);
+    return (a >= 1 && p < n_axes * sections[a]) ? a : 0;
+  }
+  int64_t end = 0;
+  for (int a = 0; a < n_axes; ++a) {
+    end += sections[a];
+    if (p < end) return a;
+  }
+  return n_axes - 1;
+}
+
+// The rotary width and pair index that pair p's frequency is computed with: (rotary_dim,
+// p) for the mrope modes, (2 * sections[a], p - start of section a) for axial.
+POSENC_HOST_DEVICE void rope_pair_frequency_index(int64_t p, int64_t rotary_dim,
+                                                  const int64_t* sections, int n_axes,
+                                                  RopeSectionsMode mode, int64_t* width,
+                                                  int64_t* index) {
+  *width = rotary_dim;
+  *index = p;
+  if (mode != RopeSectionsMode::kAxial) return;
+  int64_t start = 0;
+  for (int a = 0; a < n_axes; ++a) {
+    if (p < start + sections[a]) {
+      *width = 2 * sections[a];
+      *index = p - start;
+      return;
+    }
+    start += sections[a];
+  }
 }
 
 // Packed variable-length batches ("thd"): the sequence that token t belongs to, given the

@@ -1,0 +1,84 @@
+// What a RoPE kernel needs, as plain data: pointers, sizes and strides of q and k seen as
+// (batch, seq, heads, head_dim) whatever the user's layout, the position source, and the
+// frequencies of the call, one per rotary pair with the position axis it reads. The same
+// struct is passed by value to the CUDA kernel (2.3 KiB: it fits the kernel-parameter
+// space), so CPU and CUDA read identical inputs.
+#pragma once
+
+#include <cstdint>
+
+#include "posenc/math/host_device.h"
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+
+// Pairs per head the kernels support: rotary_dim <= 512 (rope_checks.h checks it).
+constexpr int64_t kMaxRopePairs = 256;
+
+// One of q and k: input and output (the same pointer in place) as (B, S, H, D) with
+// element strides.
+struct RopeOperand {
+  const void* in = nullptr;
+  void* out = nullptr;
+  int64_t heads = 0;  // 0: operand absent
+  int64_t in_stride[4] = {0, 0, 0, 0};
+  int64_t out_stride[4] = {0, 0, 0, 0};
+};
+
+struct RopeArgs {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t head_dim = 0;
+  int64_t rotary_dim = 0;  // even, <= head_dim; features beyond it pass through
+  bool interleaved = false;
+  bool inverse = false;  // rotate by -angle (the backward)
+  RopeOperand q, k;
+  // Positions: coordinate `axis` of token (b, s) is
+  //   positions[axis * positions_axis_stride + b * positions_batch_stride + s]
+  // (batch stride 0 for positions shared by the batch rows), or s itself when null; plus
+  // offset and offsets[b] (per-sequence offsets) when given, on every axis.
+  const int64_t* positions = nullptr;
+  int64_t positions_batch_stride = 0;
+  int64_t positions_axis_stride = 0;
+  int64_t n_axes = 1;
+  const int64_t* offsets = nullptr;
+  int64_t offset = 0;
+  // Packed sequences ("thd", batch = 1): cu_seqlens[0..num_seqs]; offsets[] is indexed by
+  // sequence, and without positions the position of token t restarts at each sequence.
+  const int64_t* cu_seqlens = nullptr;
+  int64_t num_seqs = 0;
+  double attention_factor = 1.0;  // multiplies cos and sin (yarn)
+  double inv_freq[kMaxRopePairs];
+  uint8_t pair_axis[kMaxRopePairs];  // the position axis pair p turns with
+};
+
+// Where token (b, s) starts: its shift (offset + its row's or sequence's offset) and, for
+// packed sequences without positions, the index its sequence restarts at. False when a
+// packed token lies outside every sequence (the kernels write NaN there).
+POSENC_HOST_DEVICE bool rope_token_shift(const RopeArgs& a, int64_t b, int64_t s, int64_t* shift,
+                                         int64_t* restart) {
+  *restart = 0;
+  if (a.cu_seqlens != nullptr) {
+    const int64_t j = math::rope_sequence_of(a.cu_seqlens, a.num_seqs, s);
+    if (j < 0) return false;
+    *restart = a.cu_seqlens[j];
+    *shift = a.offset + (a.offsets != nullptr ? a.offsets[j] : 0);
+    return true;
+  }
+  *shift = a.offset + (a.offsets != nullptr ? a.offsets[b] : 0);
+  return true;
+}
+
+// Coordinate `axis` of token (b, s), given its shift and restart.
+POSENC_HOST_DEVICE int64_t rope_axis_position(const RopeArgs& a, int64_t b, int64_t s,
+                                              int64_t shift, int64_t restart, int64_t axis) {
+  const int64_t base =
+      a.positions != nullptr
+          ? a.positions[axis * a.positions_axis_stride + b * a.positions_batch_stride + s]
+          : s - restart;
+  return base + shift;
+}
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,273 @@
+// RopeCall: the schemas of the RoPE ops, and the one reader and writer of their arguments.
+#include "ops/rope/rope_call.h"
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include <cmath>
+#include <sstream>
+
+namespace posenc {
+namespace ops {
+
+// rope_type and scaling carry Hugging Face's rope_scaling dict (the keys of
+// POSENC_ROPE_SCALING_KEYS in posenc/math/rope.h, NaN where not given; [] for "default").
+// seq_len (longest position + 1) matters for "dynamic" only; -1 derives it from the call (a
+// device sync when index tensors are CUDA tensors). rotary_dim=-1: head_dim. sections
+// (pairs per axis) make positions (n_axes, ...) coordinates, see RopeSectionsMode.
+const char* const kRopeSchemaArguments =
+    "Tensor? positions=None, Tensor? offsets=None, SymInt offset=0, Tensor? cu_seqlens=None, "
+    "float base=10000.0, str rope_type=\"default\", float[] scaling=[], int seq_len=0, "
+    "int rotary_dim=-1, bool interleaved=False, str layout=\"bshd\", bool inverse=False, "
+    "int[] sections=[], str sections_mode=\"axial\"";
+
+namespace {
+
+constexpr std::pair<RopeLayout, const char*> kLayouts[] = {
+    {RopeLayout::kBSHD, "bshd"}, {RopeLayout::kBHSD, "bhsd"}, {RopeLayout::kSBHD, "sbhd"},
+    {RopeLayout::kTHD, "thd"}};
+constexpr std::pair<math::RopeType, const char*> kRopeTypes[] = {
+#define POSENC_X(e, name) {math::RopeType::e, name},
+    POSENC_ROPE_TYPES(POSENC_X)
+#undef POSENC_X
+};
+constexpr std::pair<math::RopeSectionsMode, const char*> kSectionsModes[] = {
+#define POSENC_X(e, name) {math::RopeSectionsMode::e, name},
+    POSENC_ROPE_SECTIONS_MODES(POSENC_X)
+#undef POSENC_X
+};
+constexpr const char* kScalingKeys[] = {
+#define POSENC_X(key) #key,
+    POSENC_ROPE_SCALING_KEYS(POSENC_X)
+#undef POSENC_X
+};
+constexpr double math::RopeScalingParams::*kScalingFields[] = {
+#define POSENC_X(key) &math::RopeScalingParams::key,
+    POSENC_ROPE_SCALING_KEYS(POSENC_X)
+#undef POSENC_X
+};
+
+template <typename E, size_t N>
+std::string quoted_names(const std::pair<E, const char*> (&table)[N]) {
+  std::ostringstream out;
+  for (size_t i = 0; i < N; ++i) out << (i == 0 ? "" : i + 1 == N ? " or " : ", ") << "'" << table[i].second << "'";
+  return out.str();
+}
+
+template <typename E, size_t N>
+E parse_name(const std::pair<E, const char*> (&table)[N], const char* what,
+             const std::string& name) {
+  for (const auto& [value, n] : table) {
+    if (name == n) return value;
+  }
+  TORCH_CHECK_VALUE(false, "posenc: unknown ", what, " '", name, "'; expected one of ",
+                    quoted_names(table));
+}
+
+template <typename E, size_t N>
+const char* name_of(const std::pair<E, const char*> (&table)[N], E value) {
+  for (const auto& [v, n] : table) {
+    if (v == value) return n;
+  }
+  return "?";
+}
+
+std::string scaling_key_list() {
+  std::ostringstream out;
+  for (int i = 0; i < math::kRopeScalingFields; ++i) out << (i ? ", " : "") << kScalingKeys[i];
+  return out.str();
+}
+
+// ---- Reading one argument (IValue -> field), by the field's type.
+void read(const c10::IValue& v, const char*, at::Tensor& out) { out = v.toTensor(); }
+void read(const c10::IValue& v, const char*, std::optional<at::Tensor>& out) {
+  out = v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
+}
+void read(const c10::IValue& v, const char*, c10::SymInt& out) { out = v.toSymInt(); }
+void read(const c10::IValue& v, const char*, double& out) { out = v.toDouble(); }
+void read(const c10::IValue& v, const char*, int64_t& out) { out = v.toInt(); }
+void read(const c10::IValue& v, const char*, bool& out) { out = v.toBool(); }
+void read(const c10::IValue& v, const char*, std::vector<int64_t>& out) { out = v.toIntVector(); }
+void read(const c10::IValue& v, const char*, RopeLayout& out) {
+  out = parse_rope_layout(v.toStringRef());
+}
+void read(const c10::IValue& v, const char*, math::RopeType& out) {
+  out = parse_name(kRopeTypes, "rope scaling type", v.toStringRef());
+}
+void read(const c10::IValue& v, const char*, math::RopeSectionsMode& out) {
+  out = parse_rope_sections_mode(v.toStringRef());
+}
+// The values of the scaling dict (its type was read just before, from rope_type).
+void read(const c10::IValue& v, const char*, math::RopeScalingParams& out) {
+  const math::RopeType type = out.type;
+  out = parse_rope_scaling(rope_type_name(type), v.toDoubleVector());
+}
+
+// ---- Writing one argument (field -> IValue).
+c10::IValue write(const at::Tensor& t) { return t; }
+c10::IValue write(const std::optional<at::Tensor>& t) { return t; }
+c10::IValue write(const c10::SymInt& v) { return v; }
+c10::IValue write(double v) { return v; }
+c10::IValue write(int64_t v) { return v; }
+c10::IValue write(bool v) { return v; }
+c10::IValue write(const std::vector<int64_t>& v) { return v; }
+c10::IValue write(RopeLayout v) { return std::string(rope_layout_name(v)); }
+c10::IValue write(math::RopeType v) { return std::string(rope_type_name(v)); }
+c10::IValue write(math::RopeSectionsMode v) { return std::string(name_of(kSectionsModes, v)); }
+c10::IValue write(const math::RopeScalingParams& s) {
+  std::vector<double> fields;
+  for (const auto field : kScalingFields) fields.push_back(s.*field);
+  return fields;
+}
+
+int count_arguments() {
+  int n = 0;
+  RopeCall c;
+  RopeCall::for_each_argument(c, [&](const char*, auto&) { ++n; });
+  return n;
+}
+
+c10::OperatorHandle find_handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
+}  // namespace
+
+math::RopeScalingParams parse_rope_scaling(const std::string& rope_type,
+                                           const std::vector<double>& fields) {
+  math::RopeScalingParams out;
+  out.type = parse_name(kRopeTypes, "rope scaling type", rope_type);
+  if (out.type == math::RopeType::kDefault && fields.empty()) return out;
+  TORCH_CHECK_VALUE(fields.size() == math::kRopeScalingFields, "posenc: expected ",
+                    math::kRopeScalingFields, " rope scaling values (", scaling_key_list(),
+                    "; NaN for a key not given), got ", fields.size());
+  for (int i = 0; i < math::kRopeScalingFields; ++i) {
+    TORCH_CHECK_VALUE(math::rope_missing(fields[i]) || std::isfinite(fields[i]),
+                      "posenc: expected rope scaling key '", kScalingKeys[i],
+                      "' to be finite, got ", fields[i]);
+    out.*kScalingFields[i] = fields[i];
+  }
+  return out;
+}
+
+RopeLayout parse_rope_layout(const std::string& name) {
+  return parse_name(kLayouts, "layout", name);
+}
+
+math::RopeSectionsMode parse_rope_sections_mode(const std::string& name) {
+  return parse_name(kSectionsModes, "sections_mode", name);
+}
+
+RopeCall RopeCall::pop(torch::jit::Stack& stack) {
+  static const int n = count_arguments();
+  TORCH_INTERNAL_ASSERT(stack.size() >= static_cast<size_t>(n), "posenc: rope call with ",
+                        stack.size(), " arguments on the stack, expected ", n);
+  RopeCall c;
+  size_t i = stack.size() - n;
+  for_each_argument(c, [&](const char* name, auto& field) { read(stack[i++], name, field); });
+  torch::jit::drop(stack, n);
+  return c;
+}
+
+void RopeCall::push(torch::jit::Stack& stack) const {
+  for_each_argument(*this, [&](const char*, const auto& field) { stack.push_back(write(field)); });
+}
+
+const char* rope_layout_name(RopeLayout layout) { return name_of(kLayouts, layout); }
+const char* rope_type_name(math::RopeType type) { return name_of(kRopeTypes, type); }
+
+std::vector<std::string> rope_type_names() {
+  std::vector<std::string> out;
+  for (const auto& [v, n] : kRopeTypes) out.emplace_back(n);
+  return out;
+}
+
+std::vector<std::string> rope_scaling_keys() {
+  return std::vector<std::string>(std::begin(kScalingKeys), std::end(kScalingKeys));
+}
+
+at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout) {
+  switch (layout) {
+    case RopeLayout::kBHSD: return x.transpose(1, 2);
+    case RopeLayout::kSBHD: return x.transpose(0, 1);
+    case RopeLayout::kTHD: return x.unsqueeze(0);
+    case RopeLayout::kBSHD:
+    default: return x;
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> call_rope(const RopeCall& call) {
+  static const c10::OperatorHandle op = find_handle("posenc::rope");
+  torch::jit::Stack stack;
+  call.push(stack);
+  op.callBoxed(stack);
+  return {stack[0].toTensor(), stack[1].toTensor()};
+}
+
+void call_rope_inplace(const RopeCall& call) {
+  static const c10::OperatorHandle op = find_handle("posenc::rope_");
+  torch::jit::Stack stack;
+  call.push(stack);
+  op.callBoxed(stack);
+}
+
+std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call) {
+  static const c10::OperatorHandle op = find_handle("posenc::rope_position_bounds");
+  torch::jit::Stack stack;
+  call.push(stack);
+  op.callBoxed(stack);
+  return {stack[0].toInt(), stack[1].toInt()};
+}
+
+void check_rope_schema_matches(const c10::FunctionSchema& schema) {
+  const auto& args = schema.arguments();
+  size_t i = 0;
+  RopeCall c;
+  RopeCall::for_each_argument(c, [&](const char* name, auto&) {
+    TORCH_INTERNAL_ASSERT(i < args.size() && args[i].name() == name, "posenc: ", schema.name(),
+                          " argument ", i, " is '", i < args.size() ? args[i].name() : "",
+                          "', RopeCall expects '", name, "'");
+    ++i;
+  });
+  TORCH_INTERNAL_ASSERT(i == args.size(), "posenc: ", schema.name(), " has ", args.size(),
+                        " arguments, RopeCall ", i);
+}
+
+namespace {
+
+// Every name list of the RoPE ops, for Python (its key and type lists come from here).
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+           std::vector<std::string>>
+rope_scaling_spec() {
+  std::vector<std::string> layouts, modes;
+  for (const auto& [v, n] : kLayouts) layouts.emplace_back(n);
+  for (const auto& [v, n] : kSectionsModes) modes.emplace_back(n);
+  return {rope_type_names(), rope_scaling_keys(), layouts, modes};
+}
+
+}  // namespace
+
+// The RoPE ops (the library's other ops are defined in ops/registration.cpp):
+//   rope                  q (and k) rotated, out of place: (q, k or an empty tensor); its
+//                         backward is the same op with inverse=True.
+//   rope_                 the same rotation in place (inference).
+//   rope_position_bounds  (smallest, largest) position a call rotates ((0, -1): none),
+//                         read back to the host; the modules' range check.
+//   rope_frequencies      inverse frequencies (per pair) and attention factor.
+//   rope_scaling_spec     the names the ops accept: (rope types, scaling keys, layouts,
+//                         sections modes).
+TORCH_LIBRARY_FRAGMENT(posenc, m) {
+  const std::string tail = kRopeSchemaArguments;
+  m.def(("rope(Tensor q, Tensor? k=None, " + tail + ") -> (Tensor, Tensor)").c_str());
+  m.def(("rope_(Tensor(a!) q, Tensor(b!)? k=None, " + tail + ") -> ()").c_str());
+  m.def(("rope_position_bounds(Tensor q, Tensor? k=None, " + tail + ") -> (int, int)").c_str());
+  m.def(
+      "rope_frequencies(int rotary_dim, float base=10000.0, str rope_type=\"default\", "
+      "float[] scaling=[], int seq_len=0, int[] sections=[], str sections_mode=\"axial\") "
+      "-> (Tensor, float)");
+  m.def("rope_scaling_spec() -> (str[], str[], str[], str[])", &rope_scaling_spec);
+}
+
+}  // namespace ops
+}  // namespace posenc

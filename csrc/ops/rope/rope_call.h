@@ -1,0 +1,108 @@
+// One RoPE call, parsed once: the arguments of the ops rope, rope_ and rope_position_bounds
+// (they share one schema tail, kRopeSchemaArguments), as the checks, the launch
+// preparation, the Meta kernels, autograd and both backends read them.
+//
+// The argument list exists once: RopeCall::for_each_argument names every field in schema
+// order, and from_stack / to_stack (the boxed kernels' input and the boxed op call) are
+// both written over it. Registration asserts that the names match the schema, so the two
+// cannot drift apart.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/stack.h>
+
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+
+enum class RopeLayout { kBSHD, kBHSD, kSBHD, kTHD };
+
+// The schema of everything after `q, k` in rope / rope_ / rope_position_bounds.
+extern const char* const kRopeSchemaArguments;
+
+struct RopeCall {
+  at::Tensor q;
+  std::optional<at::Tensor> k;
+  // Index tensors: positions (seq,) / (batch, seq), or (n_axes, ...) with sections;
+  // per-row (per packed sequence) offsets; cumulative lengths for 'thd'.
+  std::optional<at::Tensor> positions;
+  std::optional<at::Tensor> offsets;
+  c10::SymInt offset = 0;
+  std::optional<at::Tensor> cu_seqlens;
+  double base = 10000.0;
+  math::RopeScalingParams scaling;  // rope_type and the float[] scaling, together
+  int64_t seq_len = 0;     // "dynamic": longest position + 1; -1 derives it from the call
+  int64_t rotary_dim = -1;  // -1: head_dim
+  bool interleaved = false;
+  RopeLayout layout = RopeLayout::kBSHD;
+  bool inverse = false;  // rotate by -angle (the backward)
+  std::vector<int64_t> sections;  // pairs per axis; empty: one axis
+  math::RopeSectionsMode sections_mode = math::RopeSectionsMode::kAxial;
+
+  // f(name, field) for every schema argument, in schema order. `scaling` is visited twice:
+  // as "rope_type" (its type) and as "scaling" (its values).
+  template <typename Call, typename F>
+  static void for_each_argument(Call& c, F&& f) {
+    f("q", c.q);
+    f("k", c.k);
+    f("positions", c.positions);
+    f("offsets", c.offsets);
+    f("offset", c.offset);
+    f("cu_seqlens", c.cu_seqlens);
+    f("base", c.base);
+    f("rope_type", c.scaling.type);
+    f("scaling", c.scaling);
+    f("seq_len", c.seq_len);
+    f("rotary_dim", c.rotary_dim);
+    f("interleaved", c.interleaved);
+    f("layout", c.layout);
+    f("inverse", c.inverse);
+    f("sections", c.sections);
+    f("sections_mode", c.sections_mode);
+  }
+
+  // Pops the arguments of a boxed call (the whole schema) off the stack. Strings and the
+  // scaling list are parsed here: an unknown name or a malformed list is a ValueError
+  // naming the argument.
+  static RopeCall pop(torch::jit::Stack& stack);
+  // Pushes the arguments, in schema order, for a boxed call of rope / rope_.
+  void push(torch::jit::Stack& stack) const;
+
+  int64_t n_axes() const { return sections.empty() ? 1 : static_cast<int64_t>(sections.size()); }
+  bool multi_axis() const { return !sections.empty(); }
+  // The int offset, for a backend (a concrete SymInt there).
+  int64_t concrete_offset() const { return offset.guard_int(__FILE__, __LINE__); }
+};
+
+// The parsers RopeCall::pop uses, for ops with other argument lists (rope_frequencies).
+math::RopeScalingParams parse_rope_scaling(const std::string& rope_type,
+                                           const std::vector<double>& values);
+math::RopeSectionsMode parse_rope_sections_mode(const std::string& name);
+RopeLayout parse_rope_layout(const std::string& name);
+
+// Names, for messages and for Python (posenc::rope_scaling_spec).
+const char* rope_layout_name(RopeLayout layout);
+const char* rope_type_name(math::RopeType type);
+std::vector<std::string> rope_type_names();
+std::vector<std::string> rope_scaling_keys();
+
+// (batch, seq, heads, head_dim) view of q or k, whatever the layout: no copy.
+at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout);
+
+// The boxed op calls every C++ caller goes through (C++ API, autograd): rope returns
+// (q, k or an empty tensor), rope_ rotates in place, rope_position_bounds reads bounds.
+std::tuple<at::Tensor, at::Tensor> call_rope(const RopeCall& call);
+void call_rope_inplace(const RopeCall& call);
+std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call);
+
+// Fails when the schema of `op` and RopeCall::for_each_argument disagree (registration).
+void check_rope_schema_matches(const c10::FunctionSchema& schema);
+
+}  // namespace ops
+}  // namespace posenc

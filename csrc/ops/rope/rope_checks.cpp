@@ -1,0 +1,240 @@
+#include "ops/rope/rope_checks.h"
+
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cmath>
+
+namespace posenc {
+namespace ops {
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
+}
+
+const char* layout_shape(RopeLayout layout) {
+  switch (layout) {
+    case RopeLayout::kBHSD: return "(batch, heads, seq, head_dim)";
+    case RopeLayout::kSBHD: return "(seq, batch, heads, head_dim)";
+    case RopeLayout::kTHD: return "(tokens, heads, head_dim)";
+    case RopeLayout::kBSHD:
+    default: return "(batch, seq, heads, head_dim)";
+  }
+}
+
+void require_positive(math::RopeType type, const char* key, double value) {
+  TORCH_CHECK_VALUE(!math::rope_missing(value), "posenc: rope scaling type '",
+                    rope_type_name(type), "' needs the key '", key, "', which was not given");
+  TORCH_CHECK_VALUE(std::isfinite(value) && value > 0.0, "posenc: expected rope scaling key '",
+                    key, "' to be a positive number, got ", value);
+}
+
+void check_index_tensor(const char* name, const at::Tensor& t, const at::Tensor& q,
+                        bool allow_int32) {
+  const bool ok = t.scalar_type() == at::kLong || (allow_int32 && t.scalar_type() == at::kInt);
+  TORCH_CHECK_TYPE(ok, "posenc: expected ", name, " to have dtype torch.int64",
+                   allow_int32 ? " or torch.int32" : "", ", got ", t.scalar_type());
+  TORCH_CHECK(t.device() == q.device(), "posenc: expected ", name, " on q's device ", q.device(),
+              ", got ", name, " on ", t.device());
+}
+
+void check_positions_shape(const RopeCall& c, const c10::SymInt& batch, const c10::SymInt& seq) {
+  const at::Tensor& p = *c.positions;
+  if (!c.multi_axis()) {
+    const bool ok = (p.dim() == 1 && p.sym_size(0) == seq) ||
+                    (p.dim() == 2 && p.sym_size(0) == batch && p.sym_size(1) == seq);
+    TORCH_CHECK(ok, "posenc: expected positions of shape (seq,) = (", seq, ",) or (batch, seq) = (",
+                batch, ", ", seq, "), got shape ", p.sym_sizes(),
+                " (coordinates of several axes need sections=[...])");
+    return;
+  }
+  const int64_t axes = c.n_axes();
+  const bool thd = c.layout == RopeLayout::kTHD;
+  const bool ok = p.dim() >= 1 && p.sym_size(0) == axes &&
+                  ((p.dim() == 2 && p.sym_size(1) == seq) ||
+                   (!thd && p.dim() == 3 && p.sym_size(1) == batch && p.sym_size(2) == seq));
+  if (thd) {
+    TORCH_CHECK(ok, "posenc: expected positions of shape (n_axes, tokens) = (", axes, ", ", seq,
+                ") for layout 'thd' with ", axes, " sections, got shape ", p.sym_sizes());
+  } else {
+    TORCH_CHECK(ok, "posenc: expected positions of shape (n_axes, seq) = (", axes, ", ", seq,
+                ") or (n_axes, batch, seq) = (", axes, ", ", batch, ", ", seq, ") for ", axes,
+                " sections (one axis each), got shape ", p.sym_sizes());
+  }
+}
+
+}  // namespace
+
+void check_rope_base(double base) {
+  TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0, "posenc: expected base > 1, got ", base);
+}
+
+void check_rope_position_value(const char* what, int64_t value) {
+  TORCH_CHECK_VALUE(value >= -kRopeMaxPosition && value <= kRopeMaxPosition, "posenc: expected ",
+                    what, " within [-2**53, 2**53] (integers exact in the float64 angle), got ",
+                    value);
+}
+
+void check_rope_scaling(const math::RopeScalingParams& s) {
+  switch (s.type) {
+    case math::RopeType::kLinear:
+      require_positive(s.type, "factor", s.factor);
+      break;
+    case math::RopeType::kDynamic:
+    case math::RopeType::kYarn:
+      require_positive(s.type, "factor", s.factor);
+      require_positive(s.type, "original_max_position_embeddings",
+                       s.original_max_position_embeddings);
+      if (s.type == math::RopeType::kYarn) {
+        // Optional (defaults 32 and 1), but a given 0 would put a correction dimension at
+        // infinity (Hugging Face reads a 0 as "not given"; here it is an error).
+        for (const auto& [key, value] : {std::pair<const char*, double>{"beta_fast", s.beta_fast},
+                                         {"beta_slow", s.beta_slow}}) {
+          TORCH_CHECK_VALUE(math::rope_missing(value) || (std::isfinite(value) && value > 0.0),
+                            "posenc: expected rope scaling key '", key,
+                            "' to be a positive number, got ", value);
+        }
+      }
+      break;
+    case math::RopeType::kLlama3:
+      require_positive(s.type, "factor", s.factor);
+      require_positive(s.type, "low_freq_factor", s.low_freq_factor);
+      require_positive(s.type, "high_freq_factor", s.high_freq_factor);
+      require_positive(s.type, "original_max_position_embeddings",
+                       s.original_max_position_embeddings);
+      TORCH_CHECK_VALUE(s.high_freq_factor > s.low_freq_factor,
+                        "posenc: expected rope scaling key 'high_freq_factor' (",
+                        s.high_freq_factor, ") to be greater than 'low_freq_factor' (",
+                        s.low_freq_factor, ")");
+      break;
+    default:
+      break;
+  }
+}
+
+void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSectionsMode mode,
+                         int64_t rotary_dim) {
+  const int64_t half = rotary_dim / 2;
+  if (sections.empty()) {
+    TORCH_CHECK_VALUE(mode == math::RopeSectionsMode::kAxial, "posenc: sections_mode '",
+                      mode == math::RopeSectionsMode::kMrope ? "mrope" : "mrope_interleaved",
+                      "' needs sections=[pairs per axis, ...], got none");
+    return;
+  }
+  const int64_t n = static_cast<int64_t>(sections.size());
+  TORCH_CHECK_VALUE(n <= math::kRopeMaxAxes, "posenc: expected at most ", math::kRopeMaxAxes,
+                    " sections (one per position axis), got ", n, ": ", c10::IntArrayRef(sections));
+  int64_t sum = 0;
+  for (const int64_t s : sections) {
+    TORCH_CHECK_VALUE(s > 0 && s <= half, "posenc: expected every section to be a positive "
+                      "number of rotary pairs, got sections=", c10::IntArrayRef(sections));
+    sum += s;
+  }
+  TORCH_CHECK_VALUE(sum == half, "posenc: expected sections (rotary pairs per axis) to sum to "
+                    "rotary_dim / 2 = ", half, ", got sections=", c10::IntArrayRef(sections),
+                    " summing to ", sum, " (Qwen2-VL's mrope_section counts pairs: [16, 24, 24] "
+                    "for head_dim 128; FLUX's axes_dim counts features: halve it)");
+  if (mode == math::RopeSectionsMode::kMropeInterleaved) {
+    for (int64_t a = 1; a < n; ++a) {
+      TORCH_CHECK_VALUE(n * sections[a] <= half, "posenc: sections_mode 'mrope_interleaved' ",
+                        "gives axis ", a, " every ", n, "-th pair among the first ",
+                        n * sections[a], ", but there are only ", half,
+                        " pairs; got sections=", c10::IntArrayRef(sections));
+    }
+  }
+}
+
+void check_rope_indices(const RopeCall& c) {
+  const at::Tensor qv = rope_canonical_view(c.q, c.layout);
+  const c10::SymInt batch = qv.sym_size(0);
+  const c10::SymInt seq = qv.sym_size(1);
+  if (c.layout == RopeLayout::kTHD) {
+    TORCH_CHECK_VALUE(c.cu_seqlens.has_value(), "posenc: layout 'thd' (packed sequences) needs ",
+                      "cu_seqlens, the cumulative sequence lengths [0, len0, len0+len1, ...]");
+    TORCH_CHECK_VALUE(!c.positions.has_value() || c.multi_axis(),
+                      "posenc: expected positions=None with layout 'thd' (positions restart at "
+                      "each sequence of cu_seqlens; use offsets to shift them)");
+  } else {
+    TORCH_CHECK_VALUE(!c.cu_seqlens.has_value(), "posenc: cu_seqlens is only used with layout ",
+                      "'thd', got layout '", rope_layout_name(c.layout), "'");
+  }
+  c10::SymInt num_seqs = batch;
+  if (c.cu_seqlens.has_value()) {
+    check_index_tensor("cu_seqlens", *c.cu_seqlens, c.q, /*allow_int32=*/true);
+    TORCH_CHECK(c.cu_seqlens->dim() == 1 && c.cu_seqlens->sym_size(0) >= 1,
+                "posenc: expected cu_seqlens to be a 1-D tensor [0, ..., tokens] of ",
+                "num_sequences + 1 entries, got shape ", c.cu_seqlens->sym_sizes());
+    num_seqs = c.cu_seqlens->sym_size(0) - 1;
+  }
+  if (c.positions.has_value()) {
+    check_index_tensor("positions", *c.positions, c.q, /*allow_int32=*/false);
+    check_positions_shape(c, batch, seq);
+  }
+  if (c.offsets.has_value()) {
+    check_index_tensor("offsets", *c.offsets, c.q, /*allow_int32=*/false);
+    TORCH_CHECK(c.offsets->dim() == 1 && c.offsets->sym_size(0) == num_seqs,
+                "posenc: expected offsets of shape (", num_seqs, ",), one per ",
+                c.layout == RopeLayout::kTHD ? "sequence of cu_seqlens" : "batch row",
+                ", got shape ", c.offsets->sym_sizes());
+  }
+}
+
+int64_t check_rope_structure(const RopeCall& c) {
+  const at::Tensor& q = c.q;
+  const int64_t want_dim = c.layout == RopeLayout::kTHD ? 3 : 4;
+  const char* layout = rope_layout_name(c.layout);
+  TORCH_CHECK(q.dim() == want_dim, "posenc: expected q to be a ", want_dim, "-D tensor ",
+              layout_shape(c.layout), " for layout '", layout, "', got shape ", q.sym_sizes());
+  TORCH_CHECK_TYPE(is_supported_float(q.scalar_type()),
+                   "posenc: expected q to have a floating-point dtype (float16, bfloat16, "
+                   "float32 or float64), got ",
+                   q.scalar_type());
+  const at::Tensor qv = rope_canonical_view(q, c.layout);
+  if (c.k.has_value()) {
+    const at::Tensor& k = *c.k;
+    TORCH_CHECK(k.dim() == q.dim(), "posenc: expected k to be a ", q.dim(), "-D tensor ",
+                layout_shape(c.layout), " for layout '", layout, "', got shape ", k.sym_sizes());
+    TORCH_CHECK_TYPE(k.scalar_type() == q.scalar_type(), "posenc: expected k to have q's dtype ",
+                     q.scalar_type(), ", got ", k.scalar_type());
+    TORCH_CHECK(k.device() == q.device(), "posenc: expected k on q's device ", q.device(),
+                ", got k on ", k.device());
+    const at::Tensor kv = rope_canonical_view(k, c.layout);
+    TORCH_CHECK(kv.sym_size(3) == qv.sym_size(3), "posenc: expected q and k to have the same ",
+                "head_dim, got q of shape ", q.sym_sizes(), " and k of shape ", k.sym_sizes());
+    TORCH_CHECK(kv.sym_size(0) == qv.sym_size(0) && kv.sym_size(1) == qv.sym_size(1),
+                "posenc: expected q and k to have the same batch and sequence sizes (they may "
+                "differ in heads), got q of shape ",
+                q.sym_sizes(), " and k of shape ", k.sym_sizes(), " for layout '", layout, "'");
+  }
+  const int64_t hd = qv.sym_size(3).guard_int(__FILE__, __LINE__);
+  // The default rotary width: head_dim, or what the sections rotate (features beyond pass
+  // through, as with partial rotary).
+  int64_t rot = c.rotary_dim < 0 ? hd : c.rotary_dim;
+  if (c.rotary_dim < 0 && c.multi_axis()) {
+    rot = 0;
+    for (const int64_t s : c.sections) rot += 2 * std::max<int64_t>(s, 0);
+  }
+  TORCH_CHECK_VALUE(c.rotary_dim == -1 || c.rotary_dim > 0,
+                    "posenc: expected rotary_dim to be a positive even number or None, got ",
+                    c.rotary_dim);
+  TORCH_CHECK_VALUE(rot % 2 == 0, "posenc: expected rotary_dim to be even (features rotate in ",
+                    "pairs), got ", rot, c.rotary_dim < 0 ? " (the head_dim of q)" : "");
+  TORCH_CHECK_VALUE(rot <= hd, "posenc: expected rotary_dim <= head_dim = ", hd, ", got ", rot);
+  TORCH_CHECK_VALUE(rot / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rot, " is not supported; ",
+                    "expected at most ", 2 * kMaxRopePairs);
+  check_rope_sections(c.sections, c.sections_mode, rot);
+  check_rope_indices(c);
+  return rot;
+}
+
+void check_rope_settings(const RopeCall& c) {
+  check_rope_base(c.base);
+  check_rope_scaling(c.scaling);
+  if (const auto v = c.offset.maybe_as_int()) check_rope_position_value("offset", *v);
+  TORCH_CHECK_VALUE(c.seq_len >= -1, "posenc: expected seq_len >= 0 (or -1: from the call), got ",
+                    c.seq_len);
+}
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,45 @@
+// Validation of a RoPE call, shared by the CPU, CUDA and Meta kernels so that every backend
+// rejects the same inputs with the same message (each names the argument, its value and
+// what was expected). Parsing is RopeCall::pop's job; these check what was parsed.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "ops/rope/rope_args.h"  // kMaxRopePairs
+#include "ops/rope/rope_call.h"
+
+namespace posenc {
+namespace ops {
+
+// Shapes, dtypes and devices of q, k and the index tensors, rotary_dim and sections. Works
+// on Meta tensors (symbolic sizes). Returns the resolved rotary_dim (head_dim for -1).
+int64_t check_rope_structure(const RopeCall& call);
+
+// The index arguments against q (and sections): 'thd' needs cu_seqlens, and positions only
+// with sections; dtypes, devices and shapes. Works on Meta tensors.
+void check_rope_indices(const RopeCall& call);
+
+// The settings that need no tensor: base, the scaling keys the type needs, the int offset's
+// domain (when concrete), seq_len. Works on Meta tensors.
+void check_rope_settings(const RopeCall& call);
+
+// Scaling keys for their type (e.g. llama3 needs high_freq_factor > low_freq_factor).
+void check_rope_scaling(const math::RopeScalingParams& scaling);
+void check_rope_base(double base);
+// sections for rotary_dim (even, resolved): 1..kRopeMaxAxes positive counts summing to
+// rotary_dim / 2 (interleaved M-RoPE: n_axes * sections[a] <= rotary_dim / 2 for a >= 1).
+void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSectionsMode mode,
+                         int64_t rotary_dim);
+
+// Positions, offsets and the int offset must each lie in [-2**53, 2**53]: sums of three of
+// them cannot overflow int64, and a summed position within +-2**53 is exact in the float64
+// angle (beyond, up to 3 * 2**53, the float64 product rounds it). ValueError naming `what`.
+constexpr int64_t kRopeMaxPosition = int64_t{1} << 53;
+void check_rope_position_value(const char* what, int64_t value);
+
+// In place: q and k must not overlap themselves or each other (slices of one fused qkv
+// buffer are fine). rope_overlap.cpp.
+void check_rope_inplace(const RopeCall& call);
+
+}  // namespace ops
+}  // namespace posenc

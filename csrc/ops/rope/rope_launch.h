@@ -1,0 +1,61 @@
+// From a checked RopeCall to a kernel launch: the frequencies of the call, outputs, the
+// kernel parameters (RopeArgs), and the boxed kernel body every backend shares.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <vector>
+
+#include "ops/rope/rope_args.h"
+#include "ops/rope/rope_call.h"
+
+namespace posenc {
+namespace ops {
+
+// The per-pair frequencies of a configuration, validated (finite, positive), with the
+// position axis of each pair, and the factor on cos and sin.
+struct RopePairFrequencies {
+  std::vector<double> inv_freq;
+  std::vector<uint8_t> axis;
+  double attention_factor = 1.0;
+};
+RopePairFrequencies rope_pair_frequencies(int64_t rotary_dim, double base,
+                                          const math::RopeScalingParams& scaling, int64_t seq_len,
+                                          const std::vector<int64_t>& sections,
+                                          math::RopeSectionsMode sections_mode);
+
+// (smallest, largest) position of the call over every axis, exactly; (0, -1) when it
+// rotates no token. One read back to the host when an index tensor is given (a device sync
+// for CUDA tensors), none otherwise; the values read are domain-checked. For a call that
+// passed check_rope_structure. rope_position_bounds.cpp.
+std::tuple<int64_t, int64_t> rope_position_bounds_of(const RopeCall& call);
+
+// Everything a kernel launch needs, with the small index tensors it points into kept alive.
+struct RopeLaunch {
+  RopeArgs args;
+  at::Tensor positions, offsets, cu_seqlens;  // contiguous int64 copies (or the originals)
+};
+
+// A backend: how it allocates outputs like an input, and how it launches (on q's device,
+// with q's dtype; the CUDA one sets the device guard itself).
+using RopeOutputAllocator = at::Tensor (*)(const at::Tensor& like);
+using RopeKernelRunner = void (*)(const RopeLaunch& launch, const at::Tensor& q);
+
+// The body of the boxed rope / rope_ kernels of every backend: pop the call, check it
+// (before anything touches a device), allocate (out of place), prepare, launch, push the
+// results.
+void run_rope_boxed(torch::jit::Stack* stack, bool in_place, RopeOutputAllocator allocate,
+                    RopeKernelRunner run);
+
+template <RopeOutputAllocator Allocate, RopeKernelRunner Run>
+void rope_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_rope_boxed(stack, /*in_place=*/false, Allocate, Run);
+}
+template <RopeOutputAllocator Allocate, RopeKernelRunner Run>
+void rope_inplace_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_rope_boxed(stack, /*in_place=*/true, Allocate, Run);
+}
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,117 @@
+// posenc::rope_position_bounds: the smallest and largest position a RoPE call rotates, over
+// every axis. One definition serves three readers: the rope op itself ("dynamic" scaling
+// needs the longest position), and the Python and C++ RotaryPositionalEncoding modules
+// (their [0, max_len) range check). The bounds are exact (per token: positions + per-row
+// offset + offset, empty packed sequences skipped), computed on the index tensors' device
+// and read back once.
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <vector>
+
+#include "ops/rope/rope_checks.h"
+#include "ops/rope/rope_launch.h"
+
+namespace posenc {
+namespace ops {
+
+std::tuple<int64_t, int64_t> rope_position_bounds_of(const RopeCall& c) {
+  const std::tuple<int64_t, int64_t> none{0, -1};
+  const int64_t offset = c.concrete_offset();
+  check_rope_position_value("offset", offset);
+  const at::Tensor qv = rope_canonical_view(c.q, c.layout);
+  const int64_t batch = qv.size(0);
+  const int64_t seq = qv.size(1);  // tokens for 'thd'
+  if (batch == 0 || seq == 0) return none;
+  if (!c.positions.has_value() && !c.offsets.has_value() && !c.cu_seqlens.has_value()) {
+    return {offset, offset + seq - 1};
+  }
+  at::Tensor lo, hi;  // 0-d int64 tensors on the index tensors' device
+  // The operands' own extremes are read back too (same transfer) and checked before any
+  // sum of them is trusted: a sum of huge values could have wrapped around.
+  std::vector<at::Tensor> extremes;
+  std::vector<const char*> names;
+  at::Tensor cu_summary;  // (cu_seqlens[0], cu_seqlens[-1], shortest length) for 'thd'
+  auto add_extremes = [&](const char* name, const at::Tensor& t) {
+    if (t.numel() == 0) return;
+    auto [mn, mx] = at::aminmax(t.to(at::kLong));
+    extremes.insert(extremes.end(), {mn, mx});
+    names.insert(names.end(), {name, name});
+  };
+  if (c.positions.has_value()) add_extremes("positions", *c.positions);
+  if (c.offsets.has_value()) add_extremes("offsets", *c.offsets);
+  // Positions as (axes, rows, tokens), rows 1 when shared by the batch rows.
+  const int64_t axes = c.n_axes();
+  const at::Tensor pos = c.positions.has_value() ? c.positions->reshape({axes, -1, seq})
+                                                 : at::Tensor();
+  if (c.cu_seqlens.has_value()) {
+    // The values of cu_seqlens are checked here too (they are read anyway), so that a bad
+    // one gets its own message rather than a range error about the positions it implies.
+    TORCH_CHECK_VALUE(c.cu_seqlens->size(0) >= 2, "posenc: expected cu_seqlens to start at 0, ",
+                      "never decrease and end at the number of tokens ", seq, ", got ",
+                      c.cu_seqlens->size(0), " value(s) for ", seq, " tokens");
+    const at::Tensor cu = c.cu_seqlens->to(at::kLong);
+    const at::Tensor lengths = cu.slice(0, 1) - cu.slice(0, 0, -1);
+    cu_summary = at::stack({cu[0], cu[-1], lengths.min()});
+    const at::Tensor first = c.offsets.has_value() ? *c.offsets : at::zeros_like(lengths);
+    if (pos.defined()) {
+      // Multi-axis packed tokens: positions given per token, plus their sequence's offset.
+      // Token t's sequence j has cu[j] <= t < cu[j + 1] (clamped: bad cu_seqlens values
+      // are reported through cu_summary below, with their own message).
+      const at::Tensor tokens = at::arange(seq, cu.options());
+      const at::Tensor j = at::searchsorted(cu.slice(0, 1), tokens, /*out_int32=*/false,
+                                            /*right=*/true)
+                               .clamp_max(lengths.size(0) - 1);
+      const at::Tensor shift = first.index_select(0, j);
+      std::tie(lo, hi) = at::aminmax(pos + shift);
+    } else {
+      // Sequence i holds positions first[i] .. first[i] + length[i] - 1; empty ones none.
+      const at::Tensor nonempty = lengths > 0;
+      lo = at::where(nonempty, first, std::numeric_limits<int64_t>::max()).min();
+      hi = at::where(nonempty, first + lengths - 1, std::numeric_limits<int64_t>::min()).max();
+    }
+  } else {
+    at::Tensor p = pos.defined() ? pos : at::arange(seq, c.offsets->options()).view({1, 1, seq});
+    if (c.offsets.has_value()) p = p + c.offsets->view({1, batch, 1});
+    std::tie(lo, hi) = at::aminmax(p);
+  }
+  extremes.insert(extremes.begin(), {lo, hi});
+  const size_t n_extremes = extremes.size();
+  if (cu_summary.defined()) extremes.push_back(cu_summary);
+  const at::Tensor all = at::cat(c10::fmap(extremes, [](const at::Tensor& t) {
+                           return t.reshape({-1});
+                         })).to(at::kCPU);  // the one read back
+  const int64_t* v = all.const_data_ptr<int64_t>();
+  if (cu_summary.defined()) {
+    const int64_t* s = v + n_extremes;
+    TORCH_CHECK_VALUE(s[0] == 0 && s[1] == seq && s[2] >= 0, "posenc: expected cu_seqlens to ",
+                      "start at 0, never decrease and end at the number of tokens ", seq,
+                      ", got first value ", s[0], ", last value ", s[1], ", shortest step ", s[2]);
+  }
+  for (size_t i = 2; i < n_extremes; ++i) check_rope_position_value(names[i - 2], v[i]);
+  if (v[1] < v[0]) return none;
+  return {v[0] + offset, v[1] + offset};
+}
+
+namespace {
+
+void rope_position_bounds_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const RopeCall c = RopeCall::pop(*stack);
+  check_rope_structure(c);
+  auto [lo, hi] = rope_position_bounds_of(c);
+  stack->emplace_back(lo);
+  stack->emplace_back(hi);
+}
+
+}  // namespace
+
+// Composed of ATen ops, so one kernel serves every backend. It reads values, so it has no
+// Meta form: the modules skip their range check under torch.compile.
+TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+  m.impl("rope_position_bounds",
+         torch::CppFunction::makeFromBoxedFunction<&rope_position_bounds_boxed>());
+}
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,328 @@
+"""Multi-axis RoPE (sections): against each peer's formula written out in float64
+(multi_axis_reference.py: Qwen2-VL / Qwen3-VL M-RoPE, FLUX, EVA-02 / timm, torchtune vision) and
+against the generic model on layouts, conventions, GQA, partial rotary, strides, in place,
+dtypes, packed sequences and empty tensors; gradients, opcheck, compile, export; bad inputs."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import posenc
+from conftest import DEVICES, DTYPES
+from multi_axis_reference import (
+    eva_timm_positions,
+    eva_timm_rope,
+    flux_rope,
+    generic_inv_freq_and_axis,
+    generic_multi_axis_rope,
+    qwen2vl_mrope,
+    qwen3vl_mrope_interleaved,
+    torchtune_vision_positions,
+    torchtune_vision_rope,
+)
+from posenc.functional import apply_rope, grid_positions, rope_frequencies
+from rope_reference import from_bshd, to_bshd
+
+F64 = torch.float64
+TOL = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=2e-6, rtol=2e-6),
+    torch.float16: dict(atol=4e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=1.6e-2),
+}
+
+
+def rand(*shape, dtype=F64, device="cpu"):
+    return (torch.randn(*shape, dtype=F64) * 2 + 0.5).to(dtype=dtype, device=device)
+
+
+def close(out, ref, dtype=F64):
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.cpu().to(F64), ref.cpu(), **TOL[dtype])
+
+
+# ---- The peers' formulas.
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim, section", [(128, [16, 24, 24]), (20, [2, 4, 4]), (14, [3, 2, 2])])
+def test_qwen2vl_mrope(device, head_dim, section):
+    """transformers' Qwen2-VL apply_multimodal_rotary_pos_emb (HF layout (B, H, S, D), GQA)."""
+    torch.manual_seed(0)
+    B, S = 2, 13
+    q, k = rand(B, 4, S, head_dim, device=device), rand(B, 2, S, head_dim, device=device)
+    pos = torch.randint(0, 900, (3, B, S), device=device)
+    rq, rk = qwen2vl_mrope(q.cpu(), k.cpu(), pos.cpu(), section, 1e6)
+    oq, ok = apply_rope(q, k, positions=pos, sections=section, sections_mode="mrope", base=1e6, layout="bhsd")
+    close(oq, rq)
+    close(ok, rk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("head_dim, section", [(128, [24, 20, 20]), (64, [12, 10, 10]), (20, [4, 3, 3])])
+def test_qwen3vl_mrope_interleaved(device, head_dim, section):
+    """transformers' Qwen3-VL interleaved M-RoPE."""
+    torch.manual_seed(1)
+    B, S = 2, 11
+    q, k = rand(B, 3, S, head_dim, device=device), rand(B, 1, S, head_dim, device=device)
+    pos = torch.randint(0, 5000, (3, B, S), device=device)
+    rq, rk = qwen3vl_mrope_interleaved(q.cpu(), k.cpu(), pos.cpu(), section, 5e6)
+    oq, ok = apply_rope(q, k, positions=pos, sections=section, sections_mode="mrope_interleaved",
+                        base=5e6, layout="bhsd")
+    close(oq, rq)
+    close(ok, rk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["mrope", "mrope_interleaved"])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_text_tokens_are_exactly_1d_rope(device, mode, dtype):
+    """All axes equal (text tokens): M-RoPE gives 1-D RoPE's bits exactly."""
+    q = rand(2, 9, 4, 128, dtype=dtype, device=device)
+    pos1 = torch.randint(0, 10**6, (2, 9), device=device)
+    pos3 = pos1.expand(3, 2, 9)
+    sections = [16, 24, 24] if mode == "mrope" else [24, 20, 20]
+    one = apply_rope(q, positions=pos1, base=1e6, offset=7)
+    multi = apply_rope(q, positions=pos3, sections=sections, sections_mode=mode, base=1e6, offset=7)
+    assert torch.equal(one, multi)
+    # Default positions (all axes 0 .. seq-1) too.
+    assert torch.equal(apply_rope(q), apply_rope(q, sections=sections, sections_mode=mode))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_flux_pos_embed(device):
+    """diffusers FluxPosEmbed(theta=10000, axes_dim=(16, 56, 56)) + apply_rotary_emb
+    (use_real_unbind_dim=-1): axial, adjacent pairs, sections = axes_dim // 2."""
+    torch.manual_seed(2)
+    S = 37
+    x = rand(1, 3, S, 128, device=device)
+    ids = torch.stack([torch.zeros(S, dtype=torch.long), torch.randint(0, 64, (S,)), torch.randint(0, 64, (S,))], 1)
+    ref = flux_rope(x.cpu(), ids, (16, 56, 56), 10000)
+    out = apply_rope(x, positions=ids.T.contiguous().to(device), sections=[8, 28, 28], interleaved=True,
+                     layout="bhsd")
+    close(out, ref)
+    # ids as the (seq, 3) tensor diffusers keeps, transposed without a copy.
+    close(apply_rope(x, positions=ids.to(device).T, sections=[8, 28, 28], interleaved=True, layout="bhsd"), ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("grid, prefix", [((7, 5), 1), ((4, 4), 5), ((3, 6), 0)])
+def test_eva02_timm(device, grid, prefix):
+    """timm's EVA-02 RotaryEmbeddingCat: (row, col) patches after unrotated prefix tokens."""
+    torch.manual_seed(3)
+    h, w = grid
+    x = rand(2, 4, prefix + h * w, 64, device=device)
+    ref = eva_timm_rope(x.cpu(), h, w, prefix, 10000.0)
+    pos = grid_positions(h, w, num_prefix_tokens=prefix, device=device)
+    assert torch.equal(pos.cpu(), eva_timm_positions(h, w, prefix))
+    out = apply_rope(x, positions=pos, sections=[16, 16], interleaved=True, layout="bhsd")
+    close(out, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("append_cls_token", [True, False])
+def test_torchtune_vision_rotary(device, append_cls_token):
+    """torchtune's VisionRotaryPositionalEmbeddings: (col + 1, row + 1), CLS unrotated, per tile."""
+    torch.manual_seed(4)
+    g, tiles = 4, 2
+    x = rand(2, tiles * (g * g + 1), 3, 32, device=device)
+    ref = torchtune_vision_rope(x.cpu(), patch_size=14, tile_size=14 * g, append_cls_token=append_cls_token)
+    # From posenc's grid: columns first, 1-based, the CLS slot at the origin.
+    patches = grid_positions(g, g).flip(0) + 1
+    cls = torch.zeros(2, 1, dtype=torch.long)
+    tile = torch.cat([patches, cls] if append_cls_token else [cls, patches], 1)
+    pos = tile.repeat(1, tiles)
+    assert torch.equal(pos, torchtune_vision_positions(g, tiles, append_cls_token))
+    out = apply_rope(x, positions=pos.to(device), sections=[8, 8], interleaved=True)
+    close(out, ref)
+
+
+# ---- The generic model on every supported combination.
+
+CASES = [
+    # layout, sections, mode, interleaved, head_dim (partial rotary when > 2 * sum), per-row positions
+    ("bshd", [3, 5, 4], "axial", False, 24, False),
+    ("bhsd", [2, 3], "mrope", True, 13, True),
+    ("sbhd", [4, 2, 2], "mrope_interleaved", False, 16, True),
+    ("bshd", [1, 1, 1, 1], "axial", True, 8, True),
+    ("bhsd", [6], "mrope", False, 15, False),
+    ("sbhd", [5, 2, 2], "mrope_interleaved", True, 19, False),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_generic_layouts_and_conventions(device, case, dtype):
+    layout, sections, mode, interleaved, D, per_row = case
+    torch.manual_seed(5)
+    B, S = 3, 7
+    q = from_bshd(rand(B, S, 5, D), layout).to(dtype=dtype, device=device)
+    k = from_bshd(rand(B, S, 1, D), layout).to(dtype=dtype, device=device)  # GQA
+    n = len(sections)
+    pos = torch.randint(-50, 3000, (n, B, S) if per_row else (n, S))
+    offsets = torch.randint(0, 100, (B,))
+    base = 777.0
+    oq, ok = apply_rope(q, k, positions=pos.to(device), offset=offsets.to(device), sections=sections,
+                        sections_mode=mode, interleaved=interleaved, base=base, layout=layout)
+    full = (pos if per_row else pos[:, None, :]) + offsets[None, :, None]
+    for out, x in ((oq, q), (ok, k)):
+        ref = generic_multi_axis_rope(to_bshd(x.cpu().to(F64), layout), full, sections, mode, base, interleaved)
+        close(to_bshd(out, layout), ref, dtype)
+    # In place gives the same numbers.
+    q2, k2 = q.clone(), k.clone()
+    apply_rope(q2, k2, positions=pos.to(device), offset=offsets.to(device), sections=sections, sections_mode=mode,
+               interleaved=interleaved, base=base, layout=layout, inplace=True)
+    assert torch.equal(q2, oq) and torch.equal(k2, ok)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_views_and_offset_positions(device):
+    """Non-contiguous q (a slice of a fused buffer), positions a strided, offset view."""
+    torch.manual_seed(6)
+    qkv = rand(2, 9, 3 * 6, 20, device=device)
+    q = qkv[:, :, 1:6:2, 2:18]  # head_dim 16, strided heads and features
+    big = torch.randint(0, 400, (5, 2, 2, 30), device=device)
+    pos = big[1:4, :, 1, 3:21:2]  # (3, 2, 9), strided and offset
+    out = apply_rope(q, positions=pos, sections=[2, 3, 3], sections_mode="mrope", rotary_dim=16)
+    ref = generic_multi_axis_rope(q.cpu().to(F64), pos.cpu(), [2, 3, 3], "mrope", 10000.0, False)
+    close(out, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_packed_sequences(device):
+    """'thd' with (n_axes, tokens) positions (absolute per token) and per-sequence offsets."""
+    torch.manual_seed(7)
+    cu = torch.tensor([0, 4, 4, 11], dtype=torch.int32, device=device)
+    q = rand(11, 3, 12, device=device)
+    pos = torch.randint(0, 99, (2, 11), device=device)
+    offsets = torch.tensor([5, 1000, 20], device=device)
+    out = apply_rope(q, positions=pos, offset=offsets, cu_seqlens=cu, sections=[2, 4], layout="thd")
+    per_token = torch.tensor([5] * 4 + [20] * 7)
+    ref = generic_multi_axis_rope(q.cpu()[None], pos.cpu() + per_token, [2, 4], "axial", 10000.0, False)[0]
+    close(out, ref)
+    # Without positions, every axis restarts at each sequence: plain packed RoPE per axis.
+    out0 = apply_rope(q, cu_seqlens=cu, sections=[2, 4], layout="thd")
+    local = torch.tensor([0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6])
+    ref0 = generic_multi_axis_rope(q.cpu()[None], local.expand(2, 11), [2, 4], "axial", 10000.0, False)[0]
+    close(out0, ref0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty_tensors(device):
+    for shape, pos_shape in (((0, 5, 2, 8), (2, 0, 5)), ((2, 0, 2, 8), (2, 0)), ((2, 5, 0, 8), (2, 5))):
+        q = torch.randn(shape, device=device)
+        out = apply_rope(q, positions=torch.zeros(pos_shape, dtype=torch.long, device=device), sections=[2, 2])
+        assert out.shape == q.shape
+
+
+def test_frequencies_follow_the_sections():
+    for sections, mode in (([16, 24, 24], "mrope"), ([24, 20, 20], "mrope_interleaved"), ([8, 28, 28], "axial")):
+        inv, factor = rope_frequencies(2 * sum(sections), base=1e4, sections=sections, sections_mode=mode)
+        want, _ = generic_inv_freq_and_axis(sections, mode, 1e4)
+        torch.testing.assert_close(inv, want, atol=0, rtol=1e-15)
+        assert factor == 1.0
+
+
+# ---- The module.
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_module_with_sections(device):
+    rope = posenc.RotaryPositionalEncoding(64, max_len=100, sections=[8, 12, 12], sections_mode="mrope").to(device)
+    q, k = rand(2, 6, 4, 64, device=device), rand(2, 6, 2, 64, device=device)
+    pos = torch.randint(0, 100, (3, 2, 6), device=device)
+    oq, ok = rope(q, k, positions=pos)
+    wq, wk = apply_rope(q, k, positions=pos, sections=[8, 12, 12], sections_mode="mrope")
+    assert torch.equal(oq, wq) and torch.equal(ok, wk)
+    assert "sections=[8, 12, 12]" in repr(rope)
+    inv, _ = generic_inv_freq_and_axis([8, 12, 12], "mrope", 10000.0)
+    torch.testing.assert_close(rope.inv_freq.cpu(), inv.float())
+    # Every axis is range-checked, not only the first.
+    bad = pos.clone()
+    bad[2, 1, 3] = 100
+    with pytest.raises(IndexError, match=r"max_len=100\), got values from \d+ to 100"):
+        rope(q, k, positions=bad)
+
+
+# ---- Autograd, opcheck, compile, export.
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("mode", ["axial", "mrope", "mrope_interleaved"])
+def test_gradcheck(device, mode):
+    q = torch.randn(2, 4, 3, 14, dtype=F64, device=device, requires_grad=True)
+    k = torch.randn(2, 4, 1, 14, dtype=F64, device=device, requires_grad=True)
+    pos = torch.randint(0, 50, (3, 2, 4), device=device)
+
+    def f(q, k):
+        return apply_rope(q, k, positions=pos, sections=[2, 2, 2], sections_mode=mode, rotary_dim=12)
+
+    assert torch.autograd.gradcheck(f, (q, k))
+    assert torch.autograd.gradgradcheck(f, (q, k))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck(device):
+    q = torch.randn(2, 5, 3, 12, device=device, requires_grad=True)
+    k = torch.randn(2, 5, 1, 12, device=device, requires_grad=True)
+    pos = torch.randint(0, 50, (3, 2, 5), device=device)
+    kwargs = dict(positions=pos, sections=[2, 2, 2], sections_mode="mrope_interleaved")
+    opcheck(torch.ops.posenc.rope.default, (q, k), kwargs)
+    opcheck(torch.ops.posenc.rope_.default, (q.detach().clone(), k.detach().clone()), kwargs)
+    opcheck(torch.ops.posenc.rope_grid_positions.default, ([3, 4], 2, torch.device(device)))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compile_fullgraph_and_export(device):
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, pos):
+            return apply_rope(q, k, positions=pos, sections=[4, 2, 2], sections_mode="mrope")
+
+    q, k = torch.randn(2, 6, 4, 16, device=device), torch.randn(2, 6, 2, 16, device=device)
+    pos = torch.randint(0, 50, (3, 2, 6), device=device)
+    want = Attn()(q, k, pos)
+    torch._dynamo.reset()
+    got = torch.compile(Attn(), fullgraph=True)(q, k, pos)
+    for a, b in zip(got, want):
+        assert torch.equal(a, b)
+    ep = torch.export.export(Attn(), (q, k, pos))
+    for a, b in zip(ep.module()(q, k, pos), want):
+        assert torch.equal(a, b)
+
+
+# ---- Bad inputs: each a clear error naming the argument.
+
+
+def test_bad_inputs():
+    q = torch.randn(2, 5, 3, 16)
+    pos = torch.randint(0, 9, (3, 2, 5))
+    with pytest.raises(ValueError, match=r"sections .* sum to rotary_dim / 2 = 8, got sections=\[4, 2, 1\]"):
+        apply_rope(q, positions=pos, sections=[4, 2, 1], rotary_dim=16)
+    with pytest.raises(ValueError, match=r"rotary_dim <= head_dim = 16, got 18"):
+        apply_rope(q, positions=pos, sections=[4, 3, 2])  # sections wider than the head
+    with pytest.raises(RuntimeError, match=r"positions of shape \(n_axes, seq\) = \(2, 5\).*got shape \[3, 2, 5\]"):
+        apply_rope(q, positions=pos, sections=[4, 4])
+    with pytest.raises(TypeError, match="positions to have dtype torch.int64"):
+        apply_rope(q, positions=pos.float(), sections=[4, 2, 2])
+    with pytest.raises(RuntimeError, match=r"positions of shape \(seq,\)"):
+        apply_rope(q, positions=pos)  # coordinates without sections
+    with pytest.raises(ValueError, match="at most 4 sections"):
+        apply_rope(q, positions=torch.zeros(5, 5, dtype=torch.long), sections=[4, 1, 1, 1, 1])
+    with pytest.raises(ValueError, match="positive number of rotary pairs"):
+        apply_rope(q, positions=pos, sections=[8, 0, 0])
+    with pytest.raises(ValueError, match="unknown sections_mode 'qwen'; expected one of 'axial', 'mrope' or 'mrope_interleaved'"):
+        apply_rope(q, positions=pos, sections=[4, 2, 2], sections_mode="qwen")
+    with pytest.raises(ValueError, match="sections_mode 'mrope' needs sections"):
+        apply_rope(q, sections_mode="mrope")
+    with pytest.raises(ValueError, match="mrope_interleaved.*axis 1"):
+        apply_rope(q, positions=pos, sections=[1, 4, 3], sections_mode="mrope_interleaved")
+    with pytest.raises(TypeError, match="sections to be a list of ints"):
+        apply_rope(q, positions=pos, sections=[4.0, 2, 2])
+    with pytest.raises(ValueError, match=r"sections .* sum to rotary_dim / 2 = 6"):
+        posenc.RotaryPositionalEncoding(16, rotary_dim=12, sections=[4, 4])
+    with pytest.raises(ValueError, match="grid sizes"):
+        grid_positions(3, 0)
+    # The meta kernel checks the same.
+    with pytest.raises(ValueError, match="sum to rotary_dim / 2"):
+        apply_rope(q.to("meta"), positions=pos.to("meta"), sections=[4, 2, 1], rotary_dim=16)
