@@ -153,3 +153,76 @@ TEST(ApplyRope, ScalingLayoutsAndInPlace) {
 }
 
 }  // namespace
+
+// ---- One description of a RoPE call, and multi-axis RoPE.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "ops/rope/rope_call.h"
+
+namespace {
+
+TEST(RopeCall, ArgumentListMatchesEverySchema) {
+  for (const char* name : {"posenc::rope", "posenc::rope_", "posenc::rope_position_bounds"}) {
+    const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+    EXPECT_NO_THROW(posenc::ops::check_rope_schema_matches(op.schema())) << name;
+  }
+}
+
+TEST(RopeMultiAxis, TextTokensAreExactlyOneAxisRope) {
+  torch::manual_seed(0);
+  auto q = torch::randn({2, 6, 3, 16});
+  auto k = torch::randn({2, 6, 1, 16});
+  auto pos = torch::randint(0, 1000, {2, 6}, torch::kLong);
+  auto [oq, ok] = posenc::apply_rope(q, k, posenc::ApplyRopeOptions().positions(pos));
+  for (const char* mode : {"mrope", "mrope_interleaved"}) {
+    auto [mq, mk] = posenc::apply_rope(
+        q, k,
+        posenc::ApplyRopeOptions().positions(pos.expand({3, 2, 6})).sections({4, 2, 2}).sections_mode(mode));
+    EXPECT_TRUE(torch::equal(mq, oq)) << mode;
+    EXPECT_TRUE(torch::equal(mk, ok)) << mode;
+  }
+}
+
+// Axial 2-D RoPE written from the formula: pairs [0, s0) turn with the row at
+// base^(-j/s0), pairs [s0, s0 + s1) with the column at base^(-j/s1); halves convention.
+TEST(RopeMultiAxis, AxialMatchesTheFormula) {
+  torch::manual_seed(1);
+  const int64_t s0 = 3, s1 = 5, half = s0 + s1, D = 2 * half + 4;  // 4 features pass through
+  auto x = torch::randn({1, 7, 2, D}, torch::kDouble);
+  auto pos = posenc::rope_grid_positions({1, 7});  // (2, 7): rows 0, cols 0..6
+  pos[0] = torch::arange(7, torch::kLong) * 3 + 1;
+  auto out = posenc::apply_rope(x, posenc::ApplyRopeOptions().positions(pos).sections({s0, s1}));
+  auto want = x.clone();
+  for (int64_t p = 0; p < half; ++p) {
+    const bool row = p < s0;
+    const int64_t j = row ? p : p - s0;
+    const double inv = std::pow(10000.0, -static_cast<double>(j) / (row ? s0 : s1));
+    auto angle = pos[row ? 0 : 1].to(torch::kDouble) * inv;  // (7,)
+    auto c = angle.cos().view({1, 7, 1}), s = angle.sin().view({1, 7, 1});
+    auto x1 = x.select(3, p), x2 = x.select(3, p + half);
+    want.select(3, p).copy_(x1 * c - x2 * s);
+    want.select(3, p + half).copy_(x2 * c + x1 * s);
+  }
+  EXPECT_TRUE(torch::allclose(out, want, 1e-12, 1e-12));
+}
+
+TEST(RopeMultiAxis, GridPositionsAndModule) {
+  auto grid = posenc::rope_grid_positions({2, 3}, 1);
+  auto want = torch::tensor({0, 0, 0, 0, 1, 1, 1, 0, 0, 1, 2, 0, 1, 2}, torch::kLong).view({2, 7});
+  EXPECT_TRUE(torch::equal(grid, want));
+  posenc::RotaryPositionalEncoding rope(
+      posenc::RotaryPositionalEncodingOptions(16).max_len(8).sections({2, 3, 3}).sections_mode("mrope"));
+  auto q = torch::randn({1, 7, 2, 16});
+  auto pos = torch::randint(0, 8, {3, 7}, torch::kLong);
+  auto [oq, ok] = rope->forward(q, q, pos);
+  auto want_q = posenc::apply_rope(
+      q, posenc::ApplyRopeOptions().positions(pos).sections({2, 3, 3}).sections_mode("mrope"));
+  EXPECT_TRUE(torch::equal(oq, want_q));
+  pos[2][4] = 8;  // the last axis is range-checked too
+  EXPECT_THROW(rope->forward(q, q, pos), c10::IndexError);
+  EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().positions(pos).sections({2, 3, 2}).rotary_dim(16)),
+               c10::ValueError);
+}
+
+}  // namespace

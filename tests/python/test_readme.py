@@ -19,7 +19,7 @@ def python_blocks():
 
 def test_readme_python_examples_run():
     blocks = python_blocks()
-    assert len(blocks) == 2, "update the stand-ins below when README examples are added"
+    assert len(blocks) == 3, "update the stand-ins below when README examples are added"
     # Block 1: the additive encodings and helpers.
     d, B, S = 512, 2, 9
     first = dict(
@@ -40,3 +40,22 @@ def test_readme_python_examples_run():
     )
     exec(compile(blocks[1], "README.md (block 2)", "exec"), second)
     assert second["q"].shape == (B, S, 8, 128) and second["x"].shape == (B, S, 4, 128)
+    # Block 3: multi-axis RoPE.
+    from multi_axis_reference import eva_timm_rope, flux_rope, qwen2vl_mrope
+
+    H, seq = 4, 10
+    ids = torch.stack([torch.zeros(seq, dtype=torch.long), torch.randint(0, 8, (seq,)), torch.randint(0, 8, (seq,))], 1)
+    third = dict(
+        posenc=posenc, q_hf=torch.randn(B, H, seq, 128, dtype=torch.float64), k_hf=torch.randn(B, 2, seq, 128, dtype=torch.float64),
+        position_ids=torch.randint(0, 50, (3, B, seq)), q_vit=torch.randn(B, H, 257, 64, dtype=torch.float64),
+        k_vit=torch.randn(B, H, 257, 64, dtype=torch.float64), ids=ids, x_flux=torch.randn(1, H, seq, 128, dtype=torch.float64),
+    )
+    exec(compile(blocks[2], "README.md (block 3)", "exec"), third)
+    # The last assignments of q, k and x are the ViT's and FLUX's: their peers' formulas.
+    torch.testing.assert_close(third["q"], eva_timm_rope(third["q_vit"], 16, 16, 1))
+    torch.testing.assert_close(third["x"], flux_rope(third["x_flux"], ids, (16, 56, 56), 10000))
+    want, _ = qwen2vl_mrope(third["q_hf"], third["k_hf"], third["position_ids"], [16, 24, 24], 1e6)
+    got = posenc.functional.apply_rope(third["q_hf"], positions=third["position_ids"], sections=[16, 24, 24],
+                                       sections_mode="mrope", base=1e6, layout="bhsd")
+    torch.testing.assert_close(got, want)
+    assert third["rope"].sections == [16, 24, 24]
