@@ -20,6 +20,52 @@ from torch import Tensor
 ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES = (tuple(names) for names in torch.ops.posenc.rope_scaling_spec())
 
 
+# Keys of a transformers 5 ``rope_parameters`` / ``rope_scaling`` dict (and of Qwen-VL
+# configs) that are not scaling keys but set other arguments: resolved by resolve_config_keys.
+CONFIG_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+
+
+def resolve_config_keys(scaling, *, base, rotary_dim, head_dim, sections, sections_mode, fn="apply_rope"):
+    """Reads the non-scaling keys of a transformers 4 or 5 dict into the arguments they set:
+    ``rope_theta`` -> base, ``partial_rotary_factor`` -> rotary_dim (``int(head_dim *
+    factor)``, as transformers), ``mrope_section`` -> sections (mode "mrope", or
+    "mrope_interleaved" with ``mrope_interleaved=True``; rope_type "mrope" is "default").
+    An explicit argument that disagrees is a ValueError naming both. Returns (scaling without
+    those keys, base, rotary_dim, sections, sections_mode); base None means 10000."""
+    if isinstance(scaling, Mapping) and any(key in scaling for key in CONFIG_KEYS + ("type",)):
+        scaling = dict(scaling)
+
+        def take(key, current, given, name, explicit):
+            if given is None:
+                return current
+            if explicit and current != given:
+                raise ValueError(f"{fn}: {name}={current!r} disagrees with the scaling dict's {key}={given!r}; "
+                                 f"pass one of them")
+            return given
+
+        theta = scaling.pop("rope_theta", None)
+        if theta is not None:
+            if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
+                raise TypeError(f"{fn}: expected scaling key 'rope_theta' to be a number, got {theta!r}")
+            base = take("rope_theta", None if base is None else float(base), float(theta), "base", base is not None)
+        factor = scaling.pop("partial_rotary_factor", None)
+        if factor is not None:
+            if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
+                raise ValueError(f"{fn}: expected scaling key 'partial_rotary_factor' in (0, 1], got {factor!r}")
+            rotary_dim = take("partial_rotary_factor", rotary_dim, int(head_dim * factor), "rotary_dim",
+                              rotary_dim is not None)
+        section = scaling.pop("mrope_section", None)
+        interleaved = scaling.pop("mrope_interleaved", None)
+        if section is not None:
+            sections = take("mrope_section", None if sections is None else list(sections), list(section),
+                            "sections", sections is not None)
+            sections_mode = "mrope_interleaved" if interleaved else "mrope"
+        if scaling.get("rope_type", scaling.get("type")) == "mrope":  # transformers 4's Qwen2-VL name
+            scaling.pop("type", None)
+            scaling["rope_type"] = "default"
+    return scaling, base, rotary_dim, sections, sections_mode
+
+
 def scaling_arguments(
     scaling: Optional[Mapping], default_original_max: Optional[int] = None
 ) -> Tuple[str, list]:
@@ -37,11 +83,11 @@ def scaling_arguments(
         raise ValueError(f"rope: the scaling dict needs 'rope_type', one of {', '.join(ROPE_TYPES)}; got {dict(scaling)}")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope: unknown rope scaling type {rope_type!r}; expected one of {', '.join(ROPE_TYPES)}")
-    unknown = sorted(set(scaling) - set(SCALING_KEYS) - {"rope_type", "type"})
+    unknown = sorted(set(scaling) - set(SCALING_KEYS) - set(CONFIG_KEYS) - {"rope_type", "type"})
     if unknown:
         raise ValueError(
             f"rope: unknown rope scaling key(s) {unknown}; accepted keys are rope_type, "
-            f"{', '.join(SCALING_KEYS)}"
+            f"{', '.join(SCALING_KEYS + CONFIG_KEYS)}"
         )
     values = [math.nan] * len(SCALING_KEYS)
     for i, key in enumerate(SCALING_KEYS):
@@ -64,7 +110,7 @@ def scaling_arguments(
 def rope_frequencies(
     rotary_dim: int,
     *,
-    base: float = 10000.0,
+    base: Optional[float] = None,
     scaling: Optional[Mapping] = None,
     seq_len: int = 0,
     sections: Optional[Sequence[int]] = None,
@@ -75,9 +121,13 @@ def rope_frequencies(
     the factor cos and sin are multiplied by (yarn's attention scaling, else 1).
     ``seq_len`` (longest position + 1) matters for "dynamic" only. With ``sections`` (see
     :func:`apply_rope`), each pair's frequency as multi-axis RoPE computes it."""
+    scaling, base, _, sections, sections_mode = resolve_config_keys(
+        scaling, base=base, rotary_dim=None, head_dim=rotary_dim, sections=sections, sections_mode=sections_mode,
+        fn="rope_frequencies")
     rope_type, values = scaling_arguments(scaling)
     return torch.ops.posenc.rope_frequencies(
-        int(rotary_dim), float(base), rope_type, values, int(seq_len), _sections(sections), sections_mode
+        int(rotary_dim), 10000.0 if base is None else float(base), rope_type, values, int(seq_len),
+        _sections(sections), sections_mode,
     )
 
 
@@ -134,7 +184,7 @@ def apply_rope(
     positions: Optional[Tensor] = None,
     offset: Union[int, Tensor] = 0,
     cu_seqlens: Optional[Tensor] = None,
-    base: float = 10000.0,
+    base: Optional[float] = None,
     interleaved: bool = False,
     rotary_dim: Optional[int] = None,
     scaling: Optional[Mapping] = None,
@@ -153,18 +203,22 @@ def apply_rope(
             "sbhd" (Megatron) or "thd" (packed tokens, with ``cu_seqlens``). q and k may have
             different head counts (GQA/MQA) and any strides; float16, bfloat16, float32 or
             float64 (half precision is rotated in float32).
-        positions: int64 (seq,) or (batch, seq); default ``0 .. seq-1``. With ``sections``:
+        positions: int64 (seq,) or (batch, seq) (or (1, seq), Hugging Face's position_ids of
+            one sequence, shared by every row); default ``0 .. seq-1``. With ``sections``:
             one coordinate per axis, (n_axes, seq) or (n_axes, batch, seq) ((n_axes, tokens)
             for "thd", absolute per token); default ``0 .. seq-1`` on every axis.
         offset: added to every position: an int, or an int64 (batch,) tensor of
             per-sequence offsets (one per sequence of ``cu_seqlens`` for "thd").
         cu_seqlens: int32/int64 cumulative lengths ``[0, n0, n0+n1, ..., tokens]`` for "thd";
             positions restart at 0 at each sequence start.
-        base, rotary_dim, interleaved: frequencies ``base**(-2i/rotary_dim)`` of the first
+        base, rotary_dim, interleaved: (base default 10000, or the dict's ``rope_theta``) frequencies ``base**(-2i/rotary_dim)`` of the first
             ``rotary_dim`` features (default all; with ``sections``, ``2 * sum(sections)``); pairs are halves ``(i, i + rotary_dim/2)``
             (GPT-NeoX, HF LLaMA) or adjacent ``(2i, 2i+1)`` when ``interleaved`` (GPT-J, Meta).
-        scaling: None or a Hugging Face ``rope_scaling`` dict of type "linear", "dynamic",
-            "yarn" or "llama3". "dynamic" scales by the longest position of the call (read
+        scaling: None or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (transformers
+            4 or 5) of type "default", "linear", "dynamic", "yarn" or "llama3"; its
+            ``rope_theta``, ``partial_rotary_factor`` and ``mrope_section`` /
+            ``mrope_interleaved`` set base, rotary_dim and sections (an explicit argument
+            that disagrees is an error). "dynamic" scales by the longest position of the call (read
             from the tensors when positions/offsets/cu_seqlens are given: a device sync).
         sections: multi-axis RoPE (M-RoPE, axial 2-D/3-D RoPE): the number of rotary pairs
             each position axis turns, summing to ``rotary_dim // 2``. ``offset`` is added on
@@ -197,6 +251,10 @@ def apply_rope(
         offsets, offset = offset, 0
     elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
         raise TypeError(f"apply_rope: expected offset to be an int or an int64 tensor, got {offset!r}")
+    scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
+        scaling, base=base, rotary_dim=rotary_dim, head_dim=q.shape[-1] if q.dim() else 0, sections=sections,
+        sections_mode=sections_mode)
+    base = 10000.0 if base is None else base
     rope_type, values = scaling_arguments(scaling, _original_max)
     # -1: the op reads the longest position; _seq_len: the module read it already.
     seq_len = (-1 if _seq_len is None else _seq_len) if rope_type == "dynamic" else 0

@@ -202,7 +202,7 @@ class RotaryPositionalEncoding(nn.Module):
         dim: head_dim of q and k.
         max_len: positions must lie in ``[0, max_len)``; a clear error is raised otherwise
             (the functional :func:`posenc.functional.apply_rope` has no limit).
-        base: RoPE base ("rope_theta").
+        base: RoPE base ("rope_theta"; default 10000, or the scaling dict's ``rope_theta``).
         interleaved: rotate adjacent pairs (GPT-J, Meta LLaMA, torchtune) instead of halves
             (GPT-NeoX, Hugging Face ``rotate_half``).
         rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary);
@@ -233,7 +233,7 @@ class RotaryPositionalEncoding(nn.Module):
         self,
         dim: int,
         max_len: int = 4096,
-        base: float = 10000.0,
+        base: Optional[float] = None,
         *,
         interleaved: bool = False,
         rotary_dim: Optional[int] = None,
@@ -245,6 +245,12 @@ class RotaryPositionalEncoding(nn.Module):
         super().__init__()
         self.dim = _check_positive_int("dim", dim)
         self.max_len = _check_positive_int("max_len", max_len)
+        # A transformers 4/5 dict's rope_theta, partial_rotary_factor and mrope_section set
+        # base, rotary_dim and sections (an explicit argument that disagrees is an error).
+        scaling, base, rotary_dim, sections, sections_mode = _rope.resolve_config_keys(
+            scaling, base=base, rotary_dim=rotary_dim, head_dim=self.dim, sections=sections,
+            sections_mode=sections_mode, fn="RotaryPositionalEncoding")
+        base = 10000.0 if base is None else base
         if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
             raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
         self.base = float(base)
@@ -279,8 +285,16 @@ class RotaryPositionalEncoding(nn.Module):
         positions: Optional[Tensor] = None,
         offset=0,
         cu_seqlens: Optional[Tensor] = None,
+        input_pos: Optional[Tensor] = None,
     ):
-        """Rotated q, or (q, k) when k is given."""
+        """Rotated q, or (q, k) when k is given. ``input_pos`` is torchtune's name for
+        ``positions`` ((batch, seq) or (seq,)), so the module can serve as a torchtune
+        attention's ``pos_embeddings``."""
+        if input_pos is not None:
+            if positions is not None:
+                raise ValueError("RotaryPositionalEncoding: got both positions and input_pos (torchtune's name "
+                                 "for positions); pass one")
+            positions = input_pos
         if q.dim() >= 1 and q.shape[-1] != self.dim:
             raise ValueError(f"expected q with head_dim {self.dim} (the module's dim), got shape {tuple(q.shape)}")
         longest = self._check_range(q, positions, offset, cu_seqlens)

@@ -87,8 +87,13 @@ def rope_call(rng):
     base = pick(rng, [10000.0], [1.0, -1.0, NAN, 1e300])
     seq_len = pick(rng, [0, -1], [2**62, -5])
     rotary_dim = pick(rng, [-1, 4], [0, 3, 2 * D + 2])
+    # Multi-axis: sections (pairs per axis) with (n_axes, ...) coordinates, often mismatched.
+    sections = [] if rng.random() < 0.8 else pick(rng, [[2, 2], [1, 1, 2]], [[0, 4], [5], [1] * 5, [-1, 3], [2**40, 1]], 0.3)
+    if sections and rng.random() < 0.7:
+        positions = index(rng, pick(rng, [(len(sections), 3), (len(sections), 1, 3)], [(4, 3), (len(sections), 2, 3)]), 100)
+    mode = pick(rng, ["axial", "mrope", "mrope_interleaved"], ["", "MROPE"])
     args = (q, k, positions, offsets, pick(rng, [0, 5], HUGE), cu, base, rope_type, scaling, seq_len, rotary_dim,
-            rng.random() < 0.5, layout, rng.random() < 0.5)
+            rng.random() < 0.5, layout, rng.random() < 0.5, sections, mode)
     if rng.random() < 0.3:
         return lambda: ops.rope_(*args)
     return lambda: ops.rope(*args)

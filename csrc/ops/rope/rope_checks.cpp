@@ -42,24 +42,27 @@ void check_index_tensor(const char* name, const at::Tensor& t, const at::Tensor&
 void check_positions_shape(const RopeCall& c, const c10::SymInt& batch, const c10::SymInt& seq) {
   const at::Tensor& p = *c.positions;
   if (!c.multi_axis()) {
+    // (1, seq): Hugging Face's position_ids of one sequence, shared by the batch rows.
     const bool ok = (p.dim() == 1 && p.sym_size(0) == seq) ||
-                    (p.dim() == 2 && p.sym_size(0) == batch && p.sym_size(1) == seq);
+                    (p.dim() == 2 && (p.sym_size(0) == batch || p.sym_size(0) == 1) &&
+                     p.sym_size(1) == seq);
     TORCH_CHECK(ok, "posenc: expected positions of shape (seq,) = (", seq, ",) or (batch, seq) = (",
-                batch, ", ", seq, "), got shape ", p.sym_sizes(),
-                " (coordinates of several axes need sections=[...])");
+                batch, ", ", seq, "), got shape ", p.sym_sizes(), " ((1, seq) serves every row; ",
+                "coordinates of several axes need sections=[...])");
     return;
   }
   const int64_t axes = c.n_axes();
   const bool thd = c.layout == RopeLayout::kTHD;
   const bool ok = p.dim() >= 1 && p.sym_size(0) == axes &&
                   ((p.dim() == 2 && p.sym_size(1) == seq) ||
-                   (!thd && p.dim() == 3 && p.sym_size(1) == batch && p.sym_size(2) == seq));
+                   (!thd && p.dim() == 3 && (p.sym_size(1) == batch || p.sym_size(1) == 1) &&
+                    p.sym_size(2) == seq));
   if (thd) {
     TORCH_CHECK(ok, "posenc: expected positions of shape (n_axes, tokens) = (", axes, ", ", seq,
                 ") for layout 'thd' with ", axes, " sections, got shape ", p.sym_sizes());
   } else {
     TORCH_CHECK(ok, "posenc: expected positions of shape (n_axes, seq) = (", axes, ", ", seq,
-                ") or (n_axes, batch, seq) = (", axes, ", ", batch, ", ", seq, ") for ", axes,
+                ") or (n_axes, batch, seq) = (", axes, ", ", batch, ", ", seq, ") or (n_axes, 1, seq) for ", axes,
                 " sections (one axis each), got shape ", p.sym_sizes());
   }
 }

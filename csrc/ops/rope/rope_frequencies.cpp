@@ -17,16 +17,6 @@ RopePairFrequencies rope_pair_frequencies(int64_t rotary_dim, double base,
                                           const math::RopeScalingParams& scaling, int64_t seq_len,
                                           const std::vector<int64_t>& sections,
                                           math::RopeSectionsMode sections_mode) {
-  TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0,
-                    "posenc: expected rotary_dim to be a positive even number, got ", rotary_dim);
-  // The kernels hold the frequencies per launch: a module with a larger dim would build
-  // and then fail at its first call, so rope_frequencies refuses it too.
-  TORCH_CHECK_VALUE(rotary_dim / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rotary_dim,
-                    " is not supported; expected at most ", 2 * kMaxRopePairs);
-  check_rope_base(base);
-  check_rope_scaling(scaling);
-  check_rope_sections(sections, sections_mode, rotary_dim);
-  TORCH_CHECK_VALUE(seq_len >= 0, "posenc: expected seq_len >= 0, got ", seq_len);
   const int64_t one_axis[1] = {rotary_dim / 2};
   const int64_t* secs = sections.empty() ? one_axis : sections.data();
   const int n_axes = sections.empty() ? 1 : static_cast<int>(sections.size());
@@ -57,10 +47,21 @@ std::tuple<at::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,
                                                 at::IntArrayRef sections,
                                                 c10::string_view sections_mode) {
   const std::string type(rope_type.data(), rope_type.size());
-  const std::string mode(sections_mode.data(), sections_mode.size());
+  const std::string mode_name(sections_mode.data(), sections_mode.size());
   const math::RopeScalingParams params = parse_rope_scaling(type, scaling.vec());
-  const RopePairFrequencies f = rope_pair_frequencies(
-      rotary_dim, base, params, seq_len, sections.vec(), parse_rope_sections_mode(mode));
+  const math::RopeSectionsMode mode = parse_rope_sections_mode(mode_name);
+  TORCH_CHECK_VALUE(rotary_dim > 0 && rotary_dim % 2 == 0,
+                    "posenc: expected rotary_dim to be a positive even number, got ", rotary_dim);
+  // The kernels hold the frequencies per launch: a module with a larger dim would build
+  // and then fail at its first call, so rope_frequencies refuses it too.
+  TORCH_CHECK_VALUE(rotary_dim / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rotary_dim,
+                    " is not supported; expected at most ", 2 * kMaxRopePairs);
+  check_rope_base(base);
+  check_rope_scaling(params);
+  check_rope_sections(sections.vec(), mode, rotary_dim);
+  TORCH_CHECK_VALUE(seq_len >= 0, "posenc: expected seq_len >= 0, got ", seq_len);
+  const RopePairFrequencies f =
+      rope_pair_frequencies(rotary_dim, base, params, seq_len, sections.vec(), mode);
   at::Tensor out = at::empty({static_cast<int64_t>(f.inv_freq.size())}, at::kDouble);
   std::copy(f.inv_freq.begin(), f.inv_freq.end(), out.mutable_data_ptr<double>());
   return {out, f.attention_factor};

@@ -82,9 +82,12 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
   if (c.positions.has_value()) {
     launch.positions = c.positions->contiguous();
     a.positions = long_data(launch.positions);
-    // (seq,) / (axes, seq): shared by the batch rows; (batch, seq) / (axes, batch, seq) not.
+    // (seq,), (1, seq) and their (axes, ...) forms are shared by the batch rows; (batch,
+    // seq) and (axes, batch, seq) are not.
     const int64_t batch_dims = c.positions->dim() - (c.multi_axis() ? 1 : 0);
-    a.positions_batch_stride = batch_dims == 2 ? a.seq : 0;
+    const bool per_row = batch_dims == 2 && c.positions->size(c.positions->dim() - 2) == a.batch &&
+                         a.batch != 1;
+    a.positions_batch_stride = per_row ? a.seq : 0;
     a.positions_axis_stride = c.multi_axis() ? launch.positions.stride(0) : 0;
   }
   if (c.offsets.has_value()) {

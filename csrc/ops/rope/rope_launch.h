@@ -13,8 +13,10 @@
 namespace posenc {
 namespace ops {
 
-// The per-pair frequencies of a configuration, validated (finite, positive), with the
-// position axis of each pair, and the factor on cos and sin.
+// The per-pair frequencies of a checked configuration (check_rope_structure and
+// check_rope_settings, or the rope_frequencies op's checks), with the position axis of each
+// pair and the factor on cos and sin. Raises when extreme settings give a frequency that is
+// not finite and positive.
 struct RopePairFrequencies {
   std::vector<double> inv_freq;
   std::vector<uint8_t> axis;

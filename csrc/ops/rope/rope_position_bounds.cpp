@@ -18,8 +18,7 @@ namespace ops {
 
 std::tuple<int64_t, int64_t> rope_position_bounds_of(const RopeCall& c) {
   const std::tuple<int64_t, int64_t> none{0, -1};
-  const int64_t offset = c.concrete_offset();
-  check_rope_position_value("offset", offset);
+  const int64_t offset = c.concrete_offset();  // domain-checked with the call's settings
   const at::Tensor qv = rope_canonical_view(c.q, c.layout);
   const int64_t batch = qv.size(0);
   const int64_t seq = qv.size(1);  // tokens for 'thd'
@@ -99,6 +98,7 @@ namespace {
 void rope_position_bounds_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const RopeCall c = RopeCall::pop(*stack);
   check_rope_structure(c);
+  check_rope_settings(c);
   auto [lo, hi] = rope_position_bounds_of(c);
   stack->emplace_back(lo);
   stack->emplace_back(hi);

@@ -1,0 +1,87 @@
+"""RoPE settings as users already hold them: transformers 4 and 5 rope dicts (rope_theta,
+partial_rotary_factor, Qwen-VL's mrope_section / mrope_interleaved, "mrope"), Hugging Face's
+(1, seq) position_ids, and torchtune's ``input_pos=``."""
+
+import pytest
+import torch
+
+import posenc
+from multi_axis_reference import qwen2vl_mrope, qwen3vl_mrope_interleaved
+from posenc.functional import apply_rope, rope_frequencies
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 8192}
+
+
+def test_transformers5_dict_sets_base():
+    q = torch.randn(2, 5, 3, 16, dtype=torch.float64)
+    want = apply_rope(q, base=500000.0, scaling=LLAMA3)
+    assert torch.equal(apply_rope(q, scaling={**LLAMA3, "rope_theta": 500000.0}), want)
+    assert torch.equal(apply_rope(q, base=500000.0, scaling={**LLAMA3, "rope_theta": 500000.0}), want)
+    assert not torch.equal(apply_rope(q, scaling=LLAMA3), want)  # the default base is 10000
+    with pytest.raises(ValueError, match=r"base=10000.0 disagrees with the scaling dict's rope_theta=500000.0"):
+        apply_rope(q, base=10000.0, scaling={**LLAMA3, "rope_theta": 500000.0})
+    rope = posenc.RotaryPositionalEncoding(16, scaling={"rope_type": "default", "rope_theta": 1e6})
+    assert rope.base == 1e6 and torch.equal(rope(q), apply_rope(q, base=1e6))
+    inv, _ = rope_frequencies(16, scaling={"rope_type": "default", "rope_theta": 1e6})
+    torch.testing.assert_close(inv, 1e6 ** (-torch.arange(0, 16, 2, dtype=torch.float64) / 16))
+    with pytest.raises(ValueError, match=r"unknown rope scaling key\(s\) \['theta'\]"):
+        apply_rope(q, scaling={"rope_type": "default", "theta": 3.0})
+
+
+def test_partial_rotary_factor_sets_rotary_dim():
+    q = torch.randn(2, 5, 3, 32, dtype=torch.float64)
+    cfg = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
+    assert torch.equal(apply_rope(q, scaling=cfg), apply_rope(q, rotary_dim=8))
+    assert torch.equal(apply_rope(q, scaling=cfg, rotary_dim=8), apply_rope(q, rotary_dim=8))
+    with pytest.raises(ValueError, match=r"rotary_dim=16 disagrees with the scaling dict's partial_rotary_factor=8"):
+        apply_rope(q, scaling=cfg, rotary_dim=16)
+    rope = posenc.RotaryPositionalEncoding(32, scaling=cfg)
+    assert rope.rotary_dim == 8 and torch.equal(rope(q), apply_rope(q, rotary_dim=8))
+    with pytest.raises(ValueError, match="partial_rotary_factor' in \\(0, 1\\]"):
+        apply_rope(q, scaling={"rope_type": "default", "partial_rotary_factor": 1.5})
+
+
+def test_qwen_vl_dicts_set_sections():
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 128, dtype=torch.float64), torch.randn(2, 2, 9, 128, dtype=torch.float64)
+    pos = torch.randint(0, 500, (3, 2, 9))
+    # transformers 4 Qwen2-VL: {"type": "mrope", "mrope_section": [...]} with rope_theta beside it.
+    v4 = {"type": "mrope", "mrope_section": [16, 24, 24], "rope_theta": 1e6}
+    oq, ok = apply_rope(q, k, positions=pos, scaling=v4, layout="bhsd")
+    rq, rk = qwen2vl_mrope(q, k, pos, [16, 24, 24], 1e6)
+    torch.testing.assert_close(oq, rq)
+    torch.testing.assert_close(ok, rk)
+    # transformers 5 Qwen3-VL rope_parameters.
+    v5 = {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True, "rope_theta": 5e6}
+    oq, ok = apply_rope(q, k, positions=pos, scaling=v5, layout="bhsd")
+    rq, rk = qwen3vl_mrope_interleaved(q, k, pos, [24, 20, 20], 5e6)
+    torch.testing.assert_close(oq, rq)
+    torch.testing.assert_close(ok, rk)
+    rope = posenc.RotaryPositionalEncoding(128, max_len=1000, scaling=v5, layout="bhsd")
+    assert rope.sections == [24, 20, 20] and rope.sections_mode == "mrope_interleaved"
+    assert all(torch.equal(a, b) for a, b in zip(rope(q, k, positions=pos), (oq, ok)))
+    with pytest.raises(ValueError, match=r"sections=\[16, 24, 24\] disagrees with the scaling dict's mrope_section"):
+        apply_rope(q, positions=pos, scaling=v5, sections=[16, 24, 24], layout="bhsd")
+
+
+def test_hf_position_ids_of_one_sequence():
+    """position_ids (1, seq) serve every batch row, as Hugging Face broadcasts them."""
+    q = torch.randn(3, 6, 2, 8, dtype=torch.float64)
+    pos = torch.tensor([[4, 9, 1, 0, 7, 7]])
+    assert torch.equal(apply_rope(q, positions=pos), apply_rope(q, positions=pos[0]))
+    rope = posenc.RotaryPositionalEncoding(8, max_len=10)
+    assert torch.equal(rope(q, positions=pos), apply_rope(q, positions=pos[0]))
+
+
+def test_torchtune_input_pos():
+    """torchtune's attention calls pos_embeddings(q, input_pos=...)."""
+    rope = posenc.RotaryPositionalEncoding(16, max_len=64, interleaved=True)
+    q = torch.randn(2, 5, 3, 16)
+    input_pos = torch.randint(0, 64, (2, 5))
+    assert torch.equal(rope(q, input_pos=input_pos), rope(q, positions=input_pos))
+    assert torch.equal(rope(q, input_pos=None), rope(q))
+    with pytest.raises(ValueError, match="both positions and input_pos"):
+        rope(q, positions=input_pos, input_pos=input_pos)
+    with pytest.raises(IndexError, match="max_len=64"):
+        rope(q, input_pos=input_pos + 64)
