@@ -6,7 +6,7 @@ INSTALL   := $(BUILD)/install
 MAX_JOBS  ?= 2
 export PYTHONPATH := $(CURDIR)/python
 
-.PHONY: all setup build demo test test-cpp test-example test-python test-install bench clean
+.PHONY: all setup build demo test test-cpp test-example test-python test-install test-sanitize bench clean
 
 all: build
 
@@ -39,9 +39,15 @@ test-python:
 test-install:
 	bash tests/python/run_pip_install.sh $(CURDIR)/$(PY)
 
+# AddressSanitizer + UBSan: a CPU-only libposenc built with -fsanitize=address,undefined in
+# build-sanitize/ under the GoogleTest binary and the CPU pytest suite; stops at the first
+# report. Leak checking is off (CPython and torch leak by design). CONTRIBUTING.md, "Sanitizers".
+test-sanitize: setup
+	bash scripts/sanitize.sh $(CURDIR)/$(PY)
+
 bench: build
 	$(PY) benchmarks/bench_add_position.py
 	$(PY) benchmarks/bench_rope.py --device all
 
 clean:
-	rm -rf $(BUILD) python/posenc/lib
+	rm -rf $(BUILD) build-sanitize python/posenc/lib

@@ -44,31 +44,28 @@ def close(out, ref, dtype=F64):
 # ---- The peers' formulas.
 
 
+QWEN_CASES = [
+    # transformers' Qwen2-VL apply_multimodal_rotary_pos_emb, and Qwen3-VL's interleaved M-RoPE
+    (qwen2vl_mrope, "mrope", 128, [16, 24, 24], 1e6),
+    (qwen2vl_mrope, "mrope", 20, [2, 4, 4], 1e6),
+    (qwen2vl_mrope, "mrope", 14, [3, 2, 2], 1e6),
+    (qwen3vl_mrope_interleaved, "mrope_interleaved", 128, [24, 20, 20], 5e6),
+    (qwen3vl_mrope_interleaved, "mrope_interleaved", 64, [12, 10, 10], 5e6),
+    (qwen3vl_mrope_interleaved, "mrope_interleaved", 20, [4, 3, 3], 5e6),
+]
+
+
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("head_dim, section", [(128, [16, 24, 24]), (20, [2, 4, 4]), (14, [3, 2, 2])])
-def test_qwen2vl_mrope(device, head_dim, section):
-    """transformers' Qwen2-VL apply_multimodal_rotary_pos_emb (HF layout (B, H, S, D), GQA)."""
+@pytest.mark.parametrize("case", QWEN_CASES, ids=lambda c: f"{c[1]}-{c[2]}")
+def test_qwen_vl_mrope(device, case):
+    """Qwen-VL M-RoPE in the HF layout (B, H, S, D), with GQA, on random (t, h, w) positions."""
+    reference, mode, head_dim, section, base = case
     torch.manual_seed(0)
     B, S = 2, 13
     q, k = rand(B, 4, S, head_dim, device=device), rand(B, 2, S, head_dim, device=device)
-    pos = torch.randint(0, 900, (3, B, S), device=device)
-    rq, rk = qwen2vl_mrope(q.cpu(), k.cpu(), pos.cpu(), section, 1e6)
-    oq, ok = apply_rope(q, k, positions=pos, sections=section, sections_mode="mrope", base=1e6, layout="bhsd")
-    close(oq, rq)
-    close(ok, rk)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("head_dim, section", [(128, [24, 20, 20]), (64, [12, 10, 10]), (20, [4, 3, 3])])
-def test_qwen3vl_mrope_interleaved(device, head_dim, section):
-    """transformers' Qwen3-VL interleaved M-RoPE."""
-    torch.manual_seed(1)
-    B, S = 2, 11
-    q, k = rand(B, 3, S, head_dim, device=device), rand(B, 1, S, head_dim, device=device)
     pos = torch.randint(0, 5000, (3, B, S), device=device)
-    rq, rk = qwen3vl_mrope_interleaved(q.cpu(), k.cpu(), pos.cpu(), section, 5e6)
-    oq, ok = apply_rope(q, k, positions=pos, sections=section, sections_mode="mrope_interleaved",
-                        base=5e6, layout="bhsd")
+    rq, rk = reference(q.cpu(), k.cpu(), pos.cpu(), section, base)
+    oq, ok = apply_rope(q, k, positions=pos, sections=section, sections_mode=mode, base=base, layout="bhsd")
     close(oq, rq)
     close(ok, rk)
 
