@@ -62,16 +62,9 @@ class BuildWithCMake(build_ext):
                               env=env)
 
 
+# Metadata (name, version, dependencies) lives in pyproject.toml; this file adds the
+# CMake-built library.
 setup(
-    name="posenc",
-    version="0.1.0",
-    description="Positional encodings for Transformers as fused LibTorch ops (CPU and CUDA)",
-    package_dir={"": "python"},
-    packages=["posenc"],
     ext_modules=[CMakeLibrary("posenc.lib.libposenc")],
     cmdclass={"build_ext": BuildWithCMake},
-    python_requires=">=3.9",
-    install_requires=["torch>=2.11"],
-    extras_require={"demo": ["matplotlib"]},
-    zip_safe=False,
 )

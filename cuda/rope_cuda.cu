@@ -161,8 +161,7 @@ __global__ void __launch_bounds__(kMaxThreads)
         load_pairs<scalar_t, acc_t, P, kVec>(in, op.in_stride[3], half, a.interleaved, p0, x1, x2);
 #pragma unroll
         for (int k = 0; k < P; ++k) {
-          y1[k] = x1[k] * cs[k] - x2[k] * sn[k];
-          y2[k] = x2[k] * cs[k] + x1[k] * sn[k];
+          math::rope_rotate_pair(x1[k], x2[k], cs[k], sn[k], &y1[k], &y2[k]);
         }
         store_pairs<scalar_t, acc_t, P, kVec>(out, op.out_stride[3], half, a.interleaved, p0, y1,
                                               y2);

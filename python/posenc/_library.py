@@ -25,11 +25,41 @@ def _candidates() -> list[Path]:
     return found
 
 
+def _same_torch(built: str, running: str) -> bool:
+    """A build records torch.__version__ (e.g. 2.11.0+cu130), or only the release when it was
+    configured without Python."""
+    return built == running or ("+" not in built and built == running.split("+")[0])
+
+
+def check_torch_version(path: Path) -> None:
+    """ImportError when libposenc at `path` was built against another torch than the running
+    one (the build writes posenc_torch_version.txt beside the library): the ABI is torch's
+    and changes between releases, so loading it would fail with undefined symbols, or run
+    with mismatched data structures."""
+    record = path.with_name("posenc_torch_version.txt")
+    if not record.is_file():
+        return  # built by hand without the record: nothing to compare
+    built = record.read_text().strip()
+    if built and not _same_torch(built, torch.__version__):
+        raise ImportError(
+            f"posenc: {path} was built against torch {built}, but this Python runs torch "
+            f"{torch.__version__}; rebuild posenc for this torch (`make build`, or "
+            f"`pip install --force-reinstall --no-deps .`)"
+        )
+
+
 def load() -> Path:
     """Load libposenc once; returns the path it was loaded from."""
     for path in _candidates():
         if path.is_file():
-            torch.ops.load_library(str(path))
+            check_torch_version(path)
+            try:
+                torch.ops.load_library(str(path))
+            except OSError as e:
+                raise ImportError(
+                    f"posenc: could not load {path} ({e}); it may have been built against another "
+                    f"torch than {torch.__version__}: rebuild it (`make build` or `pip install .`)"
+                ) from e
             return path
     raise ImportError(
         "posenc: could not find the compiled library libposenc (looked in "

@@ -55,14 +55,21 @@ inline bool token_positions(const RopeArgs& a, int64_t b, int64_t s, int64_t* po
   return true;
 }
 
-// Pair (x1, x2) -> (x1 c - x2 s, x2 c + x1 s).
+// Pair (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), rounded as math::rope_rotate_pair.
 template <typename scalar_t, typename acc_t>
 inline void rotate_pair(const scalar_t* in, int64_t i1, int64_t i2, scalar_t* out, int64_t o1,
                         int64_t o2, acc_t c, acc_t s) {
-  const acc_t x1 = static_cast<acc_t>(in[i1]);
-  const acc_t x2 = static_cast<acc_t>(in[i2]);
-  out[o1] = static_cast<scalar_t>(x1 * c - x2 * s);
-  out[o2] = static_cast<scalar_t>(x2 * c + x1 * s);
+  acc_t y1, y2;
+  math::rope_rotate_pair(static_cast<acc_t>(in[i1]), static_cast<acc_t>(in[i2]), c, s, &y1, &y2);
+  out[o1] = static_cast<scalar_t>(y1);
+  out[o2] = static_cast<scalar_t>(y2);
+}
+
+// math::rope_rotate_pair on vectors: one rounded product, one fused multiply-add per output.
+template <typename Vec>
+inline void rotate_vec(const Vec& x1, const Vec& x2, const Vec& c, const Vec& s, Vec& y1, Vec& y2) {
+  y1 = at::vec::fmadd(x1, c, (x2 * s).neg());
+  y2 = at::vec::fmadd(x2, c, x1 * s);
 }
 
 // Any strides, any dtype: pair p of the row with element strides si (in) and so (out).
@@ -89,14 +96,18 @@ void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
     for (; p + W <= half; p += W) {
       const Vec x1 = Vec::loadu(in + p), x2 = Vec::loadu(in + half + p);
       const Vec c = Vec::loadu(t.cs + p), s = Vec::loadu(t.sn + p);
-      (x1 * c - x2 * s).store(out + p);
-      (x2 * c + x1 * s).store(out + half + p);
+      Vec y1, y2;
+      rotate_vec(x1, x2, c, s, y1, y2);
+      y1.store(out + p);
+      y2.store(out + half + p);
     }
   } else {
     for (; p + W <= half; p += W) {
       auto [x1, x2] = at::vec::deinterleave2(Vec::loadu(in + 2 * p), Vec::loadu(in + 2 * p + W));
       const Vec c = Vec::loadu(t.cs + p), s = Vec::loadu(t.sn + p);
-      auto [o0, o1] = at::vec::interleave2(x1 * c - x2 * s, x2 * c + x1 * s);
+      Vec y1, y2;
+      rotate_vec(x1, x2, c, s, y1, y2);
+      auto [o0, o1] = at::vec::interleave2(y1, y2);
       o0.store(out + 2 * p);
       o1.store(out + 2 * p + W);
     }
@@ -116,8 +127,7 @@ void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out
   const int64_t half = a.rotary_dim / 2;
   auto rotate = [&](const VecF& x1, const VecF& x2, int64_t p, VecF& y1, VecF& y2) {
     const VecF c = VecF::loadu(t.cs + p), s = VecF::loadu(t.sn + p);
-    y1 = x1 * c - x2 * s;
-    y2 = x2 * c + x1 * s;
+    rotate_vec(x1, x2, c, s, y1, y2);
   };
   int64_t p = 0;
   if (!a.interleaved) {

@@ -85,6 +85,43 @@ POSENC_HOST_DEVICE void rope_pair_features(int64_t p, int64_t half, bool interle
   *e2 = interleaved ? 2 * p + 1 : p + half;
 }
 
+// The rotation of one pair, (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), rounded the same way on
+// every path (vectorised or scalar, CPU or CUDA, any alignment or stride): each output is one
+// rounded product and one fused multiply-add,
+//   y1 = fma(x1, c, -(x2 * s)),   y2 = fma(x2, c, x1 * s).
+// Written out because compilers contract x1 * c - x2 * s into FMAs differently per code
+// path (nvcc per instantiation, gcc between its vector and scalar loops), which made results
+// depend on the path by 1 ulp. The CPU vector loops spell the same two steps with
+// at::vec::fmadd.
+template <typename T>
+POSENC_HOST_DEVICE T rope_mul_rn(T a, T b) {
+#if defined(__CUDA_ARCH__)
+  if constexpr (sizeof(T) == 8) {
+    return __dmul_rn(a, b);
+  } else {
+    return __fmul_rn(a, b);
+  }
+#else
+  return a * b;  // a product alone is never contracted
+#endif
+}
+
+// a * b + c rounded once, in T (std::fma's float overload on the host: the C ::fma is double).
+template <typename T>
+POSENC_HOST_DEVICE T rope_fma(T a, T b, T c) {
+#if defined(__CUDA_ARCH__)
+  return fma(a, b, c);  // CUDA's overloads: fmaf for float
+#else
+  return std::fma(a, b, c);
+#endif
+}
+
+template <typename T>
+POSENC_HOST_DEVICE void rope_rotate_pair(T x1, T x2, T c, T s, T* y1, T* y2) {
+  *y1 = rope_fma(x1, c, -rope_mul_rn(x2, s));
+  *y2 = rope_fma(x2, c, rope_mul_rn(x1, s));
+}
+
 POSENC_HOST_DEVICE double rope_default_inv_freq(int64_t i, int64_t rotary_dim, double base) {
   return 1.0 / pow(base, static_cast<double>(2 * i) / static_cast<double>(rotary_dim));
 }
