@@ -4,6 +4,7 @@
 #include <cmath>
 
 #include "modules/module_forward.h"
+#include "ops/op_handles.h"
 #include "posenc/modules.h"
 #include "posenc/ops.h"
 
@@ -15,13 +16,12 @@ torch::Tensor add_position_module_forward(const torch::Tensor& x, const torch::T
                                           int64_t offset,
                                           const std::optional<torch::Tensor>& positions,
                                           bool batch_first, double p, bool check_positions) {
+  // CUDA int64 positions: one read-back of their bounds (op position_bounds, shared with
+  // the Python modules). CPU ones are checked in the kernel; other dtypes get the op's
+  // TypeError.
   if (positions.has_value() && check_positions && positions->is_cuda() &&
-      positions->numel() > 0) {
-    const int64_t max_len = pe.size(1);
-    const auto lo = positions->min().item<int64_t>();
-    const auto hi = positions->max().item<int64_t>();
-    TORCH_CHECK_INDEX(lo >= 0 && hi < max_len, "posenc: expected positions in [0, max_len=",
-                      max_len, "), got values from ", lo, " to ", hi);
+      positions->scalar_type() == at::kLong) {
+    ops::position_bounds_op().call(*positions, pe.size(1));
   }
   return add_position(x, pe, positions, offset, batch_first, p);
 }

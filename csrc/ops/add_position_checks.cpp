@@ -6,6 +6,8 @@
 #include <cmath>
 #include <limits>
 
+#include "ops/position_bounds.h"
+
 namespace posenc {
 namespace ops {
 
@@ -161,9 +163,9 @@ void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len
   const int64_t* data = pos.const_data_ptr<int64_t>();
   const int64_t n = pos.numel();
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK_INDEX(data[i] >= 0 && data[i] < table_len,
-                      "posenc: expected positions in [0, max_len=", table_len, "), found ",
-                      data[i], " at flat index ", i);
+    if (data[i] < 0 || data[i] >= table_len) {
+      throw_position_out_of_range(table_len, data[i], c10::str(" at flat index ", i));
+    }
   }
 }
 

@@ -23,6 +23,16 @@ using AddPositionBackwardWithTableSig = std::tuple<at::Tensor, at::Tensor>(
 using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double,
                                       std::optional<at::ScalarType>);
 
+// The helpers (ops/helpers/*.cpp) and the add-position modules' range check.
+using MakePositionsSig = at::Tensor(const at::Tensor&, int64_t);
+using Sinusoidal2dTableSig = at::Tensor(int64_t, int64_t, int64_t, double, int64_t,
+                                        std::optional<at::ScalarType>, std::optional<at::Device>);
+using ResamplePositionTableSig = at::Tensor(const at::Tensor&, at::IntArrayRef,
+                                            at::OptionalIntArrayRef, int64_t, c10::string_view,
+                                            bool);
+using TimestepEmbeddingSig = at::Tensor(const at::Tensor&, int64_t, double, bool, double, double);
+using PositionBoundsSig = std::tuple<int64_t, int64_t>(const at::Tensor&, std::optional<int64_t>);
+
 using RopeFrequenciesSig = std::tuple<at::Tensor, double>(int64_t, double, c10::string_view,
                                                           at::ArrayRef<double>, int64_t,
                                                           at::IntArrayRef, c10::string_view);
@@ -54,6 +64,27 @@ add_position_backward_with_table_op() {
 }
 inline const c10::TypedOperatorHandle<SinusoidalTableSig>& sinusoidal_table_op() {
   static const auto handle = find_op<SinusoidalTableSig>("posenc::sinusoidal_table");
+  return handle;
+}
+
+inline const c10::TypedOperatorHandle<MakePositionsSig>& make_positions_op() {
+  static const auto handle = find_op<MakePositionsSig>("posenc::make_positions");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<Sinusoidal2dTableSig>& sinusoidal_2d_table_op() {
+  static const auto handle = find_op<Sinusoidal2dTableSig>("posenc::sinusoidal_2d_table");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<ResamplePositionTableSig>& resample_position_table_op() {
+  static const auto handle = find_op<ResamplePositionTableSig>("posenc::resample_position_table");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<TimestepEmbeddingSig>& timestep_embedding_op() {
+  static const auto handle = find_op<TimestepEmbeddingSig>("posenc::timestep_embedding");
+  return handle;
+}
+inline const c10::TypedOperatorHandle<PositionBoundsSig>& position_bounds_op() {
+  static const auto handle = find_op<PositionBoundsSig>("posenc::position_bounds");
   return handle;
 }
 

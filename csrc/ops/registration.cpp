@@ -12,6 +12,9 @@
 //
 // The RoPE ops (rope, rope_, rope_position_bounds, rope_frequencies, rope_scaling_spec) are
 // defined beside the one reader of their arguments, in rope/rope_call.cpp.
+// The helpers (make_positions, sinusoidal_2d_table, resample_position_table,
+// timestep_embedding: helpers/*.cpp) and position_bounds (position_bounds.cpp) are each
+// defined in their own file, beside their one kernel.
 #include <ATen/core/enum_tag.h>
 #include <torch/library.h>
 

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import operator
-from typing import Optional
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -24,29 +23,40 @@ __all__ = [
 ]
 
 
-def _int_arg(fn: str, name: str, value) -> int:
-    """value as an int (Python or numpy integer, not bool), or ValueError naming it."""
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int_arg(fn: str, name: str, value: Any) -> int:
+    """value as an int64 (Python or numpy integer, not bool), or ValueError naming it. Only
+    the type is normalised here: the op checks the value."""
     if not isinstance(value, bool):
         try:
-            return operator.index(value)
+            number = operator.index(value)
         except TypeError:
             pass
+        else:
+            if _INT64_MIN <= number <= _INT64_MAX:
+                return number
+            raise ValueError(f"{fn}: expected {name} to fit in int64, got {number}")
     raise ValueError(f"{fn}: expected {name} to be an int, got {value!r}")
 
 
-def _finite_arg(fn: str, name: str, value, *, above: Optional[float] = None) -> float:
+def _float_arg(fn: str, name: str, value: Any) -> float:
     """value (a real number: Python, numpy or a one-element tensor; not bool or str) as a
-    finite float, above `above` when given, or ValueError naming it."""
-    number = None
+    float, or ValueError naming it. Only the type is normalised here: the op checks the
+    value (finite, positive, ...)."""
     if not isinstance(value, (bool, str, bytes)):
         try:
-            number = float(value)
-        except (TypeError, ValueError, RuntimeError):
+            return float(value)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
             pass
-    if number is not None and math.isfinite(number) and (above is None or number > above):
-        return number
-    what = "a finite number" + (f" > {above:g}" if above is not None else "")
-    raise ValueError(f"{fn}: expected {name} to be {what}, got {value!r}")
+    raise ValueError(f"{fn}: expected {name} to be a real number, got {value!r}")
+
+
+def _tensor_arg(fn: str, name: str, value: Any) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(value).__name__}")
+    return value
 
 
 def sinusoidal_table(
@@ -103,37 +113,23 @@ def timestep_embedding(
     and one zero column appended when ``dim`` is odd. Computed in float32 with the same
     operation order as diffusers so the numbers agree. Where diffusers divides 0 by 0
     (``dim // 2 == downscale_freq_shift``, e.g. dim 2 or 3 with the default shift) and
-    returns NaN, this raises ValueError instead.
+    returns NaN, this raises ValueError instead. Op ``torch.ops.posenc.timestep_embedding``
+    (the C++ ``posenc::timestep_embedding`` calls it too).
     """
-    if not isinstance(t, Tensor) or t.dim() != 1:
-        shape = tuple(t.shape) if isinstance(t, Tensor) else type(t).__name__
-        raise ValueError(f"timestep_embedding: expected t to be a 1-D tensor of timesteps, got {shape}")
-    original_dim = dim
+    fn = "timestep_embedding"
+    t = _tensor_arg(fn, "t", t)
     try:
-        dim = _int_arg("timestep_embedding", "dim", dim)  # ints and numpy ints, not bool
+        dim = _int_arg(fn, "dim", dim)  # ints and numpy ints; not 2.5, True or "8"
     except ValueError:
-        dim = None
-    if dim is None or dim <= 0:
-        raise ValueError(f"timestep_embedding: expected dim to be a positive int, got {original_dim!r}")
-    max_period = _finite_arg("timestep_embedding", "max_period", max_period, above=0.0)
-    downscale_freq_shift = _finite_arg("timestep_embedding", "downscale_freq_shift", downscale_freq_shift)
-    scale = _finite_arg("timestep_embedding", "scale", scale)
-    half = dim // 2
-    if half > 0 and half - downscale_freq_shift == 0:
-        raise ValueError(
-            f"timestep_embedding: half of dim ({half}) minus downscale_freq_shift "
-            f"({downscale_freq_shift}) must not be zero"
-        )
-    exponent = -math.log(max_period) * torch.arange(half, dtype=torch.float32, device=t.device)
-    exponent = exponent / (half - downscale_freq_shift) if half > 0 else exponent
-    emb = t[:, None].float() * torch.exp(exponent)[None, :]
-    emb = scale * emb
-    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=-1)
-    if flip_sin_to_cos:
-        emb = torch.cat([emb[:, half:], emb[:, :half]], dim=-1)
-    if dim % 2 == 1:
-        emb = torch.nn.functional.pad(emb, (0, 1, 0, 0))
-    return emb
+        raise ValueError(f"{fn}: expected dim to be a positive int, got {dim!r}") from None
+    return torch.ops.posenc.timestep_embedding(
+        t,
+        dim,
+        _float_arg(fn, "max_period", max_period),
+        bool(flip_sin_to_cos),
+        _float_arg(fn, "downscale_freq_shift", downscale_freq_shift),
+        _float_arg(fn, "scale", scale),
+    )
 
 
 def make_positions(tokens: Tensor, padding_idx: int) -> Tensor:
@@ -141,61 +137,57 @@ def make_positions(tokens: Tensor, padding_idx: int) -> Tensor:
     ``padding_idx + 1, padding_idx + 2, ...`` along dim 1 and padding gets ``padding_idx``.
 
     ``tokens``: integer (batch, seq). Returns int64 positions of the same shape, ready for
-    ``positions=`` (with a table of at least ``padding_idx + seq + 1`` rows).
+    ``positions=`` (with a table of at least ``padding_idx + seq + 1`` rows). Op
+    ``torch.ops.posenc.make_positions`` (the C++ ``posenc::make_positions`` calls it too).
     """
-    if not isinstance(tokens, Tensor) or tokens.dim() != 2 or tokens.is_floating_point():
-        shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
-        raise ValueError(f"make_positions: expected integer tokens of shape (batch, seq), got {shape}")
-    padding_idx = _int_arg("make_positions", "padding_idx", padding_idx)
-    if not -(2**62) <= padding_idx <= 2**62:  # padding_idx + seq must stay an int64
-        raise ValueError(f"make_positions: expected padding_idx within +-2**62, got {padding_idx}")
-    mask = tokens.ne(padding_idx).to(torch.int64)
-    return torch.cumsum(mask, dim=1) * mask + padding_idx
-
-
-def _sincos_halves(coords: Tensor, dim: int, base: float) -> Tensor:
-    """[sin | cos] halves of dim/2 frequencies base^(-i/(dim/2)), in float64 (MAE's 1-D form)."""
-    omega = torch.arange(dim // 2, dtype=torch.float64) / (dim / 2.0)
-    omega = 1.0 / base**omega
-    angles = coords.reshape(-1, 1).to(torch.float64) * omega
-    return torch.cat([torch.sin(angles), torch.cos(angles)], dim=1)
+    fn = "make_positions"
+    return torch.ops.posenc.make_positions(
+        _tensor_arg(fn, "tokens", tokens), _int_arg(fn, "padding_idx", padding_idx)
+    )
 
 
 def sinusoidal_2d_table(
-    grid_h: int, grid_w: int, dim: int, *, base: float = 10000.0, num_prefix_tokens: int = 0,
+    grid_h: int,
+    grid_w: int,
+    dim: int,
+    *,
+    base: float = 10000.0,
+    num_prefix_tokens: int = 0,
     dtype: torch.dtype = torch.float32,
+    device: Optional[Union[torch.device, str, int]] = None,
 ) -> Tensor:
     """The fixed 2-D sin-cos table of MAE (``get_2d_sincos_pos_embed``), same layout.
 
     Returns (num_prefix_tokens + grid_h * grid_w, dim): zero rows for the prefix (class)
     tokens, then the patches in row-major (h, w) order. As in MAE the first dim/2 columns
     encode the patch's column index w and the last dim/2 its row index h, each as [sin | cos]
-    halves of dim/4 frequencies. ``dim`` must be a multiple of 4.
+    halves of dim/4 frequencies ``1 / base**(i / (dim/4))``, in float64, rounded once to
+    ``dtype``. ``dim`` must be a multiple of 4. Built on the host, then moved to ``device``.
+    Op ``torch.ops.posenc.sinusoidal_2d_table`` (the C++ ``posenc::sinusoidal_2d_table``
+    calls it too: the same bits).
     """
-    for name, value in (("grid_h", grid_h), ("grid_w", grid_w), ("dim", dim)):
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"sinusoidal_2d_table: expected {name} to be a positive integer, got {value!r}")
-    if dim % 4 != 0:
-        raise ValueError(f"sinusoidal_2d_table: expected dim to be a multiple of 4, got {dim}")
-    if isinstance(num_prefix_tokens, bool) or not isinstance(num_prefix_tokens, int) or num_prefix_tokens < 0:
-        raise ValueError(f"sinusoidal_2d_table: expected num_prefix_tokens >= 0, got {num_prefix_tokens!r}")
-    # base <= 1 gives frequencies that do not decrease (base 1: identical columns), as in
-    # sinusoidal_table and RoPE.
-    base = _finite_arg("sinusoidal_2d_table", "base", base, above=1.0)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(f"sinusoidal_2d_table: expected a floating-point dtype, got {dtype!r}")
-    rows = torch.arange(grid_h, dtype=torch.float64).repeat_interleave(grid_w)
-    cols = torch.arange(grid_w, dtype=torch.float64).repeat(grid_h)
-    table = torch.cat([_sincos_halves(cols, dim // 2, base), _sincos_halves(rows, dim // 2, base)], dim=1)
-    table = torch.cat([torch.zeros(num_prefix_tokens, dim, dtype=torch.float64), table], dim=0)
-    return table.to(dtype)
+    fn = "sinusoidal_2d_table"
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"{fn}: expected a floating-point dtype, got {dtype!r}")
+    return torch.ops.posenc.sinusoidal_2d_table(
+        _int_arg(fn, "grid_h", grid_h),
+        _int_arg(fn, "grid_w", grid_w),
+        _int_arg(fn, "dim", dim),
+        _float_arg(fn, "base", base),
+        _int_arg(fn, "num_prefix_tokens", num_prefix_tokens),
+        dtype,
+        None if device is None else torch.device(device),
+    )
+
+
+GridLike = Union[int, Sequence[int], Tensor]
 
 
 def resample_position_table(
     pe: Tensor,
-    new_grid,
+    new_grid: GridLike,
     *,
-    old_grid=None,
+    old_grid: Optional[GridLike] = None,
     num_prefix_tokens: int = 1,
     mode: str = "bicubic",
     antialias: bool = True,
@@ -205,61 +197,37 @@ def resample_position_table(
     Prefix (class/register) rows are kept unchanged; the H x W patch rows are resampled
     with ``F.interpolate`` (in float32, then cast back), as timm's
     ``resample_abs_pos_embed`` does. ``old_grid`` defaults to the square grid the table
-    implies. Returns (1, prefix + new_h * new_w, d). ``mode``: "bicubic", "bilinear" or
-    "nearest" (``antialias`` applies to the first two).
+    implies. Grids are (h, w) (any two-element sequence, tensor or array of ints) or one
+    int n for (n, n). Returns (1, prefix + new_h * new_w, d). ``mode``: "bicubic",
+    "bilinear" or "nearest" (``antialias`` applies to the first two). Op
+    ``torch.ops.posenc.resample_position_table`` (the C++ ``posenc::resample_position_table``
+    calls it too).
 
-    One deliberate difference from timm: timm returns the table unchanged whenever the new
-    grid is square with as many cells as the old one, even if the old grid was not square
-    (e.g. 8x2 -> 4x4); posenc returns it unchanged only when the grids are equal, and
-    resamples otherwise.
+    Differences from timm: timm returns the table unchanged whenever the new grid is square
+    with as many cells as the old one, even if the old grid was not square (e.g. 8x2 -> 4x4);
+    posenc resamples unless the grids are equal. For equal grids timm returns the table
+    itself, posenc a copy (the op's result never aliases ``pe``).
     """
-    if mode not in ("bicubic", "bilinear", "nearest"):
-        raise ValueError(f"resample_position_table: expected mode bicubic, bilinear or nearest, got {mode!r}")
-    if not isinstance(pe, Tensor) or pe.dim() != 3 or pe.shape[0] != 1:
-        shape = tuple(pe.shape) if isinstance(pe, Tensor) else type(pe).__name__
-        raise ValueError(f"resample_position_table: expected pe of shape (1, tokens, dim), got {shape}")
-    new_grid = _as_grid("new_grid", new_grid)
-    num_prefix_tokens = _int_arg("resample_position_table", "num_prefix_tokens", num_prefix_tokens)
-    if num_prefix_tokens < 0 or num_prefix_tokens > pe.shape[1]:
-        raise ValueError(
-            f"resample_position_table: expected 0 <= num_prefix_tokens <= {pe.shape[1]}, got {num_prefix_tokens}"
-        )
-    patches = pe.shape[1] - num_prefix_tokens
-    if old_grid is None:
-        side = math.isqrt(patches)
-        if side * side != patches:
-            raise ValueError(
-                f"resample_position_table: {patches} patch rows (after {num_prefix_tokens} prefix "
-                f"tokens) are not a square grid; pass old_grid=(h, w)"
-            )
-        old_grid = (side, side)
-    old_grid = _as_grid("old_grid", old_grid)
-    if old_grid[0] * old_grid[1] != patches:
-        raise ValueError(
-            f"resample_position_table: old_grid {old_grid} has {old_grid[0] * old_grid[1]} cells but "
-            f"the table has {patches} patch rows after {num_prefix_tokens} prefix tokens"
-        )
-    if old_grid == new_grid:
-        return pe
-    prefix, grid = pe[:, :num_prefix_tokens], pe[:, num_prefix_tokens:]
-    dim = pe.shape[-1]
-    image = grid.float().reshape(1, old_grid[0], old_grid[1], dim).permute(0, 3, 1, 2)
-    kwargs = {"antialias": antialias} if mode in ("bilinear", "bicubic") else {}
-    image = torch.nn.functional.interpolate(image, size=new_grid, mode=mode, **kwargs)
-    grid = image.permute(0, 2, 3, 1).reshape(1, -1, dim).to(pe.dtype)
-    return torch.cat([prefix, grid], dim=1)
+    fn = "resample_position_table"
+    if not isinstance(mode, str):
+        raise TypeError(f"{fn}: expected mode to be a str, got {type(mode).__name__}")
+    return torch.ops.posenc.resample_position_table(
+        _tensor_arg(fn, "pe", pe),
+        _as_grid("new_grid", new_grid),
+        None if old_grid is None else _as_grid("old_grid", old_grid),
+        _int_arg(fn, "num_prefix_tokens", num_prefix_tokens),
+        mode,
+        bool(antialias),
+    )
 
 
-def _as_grid(name: str, grid):
-    """(h, w) of ints (an int n means (n, n); any two-element sequence, tensor or array of
-    ints works); floats and bools are refused, not truncated."""
+def _as_grid(name: str, grid: GridLike) -> list[int]:
+    """[h, w] of ints (an int n means (n, n); any two-element sequence, tensor or array of
+    ints works); floats and bools are refused, not truncated. The op checks the values."""
     pair = grid if hasattr(grid, "__len__") and not isinstance(grid, (str, bytes)) else (grid, grid)
     try:
         if len(pair) != 2:
             raise ValueError
-        h, w = (_int_arg("resample_position_table", name, v) for v in pair)
+        return [_int_arg("resample_position_table", name, v) for v in pair]
     except (TypeError, ValueError):
         raise ValueError(f"resample_position_table: expected {name} to be (h, w) of ints, got {grid!r}") from None
-    if h <= 0 or w <= 0:
-        raise ValueError(f"resample_position_table: expected {name} to be positive, got {(h, w)}")
-    return (h, w)

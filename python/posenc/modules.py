@@ -27,19 +27,17 @@ def _check_probability(name: str, value) -> float:
 
 
 def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
-    """Range-check CUDA positions (CPU ones are checked inside the kernel).
+    """Range-check CUDA int64 positions (CPU ones are checked inside the kernel; other
+    dtypes get the op's TypeError).
 
-    This costs one device sync; the CUDA kernel never reads out of bounds, but could only
-    mark bad rows with NaN, so eager mode checks here. Under torch.compile the check is
-    left out (it would break the graph) and out-of-range rows come out as NaN.
+    Op ``position_bounds`` (shared with the C++ modules): one read-back of the smallest and
+    largest position, one device sync, IndexError outside [0, max_len). The CUDA kernel
+    never reads out of bounds, but could only mark bad rows with NaN, so eager mode checks
+    here. Under torch.compile the check is left out (it would break the graph) and
+    out-of-range rows come out as NaN.
     """
-    if positions.is_cuda and positions.numel() > 0 and not torch.compiler.is_compiling():
-        lo, hi = torch.aminmax(positions)
-        lo, hi = int(lo), int(hi)
-        if lo < 0 or hi >= max_len:
-            raise IndexError(
-                f"posenc: expected positions in [0, max_len={max_len}), got values from {lo} to {hi}"
-            )
+    if positions.is_cuda and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
+        torch.ops.posenc.position_bounds(positions, max_len)
 
 
 class _AddPositionModule(nn.Module):

@@ -1,14 +1,19 @@
 // GoogleTest: posenc::LearnedPositionalEncoding and the C++ helpers.
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cmath>
 #include <cstdio>
+#include <functional>
+#include <iterator>
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
+#include "ops/helpers/py_format.h"
 #include "posenc/posenc.h"
 
 namespace {
@@ -264,6 +269,205 @@ TEST(LearnedPositionalEncodingModule, RejectsBadOptions) {
   EXPECT_NO_THROW(Module(Opts(8).dropout(1.0)));
   Module zero(Opts(8).max_len(4).init_std(0.0));
   EXPECT_TRUE(torch::equal(zero->pe, torch::zeros({1, 4, 8})));
+}
+
+// An op called boxed, by name, every argument given as an IValue: no typed handle and no
+// C++ default involved, as torch.ops.posenc.<name>(...) from Python.
+c10::IValue call_op(const char* name, std::vector<c10::IValue> args) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+  torch::jit::Stack stack(std::make_move_iterator(args.begin()),
+                          std::make_move_iterator(args.end()));
+  op.callBoxed(&stack);
+  return stack.size() == 1 ? stack[0] : c10::IValue(c10::ivalue::Tuple::create(stack));
+}
+
+bool same_bits(const torch::Tensor& a, const torch::Tensor& b) {
+  return a.scalar_type() == b.scalar_type() && a.sizes() == b.sizes() && torch::equal(a, b);
+}
+
+// The C++ helpers call the ops the Python helpers call (tests/python/test_helper_ops.py
+// checks posenc.functional.* == torch.ops.posenc.*), so both languages give the same bits.
+TEST(Helpers, CppFunctionsCallTheOps) {
+  for (auto [h, w, dim, prefix, base, dtype] :
+       std::vector<std::tuple<int64_t, int64_t, int64_t, int64_t, double, torch::ScalarType>>{
+           {1, 1, 4, 0, 10000.0, torch::kFloat},
+           {3, 5, 8, 0, 10000.0, torch::kDouble},
+           {4, 4, 16, 1, 100.0, torch::kFloat},
+           {14, 14, 768, 1, 10000.0, torch::kDouble},
+           {7, 3, 192, 4, 2.5, torch::kBFloat16},
+           {16, 16, 1024, 1, 1e6, torch::kHalf}}) {
+    const auto got = posenc::sinusoidal_2d_table(h, w, dim, base, prefix, dtype);
+    const auto want =
+        call_op("posenc::sinusoidal_2d_table", {h, w, dim, base, prefix, dtype, c10::IValue()})
+            .toTensor();
+    EXPECT_TRUE(same_bits(got, want)) << h << "x" << w << " dim " << dim;
+  }
+  // The C++ defaults are the schema's.
+  EXPECT_TRUE(same_bits(
+      posenc::sinusoidal_2d_table(3, 4, 16),
+      call_op("posenc::sinusoidal_2d_table", {3, 4, 16, 10000.0, 0, c10::IValue(), c10::IValue()})
+          .toTensor()));
+  const auto meta = posenc::sinusoidal_2d_table(3, 4, 16, 10000.0, 1, torch::kFloat, torch::kMeta);
+  EXPECT_TRUE(meta.is_meta());
+  EXPECT_EQ(meta.sizes(), (std::vector<int64_t>{13, 16}));
+
+  torch::manual_seed(3);
+  const auto tokens = torch::randint(0, 3, {4, 9}, torch::kLong);
+  for (int64_t padding_idx : std::vector<int64_t>{0, 1, -5, int64_t{1} << 62}) {
+    EXPECT_TRUE(same_bits(posenc::make_positions(tokens, padding_idx),
+                          call_op("posenc::make_positions", {tokens, padding_idx}).toTensor()));
+  }
+
+  const auto pe = torch::randn({1, 2 + 12 * 12, 8});
+  for (const char* mode : {"bicubic", "bilinear", "nearest"}) {
+    for (bool antialias : {true, false}) {
+      const auto got =
+          posenc::resample_position_table(pe, 5, 7, std::nullopt, std::nullopt, 2, mode, antialias);
+      const auto want =
+          call_op("posenc::resample_position_table",
+                  {pe, std::vector<int64_t>{5, 7}, c10::IValue(), 2, std::string(mode), antialias})
+              .toTensor();
+      EXPECT_TRUE(same_bits(got, want)) << mode << " antialias " << antialias;
+    }
+  }
+  const auto wide = torch::randn({1, 1 + 8 * 2, 8}).to(torch::kBFloat16);
+  EXPECT_TRUE(same_bits(posenc::resample_position_table(wide, 4, 4, 8, 2),
+                        call_op("posenc::resample_position_table",
+                                {wide, std::vector<int64_t>{4, 4}, std::vector<int64_t>{8, 2}, 1,
+                                 std::string("bicubic"), true})
+                            .toTensor()));
+  EXPECT_THROW(posenc::resample_position_table(pe, 4, 4, 8, std::nullopt), c10::ValueError);
+
+  const auto t = torch::rand({11}) * 1000;
+  for (int64_t dim : {1, 4, 9, 320}) {
+    EXPECT_TRUE(same_bits(
+        posenc::timestep_embedding(t, dim, 10000.0, false, 0.0),
+        call_op("posenc::timestep_embedding", {t, dim, 10000.0, false, 0.0, 1.0}).toTensor()));
+    EXPECT_TRUE(same_bits(
+        posenc::timestep_embedding(t, dim, 500.0, true, 0.0, 1000.0),
+        call_op("posenc::timestep_embedding", {t, dim, 500.0, true, 0.0, 1000.0}).toTensor()));
+  }
+  EXPECT_TRUE(same_bits(
+      posenc::timestep_embedding(t, 320),
+      call_op("posenc::timestep_embedding", {t, 320, 10000.0, false, 1.0, 1.0}).toTensor()));
+}
+
+// diffusers' get_timestep_embedding, operation for operation in float32 (the pytest
+// test_timestep_embedding_matches_diffusers checks the Python side against the same formula).
+TEST(Helpers, TimestepEmbeddingMatchesDiffusersFormula) {
+  torch::manual_seed(4);
+  const auto t = torch::rand({13}) * 1000;
+  for (int64_t dim : {4, 9, 320}) {
+    for (bool flip : {false, true}) {
+      for (auto [shift, scale, period] : std::vector<std::tuple<double, double, double>>{
+               {1.0, 1.0, 10000.0}, {0.0, 1000.0, 500.0}}) {
+        const int64_t half = dim / 2;
+        auto exponent = -std::log(period) * torch::arange(half, torch::kFloat);
+        exponent = exponent / (half - shift);
+        auto emb = t.unsqueeze(1).to(torch::kFloat) * torch::exp(exponent).unsqueeze(0);
+        emb = scale * emb;
+        emb = torch::cat({torch::sin(emb), torch::cos(emb)}, -1);
+        if (flip) emb = torch::cat({emb.slice(1, half), emb.slice(1, 0, half)}, -1);
+        if (dim % 2 == 1) emb = torch::constant_pad_nd(emb, {0, 1, 0, 0});
+        EXPECT_TRUE(same_bits(posenc::timestep_embedding(t, dim, period, flip, shift, scale), emb))
+            << dim << " " << flip << " " << shift;
+      }
+    }
+  }
+  EXPECT_THROW(posenc::timestep_embedding(t, 3), c10::ValueError);  // 0 / 0 in diffusers
+  EXPECT_THROW(posenc::timestep_embedding(t.reshape({13, 1}), 8), c10::ValueError);
+  EXPECT_THROW(posenc::timestep_embedding(t, 8, std::nan("")), c10::ValueError);
+  EXPECT_THROW(posenc::timestep_embedding(t.to(torch::kComplexFloat), 8), c10::TypeError);
+}
+
+std::string message_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  }
+  return "no exception";
+}
+
+// The ops write values as Python does, so a message reads the same from both languages.
+TEST(Helpers, MessagesReadLikePython) {
+  auto contains = [](const std::string& text, const std::string& part) {
+    return text.find(part) != std::string::npos;
+  };
+  std::string m = message_of([] { posenc::sinusoidal_2d_table(2, 2, 8, 1.0); });
+  EXPECT_TRUE(contains(m, "sinusoidal_2d_table: expected base to be a finite number > 1, got 1.0"))
+      << m;
+  m = message_of([] { posenc::sinusoidal_2d_table(2, 2, 8, 100.0, 0, torch::kLong); });
+  EXPECT_TRUE(contains(m, "expected a floating-point dtype, got torch.int64")) << m;
+  m = message_of([] { posenc::resample_position_table(torch::randn({1, 17, 8}), 6, 6, 4, 5); });
+  EXPECT_TRUE(contains(m, "old_grid (4, 5) has 20 cells but the table has 16 patch rows")) << m;
+  m = message_of([] {
+    posenc::resample_position_table(torch::randn({1, 17, 8}), 6, 6, std::nullopt, std::nullopt, 1,
+                                    "bogus");
+  });
+  EXPECT_TRUE(contains(m, "expected mode bicubic, bilinear or nearest, got 'bogus'")) << m;
+  m = message_of([] { posenc::timestep_embedding(torch::rand({2}), 8, 0.0); });
+  EXPECT_TRUE(contains(m, "expected max_period to be a finite number > 0, got 0.0")) << m;
+  m = message_of([] { posenc::timestep_embedding(torch::rand({2}), 2); });
+  EXPECT_TRUE(contains(m, "half of dim (1) minus downscale_freq_shift (1.0) must not be zero"))
+      << m;
+  m = message_of([] { posenc::make_positions(torch::rand({2, 3}), 1); });
+  EXPECT_TRUE(contains(
+      m, "expected integer tokens of shape (batch, seq), got torch.float32 tokens of shape (2, 3)"))
+      << m;
+}
+
+TEST(Helpers, PyFloatWritesWhatReprWrites) {
+  using posenc::ops::py_float;
+  const std::vector<std::pair<double, std::string>> cases{
+      {0.0, "0.0"},
+      {-0.0, "-0.0"},
+      {1.0, "1.0"},
+      {-2.5, "-2.5"},
+      {0.1, "0.1"},
+      {1e-4, "0.0001"},
+      {1e-5, "1e-05"},
+      {1.5e-7, "1.5e-07"},
+      {123.456, "123.456"},
+      {1e15, "1000000000000000.0"},
+      {1e16, "1e+16"},
+      {12345678901234567.0, "1.2345678901234568e+16"},
+      {0.1 + 0.2, "0.30000000000000004"},
+      {5e-324, "5e-324"},
+      {1.7976931348623157e308, "1.7976931348623157e+308"},
+      {1e100, "1e+100"},
+      {std::nan(""), "nan"},
+      {std::numeric_limits<double>::infinity(), "inf"},
+      {-std::numeric_limits<double>::infinity(), "-inf"}};
+  for (const auto& [value, repr] : cases) EXPECT_EQ(py_float(value), repr);
+  EXPECT_EQ(posenc::ops::py_tuple(std::vector<int64_t>{5}), "(5,)");
+  EXPECT_EQ(posenc::ops::py_tuple(std::vector<int64_t>{4, 5}), "(4, 5)");
+  EXPECT_EQ(posenc::ops::py_dtype(torch::kBFloat16), "torch.bfloat16");
+}
+
+// The add-position modules' range check: op position_bounds, one read-back of (min, max).
+TEST(LearnedPositionalEncodingModule, PositionBoundsOp) {
+  const auto pos = torch::tensor({3, 0, 7, 2, 9, 1}, torch::kLong).reshape({2, 3});
+  auto bounds = call_op("posenc::position_bounds", {pos, c10::IValue()}).toTuple();
+  EXPECT_EQ(bounds->elements()[0].toInt(), 0);
+  EXPECT_EQ(bounds->elements()[1].toInt(), 9);
+  bounds = call_op("posenc::position_bounds", {torch::empty({0}, torch::kLong), 0}).toTuple();
+  EXPECT_EQ(bounds->elements()[1].toInt(), -1);
+  const std::string m = message_of([&] { call_op("posenc::position_bounds", {pos, 9}); });
+  EXPECT_NE(
+      m.find("posenc: expected positions in [0, max_len=9), found 9 (positions range from 0 to 9)"),
+      std::string::npos)
+      << m;
+  EXPECT_THROW(call_op("posenc::position_bounds", {pos, 9}), c10::IndexError);
+  EXPECT_THROW(call_op("posenc::position_bounds", {pos.to(torch::kFloat), 9}), c10::TypeError);
+  // The CPU kernel's per-element check writes the same message, with the element's index.
+  posenc::LearnedPositionalEncoding module(posenc::LearnedPositionalEncodingOptions(8).max_len(16));
+  const std::string k = message_of([&] {
+    module(torch::randn({2, 5, 8}), 0, torch::tensor({0, 1, 16, 3, 4}, torch::kLong));
+  });
+  EXPECT_NE(k.find("posenc: expected positions in [0, max_len=16), found 16 at flat index 2"),
+            std::string::npos)
+      << k;
 }
 
 }  // namespace

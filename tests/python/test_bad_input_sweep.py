@@ -116,7 +116,50 @@ def other_call(rng):
                                         pick(rng, [None, torch.float64], [torch.int64]))
 
 
-@pytest.mark.parametrize("family", [add_position_call, add_position_backward_call, rope_call, other_call])
+def helper_call(rng):
+    """The helper ops (make_positions, sinusoidal_2d_table, resample_position_table,
+    timestep_embedding) and position_bounds, raw: the Python wrappers only normalise types."""
+    kind = rng.randrange(5)
+    if kind == 0:
+        shape = pick(rng, [(2, 5)], [(5,), (0, 3), (1, 2, 3)])
+        tokens = tensor(rng, shape, dtype=pick(rng, [torch.int64], [torch.float32, torch.bool]))
+        padding_idx = pick(rng, [0, 1], HUGE)
+        return lambda: ops.make_positions(tokens, padding_idx)
+    if kind == 1:
+        h, w = (pick(rng, [1, 3], [0, -2, 2**40, 2**62]) for _ in range(2))
+        dim = pick(rng, [8, 16], [0, 6, -4, 2**40])
+        base = pick(rng, [10000.0], [NAN, 1.0, -3.0, math.inf])
+        prefix = pick(rng, [0, 1], [-1, 2**62])
+        dtype = pick(rng, [None, torch.float64], [torch.int64, torch.bool])
+        device = pick(rng, [None], ["meta"])
+        return lambda: ops.sinusoidal_2d_table(h, w, dim, base, prefix, dtype, device)
+    if kind == 2:
+        prefix = pick(rng, [0, 1], [-1, 40, 2**62])
+        shape = (1, 17, 4)
+        if prefix < 40:
+            shape = pick(rng, [(1, max(prefix, 0) + 16, 4)], [(16, 4), (2, 17, 4), (1, 15, 4)])
+        pe = tensor(rng, shape, device="cpu")
+        grids = ([[4, 4], [3, 5]], [[0, 4], [-1, 2], [4], [2, 2, 2], [2**40, 2**40]])
+        new, old = (pick(rng, *grids) for _ in range(2))
+        old = None if rng.random() < 0.5 else old
+        mode = pick(rng, ["bicubic", "nearest"], ["", "cubic"])
+        antialias = rng.random() < 0.5
+        return lambda: ops.resample_position_table(pe, new, old, prefix, mode, antialias)
+    if kind == 3:
+        t = tensor(rng, pick(rng, [(5,)], [(2, 3), (), (0,)]))
+        dim = pick(rng, [3, 8], [0, -1, 2**40])
+        period = pick(rng, [10000.0], [0.0, NAN, -1.0])
+        shift = pick(rng, [1.0, 0.0], [4.0, math.inf, NAN])
+        scale = pick(rng, [1.0], [NAN, -math.inf])
+        flip = rng.random() < 0.5
+        return lambda: ops.timestep_embedding(t, dim, period, flip, shift, scale)
+    positions = index(rng, pick(rng, [(5,), (2, 3)], [(0,)]), 10)
+    max_len = pick(rng, [None, 10], [0, -1, 2**63 - 1])
+    return lambda: ops.position_bounds(positions, max_len)
+
+
+@pytest.mark.parametrize("family", [add_position_call, add_position_backward_call, rope_call, other_call,
+                                    helper_call])
 def test_random_bad_arguments_raise_cleanly(family):
     rng = random.Random(f"sweep-{family.__name__}")  # a fixed seed per family
     torch.manual_seed(0)

@@ -1,0 +1,39 @@
+// posenc::make_positions: fairseq's padding-aware positions. The one definition behind
+// posenc.functional.make_positions (Python) and posenc::make_positions (C++). Made of ATen
+// ops (CompositeImplicitAutograd), so it runs on any device and traces under torch.compile.
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+#include <torch/library.h>
+
+#include "ops/helpers/py_format.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
+  // ValueError, not TypeError, for float tokens too: one check of "integer (batch, seq)".
+  TORCH_CHECK_VALUE(tokens.dim() == 2 && !tokens.is_floating_point() && !tokens.is_complex(),
+                    "make_positions: expected integer tokens of shape (batch, seq), got ",
+                    py_dtype(tokens.scalar_type()), " tokens of shape ", py_tuple(tokens.sizes()));
+  constexpr int64_t kLimit = int64_t{1} << 62;  // padding_idx + seq must stay an int64
+  TORCH_CHECK_VALUE(padding_idx >= -kLimit && padding_idx <= kLimit,
+                    "make_positions: expected padding_idx within +-2**62, got ", padding_idx);
+  const at::Tensor mask = tokens.ne(padding_idx).to(at::kLong);
+  return at::cumsum(mask, 1) * mask + padding_idx;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(posenc, m) {
+  // int64 (batch, seq): non-padding tokens numbered padding_idx + 1, padding_idx + 2, ...
+  // along dim 1, padding tokens padding_idx.
+  m.def("make_positions(Tensor tokens, int padding_idx) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(posenc, CompositeImplicitAutograd, m) {
+  m.impl("make_positions", &make_positions);
+}
+
+}  // namespace ops
+}  // namespace posenc
