@@ -6,7 +6,7 @@ INSTALL   := $(BUILD)/install
 MAX_JOBS  ?= 2
 export PYTHONPATH := $(CURDIR)/python
 
-.PHONY: all setup build demo test test-cpp test-example test-python test-install test-sanitize bench clean
+.PHONY: all setup build demo lint test test-cpp test-example test-python test-install test-sanitize bench clean
 
 all: build
 
@@ -24,6 +24,11 @@ build: setup $(BUILD)/build.ninja
 
 demo: build
 	$(PY) -m posenc demo
+
+# Python style and errors (ruff, configured in pyproject.toml). .clang-format describes the
+# C++ style for editors; it is not enforced here.
+lint: setup
+	$(PY) -m ruff check python tests benchmarks scripts
 
 test: build test-cpp test-example test-python test-install
 

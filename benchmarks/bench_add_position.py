@@ -8,7 +8,6 @@ measured against. Usage: python benchmarks/bench_add_position.py [--quick] [--no
 
 import argparse
 import json
-import os
 import sys
 
 import torch

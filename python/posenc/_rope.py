@@ -80,7 +80,9 @@ def scaling_arguments(
         raise TypeError(f"rope: expected scaling to be None or a dict, got {type(scaling).__name__}")
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type is None:
-        raise ValueError(f"rope: the scaling dict needs 'rope_type', one of {', '.join(ROPE_TYPES)}; got {dict(scaling)}")
+        raise ValueError(
+            f"rope: the scaling dict needs 'rope_type', one of {', '.join(ROPE_TYPES)}; got {dict(scaling)}"
+        )
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope: unknown rope scaling type {rope_type!r}; expected one of {', '.join(ROPE_TYPES)}")
     unknown = sorted(set(scaling) - set(SCALING_KEYS) - set(CONFIG_KEYS) - {"rope_type", "type"})
@@ -211,9 +213,11 @@ def apply_rope(
             per-sequence offsets (one per sequence of ``cu_seqlens`` for "thd").
         cu_seqlens: int32/int64 cumulative lengths ``[0, n0, n0+n1, ..., tokens]`` for "thd";
             positions restart at 0 at each sequence start.
-        base, rotary_dim, interleaved: (base default 10000, or the dict's ``rope_theta``) frequencies ``base**(-2i/rotary_dim)`` of the first
-            ``rotary_dim`` features (default all; with ``sections``, ``2 * sum(sections)``); pairs are halves ``(i, i + rotary_dim/2)``
-            (GPT-NeoX, HF LLaMA) or adjacent ``(2i, 2i+1)`` when ``interleaved`` (GPT-J, Meta).
+        base, rotary_dim, interleaved: frequencies ``base**(-2i/rotary_dim)`` (base default
+            10000, or the dict's ``rope_theta``) of the first ``rotary_dim`` features (default
+            all; with ``sections``, ``2 * sum(sections)``); pairs are halves
+            ``(i, i + rotary_dim/2)`` (GPT-NeoX, HF LLaMA) or adjacent ``(2i, 2i+1)`` when
+            ``interleaved`` (GPT-J, Meta).
         scaling: None or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (transformers
             4 or 5) of type "default", "linear", "dynamic", "yarn" or "llama3"; its
             ``rope_theta``, ``partial_rotary_factor`` and ``mrope_section`` /

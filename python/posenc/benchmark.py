@@ -136,7 +136,7 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
     for training in (False, True):
         module.train(training)
         ref = _reference(table, p, training)
-        fns = {"ours": lambda: module(x), "ref": lambda: ref(x)}
+        fns = {"ours": lambda: module(x), "ref": lambda ref=ref: ref(x)}
         if with_compile:
             fns["compiled"] = torch.compile(ref)
             fns["compiled"] = (lambda c: (lambda: c(x)))(fns["compiled"])
@@ -186,7 +186,8 @@ def format_table(rows: Iterable[Row]) -> str:
         shape = "x".join(str(s) for s in r.shape)
         lines.append(
             f"{r.device:6} {r.dtype:8} {shape:>16} {r.kind:10} {r.case:15} {r.ours_ms:10.3f} {r.gbps:8.1f} "
-            f"{copy}{100 * r.floor_ms / r.ours_ms:6.0f}% {r.ref_ms:9.3f} {comp} {r.ref_ms / r.ours_ms:10.2f} {comp_ratio}"
+            f"{copy}{100 * r.floor_ms / r.ours_ms:6.0f}% {r.ref_ms:9.3f} {comp} "
+            f"{r.ref_ms / r.ours_ms:10.2f} {comp_ratio}"
         )
     lines.append("%floor: time of x.clone() (one read + one write of x) over posenc's time; "
                  "GB/s counts x read + output written"

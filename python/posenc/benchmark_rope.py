@@ -109,19 +109,23 @@ def bench(device, dtype, shape, reps, with_compile):
     t["copy"] = rows[0][1]["copy"]
     rows.append(("backward", t))
     tag = str(dtype).replace("torch.", "")
-    return [dict(device=device, dtype=tag, shape=shape, case=case, bytes=nbytes, **{f"{n}_ms": v for n, v in times.items()},
-                 gbps=nbytes / (times["posenc"] * 1e-3) / 1e9) for case, times in rows]
+    return [dict(device=device, dtype=tag, shape=shape, case=case, bytes=nbytes,
+                 **{f"{n}_ms": v for n, v in times.items()}, gbps=nbytes / (times["posenc"] * 1e-3) / 1e9)
+            for case, times in rows]
 
 
 def format_rows(rows):
-    names = [n for n in ("posenc", "in-place", "eager", "compile", "liger", "copy") if any(f"{n}_ms" in r for r in rows)]
-    header = f"{'device':6} {'dtype':8} {'shape (B,S,Hq,Hk,D)':>22} {'case':9} " + " ".join(f"{n + ' ms':>11}" for n in names)
+    names = [n for n in ("posenc", "in-place", "eager", "compile", "liger", "copy")
+             if any(f"{n}_ms" in r for r in rows)]
+    header = f"{'device':6} {'dtype':8} {'shape (B,S,Hq,Hk,D)':>22} {'case':9} "
+    header += " ".join(f"{n + ' ms':>11}" for n in names)
     header += f" {'GB/s':>7} {'%copy':>6} {'eager/posenc':>12} {'compile/posenc':>14}"
     lines = [header, "-" * len(header)]
     for r in rows:
         cells = " ".join(f"{r[f'{n}_ms']:11.3f}" if f"{n}_ms" in r else f"{'-':>11}" for n in names)
         comp = f"{r['compile_ms'] / r['posenc_ms']:14.2f}" if "compile_ms" in r else f"{'-':>14}"
         lines.append(f"{r['device']:6} {r['dtype']:8} {'x'.join(map(str, r['shape'])):>22} {r['case']:9} {cells} "
-                     f"{r['gbps']:7.1f} {100 * r['copy_ms'] / r['posenc_ms']:5.0f}% {r['eager_ms'] / r['posenc_ms']:12.2f} {comp}")
+                     f"{r['gbps']:7.1f} {100 * r['copy_ms'] / r['posenc_ms']:5.0f}% "
+                     f"{r['eager_ms'] / r['posenc_ms']:12.2f} {comp}")
     lines.append("GB/s: q and k read + written once; %copy: q.clone()+k.clone() time over posenc's time.")
     return "\n".join(lines)

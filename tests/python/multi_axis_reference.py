@@ -36,7 +36,6 @@ Pair convention: interleaved=False is "halves" (feature p with p + rotary_dim/2,
 interleaved=True is adjacent pairs (2p, 2p+1).
 """
 
-import math
 
 import torch
 

@@ -4,7 +4,6 @@ import torch
 
 import posenc
 from posenc.functional import add_position
-from conftest import DEVICES
 
 
 # The fixed and the learned encodings share their front end (_AddPositionModule) and the

@@ -2,7 +2,6 @@
 partial rotary, positions, offsets, packed sequences, strides, dtypes, empty tensors,
 scaling types, the relative-position property and long-position accuracy."""
 
-import math
 
 import pytest
 import torch
@@ -15,7 +14,6 @@ from rope_reference import (
     reference_inv_freq,
     reference_rope,
     thd_positions,
-    to_bshd,
 )
 
 TOL = {
@@ -153,7 +151,7 @@ def test_strided_views(device, dtype, interleaved):
     }
     inv = default_inv_freq(D, 10000.0)
     pos = grid_positions(B, S)
-    for name, (qv, kv, layout) in views.items():
+    for qv, kv, layout in views.values():
         oq, ok = apply_rope(qv, kv, layout=layout, interleaved=interleaved)
         check(oq, reference_rope(qv.cpu(), layout, pos, inv, D, interleaved), dtype)
         check(ok, reference_rope(kv.cpu(), layout, pos, inv, D, interleaved), dtype)
