@@ -21,8 +21,8 @@ void check_dropout_probability(double p);
 // grad's device (the kernels read it whatever p), p, grad's dtype.
 void check_dropout_backward_args(const at::Tensor& grad, const at::Tensor& rng, double p);
 
-// Checks shapes, dtypes, devices and p; works on Meta tensors (no data access).
-// Returns the geometry, with concrete sizes (Meta callers use sym sizes separately).
+// Checks shapes, dtypes, devices and p; works on Meta tensors (no data access, symbolic
+// sizes). The real kernels get the geometry from check_add_position_inputs.
 void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
                                   const std::optional<at::Tensor>& positions,
                                   bool batch_first, double p);

@@ -1,6 +1,7 @@
-// add_position_backward_with_table composed from torch ops: the implementation for
-// backends without a fused kernel (CompositeExplicitAutograd), and the CUDA backend's path
-// for (batch, seq) positions.
+// The table gradient composed from torch ops: add_position_backward_with_table for backends
+// without a fused kernel (CompositeExplicitAutograd); table_gradient_composite, the
+// differentiable form autograd uses under create_graph (twice-differentiable add_position);
+// and scatter_rows_into_table, the deterministic row sum both build on.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 

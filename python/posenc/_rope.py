@@ -71,8 +71,9 @@ def scaling_arguments(
 ) -> Tuple[str, list]:
     """``(rope_type, values)`` for the op from a Hugging Face ``rope_scaling`` dict.
 
-    ``default_original_max`` fills ``original_max_position_embeddings`` for "dynamic" and
-    "yarn" when the dict has none (transformers takes the model's max_position_embeddings).
+    ``default_original_max`` fills ``original_max_position_embeddings`` for "yarn" when the
+    dict has none (transformers takes the model's max_position_embeddings); "dynamic" needs
+    it given (the module checks it against max_len).
     """
     if scaling is None:
         return "default", []
