@@ -115,9 +115,7 @@ void RotaryPositionalEncodingImpl::reset() {
 int64_t RotaryPositionalEncodingImpl::rotary_width() const {
   if (options.rotary_dim().has_value()) return *options.rotary_dim();
   if (options.sections().empty()) return options.dim();
-  int64_t width = 0;
-  for (const int64_t s : options.sections()) width += 2 * std::max<int64_t>(s, 0);
-  return width;
+  return ops::rope_sections_width(options.sections());
 }
 
 torch::Tensor RotaryPositionalEncodingImpl::inv_freq() const {

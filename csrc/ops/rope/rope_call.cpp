@@ -5,6 +5,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cmath>
 #include <sstream>
 
@@ -79,6 +80,20 @@ std::string scaling_key_list() {
   return out.str();
 }
 
+// The values of a scaling dict into `out`, whose type is already set.
+void read_scaling_values(const std::vector<double>& fields, math::RopeScalingParams& out) {
+  if (out.type == math::RopeType::kDefault && fields.empty()) return;
+  TORCH_CHECK_VALUE(fields.size() == math::kRopeScalingFields, "posenc: expected ",
+                    math::kRopeScalingFields, " rope scaling values (", scaling_key_list(),
+                    "; NaN for a key not given), got ", fields.size());
+  for (int i = 0; i < math::kRopeScalingFields; ++i) {
+    TORCH_CHECK_VALUE(math::rope_missing(fields[i]) || std::isfinite(fields[i]),
+                      "posenc: expected rope scaling key '", kScalingKeys[i],
+                      "' to be finite, got ", fields[i]);
+    out.*kScalingFields[i] = fields[i];
+  }
+}
+
 // ---- Reading one argument (IValue -> field), by the field's type.
 void read(const c10::IValue& v, const char*, at::Tensor& out) { out = v.toTensor(); }
 void read(const c10::IValue& v, const char*, std::optional<at::Tensor>& out) {
@@ -100,8 +115,7 @@ void read(const c10::IValue& v, const char*, math::RopeSectionsMode& out) {
 }
 // The values of the scaling dict (its type was read just before, from rope_type).
 void read(const c10::IValue& v, const char*, math::RopeScalingParams& out) {
-  const math::RopeType type = out.type;
-  out = parse_rope_scaling(rope_type_name(type), v.toDoubleVector());
+  read_scaling_values(v.toDoubleVector(), out);
 }
 
 // ---- Writing one argument (field -> IValue).
@@ -138,16 +152,7 @@ math::RopeScalingParams parse_rope_scaling(const std::string& rope_type,
                                            const std::vector<double>& fields) {
   math::RopeScalingParams out;
   out.type = parse_name(kRopeTypes, "rope scaling type", rope_type);
-  if (out.type == math::RopeType::kDefault && fields.empty()) return out;
-  TORCH_CHECK_VALUE(fields.size() == math::kRopeScalingFields, "posenc: expected ",
-                    math::kRopeScalingFields, " rope scaling values (", scaling_key_list(),
-                    "; NaN for a key not given), got ", fields.size());
-  for (int i = 0; i < math::kRopeScalingFields; ++i) {
-    TORCH_CHECK_VALUE(math::rope_missing(fields[i]) || std::isfinite(fields[i]),
-                      "posenc: expected rope scaling key '", kScalingKeys[i],
-                      "' to be finite, got ", fields[i]);
-    out.*kScalingFields[i] = fields[i];
-  }
+  read_scaling_values(fields, out);
   return out;
 }
 
@@ -172,6 +177,12 @@ RopeCall RopeCall::pop(torch::jit::Stack& stack) {
 
 void RopeCall::push(torch::jit::Stack& stack) const {
   for_each_argument(*this, [&](const char*, const auto& field) { stack.push_back(write(field)); });
+}
+
+int64_t rope_sections_width(const std::vector<int64_t>& sections) {
+  int64_t width = 0;
+  for (const int64_t s : sections) width += 2 * std::max<int64_t>(s, 0);  // bad ones: checked later
+  return width;
 }
 
 const char* rope_layout_name(RopeLayout layout) { return name_of(kLayouts, layout); }

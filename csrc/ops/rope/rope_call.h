@@ -86,6 +86,9 @@ math::RopeScalingParams parse_rope_scaling(const std::string& rope_type,
 math::RopeSectionsMode parse_rope_sections_mode(const std::string& name);
 RopeLayout parse_rope_layout(const std::string& name);
 
+// The rotary width sections rotate when rotary_dim is not given: 2 * sum(sections).
+int64_t rope_sections_width(const std::vector<int64_t>& sections);
+
 // Names, for messages and for Python (posenc::rope_scaling_spec).
 const char* rope_layout_name(RopeLayout layout);
 const char* rope_type_name(math::RopeType type);

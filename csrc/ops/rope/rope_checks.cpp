@@ -214,10 +214,7 @@ int64_t check_rope_structure(const RopeCall& c) {
   // The default rotary width: head_dim, or what the sections rotate (features beyond pass
   // through, as with partial rotary).
   int64_t rot = c.rotary_dim < 0 ? hd : c.rotary_dim;
-  if (c.rotary_dim < 0 && c.multi_axis()) {
-    rot = 0;
-    for (const int64_t s : c.sections) rot += 2 * std::max<int64_t>(s, 0);
-  }
+  if (c.rotary_dim < 0 && c.multi_axis()) rot = rope_sections_width(c.sections);
   TORCH_CHECK_VALUE(c.rotary_dim == -1 || c.rotary_dim > 0,
                     "posenc: expected rotary_dim to be a positive even number or None, got ",
                     c.rotary_dim);
