@@ -9,13 +9,16 @@ import torch
 from torch import Tensor
 
 from posenc._rope import apply_rope, grid_positions, rope_frequencies
+from posenc._rope_cos_sin import apply_rope_cos_sin, rope_cos_sin
 
 __all__ = [
     "add_position",
     "apply_rope",
+    "apply_rope_cos_sin",
     "grid_positions",
     "make_positions",
     "resample_position_table",
+    "rope_cos_sin",
     "rope_frequencies",
     "sinusoidal_2d_table",
     "sinusoidal_table",
