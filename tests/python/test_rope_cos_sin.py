@@ -1,0 +1,370 @@
+"""rope_cos_sin and apply_rope_cos_sin against float64 references written here from the
+formulas of Hugging Face transformers (LlamaRotaryEmbedding + modeling_rope_utils for the
+tables, apply_rotary_pos_emb / GPT-J's rotate_every_two for the rotation), not from posenc;
+and apply_rope_cos_sin(q, k, *rope_cos_sin(...)) against posenc.functional.apply_rope."""
+
+import math
+
+import pytest
+import torch
+
+import posenc
+
+F = posenc.functional
+F64 = torch.float64
+
+
+# --- references ------------------------------------------------------------------------------
+
+
+def hf_inv_freq(dim, base, scaling, max_pos, seq_len):
+    """(inv_freq, attention_scaling) in float64, as modeling_rope_utils computes them."""
+    default = 1.0 / base ** (torch.arange(0, dim, 2, dtype=F64) / dim)
+    kind = None if scaling is None else scaling["rope_type"]
+    if kind in (None, "default"):
+        return default, 1.0
+    factor = scaling["factor"]
+    if kind == "linear":
+        return default / factor, 1.0
+    if kind == "dynamic":
+        orig = scaling.get("original_max_position_embeddings", max_pos)
+        length = max(seq_len, orig)
+        scaled = base * ((factor * length / orig) - (factor - 1)) ** (dim / (dim - 2))
+        return 1.0 / scaled ** (torch.arange(0, dim, 2, dtype=F64) / dim), 1.0
+    if kind == "llama3":
+        low, high, orig = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / default
+        out = torch.where(wavelen > orig / low, default / factor, default)
+        smooth = (orig / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * out / factor + smooth * out
+        medium = (wavelen >= orig / high) & (wavelen <= orig / low)
+        return torch.where(medium, smoothed, out), 1.0
+    if kind == "yarn":
+        orig = scaling.get("original_max_position_embeddings", max_pos)
+
+        def mscale(scale, m=1.0):
+            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+        attention = scaling.get("attention_factor")
+        if attention is None:
+            if scaling.get("mscale") and scaling.get("mscale_all_dim"):
+                attention = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
+            else:
+                attention = mscale(factor)
+        fast, slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
+
+        def correction(rotations):
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+        lo, hi = max(math.floor(correction(fast)), 0), min(math.ceil(correction(slow)), dim - 1)
+        hi = hi + 0.001 if lo == hi else hi
+        ramp = ((torch.arange(dim // 2, dtype=F64) - lo) / (hi - lo)).clamp(0, 1)
+        extrapolation = 1 - ramp
+        return default / factor * (1 - extrapolation) + default * extrapolation, attention
+    raise AssertionError(kind)
+
+
+def hf_cos_sin(position_ids, dim, base=10000.0, scaling=None, max_pos=2048):
+    """LlamaRotaryEmbedding.forward in float64: freqs = inv_freq x positions, emb = cat(freqs,
+    freqs), cos/sin times the attention scaling. position_ids (batch, seq)."""
+    seq_len = int(position_ids.max()) + 1
+    inv_freq, attention = hf_inv_freq(dim, base, scaling, max_pos, seq_len)
+    freqs = position_ids.to(F64)[..., None] * inv_freq
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * attention, emb.sin() * attention
+
+
+def reference_rotate(x, cos, sin, layout, interleaved):
+    """Pairwise rotation in float64, written out per pair: x (bhsd or bshd), cos/sin (batch or
+    1, seq, rot) with the pair's angle at both of its features."""
+    x = x.to(F64)
+    if layout == "bshd":
+        x = x.transpose(1, 2)
+    c, s = cos.to(F64)[:, None], sin.to(F64)[:, None]
+    rot = cos.shape[-1]
+    out = x.clone()
+    for i in range(rot // 2):
+        a, b = (2 * i, 2 * i + 1) if interleaved else (i, i + rot // 2)
+        out[..., a] = x[..., a] * c[..., a] - x[..., b] * s[..., a]
+        out[..., b] = x[..., b] * c[..., b] + x[..., a] * s[..., b]
+    return out.transpose(1, 2) if layout == "bshd" else out
+
+
+def interleave_tables(cos, sin):
+    """Hugging Face cat(freqs, freqs) tables -> GPT-J's repeat_interleave(freqs, 2) ones."""
+    half = cos.shape[-1] // 2
+    return cos[..., :half].repeat_interleave(2, -1), sin[..., :half].repeat_interleave(2, -1)
+
+
+def make_qk(batch, heads, kv_heads, seq, head_dim, layout, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, seq, head_dim, generator=g, dtype=F64)
+    k = torch.randn(batch, kv_heads, seq, head_dim, generator=g, dtype=F64)
+    if layout == "bshd":
+        q, k = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    return q.to(dtype), k.to(dtype)
+
+
+SCALINGS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 2.5},
+    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 64},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 96},
+    "yarn_mscale": {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 128, "mscale": 0.707,
+                    "mscale_all_dim": 1.0, "beta_fast": 24, "beta_slow": 2},
+    "yarn_attention_factor": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64,
+                              "attention_factor": 1.5},
+}
+TOLERANCE = {torch.float64: dict(rtol=1e-12, atol=1e-12), torch.float32: dict(rtol=2e-6, atol=2e-6),
+             torch.bfloat16: dict(rtol=2e-2, atol=2e-2)}
+
+
+# --- rope_cos_sin --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", SCALINGS)
+@pytest.mark.parametrize("batched", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_rope_cos_sin_matches_hf_rotary_embedding(name, batched, dtype):
+    scaling, dim, base = SCALINGS[name], 24, 5000.0
+    g = torch.Generator().manual_seed(1)
+    shape = (3, 11) if batched else (11,)
+    pos = torch.randint(0, 3000, shape, generator=g)
+    cos, sin = F.rope_cos_sin(pos, dim, base=base, scaling=scaling, dtype=dtype)
+    want_cos, want_sin = hf_cos_sin(pos.reshape(-1, 11), dim, base, scaling)
+    assert cos.shape == sin.shape == shape + (dim,) and cos.dtype == sin.dtype == dtype
+    torch.testing.assert_close(cos.reshape(-1, 11, dim).to(F64), want_cos.to(dtype).to(F64), **TOLERANCE[dtype])
+    torch.testing.assert_close(sin.reshape(-1, 11, dim).to(F64), want_sin.to(dtype).to(F64), **TOLERANCE[dtype])
+
+
+def test_rope_cos_sin_yarn_attention_factor_can_be_left_out():
+    scaling = SCALINGS["yarn"]
+    pos = torch.arange(50)
+    cos, sin = F.rope_cos_sin(pos, 16, scaling=scaling, dtype=F64, attention_scaling=False)
+    inv_freq, attention = hf_inv_freq(16, 10000.0, scaling, 2048, 50)
+    assert attention > 1.1
+    freqs = pos.to(F64)[:, None] * inv_freq
+    torch.testing.assert_close(cos, torch.cat((freqs, freqs), -1).cos(), rtol=1e-12, atol=1e-12)
+    scaled, _ = F.rope_cos_sin(pos, 16, scaling=scaling, dtype=F64)
+    torch.testing.assert_close(scaled, cos * attention, rtol=1e-12, atol=1e-12)
+
+
+def test_rope_cos_sin_dynamic_and_max_position_embeddings():
+    """dynamic scales by the longest position; yarn and dynamic take original_max_position_embeddings
+    from max_position_embeddings when the dict has none, as transformers fills it from the config."""
+    pos = torch.tensor([[0, 5, 100, 399]])
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    cos, sin = F.rope_cos_sin(pos, 32, scaling=dynamic, max_position_embeddings=128, dtype=F64)
+    want_cos, want_sin = hf_cos_sin(pos, 32, scaling=dynamic, max_pos=128)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sin, want_sin, rtol=1e-12, atol=1e-12)
+    short = torch.tensor([[0, 5, 100]])  # within max_position_embeddings: the unscaled table
+    torch.testing.assert_close(F.rope_cos_sin(short, 32, scaling=dynamic, max_position_embeddings=128, dtype=F64),
+                               F.rope_cos_sin(short, 32, dtype=F64), rtol=0, atol=0)
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    cos, sin = F.rope_cos_sin(pos, 32, scaling=yarn, max_position_embeddings=96, dtype=F64)
+    want_cos, want_sin = hf_cos_sin(pos, 32, scaling=yarn, max_pos=96)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sin, want_sin, rtol=1e-12, atol=1e-12)
+
+
+def test_rope_cos_sin_transformers5_dict_keys():
+    """rope_theta and partial_rotary_factor of a rope_parameters dict set base and the width."""
+    pos = torch.arange(9)
+    params = {"rope_type": "linear", "factor": 2.0, "rope_theta": 500.0, "partial_rotary_factor": 0.5}
+    cos, sin = F.rope_cos_sin(pos, 32, scaling=params, dtype=F64)
+    assert cos.shape == (9, 16)
+    want_cos, want_sin = hf_cos_sin(pos[None], 16, 500.0, {"rope_type": "linear", "factor": 2.0})
+    torch.testing.assert_close(cos, want_cos[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(sin, want_sin[0], rtol=1e-12, atol=1e-12)
+    cos8, _ = F.rope_cos_sin(pos, 32, rotary_dim=8, dtype=F64)
+    torch.testing.assert_close(cos8, hf_cos_sin(pos[None], 8)[0][0], rtol=1e-12, atol=1e-12)
+
+
+def test_rope_cos_sin_matches_transformers_rotary_embedding():
+    """Against the real LlamaRotaryEmbedding, which computes in float32: float32 rounding of
+    angles up to ~200 rad (absolute error ~ position * 2**-24)."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    for params in ({"rope_type": "default", "rope_theta": 10000.0},
+                   {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+                   {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}):
+        config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=96,
+                                          rope_parameters=params)
+        rotary = LlamaRotaryEmbedding(config)
+        pos = torch.arange(200)[None]
+        hf_cos, hf_sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
+        cos, sin = F.rope_cos_sin(pos, 32, scaling=params, max_position_embeddings=96)
+        torch.testing.assert_close(cos, hf_cos, rtol=0, atol=1e-4)
+        torch.testing.assert_close(sin, hf_sin, rtol=0, atol=1e-4)
+
+
+def test_rope_cos_sin_device_and_empty():
+    cos, sin = F.rope_cos_sin(torch.zeros(0, dtype=torch.long), 8)
+    assert cos.shape == sin.shape == (0, 8)
+    cos, sin = F.rope_cos_sin(torch.tensor([0], dtype=torch.int32), 8)
+    torch.testing.assert_close(cos, torch.ones(1, 8))
+    torch.testing.assert_close(sin, torch.zeros(1, 8))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(positions=[0, 1], dim=8), TypeError, "positions to be a Tensor"),
+        (dict(positions=torch.zeros(3), dim=8), TypeError, "positions to be an integer tensor"),
+        (dict(positions=torch.zeros(2, 2, 2, dtype=torch.long), dim=8), ValueError, r"\(seq,\) or \(batch, seq\)"),
+        (dict(positions=torch.arange(3), dim=0), ValueError, "dim .* positive int, got 0"),
+        (dict(positions=torch.arange(3), dim=8.0), ValueError, "dim .* positive int, got 8.0"),
+        (dict(positions=torch.arange(3), dim=8, rotary_dim=10), ValueError, r"rotary_dim .* \[2, dim=8\], got 10"),
+        (dict(positions=torch.arange(3), dim=8, rotary_dim=3), ValueError, "rotary_dim to be even"),
+        (dict(positions=torch.arange(3), dim=8, rotary_dim=4.0), TypeError, "rotary_dim to be an int or None"),
+        (dict(positions=torch.arange(3), dim=8, dtype=torch.int32), TypeError, "dtype to be a floating-point"),
+        (dict(positions=torch.arange(3), dim=8, scaling={"rope_type": "yarn", "factor": 2.0}), ValueError,
+         "original_max_position_embeddings"),
+        (dict(positions=torch.arange(3), dim=8, scaling={"rope_type": "longrope"}), ValueError, "unknown rope scaling"),
+        (dict(positions=torch.arange(3), dim=8, scaling={"rope_type": "default", "mrope_section": [2, 1, 1]}),
+         ValueError, "multi-axis"),
+        (dict(positions=torch.arange(3), dim=8, max_position_embeddings=-1), ValueError, "max_position_embeddings"),
+    ],
+)
+def test_rope_cos_sin_bad_arguments(kwargs, error, match):
+    positions, dim = kwargs.pop("positions"), kwargs.pop("dim")
+    with pytest.raises(error, match=match):
+        F.rope_cos_sin(positions, dim, **kwargs)
+
+
+# --- apply_rope_cos_sin --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rot, table", [(20, "batch"), (20, "shared"), (12, "batch1"), (6, "shared")])
+def test_apply_rope_cos_sin_matches_reference(layout, interleaved, dtype, rot, table):
+    batch, heads, kv_heads, seq, head_dim = 3, 5, 1, 7, 20  # odd sizes, GQA (k has 1 head), partial rotary
+    q, k = make_qk(batch, heads, kv_heads, seq, head_dim, layout, dtype)
+    g = torch.Generator().manual_seed(2)
+    rows = {"batch": batch, "batch1": 1, "shared": 1}[table]
+    angles = torch.rand(rows, seq, rot // 2, generator=g, dtype=F64) * 200
+    angles = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles, angles), -1)
+    scale = 1.3  # tables need not be unit: yarn's attention factor
+    cos, sin = (angles.cos() * scale).to(dtype), (angles.sin() * scale).to(dtype)
+    args = (cos[0], sin[0]) if table == "shared" else (cos, sin)
+    out_q, out_k = F.apply_rope_cos_sin(q, k, *args, layout=layout, interleaved=interleaved)
+    assert out_q.dtype == out_k.dtype == dtype and out_q.shape == q.shape and out_k.shape == k.shape
+    for out, x in ((out_q, q), (out_k, k)):
+        want = reference_rotate(x, cos, sin, layout, interleaved)
+        torch.testing.assert_close(out.to(F64), want, **TOLERANCE[dtype])
+        torch.testing.assert_close(out[..., rot:], x[..., rot:], rtol=0, atol=0)  # pass-through features
+    only_q = F.apply_rope_cos_sin(q, None, *args, layout=layout, interleaved=interleaved)
+    torch.testing.assert_close(only_q, out_q, rtol=0, atol=0)
+
+
+def test_apply_rope_cos_sin_mixed_table_dtype():
+    """float32 tables with bfloat16 q: computed in float32, returned in bfloat16."""
+    q, k = make_qk(2, 3, 3, 5, 8, "bhsd", torch.bfloat16)
+    cos, sin = F.rope_cos_sin(torch.arange(5), 8)
+    out_q, out_k = F.apply_rope_cos_sin(q, k, cos, sin)
+    assert out_q.dtype == out_k.dtype == torch.bfloat16
+    want = reference_rotate(q, cos[None], sin[None], "bhsd", False)
+    torch.testing.assert_close(out_q.to(F64), want.to(torch.bfloat16).to(F64), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_apply_rope_cos_sin_non_contiguous(layout):
+    batch, heads, seq, head_dim, rot = 2, 3, 6, 16, 12
+    base_q = torch.randn(seq, batch, heads, 2 * head_dim, dtype=F64)
+    # every other feature of a (seq, batch, heads, 2 * head_dim) buffer, permuted to the layout
+    q = base_q[..., ::2].permute(1, 2, 0, 3) if layout == "bhsd" else base_q[..., ::2].transpose(0, 1)
+    k = q.flip(1)
+    assert not q.is_contiguous()
+    tables = F.rope_cos_sin(torch.arange(seq).expand(batch, seq), rot, dtype=F64)
+    cos, sin = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in tables)  # (batch, seq, rot), seq-major
+    assert not cos.is_contiguous()
+    out_q, out_k = F.apply_rope_cos_sin(q, k, cos, sin, layout=layout)
+    torch.testing.assert_close(out_q, reference_rotate(q, cos, sin, layout, False), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(out_k, reference_rotate(k, cos, sin, layout, False), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_apply_rope_cos_sin_gradcheck(interleaved, layout):
+    q, k = make_qk(2, 3, 1, 4, 10, layout, F64)
+    q.requires_grad_(), k.requires_grad_()
+    angles = torch.rand(2, 4, 4, dtype=F64) * 10
+    angles = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles, angles), -1)
+    cos, sin = angles.cos().requires_grad_(), angles.sin().requires_grad_()
+    assert torch.autograd.gradcheck(
+        lambda q, k, c, s: F.apply_rope_cos_sin(q, k, c, s, layout=layout, interleaved=interleaved), (q, k, cos, sin)
+    )
+
+
+# --- the same rotation as apply_rope ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["default", "linear", "llama3", "yarn", "yarn_mscale"])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("rotary_dim", [None, 10])
+def test_apply_rope_cos_sin_equals_apply_rope(name, layout, interleaved, rotary_dim):
+    scaling, head_dim, seq = SCALINGS[name], 18, 9
+    q, k = make_qk(2, 4, 2, seq, head_dim, layout, F64, seed=3)
+    pos = torch.randint(0, 5000, (2, seq), generator=torch.Generator().manual_seed(4))
+    cos, sin = F.rope_cos_sin(pos, head_dim, base=20000.0, scaling=scaling, rotary_dim=rotary_dim, dtype=F64)
+    if interleaved:
+        cos, sin = interleave_tables(cos, sin)
+    got = F.apply_rope_cos_sin(q, k, cos, sin, layout=layout, interleaved=interleaved)
+    want = F.apply_rope(q, k, positions=pos, base=20000.0, scaling=scaling, rotary_dim=rotary_dim, layout=layout,
+                        interleaved=interleaved)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+
+
+def test_apply_rope_cos_sin_equals_apply_rope_float32_shared_positions():
+    q, k = make_qk(3, 8, 2, 33, 64, "bhsd", torch.float32, seed=5)
+    pos = torch.arange(100, 133)
+    got = F.apply_rope_cos_sin(q, k, *F.rope_cos_sin(pos, 64, scaling=SCALINGS["llama3"]))
+    want = F.apply_rope(q, k, positions=pos, scaling=SCALINGS["llama3"], layout="bhsd")
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)  # tables rounded to float32 once
+
+
+# --- bad arguments ------------------------------------------------------------------------------
+
+
+def _valid():
+    q, k = make_qk(2, 4, 2, 5, 8, "bhsd", torch.float32)
+    cos, sin = F.rope_cos_sin(torch.arange(5), 8)
+    return dict(q=q, k=k, cos=cos, sin=sin)
+
+
+@pytest.mark.parametrize(
+    "change, error, match",
+    [
+        (dict(q=[1.0]), TypeError, "expected q to be a Tensor, got list"),
+        (dict(k=3), TypeError, "expected k to be a Tensor, got int"),
+        (dict(cos=None), TypeError, "expected cos to be a Tensor, got NoneType"),
+        (dict(q=torch.zeros(2, 4, 5, 8, dtype=torch.long)), TypeError, "q to be a floating-point tensor, got torch.int64"),
+        (dict(layout="sbhd"), ValueError, "unknown layout 'sbhd'; expected one of bhsd, bshd"),
+        (dict(interleaved=1), TypeError, "interleaved to be a bool, got 1"),
+        (dict(q=torch.zeros(2, 5, 8)), ValueError, r"q of shape \(batch, heads, seq, head_dim\) .* got \(2, 5, 8\)"),
+        (dict(k=torch.zeros(2, 2, 6, 8)), ValueError, r"k of shape .* got k \(2, 2, 6, 8\)"),
+        (dict(k=torch.zeros(2, 2, 5, 8, dtype=F64)), ValueError, "k on q's device with q's dtype"),
+        (dict(sin=torch.zeros(5, 6)), ValueError, r"cos and sin of the same shape, got \(5, 8\) and \(5, 6\)"),
+        (dict(cos=torch.zeros(4, 8), sin=torch.zeros(4, 8)), ValueError, r"with seq=5 .* got \(4, 8\)"),
+        (dict(cos=torch.zeros(3, 5, 8), sin=torch.zeros(3, 5, 8)), ValueError, r"batch=2 \(or 1\), got \(3, 5, 8\)"),
+        (dict(cos=torch.zeros(5, 7), sin=torch.zeros(5, 7)), ValueError, r"even and in \[2, head_dim=8\], got 7"),
+        (dict(cos=torch.zeros(5, 10), sin=torch.zeros(5, 10)), ValueError, r"head_dim=8\], got 10"),
+        (dict(cos=torch.zeros(1, 1, 5, 8), sin=torch.zeros(1, 1, 5, 8)), ValueError, r"\(seq, rotary_dim\) or"),
+    ],
+)
+def test_apply_rope_cos_sin_bad_arguments(change, error, match):
+    args = _valid()
+    layout = change.pop("layout", "bhsd")
+    interleaved = change.pop("interleaved", False)
+    args.update(change)
+    with pytest.raises(error, match=match):
+        F.apply_rope_cos_sin(args["q"], args["k"], args["cos"], args["sin"], layout=layout, interleaved=interleaved)
