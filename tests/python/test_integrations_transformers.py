@@ -1,0 +1,199 @@
+"""posenc.integrations.transformers: tiny random models of each supported family give the same
+logits, gradients and greedy generations with their apply_rotary_pos_emb routed through
+posenc.functional.apply_rope_cos_sin as with transformers' own, and the patched models really
+call posenc (counted). Without transformers, the integration's ImportError says what to install
+(the tests skip without transformers).
+
+Tolerance: the logits and gradients of a 2-layer float32 model, rtol = atol = 1e-5 (float32
+rounding: the composite reproduces transformers' operations, a fused kernel rounds once).
+test_integrations_no_transformers.py checks the ImportError without transformers."""
+
+import importlib
+import pathlib
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import posenc
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+transformers = pytest.importorskip("transformers")
+from posenc.integrations import transformers as integration  # noqa: E402
+
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+CONFIGS = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON),
+    "mistral": lambda: transformers.MistralConfig(**COMMON, sliding_window=None),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=16),
+    "gemma": lambda: transformers.GemmaConfig(**COMMON, head_dim=16),
+    # partial rotary: 1/4 of each 16-wide head
+    "gpt_neox": lambda: transformers.GPTNeoXConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                   num_hidden_layers=2, num_attention_heads=4,
+                                                   max_position_embeddings=256, rotary_pct=0.25),
+    # partial rotary, adjacent pairs
+    "gptj": lambda: transformers.GPTJConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, rotary_dim=8,
+                                            n_positions=256, bos_token_id=0, eos_token_id=1),
+}
+CALLS_PER_LAYER = {"gptj": 2}  # GPT-J rotates q and k in separate calls
+
+
+def test_supported_model_types():
+    assert set(integration.SUPPORTED_MODEL_TYPES) == set(CONFIGS)
+
+
+def tiny_model(model_type):
+    torch.manual_seed(0)
+    config = CONFIGS[model_type]()
+    config.pad_token_id = 0
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    assert model.config.model_type == model_type
+    return model
+
+
+@pytest.fixture
+def count_posenc_calls(monkeypatch):
+    """Counts calls of posenc.functional.apply_rope_cos_sin (what the patch must call)."""
+    calls = []
+    original = posenc.functional.apply_rope_cos_sin
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(posenc.functional, "apply_rope_cos_sin", counted)
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def unpatched_after():
+    yield
+    integration.revert_posenc_rope()
+
+
+@pytest.mark.parametrize("model_type", list(CONFIGS))
+def test_logits_gradients_and_generation_match(model_type, count_posenc_calls):
+    model = tiny_model(model_type)
+    ids = torch.randint(2, 128, (2, 13), generator=torch.Generator().manual_seed(1))
+
+    def forward_backward():
+        model.zero_grad(set_to_none=True)
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+        return out.logits.detach(), out.loss.detach(), grads
+
+    def generate():
+        return model.generate(ids[:1, :5], max_new_tokens=8, do_sample=False, pad_token_id=0)
+
+    logits, loss, grads = forward_backward()
+    tokens = generate()
+    assert not count_posenc_calls and not integration.is_patched(model)
+
+    assert integration.apply_posenc_rope(model) is model
+    assert integration.is_patched(model) and integration.is_patched(model_type)
+    got_logits, got_loss, got_grads = forward_backward()
+    layers = model.config.num_hidden_layers
+    assert len(count_posenc_calls) == layers * CALLS_PER_LAYER.get(model_type, 1)
+    torch.testing.assert_close(got_logits, logits, **TOL)
+    torch.testing.assert_close(got_loss, loss, **TOL)
+    assert got_grads.keys() == grads.keys() and len(grads) > 0
+    for name in grads:
+        torch.testing.assert_close(got_grads[name], grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+    del count_posenc_calls[:]
+    got_tokens = generate()  # with the KV cache: prefill, then one token per step
+    assert len(count_posenc_calls) >= 8 * layers * CALLS_PER_LAYER.get(model_type, 1)
+    assert got_tokens.shape == (1, 13)
+    assert torch.equal(got_tokens, tokens)
+
+    integration.revert_posenc_rope(model)
+    assert not integration.is_patched(model_type)
+    del count_posenc_calls[:]
+    model(input_ids=ids)
+    assert not count_posenc_calls
+
+
+def test_patch_is_per_type_idempotent_and_reversible():
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    gptj = importlib.import_module("transformers.models.gptj.modeling_gptj")
+    original, original_gptj = llama.apply_rotary_pos_emb, gptj.apply_rotary_pos_emb
+    integration.apply_posenc_rope_to("llama")
+    integration.apply_posenc_rope("llama")  # twice: still one saved original
+    integration.apply_posenc_rope(transformers.GPTJConfig())
+    assert llama.apply_rotary_pos_emb is integration.posenc_apply_rotary_pos_emb
+    assert gptj.apply_rotary_pos_emb is integration.posenc_gptj_apply_rotary_pos_emb
+    integration.revert_posenc_rope("llama")
+    assert llama.apply_rotary_pos_emb is original and integration.is_patched("gptj")
+    integration.revert_posenc_rope()
+    assert gptj.apply_rotary_pos_emb is original_gptj
+    with integration.posenc_rope("qwen2") as handle:
+        assert handle == "qwen2" and integration.is_patched("qwen2")
+    assert not integration.is_patched("qwen2")
+    integration.apply_posenc_rope("qwen2")
+    with integration.posenc_rope("qwen2"):
+        pass
+    assert integration.is_patched("qwen2")  # patched before the block: left patched
+
+
+def test_model_type_from_the_module_of_the_class():
+    class Stand(torch.nn.Module):
+        pass
+
+    Stand.__module__ = "transformers.models.mistral.modeling_mistral"
+    integration.apply_posenc_rope(Stand())
+    assert integration.is_patched("mistral")
+
+
+def test_unsupported_model_types_are_refused():
+    with pytest.raises(ValueError, match=r"model type 'phi3' is not supported; supported: llama, mistral"):
+        integration.apply_posenc_rope(transformers.Phi3Config())
+    with pytest.raises(ValueError, match="model type 'bert' is not supported"):
+        integration.apply_posenc_rope_to("bert")
+    with pytest.raises(TypeError, match="expected a transformers model, config or model-type string, got int"):
+        integration.apply_posenc_rope(3)
+
+
+def test_a_changed_transformers_signature_is_refused(monkeypatch):
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    monkeypatch.setattr(llama, "apply_rotary_pos_emb", lambda x, cos, sin: x)
+    with pytest.raises(RuntimeError, match=r"takes \('x', 'cos', 'sin'\), not \('q', 'k', 'cos', 'sin'\)"):
+        integration.apply_posenc_rope_to("llama")
+
+
+def test_replacement_layouts_and_arguments():
+    q, k = torch.randn(2, 4, 5, 16, dtype=torch.float64), torch.randn(2, 2, 5, 16, dtype=torch.float64)
+    cos, sin = posenc.functional.rope_cos_sin(torch.arange(5).expand(2, 5), 16, dtype=torch.float64)
+    want = posenc.functional.apply_rope(q, k, positions=torch.arange(5), layout="bhsd")
+    for got in (integration.posenc_apply_rotary_pos_emb(q, k, cos, sin),
+                integration.posenc_apply_rotary_pos_emb(q, k, cos, sin, None, 1),
+                [t.transpose(1, 2) for t in integration.posenc_apply_rotary_pos_emb(
+                    q.transpose(1, 2), k.transpose(1, 2), cos, sin, unsqueeze_dim=2)],
+                [t.transpose(1, 2) for t in integration.posenc_apply_rotary_pos_emb(
+                    q.transpose(1, 2), k.transpose(1, 2), cos, sin, 2)]):  # transformers 5: 5th is unsqueeze_dim
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="expected unsqueeze_dim 1 .* or 2 .* got 0"):
+        integration.posenc_apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=0)
+    # GPT-J: (batch, seq, heads, rot) with half-width sin/cos
+    half_cos, half_sin = cos[..., :8], sin[..., :8]
+    got = integration.posenc_gptj_apply_rotary_pos_emb(q.transpose(1, 2), half_sin, half_cos)
+    torch.testing.assert_close(got.transpose(1, 2), posenc.functional.apply_rope(
+        q, positions=torch.arange(5), layout="bhsd", interleaved=True), rtol=1e-12, atol=1e-12)
+
+
+def test_readme_example_runs():
+    """The README's "Hugging Face transformers" block, with a tiny Llama for from_pretrained."""
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Hugging Face transformers"):]
+    block = re.search(r"```py\n(.*?)```", section, flags=re.S).group(1)
+    model = tiny_model("llama")
+    namespace = dict(AutoModelForCausalLM=SimpleNamespace(from_pretrained=lambda name, **kw: model),
+                     checkpoint="a Llama checkpoint")
+    exec(compile(block, "README.md (Hugging Face transformers)", "exec"), namespace)
+    assert integration.is_patched(model)
