@@ -1,0 +1,495 @@
+"""posenc under ``torch.distributed``: DTensor sharding rules for the ``torch.ops.posenc`` ops,
+context-parallel helpers, and the glue that lets the modules take DTensor inputs.
+
+``import posenc`` does not import this module (nor ``torch.distributed``). Importing it
+registers the sharding rules (:func:`register_sharding_rules`, idempotent, also callable by
+hand). What each op accepts, per mesh dimension (R = ``Replicate()``, S(d) = ``Shard(d)``,
+P = ``Partial()`` (sum); anything else is redistributed by DTensor to the cheapest rule, at
+worst to R, so no placement gives a silently wrong answer):
+
+``rope`` / ``rope_`` (q, k: canonical dims batch b, seq s, heads h of the layout):
+    * all R;
+    * q, k S(h) (any layout, "thd" included), index tensors R;
+    * q, k P (rotation is linear), index tensors R;
+    * q, k S(b) (not "thd"): positions with a batch dimension S on it, per-row ``offsets`` S(0),
+      other index tensors R. With "dynamic" scaling and ``seq_len=-1`` (read from the call)
+      only when every index tensor stays R (the longest position is then the same on every rank);
+    * q, k S(s) (not "thd") only when ``positions`` are given, sharded alike on their last
+      dimension (default positions would be ``0 .. S_local-1`` on every rank); not for
+      "dynamic" with ``seq_len=-1``: pass the global ``seq_len`` (the module does: its range
+      check reads the global bounds);
+    * "thd" is never token-sharded: ``cu_seqlens`` describe the whole pack. For packed
+      context parallelism call the op on local tensors with :func:`packed_shard`'s
+      per-shard ``cu_seqlens`` and offsets.
+    ``rope_`` (in place) runs only on the placements q and k already have (a redistributed
+    copy would be rotated instead of the caller's tensor): otherwise it raises.
+``add_position_forward`` / ``add_position`` (x: batch b, seq s, hidden 2; table ``(L, d)`` or
+``(1, L, d)``):
+    * all R;
+    * without dropout (p == 0): x S(b) with (batch, seq) positions S(0) ((seq,) positions R);
+      x S(2) with the table S(-1) (hidden sharding, tensor parallel); x S(s) only with
+      positions given and sharded alike (sequence parallel). The table is never sharded on
+      its position dimension inside the op (FSDP2 gathers it before the forward).
+    * with dropout (p > 0) only R: the mask is drawn from the element index of the tensor
+      the kernel sees, so a shard would get another mask than the same elements of the whole
+      tensor. Replicated, every rank draws the full tensor's mask, identical on all ranks and
+      equal to a single-process run when every rank's generator is seeded alike (as DTensor's
+      own random ops require).
+``add_position_backward`` (the dropout mask applied to a gradient): R -> R, P -> P; S only
+    for p == 0. ``add_position_backward_with_table``: R; P -> (P, P); for p == 0 also
+    grad S(b) / S(s) (positions alike) -> grad_table P (a sum over the shards' rows) and grad
+    S(2) -> grad_table S(1).
+``sinusoidal_table``: positions R or S(d) -> the table S(d) (never on the d_model dimension).
+``position_bounds`` / ``rope_position_bounds`` read values (a host-side check): for DTensor
+    arguments they gather the index tensors (small, int64) and compute the global bounds on
+    every rank, so a range error is raised on every rank alike and "dynamic" scaling sees the
+    global longest position. q and k are not gathered (only their global shape matters).
+``make_positions``, ``resample_position_table``, ``timestep_embedding`` are compositions of
+    ATen ops, which DTensor shards by ATen's own rules. ``rope_frequencies``,
+    ``rope_grid_positions``, ``sinusoidal_2d_table``, ``rope_scaling_spec`` take no tensor.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Iterable, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+import posenc  # noqa: F401  (loads the ops)
+
+__all__ = [
+    "register_sharding_rules",
+    "replicate_like",
+    "sequence_positions",
+    "accept_dtensor_inputs",
+    "context_parallel_indices",
+    "context_parallel_positions",
+    "shard_sequence",
+    "packed_shard",
+]
+
+if not torch.distributed.is_available():  # pragma: no cover - builds without distributed
+    raise ImportError("posenc.distributed needs torch.distributed, which this torch build lacks")
+
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard  # noqa: E402
+
+_registered = False
+
+
+# ----------------------------------------------------------------------------------------
+# Sharding rules
+# ----------------------------------------------------------------------------------------
+
+R = Replicate()
+P = Partial()
+
+
+def _rope_dims(layout: str) -> Tuple[Optional[int], Optional[int], int]:
+    """(batch, seq, heads) dims of q/k for a layout; "thd" has no batch and no sharded seq."""
+    return {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2), "thd": (None, None, 1)}[layout]
+
+
+def _rope_rule(a: dict, outputs: str) -> list:
+    """Strategies for rope (outputs "qk"), rope_ (outputs "") and their arguments ``a``
+    (name -> DTensorSpec, None or value, defaults filled in)."""
+    q, k, pos, offs = a["q"], a["k"], a["positions"], a["offsets"]
+    layout = a["layout"] if a["layout"] in ("bshd", "bhsd", "sbhd", "thd") else "bshd"
+    b_dim, s_dim, h_dim = _rope_dims(layout)
+    multi = len(a["sections"]) > 0
+    dynamic_from_call = a["rope_type"] == "dynamic" and a["seq_len"] < 0
+    strategies = []
+
+    def add(qk, positions=R, offsets=R):
+        out = [qk, qk if k is not None else R] if outputs == "qk" else []
+        strategies.append((out, dict(q=qk, k=qk, positions=positions, offsets=offsets, cu_seqlens=R)))
+
+    add(R)
+    if q.ndim == (3 if layout == "thd" else 4):
+        add(Shard(h_dim))
+        add(P)
+        if b_dim is not None:
+            batch = q.shape[b_dim]
+            pos_p = R
+            if pos is not None:
+                pos_batch_dim = 1 if multi else 0
+                if pos.ndim == pos_batch_dim + 2 and pos.shape[pos_batch_dim] == batch:
+                    pos_p = Shard(pos_batch_dim)
+            offs_p = Shard(0) if offs is not None else R
+            if not (dynamic_from_call and (isinstance(pos_p, Shard) or offs is not None)):
+                add(Shard(b_dim), pos_p, offs_p)
+            if pos is not None and pos.ndim >= 1 and not dynamic_from_call:
+                add(Shard(s_dim), Shard(pos.ndim - 1), R)
+    return strategies
+
+
+def _add_position_rule(a: dict, outputs: int) -> list:
+    """Strategies for add_position_forward (outputs 2: out, rng) and add_position (1)."""
+    x, table, pos = a["x"], a["table"], a["positions"]
+    b_dim, s_dim = (0, 1) if a["batch_first"] else (1, 0)
+    strategies = []
+
+    def add(out, x_p, table_p=R, pos_p=R):
+        strategies.append(([out, R][:outputs], dict(x=x_p, table=table_p, positions=pos_p)))
+
+    add(R, R)
+    if a["p"] == 0 and x.ndim == 3:
+        add(Shard(b_dim), Shard(b_dim), R, Shard(0) if pos is not None and pos.ndim == 2 else R)
+        add(Shard(2), Shard(2), Shard(table.ndim - 1), R)
+        if pos is not None and pos.ndim >= 1:
+            add(Shard(s_dim), Shard(s_dim), R, Shard(pos.ndim - 1))
+    return strategies
+
+
+def _add_position_backward_rule(a: dict) -> list:
+    strategies = [([R], dict(grad=R, rng=R)), ([P], dict(grad=P, rng=R))]
+    if a["p"] == 0:
+        strategies += [([Shard(d)], dict(grad=Shard(d), rng=R)) for d in range(a["grad"].ndim)]
+    return strategies
+
+
+def _backward_with_table_rule(a: dict) -> list:
+    grad, pos = a["grad"], a["positions"]
+    b_dim, s_dim = (0, 1) if a["batch_first"] else (1, 0)
+    need_x = a["need_x"]
+    strategies = []
+
+    def add(gx, gt, grad_p, pos_p=R):
+        strategies.append(([gx if need_x else R, gt], dict(grad=grad_p, rng=R, positions=pos_p)))
+
+    add(R, R, R)
+    add(P, P, P)
+    if a["p"] == 0 and grad.ndim == 3:
+        add(Shard(b_dim), P, Shard(b_dim), Shard(0) if pos is not None and pos.ndim == 2 else R)
+        add(Shard(2), Shard(1), Shard(2))
+        if pos is not None and pos.ndim >= 1:
+            add(Shard(s_dim), P, Shard(s_dim), Shard(pos.ndim - 1))
+    return strategies
+
+
+def _sinusoidal_table_rule(a: dict) -> list:
+    return [([R], dict(positions=R))] + [
+        ([Shard(d)], dict(positions=Shard(d))) for d in range(a["positions"].ndim)
+    ]
+
+
+def _register_rule(op, rule, mutated: Sequence[str] = ()) -> None:
+    """Registers ``rule(arguments) -> [(output placements, {tensor argument: placement})]``
+    (one mesh dimension; expanded over the mesh as register_sharding does) as op's DTensor
+    strategy. ``mutated``: tensor arguments written in place, which must keep their
+    placements (checked on the expanded strategies)."""
+    from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo
+    from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
+
+    schema = op._schema
+    names = [arg.name for arg in schema.arguments]
+    defaults = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
+    first_static = next(
+        (i for i, arg in enumerate(schema.arguments) if "Tensor" not in str(arg.type)), len(names)
+    )
+
+    def spec_of(value):
+        if isinstance(value, OpStrategy):
+            return value.strategies[0].output_spec
+        return value
+
+    def strategy(op_schema):
+        args = dict(defaults)
+        order = []  # argument names in the order DTensor lists its inputs: args, then kwargs
+        for name, value in zip(names, op_schema.args_schema):
+            args[name] = spec_of(value)
+            order.append(name)
+        for name, value in op_schema.kwargs_schema.items():
+            args[name] = spec_of(value)
+            order.append(name)
+        single = []
+        for outs, inputs in rule(args):
+            single.append(list(outs) + [inputs.get(name, R) if _is_spec(args[name]) else None for name in order])
+        result = expand_to_full_mesh_op_strategy(
+            op_schema.get_mesh_from_args(), op_schema, single, input_index=len(schema.returns),
+            inplace_op=op_schema.is_inplace_op(),
+        )
+        if mutated:
+            tensor_names = [name for name in order if _is_spec(args[name])]
+            keep = []
+            for spec in result.strategies:
+                if all(
+                    spec.input_specs[tensor_names.index(name)].placements == args[name].placements
+                    for name in mutated if name in tensor_names
+                ):
+                    keep.append(spec)
+            if not keep:
+                current = {name: tuple(args[name].placements) for name in mutated if name in tensor_names}
+                raise RuntimeError(
+                    f"{op}: no sharding rule keeps the placements {current} of the tensors it writes in "
+                    f"place; redistribute them first (e.g. to Replicate or heads-sharded), or use the "
+                    f"out-of-place op (apply_rope(..., inplace=False))"
+                )
+            result = OpStrategy(keep)
+        return result
+
+    DTensor._op_dispatcher.sharding_propagator.register_op_strategy(
+        op, strategy, RuntimeSchemaInfo(first_static, None, needs_pytree=True)
+    )
+
+
+def _is_spec(value) -> bool:
+    from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+    return isinstance(value, DTensorSpec)
+
+
+def _bounds_handler(op_call, args, kwargs):
+    """position_bounds / rope_position_bounds of DTensor arguments: the bounds of the global
+    tensors, on every rank."""
+    names = [arg.name for arg in op_call._schema.arguments]
+    new_args = []
+    for name, value in zip(names, args):
+        new_args.append(_bounds_argument(name, value))
+    new_kwargs = {name: _bounds_argument(name, value) for name, value in kwargs.items()}
+    return op_call(*new_args, **new_kwargs)
+
+
+def _bounds_argument(name, value):
+    if not isinstance(value, DTensor):
+        return value
+    if name in ("q", "k"):
+        local = value.to_local()
+        return torch.empty_strided(tuple(value.shape), (0,) * value.ndim, dtype=local.dtype, device=local.device)
+    return value.full_tensor()
+
+
+def register_sharding_rules() -> None:
+    """Registers the DTensor sharding rules of the posenc ops (see the module docstring).
+    Idempotent; called when ``posenc.distributed`` is imported."""
+    global _registered
+    if _registered:
+        return
+    ops = torch.ops.posenc
+    _register_rule(ops.rope.default, lambda a: _rope_rule(a, "qk"))
+    _register_rule(ops.rope_.default, lambda a: _rope_rule(a, ""), mutated=("q", "k"))
+    _register_rule(ops.add_position_forward.default, lambda a: _add_position_rule(a, 2))
+    _register_rule(ops.add_position.default, lambda a: _add_position_rule(a, 1))
+    _register_rule(ops.add_position_backward.default, _add_position_backward_rule)
+    _register_rule(ops.add_position_backward_with_table.default, _backward_with_table_rule)
+    _register_rule(ops.sinusoidal_table.default, _sinusoidal_table_rule)
+    handlers = DTensor._op_dispatcher._custom_op_handlers
+    handlers[ops.position_bounds.default] = _bounds_handler
+    handlers[ops.rope_position_bounds.default] = _bounds_handler
+    _registered = True
+
+
+# ----------------------------------------------------------------------------------------
+# Plain tensors beside DTensors
+# ----------------------------------------------------------------------------------------
+
+
+def replicate_like(like: Tensor, tensor: Optional[Tensor]) -> Optional[Tensor]:
+    """``tensor`` as a ``Replicate()`` DTensor on the mesh of the DTensor ``like`` (no
+    communication: every rank must hold the same values, as for any replicated tensor).
+    DTensors, non-tensors and a plain ``like`` pass through unchanged."""
+    if not isinstance(like, DTensor) or not isinstance(tensor, Tensor) or isinstance(tensor, DTensor):
+        return tensor
+    mesh = like.device_mesh
+    return DTensor.from_local(tensor, mesh, [Replicate()] * mesh.ndim, run_check=False)
+
+
+def sequence_positions(like: Tensor, seq_dim: int, offset: int = 0, batch_dim: Optional[int] = None) -> Tensor:
+    """Positions ``offset .. offset + S - 1`` of the sequence dimension ``seq_dim`` of the
+    DTensor ``like``, placed as ``like`` places that dimension (sharded where it is sharded,
+    else replicated): what a sequence-sharded call needs. int64 ``(S,)``, or ``(B, S)`` with
+    ``batch_dim`` (then sharded on the batch as well where ``like`` is). A plain ``like``
+    gives a plain tensor."""
+    seq = like.shape[seq_dim]
+    device = like.to_local().device if isinstance(like, DTensor) else like.device
+    positions = torch.arange(offset, offset + seq, dtype=torch.int64, device=device)
+    if batch_dim is not None:
+        positions = positions.expand(like.shape[batch_dim], seq).contiguous()
+    if not isinstance(like, DTensor):
+        return positions
+    seq_dim %= like.ndim
+    placements = []
+    for placement in like.placements:
+        if isinstance(placement, Shard) and placement.dim % like.ndim == seq_dim:
+            placements.append(Shard(positions.dim() - 1))
+        elif (isinstance(placement, Shard) and batch_dim is not None
+              and placement.dim % like.ndim == batch_dim % like.ndim):
+            placements.append(Shard(0))
+        else:
+            placements.append(Replicate())
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(positions, like.device_mesh, placements, src_data_rank=None)
+
+
+def _first_dtensor(values: Iterable):
+    for value in values:
+        if isinstance(value, DTensor):
+            return value
+    return None
+
+
+def accept_dtensor_inputs(module: torch.nn.Module) -> torch.nn.Module:
+    """Lets a posenc module (or any module) take DTensor inputs beside plain tensors: during a
+    call with a DTensor argument, the plain tensor arguments (positions, per-row offsets,
+    cu_seqlens) and the module's own plain buffers (``PositionalEncoding.pe``) are seen as
+    ``Replicate()`` DTensors on its mesh (no communication: plain tensors must hold the same
+    values on every rank). The buffers are wrapped for the call only, so plain calls keep
+    working. Parameters must already be DTensors (``distribute_module``,
+    ``parallelize_module``, ``fully_shard``): a plain parameter with DTensor inputs is a
+    RuntimeError. Returns the module."""
+    saved = {}
+
+    def before(mod, args, kwargs):
+        like = _first_dtensor(list(args) + list(kwargs.values()))
+        if like is None:
+            return None
+        for name, param in mod.named_parameters(recurse=False):
+            if not isinstance(param, DTensor):
+                raise RuntimeError(
+                    f"{type(mod).__name__}: parameter {name!r} is a plain tensor but the input is a DTensor; "
+                    f"distribute the module's parameters first (distribute_module, parallelize_module or "
+                    f"fully_shard)"
+                )
+        for name, buf in list(mod._buffers.items()):
+            if isinstance(buf, Tensor) and not isinstance(buf, DTensor):
+                saved[name] = buf
+                mod._buffers[name] = replicate_like(like, buf)
+        args = tuple(replicate_like(like, a) for a in args)
+        kwargs = {key: replicate_like(like, value) for key, value in kwargs.items()}
+        return args, kwargs
+
+    def after(mod, args, kwargs, output):
+        while saved:
+            name, buf = saved.popitem()
+            mod._buffers[name] = buf
+
+    module.register_forward_pre_hook(before, with_kwargs=True)
+    module.register_forward_hook(after, with_kwargs=True, always_call=True)
+    return module
+
+
+# ----------------------------------------------------------------------------------------
+# Context parallelism (sequence split over ranks, local tensors)
+# ----------------------------------------------------------------------------------------
+
+LoadBalance = Union[None, bool, str, Tensor, object]
+
+
+def context_parallel_indices(seq_len: int, world_size: int, rank: int, load_balance: LoadBalance = None,
+                             device=None) -> Tensor:
+    """The global sequence indices held by ``rank`` when a sequence of ``seq_len`` is split
+    over ``world_size`` ranks, int64, in the rank's local order:
+
+    * ``load_balance`` None / False: contiguous chunks, as ``Shard(seq_dim)`` splits
+      (``torch.chunk``: chunks of ``ceil(seq_len / world_size)``, the last ones shorter);
+    * True / "head_tail": torch's context-parallel load balancer (``_HeadTailLoadBalancer``,
+      the "zigzag" split): ``2 * world_size`` equal chunks, rank r holding chunk r then chunk
+      ``2 * world_size - 1 - r`` (seq_len must divide by ``2 * world_size``);
+    * a rearrange-index tensor (``(seq,)``, ``(1, seq)`` or ``(batch, seq)``, e.g. a
+      load balancer's ``_generate_indices()``) or a load balancer object itself: the
+      rearranged sequence split into contiguous chunks; ``(batch, seq)`` gives ``(batch, S_local)``.
+    """
+    _check_rank(world_size, rank)
+    if load_balance is None or load_balance is False:
+        chunks = torch.arange(seq_len, device=device).chunk(world_size)
+        return chunks[rank] if rank < len(chunks) else torch.arange(0, device=device)
+    if load_balance is True or load_balance == "head_tail":
+        if seq_len % (2 * world_size) != 0:
+            raise ValueError(f"context_parallel_indices: head-tail load balancing needs seq_len divisible by "
+                             f"2 * world_size = {2 * world_size}, got seq_len={seq_len}")
+        c = seq_len // (2 * world_size)
+        head = torch.arange(rank * c, (rank + 1) * c, device=device)
+        tail = torch.arange((2 * world_size - 1 - rank) * c, (2 * world_size - rank) * c, device=device)
+        return torch.cat([head, tail])
+    if isinstance(load_balance, str):
+        raise ValueError(f"context_parallel_indices: unknown load_balance {load_balance!r}; expected None, "
+                         f"'head_tail', an index tensor or a load balancer")
+    indices = load_balance if isinstance(load_balance, Tensor) else load_balance._generate_indices()
+    indices = indices.to(device=device if device is not None else indices.device, dtype=torch.int64)
+    if indices.shape[-1] != seq_len:
+        raise ValueError(f"context_parallel_indices: expected rearrange indices of length {seq_len}, got shape "
+                         f"{tuple(indices.shape)}")
+    if indices.dim() == 2 and indices.shape[0] == 1:
+        indices = indices[0]
+    if seq_len % world_size != 0:
+        raise ValueError(f"context_parallel_indices: rearranged sequences split evenly; seq_len={seq_len} does "
+                         f"not divide by world_size={world_size}")
+    n = seq_len // world_size
+    return indices[..., rank * n:(rank + 1) * n]
+
+
+def context_parallel_positions(seq_len: int, world_size: int, rank: int, load_balance: LoadBalance = None, *,
+                               positions: Optional[Tensor] = None, offset: int = 0, device=None) -> Tensor:
+    """Positions of ``rank``'s tokens for RoPE or add-position calls on local shards of a
+    context-parallel sequence split (see :func:`context_parallel_indices`): int64
+    ``(S_local,)`` (or ``(batch, S_local)``), the global positions ``offset + index``, or
+    the entries of ``positions`` (the unsplit sequence's own positions, ``(seq,)`` or
+    ``(batch, seq)``, e.g. per-document positions of a packed row) at those indices. Pass
+    them as ``positions=`` with the local q/k or x: the results are the slices of the
+    unsplit call's."""
+    indices = context_parallel_indices(seq_len, world_size, rank, load_balance, device=device)
+    if positions is None:
+        return indices + offset
+    positions = positions.to(torch.int64)
+    if indices.dim() == 2 and positions.dim() == 1:
+        positions = positions.expand(indices.shape[0], -1)
+    if indices.dim() == 1:
+        return positions[..., indices.to(positions.device)] + offset
+    return positions.gather(-1, indices.to(positions.device)) + offset
+
+
+def shard_sequence(x: Tensor, dim: int, world_size: int, rank: int, load_balance: LoadBalance = None) -> Tensor:
+    """``rank``'s shard of dimension ``dim`` of the full tensor ``x`` under the split of
+    :func:`context_parallel_indices` (the local q, k or x of a context-parallel rank).
+    Batch-dependent rearrangements ((batch, seq) indices) need ``x`` with the batch first."""
+    indices = context_parallel_indices(x.shape[dim], world_size, rank, load_balance, device=x.device)
+    if indices.dim() == 1:
+        return x.index_select(dim, indices)
+    dim %= x.dim()
+    shape = [1] * x.dim()
+    shape[0], shape[dim] = indices.shape
+    gather = indices.reshape(shape).expand(*[indices.shape[1] if d == dim else s for d, s in enumerate(x.shape)])
+    return x.gather(dim, gather)
+
+
+def packed_shard(
+    cu_seqlens: Tensor, indices: Tensor, offsets: Union[int, Tensor, None] = None
+) -> Tuple[Tensor, Tensor]:
+    """Per-shard ``(cu_seqlens, offsets)`` for a "thd" (packed) RoPE call on a context-parallel
+    shard: ``indices`` are the global token indices the shard holds, in its order (e.g.
+    :func:`context_parallel_indices` of the token count). Each maximal run of consecutive
+    tokens of one sequence becomes one local sequence, whose offset is where the run starts
+    in its sequence (plus ``offsets``, the global call's int or per-sequence offsets). Then
+    ``apply_rope(q_local, cu_seqlens=cu, offset=offs, layout="thd")`` equals
+    ``apply_rope(q, cu_seqlens=cu_seqlens, offset=offsets, layout="thd")[indices]``.
+    Returns cu_seqlens (cu_seqlens's dtype) and int64 offsets, on cu_seqlens's device."""
+    cu = cu_seqlens.to(torch.int64)
+    idx = indices.to(device=cu.device, dtype=torch.int64).reshape(-1)
+    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= int(cu[-1])):
+        raise ValueError(f"packed_shard: token indices must lie in [0, {int(cu[-1])}), got {idx.min()}..{idx.max()}")
+    seq_id = torch.searchsorted(cu[1:], idx, right=True)
+    new_run = torch.ones_like(idx, dtype=torch.bool)
+    if idx.numel() > 1:
+        new_run[1:] = (idx[1:] != idx[:-1] + 1) | (seq_id[1:] != seq_id[:-1])
+    starts = torch.nonzero(new_run).reshape(-1)
+    lengths = torch.diff(torch.cat([starts, starts.new_tensor([idx.numel()])]))
+    local_cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(cu_seqlens.dtype)
+    run_seq = seq_id[starts]
+    local_offsets = idx[starts] - cu[run_seq]
+    if isinstance(offsets, Tensor):
+        local_offsets = local_offsets + offsets.to(device=cu.device, dtype=torch.int64)[run_seq]
+    elif offsets is not None:
+        if isinstance(offsets, bool) or not isinstance(offsets, numbers.Integral):
+            raise TypeError(f"packed_shard: expected offsets to be None, an int or a tensor, got {offsets!r}")
+        local_offsets = local_offsets + int(offsets)
+    return local_cu, local_offsets
+
+
+def _check_rank(world_size: int, rank: int) -> None:
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+
+
+register_sharding_rules()

@@ -1,0 +1,644 @@
+"""The checks of test_distributed.py, run by each rank of a 2-process gloo group:
+``python distributed_checks.py RANK WORLD PORT OUT_DIR``. Every check compares DTensor or
+per-rank results with the single-process result on the same float64 data (generated from one
+seed on every rank), and writes ``{check: "ok" | traceback}`` to OUT_DIR/rank<R>.json."""
+
+import datetime
+import json
+import os
+import sys
+import traceback
+
+import torch
+import torch.distributed as dist
+
+CHECKS = []
+
+
+def check(fn):
+    CHECKS.append(fn)
+    return fn
+
+
+def close(got, want, what=""):
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12, msg=lambda m: f"{what}: {m}")
+
+
+def rand(*shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+
+def randint(high, shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, high, shape, generator=g)
+
+
+def env():
+    from torch.distributed.tensor import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),)), Replicate, Shard, Partial, distribute_tensor
+
+
+def as_partial(t, mesh):
+    """A Partial() DTensor whose sum over ranks is t (rank-dependent split)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    w = rand(*t.shape, seed=999)
+    local = t * w if rank == 0 else t * (1 - w)
+    if world > 2:
+        local = t / world
+    return DTensor.from_local(local, mesh, [Partial()], run_check=False)
+
+
+def run_rope_case(name, q, k, placements, kwargs, expect, grad_seed=5):
+    """apply_rope on DTensors placed as `placements` (q, k, positions, offsets) against the
+    plain call: forward, output placement, backward."""
+    from posenc.functional import apply_rope
+    from torch.distributed.tensor import DTensor, Partial
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    qp, kp, pp, op = placements
+
+    def place(t, p):
+        if t is None:
+            return None
+        if isinstance(p, Partial):
+            return as_partial(t, mesh)
+        return distribute_tensor(t, mesh, [p])
+
+    ref_q = q.clone().requires_grad_()
+    ref_k = None if k is None else k.clone().requires_grad_()
+    ref = apply_rope(ref_q, ref_k, **kwargs)
+    ref = ref if isinstance(ref, tuple) else (ref,)
+    dq = place(q, qp).detach().requires_grad_()
+    dk = None if k is None else place(k, kp).detach().requires_grad_()
+    dkw = dict(kwargs)
+    if "positions" in dkw:
+        dkw["positions"] = place(dkw["positions"], pp)
+    if isinstance(dkw.get("offset"), torch.Tensor):
+        dkw["offset"] = place(dkw["offset"], op)
+    if isinstance(dkw.get("cu_seqlens"), torch.Tensor):
+        dkw["cu_seqlens"] = place(dkw["cu_seqlens"], Replicate())
+    out = apply_rope(dq, dk, **dkw)
+    out = out if isinstance(out, tuple) else (out,)
+    for i, (o, r) in enumerate(zip(out, ref)):
+        assert isinstance(o, DTensor), name
+        close(o.full_tensor(), r.detach(), f"{name} forward {i}")
+        if expect is not None:
+            assert o.placements == (expect,), f"{name}: output placed {o.placements}, expected {expect}"
+    grads = [rand(*r.shape, seed=grad_seed + i) for i, r in enumerate(ref)]
+    torch.autograd.backward(ref, grads)
+    dgrads = [distribute_tensor(g, mesh, o.placements) if not o.placements[0].is_partial() else
+              distribute_tensor(g, mesh, [Replicate()]) for g, o in zip(grads, out)]
+    torch.autograd.backward(out, dgrads)
+    close(dq.grad.full_tensor(), ref_q.grad, f"{name} grad q")
+    if dk is not None:
+        close(dk.grad.full_tensor(), ref_k.grad, f"{name} grad k")
+
+
+@check
+def rope_rules():
+    _, Replicate, Shard, Partial, _ = env()
+    R = Replicate()
+    B, S, Hq, Hk, D = 2, 8, 4, 2, 16
+    for layout, (b, s, h) in {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2)}.items():
+        shape = {"bshd": (B, S, None, D), "bhsd": (B, None, S, D), "sbhd": (S, B, None, D)}[layout]
+        q = rand(*[Hq if n is None else n for n in shape], seed=1)
+        k = rand(*[Hk if n is None else n for n in shape], seed=2)
+        pos2 = randint(100, (B, S), 3)
+        pos1 = randint(100, (S,), 4)
+        offs = randint(50, (B,), 6)
+        base = dict(layout=layout, interleaved=layout == "bhsd", rotary_dim=12 if layout == "sbhd" else None)
+        cases = [
+            ("replicate", (R, R, R, R), {}, R),
+            ("heads", (Shard(h), Shard(h), R, R), {}, Shard(h)),
+            ("heads+positions", (Shard(h), Shard(h), Shard(1), R), dict(positions=pos2), Shard(h)),
+            ("partial", (Partial(), Partial(), R, R), dict(positions=pos1), Partial()),
+            ("batch", (Shard(b), Shard(b), R, R), dict(offset=3), Shard(b)),
+            ("batch+positions(B,S)", (Shard(b), Shard(b), Shard(0), R), dict(positions=pos2), Shard(b)),
+            ("batch+positions(S,)", (Shard(b), Shard(b), R, R), dict(positions=pos1), Shard(b)),
+            ("batch+offsets", (Shard(b), Shard(b), R, Shard(0)), dict(offset=offs), Shard(b)),
+            ("seq+positions(B,S)", (Shard(s), Shard(s), Shard(1), R), dict(positions=pos2), Shard(s)),
+            ("seq+positions(S,)", (Shard(s), Shard(s), Shard(0), R), dict(positions=pos1), Shard(s)),
+            ("seq+positions+offsets", (Shard(s), Shard(s), Shard(0), R), dict(positions=pos1, offset=offs), Shard(s)),
+            # No rule: positions would restart at 0 on every rank -> DTensor replicates, the result is right.
+            ("seq without positions", (Shard(s), Shard(s), R, R), dict(offset=2), R),
+            ("seq, positions replicated", (Shard(s), Shard(s), R, R), dict(positions=pos1), None),
+            ("scaling llama3 heads", (Shard(h), Shard(h), R, R),
+             dict(scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                           "original_max_position_embeddings": 16}), Shard(h)),
+            ("yarn seq", (Shard(s), Shard(s), Shard(0), R),
+             dict(positions=pos1, scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}),
+             Shard(s)),
+        ]
+        for name, placements, kwargs, expect in cases:
+            run_rope_case(f"{layout} {name}", q, k, placements, {**base, **kwargs}, expect)
+        run_rope_case(f"{layout} q only, heads", q, None, (Shard(h), R, R, R), base, Shard(h))
+
+
+@check
+def rope_dynamic_scaling():
+    """'dynamic' reads the call's longest position: sharded index tensors or sequence would
+    each see their own; without seq_len the rule replicates them, with the global seq_len
+    the sequence split is offered."""
+    _, Replicate, Shard, _, _ = env()
+    R = Replicate()
+    B, S, H, D = 2, 8, 2, 16
+    q, k = rand(B, S, H, D, seed=11), rand(B, S, H, D, seed=12)
+    pos2 = randint(64, (B, S), 13)
+    pos2[1, 3] = 60  # the longest position is on one rank's rows / columns only
+    dyn = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    run_rope_case("dynamic heads", q, k, (Shard(2), Shard(2), R, R), dict(positions=pos2, scaling=dyn), Shard(2))
+    run_rope_case("dynamic batch(B,S) -> not batch-sharded", q, k, (Shard(0), Shard(0), Shard(0), R),
+                  dict(positions=pos2, scaling=dyn), None)
+    run_rope_case("dynamic seq -> not seq-sharded", q, k, (Shard(1), Shard(1), Shard(1), R),
+                  dict(positions=pos2, scaling=dyn), None)
+    run_rope_case("dynamic batch offsets", q, k, (Shard(0), Shard(0), R, Shard(0)),
+                  dict(offset=torch.tensor([3, 40]), scaling=dyn), None)
+    run_rope_case("dynamic, global seq_len, seq", q, k, (Shard(1), Shard(1), Shard(1), R),
+                  dict(positions=pos2, scaling=dyn, _seq_len=61), Shard(1))
+    run_rope_case("dynamic, global seq_len, batch", q, k, (Shard(0), Shard(0), Shard(0), R),
+                  dict(positions=pos2, scaling=dyn, _seq_len=61), Shard(0))
+    run_rope_case("dynamic batch, positions (S,)", q, k, (Shard(0), Shard(0), R, R),
+                  dict(positions=pos2[1], scaling=dyn), Shard(0))
+
+
+@check
+def rope_multi_axis_and_packed():
+    _, Replicate, Shard, _, _ = env()
+    R = Replicate()
+    B, S, H, D = 2, 8, 2, 16
+    q, k = rand(B, H, S, D, seed=21), rand(B, H, S, D, seed=22)
+    pos3 = randint(30, (3, B, S), 23)
+    kw = dict(positions=pos3, sections=[2, 3, 3], sections_mode="mrope", layout="bhsd")
+    run_rope_case("mrope batch", q, k, (Shard(0), Shard(0), Shard(1), R), kw, Shard(0))
+    run_rope_case("mrope seq", q, k, (Shard(2), Shard(2), Shard(2), R), kw, Shard(2))
+    run_rope_case("mrope (3,S) seq", q, k, (Shard(2), Shard(2), Shard(1), R), {**kw, "positions": pos3[:, 0]},
+                  Shard(2))
+    run_rope_case("axial heads", q, k, (Shard(1), Shard(1), R, R), {**kw, "sections_mode": "axial"}, Shard(1))
+    T = 12
+    qt, kt = rand(T, 4, D, seed=24), rand(T, 2, D, seed=25)
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    run_rope_case("thd heads", qt, kt, (Shard(1), Shard(1), R, R), dict(cu_seqlens=cu, layout="thd"), Shard(1))
+    run_rope_case("thd heads offsets", qt, kt, (Shard(1), Shard(1), R, R),
+                  dict(cu_seqlens=cu, layout="thd", offset=torch.tensor([4, 9])), Shard(1))
+    # Token-sharded packed input: no rule (cu_seqlens describe the whole pack) -> replicated.
+    run_rope_case("thd tokens -> replicated", qt, kt, (Shard(0), Shard(0), R, R), dict(cu_seqlens=cu, layout="thd"),
+                  Replicate())
+
+
+@check
+def rope_inplace():
+    from posenc.functional import apply_rope
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    q, k = rand(2, 8, 4, 16, seed=31), rand(2, 8, 2, 16, seed=32)
+    pos = randint(50, (2, 8), 33)
+    want_q, want_k = apply_rope(q, k, positions=pos)
+    for pl, pos_pl in ((Shard(2), Replicate()), (Shard(0), Shard(0)), (Shard(1), Shard(1)), (Replicate(), Shard(1))):
+        dq, dk = distribute_tensor(q, mesh, [pl]), distribute_tensor(k, mesh, [pl])
+        with torch.no_grad():
+            apply_rope(dq, dk, positions=distribute_tensor(pos, mesh, [pos_pl]), inplace=True)
+        assert dq.placements == (pl,) and dk.placements == (pl,)
+        close(dq.full_tensor(), want_q, f"inplace q {pl}")
+        close(dk.full_tensor(), want_k, f"inplace k {pl}")
+    # q and k placed differently: a redistributed copy of k would be rotated, not k -> error.
+    dq, dk = distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Replicate()])
+    try:
+        apply_rope(dq, dk, positions=distribute_tensor(pos, mesh, [Replicate()]), inplace=True)
+    except RuntimeError as e:
+        assert "in place" in str(e) or "in-place" in str(e), str(e)
+    else:
+        raise AssertionError("rope_ with k needing a redistribution did not raise")
+    # Sequence-sharded without positions: no rule keeps q's placement -> error, not a wrong answer.
+    dq = distribute_tensor(q, mesh, [Shard(1)])
+    try:
+        apply_rope(dq, inplace=True)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("rope_ on a sequence-sharded q without positions did not raise")
+
+
+def run_add_case(name, x, table, placements, kwargs, expect, p=0.0, seed=None):
+    from torch.distributed.tensor import DTensor
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    xp, tp, pp = placements
+    ref_x = x.clone().requires_grad_()
+    ref_t = table.clone().requires_grad_()
+    if seed is not None:
+        torch.manual_seed(seed)
+    ref = torch.ops.posenc.add_position(ref_x, ref_t, kwargs.get("positions"), kwargs.get("offset", 0),
+                                        kwargs.get("batch_first", True), p)
+    dx = distribute_tensor(x, mesh, [xp]).requires_grad_()
+    dt = distribute_tensor(table, mesh, [tp]).requires_grad_()
+    pos = kwargs.get("positions")
+    dpos = None if pos is None else distribute_tensor(pos, mesh, [pp])
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = torch.ops.posenc.add_position(dx, dt, dpos, kwargs.get("offset", 0), kwargs.get("batch_first", True), p)
+    assert isinstance(out, DTensor)
+    close(out.full_tensor(), ref.detach(), f"{name} forward")
+    if expect is not None:
+        assert out.placements == (expect,), f"{name}: output placed {out.placements}, expected {expect}"
+    g = rand(*ref.shape, seed=41)
+    ref.backward(g)
+    out.backward(distribute_tensor(g, mesh, out.placements))
+    close(dx.grad.full_tensor(), ref_x.grad, f"{name} grad x")
+    close(dt.grad.full_tensor(), ref_t.grad, f"{name} grad table")
+    # The table alone (the fixed-buffer case: add_position_backward only).
+    with torch.no_grad():
+        dx2 = distribute_tensor(x, mesh, [xp]).requires_grad_()
+    if seed is not None:
+        torch.manual_seed(seed)
+    out2 = torch.ops.posenc.add_position(dx2, dt.detach(), dpos, kwargs.get("offset", 0),
+                                         kwargs.get("batch_first", True), p)
+    out2.backward(distribute_tensor(g, mesh, out2.placements))
+    close(dx2.grad.full_tensor(), ref_x.grad, f"{name} grad x (fixed table)")
+
+
+@check
+def add_position_rules():
+    _, Replicate, Shard, _, _ = env()
+    R = Replicate()
+    B, S, D, L = 4, 6, 8, 20
+    for batch_first in (True, False):
+        b, s = (0, 1) if batch_first else (1, 0)
+        x = rand(*((B, S, D) if batch_first else (S, B, D)), seed=51)
+        for table in (rand(L, D, seed=52), rand(1, L, D, seed=53)):
+            t_last = table.dim() - 1
+            pos2 = randint(L, (B, S), 54)
+            pos1 = randint(L, (S,), 55)
+            bf = dict(batch_first=batch_first)
+            cases = [
+                ("replicate", (R, R, R), dict(offset=3), R),
+                ("batch", (Shard(b), R, R), dict(offset=3), Shard(b)),
+                ("batch+positions(B,S)", (Shard(b), R, Shard(0)), dict(positions=pos2), Shard(b)),
+                ("batch+positions(S,)", (Shard(b), R, R), dict(positions=pos1), Shard(b)),
+                ("hidden", (Shard(2), Shard(t_last), R), dict(offset=5), Shard(2)),
+                ("hidden+positions", (Shard(2), Shard(t_last), R), dict(positions=pos2), Shard(2)),
+                ("hidden, table replicated", (Shard(2), R, R), dict(offset=1), Shard(2)),
+                ("seq+positions(S,)", (Shard(s), R, Shard(0)), dict(positions=pos1), Shard(s)),
+                ("seq+positions(B,S)", (Shard(s), R, Shard(1)), dict(positions=pos2), Shard(s)),
+                ("seq without positions", (Shard(s), R, R), dict(offset=2), None),
+                ("table sharded on positions", (Shard(b), Shard(t_last - 1), R), dict(offset=2), None),
+            ]
+            for name, placements, kwargs, expect in cases:
+                if expect is not None and name == "seq without positions":
+                    continue
+                run_add_case(f"bf={batch_first} table{table.dim()}D {name}", x, table, placements, {**kwargs, **bf},
+                             expect)
+            name = f"bf={batch_first} table{table.dim()}D seq without positions"
+            run_add_case(name, x, table, (Shard(s), R, R), dict(offset=2, **bf), None)
+            out_pl = run_and_place(x, table, Shard(s), dict(offset=2, **bf))
+            assert out_pl != (Shard(s),), f"{name}: a sequence-sharded output without positions"
+
+
+def run_and_place(x, table, xp, kwargs):
+    mesh, Replicate, _, _, distribute_tensor = env()
+    out = torch.ops.posenc.add_position(distribute_tensor(x, mesh, [xp]), distribute_tensor(table, mesh, [Replicate()]),
+                                        None, kwargs["offset"], kwargs["batch_first"], 0.0)
+    return out.placements
+
+
+@check
+def dropout_under_sharding():
+    """p > 0: only the replicated rule; every rank draws the whole tensor's mask, equal to a
+    single-process run under the same seed (forward and backward). Local (plain) calls on
+    each rank's shard draw from the rank's own generator and the local element index."""
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    x, table = rand(4, 6, 8, seed=61), rand(20, 8, seed=62)
+    for xp in (Replicate(), Shard(0), Shard(1), Shard(2)):
+        pos = randint(20, (4, 6), 63)
+        pp = Shard(1) if xp == Shard(1) else Replicate()
+        run_add_case(f"dropout x {xp}", x, table, (xp, Replicate(), pp), dict(positions=pos), Replicate(), p=0.3,
+                     seed=1234)
+    # Local calls, ranks seeded alike: equal-shaped shards draw the same mask pattern.
+    rank = dist.get_rank()
+    torch.manual_seed(7)
+    local = torch.ones(2, 6, 8, dtype=torch.float64)
+    out = torch.ops.posenc.add_position(local, torch.zeros(20, 8, dtype=torch.float64), None, 0, True, 0.5)
+    gathered = [torch.empty_like(out) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, out)
+    assert torch.equal(gathered[0], gathered[1]), "same seed, same local shape: the same mask"
+    torch.manual_seed(7 + rank)
+    out = torch.ops.posenc.add_position(local, torch.zeros(20, 8, dtype=torch.float64), None, 0, True, 0.5)
+    dist.all_gather(gathered, out)
+    assert not torch.equal(gathered[0], gathered[1]), "seeds differing per rank: different masks"
+
+
+@check
+def sinusoidal_table_and_bounds():
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    pos = randint(1000, (4, 6), 71)
+    want = torch.ops.posenc.sinusoidal_table(pos, 10, 10000.0, torch.float64)
+    for pl in (Replicate(), Shard(0), Shard(1)):
+        out = torch.ops.posenc.sinusoidal_table(distribute_tensor(pos, mesh, [pl]), 10, 10000.0, torch.float64)
+        assert out.placements == (pl,), out.placements
+        close(out.full_tensor(), want, f"sinusoidal_table {pl}")
+    # Differentiable float positions: the C++ backward builds its frequencies as plain tensors,
+    # which DTensor accepts as replicated under implicit_replication().
+    t = rand(6, seed=72).abs() * 100
+    ref_t = t.clone().requires_grad_()
+    ref = torch.ops.posenc.sinusoidal_table(ref_t, 8, 10000.0, None)
+    g = rand(6, 8, seed=73)
+    ref.backward(g)
+    dt = distribute_tensor(t, mesh, [Shard(0)]).requires_grad_()
+    out = torch.ops.posenc.sinusoidal_table(dt, 8, 10000.0, None)
+    close(out.full_tensor(), ref.detach(), "float positions")
+    with implicit_replication():
+        out.backward(distribute_tensor(g, mesh, [Shard(0)]))
+    close(dt.grad.full_tensor(), ref_t.grad, "float positions grad")
+    # Bounds: the global ones on every rank.
+    pos = torch.arange(12).reshape(2, 6)
+    for pl in (Replicate(), Shard(0), Shard(1)):
+        lo, hi = torch.ops.posenc.position_bounds(distribute_tensor(pos, mesh, [pl]), 100)
+        assert (lo, hi) == (0, 11), (pl, lo, hi)
+        try:
+            torch.ops.posenc.position_bounds(distribute_tensor(pos, mesh, [pl]), 11)
+        except IndexError:
+            pass
+        else:
+            raise AssertionError("position 11 >= max_len 11 not refused on every rank")
+    q = rand(2, 6, 2, 4, seed=74)
+    dq = distribute_tensor(q, mesh, [Shard(1)])
+    assert torch.ops.posenc.rope_position_bounds(dq, None, distribute_tensor(pos, mesh, [Shard(1)])) == (0, 11)
+    assert torch.ops.posenc.rope_position_bounds(dq, offset=4) == (4, 9)
+
+
+@check
+def helper_ops():
+    """make_positions, timestep_embedding, resample_position_table: ATen compositions."""
+    import posenc.functional as F
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    tokens = torch.tensor([[5, 6, 1, 1, 7, 8], [7, 8, 9, 1, 2, 3]])
+    want = F.make_positions(tokens, 1)
+    for pl in (Replicate(), Shard(0), Shard(1)):
+        close(F.make_positions(distribute_tensor(tokens, mesh, [pl]), 1).full_tensor(), want, f"make_positions {pl}")
+    # timestep_embedding builds its frequencies as a plain tensor: DTensor refuses the mix
+    # (a clear error) unless told that plain tensors are replicated.
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    t = torch.tensor([0.0, 10.0, 999.0, 5.0])
+    want = F.timestep_embedding(t, 32)
+    try:
+        F.timestep_embedding(distribute_tensor(t, mesh, [Shard(0)]), 32)
+    except RuntimeError as e:
+        assert "mixed torch.Tensor and DTensor" in str(e), str(e)
+    else:
+        raise AssertionError("timestep_embedding without implicit_replication: expected DTensor's error")
+    for pl in (Replicate(), Shard(0)):
+        with implicit_replication():
+            got = F.timestep_embedding(distribute_tensor(t, mesh, [pl]), 32)
+        close(got.full_tensor(), want, f"timestep {pl}")
+    pe = rand(1, 1 + 16, 8, seed=81)
+    want = F.resample_position_table(pe, (6, 6), num_prefix_tokens=1)
+    # resample_position_table: DTensor has no rule for ATen's antialiased bicubic upsampling
+    # (a clear NotImplementedError); resample the full table, then place it.
+    dpe = distribute_tensor(pe, mesh, [Shard(1)])
+    try:
+        F.resample_position_table(dpe, (6, 6), num_prefix_tokens=1)
+    except NotImplementedError:
+        pass
+    else:
+        raise AssertionError("resample_position_table of a DTensor: expected DTensor's NotImplementedError")
+    got = distribute_tensor(F.resample_position_table(dpe.full_tensor(), (6, 6), num_prefix_tokens=1), mesh, [Shard(1)])
+    close(got.full_tensor(), want, "resample")
+
+
+@check
+def modules_with_dtensors():
+    import posenc
+    from posenc.distributed import accept_dtensor_inputs, sequence_positions
+    from torch.distributed.tensor import DTensor
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    x = rand(2, 8, 16, seed=91)
+    pe = posenc.PositionalEncoding(16, dropout=0.0, max_len=32).double()
+    want = pe(x, offset=3)
+    mod = accept_dtensor_inputs(posenc.PositionalEncoding(16, dropout=0.0, max_len=32).double())
+    dx = distribute_tensor(x, mesh, [Shard(1)])
+    out = mod(dx, positions=sequence_positions(dx, 1, offset=3))
+    assert out.placements == (Shard(1),), out.placements
+    close(out.full_tensor(), want, "PositionalEncoding sequence parallel")
+    out = mod(distribute_tensor(x, mesh, [Shard(0)]), offset=3)
+    assert out.placements == (Shard(0),)
+    close(out.full_tensor(), want, "PositionalEncoding batch")
+    dxb = distribute_tensor(x, mesh, [Shard(0)])
+    pos_b = sequence_positions(dxb, 1, offset=3, batch_dim=0)  # (B, S), sharded on the batch like x
+    assert pos_b.placements == (Shard(0),) and pos_b.shape == (2, 8)
+    out = mod(dxb, positions=pos_b)
+    assert out.placements == (Shard(0),)
+    close(out.full_tensor(), want, "PositionalEncoding batch, (B, S) positions")
+    assert not isinstance(mod.pe, DTensor)  # the buffer is wrapped for DTensor calls only
+    close(mod(x, offset=3), want, "plain call after DTensor calls")
+    # Plain positions beside a DTensor input: replicated by the hook.
+    pos = randint(32, (2, 8), 92)
+    close(mod(dx, positions=pos).full_tensor(), pe(x, positions=pos), "plain positions")
+    # RoPE module, "dynamic": its range check reads the global bounds, so the sequence split holds.
+    dyn = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}
+    rope = accept_dtensor_inputs(posenc.RotaryPositionalEncoding(16, max_len=64, scaling=dyn))
+    q, k = rand(2, 8, 2, 16, seed=93), rand(2, 8, 2, 16, seed=94)
+    pos = randint(60, (2, 8), 95)
+    want_q, want_k = rope(q, k, positions=pos)
+    dq, dk = distribute_tensor(q, mesh, [Shard(1)]), distribute_tensor(k, mesh, [Shard(1)])
+    got_q, got_k = rope(dq, dk, positions=distribute_tensor(pos, mesh, [Shard(1)]))
+    assert got_q.placements == (Shard(1),), got_q.placements
+    close(got_q.full_tensor(), want_q, "rope module q")
+    close(got_k.full_tensor(), want_k, "rope module k")
+    got_q, _ = rope(dq, dk, positions=pos)  # plain positions: replicated -> DTensor moves q to a rule
+    close(got_q.full_tensor(), want_q, "rope module, plain positions")
+    bad = pos.clone()
+    bad[1, 7] = 64  # >= max_len, on rank 1's shard only
+    try:
+        rope(dq, dk, positions=distribute_tensor(bad, mesh, [Shard(1)]))
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("out-of-range position not refused on every rank")
+    # A plain parameter with DTensor inputs is refused by the hook.
+    lpe = accept_dtensor_inputs(posenc.LearnedPositionalEncoding(16, dropout=0.0, max_len=32).double())
+    try:
+        lpe(dx)
+    except RuntimeError as e:
+        assert "distribute" in str(e)
+    else:
+        raise AssertionError("plain parameter accepted")
+    from torch.distributed.tensor import distribute_module
+
+    distribute_module(lpe, mesh)  # replicates its parameter
+    close(lpe(dx, offset=1).full_tensor(), torch.ops.posenc.add_position(x, lpe.pe.full_tensor(), None, 1, True, 0.0),
+          "learned, distributed")
+
+
+class TinyModel(torch.nn.Module):
+    def __init__(self):
+        import posenc
+
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(8, 16, dtype=torch.float64)
+        self.pos = posenc.LearnedPositionalEncoding(16, dropout=0.0, max_len=12).double()
+        self.rope = posenc.RotaryPositionalEncoding(8, max_len=12)
+        self.out = torch.nn.Linear(16, 4, dtype=torch.float64)
+
+    def forward(self, x):
+        h = self.pos(self.inp(x))
+        B, S, _ = h.shape
+        q = h.view(B, S, 2, 8)
+        qr, kr = self.rope(q, q * 0.5)
+        att = torch.softmax(torch.einsum("bshd,bthd->bhst", qr, kr) / 8 ** 0.5, -1)
+        return self.out(torch.einsum("bhst,bthd->bshd", att, q).reshape(B, S, 16))
+
+
+def reference_step(data):
+    model = TinyModel()
+    loss = model(data).square().mean()
+    loss.backward()
+    return model, loss.detach()
+
+
+@check
+def ddp_equality():
+    from torch.nn.parallel import DistributedDataParallel
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = rand(4, 10, 8, seed=101)
+    ref, ref_loss = reference_step(data)
+    model = DistributedDataParallel(TinyModel())
+    local = data.chunk(world)[rank]
+    loss = model(local).square().mean()
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    close(total / world, ref_loss, "DDP loss")
+    for (name, p), (_, q) in zip(model.module.named_parameters(), ref.named_parameters()):
+        close(p.grad, q.grad, f"DDP grad {name}")
+
+
+@check
+def fsdp2_equality():
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    mesh, _, Shard, _, _ = env()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data = rand(4, 10, 8, seed=111)
+    table = rand(12, 16, seed=112)
+    ref = TinyModel()
+    ref.pos.load_table(table)
+    ref_loss = ref(data).square().mean()
+    ref_loss.backward()
+    model = TinyModel()
+
+    def placement(param):  # the learned table on its position dimension, the rest as FSDP2's default
+        return Shard(1) if param.dim() == 3 else None
+
+    fully_shard(model.pos, mesh=mesh, shard_placement_fn=placement)
+    fully_shard(model, mesh=mesh)
+    assert isinstance(model.pos.pe, DTensor) and model.pos.pe.placements == (Shard(1),)
+    assert model.pos.pe.to_local().shape == (1, 6, 16)
+    with implicit_replication():  # load_table copies a plain table into the sharded parameter
+        model.pos.load_table(table)
+    close(model.pos.pe.full_tensor(), ref.pos.pe.detach(), "load_table into the sharded table")
+    local = data.chunk(world)[rank]
+    loss = model(local).square().mean()
+    loss.backward()
+    total = loss.detach().clone()
+    dist.all_reduce(total)
+    close(total / world, ref_loss.detach(), "FSDP2 loss")
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        close(p.grad.full_tensor(), q.grad, f"FSDP2 grad {name}")
+
+
+@check
+def context_parallel():
+    import posenc
+    from posenc.distributed import context_parallel_indices, context_parallel_positions, packed_shard, shard_sequence
+    from posenc.functional import apply_rope
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    B, S, H, D = 2, 16, 2, 16
+    q, k = rand(B, S, H, D, seed=121), rand(B, S, 1, D, seed=122)
+    dyn = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _HeadTailLoadBalancer,
+        _PerDocumentHeadTailLoadBalancer,
+    )
+
+    balancers = [None, "head_tail", _HeadTailLoadBalancer(S, world, "cpu")]
+    assert torch.equal(context_parallel_indices(S, world, rank, "head_tail"),
+                       context_parallel_indices(S, world, rank, balancers[2]))
+    for lb in balancers:
+        for kwargs in ({}, dict(offset=5), dict(scaling=dyn)):
+            want_q, want_k = apply_rope(q, k, **kwargs)
+            pos = context_parallel_positions(S, world, rank, lb, offset=kwargs.get("offset", 0))
+            extra = {key: v for key, v in kwargs.items() if key != "offset"}
+            if "scaling" in kwargs:
+                extra["_seq_len"] = S  # "dynamic": the global length (the local one would differ)
+            got_q, got_k = apply_rope(shard_sequence(q, 1, world, rank, lb), shard_sequence(k, 1, world, rank, lb),
+                                      positions=pos, **extra)
+            close(got_q, shard_sequence(want_q, 1, world, rank, lb), f"cp q {lb} {kwargs}")
+            close(got_k, shard_sequence(want_k, 1, world, rank, lb), f"cp k {lb} {kwargs}")
+    # Documents packed in rows: per-document positions and torch's per-document balancer.
+    docs = [[4, 12], [8, 8]]
+    doc_pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in docs])
+    want_q = apply_rope(q, positions=doc_pos)
+    lb = _PerDocumentHeadTailLoadBalancer(docs, world, "cpu")
+    got_q = apply_rope(shard_sequence(q, 1, world, rank, lb),
+                       positions=context_parallel_positions(S, world, rank, lb, positions=doc_pos))
+    close(got_q, shard_sequence(want_q, 1, world, rank, lb), "per-document cp")
+    # Additive encodings: positions of the shard.
+    x = rand(B, S, 8, seed=123)
+    pe = posenc.PositionalEncoding(8, dropout=0.0, max_len=64).double()
+    for lb in (None, "head_tail"):
+        got = pe(shard_sequence(x, 1, world, rank, lb), positions=context_parallel_positions(S, world, rank, lb))
+        close(got, shard_sequence(pe(x), 1, world, rank, lb), f"cp add_position {lb}")
+    # Packed "thd": per-shard cu_seqlens and offsets.
+    T = 24
+    qt, kt = rand(T, H, D, seed=124), rand(T, 1, D, seed=125)
+    cu = torch.tensor([0, 5, 6, 17, 24], dtype=torch.int32)
+    for offsets in (None, 3, torch.tensor([2, 0, 7, 1])):
+        kw = {} if offsets is None else dict(offset=offsets)
+        want_q, want_k = apply_rope(qt, kt, cu_seqlens=cu, layout="thd", **kw)
+        for lb in (None, "head_tail", torch.randperm(T, generator=torch.Generator().manual_seed(9))):
+            idx = context_parallel_indices(T, world, rank, lb)
+            local_cu, local_off = packed_shard(cu, idx, offsets)
+            assert local_cu.dtype == torch.int32
+            got_q, got_k = apply_rope(qt[idx], kt[idx], cu_seqlens=local_cu, offset=local_off, layout="thd")
+            close(got_q, want_q[idx], f"packed q {lb} {offsets}")
+            close(got_k, want_k[idx], f"packed k {lb} {offsets}")
+
+
+def main(rank, world, port, out_dir):
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "python"))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=60))
+    import posenc.distributed  # noqa: F401  (registers the sharding rules)
+
+    only = os.environ.get("POSENC_DIST_CHECKS")
+    results = {}
+    for fn in CHECKS:
+        if only and fn.__name__ not in only.split(","):
+            continue
+        try:
+            fn()
+            results[fn.__name__] = "ok"
+        except Exception:  # noqa: BLE001  (reported per check)
+            results[fn.__name__] = traceback.format_exc()
+        dist.barrier()
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(results, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])
