@@ -399,6 +399,22 @@ def helper_ops():
         close(got.full_tensor(), want, f"timestep {pl}")
     pe = rand(1, 1 + 16, 8, seed=81)
     want = F.resample_position_table(pe, (6, 6), num_prefix_tokens=1)
+    # rope_cos_sin (plain frequencies inside: implicit_replication) and apply_rope_cos_sin
+    # (ATen ops: heads-sharded q and k with replicated tables stay sharded).
+    pos = randint(40, (2, 8), 82)
+    cos, sin = F.rope_cos_sin(pos, 16, dtype=torch.float64)
+    with implicit_replication():
+        dcos, dsin = F.rope_cos_sin(distribute_tensor(pos, mesh, [Shard(1)]), 16, dtype=torch.float64)
+    close(dcos.full_tensor(), cos, "rope_cos_sin cos")
+    close(dsin.full_tensor(), sin, "rope_cos_sin sin")
+    q, k = rand(2, 4, 8, 16, seed=83), rand(2, 2, 8, 16, seed=84)
+    want_q, want_k = F.apply_rope_cos_sin(q, k, cos, sin)
+    got_q, got_k = F.apply_rope_cos_sin(distribute_tensor(q, mesh, [Shard(1)]), distribute_tensor(k, mesh, [Shard(1)]),
+                                        distribute_tensor(cos, mesh, [Replicate()]),
+                                        distribute_tensor(sin, mesh, [Replicate()]))
+    assert got_q.placements == (Shard(1),), got_q.placements
+    close(got_q.full_tensor(), want_q, "apply_rope_cos_sin q")
+    close(got_k.full_tensor(), want_k, "apply_rope_cos_sin k")
     # resample_position_table: DTensor has no rule for ATen's antialiased bicubic upsampling
     # (a clear NotImplementedError); resample the full table, then place it.
     dpe = distribute_tensor(pe, mesh, [Shard(1)])
@@ -615,6 +631,71 @@ def context_parallel():
             got_q, got_k = apply_rope(qt[idx], kt[idx], cu_seqlens=local_cu, offset=local_off, layout="thd")
             close(got_q, want_q[idx], f"packed q {lb} {offsets}")
             close(got_k, want_k[idx], f"packed k {lb} {offsets}")
+
+
+@check
+def two_dim_mesh():
+    """Rules expand over every mesh dimension: batch on one, sequence or heads on the other."""
+    from posenc.functional import apply_rope
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor, init_device_mesh
+
+    mesh = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "cp"))
+    q, k = rand(2, 8, 4, 16, seed=141), rand(2, 8, 2, 16, seed=142)
+    pos = randint(50, (2, 8), 143)
+    want_q, want_k = apply_rope(q, k, positions=pos)
+    for qp, pp in (([Shard(0), Shard(1)], [Shard(0), Shard(1)]), ([Shard(0), Shard(2)], [Shard(0), Replicate()])):
+        dq, dk = distribute_tensor(q, mesh, qp), distribute_tensor(k, mesh, qp)
+        got_q, got_k = apply_rope(dq, dk, positions=distribute_tensor(pos, mesh, pp))
+        assert list(got_q.placements) == qp, got_q.placements
+        close(got_q.full_tensor(), want_q, f"2-D mesh q {qp}")
+        close(got_k.full_tensor(), want_k, f"2-D mesh k {qp}")
+        with torch.no_grad():
+            apply_rope(dq, dk, positions=distribute_tensor(pos, mesh, pp), inplace=True)
+        close(dq.full_tensor(), want_q, f"2-D mesh in place {qp}")
+    x, table = rand(2, 8, 6, seed=144), rand(16, 6, seed=145)
+    want = torch.ops.posenc.add_position(x, table, pos % 16, 0, True, 0.0)
+    got = torch.ops.posenc.add_position(distribute_tensor(x, mesh, [Shard(0), Shard(1)]),
+                                        distribute_tensor(table, mesh, [Replicate(), Replicate()]),
+                                        distribute_tensor(pos % 16, mesh, [Shard(0), Shard(1)]), 0, True, 0.0)
+    assert list(got.placements) == [Shard(0), Shard(1)], got.placements
+    close(got.full_tensor(), want, "2-D mesh add_position")
+
+
+@check
+def readme_example():
+    """README.md's "Distributed training" example, run as written on each rank."""
+    import re
+    from pathlib import Path
+
+    import posenc
+    from posenc.functional import apply_rope
+
+    mesh, *_ = env()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme[readme.index("## Distributed training"):]
+    block = re.search(r"```py\n(.*?)```", section, flags=re.S).group(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class Model(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = posenc.LearnedPositionalEncoding(256, dropout=0.0, max_len=32)
+
+    names = dict(
+        posenc=posenc, mesh=mesh, rank=rank, world=world, q=rand(2, 16, 4, 64, seed=131), k=rand(2, 16, 2, 64, seed=132),
+        x=rand(2, 16, 256, seed=133).float(), q_thd=rand(20, 4, 64, seed=134), cu_seqlens=torch.tensor([0, 7, 20]),
+        model=Model(), table=rand(32, 256, seed=135).float(),
+    )
+    exec(compile(block, "README.md (Distributed training)", "exec"), names)
+    q, k, x = names["q"], names["k"], names["x"]
+    want_q, want_k = apply_rope(q, k)
+    close(names["q_tp"].full_tensor(), want_q, "README tensor parallel")
+    close(names["y"].full_tensor(), posenc.PositionalEncoding(256, dropout=0.0)(x), "README sequence parallel")
+    idx = names["pd"].context_parallel_indices(16, world, rank, "head_tail")
+    close(names["q_cp"], want_q[:, idx], "README context parallel")
+    idx = names["idx"]
+    close(names["q_packed"], apply_rope(names["q_thd"], cu_seqlens=names["cu_seqlens"], layout="thd")[idx], "README packed")
+    close(names["model"].pos.pe.full_tensor(), names["table"].unsqueeze(0), "README load_table")
 
 
 def main(rank, world, port, out_dir):
