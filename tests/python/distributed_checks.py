@@ -283,14 +283,20 @@ def add_position_rules():
                 ("hidden, table replicated", (Shard(2), R, R), dict(offset=1), Shard(2)),
                 ("seq+positions(S,)", (Shard(s), R, Shard(0)), dict(positions=pos1), Shard(s)),
                 ("seq+positions(B,S)", (Shard(s), R, Shard(1)), dict(positions=pos2), Shard(s)),
-                ("seq without positions", (Shard(s), R, R), dict(offset=2), None),
                 ("table sharded on positions", (Shard(b), Shard(t_last - 1), R), dict(offset=2), None),
             ]
             for name, placements, kwargs, expect in cases:
-                if expect is not None and name == "seq without positions":
-                    continue
                 run_add_case(f"bf={batch_first} table{table.dim()}D {name}", x, table, placements, {**kwargs, **bf},
                              expect)
+            # Inference mode skips the autograd kernel: DTensor sees the op add_position itself.
+            mesh, _, _, _, distribute_tensor = env()
+            with torch.inference_mode():
+                got = torch.ops.posenc.add_position(distribute_tensor(x, mesh, [Shard(b)]),
+                                                    distribute_tensor(table, mesh, [R]),
+                                                    distribute_tensor(pos2, mesh, [Shard(0)]), 0, batch_first, 0.0)
+                want = torch.ops.posenc.add_position(x, table, pos2, 0, batch_first, 0.0)
+            assert got.placements == (Shard(b),), got.placements
+            close(got.full_tensor(), want, "inference mode")
             name = f"bf={batch_first} table{table.dim()}D seq without positions"
             run_add_case(name, x, table, (Shard(s), R, R), dict(offset=2, **bf), None)
             out_pl = run_and_place(x, table, Shard(s), dict(offset=2, **bf))
@@ -659,6 +665,22 @@ def two_dim_mesh():
                                         distribute_tensor(pos % 16, mesh, [Shard(0), Shard(1)]), 0, True, 0.0)
     assert list(got.placements) == [Shard(0), Shard(1)], got.placements
     close(got.full_tensor(), want, "2-D mesh add_position")
+
+
+@check
+def sharding_cache_keys():
+    """DTensor caches a sharding decision per call signature: calls that differ only in which
+    optional index tensor is given (positions (S,) vs per-row offsets (B,), same shape) must
+    not share one."""
+    _, Replicate, Shard, _, _ = env()
+    R = Replicate()
+    q, k = rand(4, 4, 2, 16, seed=151), rand(4, 4, 2, 16, seed=152)
+    idx = torch.tensor([5, 1, 9, 3])
+    for _ in range(2):
+        run_rope_case("positions (S,), batch", q, k, (Shard(0), Shard(0), R, R), dict(positions=idx), Shard(0))
+        run_rope_case("offsets (B,), batch", q, k, (Shard(0), Shard(0), R, Shard(0)), dict(offset=idx), Shard(0))
+        run_rope_case("offsets (B,), batch, offsets replicated", q, k, (Shard(0), Shard(0), R, R),
+                      dict(offset=idx), Shard(0))
 
 
 @check
