@@ -1,7 +1,7 @@
 """posenc under ``torch.distributed``: DTensor sharding rules for the ``torch.ops.posenc`` ops,
 context-parallel helpers, and the glue that lets the modules take DTensor inputs.
 
-``import posenc`` does not import this module (nor ``torch.distributed``). Importing it
+``import posenc`` does not import this module (nor DTensor's ``torch.distributed.tensor``). Importing it
 registers the sharding rules (:func:`register_sharding_rules`, idempotent, also callable by
 hand). What each op accepts, per mesh dimension (R = ``Replicate()``, S(d) = ``Shard(d)``,
 P = ``Partial()`` (sum); anything else is redistributed by DTensor to the cheapest rule, at
@@ -45,7 +45,9 @@ worst to R, so no placement gives a silently wrong answer):
     every rank, so a range error is raised on every rank alike and "dynamic" scaling sees the
     global longest position. q and k are not gathered (only their global shape matters).
 ``make_positions``, ``resample_position_table``, ``timestep_embedding`` are compositions of
-    ATen ops, which DTensor shards by ATen's own rules. ``rope_frequencies``,
+    ATen ops, which DTensor shards by ATen's own rules (``timestep_embedding`` makes a plain
+    frequency tensor inside: run it under ``implicit_replication()``; DTensor has no rule for
+    the bicubic upsampling of ``resample_position_table``: resample ``full_tensor()``). ``rope_frequencies``,
     ``rope_grid_positions``, ``sinusoidal_2d_table``, ``rope_scaling_spec`` take no tensor.
 """
 
