@@ -17,9 +17,10 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
 
 at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, double base,
                                int64_t num_prefix_tokens, at::ScalarType dtype,
-                               std::optional<at::Device> device) {
+                               std::optional<at::Device> device, std::optional<double> base_size,
+                               double interpolation_scale) {
   return ops::sinusoidal_2d_table_op().call(grid_h, grid_w, dim, base, num_prefix_tokens, dtype,
-                                            device);
+                                            device, base_size, interpolation_scale);
 }
 
 at::Tensor resample_position_table(const at::Tensor& pe, int64_t new_h, int64_t new_w,

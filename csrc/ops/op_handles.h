@@ -26,7 +26,8 @@ using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double,
 // The helpers (ops/helpers/*.cpp) and the add-position modules' range check.
 using MakePositionsSig = at::Tensor(const at::Tensor&, int64_t);
 using Sinusoidal2dTableSig = at::Tensor(int64_t, int64_t, int64_t, double, int64_t,
-                                        std::optional<at::ScalarType>, std::optional<at::Device>);
+                                        std::optional<at::ScalarType>, std::optional<at::Device>,
+                                        std::optional<double>, double);
 using ResamplePositionTableSig = at::Tensor(const at::Tensor&, at::IntArrayRef,
                                             at::OptionalIntArrayRef, int64_t, c10::string_view,
                                             bool);

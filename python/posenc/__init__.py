@@ -5,7 +5,7 @@
 
 from posenc import _library  # noqa: F401  (registers torch.ops.posenc)
 from posenc import functional
-from posenc.modules import LearnedPositionalEncoding, PositionalEncoding, RotaryPositionalEncoding
+from posenc.modules import LearnedPositionalEncoding, PositionalEncoding, RotaryPositionalEncoding, Timesteps
 
-__all__ = ["LearnedPositionalEncoding", "PositionalEncoding", "RotaryPositionalEncoding", "functional"]
+__all__ = ["LearnedPositionalEncoding", "PositionalEncoding", "RotaryPositionalEncoding", "Timesteps", "functional"]
 __version__ = "0.1.0"

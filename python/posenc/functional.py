@@ -158,6 +158,8 @@ def sinusoidal_2d_table(
     num_prefix_tokens: int = 0,
     dtype: torch.dtype = torch.float32,
     device: Optional[Union[torch.device, str, int]] = None,
+    base_size: Optional[float] = None,
+    interpolation_scale: float = 1.0,
 ) -> Tensor:
     """The fixed 2-D sin-cos table of MAE (``get_2d_sincos_pos_embed``), same layout.
 
@@ -168,6 +170,17 @@ def sinusoidal_2d_table(
     ``dtype``. ``dim`` must be a multiple of 4. Built on the host, then moved to ``device``.
     Op ``torch.ops.posenc.sinusoidal_2d_table`` (the C++ ``posenc::sinusoidal_2d_table``
     calls it too: the same bits).
+
+    ``base_size`` and ``interpolation_scale`` give diffusers' rescaled coordinates (its
+    ``get_2d_sincos_pos_embed``, used by PixArt and SD3's ``PatchEmbed``): an axis of ``n``
+    patches sits at ``arange(n) / (n / base_size) / interpolation_scale``, computed in
+    float32 as diffusers does (without ``base_size``: ``arange(n) / interpolation_scale``;
+    the defaults keep MAE's integer coordinates). diffusers'
+    ``get_2d_sincos_pos_embed(dim, (grid_h, grid_w), cls_token, extra_tokens,
+    interpolation_scale, base_size, output_type="pt")`` is
+    ``sinusoidal_2d_table(grid_h, grid_w, dim, base_size=base_size,
+    interpolation_scale=interpolation_scale, num_prefix_tokens=extra_tokens if cls_token
+    else 0, dtype=torch.float64)`` (its ``base_size`` defaults to 16: pass it).
     """
     fn = "sinusoidal_2d_table"
     if not isinstance(dtype, torch.dtype):
@@ -180,6 +193,8 @@ def sinusoidal_2d_table(
         _int_arg(fn, "num_prefix_tokens", num_prefix_tokens),
         dtype,
         None if device is None else torch.device(device),
+        None if base_size is None else _float_arg(fn, "base_size", base_size),
+        _float_arg(fn, "interpolation_scale", interpolation_scale),
     )
 
 

@@ -8,6 +8,8 @@
 #include <functional>
 #include <iterator>
 #include <limits>
+#include <optional>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -298,15 +300,33 @@ TEST(Helpers, CppFunctionsCallTheOps) {
            {16, 16, 1024, 1, 1e6, torch::kHalf}}) {
     const auto got = posenc::sinusoidal_2d_table(h, w, dim, base, prefix, dtype);
     const auto want =
-        call_op("posenc::sinusoidal_2d_table", {h, w, dim, base, prefix, dtype, c10::IValue()})
+        call_op("posenc::sinusoidal_2d_table",
+                {h, w, dim, base, prefix, dtype, c10::IValue(), c10::IValue(), 1.0})
             .toTensor();
     EXPECT_TRUE(same_bits(got, want)) << h << "x" << w << " dim " << dim;
   }
   // The C++ defaults are the schema's.
   EXPECT_TRUE(same_bits(
       posenc::sinusoidal_2d_table(3, 4, 16),
-      call_op("posenc::sinusoidal_2d_table", {3, 4, 16, 10000.0, 0, c10::IValue(), c10::IValue()})
+      call_op("posenc::sinusoidal_2d_table",
+              {3, 4, 16, 10000.0, 0, c10::IValue(), c10::IValue(), c10::IValue(), 1.0})
           .toTensor()));
+  // diffusers' rescaled coordinates (base_size, interpolation_scale), the same bits too.
+  for (auto [h, w, base_size, scale] :
+       std::vector<std::tuple<int64_t, int64_t, std::optional<double>, double>>{
+           {4, 4, 16.0, 1.0}, {7, 5, 3.0, 2.0}, {64, 64, 64.0, 2.0}, {9, 6, std::nullopt, 0.75},
+           {5, 11, 2.5, 1.0}}) {
+    for (auto dtype : {torch::kFloat, torch::kDouble}) {
+      const auto got = posenc::sinusoidal_2d_table(h, w, 32, 10000.0, 1, dtype, std::nullopt,
+                                                   base_size, scale);
+      const c10::IValue base_size_arg =
+          base_size.has_value() ? c10::IValue(*base_size) : c10::IValue();
+      const auto want = call_op("posenc::sinusoidal_2d_table",
+                                {h, w, 32, 10000.0, 1, dtype, c10::IValue(), base_size_arg, scale})
+                            .toTensor();
+      EXPECT_TRUE(same_bits(got, want)) << h << "x" << w;
+    }
+  }
   const auto meta = posenc::sinusoidal_2d_table(3, 4, 16, 10000.0, 1, torch::kFloat, torch::kMeta);
   EXPECT_TRUE(meta.is_meta());
   EXPECT_EQ(meta.sizes(), (std::vector<int64_t>{13, 16}));
@@ -415,6 +435,97 @@ TEST(Helpers, MessagesReadLikePython) {
   EXPECT_TRUE(contains(
       m, "expected integer tokens of shape (batch, seq), got torch.float32 tokens of shape (2, 3)"))
       << m;
+}
+
+// diffusers' get_2d_sincos_pos_embed with base_size and interpolation_scale (PixArt, SD3),
+// written from its formula: per axis arange(n, float32) / (n / base_size) /
+// interpolation_scale in float32, then MAE's float64 table on those coordinates
+// (tests/python/test_sinusoidal_2d_table.py checks the Python side against numpy).
+TEST(Helpers, Sinusoidal2dTableRescaledCoordinatesAreDiffusers) {
+  const int64_t dim = 16;
+  for (auto [h, w, base_size, scale] : std::vector<std::tuple<int64_t, int64_t, double, double>>{
+           {4, 4, 16.0, 1.0}, {3, 5, 2.0, 1.5}, {7, 2, 64.0, 2.0}, {6, 9, 5.0, 0.5}}) {
+    const auto table = posenc::sinusoidal_2d_table(h, w, dim, 10000.0, 2, torch::kDouble,
+                                                   std::nullopt, base_size, scale);
+    ASSERT_EQ(table.sizes(), (std::vector<int64_t>{2 + h * w, dim}));
+    EXPECT_EQ(table.slice(0, 0, 2).abs().sum().item<double>(), 0.0);
+    auto axis = [&, base_size = base_size, scale = scale](int64_t n) {
+      std::vector<double> coords;
+      for (int64_t i = 0; i < n; ++i) {
+        float c = static_cast<float>(i) / static_cast<float>(static_cast<double>(n) / base_size);
+        coords.push_back(c / static_cast<float>(scale));
+      }
+      return coords;
+    };
+    const auto hs = axis(h), ws = axis(w);
+    auto acc = table.accessor<double, 2>();
+    for (int64_t r = 0; r < h; ++r) {
+      for (int64_t c = 0; c < w; ++c) {
+        for (int64_t i = 0; i < dim / 4; ++i) {
+          const double omega = 1.0 / std::pow(10000.0, i / (dim / 4.0));
+          const int64_t row = 2 + r * w + c;
+          EXPECT_NEAR(acc[row][i], std::sin(ws[c] * omega), 1e-12);  // w: first half
+          EXPECT_NEAR(acc[row][dim / 4 + i], std::cos(ws[c] * omega), 1e-12);
+          EXPECT_NEAR(acc[row][dim / 2 + i], std::sin(hs[r] * omega), 1e-12);  // h: second
+          EXPECT_NEAR(acc[row][3 * dim / 4 + i], std::cos(hs[r] * omega), 1e-12);
+        }
+      }
+    }
+  }
+  // The defaults (no base_size, scale 1) are MAE's integer coordinates, bit for bit.
+  EXPECT_TRUE(same_bits(posenc::sinusoidal_2d_table(5, 3, 24),
+                        posenc::sinusoidal_2d_table(5, 3, 24, 10000.0, 0, torch::kFloat,
+                                                    std::nullopt, std::nullopt, 1.0)));
+  // base_size = grid size and scale 1 are integer coordinates too.
+  EXPECT_TRUE(same_bits(posenc::sinusoidal_2d_table(6, 6, 24),
+                        posenc::sinusoidal_2d_table(6, 6, 24, 10000.0, 0, torch::kFloat,
+                                                    std::nullopt, 6.0)));
+  EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, 10000.0, 0, torch::kFloat, std::nullopt, 0.0),
+               c10::ValueError);
+  EXPECT_THROW(posenc::sinusoidal_2d_table(2, 2, 8, 10000.0, 0, torch::kFloat, std::nullopt,
+                                           std::nullopt, -1.0),
+               c10::ValueError);
+  const std::string m = message_of([] {
+    posenc::sinusoidal_2d_table(2, 2, 8, 10000.0, 0, torch::kFloat, std::nullopt, std::nan(""));
+  });
+  EXPECT_NE(m.find("sinusoidal_2d_table: expected base_size to be None or a finite number > 0, "
+                   "got nan"),
+            std::string::npos)
+      << m;
+}
+
+// posenc::Timesteps is diffusers' Timesteps: forward(t) is timestep_embedding with its
+// options, bit for bit; no parameters or buffers (an empty state dict).
+TEST(TimestepsModule, ForwardIsTheFunction) {
+  torch::manual_seed(5);
+  const auto t = torch::rand({9}) * 1000;
+  for (auto [channels, flip, shift, scale, period] :
+       std::vector<std::tuple<int64_t, bool, double, double, double>>{
+           {256, true, 0.0, 1.0, 10000.0}, {320, false, 1.0, 1.0, 10000.0},
+           {33, true, 1.0, 1000.0, 500.0}, {1, false, 0.0, 1.0, 10000.0}}) {
+    posenc::Timesteps m(
+        posenc::TimestepsOptions(channels, flip, shift).scale(scale).max_period(period));
+    EXPECT_TRUE(same_bits(m(t), posenc::timestep_embedding(t, channels, period, flip, shift, scale)))
+        << channels;
+    EXPECT_TRUE(m->named_parameters().is_empty());
+    EXPECT_TRUE(m->named_buffers().is_empty());
+  }
+  posenc::Timesteps plain(256, true, 0.0);  // diffusers' positional form
+  EXPECT_TRUE(same_bits(plain(t.to(torch::kLong)),
+                        posenc::timestep_embedding(t.to(torch::kLong), 256, 10000.0, true, 0.0)));
+  std::ostringstream repr;
+  repr << *plain;
+  EXPECT_EQ(repr.str(), "posenc::Timesteps(num_channels=256, flip_sin_to_cos=true, "
+                        "downscale_freq_shift=0, scale=1, max_period=10000)");
+  // Bad options fail when the module is built, with the op's messages.
+  const std::string m = message_of([] { posenc::Timesteps(2, false, 1.0); });
+  EXPECT_NE(m.find("half of dim (1) minus downscale_freq_shift (1.0) must not be zero"),
+            std::string::npos)
+      << m;
+  EXPECT_THROW(posenc::Timesteps(posenc::TimestepsOptions(8, false, 1.0).max_period(0.0)),
+               c10::ValueError);
+  EXPECT_THROW(posenc::Timesteps(0, false, 1.0), c10::ValueError);
+  EXPECT_THROW(plain(t.reshape({3, 3})), c10::ValueError);
 }
 
 TEST(Helpers, PyFloatWritesWhatReprWrites) {

@@ -19,10 +19,16 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx);
 // MAE's fixed 2-D sin-cos table: (num_prefix_tokens + grid_h * grid_w, dim), zero prefix
 // rows, patches in row-major order, first dim/2 columns encode w, last dim/2 encode h
 // (frequencies 1 / base**(i / (dim/4)) in float64, rounded once to dtype; dim a multiple
-// of 4). Built on the host and moved to device. Op posenc::sinusoidal_2d_table.
+// of 4). Built on the host and moved to device. base_size and interpolation_scale give
+// diffusers' rescaled coordinates (get_2d_sincos_pos_embed of PixArt / SD3): each axis of n
+// patches at arange(n) / (n / base_size) / interpolation_scale, computed in float32 as
+// diffusers does (no base_size: arange(n) / interpolation_scale). Op
+// posenc::sinusoidal_2d_table.
 at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, double base = 10000.0,
                                int64_t num_prefix_tokens = 0, at::ScalarType dtype = at::kFloat,
-                               std::optional<at::Device> device = std::nullopt);
+                               std::optional<at::Device> device = std::nullopt,
+                               std::optional<double> base_size = std::nullopt,
+                               double interpolation_scale = 1.0);
 
 // Resizes a ViT table (1, prefix + H*W, d) to a new patch grid with interpolate (float32,
 // cast back), keeping prefix rows; the old grid defaults to the square grid of the table

@@ -1,4 +1,5 @@
-// posenc::sinusoidal_2d_table: MAE's fixed 2-D sin-cos table (get_2d_sincos_pos_embed).
+// posenc::sinusoidal_2d_table: MAE's fixed 2-D sin-cos table (get_2d_sincos_pos_embed), with
+// diffusers' rescaled coordinates (base_size, interpolation_scale: PixArt, SD3) as options.
 // The one definition behind posenc.functional.sinusoidal_2d_table (Python) and
 // posenc::sinusoidal_2d_table (C++), so both give the same bits. Made of ATen ops
 // (CompositeImplicitAutograd): it traces under torch.compile and builds Meta tables.
@@ -9,6 +10,8 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
+#include <utility>
 
 #include "ops/helpers/py_format.h"
 
@@ -27,9 +30,34 @@ at::Tensor sincos_halves(const at::Tensor& coords, int64_t dim, double base) {
   return at::cat({at::sin(angles), at::cos(angles)}, 1);
 }
 
+// One axis's coordinates: 0 .. n-1 (MAE), or diffusers' rescaled ones when base_size or
+// interpolation_scale is set: get_2d_sincos_pos_embed's
+// arange(n, float32) / (n / base_size) / interpolation_scale, the same float32 operations
+// (a Python float divisor rounded to float32), so the same coordinates; then float64.
+at::Tensor axis_coordinates(int64_t n, std::optional<double> base_size,
+                            double interpolation_scale) {
+  if (!base_size.has_value() && interpolation_scale == 1.0) return at::arange(n, at::kDouble);
+  at::Tensor coords = at::arange(n, at::kFloat);
+  if (base_size.has_value()) coords = coords / (static_cast<double>(n) / *base_size);
+  if (interpolation_scale != 1.0) coords = coords / interpolation_scale;
+  return coords.to(at::kDouble);
+}
+
+// The largest coordinate of an axis, in the same float32 arithmetic as axis_coordinates
+// (division is monotonic, so it is the last one). Not finite (an underflowing or
+// overflowing divisor) means inf or NaN rows, which diffusers would return silently.
+bool last_coordinate_is_finite(int64_t n, std::optional<double> base_size,
+                               double interpolation_scale) {
+  float last = static_cast<float>(n - 1);
+  if (base_size.has_value()) last = last / static_cast<float>(static_cast<double>(n) / *base_size);
+  if (interpolation_scale != 1.0) last = last / static_cast<float>(interpolation_scale);
+  return std::isfinite(last);
+}
+
 at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, double base,
                                int64_t num_prefix_tokens, std::optional<at::ScalarType> dtype,
-                               std::optional<at::Device> device) {
+                               std::optional<at::Device> device, std::optional<double> base_size,
+                               double interpolation_scale) {
   constexpr const char* kFn = "sinusoidal_2d_table: expected ";
   TORCH_CHECK_VALUE(grid_h > 0, kFn, "grid_h to be a positive integer, got ", grid_h);
   TORCH_CHECK_VALUE(grid_w > 0, kFn, "grid_w to be a positive integer, got ", grid_w);
@@ -40,6 +68,20 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
   // sinusoidal_table and RoPE.
   TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0, kFn, "base to be a finite number > 1, got ",
                     py_float(base));
+  TORCH_CHECK_VALUE(!base_size.has_value() || (std::isfinite(*base_size) && *base_size > 0.0), kFn,
+                    "base_size to be None or a finite number > 0, got ",
+                    base_size.has_value() ? py_float(*base_size) : std::string("None"));
+  TORCH_CHECK_VALUE(std::isfinite(interpolation_scale) && interpolation_scale > 0.0, kFn,
+                    "interpolation_scale to be a finite number > 0, got ",
+                    py_float(interpolation_scale));
+  for (const auto& [name, n] :
+       {std::pair<const char*, int64_t>{"grid_h", grid_h}, {"grid_w", grid_w}}) {
+    TORCH_CHECK_VALUE(last_coordinate_is_finite(n, base_size, interpolation_scale), kFn,
+                      "finite float32 coordinates arange(", name, ") / (", name,
+                      " / base_size) / interpolation_scale, got ", name, "=", n, ", base_size=",
+                      base_size.has_value() ? py_float(*base_size) : std::string("None"),
+                      ", interpolation_scale=", py_float(interpolation_scale));
+  }
   const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
   TORCH_CHECK_TYPE(at::isFloatingType(out_dtype), kFn, "a floating-point dtype, got ",
                    py_dtype(out_dtype));
@@ -51,8 +93,9 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
                     "fit in int64, got ", num_prefix_tokens, " + ", grid_h, " * ", grid_w,
                     " rows of ", dim);
   // Built on the host in float64 and rounded once, so every device gets the same bits.
-  const at::Tensor h = at::arange(grid_h, at::kDouble).repeat_interleave(grid_w);
-  const at::Tensor w = at::arange(grid_w, at::kDouble).repeat({grid_h});
+  const at::Tensor h =
+      axis_coordinates(grid_h, base_size, interpolation_scale).repeat_interleave(grid_w);
+  const at::Tensor w = axis_coordinates(grid_w, base_size, interpolation_scale).repeat({grid_h});
   // First half of the columns encodes the patch column w, the second half its row h.
   const at::Tensor table =
       at::cat({at::zeros({num_prefix_tokens, dim}, at::kDouble),
@@ -65,10 +108,13 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
 
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   // (num_prefix_tokens + grid_h * grid_w, dim): zero rows for the prefix (class) tokens,
-  // then the patches in row-major (h, w) order; dtype float32 unless given.
+  // then the patches in row-major (h, w) order; dtype float32 unless given. base_size and
+  // interpolation_scale rescale the coordinates as diffusers' PixArt / SD3 tables do:
+  // arange(n) / (n / base_size) / interpolation_scale per axis (None, 1.0: arange(n)).
   m.def(
       "sinusoidal_2d_table(int grid_h, int grid_w, int dim, float base=10000.0, "
-      "int num_prefix_tokens=0, ScalarType? dtype=None, Device? device=None) -> Tensor");
+      "int num_prefix_tokens=0, ScalarType? dtype=None, Device? device=None, "
+      "float? base_size=None, float interpolation_scale=1.0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(posenc, CompositeImplicitAutograd, m) {
