@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from posenc.benchmark import bench_shape, copy_bandwidth, format_table
+from harness import bench_shape, copy_bandwidth, format_table
 
 
 def main() -> int:

@@ -1,5 +1,5 @@
 """Benchmark of posenc's fused RoPE against Hugging Face's rotate_half formulation (eager and
-torch.compile) and, where installed, Liger-Kernel; see posenc/benchmark_rope.py.
+torch.compile) and, where installed, Liger-Kernel; see rope_harness.py.
 
 CPU (default): (4, 1024, 16 q heads, 4 k heads, 128) float32, the issue's reference point.
 GPU: (8, 4096, 32, 8, 128) bfloat16 and float32 against measured copy bandwidth.
@@ -13,8 +13,8 @@ import sys
 
 import torch
 
-from posenc.benchmark import copy_bandwidth
-from posenc.benchmark_rope import bench, format_rows, liger_or_none
+from harness import copy_bandwidth
+from rope_harness import bench, format_rows, liger_or_none
 
 
 def main():

@@ -20,7 +20,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from posenc.benchmark import time_interleaved  # noqa: E402
+from harness import time_interleaved  # noqa: E402
 from posenc.functional import apply_rope  # noqa: E402
 
 SECTIONS = [16, 24, 24]

@@ -18,7 +18,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch  # noqa: E402
 
 import posenc  # noqa: E402
-from posenc.benchmark import time_interleaved, time_ms  # noqa: E402
+from harness import time_interleaved, time_ms  # noqa: E402
 
 
 def rotate_half(x):

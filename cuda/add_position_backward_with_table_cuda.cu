@@ -19,7 +19,7 @@
 #include <torch/library.h>
 
 #include "ops/add_position_checks.h"
-#include "ops/kernels.h"
+#include "ops/add_position_composite.h"
 #include "ops/sorted_runs.h"
 #include "posenc/math/philox.h"
 #include "vector_access.cuh"
@@ -218,7 +218,7 @@ __global__ void __launch_bounds__(kThreads)
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
     const at::Tensor& grad_in, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
     int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x) {
-  const AddPositionGeometry g = check_add_position_backward_inputs(
+  const AddPositionArgs g = check_add_position_backward_inputs(
       grad_in, rng, positions, offset, batch_first, p, table_len);
   const c10::cuda::CUDAGuard device_guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();

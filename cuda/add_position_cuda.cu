@@ -62,7 +62,7 @@ struct RowMap {
   }
 };
 
-struct DropoutArgs {
+struct CudaDropoutArgs {
   at::PhiloxCudaState philox;
   uint32_t threshold;
   double scale;
@@ -84,7 +84,7 @@ template <typename scalar_t, typename table_t, typename index_t, bool kVectorize
 __global__ void __launch_bounds__(kThreads)
     add_position_forward_kernel(const scalar_t* __restrict__ x, const table_t* __restrict__ table,
                                 scalar_t* __restrict__ out, index_t numel, RowMap<index_t> map,
-                                DropoutArgs dropout, int64_t* __restrict__ rng_out) {
+                                CudaDropoutArgs dropout, int64_t* __restrict__ rng_out) {
   using acc_t = at::opmath_type<scalar_t>;
   uint64_t seed = 0, offset = 0;
   if (dropout.active) {
@@ -177,7 +177,7 @@ int64_t grid_for(int64_t numel) {
 
 template <typename scalar_t, typename table_t, typename index_t>
 void launch_forward(const at::Tensor& x, const at::Tensor& table, const at::Tensor& pos,
-                    const AddPositionGeometry& g, const DropoutArgs& dropout, at::Tensor& out,
+                    const AddPositionArgs& g, const CudaDropoutArgs& dropout, at::Tensor& out,
                     at::Tensor& rng) {
   RowMap<index_t> map{IntDivider<index_t>(static_cast<index_t>(g.d)),
                       IntDivider<index_t>(static_cast<index_t>(g.batch_first ? g.seq : g.batch)),
@@ -208,7 +208,7 @@ bool fits_int32(int64_t numel) {
 std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
     const at::Tensor& x_in, const at::Tensor& table_in, const std::optional<at::Tensor>& positions,
     int64_t offset, bool batch_first, double p) {
-  const AddPositionGeometry g =
+  const AddPositionArgs g =
       check_add_position_inputs(x_in, table_in, positions, offset, batch_first, p);
   const c10::cuda::CUDAGuard device_guard(x_in.device());
   const at::Tensor x = x_in.contiguous();
@@ -216,7 +216,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
   const at::Tensor pos = positions.has_value() ? positions->contiguous() : at::Tensor();
   at::Tensor out = at::empty(x.sizes(), x.options());
 
-  DropoutArgs dropout{};
+  CudaDropoutArgs dropout{};
   // An empty x has no mask to draw (and backward never reads its rng).
   dropout.active = p > 0.0 && x.numel() > 0;
   at::Tensor rng = at::empty({dropout.active ? 2 : 0}, x.options().dtype(at::kLong));

@@ -27,6 +27,15 @@ if ! .venv/bin/python -c "import torch, numpy, pytest, matplotlib" 2>/dev/null |
   .venv/bin/python -m pip install -q -r requirements-dev.txt
   touch .venv/.requirements-stamp
 fi
+# The peers the integration tests run against (transformers and what its import needs),
+# with --no-deps so that pip never replaces torch; without them those tests skip.
+if [ requirements-peers.txt -nt .venv/.peers-stamp ]; then
+  if .venv/bin/python -m pip install -q --no-deps -r requirements-peers.txt; then
+    touch .venv/.peers-stamp
+  else
+    echo "bootstrap: the peer libraries (requirements-peers.txt) did not install; their tests skip"
+  fi
+fi
 .venv/bin/python - <<'PY'
 import torch
 print(f"bootstrap: torch {torch.__version__} (CUDA {torch.version.cuda}), "

@@ -58,14 +58,14 @@ fi
 # Registers, shared memory and spills of every kernel, for the notes.
 cuobjdump --dump-resource-usage build-gpu/libposenc.so > "$OUT/resource_usage.txt" 2>&1 || true
 
-echo "== tests (CUDA kernels: every test with cuda in its id but torch.compile / torch.export)"
+echo "== tests (CUDA kernels: every test marked cuda but torch.compile / torch.export)"
 # Order: kernel correctness first, then the benchmarks, then the compile and export tests,
 # whose first (cold-cache) Triton compilations are the slowest part; each has its own limit
 # so that a slow step still leaves the others' results in $OUT. Only the CUDA tests run
-# here (every CUDA test has "cuda" in its id: a device parameter, or its name); the CPU
+# here (every CUDA test carries the cuda marker, tests/python/conftest.py); the CPU
 # ones are CI's, on every commit, and would only spend the device's minutes.
 timeout -k 10 120 "$PY" -m pytest tests/python -q -p no:cacheprovider -rfE --durations=10 \
-  -k "cuda and not test_compile and not test_export and not test_demo" > "$OUT/pytest.log" 2>&1 || status=1
+  -m cuda -k "not test_compile and not test_export and not test_demo" > "$OUT/pytest.log" 2>&1 || status=1
 tail -25 "$OUT/pytest.log"
 
 echo "== benchmark"
@@ -88,6 +88,6 @@ grep -v "^W[0-9]" "$OUT/bench_rope.txt" | tail -8
 
 echo "== tests (torch.compile / torch.export on CUDA)"
 timeout -k 10 90 "$PY" -m pytest tests/python -q -p no:cacheprovider -rfE --durations=10 \
-  -k "(test_compile or test_export) and cuda" > "$OUT/pytest_compile.log" 2>&1 || status=1
+  -m cuda -k "test_compile or test_export" > "$OUT/pytest_compile.log" 2>&1 || status=1
 tail -20 "$OUT/pytest_compile.log"
 exit $status

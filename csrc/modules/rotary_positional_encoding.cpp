@@ -1,4 +1,4 @@
-// posenc/rope.h: apply_rope, rope_frequencies and the RotaryPositionalEncoding module.
+// posenc/rope.h, its module: RotaryPositionalEncoding (the functions are in api/rope.cpp).
 #include "posenc/rope.h"
 
 #include <c10/util/Exception.h>
@@ -6,77 +6,11 @@
 #include <cmath>
 #include <limits>
 
-#include "ops/op_handles.h"
+#include "api/rope_call_from_options.h"
+#include "ops/position_bounds.h"
 #include "ops/rope/rope_call.h"
 
 namespace posenc {
-
-std::vector<double> RopeScaling::values() const {
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const auto value = [nan](const auto& key) -> double {
-    return key.has_value() ? static_cast<double>(*key) : nan;  // a bool: 1 or 0
-  };
-  std::vector<double> out;
-#define POSENC_X(key) out.push_back(value(key));
-  POSENC_ROPE_SCALING_KEYS(POSENC_X)
-#undef POSENC_X
-  return out;
-}
-
-namespace {
-
-// -1 lets the op read the longest position of the call ("dynamic" only).
-int64_t seq_len_argument(const RopeScaling& s) { return s.rope_type == "dynamic" ? -1 : 0; }
-
-// The op's view of a C++ API call.
-ops::RopeCall make_call(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
-                        const ApplyRopeOptions& o, int64_t seq_len) {
-  ops::RopeCall c;
-  c.q = q;
-  c.k = k;
-  c.positions = o.positions();
-  c.offsets = o.offsets();
-  c.offset = o.offset();
-  c.cu_seqlens = o.cu_seqlens();
-  c.base = o.base();
-  c.scaling = ops::parse_rope_scaling(o.scaling().rope_type, o.scaling().values());
-  c.seq_len = seq_len;
-  c.rotary_dim = o.rotary_dim().value_or(-1);
-  c.interleaved = o.interleaved();
-  c.layout = ops::parse_rope_layout(o.layout());
-  c.sections = o.sections();
-  c.sections_mode = ops::parse_rope_sections_mode(o.sections_mode());
-  return c;
-}
-
-}  // namespace
-
-std::tuple<torch::Tensor, torch::Tensor> apply_rope(const torch::Tensor& q, const torch::Tensor& k,
-                                                    const ApplyRopeOptions& o) {
-  return ops::call_rope(make_call(q, k, o, seq_len_argument(o.scaling())));
-}
-
-torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& o) {
-  return std::get<0>(ops::call_rope(make_call(q, std::nullopt, o, seq_len_argument(o.scaling()))));
-}
-
-void apply_rope_(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
-                 const ApplyRopeOptions& o) {
-  ops::call_rope_inplace(make_call(q, k, o, seq_len_argument(o.scaling())));
-}
-
-std::tuple<torch::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,
-                                                   const RopeScaling& scaling, int64_t seq_len,
-                                                   const std::vector<int64_t>& sections,
-                                                   const std::string& sections_mode) {
-  return ops::rope_frequencies_op().call(rotary_dim, base, scaling.rope_type, scaling.values(),
-                                         seq_len, sections, sections_mode);
-}
-
-torch::Tensor rope_grid_positions(const std::vector<int64_t>& grid, int64_t num_prefix_tokens,
-                                  const torch::Device& device) {
-  return ops::rope_grid_positions_op().call(grid, num_prefix_tokens, device);
-}
 
 RotaryPositionalEncodingImpl::RotaryPositionalEncodingImpl(
     const RotaryPositionalEncodingOptions& options_)
@@ -108,6 +42,11 @@ void RotaryPositionalEncodingImpl::reset() {
   }
   if (s.rope_type == "yarn" && !s.original_max_position_embeddings.has_value()) {
     s.original_max_position_embeddings = static_cast<double>(options.max_len());
+  }
+  if (s.rope_type == "longrope" && !s.factor.has_value() && !s.attention_factor.has_value() &&
+      s.original_max_position_embeddings.has_value()) {
+    // transformers: factor = max_position_embeddings / original_max_position_embeddings.
+    s.factor = static_cast<double>(options.max_len()) / *s.original_max_position_embeddings;
   }
   inv_freq();  // validates base, scaling and layout-independent arguments now
 }
@@ -181,18 +120,17 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   bool bounded = false;
   if (q.dim() == (options.layout() == "thd" ? 3 : 4) &&
       (options.check_positions() || !reads_device)) {
-    std::tie(lo, hi) = ops::call_rope_position_bounds(make_call(q, k, o, 0));
+    std::tie(lo, hi) = ops::call_rope_position_bounds(detail::make_rope_call(q, k, o, 0));
     bounded = true;
   }
-  TORCH_CHECK_INDEX(hi < lo || (lo >= 0 && hi < max_len),
-                    "posenc: expected positions in [0, max_len=", max_len, "), got values from ",
-                    lo, " to ", hi);
-  // "dynamic" needs the longest position: hand over the one just read rather than have the
-  // op read the index tensors again.
+  ops::check_position_range(lo, hi, max_len);
+  // "dynamic" and "longrope" need the longest position: hand over the one just read rather
+  // than have the op read the index tensors again.
+  const std::string& type = options.scaling().rope_type;
   const int64_t seq_len =
-      bounded && options.scaling().rope_type == "dynamic" ? std::max<int64_t>(hi + 1, 0)
-                                                          : seq_len_argument(o.scaling());
-  return ops::call_rope(make_call(q, k, o, seq_len));
+      bounded && (type == "dynamic" || type == "longrope") ? std::max<int64_t>(hi + 1, 0)
+                                : detail::rope_seq_len_argument(o.scaling());
+  return ops::call_rope(detail::make_rope_call(q, k, o, seq_len));
 }
 
 }  // namespace posenc

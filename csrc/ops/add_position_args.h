@@ -1,4 +1,5 @@
-// The logical geometry of an add_position call, as plain data for the kernels.
+// The geometry of an add_position call, as plain data for the CPU and CUDA kernels. Kernel
+// parameter structs are named <kernel>Args throughout (RopeArgs, AddPositionArgs, DropoutArgs).
 #pragma once
 
 #include <cstdint>
@@ -8,7 +9,7 @@ namespace ops {
 
 // x is (batch, seq, d) when batch_first, (seq, batch, d) otherwise; the kernels see x as
 // batch * seq contiguous rows of d elements in memory order.
-struct AddPositionGeometry {
+struct AddPositionArgs {
   int64_t batch = 0;
   int64_t seq = 0;
   int64_t d = 0;

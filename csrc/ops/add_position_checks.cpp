@@ -88,9 +88,9 @@ void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
 namespace {
 
 // Sizes, positions layout and the offset range, once the structure has been checked.
-AddPositionGeometry make_geometry(const at::Tensor& x, const std::optional<at::Tensor>& positions,
+AddPositionArgs make_geometry(const at::Tensor& x, const std::optional<at::Tensor>& positions,
                                   int64_t offset, bool batch_first, int64_t table_len) {
-  AddPositionGeometry g;
+  AddPositionArgs g;
   g.batch_first = batch_first;
   g.batch = x.size(batch_first ? 0 : 1);
   g.seq = x.size(batch_first ? 1 : 0);
@@ -114,14 +114,14 @@ AddPositionGeometry make_geometry(const at::Tensor& x, const std::optional<at::T
 
 }  // namespace
 
-AddPositionGeometry check_add_position_inputs(const at::Tensor& x, const at::Tensor& table,
+AddPositionArgs check_add_position_inputs(const at::Tensor& x, const at::Tensor& table,
                                               const std::optional<at::Tensor>& positions,
                                               int64_t offset, bool batch_first, double p) {
   check_add_position_structure(x, table, positions, batch_first, p);
   return make_geometry(x, positions, offset, batch_first, table.size(-2));
 }
 
-AddPositionGeometry check_add_position_backward_inputs(const at::Tensor& grad,
+AddPositionArgs check_add_position_backward_inputs(const at::Tensor& grad,
                                                        const at::Tensor& rng,
                                                        const std::optional<at::Tensor>& positions,
                                                        int64_t offset, bool batch_first, double p,

@@ -6,7 +6,7 @@
 
 #include <optional>
 
-#include "ops/add_position_geometry.h"
+#include "ops/add_position_args.h"
 
 namespace posenc {
 namespace ops {
@@ -29,12 +29,12 @@ void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
 
 // Full checks for a real kernel: structure, then the offset/sequence range. Position
 // values are checked by the caller where reading them costs no device sync.
-AddPositionGeometry check_add_position_inputs(const at::Tensor& x, const at::Tensor& table,
+AddPositionArgs check_add_position_inputs(const at::Tensor& x, const at::Tensor& table,
                                               const std::optional<at::Tensor>& positions,
                                               int64_t offset, bool batch_first, double p);
 
 // Checks of the fused backward (grad, rng, positions, offset, table_len), as in the forward.
-AddPositionGeometry check_add_position_backward_inputs(const at::Tensor& grad,
+AddPositionArgs check_add_position_backward_inputs(const at::Tensor& grad,
                                                        const at::Tensor& rng,
                                                        const std::optional<at::Tensor>& positions,
                                                        int64_t offset, bool batch_first, double p,

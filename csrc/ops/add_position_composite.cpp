@@ -6,7 +6,7 @@
 #include <torch/library.h>
 
 #include "ops/add_position_checks.h"
-#include "ops/kernels.h"
+#include "ops/add_position_composite.h"
 #include "ops/op_handles.h"
 
 namespace posenc {

@@ -98,5 +98,13 @@ inline const c10::TypedOperatorHandle<RopeGridPositionsSig>& rope_grid_positions
   return handle;
 }
 
+using ApplyRopeCosSinSig = std::tuple<at::Tensor, at::Tensor>(
+    const at::Tensor&, const std::optional<at::Tensor>&, const at::Tensor&, const at::Tensor&,
+    c10::string_view, bool, bool);
+inline const c10::TypedOperatorHandle<ApplyRopeCosSinSig>& apply_rope_cos_sin_op() {
+  static const auto handle = find_op<ApplyRopeCosSinSig>("posenc::apply_rope_cos_sin");
+  return handle;
+}
+
 }  // namespace ops
 }  // namespace posenc

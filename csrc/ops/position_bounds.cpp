@@ -22,7 +22,17 @@ void throw_position_out_of_range(int64_t table_len, int64_t found, const std::st
                                        "), found ", found, where));
 }
 
+void check_position_range(int64_t lo, int64_t hi, int64_t max_len) {
+  if (hi < lo || (lo >= 0 && hi < max_len)) return;
+  throw_position_out_of_range(max_len, lo < 0 ? lo : hi,
+                              c10::str(" (positions range from ", lo, " to ", hi, ")"));
+}
+
 namespace {
+
+void position_range_check(int64_t lo, int64_t hi, int64_t max_len) {
+  check_position_range(lo, hi, max_len);
+}
 
 std::tuple<int64_t, int64_t> position_bounds(const at::Tensor& positions,
                                              std::optional<int64_t> max_len) {
@@ -37,10 +47,7 @@ std::tuple<int64_t, int64_t> position_bounds(const at::Tensor& positions,
   auto [lo, hi] = at::aminmax(positions.to(at::kLong));
   const at::Tensor both = at::stack({lo, hi}).to(at::kCPU);  // the one read-back
   const int64_t* v = both.const_data_ptr<int64_t>();
-  if (max_len.has_value() && (v[0] < 0 || v[1] >= *max_len)) {
-    throw_position_out_of_range(*max_len, v[0] < 0 ? v[0] : v[1],
-                                c10::str(" (positions range from ", v[0], " to ", v[1], ")"));
-  }
+  if (max_len.has_value()) check_position_range(v[0], v[1], *max_len);
   return {v[0], v[1]};
 }
 
@@ -51,6 +58,9 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
   // in [0, max_len). Reads values, so it has no Meta form: the modules skip it under
   // torch.compile.
   m.def("position_bounds(Tensor positions, int? max_len=None) -> (int, int)");
+  // The same range check from (min, max) already known (the RoPE modules'); no tensor, so
+  // one kernel for every backend.
+  m.def("position_range_check(int lo, int hi, int max_len) -> ()", &position_range_check);
 }
 
 // Composed of ATen ops, so one kernel serves every backend.

@@ -1,6 +1,9 @@
 """`python -m posenc demo`: why position matters, a benchmark, and a heatmap of the encoding.
 
-`python -m posenc bench` runs only the benchmark (the full sizes are in benchmarks/).
+`python -m posenc bench` runs only the benchmark (the full sizes are in benchmarks/). The
+benchmark harness is not part of the installed package: the demo times with the one in the
+source checkout's benchmarks/ folder (harness.py, rope_harness.py) and, without a checkout,
+says where to find it.
 """
 
 from __future__ import annotations
@@ -8,12 +11,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 
 import torch
 
 import posenc
-from posenc.benchmark import bench_shape, format_table
-from posenc.benchmark_rope import bench as bench_rope, format_rows as format_rope_rows
 
 SENTENCES = (["dog", "bites", "man"], ["man", "bites", "dog"])
 
@@ -73,7 +75,19 @@ def rope_depends_on_relative_position(d: int = 64) -> None:
     print()
 
 
+BENCHMARKS_DIR = Path(__file__).resolve().parent.parent.parent / "benchmarks"
+
+
 def benchmark(quick: bool) -> None:
+    if not (BENCHMARKS_DIR / "harness.py").is_file():
+        print("Benchmark: skipped; its harness is in the benchmarks/ folder of posenc's source "
+              "checkout (make bench), not in the installed package.\n")
+        return
+    if str(BENCHMARKS_DIR) not in sys.path:
+        sys.path.insert(0, str(BENCHMARKS_DIR))
+    from harness import bench_shape, format_table
+    from rope_harness import bench as bench_rope, format_rows as format_rope_rows
+
     print("Benchmark: fused x + pe + dropout (posenc) vs plain PyTorch and torch.compile")
     rows = bench_shape("cpu", torch.float32, (8, 256, 512) if quick else (32, 512, 512),
                        reps=5 if quick else 15)

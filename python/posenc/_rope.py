@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -17,25 +17,39 @@ from torch import Tensor
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts and the
 # multi-axis sections modes.
-ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES = (tuple(names) for names in torch.ops.posenc.rope_scaling_spec())
+ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES, SCALING_LIST_KEYS = (
+    tuple(names) for names in torch.ops.posenc.rope_scaling_spec()
+)
 
 
 # Keys of a transformers 5 ``rope_parameters`` / ``rope_scaling`` dict (and of Qwen-VL
 # configs) that are not scaling keys but set other arguments: resolved by resolve_config_keys.
 CONFIG_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
+# The scaling types whose frequencies depend on the call's longest position.
+LENGTH_SCALED_TYPES = ("dynamic", "longrope")
 
 
-def resolve_config_keys(scaling, *, base, rotary_dim, head_dim, sections, sections_mode, fn="apply_rope"):
+def resolve_config_keys(
+    scaling: Optional[Mapping[str, Any]],
+    *,
+    base: Optional[float],
+    rotary_dim: Optional[int],
+    head_dim: int,
+    sections: Optional[Sequence[int]],
+    sections_mode: str,
+    fn: str = "apply_rope",
+) -> Tuple[Optional[Mapping[str, Any]], Optional[float], Optional[int], Optional[Sequence[int]], str]:
     """Reads the non-scaling keys of a transformers 4 or 5 dict into the arguments they set:
     ``rope_theta`` -> base, ``partial_rotary_factor`` -> rotary_dim (``int(head_dim *
-    factor)``, as transformers), ``mrope_section`` -> sections (mode "mrope", or
-    "mrope_interleaved" with ``mrope_interleaved=True``; rope_type "mrope" is "default").
+    factor)``, as transformers; a key of rope_type "proportional" itself), ``mrope_section``
+    -> sections (mode "mrope", or "mrope_interleaved" with ``mrope_interleaved=True``;
+    rope_type "mrope" is "default").
     An explicit argument that disagrees is a ValueError naming both. Returns (scaling without
     those keys, base, rotary_dim, sections, sections_mode); base None means 10000."""
     if isinstance(scaling, Mapping) and any(key in scaling for key in CONFIG_KEYS + ("type",)):
         scaling = dict(scaling)
 
-        def take(key, current, given, name, explicit):
+        def take(key: str, current: Any, given: Any, name: str, explicit: bool) -> Any:
             if given is None:
                 return current
             if explicit and current != given:
@@ -48,7 +62,10 @@ def resolve_config_keys(scaling, *, base, rotary_dim, head_dim, sections, sectio
             if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
                 raise TypeError(f"{fn}: expected scaling key 'rope_theta' to be a number, got {theta!r}")
             base = take("rope_theta", None if base is None else float(base), float(theta), "base", base is not None)
-        factor = scaling.pop("partial_rotary_factor", None)
+        # "proportional" (Gemma 4) reads partial_rotary_factor itself: the share of pairs
+        # that turn, over the whole head_dim; it is a scaling key there, not rotary_dim.
+        proportional = scaling.get("rope_type", scaling.get("type")) == "proportional"
+        factor = None if proportional else scaling.pop("partial_rotary_factor", None)
         if factor is not None:
             if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
                 raise ValueError(f"{fn}: expected scaling key 'partial_rotary_factor' in (0, 1], got {factor!r}")
@@ -71,9 +88,12 @@ def scaling_arguments(
 ) -> Tuple[str, list]:
     """``(rope_type, values)`` for the op from a Hugging Face ``rope_scaling`` dict.
 
-    ``default_original_max`` fills ``original_max_position_embeddings`` for "yarn" when the
-    dict has none (transformers takes the model's max_position_embeddings); "dynamic" needs
-    it given (the module checks it against max_len).
+    ``default_original_max`` is the model's max_position_embeddings (the module's max_len):
+    it fills ``original_max_position_embeddings`` for "yarn" when the dict has none, and
+    "longrope"'s ``factor`` (max_position_embeddings / original_max_position_embeddings), as
+    transformers does; "dynamic" needs original_max_position_embeddings given (the module
+    checks it against max_len). The list keys of "longrope" (``short_factor``,
+    ``long_factor``) follow the keys in ``values``.
     """
     if scaling is None:
         return "default", []
@@ -86,11 +106,12 @@ def scaling_arguments(
         )
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope: unknown rope scaling type {rope_type!r}; expected one of {', '.join(ROPE_TYPES)}")
-    unknown = sorted(set(scaling) - set(SCALING_KEYS) - set(CONFIG_KEYS) - {"rope_type", "type"})
+    unknown = sorted(set(scaling) - set(SCALING_KEYS) - set(SCALING_LIST_KEYS) - set(CONFIG_KEYS)
+                     - {"rope_type", "type"})
     if unknown:
         raise ValueError(
             f"rope: unknown rope scaling key(s) {unknown}; accepted keys are rope_type, "
-            f"{', '.join(SCALING_KEYS + CONFIG_KEYS)}"
+            f"{', '.join(dict.fromkeys(SCALING_KEYS + SCALING_LIST_KEYS + CONFIG_KEYS))}"
         )
     values = [math.nan] * len(SCALING_KEYS)
     for i, key in enumerate(SCALING_KEYS):
@@ -107,6 +128,29 @@ def scaling_arguments(
     orig = SCALING_KEYS.index("original_max_position_embeddings")
     if default_original_max is not None and rope_type == "yarn" and math.isnan(values[orig]):
         values[orig] = float(default_original_max)
+    factor, attention = SCALING_KEYS.index("factor"), SCALING_KEYS.index("attention_factor")
+    if (default_original_max is not None and rope_type == "longrope" and math.isnan(values[factor])
+            and math.isnan(values[attention]) and not math.isnan(values[orig]) and values[orig] > 0):
+        values[factor] = default_original_max / values[orig]
+    lists = [scaling.get(key) for key in SCALING_LIST_KEYS]
+    if rope_type != "longrope":
+        given = [key for key, value in zip(SCALING_LIST_KEYS, lists) if value is not None]
+        if given:
+            raise ValueError(f"rope: scaling key(s) {given} belong to rope_type 'longrope', got {rope_type!r}")
+        return rope_type, values
+    for key, value in zip(SCALING_LIST_KEYS, lists):
+        if value is None:
+            raise ValueError(f"rope: rope_type 'longrope' needs the scaling key {key!r} (one factor per rotary "
+                             f"pair), got none")
+        if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not all(
+            isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value
+        ):
+            raise TypeError(f"rope: expected scaling key {key!r} to be a list of numbers, got {value!r}")
+    if len({len(v) for v in lists}) != 1:
+        raise ValueError(f"rope: expected scaling keys {' and '.join(map(repr, SCALING_LIST_KEYS))} of equal "
+                         f"lengths, got {', '.join(str(len(v)) for v in lists)}")
+    for value in lists:
+        values.extend(float(v) for v in value)
     return rope_type, values
 
 
@@ -122,7 +166,7 @@ def rope_frequencies(
     """``(inv_freq, attention_factor)`` of a RoPE configuration: float64 inverse
     frequencies of the ``rotary_dim // 2`` pairs (Hugging Face's ``inv_freq``, unrounded) and
     the factor cos and sin are multiplied by (yarn's attention scaling, else 1).
-    ``seq_len`` (longest position + 1) matters for "dynamic" only. With ``sections`` (see
+    ``seq_len`` (longest position + 1) matters for "dynamic" and "longrope" only. With ``sections`` (see
     :func:`apply_rope`), each pair's frequency as multi-axis RoPE computes it."""
     scaling, base, _, sections, sections_mode = resolve_config_keys(
         scaling, base=base, rotary_dim=None, head_dim=rotary_dim, sections=sections, sections_mode=sections_mode,
@@ -134,7 +178,7 @@ def rope_frequencies(
     )
 
 
-def _sections(sections) -> list:
+def _sections(sections: Optional[Sequence[int]]) -> List[int]:
     """sections as a list of ints (the op checks their values)."""
     if sections is None:
         return []
@@ -145,7 +189,9 @@ def _sections(sections) -> list:
     return [int(s) for s in sections]
 
 
-def grid_positions(*grid: int, num_prefix_tokens: int = 0, device=None) -> Tensor:
+def grid_positions(
+    *grid: int, num_prefix_tokens: int = 0, device: Optional[Union[str, torch.device]] = None
+) -> Tensor:
     """Multi-axis RoPE positions of a grid of patches: int64 ``(len(grid),
     num_prefix_tokens + prod(grid))``, e.g. ``grid_positions(h, w)`` for an image of h x w
     patches (axis 0 the row, axis 1 the column; patches in row-major order), ``(t, h, w)`` for
@@ -196,9 +242,9 @@ def apply_rope(
     sections_mode: str = "axial",
     inplace: bool = False,
     check_inputs: bool = True,
+    seq_len: Optional[int] = None,
     _original_max: Optional[int] = None,
-    _seq_len: Optional[int] = None,
-):
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Rotary position embedding of q (and k), fused in one kernel launch.
 
     Args:
@@ -220,11 +266,15 @@ def apply_rope(
             ``(i, i + rotary_dim/2)`` (GPT-NeoX, HF LLaMA) or adjacent ``(2i, 2i+1)`` when
             ``interleaved`` (GPT-J, Meta).
         scaling: None or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (transformers
-            4 or 5) of type "default", "linear", "dynamic", "yarn" or "llama3"; its
+            4 or 5) of type "default", "linear", "dynamic", "yarn", "llama3" or "longrope"
+            (Phi-3: ``short_factor`` / ``long_factor`` lists, one factor per pair); its
             ``rope_theta``, ``partial_rotary_factor`` and ``mrope_section`` /
             ``mrope_interleaved`` set base, rotary_dim and sections (an explicit argument
-            that disagrees is an error). "dynamic" scales by the longest position of the call (read
-            from the tensors when positions/offsets/cu_seqlens are given: a device sync).
+            that disagrees is an error). "dynamic" scales by the longest position of the call, and
+            "longrope" switches to ``long_factor`` beyond ``original_max_position_embeddings``
+            by it (read from the tensors when positions/offsets/cu_seqlens are given: a device
+            sync; or pass ``seq_len``). "longrope" needs ``factor`` (max_position_embeddings /
+            original; the module fills it from max_len) or ``attention_factor``.
         sections: multi-axis RoPE (M-RoPE, axial 2-D/3-D RoPE): the number of rotary pairs
             each position axis turns, summing to ``rotary_dim // 2``. ``offset`` is added on
             every axis.
@@ -237,6 +287,10 @@ def apply_rope(
         inplace: rotate q and k in their own storage (inference; no autograd) and return them.
         check_inputs: check CUDA ``cu_seqlens`` values on the host (one sync) in eager mode.
             Unchecked, tokens outside every sequence come out as NaN.
+        seq_len: for "dynamic" and "longrope" scaling, the length they scale for (longest position + 1);
+            default: read from the call. Pass the global length when the call sees a shard
+            of the sequence (context parallel; see the README's "Distributed training"), or
+            to avoid the device sync of reading it. Ignored by the other scaling types.
 
     Returns the rotated q, or (q, k) when k is given. Positions have no table and no max_len;
     positions, offsets and ``offset`` must each lie in [-2**53, 2**53] (so their sum cannot
@@ -261,8 +315,12 @@ def apply_rope(
         sections_mode=sections_mode)
     base = 10000.0 if base is None else base
     rope_type, values = scaling_arguments(scaling, _original_max)
-    # -1: the op reads the longest position; _seq_len: the module read it already.
-    seq_len = (-1 if _seq_len is None else _seq_len) if rope_type == "dynamic" else 0
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))):
+        raise TypeError(f"apply_rope: expected seq_len to be an int or None, got {seq_len!r}")
+    if seq_len is not None and seq_len < 0:
+        raise ValueError(f"apply_rope: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
+    # -1: the op reads the longest position from the call.
+    seq_len = (-1 if seq_len is None else seq_len) if rope_type in LENGTH_SCALED_TYPES else 0
     if (
         check_inputs
         and cu_seqlens is not None

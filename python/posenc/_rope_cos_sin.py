@@ -3,9 +3,9 @@
 and k with given tables (``apply_rotary_pos_emb``'s convention), for code that already passes
 ``position_embeddings=(cos, sin)`` around.
 
-``apply_rope_cos_sin`` is a plain-PyTorch composite for now (autograd through ATen); its
-argument checks are kept apart from the math (``_apply_cos_sin_reference``) so that a fused
-op of the same signature can replace the math alone.
+``apply_rope_cos_sin`` is the op ``torch.ops.posenc.apply_rope_cos_sin`` (one fused kernel
+for q and k, CPU and CUDA, backward in C++ the transposed rotation); Python normalises
+types, the op checks values.
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from torch import Tensor
 
 from posenc._rope import resolve_config_keys, rope_frequencies
 
-_COS_SIN_LAYOUTS = ("bhsd", "bshd")
 
 
 def rope_cos_sin(
@@ -39,19 +38,20 @@ def rope_cos_sin(
         dim: the head dimension; the tables cover its first ``rotary_dim`` features.
         base, scaling, rotary_dim: as :func:`posenc.functional.apply_rope`: base default 10000
             (or the dict's ``rope_theta``), a transformers 4 or 5 ``rope_scaling`` /
-            ``rope_parameters`` dict ("default", "linear", "dynamic", "yarn", "llama3"), rotary
+            ``rope_parameters`` dict ("default", "linear", "dynamic", "yarn", "llama3", "longrope"), rotary
             width default ``dim`` (or ``int(dim * partial_rotary_factor)`` from the dict).
         dtype: the tables' dtype (angles are computed in float64, rounded once).
         attention_scaling: multiply cos and sin by the scaling's attention factor (yarn's
             ``attention_factor`` / mscale, 1 for the others), as transformers does.
         max_position_embeddings: the model's ``max_position_embeddings``: the default of
-            ``original_max_position_embeddings`` for "yarn" and "dynamic", as transformers fills it
+            ``original_max_position_embeddings`` for "yarn" and "dynamic" and of "longrope"'s ``factor``
+            (max_position_embeddings / original), as transformers fills them
             from the config.
 
     Returns ``(cos, sin)`` of shape ``positions.shape + (rotary_dim,)`` on ``positions``' device,
     with the pair frequencies duplicated as ``cat((freqs, freqs), -1)``:
     ``cos[..., s, j] = cos(positions[..., s] * inv_freq[j % (rotary_dim // 2)]) * factor``. For
-    "dynamic" the longest position of the call sets the scale (read from ``positions``: one
+    "dynamic" and "longrope" the longest position of the call sets the scale (read from ``positions``: one
     device sync), as transformers' ``dynamic_rope_update``.
     """
     fn = "rope_cos_sin"
@@ -92,8 +92,17 @@ def rope_cos_sin(
             and max_position_embeddings is not None
         ):
             scaling = {**scaling, "original_max_position_embeddings": int(max_position_embeddings)}
+        if (
+            rope_type == "longrope"
+            and scaling.get("factor") is None
+            and scaling.get("attention_factor") is None
+            and max_position_embeddings is not None
+            and isinstance(scaling.get("original_max_position_embeddings"), numbers.Real)
+            and scaling["original_max_position_embeddings"] > 0
+        ):  # transformers: factor = max_position_embeddings / original_max_position_embeddings
+            scaling = {**scaling, "factor": max_position_embeddings / scaling["original_max_position_embeddings"]}
     seq_len = 0
-    if rope_type == "dynamic" and positions.numel():
+    if rope_type in ("dynamic", "longrope") and positions.numel():
         seq_len = int(positions.max()) + 1
     inv_freq, factor = rope_frequencies(rotary_dim, base=base, scaling=scaling, seq_len=seq_len)
     inv_freq = inv_freq.to(device=positions.device, dtype=torch.float64)
@@ -105,61 +114,16 @@ def rope_cos_sin(
     return cos.to(dtype), sin.to(dtype)
 
 
-def _apply_cos_sin_reference(x: Tensor, cos: Tensor, sin: Tensor, interleaved: bool) -> Tensor:
-    """``x * cos + rotate(x) * sin`` over the first ``cos.shape[-1]`` features of x (the rest
-    pass through), with cos/sin already broadcastable to x; rotate is Hugging Face's
-    ``rotate_half`` (``cat(-x2, x1)``) or, ``interleaved``, GPT-J's ``rotate_every_two``. The
-    same operations in the same order as transformers, so equal dtypes give its bits."""
-    rot = cos.shape[-1]
-    full = rot == x.shape[-1]
-    x_rot = x if full else x[..., :rot]
-    if interleaved:
-        rotated = torch.stack((-x_rot[..., 1::2], x_rot[..., ::2]), dim=-1).flatten(-2)
-    else:
-        rotated = torch.cat((-x_rot[..., rot // 2:], x_rot[..., : rot // 2]), dim=-1)
-    out = (x_rot * cos) + (rotated * sin)
-    if out.dtype != x.dtype:
-        out = out.to(x.dtype)
-    return out if full else torch.cat((out, x[..., rot:]), dim=-1)
-
-
-def _check_cos_sin_arguments(
-    q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, layout: str, interleaved: bool
-) -> None:
+def _check_cos_sin_types(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, layout: str,
+                         interleaved: bool) -> None:
     fn = "apply_rope_cos_sin"
     for name, value in (("q", q), ("cos", cos), ("sin", sin)) + ((("k", k),) if k is not None else ()):
         if not isinstance(value, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(value).__name__}")
-        if not value.is_floating_point():
-            raise TypeError(f"{fn}: expected {name} to be a floating-point tensor, got {value.dtype}")
-    if not isinstance(layout, str) or layout not in _COS_SIN_LAYOUTS:
-        raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(_COS_SIN_LAYOUTS)}")
+    if not isinstance(layout, str):
+        raise TypeError(f"{fn}: expected layout to be a str, got {layout!r}")
     if not isinstance(interleaved, bool):
         raise TypeError(f"{fn}: expected interleaved to be a bool, got {interleaved!r}")
-    shape = "(batch, heads, seq, head_dim)" if layout == "bhsd" else "(batch, seq, heads, head_dim)"
-    seq_dim = 2 if layout == "bhsd" else 1
-    if q.dim() != 4:
-        raise ValueError(f"{fn}: expected q of shape {shape} for layout {layout!r}, got {tuple(q.shape)}")
-    if k is not None:
-        if k.dim() != 4 or k.shape[0] != q.shape[0] or k.shape[seq_dim] != q.shape[seq_dim] or k.shape[3] != q.shape[3]:
-            raise ValueError(f"{fn}: expected k of shape {shape} with q's batch, seq and head_dim (heads may "
-                             f"differ), got k {tuple(k.shape)} and q {tuple(q.shape)}")
-        if k.dtype != q.dtype or k.device != q.device:
-            raise ValueError(f"{fn}: expected k on q's device with q's dtype ({q.dtype}, {q.device}), "
-                             f"got {k.dtype}, {k.device}")
-    if cos.shape != sin.shape:
-        raise ValueError(f"{fn}: expected cos and sin of the same shape, got {tuple(cos.shape)} and {tuple(sin.shape)}")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.device != q.device:
-            raise ValueError(f"{fn}: expected {name} on q's device {q.device}, got {table.device}")
-    batch, seq, head_dim = q.shape[0], q.shape[seq_dim], q.shape[3]
-    if cos.dim() not in (2, 3) or cos.shape[-2] != seq or (cos.dim() == 3 and cos.shape[0] not in (1, batch)):
-        raise ValueError(f"{fn}: expected cos and sin of shape (seq, rotary_dim) or (batch, seq, rotary_dim) "
-                         f"with seq={seq} and batch={batch} (or 1), got {tuple(cos.shape)}")
-    rot = cos.shape[-1]
-    if rot <= 0 or rot % 2 or rot > head_dim:
-        raise ValueError(f"{fn}: expected the tables' last dimension (rotary_dim) to be even and in "
-                         f"[2, head_dim={head_dim}], got {rot}")
 
 
 def apply_rope_cos_sin(
@@ -185,17 +149,12 @@ def apply_rope_cos_sin(
             True, adjacent ``(2i, 2i+1)`` (GPT-J's ``rotate_every_two``; tables
             ``repeat_interleave(freqs, 2)``).
 
-    ``out = x * cos + rotate(x) * sin``, returned in x's dtype (computed in the promotion of x's
-    and the tables' dtypes). Returns the rotated q, or (q, k) when k is given. Differentiable in
-    q, k, cos and sin.
+    ``out = x * cos + rotate(x) * sin``, computed in float32 (float64 for float64 q; the tables
+    are converted) and rounded once to q's dtype, in one fused kernel for q and k. Returns the
+    rotated q, or (q, k) when k is given. Differentiable in q, k, cos and sin (the tables'
+    gradients are sums over heads, composed of torch ops; x is saved only when they need it).
     """
-    _check_cos_sin_arguments(q, k, cos, sin, layout, interleaved)
-    if cos.dim() == 2:
-        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
-    head_dim = 1 if layout == "bhsd" else 2
-    cos, sin = cos.unsqueeze(head_dim), sin.unsqueeze(head_dim)
-    out_q = _apply_cos_sin_reference(q, cos, sin, interleaved)
-    if k is None:
-        return out_q
-    return out_q, _apply_cos_sin_reference(k, cos, sin, interleaved)
+    _check_cos_sin_types(q, k, cos, sin, layout, interleaved)
+    out_q, out_k = torch.ops.posenc.apply_rope_cos_sin(q, k, cos, sin, layout=layout, interleaved=interleaved)
+    return out_q if k is None else (out_q, out_k)
 

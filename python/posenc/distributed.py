@@ -100,7 +100,7 @@ def _rope_rule(a: dict, outputs: str) -> list:
     layout = a["layout"] if a["layout"] in ("bshd", "bhsd", "sbhd", "thd") else "bshd"
     b_dim, s_dim, h_dim = _rope_dims(layout)
     multi = len(a["sections"]) > 0
-    dynamic_from_call = a["rope_type"] == "dynamic" and a["seq_len"] < 0
+    dynamic_from_call = a["rope_type"] in ("dynamic", "longrope") and a["seq_len"] < 0
     strategies = []
 
     def add(qk, positions=R, offsets=R):

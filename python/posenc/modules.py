@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -14,13 +14,13 @@ from posenc import _rope, functional
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
 
 
-def _check_positive_int(name: str, value) -> int:
+def _check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
         raise ValueError(f"expected {name} to be a positive integer, got {value!r}")
     return int(value)
 
 
-def _check_probability(name: str, value) -> float:
+def _check_probability(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
         raise ValueError(f"expected {name} to be a probability in [0, 1], got {value!r}")
     return float(value)
@@ -40,6 +40,11 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
         torch.ops.posenc.position_bounds(positions, max_len)
 
 
+def _is_dtensor(t: Tensor) -> bool:
+    """A torch.distributed DTensor, without importing torch.distributed where it is unused."""
+    return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
+
+
 class _AddPositionModule(nn.Module):
     """Shared front end: ``forward(x, offset=0, positions=None) = dropout(x + pe[rows])``
     through the fused op, with the classic ``nn.Dropout`` child and argument checks.
@@ -52,7 +57,7 @@ class _AddPositionModule(nn.Module):
     pe: Tensor
     check_positions: bool = True
 
-    def __init__(self, d_model, dropout, max_len, batch_first) -> None:
+    def __init__(self, d_model: int, dropout: float, max_len: int, batch_first: bool) -> None:
         super().__init__()
         self.d_model = _check_positive_int("d_model", d_model)
         self.max_len = _check_positive_int("max_len", max_len)
@@ -164,7 +169,15 @@ class LearnedPositionalEncoding(_AddPositionModule):
                 f"load_table: expected a table of shape ({self.max_len}, {self.d_model}) or "
                 f"(1, {self.max_len}, {self.d_model}), got {shape}"
             )
-        self.pe.copy_(table.reshape(self.pe.shape))
+        with torch.no_grad():
+            if _is_dtensor(self.pe) and not _is_dtensor(table):
+                # FSDP2 / DTensor-sharded pe: the plain table is the whole (replicated) one and
+                # each rank copies its own shard of it.
+                from torch.distributed.tensor import distribute_tensor
+
+                table = distribute_tensor(table.reshape(self.pe.shape).to(self.pe.device), self.pe.device_mesh,
+                                          self.pe.placements)
+            self.pe.copy_(table.reshape(self.pe.shape))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, init_std={self.init_std}"
@@ -235,7 +248,7 @@ class RotaryPositionalEncoding(nn.Module):
         *,
         interleaved: bool = False,
         rotary_dim: Optional[int] = None,
-        scaling=None,
+        scaling: Optional[Mapping[str, Any]] = None,
         layout: str = "bshd",
         sections: Optional[Sequence[int]] = None,
         sections_mode: str = "axial",
@@ -281,13 +294,16 @@ class RotaryPositionalEncoding(nn.Module):
         k: Optional[Tensor] = None,
         *,
         positions: Optional[Tensor] = None,
-        offset=0,
+        offset: Union[int, Tensor] = 0,
         cu_seqlens: Optional[Tensor] = None,
         input_pos: Optional[Tensor] = None,
-    ):
+        seq_len: Optional[int] = None,
+    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
         """Rotated q, or (q, k) when k is given. ``input_pos`` is torchtune's name for
         ``positions`` ((batch, seq) or (seq,)), so the module can serve as a torchtune
-        attention's ``pos_embeddings``."""
+        attention's ``pos_embeddings``. ``seq_len``: as in :func:`posenc.functional.apply_rope`
+        ("dynamic" scaling's length; the global one for a shard of the sequence), default the
+        longest position of the call."""
         if input_pos is not None:
             if positions is not None:
                 raise ValueError("RotaryPositionalEncoding: got both positions and input_pos (torchtune's name "
@@ -300,10 +316,13 @@ class RotaryPositionalEncoding(nn.Module):
             q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, base=self.base,
             interleaved=self.interleaved, rotary_dim=self.rotary_dim, scaling=self.scaling,
             layout=self.layout, sections=self.sections, sections_mode=self.sections_mode,
-            _original_max=self.max_len, _seq_len=None if longest is None else max(longest + 1, 0),
+            _original_max=self.max_len,
+            seq_len=seq_len if seq_len is not None or longest is None else max(longest + 1, 0),
         )
 
-    def _check_range(self, q: Tensor, positions, offset, cu_seqlens) -> Optional[int]:
+    def _check_range(
+        self, q: Tensor, positions: Optional[Tensor], offset: Union[int, Tensor], cu_seqlens: Optional[Tensor]
+    ) -> Optional[int]:
         """Positions must lie in [0, max_len). Free for an int offset; with index tensors
         the op posenc::rope_position_bounds reads them back (a sync on CUDA), only when
         check_positions is set (CUDA) and not under torch.compile. Returns the longest
@@ -329,9 +348,7 @@ class RotaryPositionalEncoding(nn.Module):
                 sections=self.sections or [], sections_mode=self.sections_mode,
             )
         if hi >= lo and (lo < 0 or hi >= self.max_len):
-            raise IndexError(
-                f"posenc: expected positions in [0, max_len={self.max_len}), got values from {lo} to {hi}"
-            )
+            torch.ops.posenc.position_range_check(lo, hi, self.max_len)  # raises the one IndexError
         return hi if positions is not None or offsets is not None or cu_seqlens is not None else None
 
     def extra_repr(self) -> str:
@@ -343,6 +360,7 @@ class RotaryPositionalEncoding(nn.Module):
         if self.sections is not None:
             extra += f", sections={self.sections}, sections_mode={self.sections_mode!r}"
         return extra + f", layout={self.layout!r}"
+
 
 class Timesteps(nn.Module):
     """diffusers' ``Timesteps`` module: ``forward(timesteps)`` is

@@ -226,3 +226,50 @@ TEST(RopeMultiAxis, GridPositionsAndModule) {
 }
 
 }  // namespace
+
+// ---- longrope (Phi-3) and rotation with given cos/sin tables.
+
+namespace {
+
+TEST(RopeLongrope, ModuleFillsFactorAndSwitchesToLongFactors) {
+  posenc::RopeScaling s;
+  s.rope_type = "longrope";
+  s.original_max_position_embeddings = 16;
+  s.short_factor = {1.0, 1.5, 2.0, 3.0};
+  s.long_factor = {2.0, 4.0, 8.0, 16.0};
+  // The module's max_len plays transformers' max_position_embeddings: factor 64 / 16.
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8).max_len(64).scaling(s));
+  const double attention = std::sqrt(1.0 + std::log(4.0) / std::log(16.0));
+  auto q = torch::randn({1, 20, 2, 8}, torch::kDouble);
+  auto [out, unused] = rope->forward_at(q, q, posenc::RopePositions());  // longest 19 > 16: long
+  auto inv = 1.0 / (torch::tensor(s.long_factor, torch::kDouble) *
+                    torch::pow(torch::tensor(10000.0, torch::kDouble), torch::arange(0, 8, 2, torch::kDouble) / 8.0));
+  auto angle = torch::arange(20, torch::kDouble).unsqueeze(-1) * inv;
+  auto emb = torch::cat({angle, angle}, -1).unsqueeze(1).unsqueeze(0);
+  auto rotated = torch::cat({-q.slice(-1, 4), q.slice(-1, 0, 4)}, -1);
+  auto want = (q * emb.cos() + rotated * emb.sin()) * attention;
+  EXPECT_TRUE(torch::allclose(out, want, 1e-12, 1e-12));
+  posenc::RopeScaling bad = s;
+  bad.long_factor = {1.0};
+  EXPECT_THROW(bad.values(), c10::ValueError);
+}
+
+TEST(ApplyRopeCosSin, MatchesApplyRopeAndBackwardIsTheTranspose) {
+  auto q = torch::randn({2, 3, 5, 8}, torch::requires_grad(true).dtype(torch::kDouble));  // bhsd
+  auto k = torch::randn({2, 1, 5, 8}, torch::requires_grad(true).dtype(torch::kDouble));
+  auto inv = 1.0 / torch::pow(torch::tensor(10000.0, torch::kDouble), torch::arange(0, 8, 2, torch::kDouble) / 8.0);
+  auto angle = torch::arange(5, torch::kDouble).unsqueeze(-1) * inv;
+  auto emb = torch::cat({angle, angle}, -1);
+  auto [oq, ok] = posenc::apply_rope_cos_sin(q, k, emb.cos(), emb.sin());
+  auto [wq, wk] = posenc::apply_rope(q, k, posenc::ApplyRopeOptions().layout("bhsd"));
+  EXPECT_TRUE(torch::allclose(oq, wq, 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(ok, wk, 1e-12, 1e-12));
+  auto gq = torch::randn_like(oq), gk = torch::randn_like(ok);
+  ((oq * gq).sum() + (ok * gk).sum()).backward();
+  auto [bq, bk] = posenc::apply_rope(q.grad(), k.grad(), posenc::ApplyRopeOptions().layout("bhsd"));
+  EXPECT_TRUE(torch::allclose(bq, gq, 1e-12, 1e-12));
+  EXPECT_TRUE(torch::allclose(bk, gk, 1e-12, 1e-12));
+  EXPECT_THROW(posenc::apply_rope_cos_sin(q, k, emb.cos(), emb.sin(), "sbhd"), c10::ValueError);
+}
+
+}  // namespace

@@ -8,10 +8,10 @@ import posenc  # noqa: F401  (loads the ops)
 
 CUDA = torch.cuda.is_available()
 
-DEVICES = [
-    "cpu",
-    pytest.param("cuda", marks=pytest.mark.skipif(not CUDA, reason="needs a CUDA GPU")),
-]
+# Tests that need a GPU carry the `cuda` marker (here for the "cuda" device parameter,
+# @pytest.mark.cuda elsewhere): skipped without one, selected with -m cuda by
+# scripts/gpu_check.sh.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
@@ -81,12 +81,20 @@ def strided_random(rng: random.Random, shape, dtype, device, low=-2.0, high=2.0)
     return out.to(device)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one; scripts/gpu_check.sh runs -m cuda)")
+
+
 def pytest_collection_modifyitems(config, items):
-    """Every test that needs a GPU has "cuda" in its id (a "cuda" device parameter or its
-    name): scripts/gpu_check.sh selects the device's tests with -k cuda, so a GPU test
-    named otherwise would silently never run there."""
+    """The `cuda` marker is the one way a test says it needs a GPU: without one such tests
+    are skipped here, and a test that skips for want of CUDA without the marker is an error
+    (scripts/gpu_check.sh selects -m cuda, so it would silently never run on the GPU)."""
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
+        marked = item.get_closest_marker("cuda") is not None
+        if marked and not CUDA:
+            item.add_marker(skip)
         for mark in item.iter_markers("skipif"):
             reason = str(mark.kwargs.get("reason", ""))
-            if "CUDA" in reason and "cuda" not in item.nodeid.lower():
-                raise pytest.UsageError(f"{item.nodeid}: needs CUDA but has no 'cuda' in its id")
+            if "CUDA" in reason and not marked:
+                raise pytest.UsageError(f"{item.nodeid}: skips without CUDA but has no cuda marker")

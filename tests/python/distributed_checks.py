@@ -158,9 +158,9 @@ def rope_dynamic_scaling():
     run_rope_case("dynamic batch offsets", q, k, (Shard(0), Shard(0), R, Shard(0)),
                   dict(offset=torch.tensor([3, 40]), scaling=dyn), None)
     run_rope_case("dynamic, global seq_len, seq", q, k, (Shard(1), Shard(1), Shard(1), R),
-                  dict(positions=pos2, scaling=dyn, _seq_len=61), Shard(1))
+                  dict(positions=pos2, scaling=dyn, seq_len=61), Shard(1))
     run_rope_case("dynamic, global seq_len, batch", q, k, (Shard(0), Shard(0), Shard(0), R),
-                  dict(positions=pos2, scaling=dyn, _seq_len=61), Shard(0))
+                  dict(positions=pos2, scaling=dyn, seq_len=61), Shard(0))
     run_rope_case("dynamic batch, positions (S,)", q, k, (Shard(0), Shard(0), R, R),
                   dict(positions=pos2[1], scaling=dyn), Shard(0))
 
@@ -567,7 +567,9 @@ def fsdp2_equality():
     fully_shard(model, mesh=mesh)
     assert isinstance(model.pos.pe, DTensor) and model.pos.pe.placements == (Shard(1),)
     assert model.pos.pe.to_local().shape == (1, 6, 16)
-    with implicit_replication():  # load_table copies a plain table into the sharded parameter
+    model.pos.load_table(rand(12, 16, seed=113))  # a plain table: each rank copies its shard
+    close(model.pos.pe.full_tensor(), rand(12, 16, seed=113).unsqueeze(0), "load_table of a plain table")
+    with implicit_replication():  # as before load_table distributed plain tables itself
         model.pos.load_table(table)
     close(model.pos.pe.full_tensor(), ref.pos.pe.detach(), "load_table into the sharded table")
     local = data.chunk(world)[rank]
@@ -609,7 +611,7 @@ def context_parallel():
             pos = context_parallel_positions(S, world, rank, lb, offset=kwargs.get("offset", 0))
             extra = {key: v for key, v in kwargs.items() if key != "offset"}
             if "scaling" in kwargs:
-                extra["_seq_len"] = S  # "dynamic": the global length (the local one would differ)
+                extra["seq_len"] = S  # "dynamic": the global length (the local one would differ)
             got_q, got_k = apply_rope(shard_sequence(q, 1, world, rank, lb), shard_sequence(k, 1, world, rank, lb),
                                       positions=pos, **extra)
             close(got_q, shard_sequence(want_q, 1, world, rank, lb), f"cp q {lb} {kwargs}")

@@ -9,6 +9,7 @@ import posenc
 BIG = torch.cuda.is_available() and torch.cuda.get_device_properties(0).total_memory >= 40 * 2**30
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not BIG, reason="needs a CUDA GPU with 40 GB or more")
 def test_add_position_beyond_int32_elements():
     B, S, d = 1025, 2048, 1024  # 2^31 + 2^21 elements of bfloat16: 4.3 GB per tensor

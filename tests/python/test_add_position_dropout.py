@@ -110,7 +110,7 @@ def test_mask_resolution_is_two_to_the_minus_16():
     assert (y == 0).sum().item() == 0
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_cpu_and_cuda_draw_the_same_mask_from_the_same_state():
     grad = torch.randn(3, 37, 40)
     rng = torch.tensor([0x1234_5678_9ABC, 777], dtype=torch.int64)

@@ -59,7 +59,7 @@ def test_positions_wrong_dtype_shape_range(pe):
         pe(x, offset=2, positions=torch.arange(5))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_positions_on_another_device_and_cuda_range(module_cls):
     pe = module_cls(16, 0.1, 32).cuda()
     x = torch.randn(2, 5, 16, device="cuda")
@@ -102,7 +102,7 @@ def test_table_shape_and_device_mismatch():
         add_position(torch.randn(1, 2, 4), torch.randn(2, 5, 4))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_x_on_cuda_and_module_on_cpu(module_cls):
     pe = module_cls(16, 0.1, 32)
     with pytest.raises(RuntimeError, match=r"x and the position table on the same device, got x on cuda:0 and the table on cpu"):

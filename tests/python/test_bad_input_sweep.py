@@ -3,7 +3,7 @@ each call must either succeed or raise one of torch's usual Python exceptions, n
 the process, hang, or raise anything else. The pools hold the values a fuzzing pass found
 dangerous (offsets near 2**63 that wrapped a range check, meta tensors among real ones,
 NaN/negative p, huge table_len and rotary_dim, positions beyond 2**53), so this guards
-those fixes and their neighbours; test_errors.py / test_rope_errors.py check the messages."""
+those fixes and their neighbours; test_add_position_errors.py / test_rope_errors.py check the messages."""
 
 import math
 import random

@@ -10,7 +10,7 @@ import posenc
 from conftest import reference_add
 from posenc.functional import apply_rope
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = pytest.mark.cuda
 
 # Keeps the side stream busy (~25 ms) before its inputs are written: an op launched on the
 # default stream instead of the current one would then read them before they exist.

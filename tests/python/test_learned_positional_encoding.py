@@ -476,7 +476,7 @@ def test_composite_backward_drops_out_of_range_positions(positions):
     torch.testing.assert_close(gt, want, atol=1e-12, rtol=1e-12)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 @pytest.mark.parametrize("shape", [(6,), (2, 6)])
 def test_unchecked_out_of_range_positions_on_cuda(shape):
     """check_positions=False on CUDA: out-of-range rows come out NaN, and backward runs to
@@ -516,7 +516,7 @@ def test_export_learned_module_with_positions():
 def test_opcheck_add_position_with_trainable_table(device, positions, p):
     """opcheck with the table requiring grad (the fused table-gradient backward). With p > 0
     the op is tagged nondeterministic_seeded, so opcheck checks schema, fake tensors and the
-    autograd registration without comparing masks, as in test_autograd_and_compile."""
+    autograd registration without comparing masks, as in test_add_position_autograd_and_compile."""
     B, S, d, L = 2, 7, 8, 16
     x = torch.randn(B, S, d, device=device, requires_grad=True)
     table = torch.randn(1, L, d, device=device, requires_grad=True)
@@ -557,7 +557,7 @@ def test_out_of_range_positions_raise_index_error_naming_max_len(device, shape, 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 @pytest.mark.parametrize("positions", [None, "2d"])
 def test_learned_dropout_zeroed_fraction_and_exact_survivors(device, p, dtype, positions):
-    """As test_dropout's test for PositionalEncoding: survivors are exactly (x + pe[pos]) / (1-p)
+    """As test_add_position_dropout's test for PositionalEncoding: survivors are exactly (x + pe[pos]) / (1-p)
     computed in the op's precision (float32, float64 for float64 x) and rounded once."""
     torch.manual_seed(4)
     m = posenc.LearnedPositionalEncoding(64, p, 512).to(device).train()

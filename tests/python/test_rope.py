@@ -448,7 +448,7 @@ class TestModule:
     def test_positions_beyond_max_len_raise(self, device):
         rope = posenc.RotaryPositionalEncoding(8, max_len=32)
         q = torch.randn(2, 4, 1, 8, device=device)
-        with pytest.raises(IndexError, match=r"max_len=32\), got values from 29 to 32"):
+        with pytest.raises(IndexError, match=r"max_len=32\), found 32 \(positions range from 29 to 32\)"):
             rope(q, offset=29)
         with pytest.raises(IndexError, match="max_len=32"):
             rope(q, positions=torch.tensor([0, 1, 2, 32], device=device))
@@ -457,7 +457,7 @@ class TestModule:
         with pytest.raises(IndexError, match="max_len=32"):
             rope(q, offset=torch.tensor([0, 29], device=device))
         packed = posenc.RotaryPositionalEncoding(8, max_len=4, layout="thd")
-        with pytest.raises(IndexError, match=r"max_len=4\), got values from 0 to 4"):
+        with pytest.raises(IndexError, match=r"max_len=4\), found 4 \(positions range from 0 to 4\)"):
             packed(torch.randn(7, 1, 8, device=device), cu_seqlens=torch.tensor([0, 2, 7], device=device))
         assert rope(q, offset=28).shape == q.shape  # 28..31 is fine
         # Exact bounds: row 0 holds 29..31 + 0, row 1 holds 0..3 + 28; both inside.

@@ -224,7 +224,7 @@ def test_rope_cos_sin_device_and_empty():
         (dict(positions=torch.arange(3), dim=8, dtype=torch.int32), TypeError, "dtype to be a floating-point"),
         (dict(positions=torch.arange(3), dim=8, scaling={"rope_type": "yarn", "factor": 2.0}), ValueError,
          "original_max_position_embeddings"),
-        (dict(positions=torch.arange(3), dim=8, scaling={"rope_type": "longrope"}), ValueError, "unknown rope scaling"),
+        (dict(positions=torch.arange(3), dim=8, scaling={"rope_type": "xpos"}), ValueError, "unknown rope scaling"),
         (dict(positions=torch.arange(3), dim=8, scaling={"rope_type": "default", "mrope_section": [2, 1, 1]}),
          ValueError, "multi-axis"),
         (dict(positions=torch.arange(3), dim=8, max_position_embeddings=-1), ValueError, "max_position_embeddings"),
@@ -368,3 +368,74 @@ def test_apply_rope_cos_sin_bad_arguments(change, error, match):
     args.update(change)
     with pytest.raises(error, match=match):
         F.apply_rope_cos_sin(args["q"], args["k"], args["cos"], args["sin"], layout=layout, interleaved=interleaved)
+
+
+# --- the fused op: devices, opcheck, torch.compile, empty tensors -----------------------------
+
+from conftest import DEVICES  # noqa: E402
+from torch.library import opcheck  # noqa: E402
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
+def test_fused_op_on_every_device_and_dtype(device, dtype):
+    q, k = make_qk(2, 4, 2, 9, 14, "bshd", dtype)
+    q, k = q.to(device), k.to(device)
+    cos, sin = F.rope_cos_sin(torch.arange(9, device=device).expand(2, 9), 10, dtype=F64)
+    out_q, out_k = F.apply_rope_cos_sin(q, k, cos, sin, layout="bshd")
+    for out, x in ((out_q, q), (out_k, k)):
+        assert out.device == x.device and out.dtype == dtype
+        want = reference_rotate(x.cpu(), cos.cpu(), sin.cpu(), "bshd", False)
+        tol = TOLERANCE.get(dtype, dict(rtol=2e-3, atol=2e-3))
+        torch.testing.assert_close(out.cpu().to(F64), want, **tol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_opcheck_apply_rope_cos_sin(device):
+    q, k = make_qk(2, 3, 1, 5, 8, "bhsd", F64)
+    q, k = q.to(device), k.to(device)
+    cos, sin = (t.to(device) for t in F.rope_cos_sin(torch.arange(5), 6, dtype=F64))
+    for args, kwargs in (
+        ((q, k, cos, sin), {}),
+        ((q, None, cos, sin), dict(interleaved=True)),
+        ((q.transpose(1, 2), k.transpose(1, 2), cos[None], sin[None]), dict(layout="bshd", transpose=True)),
+    ):
+        opcheck(torch.ops.posenc.apply_rope_cos_sin.default, args, kwargs)
+    cos_g, sin_g = cos.clone().requires_grad_(), sin.clone().requires_grad_()
+    opcheck(torch.ops.posenc.apply_rope_cos_sin.default,
+            (q.clone().requires_grad_(), k.clone().requires_grad_(), cos_g, sin_g), {})
+
+
+def test_compile_fullgraph_equals_eager_forward_and_backward():
+    q, k = make_qk(2, 4, 2, 6, 8, "bhsd", torch.float32)
+    q.requires_grad_(), k.requires_grad_()
+    cos, sin = F.rope_cos_sin(torch.arange(6), 8)
+
+    def f(q, k):
+        a, b = F.apply_rope_cos_sin(q, k, cos, sin)
+        return (a * a).sum() + (b * 3).sum()
+
+    eager = f(q, k)
+    gq, gk = torch.autograd.grad(eager, (q, k))
+    compiled = torch.compile(f, fullgraph=True)(q, k)
+    cq, ck = torch.autograd.grad(compiled, (q, k))
+    torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(cq, gq, rtol=0, atol=0)
+    torch.testing.assert_close(ck, gk, rtol=0, atol=0)
+
+
+def test_empty_tensors_and_unused_outputs():
+    cos, sin = F.rope_cos_sin(torch.arange(0), 8)
+    q = torch.randn(2, 3, 0, 8, requires_grad=True)
+    out_q, out_k = F.apply_rope_cos_sin(q, q[:, :1], cos, sin)
+    assert out_q.shape == (2, 3, 0, 8) and out_k.shape == (2, 1, 0, 8)
+    # Only k's output used: q gets a zero gradient, k the transposed rotation.
+    q, k = make_qk(1, 2, 1, 4, 8, "bhsd", F64)
+    q.requires_grad_(), k.requires_grad_()
+    cos, sin = F.rope_cos_sin(torch.arange(4), 8, dtype=F64)
+    _, out_k = F.apply_rope_cos_sin(q, k, cos, sin)
+    g = torch.randn_like(out_k)
+    gq, gk = torch.autograd.grad((out_k * g).sum(), (q, k), allow_unused=True)
+    assert gq is None or torch.count_nonzero(gq) == 0
+    # gk is the transpose (the inverse: unit tables) of the rotation applied to g.
+    torch.testing.assert_close(F.apply_rope_cos_sin(gk, None, cos, sin), g, rtol=1e-12, atol=1e-12)

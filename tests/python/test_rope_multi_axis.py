@@ -238,7 +238,7 @@ def test_module_with_sections(device):
     # Every axis is range-checked, not only the first.
     bad = pos.clone()
     bad[2, 1, 3] = 100
-    with pytest.raises(IndexError, match=r"max_len=100\), got values from \d+ to 100"):
+    with pytest.raises(IndexError, match=r"max_len=100\), found 100 \(positions range from \d+ to 100\)"):
         rope(q, k, positions=bad)
 
 
@@ -323,3 +323,28 @@ def test_bad_inputs():
     # The meta kernel checks the same.
     with pytest.raises(ValueError, match="sum to rotary_dim / 2"):
         apply_rope(q.to("meta"), positions=pos.to("meta"), sections=[4, 2, 1], rotary_dim=16)
+
+
+def test_transformers_qwen2_vl_rotary_embedding():
+    """The real Qwen2-VL text rotary embedding (transformers, when installed): its M-RoPE
+    cos/sin with its apply_rotary_pos_emb against apply_rope(sections_mode="mrope") on the
+    same (3, batch, seq) position ids, to float32 rounding."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+
+    head_dim, heads = 32, 2
+    section = [4, 6, 6]
+    config = transformers.Qwen2VLTextConfig(
+        hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+    )
+    emb = qwen2_vl.Qwen2VLRotaryEmbedding(config)
+    g = torch.Generator().manual_seed(7)
+    pos = torch.randint(0, 300, (3, 2, 11), generator=g)
+    q = torch.randn(2, heads, 11, head_dim, generator=g)
+    k = torch.randn(2, 1, 11, head_dim, generator=g)
+    cos, sin = emb(q, pos)
+    want_q, want_k = qwen2_vl.apply_rotary_pos_emb(q, k, cos, sin)
+    got_q, got_k = apply_rope(q, k, positions=pos, scaling=dict(config.rope_parameters), layout="bhsd")
+    torch.testing.assert_close(got_q, want_q, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(got_k, want_k, rtol=2e-5, atol=2e-5)

@@ -19,8 +19,9 @@
 namespace posenc {
 
 // Hugging Face's rope_scaling dict as a struct: rope_type is "default", "linear", "dynamic",
-// "yarn" or "llama3"; a key left unset is "not given" (its default applies where it has one).
-// The keys are those of POSENC_ROPE_SCALING_KEYS (posenc/math/rope.h), the list the op reads.
+// "yarn", "llama3", "longrope" or "proportional"; a key left unset is "not given" (its default applies where
+// it has one). The keys are those of POSENC_ROPE_SCALING_KEYS and
+// POSENC_ROPE_SCALING_LIST_KEYS (posenc/math/rope.h), the lists the op reads.
 struct RopeScaling {
   std::string rope_type = "default";
   std::optional<double> factor;
@@ -33,8 +34,15 @@ struct RopeScaling {
   std::optional<double> mscale;
   std::optional<double> mscale_all_dim;
   std::optional<bool> truncate;
+  // proportional (Gemma 4): the share of the head's pairs that turn.
+  std::optional<double> partial_rotary_factor;
+  // longrope (Phi-3): one factor per rotary pair each; short_factor until the longest
+  // position + 1 exceeds original_max_position_embeddings, long_factor beyond.
+  std::vector<double> short_factor;
+  std::vector<double> long_factor;
 
-  // The values in the order of the op's `scaling` argument (NaN for unset keys).
+  // The values in the order of the op's `scaling` argument (NaN for unset keys, then the
+  // lists; ValueError when they differ in length).
   std::vector<double> values() const;
 };
 
@@ -90,6 +98,19 @@ torch::Tensor rope_grid_positions(const std::vector<int64_t>& grid,
                                   int64_t num_prefix_tokens = 0,
                                   const torch::Device& device = torch::kCPU);
 
+// q and k (k may be empty: undefined) rotated with given cos/sin tables, as transformers'
+// apply_rotary_pos_emb: x * cos + rotate_half(x) * sin over the tables' width (the rest of
+// head_dim passes through). layout "bhsd" (batch, heads, seq, head_dim) or "bshd"; tables
+// (seq, rotary_dim) or (batch or 1, seq, rotary_dim), broadcast over heads; interleaved:
+// adjacent pairs (GPT-J's rotate_every_two). One fused op (posenc::apply_rope_cos_sin) with
+// autograd; returns (q rotated, k rotated or an empty tensor).
+std::tuple<torch::Tensor, torch::Tensor> apply_rope_cos_sin(const torch::Tensor& q,
+                                                            const torch::Tensor& k,
+                                                            const torch::Tensor& cos,
+                                                            const torch::Tensor& sin,
+                                                            const std::string& layout = "bhsd",
+                                                            bool interleaved = false);
+
 // Where a module call's tokens sit: the per-call position arguments of ApplyRopeOptions.
 struct RopePositions {
   // int64 (seq,) or (batch, seq), (n_axes, ...) with sections; default 0 .. seq-1
@@ -112,7 +133,8 @@ struct RotaryPositionalEncodingOptions {
   TORCH_ARG(bool, interleaved) = false;
   TORCH_ARG(std::optional<int64_t>, rotary_dim) = std::nullopt;
   // "yarn": original_max_position_embeddings defaults to max_len. "dynamic" needs it given
-  // and below max_len (it rescales only positions beyond it).
+  // and below max_len (it rescales only positions beyond it). "longrope": factor defaults to
+  // max_len / original_max_position_embeddings (transformers' max_position_embeddings).
   TORCH_ARG(RopeScaling, scaling) = {};
   TORCH_ARG(std::string, layout) = "bshd";
   // Multi-axis RoPE (see ApplyRopeOptions); every coordinate must lie in [0, max_len).

@@ -13,7 +13,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "ops/kernels.h"
+#include "ops/add_position_composite.h"
 #include "ops/op_handles.h"
 
 namespace posenc {

@@ -13,7 +13,6 @@
 #include "ops/add_position_checks.h"
 #include "ops/cpu/add_position_kernel.h"
 #include "ops/cpu/cpu_support.h"
-#include "ops/kernels.h"
 #include "posenc/math/philox.h"
 
 namespace posenc {
@@ -22,9 +21,9 @@ namespace ops {
 
 namespace {
 
-cpu::DropoutDraw dropout_params(double p) {
+cpu::DropoutArgs dropout_params(double p) {
   const auto params = math::make_dropout_params(p);
-  cpu::DropoutDraw draw;
+  cpu::DropoutArgs draw;
   draw.active = true;
   draw.threshold = params.threshold;
   draw.scale = params.scale;
@@ -33,8 +32,8 @@ cpu::DropoutDraw dropout_params(double p) {
 
 // A fresh 64-bit key per call from the default CPU generator, so torch.manual_seed
 // reproduces runs and successive calls draw different masks.
-cpu::DropoutDraw draw_cpu(double p) {
-  cpu::DropoutDraw draw = dropout_params(p);
+cpu::DropoutArgs draw_cpu(double p) {
+  cpu::DropoutArgs draw = dropout_params(p);
   auto* gen = at::get_generator_or_default<at::CPUGeneratorImpl>(
       std::nullopt, at::detail::getDefaultCPUGenerator());
   std::lock_guard<std::mutex> lock(gen->mutex_);
@@ -45,15 +44,15 @@ cpu::DropoutDraw draw_cpu(double p) {
 
 // The draw of a forward call, read back from its (seed, offset) rng tensor (validated by
 // the caller).
-cpu::DropoutDraw draw_from_rng(const at::Tensor& rng, double p) {
-  cpu::DropoutDraw draw = dropout_params(p);
+cpu::DropoutArgs draw_from_rng(const at::Tensor& rng, double p) {
+  cpu::DropoutArgs draw = dropout_params(p);
   const at::Tensor state = rng.contiguous();
   draw.seed = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[0]);
   draw.offset = static_cast<uint64_t>(state.const_data_ptr<int64_t>()[1]);
   return draw;
 }
 
-at::Tensor rng_tensor(const cpu::DropoutDraw& draw) {
+at::Tensor rng_tensor(const cpu::DropoutArgs& draw) {
   if (!draw.active) return at::empty({0}, at::TensorOptions().dtype(at::kLong));
   at::Tensor rng = at::empty({2}, at::TensorOptions().dtype(at::kLong));
   rng.mutable_data_ptr<int64_t>()[0] = static_cast<int64_t>(draw.seed);
@@ -61,12 +60,10 @@ at::Tensor rng_tensor(const cpu::DropoutDraw& draw) {
   return rng;
 }
 
-}  // namespace
-
 std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
     const at::Tensor& x_in, const at::Tensor& table_in, const std::optional<at::Tensor>& positions,
     int64_t offset, bool batch_first, double p) {
-  const AddPositionGeometry g =
+  const AddPositionArgs g =
       check_add_position_inputs(x_in, table_in, positions, offset, batch_first, p);
   check_cpu_isa();
   at::Tensor pos;
@@ -77,7 +74,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
   const at::Tensor x = x_in.contiguous();
   const at::Tensor table = table_as_matrix(table_in, x.scalar_type());
   at::Tensor out = empty_output(x.sizes(), x.options());
-  const cpu::DropoutDraw draw = p > 0.0 ? draw_cpu(p) : cpu::DropoutDraw{};
+  const cpu::DropoutArgs draw = p > 0.0 ? draw_cpu(p) : cpu::DropoutArgs{};
   if (x.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_add_position_cpu", [&] {
@@ -100,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
 at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor& rng, double p) {
   check_dropout_backward_args(grad_in, rng, p);
   check_cpu_isa();
-  const cpu::DropoutDraw draw = draw_from_rng(rng, p);
+  const cpu::DropoutArgs draw = draw_from_rng(rng, p);
   const at::Tensor grad = grad_in.contiguous();
   at::Tensor out = empty_output(grad.sizes(), grad.options());
   if (grad.numel() == 0) return out;
@@ -115,7 +112,7 @@ at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
     const at::Tensor& grad_in, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
     int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x) {
-  const AddPositionGeometry g = check_add_position_backward_inputs(
+  const AddPositionArgs g = check_add_position_backward_inputs(
       grad_in, rng, positions, offset, batch_first, p, table_len);
   check_cpu_isa();
   at::Tensor pos;
@@ -123,7 +120,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
     pos = positions->contiguous();
     check_positions_in_range_cpu(pos, g.table_len);
   }
-  const cpu::DropoutDraw draw = p > 0.0 ? draw_from_rng(rng, p) : cpu::DropoutDraw{};
+  const cpu::DropoutArgs draw = p > 0.0 ? draw_from_rng(rng, p) : cpu::DropoutArgs{};
   const at::Tensor grad = grad_in.contiguous();
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor grad_x = need_x ? empty_output(grad.sizes(), grad.options())
@@ -141,11 +138,12 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
   return {grad_x, grad_table};
 }
 
+}  // namespace
+
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
   m.impl("add_position_backward_with_table", &add_position_backward_with_table_cpu);
   m.impl("add_position_forward", &add_position_forward_cpu);
   m.impl("add_position_backward", &add_position_backward_cpu);
-  m.impl("sinusoidal_table", &sinusoidal_table_cpu);
 }
 
 }  // namespace ops

@@ -222,7 +222,7 @@ void dropout_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t nbloc
 
 // factors[k] = scale or 0 for elements first .. first + n - 1 of the call (n <= kChunk).
 template <typename acc_t>
-void dropout_factors(const DropoutDraw& draw, int64_t first, int64_t n, acc_t* factors) {
+void dropout_factors(const DropoutArgs& draw, int64_t first, int64_t n, acc_t* factors) {
   constexpr int64_t B = math::kDropoutBlock;
   alignas(64) uint16_t bits[kChunk + 2 * B * kLanes];
   const int64_t block0 = first / B;
@@ -316,7 +316,7 @@ void combine(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t
 }
 
 // The table row that output row r reads.
-inline int64_t row_position(const AddPositionGeometry& g, const int64_t* positions, int64_t r) {
+inline int64_t row_position(const AddPositionArgs& g, const int64_t* positions, int64_t r) {
   const int64_t b = g.batch_first ? r / g.seq : r % g.batch;
   const int64_t s = g.batch_first ? r % g.seq : r / g.batch;
   return positions != nullptr ? positions[b * g.positions_batch_stride + s] : g.offset + s;
@@ -325,8 +325,8 @@ inline int64_t row_position(const AddPositionGeometry& g, const int64_t* positio
 }  // namespace
 
 template <typename scalar_t, typename table_t>
-void add_position_rows(const AddPositionGeometry& g, const scalar_t* x, const table_t* table,
-                       const int64_t* positions, const DropoutDraw& draw, scalar_t* out) {
+void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_t* table,
+                       const int64_t* positions, const DropoutArgs& draw, scalar_t* out) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t rows = g.batch * g.seq;
   const int64_t d = g.d;
@@ -349,8 +349,8 @@ void add_position_rows(const AddPositionGeometry& g, const scalar_t* x, const ta
 }
 
 template <typename scalar_t, typename acc_t>
-void add_position_backward_rows(const AddPositionGeometry& g, const scalar_t* grad,
-                                const int64_t* positions, const DropoutDraw& draw,
+void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
+                                const int64_t* positions, const DropoutArgs& draw,
                                 scalar_t* grad_x, acc_t* grad_table) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
@@ -446,7 +446,7 @@ void add_position_backward_rows(const AddPositionGeometry& g, const scalar_t* gr
 }
 
 template <typename scalar_t>
-void dropout_backward(const scalar_t* grad, int64_t n, const DropoutDraw& draw, scalar_t* out) {
+void dropout_backward(const scalar_t* grad, int64_t n, const DropoutArgs& draw, scalar_t* out) {
   using acc_t = at::opmath_type<scalar_t>;
   at::parallel_for(0, (n + kChunk - 1) / kChunk, 16, [&](int64_t begin, int64_t end) {
     alignas(64) acc_t factors[kChunk];
@@ -460,9 +460,9 @@ void dropout_backward(const scalar_t* grad, int64_t n, const DropoutDraw& draw, 
 }
 
 #define POSENC_INSTANTIATE(scalar_t, table_t)                                              \
-  template void add_position_rows<scalar_t, table_t>(const AddPositionGeometry&,            \
+  template void add_position_rows<scalar_t, table_t>(const AddPositionArgs&,            \
                                                      const scalar_t*, const table_t*,       \
-                                                     const int64_t*, const DropoutDraw&,    \
+                                                     const int64_t*, const DropoutArgs&,    \
                                                      scalar_t*);
 POSENC_INSTANTIATE(float, float)
 POSENC_INSTANTIATE(double, double)
@@ -475,7 +475,7 @@ POSENC_INSTANTIATE(c10::BFloat16, float)
 
 #define POSENC_INSTANTIATE_BACKWARD(scalar_t, acc_t)                                      \
   template void add_position_backward_rows<scalar_t, acc_t>(                                \
-      const AddPositionGeometry&, const scalar_t*, const int64_t*, const DropoutDraw&,       \
+      const AddPositionArgs&, const scalar_t*, const int64_t*, const DropoutArgs&,       \
       scalar_t*, acc_t*);
 POSENC_INSTANTIATE_BACKWARD(float, float)
 POSENC_INSTANTIATE_BACKWARD(double, double)
@@ -483,11 +483,11 @@ POSENC_INSTANTIATE_BACKWARD(c10::Half, float)
 POSENC_INSTANTIATE_BACKWARD(c10::BFloat16, float)
 #undef POSENC_INSTANTIATE_BACKWARD
 
-template void dropout_backward<float>(const float*, int64_t, const DropoutDraw&, float*);
-template void dropout_backward<double>(const double*, int64_t, const DropoutDraw&, double*);
-template void dropout_backward<c10::Half>(const c10::Half*, int64_t, const DropoutDraw&,
+template void dropout_backward<float>(const float*, int64_t, const DropoutArgs&, float*);
+template void dropout_backward<double>(const double*, int64_t, const DropoutArgs&, double*);
+template void dropout_backward<c10::Half>(const c10::Half*, int64_t, const DropoutArgs&,
                                           c10::Half*);
-template void dropout_backward<c10::BFloat16>(const c10::BFloat16*, int64_t, const DropoutDraw&,
+template void dropout_backward<c10::BFloat16>(const c10::BFloat16*, int64_t, const DropoutArgs&,
                                               c10::BFloat16*);
 
 const char* cpu_kernels_isa() {

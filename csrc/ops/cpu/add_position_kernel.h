@@ -5,14 +5,14 @@
 
 #include <cstdint>
 
-#include "ops/add_position_geometry.h"
+#include "ops/add_position_args.h"
 
 namespace posenc {
 namespace ops {
 namespace cpu {
 
 // Dropout of one call: the (seed, offset) key plus the keep threshold and scale.
-struct DropoutDraw {
+struct DropoutArgs {
   bool active = false;
   uint64_t seed = 0;
   uint64_t offset = 0;
@@ -22,21 +22,21 @@ struct DropoutDraw {
 
 // out = dropout(x + table[position(row)]) for contiguous x/out rows of g.d elements.
 template <typename scalar_t, typename table_t>
-void add_position_rows(const AddPositionGeometry& g, const scalar_t* x, const table_t* table,
-                       const int64_t* positions, const DropoutDraw& draw, scalar_t* out);
+void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_t* table,
+                       const int64_t* positions, const DropoutArgs& draw, scalar_t* out);
 
 // The fused backward for x and the table: reads grad once, writes grad_x (when not null)
 // = grad * mask * scale, and accumulates the same values into the rows of grad_table
 // (table_len x d, accumulation dtype, zero-initialised by the caller). Threads own
 // column ranges and walk the rows in order, so the sums are bitwise deterministic.
 template <typename scalar_t, typename acc_t>
-void add_position_backward_rows(const AddPositionGeometry& g, const scalar_t* grad,
-                                const int64_t* positions, const DropoutDraw& draw,
+void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
+                                const int64_t* positions, const DropoutArgs& draw,
                                 scalar_t* grad_x, acc_t* grad_table);
 
 // out = grad * mask * scale over n contiguous elements.
 template <typename scalar_t>
-void dropout_backward(const scalar_t* grad, int64_t n, const DropoutDraw& draw, scalar_t* out);
+void dropout_backward(const scalar_t* grad, int64_t n, const DropoutArgs& draw, scalar_t* out);
 
 // False when the kernels were built for a vector ISA this CPU lacks.
 bool cpu_kernels_supported();

@@ -3,15 +3,16 @@
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <torch/library.h>
 
 #include <cmath>
 
 #include "ops/add_position_checks.h"
-#include "ops/kernels.h"
 #include "posenc/math/sinusoid.h"
 
 namespace posenc {
 namespace ops {
+namespace {
 
 at::Tensor sinusoidal_table_cpu(const at::Tensor& positions, int64_t d_model, double base,
                                 std::optional<at::ScalarType> dtype) {
@@ -38,6 +39,10 @@ at::Tensor sinusoidal_table_cpu(const at::Tensor& positions, int64_t d_model, do
   });
   return out;
 }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CPU, m) { m.impl("sinusoidal_table", &sinusoidal_table_cpu); }
 
 }  // namespace ops
 }  // namespace posenc

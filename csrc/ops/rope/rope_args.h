@@ -14,7 +14,7 @@ namespace posenc {
 namespace ops {
 
 // Pairs per head the kernels support: rotary_dim <= 512 (rope_checks.h checks it).
-constexpr int64_t kMaxRopePairs = 256;
+constexpr int64_t kMaxRopePairs = math::kRopeMaxPairs;
 
 // One of q and k: input and output (the same pointer in place) as (B, S, H, D) with
 // element strides.
@@ -53,6 +53,8 @@ struct RopeArgs {
   uint8_t pair_axis[kMaxRopePairs];  // the position axis pair p turns with
 };
 
+POSENC_ISA_NAMESPACE_BEGIN
+
 // Where token (b, s) starts: its shift (offset + its row's or sequence's offset) and, for
 // packed sequences without positions, the index its sequence restarts at. False when a
 // packed token lies outside every sequence (the kernels write NaN there).
@@ -79,6 +81,8 @@ POSENC_HOST_DEVICE int64_t rope_axis_position(const RopeArgs& a, int64_t b, int6
           : s - restart;
   return base + shift;
 }
+
+POSENC_ISA_NAMESPACE_END
 
 }  // namespace ops
 }  // namespace posenc

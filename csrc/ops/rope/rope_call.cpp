@@ -13,8 +13,9 @@ namespace posenc {
 namespace ops {
 
 // rope_type and scaling carry Hugging Face's rope_scaling dict (the keys of
-// POSENC_ROPE_SCALING_KEYS in posenc/math/rope.h, NaN where not given; [] for "default").
-// seq_len (longest position + 1) matters for "dynamic" only; -1 derives it from the call (a
+// POSENC_ROPE_SCALING_KEYS in posenc/math/rope.h, NaN where not given; [] for "default"; then
+// longrope's lists). seq_len (longest position + 1) matters for "dynamic" and "longrope";
+// -1 derives it from the call (a
 // device sync when index tensors are CUDA tensors). rotary_dim=-1: head_dim. sections
 // (pairs per axis) make positions (n_axes, ...) coordinates, see RopeSectionsMode.
 const char* const kRopeSchemaArguments =
@@ -48,6 +49,18 @@ constexpr double math::RopeScalingParams::*kScalingFields[] = {
     POSENC_ROPE_SCALING_KEYS(POSENC_X)
 #undef POSENC_X
 };
+constexpr const char* kScalingListKeys[] = {
+#define POSENC_X(key) #key,
+    POSENC_ROPE_SCALING_LIST_KEYS(POSENC_X)
+#undef POSENC_X
+};
+using ScalingList = double (math::RopeScalingParams::*)[math::kRopeMaxPairs];
+constexpr ScalingList kScalingListFields[] = {
+#define POSENC_X(key) &math::RopeScalingParams::key,
+    POSENC_ROPE_SCALING_LIST_KEYS(POSENC_X)
+#undef POSENC_X
+};
+constexpr int kScalingLists = sizeof(kScalingListKeys) / sizeof(kScalingListKeys[0]);
 
 template <typename E, size_t N>
 std::string quoted_names(const std::pair<E, const char*> (&table)[N]) {
@@ -80,17 +93,35 @@ std::string scaling_key_list() {
   return out.str();
 }
 
-// The values of a scaling dict into `out`, whose type is already set.
+// The values of a scaling dict into `out`, whose type is already set: the keys, then (for
+// the types with list keys) each list, all of one length (checked against rotary_dim later).
 void read_scaling_values(const std::vector<double>& fields, math::RopeScalingParams& out) {
   if (out.type == math::RopeType::kDefault && fields.empty()) return;
-  TORCH_CHECK_VALUE(fields.size() == math::kRopeScalingFields, "posenc: expected ",
-                    math::kRopeScalingFields, " rope scaling values (", scaling_key_list(),
-                    "; NaN for a key not given), got ", fields.size());
+  const int64_t extra = static_cast<int64_t>(fields.size()) - math::kRopeScalingFields;
+  const bool lists = out.type == math::RopeType::kLongrope;
+  TORCH_CHECK_VALUE(lists ? extra > 0 && extra % kScalingLists == 0 &&
+                                extra / kScalingLists <= math::kRopeMaxPairs
+                          : extra == 0,
+                    "posenc: expected ", math::kRopeScalingFields, " rope scaling values (",
+                    scaling_key_list(), "; NaN for a key not given)",
+                    lists ? ", then the lists short_factor and long_factor of equal lengths (at "
+                            "most 256 each)" : "",
+                    " for rope_type '", rope_type_name(out.type), "', got ", fields.size());
   for (int i = 0; i < math::kRopeScalingFields; ++i) {
     TORCH_CHECK_VALUE(math::rope_missing(fields[i]) || std::isfinite(fields[i]),
                       "posenc: expected rope scaling key '", kScalingKeys[i],
                       "' to be finite, got ", fields[i]);
     out.*kScalingFields[i] = fields[i];
+  }
+  if (!lists) return;
+  out.list_length = extra / kScalingLists;
+  for (int l = 0; l < kScalingLists; ++l) {
+    for (int64_t i = 0; i < out.list_length; ++i) {
+      const double v = fields[math::kRopeScalingFields + l * out.list_length + i];
+      TORCH_CHECK_VALUE(std::isfinite(v), "posenc: expected rope scaling key '",
+                        kScalingListKeys[l], "' to hold finite numbers, got ", v, " at index ", i);
+      (out.*kScalingListFields[l])[i] = v;
+    }
   }
 }
 
@@ -132,6 +163,9 @@ c10::IValue write(math::RopeSectionsMode v) { return std::string(name_of(kSectio
 c10::IValue write(const math::RopeScalingParams& s) {
   std::vector<double> fields;
   for (const auto field : kScalingFields) fields.push_back(s.*field);
+  for (const auto list : kScalingListFields) {
+    fields.insert(fields.end(), s.*list, s.*list + s.list_length);
+  }
   return fields;
 }
 
@@ -198,6 +232,10 @@ std::vector<std::string> rope_scaling_keys() {
   return std::vector<std::string>(std::begin(kScalingKeys), std::end(kScalingKeys));
 }
 
+std::vector<std::string> rope_scaling_list_keys() {
+  return std::vector<std::string>(std::begin(kScalingListKeys), std::end(kScalingListKeys));
+}
+
 at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout) {
   switch (layout) {
     case RopeLayout::kBHSD: return x.transpose(1, 2);
@@ -249,12 +287,12 @@ namespace {
 
 // Every name list of the RoPE ops, for Python (its key and type lists come from here).
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<std::string>>
+           std::vector<std::string>, std::vector<std::string>>
 rope_scaling_spec() {
   std::vector<std::string> layouts, modes;
   for (const auto& [v, n] : kLayouts) layouts.emplace_back(n);
   for (const auto& [v, n] : kSectionsModes) modes.emplace_back(n);
-  return {rope_type_names(), rope_scaling_keys(), layouts, modes};
+  return {rope_type_names(), rope_scaling_keys(), layouts, modes, rope_scaling_list_keys()};
 }
 
 }  // namespace
@@ -267,7 +305,7 @@ rope_scaling_spec() {
 //                         read back to the host; the modules' range check.
 //   rope_frequencies      inverse frequencies (per pair) and attention factor.
 //   rope_scaling_spec     the names the ops accept: (rope types, scaling keys, layouts,
-//                         sections modes).
+//                         sections modes, list-valued scaling keys).
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   const std::string tail = kRopeSchemaArguments;
   m.def(("rope(Tensor q, Tensor? k=None, " + tail + ") -> (Tensor, Tensor)").c_str());
@@ -277,7 +315,7 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
       "rope_frequencies(int rotary_dim, float base=10000.0, str rope_type=\"default\", "
       "float[] scaling=[], int seq_len=0, int[] sections=[], str sections_mode=\"axial\") "
       "-> (Tensor, float)");
-  m.def("rope_scaling_spec() -> (str[], str[], str[], str[])", &rope_scaling_spec);
+  m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[])", &rope_scaling_spec);
 }
 
 }  // namespace ops

@@ -37,7 +37,7 @@ struct RopeCall {
   std::optional<at::Tensor> cu_seqlens;
   double base = 10000.0;
   math::RopeScalingParams scaling;  // rope_type and the float[] scaling, together
-  int64_t seq_len = 0;     // "dynamic": longest position + 1; -1 derives it from the call
+  int64_t seq_len = 0;     // "dynamic", "longrope": longest position + 1; -1: from the call
   int64_t rotary_dim = -1;  // -1: head_dim
   bool interleaved = false;
   RopeLayout layout = RopeLayout::kBSHD;
@@ -94,6 +94,7 @@ const char* rope_layout_name(RopeLayout layout);
 const char* rope_type_name(math::RopeType type);
 std::vector<std::string> rope_type_names();
 std::vector<std::string> rope_scaling_keys();
+std::vector<std::string> rope_scaling_list_keys();
 
 // (batch, seq, heads, head_dim) view of q or k, whatever the layout: no copy.
 at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout);

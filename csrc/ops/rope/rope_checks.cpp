@@ -111,9 +111,44 @@ void check_rope_scaling(const math::RopeScalingParams& s) {
                         s.high_freq_factor, ") to be greater than 'low_freq_factor' (",
                         s.low_freq_factor, ")");
       break;
+    case math::RopeType::kLongrope:
+      require_positive(s.type, "original_max_position_embeddings",
+                       s.original_max_position_embeddings);
+      // transformers takes factor from the config (max_position_embeddings / original);
+      // the dict alone may lack it: then attention_factor must be given.
+      TORCH_CHECK_VALUE(!math::rope_missing(s.factor) || !math::rope_missing(s.attention_factor),
+                        "posenc: rope scaling type 'longrope' needs 'factor' (max_position_embeddings"
+                        " / original_max_position_embeddings) or 'attention_factor', got neither");
+      if (!math::rope_missing(s.factor)) require_positive(s.type, "factor", s.factor);
+      if (!math::rope_missing(s.attention_factor)) {
+        require_positive(s.type, "attention_factor", s.attention_factor);
+      }
+      for (int64_t i = 0; i < s.list_length; ++i) {
+        TORCH_CHECK_VALUE(s.short_factor[i] > 0.0 && s.long_factor[i] > 0.0,
+                          "posenc: expected rope scaling keys 'short_factor' and 'long_factor' to "
+                          "hold positive numbers, got ", s.short_factor[i], " and ", s.long_factor[i],
+                          " at index ", i);
+      }
+      break;
+    case math::RopeType::kProportional:
+      TORCH_CHECK_VALUE(s.partial_rotary_factor > 0.0 && s.partial_rotary_factor <= 1.0,
+                        "posenc: expected rope scaling key 'partial_rotary_factor' in (0, 1] for "
+                        "rope_type 'proportional', got ", s.partial_rotary_factor);
+      if (!math::rope_missing(s.factor)) require_positive(s.type, "factor", s.factor);
+      break;
     default:
       break;
   }
+}
+
+void check_rope_scaling_lists(const math::RopeScalingParams& s, int64_t rotary_dim,
+                              bool multi_axis) {
+  if (s.type != math::RopeType::kLongrope) return;
+  TORCH_CHECK_VALUE(s.list_length == rotary_dim / 2,
+                    "posenc: expected rope scaling keys 'short_factor' and 'long_factor' to hold "
+                    "rotary_dim / 2 = ", rotary_dim / 2, " values each, got ", s.list_length);
+  TORCH_CHECK_VALUE(!multi_axis, "posenc: rope scaling type 'longrope' is for one position axis; "
+                    "got sections (multi-axis RoPE)");
 }
 
 void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSectionsMode mode,
@@ -224,6 +259,7 @@ int64_t check_rope_structure(const RopeCall& c) {
   TORCH_CHECK_VALUE(rot / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rot, " is not supported; ",
                     "expected at most ", 2 * kMaxRopePairs);
   check_rope_sections(c.sections, c.sections_mode, rot);
+  check_rope_scaling_lists(c.scaling, rot, c.multi_axis());
   check_rope_indices(c);
   return rot;
 }

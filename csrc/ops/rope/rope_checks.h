@@ -25,6 +25,10 @@ void check_rope_settings(const RopeCall& call);
 
 // Scaling keys for their type (e.g. llama3 needs high_freq_factor > low_freq_factor).
 void check_rope_scaling(const math::RopeScalingParams& scaling);
+// The list keys against the resolved rotary_dim (longrope: rotary_dim / 2 values each, one
+// position axis).
+void check_rope_scaling_lists(const math::RopeScalingParams& scaling, int64_t rotary_dim,
+                              bool multi_axis);
 void check_rope_base(double base);
 // sections for rotary_dim (even, resolved): 1..kRopeMaxAxes positive counts summing to
 // rotary_dim / 2 (interleaved M-RoPE: n_axes * sections[a] <= rotary_dim / 2 for a >= 1).

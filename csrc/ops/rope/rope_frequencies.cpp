@@ -29,7 +29,9 @@ RopePairFrequencies rope_pair_frequencies(int64_t rotary_dim, double base,
     // Each key is checked alone; extreme combinations (a linear factor of 1e-310, a
     // dynamic base beyond float64) could still give inf or 0 frequencies, i.e. NaN or
     // unrotated outputs.
-    TORCH_CHECK_VALUE(std::isfinite(freq) && freq > 0.0, "posenc: the RoPE settings (base ", base,
+    // ("proportional" leaves its last pairs unturned: frequency 0.)
+    const bool unturned = scaling.type == math::RopeType::kProportional && freq == 0.0;
+    TORCH_CHECK_VALUE(std::isfinite(freq) && (freq > 0.0 || unturned), "posenc: the RoPE settings (base ", base,
                       ", rotary_dim ", rotary_dim, ", the scaling keys, seq_len ", seq_len,
                       ") give inverse frequency ", freq, " for pair ", p,
                       "; expected finite positive frequencies");
@@ -59,6 +61,7 @@ std::tuple<at::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,
   check_rope_base(base);
   check_rope_scaling(params);
   check_rope_sections(sections.vec(), mode, rotary_dim);
+  check_rope_scaling_lists(params, rotary_dim, !sections.empty());
   TORCH_CHECK_VALUE(seq_len >= 0, "posenc: expected seq_len >= 0, got ", seq_len);
   const RopePairFrequencies f =
       rope_pair_frequencies(rotary_dim, base, params, seq_len, sections.vec(), mode);

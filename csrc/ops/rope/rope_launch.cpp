@@ -44,7 +44,7 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
                                const std::optional<at::Tensor>& out_k) {
   const int64_t offset = c.concrete_offset();
   int64_t seq_len = c.seq_len;
-  if (c.scaling.type == math::RopeType::kDynamic && seq_len < 0) {
+  if (math::rope_scales_by_length(c.scaling.type) && seq_len < 0) {
     seq_len = std::get<1>(rope_position_bounds_of(c)) + 1;  // 0 when it rotates nothing
   }
   const RopePairFrequencies f = rope_pair_frequencies(

@@ -29,6 +29,8 @@ struct Philox4x32 {
   uint32_t v[4];
 };
 
+POSENC_ISA_NAMESPACE_BEGIN
+
 POSENC_HOST_DEVICE void philox_mulhilo(uint32_t a, uint32_t b, uint32_t& hi,
                                        uint32_t& lo) {
   const uint64_t product = static_cast<uint64_t>(a) * static_cast<uint64_t>(b);
@@ -93,11 +95,15 @@ POSENC_HOST_DEVICE uint32_t dropout_lane_bits(const Philox4x32& bits, int lane) 
   return (bits.v[lane >> 1] >> ((lane & 1) * 16)) & 0xFFFFu;
 }
 
+POSENC_ISA_NAMESPACE_END
+
 // The keep/drop parameters of one call, computed once on the host.
 struct DropoutParams {
   uint32_t threshold;  // drop iff bits16 < threshold; 0 disables dropout
   double scale;        // 1 / (1 - p) for survivors, 0 when p == 1
 };
+
+POSENC_ISA_NAMESPACE_BEGIN
 
 inline DropoutParams make_dropout_params(double p) {
   DropoutParams params;
@@ -106,6 +112,8 @@ inline DropoutParams make_dropout_params(double p) {
   params.scale = p >= 1.0 ? 0.0 : 1.0 / (1.0 - p);
   return params;
 }
+
+POSENC_ISA_NAMESPACE_END
 
 }  // namespace math
 }  // namespace posenc

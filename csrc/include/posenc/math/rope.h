@@ -29,7 +29,9 @@ namespace math {
   X(kLinear, "linear")       \
   X(kDynamic, "dynamic")     \
   X(kYarn, "yarn")           \
-  X(kLlama3, "llama3")
+  X(kLlama3, "llama3")       \
+  X(kLongrope, "longrope")   \
+  X(kProportional, "proportional")
 
 enum class RopeType : int {
 #define POSENC_X(e, name) e,
@@ -42,9 +44,11 @@ enum class RopeType : int {
 // parser and error messages, the C++ API's RopeScaling::values() and Python's key list
 // (torch.ops.posenc.rope_scaling_spec) come from. Which type reads which key:
 //   factor: linear, dynamic, yarn, llama3;   low_freq_factor, high_freq_factor: llama3;
-//   original_max_position_embeddings: dynamic, yarn, llama3;
+//   original_max_position_embeddings: dynamic, yarn, llama3, longrope;
 //   beta_fast (default 32), beta_slow (default 1), attention_factor (default from mscale),
-//   mscale, mscale_all_dim, truncate (default true; nonzero is true): yarn.
+//   mscale, mscale_all_dim, truncate (default true; nonzero is true): yarn;
+//   factor (for the default attention factor), attention_factor: longrope;
+//   partial_rotary_factor (the share of pairs that turn), factor (default 1): proportional.
 #define POSENC_ROPE_SCALING_KEYS(X)  \
   X(factor)                          \
   X(low_freq_factor)                 \
@@ -55,7 +59,19 @@ enum class RopeType : int {
   X(attention_factor)                \
   X(mscale)                          \
   X(mscale_all_dim)                  \
-  X(truncate)
+  X(truncate)                        \
+  X(partial_rotary_factor)
+
+// The list-valued keys (longrope: Phi-3, Phi-3.5, Phi-4-mini), one value per rotary pair:
+// appended to the op's float[] `scaling` after the keys above, in this order, each
+// rotary_dim / 2 long. short_factor divides the frequencies while the longest position + 1
+// is at most original_max_position_embeddings, long_factor beyond.
+#define POSENC_ROPE_SCALING_LIST_KEYS(X) \
+  X(short_factor)                        \
+  X(long_factor)
+
+// Most rotary pairs per head: rotary_dim <= 512.
+constexpr int kRopeMaxPairs = 256;
 
 // The parameters of a `rope_scaling` dict, one field per key. A NaN marks a key that was
 // not given (its default, where it has one, applies).
@@ -63,6 +79,10 @@ struct RopeScalingParams {
   RopeType type = RopeType::kDefault;
 #define POSENC_X(key) double key = NAN;
   POSENC_ROPE_SCALING_KEYS(POSENC_X)
+#undef POSENC_X
+  int64_t list_length = 0;  // values per list key (0: none given)
+#define POSENC_X(key) double key[kRopeMaxPairs] = {};
+  POSENC_ROPE_SCALING_LIST_KEYS(POSENC_X)
 #undef POSENC_X
 };
 
@@ -72,6 +92,8 @@ constexpr int kRopeScalingFields = 0
     POSENC_ROPE_SCALING_KEYS(POSENC_X)
 #undef POSENC_X
     ;
+
+POSENC_ISA_NAMESPACE_BEGIN
 
 // True for a field that was not given (NaN); written out so that it needs no isnan overload.
 POSENC_HOST_DEVICE bool rope_missing(double v) { return v != v; }
@@ -122,6 +144,25 @@ POSENC_HOST_DEVICE void rope_rotate_pair(T x1, T x2, T c, T s, T* y1, T* y2) {
   *y2 = rope_fma(x2, c, rope_mul_rn(x1, s));
 }
 
+// The rotation of one pair with given tables (apply_rope_cos_sin, Hugging Face's
+// x * cos + rotate_half(x) * sin): feature e1 takes (c1, s1), e2 takes (c2, s2), which
+// tables built as cat(freqs, freqs) make equal but which are read apart, as transformers
+// does. transpose: the transposed map (the backward):
+//   forward    y1 = x1 c1 - x2 s1,   y2 = x2 c2 + x1 s2
+//   transpose  y1 = x1 c1 + x2 s2,   y2 = x2 c2 - x1 s1
+// rounded as rope_rotate_pair (one product, one fma per output).
+template <typename T>
+POSENC_HOST_DEVICE void rope_rotate_pair_tables(T x1, T x2, T c1, T s1, T c2, T s2,
+                                                bool transpose, T* y1, T* y2) {
+  if (transpose) {
+    *y1 = rope_fma(x1, c1, rope_mul_rn(x2, s2));
+    *y2 = rope_fma(x2, c2, -rope_mul_rn(x1, s1));
+  } else {
+    *y1 = rope_fma(x1, c1, -rope_mul_rn(x2, s1));
+    *y2 = rope_fma(x2, c2, rope_mul_rn(x1, s2));
+  }
+}
+
 POSENC_HOST_DEVICE double rope_default_inv_freq(int64_t i, int64_t rotary_dim, double base) {
   return 1.0 / pow(base, static_cast<double>(2 * i) / static_cast<double>(rotary_dim));
 }
@@ -139,7 +180,12 @@ POSENC_HOST_DEVICE double yarn_correction_dim(double num_rotations, int64_t dim,
   return (static_cast<double>(dim) * log(max_pos / (num_rotations * two_pi))) / (2.0 * log(base));
 }
 
-// The frequency of pair i after scaling. seq_len matters for "dynamic" only: the longest
+// The types whose frequencies depend on the call's length (longest position + 1).
+inline constexpr bool rope_scales_by_length(RopeType t) {
+  return t == RopeType::kDynamic || t == RopeType::kLongrope;
+}
+
+// The frequency of pair i after scaling. seq_len matters for "dynamic" and "longrope": the longest
 // position + 1 of the call (0 or anything up to original_max_position_embeddings gives the
 // unscaled frequencies, as in transformers).
 POSENC_HOST_DEVICE double rope_inv_freq(int64_t i, int64_t rotary_dim, double base,
@@ -190,14 +236,37 @@ POSENC_HOST_DEVICE double rope_inv_freq(int64_t i, int64_t rotary_dim, double ba
           (orig / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor);
       return (1.0 - smooth) * inv / s.factor + smooth * inv;
     }
+    case RopeType::kLongrope: {
+      // transformers: 1 / (ext[i] * base^(2i/d)), ext the long factors once the call reaches
+      // beyond original_max_position_embeddings, the short ones until then.
+      const bool long_context = static_cast<double>(seq_len) > s.original_max_position_embeddings;
+      const double ext = long_context ? s.long_factor[i] : s.short_factor[i];
+      return rope_default_inv_freq(i, rotary_dim, base) / ext;
+    }
+    case RopeType::kProportional: {
+      // Gemma 4 (transformers' _compute_proportional_rope_parameters): the first
+      // int(partial_rotary_factor * head_dim // 2) pairs turn, the others keep angle 0 in
+      // place (rotary_dim is the whole head_dim here); all divided by factor (default 1).
+      const double angles = floor(s.partial_rotary_factor * static_cast<double>(rotary_dim) / 2.0);
+      const double factor = rope_missing(s.factor) ? 1.0 : s.factor;
+      return static_cast<double>(i) < angles ? rope_default_inv_freq(i, rotary_dim, base) / factor : 0.0;
+    }
     case RopeType::kDefault:
     default:
       return rope_default_inv_freq(i, rotary_dim, base);
   }
 }
 
-// The factor cos and sin are multiplied by (yarn's attention scaling; 1 for the others).
+// The factor cos and sin are multiplied by (yarn's and longrope's attention scaling; 1 for
+// the others).
 POSENC_HOST_DEVICE double rope_attention_factor(const RopeScalingParams& s) {
+  if (s.type == RopeType::kLongrope) {
+    // The given attention_factor, else sqrt(1 + ln(factor) / ln(original)) (the LongRoPE
+    // paper's, as transformers computes it; 1 for factor <= 1).
+    if (!rope_missing(s.attention_factor)) return s.attention_factor;
+    if (s.factor <= 1.0) return 1.0;
+    return sqrt(1.0 + log(s.factor) / log(s.original_max_position_embeddings));
+  }
   if (s.type != RopeType::kYarn) return 1.0;
   if (!rope_missing(s.attention_factor)) return s.attention_factor;
   if (!rope_missing(s.mscale) && !rope_missing(s.mscale_all_dim) && s.mscale != 0.0 && s.mscale_all_dim != 0.0) {
@@ -244,6 +313,8 @@ POSENC_HOST_DEVICE void rope_sincos(int64_t pos, double inv_freq, T* s, T* c) {
   *c = (q == 1.0 || q == 2.0) ? -cc : cc;
 }
 
+POSENC_ISA_NAMESPACE_END
+
 // ---- Multi-axis RoPE: each token has n_axes integer coordinates (e.g. (t, h, w)), and the
 // rotary pairs are split into sections, one per axis (sections[a] pairs, summing to
 // rotary_dim / 2). Pair p turns by pos[axis(p)] * inv_freq(p). Three ways to assign them,
@@ -268,6 +339,8 @@ enum class RopeSectionsMode : int {
 
 // Most axes a call may have (the kernels keep one position per axis in registers).
 constexpr int kRopeMaxAxes = 4;
+
+POSENC_ISA_NAMESPACE_BEGIN
 
 // The axis of pair p (sections checked: positive, summing to half = rotary_dim / 2, and for
 // mrope_interleaved n_axes * sections[a] <= half for a >= 1).
@@ -321,6 +394,8 @@ POSENC_HOST_DEVICE int64_t rope_sequence_of(const int64_t* cu, int64_t n, int64_
   }
   return lo;
 }
+
+POSENC_ISA_NAMESPACE_END
 
 }  // namespace math
 }  // namespace posenc

@@ -15,6 +15,8 @@
 namespace posenc {
 namespace math {
 
+POSENC_ISA_NAMESPACE_BEGIN
+
 // base^(-2i/d) for column j, as exp(-(2i/d) * ln(base)) (the classic formulation).
 POSENC_HOST_DEVICE double sinusoid_inv_freq(int64_t column, int64_t d_model,
                                             double log_base) {
@@ -27,6 +29,8 @@ POSENC_HOST_DEVICE double sinusoid_value(double position, int64_t column,
   const double angle = position * sinusoid_inv_freq(column, d_model, log_base);
   return (column & 1) ? cos(angle) : sin(angle);
 }
+
+POSENC_ISA_NAMESPACE_END
 
 }  // namespace math
 }  // namespace posenc
