@@ -170,6 +170,26 @@ def _backward_with_table_rule(a: dict) -> list:
     return strategies
 
 
+def _rope_cos_sin_rule(a: dict) -> list:
+    """apply_rope_cos_sin: linear in q and k, so heads-sharded, Partial, batch-sharded (with
+    per-row tables sharded alike) and sequence-sharded (tables sharded on their seq dim)."""
+    q, k, cos = a["q"], a["k"], a["cos"]
+    s_dim, h_dim = (2, 1) if a["layout"] == "bhsd" else (1, 2)
+    strategies = []
+
+    def add(qk, tables=R):
+        strategies.append(([qk, qk if k is not None else R], dict(q=qk, k=qk, cos=tables, sin=tables)))
+
+    add(R)
+    if q.ndim == 4 and cos.ndim in (2, 3):
+        add(Shard(h_dim))
+        add(P)
+        per_row = cos.ndim == 3 and cos.shape[0] == q.shape[0] and q.shape[0] > 1
+        add(Shard(0), Shard(0) if per_row else R)
+        add(Shard(s_dim), Shard(cos.ndim - 2))
+    return strategies
+
+
 def _sinusoidal_table_rule(a: dict) -> list:
     return [([R], dict(positions=R))] + [
         ([Shard(d)], dict(positions=Shard(d))) for d in range(a["positions"].ndim)
@@ -276,6 +296,7 @@ def register_sharding_rules() -> None:
     _register_rule(ops.add_position_backward.default, _add_position_backward_rule)
     _register_rule(ops.add_position_backward_with_table.default, _backward_with_table_rule)
     _register_rule(ops.sinusoidal_table.default, _sinusoidal_table_rule)
+    _register_rule(ops.apply_rope_cos_sin.default, _rope_cos_sin_rule)
     handlers = DTensor._op_dispatcher._custom_op_handlers
     handlers[ops.position_bounds.default] = _bounds_handler
     handlers[ops.rope_position_bounds.default] = _bounds_handler

@@ -406,7 +406,7 @@ def helper_ops():
     pe = rand(1, 1 + 16, 8, seed=81)
     want = F.resample_position_table(pe, (6, 6), num_prefix_tokens=1)
     # rope_cos_sin (plain frequencies inside: implicit_replication) and apply_rope_cos_sin
-    # (ATen ops: heads-sharded q and k with replicated tables stay sharded).
+    # (an op with its rule: heads-, batch- and sequence-sharded q and k stay sharded).
     pos = randint(40, (2, 8), 82)
     cos, sin = F.rope_cos_sin(pos, 16, dtype=torch.float64)
     with implicit_replication():
@@ -421,6 +421,22 @@ def helper_ops():
     assert got_q.placements == (Shard(1),), got_q.placements
     close(got_q.full_tensor(), want_q, "apply_rope_cos_sin q")
     close(got_k.full_tensor(), want_k, "apply_rope_cos_sin k")
+    for qk_p, table_p in ((Shard(0), Shard(0)), (Shard(2), Shard(1))):  # batch (per-row tables), sequence
+        got_q, got_k = F.apply_rope_cos_sin(
+            distribute_tensor(q, mesh, [qk_p]), distribute_tensor(k, mesh, [qk_p]),
+            distribute_tensor(cos, mesh, [table_p]), distribute_tensor(sin, mesh, [table_p]))
+        assert got_q.placements == (qk_p,) and got_k.placements == (qk_p,), (got_q.placements, qk_p)
+        close(got_q.full_tensor(), want_q, f"apply_rope_cos_sin q {qk_p}")
+        close(got_k.full_tensor(), want_k, f"apply_rope_cos_sin k {qk_p}")
+    # Backward: the transposed rotation on the sharded gradient.
+    qd = distribute_tensor(q, mesh, [Shard(1)]).requires_grad_()
+    out = F.apply_rope_cos_sin(qd, None, distribute_tensor(cos, mesh, [Replicate()]),
+                               distribute_tensor(sin, mesh, [Replicate()]))
+    (grad_d,) = torch.autograd.grad((out * out).sum(), qd)
+    q_plain = q.clone().requires_grad_()
+    out_plain = F.apply_rope_cos_sin(q_plain, None, cos, sin)
+    (grad_plain,) = torch.autograd.grad((out_plain * out_plain).sum(), q_plain)
+    close(grad_d.full_tensor(), grad_plain, "apply_rope_cos_sin backward")
     # resample_position_table: DTensor has no rule for ATen's antialiased bicubic upsampling
     # (a clear NotImplementedError); resample the full table, then place it.
     dpe = distribute_tensor(pe, mesh, [Shard(1)])

@@ -11,6 +11,7 @@ from conftest import DEVICES
 from posenc.functional import apply_rope
 
 SCALING = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+N_SCALING_KEYS = len(torch.ops.posenc.rope_scaling_spec()[1])  # the op's fixed scaling values
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -138,7 +139,7 @@ def opcheck_cases(device):
     k = torch.randn(2, 5, 1, 8, device=device)
     t = torch.randn(9, 2, 8, device=device)
     nan = float("nan")
-    yarn = [4.0, nan, nan, 16.0, nan, nan, nan, nan, nan, nan]
+    yarn = [4.0, nan, nan, 16.0] + [nan] * (N_SCALING_KEYS - 4)
     return [
         (q, k),
         (q, None, torch.randint(0, 99, (2, 5), device=device), torch.tensor([1, 2], device=device), 3),
@@ -166,7 +167,7 @@ def test_opcheck_rope_frequencies():
     # No tensor inputs: a host-side helper (module construction), never traced; fake tensors
     # have no device to come from, so the schema check is the one that applies.
     opcheck(torch.ops.posenc.rope_frequencies.default, (16, 10000.0), test_utils=("test_schema",))
-    inv, factor = torch.ops.posenc.rope_frequencies(16, 10000.0, "linear", [2.0] + [float("nan")] * 9)
+    inv, factor = torch.ops.posenc.rope_frequencies(16, 10000.0, "linear", [2.0] + [float("nan")] * (N_SCALING_KEYS - 1))
     assert inv.shape == (8,) and factor == 1.0
 
 

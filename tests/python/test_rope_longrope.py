@@ -18,6 +18,7 @@ from torch.library import opcheck
 import posenc
 from conftest import DEVICES
 from posenc.functional import apply_rope, rope_cos_sin, rope_frequencies
+from posenc._rope import SCALING_KEYS
 from rope_reference import reference_rope
 
 F64 = torch.float64
@@ -200,7 +201,7 @@ def test_bad_longrope_dicts():
         apply_rope(torch.randn(1, 3, 1, 8), scaling=good, sections=[2, 2])
     # The op itself: a list cut short is caught from its length.
     with pytest.raises(ValueError, match="then the lists short_factor and long_factor"):
-        torch.ops.posenc.rope(q, rope_type="longrope", scaling=[math.nan] * 10 + [1.0])
+        torch.ops.posenc.rope(q, rope_type="longrope", scaling=[math.nan] * len(SCALING_KEYS) + [1.0])
 
 
 def test_transformers_phi3_rotary_embedding():

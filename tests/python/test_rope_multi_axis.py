@@ -348,3 +348,18 @@ def test_transformers_qwen2_vl_rotary_embedding():
     got_q, got_k = apply_rope(q, k, positions=pos, scaling=dict(config.rope_parameters), layout="bhsd")
     torch.testing.assert_close(got_q, want_q, rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(got_k, want_k, rtol=2e-5, atol=2e-5)
+
+
+def test_timm_rotary_embedding_cat():
+    """The real timm RotaryEmbeddingCat + apply_rot_embed_cat (EVA-02's 2-D RoPE; timm when
+    installed) against apply_rope with axial sections on grid_positions, prefix tokens left
+    unrotated as EvaAttention does, to float32 rounding."""
+    sincos = pytest.importorskip("timm.layers.pos_embed_sincos")
+    head_dim, h, w, prefix = 64, 5, 7, 1
+    rope = sincos.RotaryEmbeddingCat(dim=head_dim, in_pixels=False, feat_shape=[h, w], temperature=10000.0)
+    embed = rope.get_embed()
+    x = torch.randn(2, 3, prefix + h * w, head_dim)
+    want = torch.cat([x[:, :, :prefix], sincos.apply_rot_embed_cat(x[:, :, prefix:], embed)], dim=2)
+    pos = grid_positions(h, w, num_prefix_tokens=prefix)
+    got = apply_rope(x, positions=pos, sections=[head_dim // 4, head_dim // 4], interleaved=True, layout="bhsd")
+    torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)

@@ -17,6 +17,7 @@
 #include "ops/helpers/py_format.h"
 #include "ops/meta_support.h"
 #include "ops/op_handles.h"
+#include "ops/rope/rope_launch.h"
 
 namespace posenc {
 namespace ops {
@@ -95,18 +96,8 @@ RopeCosSinLaunch prepare_rope_cos_sin(const at::Tensor& q, const std::optional<a
   a.cos = launch.cos.const_data_ptr();
   a.sin = launch.sin.const_data_ptr();
   a.table_batch_stride = launch.cos.size(0) == 1 ? 0 : launch.cos.stride(0);
-  const auto fill = [&](RopeOperand& op, const at::Tensor& in, const at::Tensor& out) {
-    const at::Tensor iv = canonical(in), ov = canonical(out);
-    op.in = iv.const_data_ptr();
-    op.out = ov.mutable_data_ptr();
-    op.heads = iv.size(2);
-    for (int d = 0; d < 4; ++d) {
-      op.in_stride[d] = iv.stride(d);
-      op.out_stride[d] = ov.stride(d);
-    }
-  };
-  fill(a.q, q, out_q);
-  if (k.has_value()) fill(a.k, *k, *out_k);
+  fill_rope_operand(a.q, canonical(q), canonical(out_q));
+  if (k.has_value()) fill_rope_operand(a.k, canonical(*k), canonical(*out_k));
   return launch;
 }
 

@@ -9,6 +9,17 @@
 
 namespace posenc {
 namespace ops {
+
+void fill_rope_operand(RopeOperand& op, const at::Tensor& in, const at::Tensor& out) {
+  op.in = in.const_data_ptr();
+  op.out = out.mutable_data_ptr();
+  op.heads = in.size(2);
+  for (int d = 0; d < 4; ++d) {
+    op.in_stride[d] = in.stride(d);
+    op.out_stride[d] = out.stride(d);
+  }
+}
+
 namespace {
 
 int64_t* long_data(const at::Tensor& t) { return t.defined() ? t.data_ptr<int64_t>() : nullptr; }
@@ -65,19 +76,10 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
   std::copy(f.axis.begin(), f.axis.end(), a.pair_axis);
   a.n_axes = c.n_axes();
 
-  auto fill = [&](RopeOperand& op, const at::Tensor& in, const at::Tensor& out) {
-    const at::Tensor iv = rope_canonical_view(in, c.layout);
-    const at::Tensor ov = rope_canonical_view(out, c.layout);
-    op.in = iv.const_data_ptr();
-    op.out = ov.mutable_data_ptr();
-    op.heads = iv.size(2);
-    for (int d = 0; d < 4; ++d) {
-      op.in_stride[d] = iv.stride(d);
-      op.out_stride[d] = ov.stride(d);
-    }
-  };
-  fill(a.q, c.q, out_q);
-  if (c.k.has_value()) fill(a.k, *c.k, *out_k);
+  fill_rope_operand(a.q, rope_canonical_view(c.q, c.layout), rope_canonical_view(out_q, c.layout));
+  if (c.k.has_value()) {
+    fill_rope_operand(a.k, rope_canonical_view(*c.k, c.layout), rope_canonical_view(*out_k, c.layout));
+  }
 
   if (c.positions.has_value()) {
     launch.positions = c.positions->contiguous();

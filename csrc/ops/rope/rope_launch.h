@@ -33,6 +33,10 @@ RopePairFrequencies rope_pair_frequencies(int64_t rotary_dim, double base,
 // passed check_rope_structure. rope_position_bounds.cpp.
 std::tuple<int64_t, int64_t> rope_position_bounds_of(const RopeCall& call);
 
+// One of q and k for a kernel: input and output pointers and strides of their
+// (batch, seq, heads, head_dim) views (rope_canonical_view); shared with apply_rope_cos_sin.
+void fill_rope_operand(RopeOperand& op, const at::Tensor& in, const at::Tensor& out);
+
 // Everything a kernel launch needs, with the small index tensors it points into kept alive.
 struct RopeLaunch {
   RopeArgs args;
