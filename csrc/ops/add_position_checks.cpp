@@ -22,17 +22,18 @@ const char* layout_name(bool batch_first) {
                      : "(seq, batch, d_model) with batch_first=False";
 }
 
+// TypeError naming grad unless it has a dtype the kernels take.
+void check_grad_dtype(const at::Tensor& grad) {
+  TORCH_CHECK_TYPE(is_supported_float(grad.scalar_type()),
+                   "posenc: expected grad to have a floating-point dtype (float16, bfloat16, "
+                   "float32 or float64), got ", grad.scalar_type());
+}
+
 }  // namespace
 
 void check_dropout_probability(double p) {
   TORCH_CHECK_VALUE(std::isfinite(p) && p >= 0.0 && p <= 1.0,
                     "posenc: expected dropout probability p in [0, 1], got ", p);
-}
-
-void check_grad_dtype(const at::Tensor& grad) {
-  TORCH_CHECK_TYPE(is_supported_float(grad.scalar_type()),
-                   "posenc: expected grad to have a floating-point dtype (float16, bfloat16, "
-                   "float32 or float64), got ", grad.scalar_type());
 }
 
 void check_dropout_backward_args(const at::Tensor& grad, const at::Tensor& rng, double p) {

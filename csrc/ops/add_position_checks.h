@@ -11,9 +11,6 @@
 namespace posenc {
 namespace ops {
 
-// TypeError naming grad unless it has a dtype the kernels take.
-void check_grad_dtype(const at::Tensor& grad);
-
 // ValueError unless p is in [0, 1] (a NaN or negative p would reach an unsigned cast).
 void check_dropout_probability(double p);
 

@@ -44,6 +44,8 @@ at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor
   return table.narrow_symint(0, 0, table_len);
 }
 
+namespace {
+
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
     c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
@@ -57,6 +59,8 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
                               : (p > 0.0 ? masked : grad.clone(at::MemoryFormat::Contiguous));
   return {grad_x, grad_table};
 }
+
+}  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
   m.impl("add_position_backward_with_table", &add_position_backward_with_table_composite);

@@ -15,9 +15,9 @@ namespace ops {
 // rope_type and scaling carry Hugging Face's rope_scaling dict (the keys of
 // POSENC_ROPE_SCALING_KEYS in posenc/math/rope.h, NaN where not given; [] for "default"; then
 // longrope's lists). seq_len (longest position + 1) matters for "dynamic" and "longrope";
-// -1 derives it from the call (a
-// device sync when index tensors are CUDA tensors). rotary_dim=-1: head_dim. sections
-// (pairs per axis) make positions (n_axes, ...) coordinates, see RopeSectionsMode.
+// -1 derives it from the call (a device sync when index tensors are CUDA tensors).
+// rotary_dim=-1: head_dim. sections (pairs per axis) make positions (n_axes, ...)
+// coordinates, see RopeSectionsMode.
 const char* const kRopeSchemaArguments =
     "Tensor? positions=None, Tensor? offsets=None, SymInt offset=0, Tensor? cu_seqlens=None, "
     "float base=10000.0, str rope_type=\"default\", float[] scaling=[], int seq_len=0, "
