@@ -85,3 +85,16 @@ def test_torchtune_input_pos():
         rope(q, positions=input_pos, input_pos=input_pos)
     with pytest.raises(IndexError, match="max_len=64"):
         rope(q, input_pos=input_pos + 64)
+
+
+def test_real_torchtune_rotary_positional_embeddings():
+    """torchtune's own RotaryPositionalEmbeddings (when torchtune imports; it does not with
+    --no-deps here, its torchao import wants an older torchao) and posenc's module given to a
+    torchtune attention as pos_embeddings: the same rotation, to float32 rounding."""
+    position_embeddings = pytest.importorskip("torchtune.modules.position_embeddings")
+    theirs = position_embeddings.RotaryPositionalEmbeddings(64, max_seq_len=128)
+    ours = posenc.RotaryPositionalEncoding(64, max_len=128, interleaved=True)
+    x = torch.randn(2, 10, 4, 64)
+    input_pos = torch.randint(0, 128, (2, 10))
+    torch.testing.assert_close(ours(x, input_pos=input_pos), theirs(x, input_pos=input_pos), rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ours(x), theirs(x), rtol=2e-5, atol=2e-5)
