@@ -14,6 +14,8 @@ from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
+from posenc._dtensor import place_beside
+
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts and the
 # multi-axis sections modes.
@@ -329,6 +331,8 @@ def apply_rope(
         and not torch.compiler.is_compiling()
     ):
         check_cu_seqlens(cu_seqlens, q.shape[0])
+    # A DTensor q with plain index tensors beside it: those are replicated on its mesh.
+    positions, offsets, cu_seqlens = place_beside(q, positions, offsets, cu_seqlens)
     arguments = dict(
         positions=positions, offsets=offsets, offset=offset, cu_seqlens=cu_seqlens, base=float(base),
         rope_type=rope_type, scaling=values, seq_len=seq_len, rotary_dim=-1 if rotary_dim is None else rotary_dim,

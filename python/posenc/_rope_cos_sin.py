@@ -16,6 +16,7 @@ from typing import Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from posenc._dtensor import place_beside
 from posenc._rope import resolve_config_keys, rope_frequencies
 
 
@@ -155,6 +156,7 @@ def apply_rope_cos_sin(
     gradients are sums over heads, composed of torch ops; x is saved only when they need it).
     """
     _check_cos_sin_types(q, k, cos, sin, layout, interleaved)
+    cos, sin = place_beside(q, cos, sin)  # plain tables beside a DTensor q: replicated
     out_q, out_k = torch.ops.posenc.apply_rope_cos_sin(q, k, cos, sin, layout=layout, interleaved=interleaved)
     return out_q if k is None else (out_q, out_k)
 

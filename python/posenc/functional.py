@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
+from posenc._dtensor import place_beside
 from posenc._rope import apply_rope, grid_positions, rope_frequencies
 from posenc._rope_cos_sin import apply_rope_cos_sin, rope_cos_sin
 
@@ -94,6 +95,7 @@ def add_position(
     (max_len, d) or (1, max_len, d). Without ``positions`` rows ``offset .. offset+seq-1``
     are added. Dropout applies only when ``training``; its mask is regenerated in backward.
     """
+    table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
     return torch.ops.posenc.add_position(
         x, table, positions, offset, batch_first, float(p) if training else 0.0
     )

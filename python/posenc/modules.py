@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc import _rope, functional
+from posenc._dtensor import is_dtensor
 
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
 
@@ -38,11 +39,6 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
     """
     if positions.is_cuda and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
         torch.ops.posenc.position_bounds(positions, max_len)
-
-
-def _is_dtensor(t: Tensor) -> bool:
-    """A torch.distributed DTensor, without importing torch.distributed where it is unused."""
-    return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
 
 
 class _AddPositionModule(nn.Module):
@@ -170,7 +166,7 @@ class LearnedPositionalEncoding(_AddPositionModule):
                 f"(1, {self.max_len}, {self.d_model}), got {shape}"
             )
         with torch.no_grad():
-            if _is_dtensor(self.pe) and not _is_dtensor(table):
+            if is_dtensor(self.pe) and not is_dtensor(table):
                 # FSDP2 / DTensor-sharded pe: the plain table is the whole (replicated) one and
                 # each rank copies its own shard of it.
                 from torch.distributed.tensor import distribute_tensor

@@ -139,6 +139,32 @@ def rope_rules():
 
 
 @check
+def functions_take_plain_tensors_beside_dtensors():
+    """apply_rope, apply_rope_cos_sin and add_position with a DTensor input and plain index
+    tensors / tables beside it: those are replicated on its mesh (no "mixed Tensor and
+    DTensor" error), and the result equals the plain call."""
+    mesh, _, Shard, _, distribute_tensor = env()
+    from posenc import functional as F
+
+    q, k = rand(2, 8, 4, 16, seed=301), rand(2, 8, 2, 16, seed=302)
+    pos = randint(100, (2, 8), 303)
+    want_q, want_k = F.apply_rope(q, k, positions=pos, offset=torch.tensor([3, 5]))
+    got_q, got_k = F.apply_rope(distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Shard(2)]),
+                                positions=pos, offset=torch.tensor([3, 5]))
+    assert got_q.placements == (Shard(2),), got_q.placements
+    close(got_q.full_tensor(), want_q, "apply_rope plain positions")
+    close(got_k.full_tensor(), want_k, "apply_rope plain positions k")
+    cos, sin = F.rope_cos_sin(pos, 16, dtype=torch.float64)
+    want = F.apply_rope_cos_sin(q.transpose(1, 2), None, cos, sin)
+    got = F.apply_rope_cos_sin(distribute_tensor(q.transpose(1, 2), mesh, [Shard(1)]), None, cos, sin)
+    close(got.full_tensor(), want, "apply_rope_cos_sin plain tables")
+    x, table = rand(4, 8, 16, seed=304), rand(20, 16, seed=305)
+    want = F.add_position(x, table, positions=(pos[:1] % 20).expand(4, 8).contiguous())
+    got = F.add_position(distribute_tensor(x, mesh, [Shard(0)]), table, positions=(pos[:1] % 20).expand(4, 8).contiguous())
+    close(got.full_tensor(), want, "add_position plain table")
+
+
+@check
 def rope_dynamic_scaling():
     """'dynamic' reads the call's longest position: sharded index tensors or sequence would
     each see their own; without seq_len the rule replicates them, with the global seq_len

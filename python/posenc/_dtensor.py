@@ -1,0 +1,25 @@
+"""Plain tensors beside DTensor inputs: the functions place index tensors and tables given as
+plain tensors as ``Replicate()`` on the mesh of the DTensor input, as the modules do
+(``posenc.distributed.accept_dtensor_inputs``), instead of DTensor's "mixed torch.Tensor and
+DTensor" error. The check is a type-name test, so calls on plain tensors import nothing."""
+
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+from torch import Tensor
+
+
+def is_dtensor(t: object) -> bool:
+    return type(t).__name__ == "DTensor" and type(t).__module__.startswith("torch.distributed")
+
+
+def place_beside(like: Tensor, *tensors: Optional[Tensor]) -> Tuple[Optional[Tensor], ...]:
+    """``tensors`` unchanged unless ``like`` is a DTensor; then each plain tensor becomes a
+    replicated DTensor on ``like``'s mesh (every rank must hold the same values, as for any
+    replicated tensor). Importing posenc.distributed also registers the ops' sharding rules."""
+    if not is_dtensor(like):
+        return tensors
+    from posenc.distributed import replicate_like
+
+    return tuple(replicate_like(like, t) for t in tensors)
