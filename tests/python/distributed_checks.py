@@ -165,6 +165,30 @@ def functions_take_plain_tensors_beside_dtensors():
 
 
 @check
+def torch_context_parallel():
+    """torch's context_parallel context manager shards the buffers it is given along their
+    sequence dims (head-tail load balancing) in place: a positions buffer 0..S-1 given with q
+    comes out as each rank's global positions, so apply_rope on the local q rotates exactly
+    the rank's rows of the full call (the README recipe)."""
+    from torch.distributed.tensor.experimental import context_parallel
+
+    from posenc.distributed import context_parallel_indices
+    from posenc.functional import apply_rope
+
+    mesh = env()[0]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    q, k = rand(2, 16, 2, 16, seed=311), rand(2, 16, 1, 16, seed=312)
+    want_q, want_k = apply_rope(q, k)
+    q_local, k_local, pos = q.clone(), k.clone(), torch.arange(16)
+    with context_parallel(mesh, buffers=[q_local, k_local, pos], buffer_seq_dims=[1, 1, 0]):
+        got_q, got_k = apply_rope(q_local, k_local, positions=pos)
+        idx = context_parallel_indices(16, world, rank, "head_tail")
+        assert torch.equal(pos, idx), (pos, idx)
+        close(got_q, want_q[:, idx], "context_parallel q")
+        close(got_k, want_k[:, idx], "context_parallel k")
+
+
+@check
 def rope_dynamic_scaling():
     """'dynamic' reads the call's longest position: sharded index tensors or sequence would
     each see their own; without seq_len the rule replicates them, with the global seq_len
