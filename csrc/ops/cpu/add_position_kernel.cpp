@@ -56,21 +56,74 @@ inline void mulhilo8(__m256i c, __m256i mul, __m256i& hi, __m256i& lo) {
   hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
 }
 
-// philox4x32_10 of posenc/math/philox.h on 8 counters at once (same rounds and constants);
-// writes the 8 blocks' bits in element order: block i's words (c0, c1, c2, c3)[i] at
-// bits + 8 * i, which on little-endian x86 is dropout_lane_bits order.
+// The ten round keys of a seed, broadcast to 8 lanes: built once per call of the fused path
+// instead of per round of every group (Philox alone, 1M blocks, one thread: 4.4 -> 3.9 ms).
+struct PhiloxKeys8 {
+  __m256i k0[math::kPhiloxRounds], k1[math::kPhiloxRounds];
+  explicit PhiloxKeys8(uint64_t seed) {
+    uint32_t a = static_cast<uint32_t>(seed), b = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < math::kPhiloxRounds; ++round) {
+      k0[round] = _mm256_set1_epi32(static_cast<int>(a));
+      k1[round] = _mm256_set1_epi32(static_cast<int>(b));
+      a += math::kPhiloxWeyl0;
+      b += math::kPhiloxWeyl1;
+    }
+  }
+};
+
+// Ten rounds of philox4x32_10 (posenc/math/philox.h: same rounds and constants) on the 8
+// counters (v0, v1, v2, v3)[lane] at once.
+inline void philox8_rounds(const PhiloxKeys8& keys, __m256i& v0, __m256i& v1, __m256i& v2,
+                           __m256i& v3) {
+  const __m256i mul0 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul0));
+  const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul1));
+  for (int round = 0; round < math::kPhiloxRounds; ++round) {
+    __m256i hi0, lo0, hi1, lo1;
+    mulhilo8(v0, mul0, hi0, lo0);
+    mulhilo8(v2, mul1, hi1, lo1);
+    v0 = _mm256_xor_si256(_mm256_xor_si256(hi1, v1), keys.k0[round]);
+    v1 = lo1;
+    v2 = _mm256_xor_si256(_mm256_xor_si256(hi0, v3), keys.k1[round]);
+    v3 = lo0;
+  }
+}
+
+// The counters of 8 consecutive blocks from block0, whose indices share their high word
+// (dropout_counter's layout: offset/4 lo/hi, block lo/hi).
+inline void philox8_counters(uint64_t offset, uint64_t block0, __m256i& v0, __m256i& v1,
+                             __m256i& v2, __m256i& v3) {
+  v0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 2)));
+  v1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 34)));
+  v2 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0))),
+                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  v3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0 >> 32)));
+}
+
+// 4 x 8 transpose of 32-bit words, rows v0..v3 (one per word) to block order: words[k]
+// holds blocks 2k and 2k + 1, i.e. the 16-bit values of elements 16 k .. 16 k + 15 of the
+// 8 blocks in element order (dropout_lane_bits order on little-endian x86).
+inline void philox8_transpose(__m256i v0, __m256i v1, __m256i v2, __m256i v3,
+                              __m256i (&words)[4]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(v0, v1), t1 = _mm256_unpackhi_epi32(v0, v1);
+  const __m256i t2 = _mm256_unpacklo_epi32(v2, v3), t3 = _mm256_unpackhi_epi32(v2, v3);
+  const __m256i b04 = _mm256_unpacklo_epi64(t0, t2), b15 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i b26 = _mm256_unpacklo_epi64(t1, t3), b37 = _mm256_unpackhi_epi64(t1, t3);
+  words[0] = _mm256_permute2x128_si256(b04, b15, 0x20);
+  words[1] = _mm256_permute2x128_si256(b26, b37, 0x20);
+  words[2] = _mm256_permute2x128_si256(b04, b15, 0x31);
+  words[3] = _mm256_permute2x128_si256(b26, b37, 0x31);
+}
+
+// philox4x32_10 on 8 counters at once; writes the 8 blocks' bits in element order: block
+// i's words (c0, c1, c2, c3)[i] at bits + 8 * i, which on little-endian x86 is
+// dropout_lane_bits order.
 void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
                   uint16_t* bits) {
   alignas(32) uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
   __m256i v0, v1, v2, v3;
   if (static_cast<uint32_t>(block0) <= 0xFFFFFFFFu - kLanes) {
-    // The usual case: the 8 block indices share their high word, so the counters are
-    // built in registers (dropout_counter's layout: offset/4 lo/hi, block lo/hi).
-    v0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 2)));
-    v1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 34)));
-    v2 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0))),
-                          _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-    v3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0 >> 32)));
+    // The usual case: the 8 block indices share their high word.
+    philox8_counters(offset, block0, v0, v1, v2, v3);
   } else {
     for (int i = 0; i < kLanes; ++i) math::dropout_counter(offset, block0 + i, c0[i], c1[i], c2[i], c3[i]);
     v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0));
@@ -78,31 +131,12 @@ void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes
     v2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c2));
     v3 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c3));
   }
-  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
-  const __m256i mul0 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul0));
-  const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul1));
-  for (int round = 0; round < math::kPhiloxRounds; ++round) {
-    __m256i hi0, lo0, hi1, lo1;
-    mulhilo8(v0, mul0, hi0, lo0);
-    mulhilo8(v2, mul1, hi1, lo1);
-    v0 = _mm256_xor_si256(_mm256_xor_si256(hi1, v1), _mm256_set1_epi32(static_cast<int>(k0)));
-    v1 = lo1;
-    v2 = _mm256_xor_si256(_mm256_xor_si256(hi0, v3), _mm256_set1_epi32(static_cast<int>(k1)));
-    v3 = lo0;
-    k0 += math::kPhiloxWeyl0;
-    k1 += math::kPhiloxWeyl1;
-  }
+  philox8_rounds(PhiloxKeys8(seed), v0, v1, v2, v3);
   if (lanes == kLanes) {
-    // 4 x 8 transpose of 32-bit words: rows v0..v3 (one per word), columns = blocks.
-    const __m256i t0 = _mm256_unpacklo_epi32(v0, v1), t1 = _mm256_unpackhi_epi32(v0, v1);
-    const __m256i t2 = _mm256_unpacklo_epi32(v2, v3), t3 = _mm256_unpackhi_epi32(v2, v3);
-    const __m256i b04 = _mm256_unpacklo_epi64(t0, t2), b15 = _mm256_unpackhi_epi64(t0, t2);
-    const __m256i b26 = _mm256_unpacklo_epi64(t1, t3), b37 = _mm256_unpackhi_epi64(t1, t3);
+    __m256i words[4];
+    philox8_transpose(v0, v1, v2, v3, words);
     __m256i* out = reinterpret_cast<__m256i*>(bits);
-    _mm256_storeu_si256(out + 0, _mm256_permute2x128_si256(b04, b15, 0x20));
-    _mm256_storeu_si256(out + 1, _mm256_permute2x128_si256(b26, b37, 0x20));
-    _mm256_storeu_si256(out + 2, _mm256_permute2x128_si256(b04, b15, 0x31));
-    _mm256_storeu_si256(out + 3, _mm256_permute2x128_si256(b26, b37, 0x31));
+    for (int k = 0; k < 4; ++k) _mm256_storeu_si256(out + k, words[k]);
   } else {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c0), v0);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c1), v1);
@@ -110,6 +144,56 @@ void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3), v3);
     store_block_bits(c0, c1, c2, c3, lanes, bits);
   }
+}
+
+// float32 dropout applied straight from the Philox registers in one pass, with no bits or
+// factors arrays in between (those were two more passes over an L1 chunk: bits ->
+// factors -> multiply, benchmarks/NOTES.md items 5 and 11): for elements [first, first +
+// done) of the call, v = src * (kept ? scale : 0), stored to dst (kStore) and/or added to
+// acc (kAcc). Does whole groups of 8 blocks (64 elements) from the start and returns `done`;
+// the caller does the rest through the general path. The same bits, keep test (bits16 >=
+// threshold) and product as dropout_factors + combine: bit for bit that path's results
+// (tests/python/test_add_position_dropout_bits.py).
+template <bool kStore, bool kAcc>
+int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const float* src,
+                        float* dst, float* acc) {
+  constexpr int64_t B = math::kDropoutBlock;
+  constexpr int64_t kGroup = kLanes * B;  // 64 elements
+  // A threshold of 65536 (p rounds to 1) does not fit the 16-bit compare: general path.
+  if (first % B != 0 || draw.threshold > 0xFFFFu) return 0;
+  const __m256i threshold =
+      _mm256_set1_epi16(static_cast<short>(static_cast<uint16_t>(draw.threshold)));
+  const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
+  const PhiloxKeys8 keys(draw.seed);
+  uint64_t block = static_cast<uint64_t>(first / B);
+  int64_t done = 0;
+  for (; done + kGroup <= n && static_cast<uint32_t>(block) <= 0xFFFFFFFFu - kLanes;
+       done += kGroup, block += kLanes) {
+    __m256i v0, v1, v2, v3, words[4];
+    philox8_counters(draw.offset, block, v0, v1, v2, v3);
+    philox8_rounds(keys, v0, v1, v2, v3);
+    philox8_transpose(v0, v1, v2, v3, words);
+    for (int k = 0; k < 4; ++k) {
+      // 0xFFFF where bits >= threshold (unsigned), widened to one 32-bit lane per element.
+      const __m256i keep16 = _mm256_cmpeq_epi16(_mm256_max_epu16(words[k], threshold), words[k]);
+      const __m256i keep[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(keep16)),
+                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(keep16, 1))};
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = done + 16 * k + 8 * h;
+        const __m256 factor = _mm256_and_ps(_mm256_castsi256_ps(keep[h]), scale);
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + at), factor);
+#if defined(__GNUC__)
+        // The product is rounded before the sum, as grad_x holds it: without this GCC
+        // contracts the mul and the add below into one FMA when v is not stored (kAcc
+        // only), and the table gradient would then differ with and without grad_x.
+        __asm__("" : "+x"(v));
+#endif
+        if constexpr (kStore) _mm256_storeu_ps(dst + at, v);
+        if constexpr (kAcc) _mm256_storeu_ps(acc + at, _mm256_add_ps(_mm256_loadu_ps(acc + at), v));
+      }
+    }
+  }
+  return done;
 }
 #else
 void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
@@ -199,6 +283,27 @@ bool cpu_has_avx512() {
   return has;
 }
 #endif
+
+// masked_f32_avx2 where it applies: returns the count of leading elements it did, 0
+// elsewhere (other dtypes, no dropout, the plain build, and CPUs with AVX-512, which keep
+// the 16-lane Philox of dropout_bits and the separate passes: not measured against this
+// path, no such CPU at hand).
+template <bool kStore, bool kAcc, typename scalar_t, typename acc_t>
+int64_t masked_fast(const DropoutArgs& draw, int64_t first, int64_t n, const scalar_t* src,
+                    scalar_t* dst, acc_t* acc) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+#if defined(POSENC_AVX512_PHILOX)
+    const bool avx512 = cpu_has_avx512();
+#else
+    const bool avx512 = false;
+#endif
+    if (draw.active && !avx512) return masked_f32_avx2<kStore, kAcc>(draw, first, n, src, dst, acc);
+  }
+#endif
+  (void)draw, (void)first, (void)n, (void)src, (void)dst, (void)acc;
+  return 0;
+}
 
 // 16 random bits for each element of dropout blocks [block0, block0 + nblocks).
 void dropout_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t nblocks,
@@ -358,14 +463,20 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
 
   // Masked gradient of n elements of row r from column j0: written to grad_x (if wanted)
   // and added to acc (n accumulators). The mask is regenerated from the row's flat index.
+  // masked_fast (float32, AVX2) does whole groups of 64 from the start in one pass; the
+  // general path below does the rest (all of it elsewhere).
   auto masked_row_into = [&](int64_t r, int64_t j0, int64_t n, acc_t* factors, acc_t* acc) {
-    const scalar_t* g_row = grad + r * d + j0;
-    if (draw.active) dropout_factors<acc_t>(draw, r * d + j0, n, factors);
-    for (int64_t k = 0; k < n; k += W) {
+    const int64_t first = r * d + j0;
+    const int64_t done = grad_x != nullptr
+        ? masked_fast<true, true>(draw, first, n, grad + first, grad_x + first, acc)
+        : masked_fast<false, true>(draw, first, n, grad + first, grad_x, acc);
+    if (done == n) return;
+    if (draw.active) dropout_factors<acc_t>(draw, first + done, n - done, factors);
+    for (int64_t k = done; k < n; k += W) {
       const int64_t m = std::min<int64_t>(W, n - k);
-      Vec v = load_as<scalar_t, acc_t>(g_row + k, m);
-      if (draw.active) v = v * load_as<acc_t, acc_t>(factors + k, m);
-      if (grad_x != nullptr) store_as<scalar_t, acc_t>(v, grad_x + r * d + j0 + k, m);
+      Vec v = load_as<scalar_t, acc_t>(grad + first + k, m);
+      if (draw.active) v = v * load_as<acc_t, acc_t>(factors + (k - done), m);
+      if (grad_x != nullptr) store_as<scalar_t, acc_t>(v, grad_x + first + k, m);
       store_as<acc_t, acc_t>(load_as<acc_t, acc_t>(acc + k, m) + v, acc + k, m);
     }
   };
@@ -453,8 +564,12 @@ void dropout_backward(const scalar_t* grad, int64_t n, const DropoutArgs& draw, 
     for (int64_t c = begin; c < end; ++c) {
       const int64_t first = c * kChunk;
       const int64_t m = std::min(kChunk, n - first);
-      dropout_factors<acc_t>(draw, first, m, factors);
-      combine<scalar_t, scalar_t, acc_t>(grad + first, nullptr, factors, out + first, m);
+      const int64_t done = masked_fast<true, false, scalar_t, acc_t>(draw, first, m, grad + first,
+                                                                    out + first, nullptr);
+      if (done == m) continue;
+      dropout_factors<acc_t>(draw, first + done, m - done, factors);
+      combine<scalar_t, scalar_t, acc_t>(grad + first + done, nullptr, factors, out + first + done,
+                                         m - done);
     }
   });
 }

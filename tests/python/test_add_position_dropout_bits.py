@@ -1,0 +1,117 @@
+"""The CPU backward kernels' dropout mask, bit for bit, against Philox4x32-10 written out in
+NumPy from posenc/math/philox.h (counter = (offset / 4, block), key = seed, 16 bits per
+element, keep iff bits >= round(p * 65536)).
+
+The float32 backward on CPUs with AVX-512 applies the mask straight from the Philox
+registers in groups of 128 elements (16 blocks) and leaves row heads that do not start a
+block, and the tails, to the general path; the shapes below give both, at every place in
+a row and a 1024-element chunk, and the other dtypes run the general path only.
+"""
+import numpy as np
+import pytest
+import torch
+
+M32 = np.uint64(0xFFFFFFFF)
+
+
+def philox_bits16(seed: int, offset: int, n: int) -> np.ndarray:
+    """The 16 random bits of elements 0 .. n - 1 of a call with this (seed, offset)."""
+    seed &= (1 << 64) - 1
+    blocks = np.arange((n + 7) // 8, dtype=np.uint64)
+    c0 = np.full_like(blocks, (offset >> 2) & 0xFFFFFFFF)
+    c1 = np.full_like(blocks, (offset >> 34) & 0xFFFFFFFF)
+    c2, c3 = blocks & M32, blocks >> np.uint64(32)
+    k0, k1 = seed & 0xFFFFFFFF, seed >> 32
+    for _ in range(10):
+        p0, p1 = c0 * np.uint64(0xD2511F53), c2 * np.uint64(0xCD9E8D57)
+        hi0, lo0 = p0 >> np.uint64(32), p0 & M32
+        hi1, lo1 = p1 >> np.uint64(32), p1 & M32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ np.uint64(k0), lo1, hi0 ^ c3 ^ np.uint64(k1), lo0
+        k0, k1 = (k0 + 0x9E3779B9) & 0xFFFFFFFF, (k1 + 0xBB67AE85) & 0xFFFFFFFF
+    words = np.stack([c0, c1, c2, c3], axis=1)
+    halves = np.stack([words & np.uint64(0xFFFF), words >> np.uint64(16)], axis=2)
+    return halves.reshape(-1)[:n].astype(np.int64)
+
+
+def keep_mask(seed: int, offset: int, shape, p: float) -> torch.Tensor:
+    threshold = min(int(p * 65536.0 + 0.5), 65536)
+    n = int(np.prod(shape))
+    return torch.from_numpy(philox_bits16(seed, offset, n) >= threshold).reshape(shape)
+
+
+def expected_masked(grad: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """grad * (keep ? scale : 0) in the accumulation dtype, rounded once (the kernels' math)."""
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    scale = torch.tensor(0.0 if p >= 1 else 1.0 / (1.0 - p), dtype=acc)
+    factor = torch.where(keep, scale, torch.zeros((), dtype=acc))
+    return (grad.to(acc) * factor).to(grad.dtype)
+
+
+# (shape, seed, offset): rows of 512 (whole groups), of 40 and 37 (rows that start inside a
+# block and groups cut by the 1024-element chunks), one long row with a tail of 5.
+CASES = [
+    ((2, 64, 512), 0x1234_5678_9ABC_DEF0, 0),
+    ((3, 37, 40), -0x0F0E_0D0C_0B0A_0908, 8),
+    ((4, 29, 37), 77, 4 * 0x1_0000_0003),
+    ((1, 3, 4101), 2**63 - 1, 12),
+]
+
+
+@pytest.mark.parametrize("shape,seed,offset", CASES)
+@pytest.mark.parametrize("p", [0.1, 0.5, 2.0**-17, 1.0 - 2.0**-18])
+def test_x_gradient_is_the_philox_mask(shape, seed, offset, p):
+    grad = torch.randn(shape)
+    rng = torch.tensor([seed, offset], dtype=torch.int64)
+    got = torch.ops.posenc.add_position_backward(grad, rng, p)
+    want = expected_masked(grad, keep_mask(seed, offset, shape, p), p)
+    assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16, torch.float16])
+def test_x_gradient_is_the_philox_mask_in_other_dtypes(dtype):
+    shape, seed, offset = CASES[0]
+    grad = torch.randn(shape).to(dtype)
+    rng = torch.tensor([seed, offset], dtype=torch.int64)
+    got = torch.ops.posenc.add_position_backward(grad, rng, 0.3)
+    assert torch.equal(got, expected_masked(grad, keep_mask(seed, offset, shape, 0.3), 0.3))
+
+
+def test_nan_and_negative_gradients_keep_their_product_with_zero():
+    """Dropped elements are grad * 0 as before (NaN stays NaN, -1 gives -0), not a bare 0."""
+    grad = torch.randn(2, 16, 512)
+    grad[0, 0, :256] = float("nan")
+    rng = torch.tensor([99, 0], dtype=torch.int64)
+    got = torch.ops.posenc.add_position_backward(grad, rng, 0.5)
+    want = expected_masked(grad, keep_mask(99, 0, grad.shape, 0.5), 0.5)
+    assert torch.equal(got.isnan(), want.isnan())
+    assert torch.equal(torch.signbit(got), torch.signbit(want))
+    assert torch.equal(got.nan_to_num(), want.nan_to_num())
+
+
+@pytest.mark.parametrize("shape,seed,offset", CASES)
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("positions", ["none", "seq", "batch_seq"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_fused_table_backward_is_the_philox_mask(shape, seed, offset, batch_first, positions, dtype):
+    grad = torch.randn(shape, dtype=dtype)
+    B, S = (shape[0], shape[1]) if batch_first else (shape[1], shape[0])
+    table_len = S + 3
+    pos = {"none": None, "seq": torch.randint(0, table_len, (S,)),
+           "batch_seq": torch.randint(0, table_len, (B, S))}[positions]
+    rng = torch.tensor([seed, offset], dtype=torch.int64)
+    p = 0.2
+    gx, gt = torch.ops.posenc.add_position_backward_with_table(
+        grad, rng, pos, 2 if pos is None else 0, batch_first, p, table_len, True)
+    masked = expected_masked(grad, keep_mask(seed, offset, shape, p), p)
+    assert torch.equal(gx, masked)
+    # The table gradient: the masked rows summed per position (the kernel's order differs
+    # from torch's, so compared in float64 with a tolerance).
+    bs = masked.double() if batch_first else masked.double().transpose(0, 1)
+    rows = (torch.arange(S) + 2).expand(B, S) if pos is None else pos.expand(B, S)
+    want = torch.zeros(table_len, shape[2], dtype=torch.float64).index_add_(
+        0, rows.reshape(-1), bs.reshape(B * S, -1))
+    assert gt.dtype == dtype
+    torch.testing.assert_close(gt.double(), want, rtol=1e-5, atol=1e-5)
+    _, gt_only = torch.ops.posenc.add_position_backward_with_table(
+        grad, rng, pos, 2 if pos is None else 0, batch_first, p, table_len, False)
+    assert torch.equal(gt_only, gt)
