@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from harness import bench_shape, copy_bandwidth, format_table
+from harness import bench_shape, copy_bandwidth, format_table, page_policy
 
 
 def main() -> int:
@@ -32,6 +32,7 @@ def main() -> int:
         rows.extend(new_rows)
 
     if args.device in ("cpu", "all"):
+        print(page_policy(), flush=True)
         shape = (8, 256, 512) if args.quick else (32, 512, 512)
         for name in args.cpu_dtypes.split(","):
             for kind in ("sinusoidal", "learned"):

@@ -25,6 +25,42 @@ import torch.nn.functional as F
 import posenc
 
 
+# The page policy that makes CPU timings comparable: every variant's fresh outputs on the same
+# page size. torch's own CPU allocator puts large tensors on 2 MiB transparent huge pages
+# (THP_MEM_ALLOC_ENABLE=1), and posenc's ops skip their own huge-page advice
+# (POSENC_NO_HUGE_PAGES=1), which would otherwise give posenc's outputs huge pages and the
+# others' 4 KiB ones (a clone then pays ~8000 page faults per 32 MiB that posenc does not:
+# benchmarks/NOTES.md, CPU). Both are read once per process (torch's at its first
+# allocation), so they must be in the environment when the process starts.
+FAIR_PAGE_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "POSENC_NO_HUGE_PAGES": "1"}
+
+
+def _thp_mode() -> str:
+    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), or "unknown"."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+            text = f.read()
+    except OSError:
+        return "unknown"
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else "unknown"
+
+
+def page_policy() -> str:
+    """One line saying which pages the CPU timings' outputs get in this process."""
+    fair = all(os.environ.get(k) == v for k, v in FAIR_PAGE_ENV.items())
+    env = " ".join(f"{k}={os.environ.get(k, '')}" for k in FAIR_PAGE_ENV)
+    mode = _thp_mode()
+    if fair and mode == "never":
+        what = "one policy for all: every variant on 4 KiB pages (huge pages off in the kernel)"
+    elif fair:
+        what = ("one policy for all: every variant's tensors on 2 MiB huge pages from torch's "
+                "allocator, posenc's own advice off")
+    else:
+        what = "NOT one policy: posenc's outputs and the others' may get different page sizes"
+    return f"Page policy (CPU): {what} ({env}; kernel THP mode: {mode})"
+
+
 @dataclass
 class Row:
     device: str

@@ -23,6 +23,8 @@ def run_demo(tmp_path: Path) -> str:
     package_root = str(Path(posenc.__file__).resolve().parent.parent)
     env["PYTHONPATH"] = os.pathsep.join([package_root, *filter(None, [env.get("PYTHONPATH")])])
     env["CUDA_VISIBLE_DEVICES"] = ""  # CPU only: the GPU benchmark sizes are not quick
+    for name in ("THP_MEM_ALLOC_ENABLE", "POSENC_NO_HUGE_PAGES", "POSENC_DEMO_REEXEC"):
+        env.pop(name, None)  # the demo sets its page policy itself
     env.setdefault("MPLBACKEND", "Agg")
     proc = subprocess.run(
         [sys.executable, "-m", "posenc", "demo", "--quick", "--out", str(out_dir)],
@@ -75,6 +77,16 @@ def test_demo_quick(tmp_path):
     assert plain[("left", "man")] == plain[("right", "man")]
     assert encoded[("left", "dog")] != encoded[("right", "dog")]
     assert encoded[("left", "man")] != encoded[("right", "man")]
+
+    # The benchmark runs under one page policy for every variant, and says so before its
+    # tables: the demo re-executes itself with torch's allocator on huge pages and posenc's
+    # own huge-page advice off (benchmarks/harness.py, FAIR_PAGE_ENV), even though this test
+    # starts it without those variables.
+    policy = re.findall(r"^Page policy \(CPU\): (.*)$", out, re.MULTILINE)
+    assert len(policy) == 1, out
+    assert policy[0].startswith("one policy for all"), policy[0]
+    assert "THP_MEM_ALLOC_ENABLE=1 POSENC_NO_HUGE_PAGES=1" in policy[0], policy[0]
+    assert out.index("Page policy (CPU)") < out.index("Benchmark: fused")
 
     # A benchmark table of the fused op, with numbers in its rows, and the RoPE one.
     header, bench = table_rows(out, "device dtype")
