@@ -1,10 +1,14 @@
 // CUDA kernels of add_position_backward_with_table: grad read once, grad_x = grad * mask *
 // scale written, and the same values summed into the table in a fixed order (deterministic,
 // no atomics).
-// - Positions that depend on the sequence index only (offset, or (seq,) positions): one
-//   thread per (s, group of 8 columns) walks the batch in order. Without positions the sums
-//   land straight in their table rows (offset + s, all distinct); with (seq,) positions,
-//   which may repeat, they go to a (seq, d) buffer reduced into the table by index_put (sort
+// - Positions that depend on the sequence index only (offset, or (seq,) positions): a block
+//   per (s, tile of up to 32 groups of 8 columns); its threads split the batch into
+//   contiguous slices (256 / tile width of them), each summing its slice in order, and the
+//   slices are added in slice order through shared memory: a fixed order, and
+//   seq * d / 8 * slices threads instead of seq * d / 8 (too few for 132 SMs at
+//   (32, 512, 512): 128 blocks; ViT's (256, 197, 768): 74). Without positions the sums land
+//   straight in their table rows (offset + s, all distinct); with (seq,) positions, which
+//   may repeat, they go to a (seq, d) buffer reduced into the table by index_put (sort
 //   based: deterministic too; unchecked out-of-range positions add nothing, see
 //   scatter_rows_into_table).
 // - (batch, seq) positions: the rows are sorted (stably) by table row and each run of equal
@@ -20,6 +24,7 @@
 
 #include "ops/add_position_checks.h"
 #include "ops/add_position_composite.h"
+#include "ops/cuda_work_split.h"
 #include "ops/sorted_runs.h"
 #include "posenc/math/philox.h"
 #include "vector_access.cuh"
@@ -29,7 +34,6 @@ namespace ops {
 namespace {
 
 using cuda::is_aligned16;
-using cuda::load_group;
 using cuda::store_group;
 
 constexpr int kThreads = 256;
@@ -73,22 +77,35 @@ struct ColumnGroupSum {
     for (int k = 0; k < kGroup; ++k) acc[k] = acc_t(0);
   }
 
+  // The aligned path in two steps, so that a caller can have two rows' loads in flight:
+  // load (two 16-byte loads at most), then add (mask, grad_x, sums).
+  __device__ __forceinline__ cuda::RawGroup<scalar_t> load(const scalar_t* __restrict__ grad,
+                                                           int64_t row) const {
+    return cuda::load_raw_group(grad + row * d + j0);
+  }
+
+  __device__ __forceinline__ void add(const cuda::RawGroup<scalar_t>& raw,
+                                      scalar_t* __restrict__ grad_x, int64_t row) {
+    const int64_t e0 = row * d + j0;
+    acc_t v[kGroup];
+    cuda::convert_group(raw, v);
+    if (dropout) {
+      const math::Philox4x32 bits = math::dropout_block_bits(seed, offset, e0 / kGroup);
+#pragma unroll
+      for (int k = 0; k < kGroup; ++k) {
+        v[k] *= math::dropout_lane_bits(bits, k) >= threshold ? scale : acc_t(0);
+      }
+    }
+    if (grad_x != nullptr) store_group<scalar_t, acc_t>(grad_x + e0, v);
+#pragma unroll
+    for (int k = 0; k < kGroup; ++k) acc[k] += v[k];
+  }
+
   __device__ __forceinline__ void add_row(const scalar_t* __restrict__ grad,
                                           scalar_t* __restrict__ grad_x, int64_t row) {
     const int64_t e0 = row * d + j0;
     if (kAligned) {
-      acc_t v[kGroup];
-      load_group<scalar_t, acc_t>(grad + e0, v);
-      if (dropout) {
-        const math::Philox4x32 bits = math::dropout_block_bits(seed, offset, e0 / kGroup);
-#pragma unroll
-        for (int k = 0; k < kGroup; ++k) {
-          v[k] *= math::dropout_lane_bits(bits, k) >= threshold ? scale : acc_t(0);
-        }
-      }
-      if (grad_x != nullptr) store_group<scalar_t, acc_t>(grad_x + e0, v);
-#pragma unroll
-      for (int k = 0; k < kGroup; ++k) acc[k] += v[k];
+      add(load(grad, row), grad_x, row);
     } else {
       uint64_t block = ~uint64_t{0};
       math::Philox4x32 bits{};
@@ -122,22 +139,59 @@ struct ColumnGroupSum {
   }
 };
 
-// Positions that depend on s only: one thread per (s, group of 8 columns) walks the batch.
+// Positions that depend on s only. Block (tile, slices) = blockDim (x, y): thread (x, y)
+// sums column group tile * x_width + x of position s over batch slice y, rows in batch
+// order; then the slice sums are added in slice order, one thread per column, and stored.
+// Register budget: 4 blocks of 256 threads per SM (64 registers) on the 16-byte paths, two
+// rows' loads in flight (one for float64, whose row group is already four 16-byte loads);
+// 2 blocks (128 registers) for the element-wise fallback and float64, which spilled at 64.
 template <typename scalar_t, bool kAligned>
-__global__ void __launch_bounds__(kThreads)
+constexpr int kTableMinBlocksPerSm = kAligned && sizeof(scalar_t) <= 4 ? 4 : 2;
+
+template <typename scalar_t, bool kAligned>
+__global__ void __launch_bounds__(kThreads, (kTableMinBlocksPerSm<scalar_t, kAligned>))
     add_position_backward_table_kernel(const scalar_t* __restrict__ grad,
                                        scalar_t* __restrict__ grad_x,
                                        at::opmath_type<scalar_t>* __restrict__ sums,
-                                       TableBackwardArgs args) {
+                                       TableBackwardArgs args, int64_t tiles_per_row) {
+  using acc_t = at::opmath_type<scalar_t>;
+  __shared__ acc_t partial[kThreads * kGroup];
   const int64_t groups_per_row = (args.d + kGroup - 1) / kGroup;
-  const int64_t tid = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x;
-  if (tid >= args.seq * groups_per_row) return;
-  const int64_t s = tid / groups_per_row;
-  ColumnGroupSum<scalar_t, kAligned> sum(args, (tid - s * groups_per_row) * kGroup);
-  for (int64_t b = 0; b < args.batch; ++b) {  // batch order: the fixed summation order
-    sum.add_row(grad, grad_x, args.batch_first ? b * args.seq + s : s * args.batch + b);
+  const int64_t s = blockIdx.x / tiles_per_row;
+  const int64_t tile = blockIdx.x - s * tiles_per_row;
+  const int width = blockDim.x, slices = blockDim.y;
+  const int64_t group = tile * width + threadIdx.x;
+  int64_t b_begin, b_end;
+  table_batch_slice(args.batch, slices, threadIdx.y, &b_begin, &b_end);
+  ColumnGroupSum<scalar_t, kAligned> sum(args, group * kGroup);
+  if (group < groups_per_row) {
+    // Batch order within the slice; two rows' loads in flight on the aligned path.
+    const int64_t b_step = args.batch_first ? args.seq : 1;
+    const int64_t first = args.batch_first ? s : s * args.batch;
+    int64_t b = b_begin;
+    if constexpr (kAligned && sizeof(scalar_t) <= 4) {  // float64 rows: one at a time (spills)
+      for (; b + 1 < b_end; b += 2) {
+        const int64_t r0 = first + b * b_step, r1 = r0 + b_step;
+        const cuda::RawGroup<scalar_t> g0 = sum.load(grad, r0);
+        const cuda::RawGroup<scalar_t> g1 = sum.load(grad, r1);
+        sum.add(g0, grad_x, r0);
+        sum.add(g1, grad_x, r1);
+      }
+    }
+    for (; b < b_end; ++b) sum.add_row(grad, grad_x, first + b * b_step);
   }
-  sum.store(sums + s * args.d);
+  const int t = threadIdx.y * width + threadIdx.x;
+#pragma unroll
+  for (int k = 0; k < kGroup; ++k) partial[t * kGroup + k] = sum.acc[k];
+  __syncthreads();
+  // Column c of the tile (group c / 8, lane c % 8): the slices in order.
+  const int c = t;
+  const int64_t j = tile * width * kGroup + c;
+  if (c < width * kGroup && j < args.d) {
+    acc_t total = partial[c];
+    for (int y = 1; y < slices; ++y) total += partial[y * width * kGroup + c];
+    sums[s * args.d + j] = total;
+  }
 }
 
 // (batch, seq) positions: the memory rows sorted (stably) by their table row, so the rows
@@ -225,9 +279,14 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor grad_x = need_x ? at::empty(grad.sizes(), grad.options())
                              : at::empty({0}, grad.options());
-  at::Tensor grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
-  if (grad.numel() == 0) return {grad_x, grad_table};
   const bool sorted = positions.has_value() && positions->dim() == 2;
+  // The table gradient starts at zero, except on the (seq,) positions path, which builds it
+  // from the per-s sums (scatter_rows_into_table) and would discard a zeroed table.
+  at::Tensor grad_table;
+  if (grad.numel() == 0 || !positions.has_value() || sorted) {
+    grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
+  }
+  if (grad.numel() == 0) return {grad_x, grad_table};
   const auto params = math::make_dropout_params(p);
   const at::Tensor state = p > 0.0 ? rng.contiguous() : at::Tensor();
   TableBackwardArgs args{g.batch, g.seq, g.d, g.batch_first,
@@ -281,8 +340,13 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
         } else {
           auto kernel = aligned ? add_position_backward_table_kernel<scalar_t, true>
                                 : add_position_backward_table_kernel<scalar_t, false>;
-          kernel<<<blocks, kThreads, 0, stream>>>(grad.const_data_ptr<scalar_t>(), gx,
-                                                  sums.mutable_data_ptr<acc_t>(), args);
+          // Tile width: the row's column groups, up to a warp's 32 (a warp then reads 512
+          // contiguous bytes of bf16 rows); the rest of the 256 threads split the batch.
+          const TableTiles tiles = table_tiles(groups_per_row, kThreads);
+          const dim3 block(tiles.width, tiles.slices);
+          kernel<<<g.seq * tiles.tiles_per_row, block, 0, stream>>>(
+              grad.const_data_ptr<scalar_t>(), gx, sums.mutable_data_ptr<acc_t>(), args,
+              tiles.tiles_per_row);
         }
         C10_CUDA_KERNEL_LAUNCH_CHECK();
       });

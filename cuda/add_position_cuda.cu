@@ -33,7 +33,6 @@ namespace ops {
 namespace {
 
 using cuda::is_aligned16;
-using cuda::load_group;
 using cuda::store_group;
 using at::cuda::detail::IntDivider;
 
@@ -80,8 +79,20 @@ __device__ __forceinline__ void dropout_factors(uint64_t seed, uint64_t offset, 
   }
 }
 
+// Fast path: kUnroll<scalar_t> groups per thread and step, all their loads issued before
+// the arithmetic (the Philox rounds of the dropout mask run while the loads are in flight):
+// two for 16-bit types, one for float32 and float64, whose group is already two or four
+// 16-byte loads, so every thread has at least 32 bytes of x in flight (more spilled).
+// Register budget: kMinBlocksPerSm = 4 blocks of 256 threads (64 registers a thread). At 40
+// (6 blocks) ptxas spilled the second group; 1024 threads x 32 bytes of x is 32 KiB of HBM
+// loads in flight per SM, above the ~26 KiB Little's law asks at 4.3 TB/s, where one bf16
+// group at 6 blocks gave 24 KiB (benchmarks/NOTES.md, GPU).
+template <typename T>
+constexpr int kUnroll = sizeof(T) == 2 ? 2 : 1;
+constexpr int kMinBlocksPerSm = 4;
+
 template <typename scalar_t, typename table_t, typename index_t, bool kVectorized>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     add_position_forward_kernel(const scalar_t* __restrict__ x, const table_t* __restrict__ table,
                                 scalar_t* __restrict__ out, index_t numel, RowMap<index_t> map,
                                 CudaDropoutArgs dropout, int64_t* __restrict__ rng_out) {
@@ -100,26 +111,51 @@ __global__ void __launch_bounds__(kThreads)
   const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
   const index_t groups = (numel + kGroup - 1) / kGroup;
   const index_t stride = static_cast<index_t>(gridDim.x) * kThreads;
-  for (index_t g = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups;
-       g += stride) {
-    acc_t factors[kGroup];
-    if (dropout.active) dropout_factors<acc_t>(seed, offset, g, dropout.threshold, scale, factors);
-    const index_t e0 = g * kGroup;
-    if (kVectorized) {
-      const auto rc = map.d.divmod(e0);
-      const int64_t pos = map.position(rc.div);
-      acc_t v[kGroup], t[kGroup];
-      load_group<scalar_t, acc_t>(x + e0, v);
-      if (pos >= 0) {
-        load_group<table_t, acc_t>(table + pos * map.d.divisor + rc.mod, t);
+  if constexpr (kVectorized) {
+    for (index_t g0 = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; g0 < groups;
+         g0 += stride * kUnroll<scalar_t>) {
+      cuda::RawGroup<scalar_t> xs[kUnroll<scalar_t>];
+      cuda::RawGroup<table_t> ts[kUnroll<scalar_t>];
+      bool in_table[kUnroll<scalar_t>];
+#pragma unroll
+      for (int u = 0; u < kUnroll<scalar_t>; ++u) {
+        const index_t g = g0 + u * stride;
+        in_table[u] = false;
+        if (g < groups) {
+          const index_t e0 = g * kGroup;
+          const auto rc = map.d.divmod(e0);
+          const int64_t pos = map.position(rc.div);
+          xs[u] = cuda::load_raw_group(x + e0);
+          in_table[u] = pos >= 0;
+          if (in_table[u]) ts[u] = cuda::load_raw_group(table + pos * map.d.divisor + rc.mod);
+        }
       }
 #pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        v[k] = pos >= 0 ? v[k] + t[k] : nan;
-        if (dropout.active) v[k] *= factors[k];
+      for (int u = 0; u < kUnroll<scalar_t>; ++u) {
+        const index_t g = g0 + u * stride;
+        if (g >= groups) break;
+        acc_t v[kGroup], t[kGroup], factors[kGroup];
+        cuda::convert_group(xs[u], v);
+        cuda::convert_group(ts[u], t);
+        if (dropout.active) {
+          dropout_factors<acc_t>(seed, offset, g, dropout.threshold, scale, factors);
+        }
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) {
+          v[k] = in_table[u] ? v[k] + t[k] : nan;
+          if (dropout.active) v[k] *= factors[k];
+        }
+        store_group<scalar_t, acc_t>(out + g * kGroup, v);
       }
-      store_group<scalar_t, acc_t>(out + e0, v);
-    } else {
+    }
+  } else {
+    for (index_t g = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups;
+         g += stride) {
+      acc_t factors[kGroup];
+      if (dropout.active) {
+        dropout_factors<acc_t>(seed, offset, g, dropout.threshold, scale, factors);
+      }
+      const index_t e0 = g * kGroup;
 #pragma unroll
       for (int k = 0; k < kGroup; ++k) {
         const index_t e = e0 + k;
@@ -136,8 +172,10 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+// The dropout backward: grad * mask * scale, the mask drawn again from (seed, offset).
+// Same shape as the forward's fast path: kUnroll groups, loads before the Philox rounds.
 template <typename scalar_t, typename index_t, bool kVectorized>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     add_position_backward_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ out,
                                  index_t numel, const int64_t* __restrict__ rng,
                                  uint32_t threshold, double scale_d) {
@@ -147,32 +185,52 @@ __global__ void __launch_bounds__(kThreads)
   const acc_t scale = static_cast<acc_t>(scale_d);
   const index_t groups = (numel + kGroup - 1) / kGroup;
   const index_t stride = static_cast<index_t>(gridDim.x) * kThreads;
-  for (index_t g = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; g < groups;
-       g += stride) {
-    acc_t factors[kGroup];
-    dropout_factors<acc_t>(seed, offset, g, threshold, scale, factors);
-    const index_t e0 = g * kGroup;
-    if (kVectorized && e0 + kGroup <= numel) {
-      acc_t v[kGroup];
-      load_group<scalar_t, acc_t>(grad + e0, v);
+  for (index_t g0 = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; g0 < groups;
+       g0 += stride * kUnroll<scalar_t>) {
+    cuda::RawGroup<scalar_t> raw[kUnroll<scalar_t>];
+    bool whole[kUnroll<scalar_t>];
 #pragma unroll
-      for (int k = 0; k < kGroup; ++k) v[k] *= factors[k];
-      store_group<scalar_t, acc_t>(out + e0, v);
-    } else {
+    for (int u = 0; u < kUnroll<scalar_t>; ++u) {
+      const index_t e0 = (g0 + u * stride) * kGroup;
+      whole[u] = kVectorized && g0 + u * stride < groups && e0 + kGroup <= numel;
+      if (whole[u]) raw[u] = cuda::load_raw_group(grad + e0);
+    }
 #pragma unroll
-      for (int k = 0; k < kGroup; ++k) {
-        const index_t e = e0 + k;
-        if (e >= numel) break;
-        out[e] = static_cast<scalar_t>(static_cast<acc_t>(grad[e]) * factors[k]);
+    for (int u = 0; u < kUnroll<scalar_t>; ++u) {
+      const index_t g = g0 + u * stride;
+      if (g >= groups) break;
+      acc_t factors[kGroup];
+      dropout_factors<acc_t>(seed, offset, g, threshold, scale, factors);
+      const index_t e0 = g * kGroup;
+      if (whole[u]) {
+        acc_t v[kGroup];
+        cuda::convert_group(raw[u], v);
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) v[k] *= factors[k];
+        store_group<scalar_t, acc_t>(out + e0, v);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kGroup; ++k) {
+          const index_t e = e0 + k;
+          if (e >= numel) break;
+          out[e] = static_cast<scalar_t>(static_cast<acc_t>(grad[e]) * factors[k]);
+        }
       }
     }
   }
 }
 
-int64_t grid_for(int64_t numel) {
+// One wave of resident blocks (the kernels are grid-stride), from the occupancy calculator
+// (a host-side query, no device synchronisation), each thread given kUnroll groups a step.
+template <typename scalar_t, typename Kernel>
+int64_t grid_for(Kernel kernel, int64_t numel) {
   const int64_t groups = (numel + kGroup - 1) / kGroup;
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0));
   const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  return std::max<int64_t>(1, std::min<int64_t>((groups + kThreads - 1) / kThreads, sms * 16));
+  constexpr int64_t per_block = kThreads * kUnroll<scalar_t>;
+  const int64_t wanted = (groups + per_block - 1) / per_block;
+  return std::max<int64_t>(1, std::min<int64_t>(wanted, sms * std::max(resident, 1)));
 }
 
 template <typename scalar_t, typename table_t, typename index_t>
@@ -194,14 +252,16 @@ void launch_forward(const at::Tensor& x, const at::Tensor& table, const at::Tens
   int64_t* rng_ptr = dropout.active ? rng.mutable_data_ptr<int64_t>() : nullptr;
   auto kernel = vectorized ? add_position_forward_kernel<scalar_t, table_t, index_t, true>
                            : add_position_forward_kernel<scalar_t, table_t, index_t, false>;
-  kernel<<<grid_for(x.numel()), kThreads, 0, stream>>>(
+  kernel<<<grid_for<scalar_t>(kernel, x.numel()), kThreads, 0, stream>>>(
       x.const_data_ptr<scalar_t>(), table.const_data_ptr<table_t>(),
       out.mutable_data_ptr<scalar_t>(), numel, map, dropout, rng_ptr);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// 32-bit indices when every group index a thread forms (up to groups + 2 strides, a stride
+// at most one group per thread of the grid) and its element index fit.
 bool fits_int32(int64_t numel) {
-  return numel + kGroup * static_cast<int64_t>(kThreads) * 2 <
+  return numel + kGroup * static_cast<int64_t>(kThreads) * 2 * 3 <
          std::numeric_limits<int32_t>::max();
 }
 
@@ -268,7 +328,7 @@ at::Tensor add_position_backward_cuda(const at::Tensor& grad_in, const at::Tenso
           using index_t = decltype(index_zero);
           auto kernel = vectorized ? add_position_backward_kernel<scalar_t, index_t, true>
                                    : add_position_backward_kernel<scalar_t, index_t, false>;
-          kernel<<<grid_for(grad.numel()), kThreads, 0, stream>>>(
+          kernel<<<grid_for<scalar_t>(kernel, grad.numel()), kThreads, 0, stream>>>(
               grad.const_data_ptr<scalar_t>(), out.mutable_data_ptr<scalar_t>(),
               static_cast<index_t>(grad.numel()), state.const_data_ptr<int64_t>(),
               params.threshold, params.scale);

@@ -1,16 +1,24 @@
 // CUDA kernels of the rope ops (out of place and in place; the backward is the same kernel
 // with inverse=true).
 //
-// A block handles one token at a time (grid-stride over tokens). The token's cos/sin are
-// evaluated once per block into shared memory, one pair per thread (from the token's
-// coordinate on the pair's axis: multi-axis RoPE), with the shared math of
-// posenc/math/rope.h (angle formed and reduced in float64, so accurate at any position).
-// Thread t then owns a chunk of P consecutive pairs (c = t % chunks) and a head lane
-// (t / chunks), and walks the heads of q and k at stride `head_lanes`. On the fast path (last dimension contiguous, 16-byte aligned
-// rows, rotary_dim/2 a multiple of P) each chunk is one 16-byte load per half (rotate_half
-// layout) or two consecutive ones (interleaved layout); otherwise P = 1 with element loads
-// and any strides. The frequencies travel in the kernel parameters (__grid_constant__, no
-// copy); no host-device synchronisation anywhere.
+// A block holds one or more tokens (`slots`: as many as fit 256 threads, so calls with few
+// heads still fill a block) and walks the tokens grid-stride, one block-full per step. Per
+// step, each thread first loads its first head's pairs, then the block evaluates its
+// tokens' cos/sin into shared memory (every thread a share; angle formed and reduced in
+// float64 with posenc/math/rope.h, so accurate at any position; multi-axis RoPE reads the
+// pair's position axis), one barrier, then thread (lane, c) rotates chunk c of P
+// consecutive pairs of heads lane, lane + head_lanes, ... of q then k. The shared buffers
+// are doubled so one barrier per step suffices, and the loads of the first head are in
+// flight during the sin/cos evaluation. Each token's start (offsets, the packed-sequence
+// search of "thd") is computed once, by one thread, a step ahead.
+//
+// Fast path (last dimension contiguous, 16-byte aligned rows, rotary_dim/2 a multiple of
+// P): each chunk is one 16-byte load and store per half (rotate_half layout) or two
+// consecutive ones (interleaved layout), and the partial-rotary pass-through copies 16
+// bytes at a time; otherwise P = 1 with element accesses and any strides. The frequencies
+// travel in the kernel parameters (__grid_constant__, no copy); no host-device
+// synchronisation anywhere. The rotation rounds as the CPU kernel does
+// (math::rope_rotate_pair), so results do not depend on the path taken.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -23,6 +31,7 @@
 #include <limits>
 
 #include "vector_access.cuh"
+#include "ops/cuda_work_split.h"
 #include "ops/rope/rope_launch.h"
 #include "posenc/math/rope.h"
 
@@ -33,43 +42,75 @@ namespace {
 using cuda::Pack;
 
 constexpr int kMaxThreads = 256;
+// Register budget: 3 blocks of 256 threads per SM (80 registers a thread). At 64 (4
+// blocks) ptxas spilled the loop state of the 16-byte paths once a step's first loads were
+// hoisted above the sin/cos evaluation; 768 threads, each with its head's two 16-byte loads
+// in flight, keep 24 KiB of loads in flight per SM (benchmarks/NOTES.md, GPU). tests/cpp/
+// check_cuda_kernels.py checks the budget and that nothing spills.
+constexpr int kMinBlocksPerSm = 3;
+constexpr int kMaxSlots = 32;  // tokens per block at most (one per 8-thread slot)
 
-// Loads P pairs (x1[k], x2[k]) starting at pair p0 of a row.
-template <typename scalar_t, typename acc_t, int P, bool kVec>
-__device__ __forceinline__ void load_pairs(const scalar_t* row, int64_t sd, int64_t half,
-                                           bool interleaved, int64_t p0, acc_t (&x1)[P],
-                                           acc_t (&x2)[P]) {
+// P pairs of a row as loaded, before conversion: two 16-byte words on the fast path (the
+// halves of rotate_half, or two consecutive packs of interleaved pairs), the elements e1
+// and e2 of the pair otherwise (P = 1). Kept in this form while the sin/cos are evaluated:
+// 16-bit elements stay two to a register (as 8 separate halves they spilled).
+template <typename scalar_t, int P, bool kVec>
+struct RawPairs {
+  uint4 a, b;
+};
+template <typename scalar_t, int P>
+struct RawPairs<scalar_t, P, false> {
+  scalar_t a, b;
+};
+
+template <typename scalar_t, int P, bool kVec>
+__device__ __forceinline__ RawPairs<scalar_t, P, kVec> load_pairs(const scalar_t* row,
+                                                                  int64_t sd, int64_t half,
+                                                                  bool interleaved, int64_t p0) {
+  RawPairs<scalar_t, P, kVec> r;
   if constexpr (kVec) {
-    if (!interleaved) {
-      const Pack<scalar_t, P> a = *reinterpret_cast<const Pack<scalar_t, P>*>(row + p0);
-      const Pack<scalar_t, P> b = *reinterpret_cast<const Pack<scalar_t, P>*>(row + half + p0);
+    const int64_t first = interleaved ? 2 * p0 : p0;
+    const int64_t second = interleaved ? 2 * p0 + P : half + p0;
+    r.a = *reinterpret_cast<const uint4*>(row + first);
+    r.b = *reinterpret_cast<const uint4*>(row + second);
+  } else {
+    static_assert(P == 1, "the element path handles one pair");
+    int64_t e1, e2;
+    math::rope_pair_features(p0, half, interleaved, &e1, &e2);
+    r.a = row[e1 * sd];
+    r.b = row[e2 * sd];
+  }
+  return r;
+}
+
+// The pairs (x1[k], x2[k]) of loaded data.
+template <typename scalar_t, typename acc_t, int P, bool kVec>
+__device__ __forceinline__ void unpack_pairs(const RawPairs<scalar_t, P, kVec>& r,
+                                             bool interleaved, acc_t (&x1)[P], acc_t (&x2)[P]) {
+  if constexpr (kVec) {
+    const Pack<scalar_t, P> a = cuda::unpack_words<scalar_t, P>(r.a);
+    const Pack<scalar_t, P> b = cuda::unpack_words<scalar_t, P>(r.b);
+    if (interleaved) {
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        x1[k] = static_cast<acc_t>(k < P / 2 ? a.v[2 * k] : b.v[2 * k - P]);
+        x2[k] = static_cast<acc_t>(k < P / 2 ? a.v[2 * k + 1] : b.v[2 * k + 1 - P]);
+      }
+    } else {
 #pragma unroll
       for (int k = 0; k < P; ++k) {
         x1[k] = static_cast<acc_t>(a.v[k]);
         x2[k] = static_cast<acc_t>(b.v[k]);
       }
-    } else {
-      const Pack<scalar_t, P> a = *reinterpret_cast<const Pack<scalar_t, P>*>(row + 2 * p0);
-      const Pack<scalar_t, P> b = *reinterpret_cast<const Pack<scalar_t, P>*>(row + 2 * p0 + P);
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        const scalar_t e1 = k < P / 2 ? a.v[2 * k] : b.v[2 * k - P];
-        const scalar_t e2 = k < P / 2 ? a.v[2 * k + 1] : b.v[2 * k + 1 - P];
-        x1[k] = static_cast<acc_t>(e1);
-        x2[k] = static_cast<acc_t>(e2);
-      }
     }
   } else {
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      int64_t e1, e2;
-      math::rope_pair_features(p0 + k, half, interleaved, &e1, &e2);
-      x1[k] = static_cast<acc_t>(row[e1 * sd]);
-      x2[k] = static_cast<acc_t>(row[e2 * sd]);
-    }
+    x1[0] = static_cast<acc_t>(r.a);
+    x2[0] = static_cast<acc_t>(r.b);
   }
 }
 
+// Stores P rotated pairs; on the 16-byte path two 16-byte stores (store_pack: one
+// STG.E.128 each, in both layouts).
 template <typename scalar_t, typename acc_t, int P, bool kVec>
 __device__ __forceinline__ void store_pairs(scalar_t* row, int64_t sd, int64_t half,
                                             bool interleaved, int64_t p0, const acc_t (&y1)[P],
@@ -82,17 +123,18 @@ __device__ __forceinline__ void store_pairs(scalar_t* row, int64_t sd, int64_t h
         a.v[k] = static_cast<scalar_t>(y1[k]);
         b.v[k] = static_cast<scalar_t>(y2[k]);
       }
-      *reinterpret_cast<Pack<scalar_t, P>*>(row + p0) = a;
-      *reinterpret_cast<Pack<scalar_t, P>*>(row + half + p0) = b;
+      cuda::store_pack<scalar_t, P>(row + p0, a);
+      cuda::store_pack<scalar_t, P>(row + half + p0, b);
     } else {
 #pragma unroll
-      for (int k = 0; k < P; ++k) {
-        scalar_t* dst = k < P / 2 ? &a.v[2 * k] : &b.v[2 * k - P];
-        dst[0] = static_cast<scalar_t>(y1[k]);
-        dst[1] = static_cast<scalar_t>(y2[k]);
+      for (int k = 0; k < P / 2; ++k) {
+        a.v[2 * k] = static_cast<scalar_t>(y1[k]);
+        a.v[2 * k + 1] = static_cast<scalar_t>(y2[k]);
+        b.v[2 * k] = static_cast<scalar_t>(y1[k + P / 2]);
+        b.v[2 * k + 1] = static_cast<scalar_t>(y2[k + P / 2]);
       }
-      *reinterpret_cast<Pack<scalar_t, P>*>(row + 2 * p0) = a;
-      *reinterpret_cast<Pack<scalar_t, P>*>(row + 2 * p0 + P) = b;
+      cuda::store_pack<scalar_t, P>(row + 2 * p0, a);
+      cuda::store_pack<scalar_t, P>(row + 2 * p0 + P, b);
     }
   } else {
 #pragma unroll
@@ -105,83 +147,157 @@ __device__ __forceinline__ void store_pairs(scalar_t* row, int64_t sd, int64_t h
   }
 }
 
+// Row h of the (q heads, then k heads) of token (b, s): input and output pointers.
+template <typename scalar_t>
+__device__ __forceinline__ void head_rows(const RopeArgs& a, int64_t b, int64_t s, int64_t h,
+                                          const scalar_t** in, scalar_t** out, int64_t* in_sd,
+                                          int64_t* out_sd) {
+  const bool is_q = h < a.q.heads;
+  const RopeOperand& op = is_q ? a.q : a.k;
+  const int64_t hh = is_q ? h : h - a.q.heads;
+  *in = static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] + s * op.in_stride[1] +
+        hh * op.in_stride[2];
+  *out = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
+         hh * op.out_stride[2];
+  *in_sd = op.in_stride[3];
+  *out_sd = op.out_stride[3];
+}
+
+// Where a token starts (rope_token_shift), computed by one thread and shared by its slot.
+struct TokenStart {
+  int64_t shift, restart;
+  int valid;
+};
+
+// Thread layout: ops/cuda_work_split.h (RopeBlockShape, rope_thread_role): a block holds
+// `slots` tokens side by side; within a slot, thread (lane, c) owns the chunk c of P
+// consecutive pairs of heads lane, lane + head_lanes, ... of the token. Several tokens per
+// block when a token has fewer than 256 (head, chunk) work items (few heads, or short
+// heads), so small calls still fill the block. The block walks its tokens grid-stride, one
+// group of `slots` tokens per step.
 template <typename scalar_t, int P, bool kVec>
-__global__ void __launch_bounds__(kMaxThreads)
-    rope_kernel(const __grid_constant__ RopeArgs a, int chunks, int head_lanes) {
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
+    rope_kernel(const __grid_constant__ RopeArgs a, RopeBlockShape shape) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t tokens = a.batch * a.seq;
-  const int64_t half = a.rotary_dim / 2;
+  const int half = static_cast<int>(a.rotary_dim / 2);
   const int64_t heads = a.q.heads + a.k.heads;
   const int64_t pass = a.head_dim - a.rotary_dim;
-  const int c = threadIdx.x % chunks;
-  const int lane = threadIdx.x / chunks;
+  const RopeThreadRole role = rope_thread_role(shape, threadIdx.x);
+  const int slot = role.slot, c = role.chunk, lane = role.lane;
+  const bool leader = role.leader;
   const int64_t p0 = static_cast<int64_t>(c) * P;
   const acc_t factor = static_cast<acc_t>(a.attention_factor);
   const acc_t sign = a.inverse ? acc_t(-1) : acc_t(1);
   const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
-  // The frequencies, then each token's cos/sin, live in shared memory: a token's half
-  // pairs are evaluated once per block (one per thread), not once per head lane.
+  const int64_t step = static_cast<int64_t>(gridDim.x) * shape.slots;
+  // Two buffers of the tokens' cos/sin and starts: step i writes buffer i % 2 while the
+  // slower threads may still read buffer (i - 1) % 2, so one barrier per step suffices.
   __shared__ double s_freq[kMaxRopePairs];
-  __shared__ acc_t s_cos[kMaxRopePairs];
-  __shared__ acc_t s_sin[kMaxRopePairs];
-  for (int64_t i = threadIdx.x; i < half; i += blockDim.x) s_freq[i] = a.inv_freq[i];
+  __shared__ acc_t s_cos[2][kMaxRopePairs];
+  __shared__ acc_t s_sin[2][kMaxRopePairs];
+  __shared__ TokenStart s_start[2][kMaxSlots];
+  for (int i = threadIdx.x; i < half; i += blockDim.x) s_freq[i] = a.inv_freq[i];
+  int64_t token = static_cast<int64_t>(blockIdx.x) * shape.slots + slot;
+  if (leader && token < tokens) {
+    TokenStart& t = s_start[0][slot];
+    t.valid = rope_token_shift(a, token / a.seq, token % a.seq, &t.shift, &t.restart);
+  }
+  __syncthreads();
 
-  for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+  for (int buf = 0; token - slot < tokens; token += step, buf ^= 1) {
+    const bool live = token < tokens;
     const int64_t b = token / a.seq;
     const int64_t s = token - b * a.seq;
-    int64_t shift = 0, restart = 0;
-    const bool valid = rope_token_shift(a, b, s, &shift, &restart);  // the same for the block
-    __syncthreads();  // s_freq written (first token); the previous token's readers are done
-    for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+    TokenStart start{0, 0, 0};
+    if (live) start = s_start[buf][slot];
+    // The first head's pairs are loaded before the sin/cos are evaluated, so the loads are
+    // in flight during the float64 angle reduction and the barrier.
+    const bool rotates = live && half > 0;
+    RawPairs<scalar_t, P, kVec> raw;
+    if (rotates) {
+      const scalar_t* in;
+      scalar_t* out;
+      int64_t in_sd, out_sd;
+      head_rows<scalar_t>(a, b, s, lane, &in, &out, &in_sd, &out_sd);
+      raw = load_pairs<scalar_t, P, kVec>(in, in_sd, half, a.interleaved, p0);
+    }
+    // The cos/sin of the block's tokens, every thread a share of slots * half pairs.
+    for (int i = threadIdx.x; i < shape.slots * half; i += blockDim.x) {
+      const int sl = i / half;
+      const int pair = i - sl * half;
+      const int64_t t = token - slot + sl;
       acc_t sv = nan, cv = nan;
-      if (valid) {
-        const int64_t pos = rope_axis_position(a, b, s, shift, restart, a.pair_axis[i]);
-        math::rope_sincos<acc_t>(pos, s_freq[i], &sv, &cv);
+      if (t < tokens) {
+        const TokenStart ts = s_start[buf][sl];
+        if (ts.valid) {
+          const int64_t tb = t / a.seq;
+          const int64_t pos =
+              rope_axis_position(a, tb, t - tb * a.seq, ts.shift, ts.restart, a.pair_axis[pair]);
+          math::rope_sincos<acc_t>(pos, s_freq[pair], &sv, &cv);
+        }
       }
-      s_cos[i] = cv * factor;
-      s_sin[i] = sv * factor * sign;
+      s_cos[buf][i] = cv * factor;
+      s_sin[buf][i] = sv * factor * sign;
+    }
+    // The next step's token starts (the packed-sequence search), by the slot's leader.
+    if (leader && token + step < tokens) {
+      const int64_t next = token + step;
+      TokenStart& t = s_start[buf ^ 1][slot];
+      t.valid = rope_token_shift(a, next / a.seq, next % a.seq, &t.shift, &t.restart);
     }
     __syncthreads();
-    if (lane < head_lanes) {
-      acc_t cs[P], sn[P];
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        cs[k] = s_cos[p0 + k];
-        sn[k] = s_sin[p0 + k];
-      }
-      for (int64_t h = lane; h < heads; h += head_lanes) {
-        const bool is_q = h < a.q.heads;
-        const RopeOperand& op = is_q ? a.q : a.k;
-        const int64_t hh = is_q ? h : h - a.q.heads;
-        const scalar_t* in = static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] +
-                             s * op.in_stride[1] + hh * op.in_stride[2];
-        scalar_t* out = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] +
-                        s * op.out_stride[1] + hh * op.out_stride[2];
+    if (rotates) {
+      // cos/sin are read from shared memory for every head (LDS is cheap; kept in registers
+      // across the head loop they pushed the 16-bit paths into spilling).
+      const acc_t* cs = &s_cos[buf][slot * half + p0];
+      const acc_t* sn = &s_sin[buf][slot * half + p0];
+      for (int64_t h = lane;;) {
+        const scalar_t* in;
+        scalar_t* out;
+        int64_t in_sd, out_sd;
+        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
         acc_t x1[P], x2[P], y1[P], y2[P];
-        load_pairs<scalar_t, acc_t, P, kVec>(in, op.in_stride[3], half, a.interleaved, p0, x1, x2);
+        unpack_pairs<scalar_t, acc_t, P, kVec>(raw, a.interleaved, x1, x2);
 #pragma unroll
         for (int k = 0; k < P; ++k) {
           math::rope_rotate_pair(x1[k], x2[k], cs[k], sn[k], &y1[k], &y2[k]);
         }
-        store_pairs<scalar_t, acc_t, P, kVec>(out, op.out_stride[3], half, a.interleaved, p0, y1,
-                                              y2);
+        store_pairs<scalar_t, acc_t, P, kVec>(out, out_sd, half, a.interleaved, p0, y1, y2);
+        h += shape.head_lanes;
+        if (h >= heads) break;
+        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
+        raw = load_pairs<scalar_t, P, kVec>(in, in_sd, half, a.interleaved, p0);
       }
     }
-    // Features beyond rotary_dim pass through (nothing to do in place, unless invalid).
-    // Both operands are asked: a q without elements has in == out == nullptr even out of
-    // place, and k's pass-through features must still be copied then.
-    if (pass > 0 && (a.q.in != a.q.out || a.k.in != a.k.out || !valid)) {
-      for (int64_t e = threadIdx.x; e < heads * pass; e += blockDim.x) {
-        const int64_t h = e / pass;
-        const int64_t j = a.rotary_dim + (e - h * pass);
-        const bool is_q = h < a.q.heads;
-        const RopeOperand& op = is_q ? a.q : a.k;
-        const int64_t hh = is_q ? h : h - a.q.heads;
-        const scalar_t* in = static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] +
-                             s * op.in_stride[1] + hh * op.in_stride[2] + j * op.in_stride[3];
-        scalar_t* out = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] +
-                        s * op.out_stride[1] + hh * op.out_stride[2] + j * op.out_stride[3];
-        *out = valid ? *in : static_cast<scalar_t>(nan);
+    // Features beyond rotary_dim pass through (nothing to do in place, unless invalid),
+    // P at a time by the same (lane, chunk) threads: no division per element. Both operands
+    // are asked: a q without elements has in == out == nullptr even out of place, and k's
+    // pass-through features must still be copied then.
+    if (live && pass > 0 && (a.q.in != a.q.out || a.k.in != a.k.out || !start.valid)) {
+      for (int64_t h = lane; h < heads; h += shape.head_lanes) {
+        const scalar_t* in;
+        scalar_t* out;
+        int64_t in_sd, out_sd;
+        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
+        for (int64_t j = p0; j < pass; j += static_cast<int64_t>(shape.chunks) * P) {
+          const int64_t e = a.rotary_dim + j;
+          if constexpr (kVec) {
+            if (j + P <= pass) {
+              // rotary_dim is a multiple of 2P here and the rows are 16-byte aligned.
+              Pack<scalar_t, P> v = cuda::load_pack<scalar_t, P>(in + e);
+              if (!start.valid) {
+#pragma unroll
+                for (int k = 0; k < P; ++k) v.v[k] = static_cast<scalar_t>(nan);
+              }
+              cuda::store_pack<scalar_t, P>(out + e, v);
+              continue;
+            }
+          }
+          for (int64_t k = 0; k < P && j + k < pass; ++k) {
+            out[(e + k) * out_sd] = start.valid ? in[(e + k) * in_sd] : static_cast<scalar_t>(nan);
+          }
+        }
       }
     }
   }
@@ -206,15 +322,20 @@ template <typename scalar_t, int P, bool kVec>
 void launch(const RopeArgs& a) {
   const int64_t half = a.rotary_dim / 2;
   const int64_t heads = a.q.heads + a.k.heads;
-  const int chunks = static_cast<int>(std::max<int64_t>(1, (half + P - 1) / P));
-  const int head_lanes =
-      static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(heads, kMaxThreads / chunks)));
-  const int threads = chunks * head_lanes;
   const int64_t tokens = a.batch * a.seq;
+  const RopeBlockShape shape =
+      rope_block_shape(half, heads, tokens, P, kMaxThreads, kMaxRopePairs, kMaxSlots);
+  const int threads = shape.threads();
+  auto kernel = rope_kernel<scalar_t, P, kVec>;
+  // One wave of resident blocks (the kernel walks the tokens grid-stride): the occupancy
+  // calculator, a host-side query (no device synchronisation).
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0));
   const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t blocks = std::min<int64_t>(tokens, static_cast<int64_t>(sms) * 32);
-  rope_kernel<scalar_t, P, kVec><<<static_cast<unsigned>(blocks), threads, 0,
-                                   at::cuda::getCurrentCUDAStream()>>>(a, chunks, head_lanes);
+  const int64_t steps = (tokens + shape.slots - 1) / shape.slots;
+  const int64_t blocks =
+      std::min<int64_t>(steps, static_cast<int64_t>(sms) * std::max(resident, 1));
+  kernel<<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a, shape);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 

@@ -10,7 +10,7 @@ cd "$(dirname "$0")/.."
 OUT="${OUT:-$PWD/out/gpu}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
-export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}"
+export TORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0+PTX}"
 export PYTHONPATH="$PWD/python"
 status=0
 

@@ -188,7 +188,7 @@ void rope_tokens(const RopeArgs& a) {
   const int64_t row_elems = std::max<int64_t>(1, (a.q.heads + a.k.heads) * a.head_dim);
   // When every batch row sees the same positions (no per-row positions, offsets or packing),
   // work goes by sequence index s and the angles of s serve all batch rows.
-  const bool shared = a.cu_seqlens == nullptr && a.offsets == nullptr &&
+  const bool shared = a.cu_seqlens == nullptr && a.cu_seqlens32 == nullptr && a.offsets == nullptr &&
                       (a.positions == nullptr || a.positions_batch_stride == 0);
   const int64_t per_item = shared ? a.batch : 1;
   const int64_t items = shared ? a.seq : a.batch * a.seq;

@@ -46,7 +46,10 @@ struct RopeArgs {
   int64_t offset = 0;
   // Packed sequences ("thd", batch = 1): cu_seqlens[0..num_seqs]; offsets[] is indexed by
   // sequence, and without positions the position of token t restarts at each sequence.
+  // cu_seqlens32 instead when an int32 cu_seqlens is read as it is (CUDA: no conversion
+  // launch per call); at most one of the two is set.
   const int64_t* cu_seqlens = nullptr;
+  const int32_t* cu_seqlens32 = nullptr;
   int64_t num_seqs = 0;
   double attention_factor = 1.0;  // multiplies cos and sin (yarn)
   double inv_freq[kMaxRopePairs];
@@ -61,10 +64,12 @@ POSENC_ISA_NAMESPACE_BEGIN
 POSENC_HOST_DEVICE bool rope_token_shift(const RopeArgs& a, int64_t b, int64_t s, int64_t* shift,
                                          int64_t* restart) {
   *restart = 0;
-  if (a.cu_seqlens != nullptr) {
-    const int64_t j = math::rope_sequence_of(a.cu_seqlens, a.num_seqs, s);
+  if (a.cu_seqlens != nullptr || a.cu_seqlens32 != nullptr) {
+    const int64_t j = a.cu_seqlens != nullptr
+                          ? math::rope_sequence_of(a.cu_seqlens, a.num_seqs, s)
+                          : math::rope_sequence_of(a.cu_seqlens32, a.num_seqs, s);
     if (j < 0) return false;
-    *restart = a.cu_seqlens[j];
+    *restart = a.cu_seqlens != nullptr ? a.cu_seqlens[j] : a.cu_seqlens32[j];
     *shift = a.offset + (a.offsets != nullptr ? a.offsets[j] : 0);
     return true;
   }

@@ -97,8 +97,16 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
     a.offsets = long_data(launch.offsets);
   }
   if (c.cu_seqlens.has_value()) {
-    launch.cu_seqlens = c.cu_seqlens->to(at::kLong).contiguous();
-    a.cu_seqlens = long_data(launch.cu_seqlens);
+    // A CUDA int32 cu_seqlens (flash-attention's) is read as it is: converting it would be
+    // a kernel launch per call. CPU ones become int64 (the CPU kernel and the value check
+    // read int64; a few integers).
+    if (c.cu_seqlens->scalar_type() == at::kInt && !c.cu_seqlens->is_cpu()) {
+      launch.cu_seqlens = c.cu_seqlens->contiguous();
+      a.cu_seqlens32 = launch.cu_seqlens.const_data_ptr<int32_t>();
+    } else {
+      launch.cu_seqlens = c.cu_seqlens->to(at::kLong).contiguous();
+      a.cu_seqlens = long_data(launch.cu_seqlens);
+    }
     a.num_seqs = launch.cu_seqlens.size(0) - 1;
   }
   check_cpu_index_values(launch);

@@ -40,7 +40,8 @@ void fill_rope_operand(RopeOperand& op, const at::Tensor& in, const at::Tensor& 
 // Everything a kernel launch needs, with the small index tensors it points into kept alive.
 struct RopeLaunch {
   RopeArgs args;
-  at::Tensor positions, offsets, cu_seqlens;  // contiguous int64 copies (or the originals)
+  // Contiguous int64 copies (or the originals); cu_seqlens stays int32 on CUDA.
+  at::Tensor positions, offsets, cu_seqlens;
 };
 
 // A backend: how it allocates outputs like an input, and how it launches (on q's device,

@@ -381,7 +381,8 @@ POSENC_HOST_DEVICE void rope_pair_frequency_index(int64_t p, int64_t rotary_dim,
 // Packed variable-length batches ("thd"): the sequence that token t belongs to, given the
 // cumulative lengths cu[0..n] (cu[0] = 0, increasing). Returns -1 when t is not covered,
 // so that a kernel can mark the token instead of reading out of bounds.
-POSENC_HOST_DEVICE int64_t rope_sequence_of(const int64_t* cu, int64_t n, int64_t t) {
+template <typename index_t>  // int64_t, or int32_t (flash-attention's cu_seqlens, CUDA)
+POSENC_HOST_DEVICE int64_t rope_sequence_of(const index_t* cu, int64_t n, int64_t t) {
   if (n <= 0 || t < cu[0] || t >= cu[n]) return -1;
   int64_t lo = 0, hi = n;  // invariant: cu[lo] <= t < cu[hi]
   while (hi - lo > 1) {
