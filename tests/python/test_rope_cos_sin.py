@@ -3,12 +3,12 @@ formulas of Hugging Face transformers (LlamaRotaryEmbedding + modeling_rope_util
 tables, apply_rotary_pos_emb / GPT-J's rotate_every_two for the rotation), not from posenc;
 and apply_rope_cos_sin(q, k, *rope_cos_sin(...)) against posenc.functional.apply_rope."""
 
-import math
 
 import pytest
 import torch
 
 import posenc
+from rope_reference import reference_inv_freq
 
 F = posenc.functional
 F64 = torch.float64
@@ -18,50 +18,12 @@ F64 = torch.float64
 
 
 def hf_inv_freq(dim, base, scaling, max_pos, seq_len):
-    """(inv_freq, attention_scaling) in float64, as modeling_rope_utils computes them."""
-    default = 1.0 / base ** (torch.arange(0, dim, 2, dtype=F64) / dim)
-    kind = None if scaling is None else scaling["rope_type"]
-    if kind in (None, "default"):
-        return default, 1.0
-    factor = scaling["factor"]
-    if kind == "linear":
-        return default / factor, 1.0
-    if kind == "dynamic":
-        orig = scaling.get("original_max_position_embeddings", max_pos)
-        length = max(seq_len, orig)
-        scaled = base * ((factor * length / orig) - (factor - 1)) ** (dim / (dim - 2))
-        return 1.0 / scaled ** (torch.arange(0, dim, 2, dtype=F64) / dim), 1.0
-    if kind == "llama3":
-        low, high, orig = scaling["low_freq_factor"], scaling["high_freq_factor"], scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / default
-        out = torch.where(wavelen > orig / low, default / factor, default)
-        smooth = (orig / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * out / factor + smooth * out
-        medium = (wavelen >= orig / high) & (wavelen <= orig / low)
-        return torch.where(medium, smoothed, out), 1.0
-    if kind == "yarn":
-        orig = scaling.get("original_max_position_embeddings", max_pos)
-
-        def mscale(scale, m=1.0):
-            return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-        attention = scaling.get("attention_factor")
-        if attention is None:
-            if scaling.get("mscale") and scaling.get("mscale_all_dim"):
-                attention = mscale(factor, scaling["mscale"]) / mscale(factor, scaling["mscale_all_dim"])
-            else:
-                attention = mscale(factor)
-        fast, slow = scaling.get("beta_fast", 32), scaling.get("beta_slow", 1)
-
-        def correction(rotations):
-            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-        lo, hi = max(math.floor(correction(fast)), 0), min(math.ceil(correction(slow)), dim - 1)
-        hi = hi + 0.001 if lo == hi else hi
-        ramp = ((torch.arange(dim // 2, dtype=F64) - lo) / (hi - lo)).clamp(0, 1)
-        extrapolation = 1 - ramp
-        return default / factor * (1 - extrapolation) + default * extrapolation, attention
-    raise AssertionError(kind)
+    """(inv_freq, attention_scaling) in float64, as modeling_rope_utils computes them: the
+    shared reference (rope_reference.py), original_max_position_embeddings defaulting to
+    the model's max_position_embeddings as transformers does."""
+    if scaling is not None and scaling["rope_type"] in ("dynamic", "yarn"):
+        scaling = {"original_max_position_embeddings": max_pos, **scaling}
+    return reference_inv_freq(dim, base, scaling, seq_len)
 
 
 def hf_cos_sin(position_ids, dim, base=10000.0, scaling=None, max_pos=2048):

@@ -3,7 +3,6 @@ downscale_freq_shift, scale=1; forward(timesteps)) over the timestep_embedding o
 max_period. No parameters or buffers, as in diffusers. The C++ posenc::Timesteps:
 tests/cpp/test_learned.cpp (TimestepsModule.ForwardIsTheFunction)."""
 
-import math
 
 import pytest
 import torch
@@ -12,43 +11,11 @@ import posenc
 from posenc.functional import timestep_embedding
 
 from conftest import DEVICES
+from timestep_reference import diffusers_float32, diffusers_float64
 
 
 def bits_equal(a, b):
     return a.dtype == b.dtype and a.shape == b.shape and a.device == b.device and torch.equal(a, b)
-
-
-def diffusers_float32(timesteps, embedding_dim, flip_sin_to_cos=False, downscale_freq_shift=1, scale=1,
-                      max_period=10000):
-    """diffusers' get_timestep_embedding, operation for operation in float32, as its
-    Timesteps.forward calls it."""
-    half_dim = embedding_dim // 2
-    exponent = -math.log(max_period) * torch.arange(start=0, end=half_dim, dtype=torch.float32,
-                                                    device=timesteps.device)
-    exponent = exponent / (half_dim - downscale_freq_shift)
-    emb = torch.exp(exponent)
-    emb = timesteps[:, None].float() * emb[None, :]
-    emb = scale * emb
-    emb = torch.cat([torch.sin(emb), torch.cos(emb)], dim=-1)
-    if flip_sin_to_cos:
-        emb = torch.cat([emb[:, half_dim:], emb[:, :half_dim]], dim=-1)
-    if embedding_dim % 2 == 1:
-        emb = torch.nn.functional.pad(emb, (0, 1, 0, 0))
-    return emb
-
-
-def diffusers_float64(timesteps, embedding_dim, flip_sin_to_cos=False, downscale_freq_shift=1, scale=1,
-                      max_period=10000):
-    """The same formula in float64: the exact values the float32 embedding approximates."""
-    half = embedding_dim // 2
-    freqs = torch.exp(-math.log(max_period) * torch.arange(half, dtype=torch.float64) / (half - downscale_freq_shift))
-    angles = scale * timesteps.cpu().double()[:, None] * freqs
-    emb = torch.cat([torch.sin(angles), torch.cos(angles)], -1)
-    if flip_sin_to_cos:
-        emb = torch.cat([emb[:, half:], emb[:, :half]], -1)
-    if embedding_dim % 2 == 1:
-        emb = torch.nn.functional.pad(emb, (0, 1))
-    return emb, angles
 
 
 # diffusers' usual settings: DiT / PixArt / SD3 (256, True, 0), the SD UNet (320, True, 0),
