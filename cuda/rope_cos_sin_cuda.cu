@@ -1,9 +1,13 @@
-// CUDA kernel of apply_rope_cos_sin. One thread per (token, head, rotary pair) of q and then
-// k (grid-stride), plus the pass-through features of partial rotary; the rotation is
-// math::rope_rotate_pair_tables, as on the CPU, in float32 (float64 for float64). The
-// tables (already in the compute dtype, contiguous (table_batch, seq, rotary_dim)) are
-// read through the read-only cache: every head of a token reads the same row. Element
-// accesses with any strides; no host-device synchronisation.
+// CUDA kernel of apply_rope_cos_sin: the rotation with given cos/sin tables (Hugging Face's
+// x * cos + rotate_half(x) * sin, or GPT-J's interleaved pairs), math::rope_rotate_pair_tables
+// as on the CPU, in float32 (float64 for float64). The work split is the rope kernel's
+// (ops/cuda_work_split.h): a block holds one or more tokens, thread (lane, c) rotates chunk
+// c of P pairs of heads lane, lane + head_lanes, ... of q then k, with the pair helpers of
+// cuda/rope_pairs.cuh. Per step the block stages its tokens' table values in shared memory
+// (each value read once per block, not once per head), after issuing the first head's
+// loads; one barrier per step. On the fast path (16-byte aligned rows of q and k,
+// rotary_dim / 2 a multiple of P) x moves in 16-byte accesses; otherwise P = 1 with element
+// accesses and any strides. No host-device synchronisation.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -14,59 +18,137 @@
 
 #include <algorithm>
 
+#include "ops/cuda_work_split.h"
 #include "ops/rope/rope_cos_sin.h"
 #include "posenc/math/rope.h"
+#include "rope_pairs.cuh"
+#include "vector_access.cuh"
 
 namespace posenc {
 namespace ops {
 namespace {
 
-constexpr int kThreads = 256;
+using namespace rope_cuda;  // load_pairs, unpack_pairs, store_pairs, head_rows
 
-// Work item i of one operand: (token, head, slot), slot < half a pair, half <= slot <
-// half + (head_dim - rotary_dim) a pass-through feature.
-template <typename scalar_t>
-__device__ __forceinline__ void rotate_item(const RopeCosSinArgs& a, const RopeOperand& op,
-                                            int64_t i) {
+constexpr int kMaxThreads = 256;
+// Register budget: 3 blocks of 256 threads per SM (80 registers), as the rope kernel. The
+// chunk's table values come from shared memory per head: held in registers (4P values)
+// they spilled at 80.
+constexpr int kMinBlocksPerSm = 3;
+constexpr int kMaxSlots = 32;
+
+template <typename scalar_t, int P, bool kVec>
+__global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
+    rope_cos_sin_kernel(const __grid_constant__ RopeCosSinArgs a, RopeBlockShape shape) {
   using acc_t = at::opmath_type<scalar_t>;
-  const int64_t half = a.rotary_dim / 2;
-  const int64_t slots = half + (a.head_dim - a.rotary_dim);
-  const int64_t slot = i % slots;
-  const int64_t h = (i / slots) % op.heads;
-  const int64_t t = i / (slots * op.heads);
-  const int64_t b = t / a.seq, s = t % a.seq;
-  const auto* x = static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] + s * op.in_stride[1] +
-                  h * op.in_stride[2];
-  auto* y = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
-            h * op.out_stride[2];
-  if (slot >= half) {  // partial rotary: copied through
-    const int64_t e = a.rotary_dim + (slot - half);
-    y[e * op.out_stride[3]] = x[e * op.in_stride[3]];
-    return;
-  }
-  const auto* cs = static_cast<const acc_t*>(a.cos) + b * a.table_batch_stride + s * a.rotary_dim;
-  const auto* sn = static_cast<const acc_t*>(a.sin) + b * a.table_batch_stride + s * a.rotary_dim;
-  int64_t e1, e2;
-  math::rope_pair_features(slot, half, a.interleaved, &e1, &e2);
-  acc_t y1, y2;
-  math::rope_rotate_pair_tables<acc_t>(
-      static_cast<acc_t>(x[e1 * op.in_stride[3]]), static_cast<acc_t>(x[e2 * op.in_stride[3]]),
-      __ldg(cs + e1), __ldg(sn + e1), __ldg(cs + e2), __ldg(sn + e2), a.transpose, &y1, &y2);
-  y[e1 * op.out_stride[3]] = static_cast<scalar_t>(y1);
-  y[e2 * op.out_stride[3]] = static_cast<scalar_t>(y2);
-}
-
-template <typename scalar_t>
-__global__ void __launch_bounds__(kThreads)
-    rope_cos_sin_kernel(const __grid_constant__ RopeCosSinArgs a, int64_t items_q, int64_t items) {
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < items;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    if (i < items_q) {
-      rotate_item<scalar_t>(a, a.q, i);
-    } else {
-      rotate_item<scalar_t>(a, a.k, i - items_q);
+  const int64_t tokens = a.batch * a.seq;
+  const int half = static_cast<int>(a.rotary_dim / 2);
+  const int64_t heads = a.q.heads + a.k.heads;
+  const int64_t pass = a.head_dim - a.rotary_dim;
+  const RopeThreadRole role = rope_thread_role(shape, threadIdx.x);
+  const int slot = role.slot, lane = role.lane;
+  const int64_t p0 = static_cast<int64_t>(role.chunk) * P;
+  const int64_t step = static_cast<int64_t>(gridDim.x) * shape.slots;
+  // The block's tokens' table values per pair, (c1, s1) at the pair's first feature and
+  // (c2, s2) at its second, double-buffered: one barrier per step (as the rope kernel).
+  __shared__ acc_t s_tab[2][4][kMaxRopePairs];
+  int64_t token = static_cast<int64_t>(blockIdx.x) * shape.slots + slot;
+  for (int buf = 0; token - slot < tokens; token += step, buf ^= 1) {
+    const bool live = token < tokens;
+    const int64_t b = token / a.seq;
+    const int64_t s = token - b * a.seq;
+    // The first head's pairs are loaded before the tables are staged.
+    const bool rotates = live && half > 0;
+    RawPairs<scalar_t, P, kVec> raw;
+    if (rotates) {
+      const scalar_t* in;
+      scalar_t* out;
+      int64_t in_sd, out_sd;
+      head_rows<scalar_t>(a, b, s, lane, &in, &out, &in_sd, &out_sd);
+      raw = load_pairs<scalar_t, P, kVec>(in, in_sd, half, a.interleaved, p0);
+    }
+    for (int i = threadIdx.x; i < shape.slots * half; i += blockDim.x) {
+      const int sl = i / half;
+      const int pair = i - sl * half;
+      const int64_t t = token - slot + sl;
+      if (t >= tokens) continue;
+      const int64_t tb = t / a.seq;
+      const int64_t row = tb * a.table_batch_stride + (t - tb * a.seq) * a.rotary_dim;
+      int64_t e1, e2;
+      math::rope_pair_features(pair, half, a.interleaved, &e1, &e2);
+      const acc_t* cs = static_cast<const acc_t*>(a.cos) + row;
+      const acc_t* sn = static_cast<const acc_t*>(a.sin) + row;
+      s_tab[buf][0][i] = __ldg(cs + e1);
+      s_tab[buf][1][i] = __ldg(sn + e1);
+      s_tab[buf][2][i] = __ldg(cs + e2);
+      s_tab[buf][3][i] = __ldg(sn + e2);
+    }
+    __syncthreads();
+    if (rotates) {
+      const int64_t first = slot * half + p0;
+      for (int64_t h = lane;;) {
+        const scalar_t* in;
+        scalar_t* out;
+        int64_t in_sd, out_sd;
+        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
+        acc_t x1[P], x2[P], y1[P], y2[P];
+        unpack_pairs<scalar_t, acc_t, P, kVec>(raw, a.interleaved, x1, x2);
+#pragma unroll
+        for (int k = 0; k < P; ++k) {
+          math::rope_rotate_pair_tables<acc_t>(
+              x1[k], x2[k], s_tab[buf][0][first + k], s_tab[buf][1][first + k],
+              s_tab[buf][2][first + k], s_tab[buf][3][first + k], a.transpose, &y1[k], &y2[k]);
+        }
+        store_pairs<scalar_t, acc_t, P, kVec>(out, out_sd, half, a.interleaved, p0, y1, y2);
+        h += shape.head_lanes;
+        if (h >= heads) break;
+        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
+        raw = load_pairs<scalar_t, P, kVec>(in, in_sd, half, a.interleaved, p0);
+      }
+    }
+    if (live && pass > 0) {  // partial rotary: the other features are copied (out of place)
+      for (int64_t h = lane; h < heads; h += shape.head_lanes) {
+        const scalar_t* in;
+        scalar_t* out;
+        int64_t in_sd, out_sd;
+        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
+        copy_pass_through<scalar_t, P, kVec>(in, out, in_sd, out_sd, a.rotary_dim, pass, p0,
+                                             static_cast<int64_t>(shape.chunks) * P, true);
+      }
     }
   }
+}
+
+// The 16-byte path: every row of q and k (in and out) contiguous and 16-byte aligned, and
+// whole chunks of P pairs (as the rope kernel, rope_cuda.cu).
+bool can_vectorize(const RopeCosSinArgs& a, int64_t P) {
+  if ((a.rotary_dim / 2) % P != 0) return false;
+  for (const RopeOperand* op : {&a.q, &a.k}) {
+    if (op->heads == 0) continue;
+    if (op->in_stride[3] != 1 || op->out_stride[3] != 1) return false;
+    if (!cuda::is_aligned16(op->in) || !cuda::is_aligned16(op->out)) return false;
+    for (int d = 0; d < 3; ++d) {
+      if (op->in_stride[d] % P != 0 || op->out_stride[d] % P != 0) return false;
+    }
+  }
+  return true;
+}
+
+template <typename scalar_t, int P, bool kVec>
+void launch_kernel(const RopeCosSinArgs& a) {
+  const int64_t tokens = a.batch * a.seq;
+  const RopeBlockShape shape = rope_block_shape(a.rotary_dim / 2, a.q.heads + a.k.heads, tokens,
+                                                P, kMaxThreads, kMaxRopePairs, kMaxSlots);
+  const int threads = shape.threads();
+  auto kernel = rope_cos_sin_kernel<scalar_t, P, kVec>;
+  int resident = 0;  // one wave of resident blocks: a host-side query, no synchronisation
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0));
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t steps = (tokens + shape.slots - 1) / shape.slots;
+  const int64_t blocks =
+      std::min<int64_t>(steps, static_cast<int64_t>(sms) * std::max(resident, 1));
+  kernel<<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a, shape);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cuda(
@@ -80,17 +162,15 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cuda(
   const RopeCosSinLaunch launch =
       prepare_rope_cos_sin(q, k, cos, sin, bhsd, interleaved, transpose, out_q, out_k);
   const RopeCosSinArgs& a = launch.args;
-  const int64_t slots = a.rotary_dim / 2 + (a.head_dim - a.rotary_dim);
-  const int64_t items_q = a.batch * a.seq * a.q.heads * slots;
-  const int64_t items = items_q + a.batch * a.seq * a.k.heads * slots;
-  if (items > 0) {
-    const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-    const int64_t blocks = std::min<int64_t>((items + kThreads - 1) / kThreads, sms * 8);
+  if (a.batch * a.seq > 0 && a.q.heads + a.k.heads > 0 && a.head_dim > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_apply_rope_cos_sin_cuda", [&] {
-          rope_cos_sin_kernel<scalar_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-              a, items_q, items);
-          C10_CUDA_KERNEL_LAUNCH_CHECK();
+          constexpr int P = cuda::kPerVector<scalar_t>;
+          if (can_vectorize(a, P)) {
+            launch_kernel<scalar_t, P, true>(a);
+          } else {
+            launch_kernel<scalar_t, 1, false>(a);
+          }
         });
   }
   return {out_q, out_k.has_value() ? *out_k : at::empty({0}, q.options())};

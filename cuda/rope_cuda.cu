@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "rope_pairs.cuh"
 #include "vector_access.cuh"
 #include "ops/cuda_work_split.h"
 #include "ops/rope/rope_launch.h"
@@ -40,6 +41,7 @@ namespace ops {
 namespace {
 
 using cuda::Pack;
+using namespace rope_cuda;  // load_pairs, store_pairs, head_rows, copy_pass_through
 
 constexpr int kMaxThreads = 256;
 // Register budget: 3 blocks of 256 threads per SM (80 registers a thread). At 64 (4
@@ -49,119 +51,6 @@ constexpr int kMaxThreads = 256;
 // check_cuda_kernels.py checks the budget and that nothing spills.
 constexpr int kMinBlocksPerSm = 3;
 constexpr int kMaxSlots = 32;  // tokens per block at most (one per 8-thread slot)
-
-// P pairs of a row as loaded, before conversion: two 16-byte words on the fast path (the
-// halves of rotate_half, or two consecutive packs of interleaved pairs), the elements e1
-// and e2 of the pair otherwise (P = 1). Kept in this form while the sin/cos are evaluated:
-// 16-bit elements stay two to a register (as 8 separate halves they spilled).
-template <typename scalar_t, int P, bool kVec>
-struct RawPairs {
-  uint4 a, b;
-};
-template <typename scalar_t, int P>
-struct RawPairs<scalar_t, P, false> {
-  scalar_t a, b;
-};
-
-template <typename scalar_t, int P, bool kVec>
-__device__ __forceinline__ RawPairs<scalar_t, P, kVec> load_pairs(const scalar_t* row,
-                                                                  int64_t sd, int64_t half,
-                                                                  bool interleaved, int64_t p0) {
-  RawPairs<scalar_t, P, kVec> r;
-  if constexpr (kVec) {
-    const int64_t first = interleaved ? 2 * p0 : p0;
-    const int64_t second = interleaved ? 2 * p0 + P : half + p0;
-    r.a = *reinterpret_cast<const uint4*>(row + first);
-    r.b = *reinterpret_cast<const uint4*>(row + second);
-  } else {
-    static_assert(P == 1, "the element path handles one pair");
-    int64_t e1, e2;
-    math::rope_pair_features(p0, half, interleaved, &e1, &e2);
-    r.a = row[e1 * sd];
-    r.b = row[e2 * sd];
-  }
-  return r;
-}
-
-// The pairs (x1[k], x2[k]) of loaded data.
-template <typename scalar_t, typename acc_t, int P, bool kVec>
-__device__ __forceinline__ void unpack_pairs(const RawPairs<scalar_t, P, kVec>& r,
-                                             bool interleaved, acc_t (&x1)[P], acc_t (&x2)[P]) {
-  if constexpr (kVec) {
-    const Pack<scalar_t, P> a = cuda::unpack_words<scalar_t, P>(r.a);
-    const Pack<scalar_t, P> b = cuda::unpack_words<scalar_t, P>(r.b);
-    if (interleaved) {
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        x1[k] = static_cast<acc_t>(k < P / 2 ? a.v[2 * k] : b.v[2 * k - P]);
-        x2[k] = static_cast<acc_t>(k < P / 2 ? a.v[2 * k + 1] : b.v[2 * k + 1 - P]);
-      }
-    } else {
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        x1[k] = static_cast<acc_t>(a.v[k]);
-        x2[k] = static_cast<acc_t>(b.v[k]);
-      }
-    }
-  } else {
-    x1[0] = static_cast<acc_t>(r.a);
-    x2[0] = static_cast<acc_t>(r.b);
-  }
-}
-
-// Stores P rotated pairs; on the 16-byte path two 16-byte stores (store_pack: one
-// STG.E.128 each, in both layouts).
-template <typename scalar_t, typename acc_t, int P, bool kVec>
-__device__ __forceinline__ void store_pairs(scalar_t* row, int64_t sd, int64_t half,
-                                            bool interleaved, int64_t p0, const acc_t (&y1)[P],
-                                            const acc_t (&y2)[P]) {
-  if constexpr (kVec) {
-    Pack<scalar_t, P> a, b;
-    if (!interleaved) {
-#pragma unroll
-      for (int k = 0; k < P; ++k) {
-        a.v[k] = static_cast<scalar_t>(y1[k]);
-        b.v[k] = static_cast<scalar_t>(y2[k]);
-      }
-      cuda::store_pack<scalar_t, P>(row + p0, a);
-      cuda::store_pack<scalar_t, P>(row + half + p0, b);
-    } else {
-#pragma unroll
-      for (int k = 0; k < P / 2; ++k) {
-        a.v[2 * k] = static_cast<scalar_t>(y1[k]);
-        a.v[2 * k + 1] = static_cast<scalar_t>(y2[k]);
-        b.v[2 * k] = static_cast<scalar_t>(y1[k + P / 2]);
-        b.v[2 * k + 1] = static_cast<scalar_t>(y2[k + P / 2]);
-      }
-      cuda::store_pack<scalar_t, P>(row + 2 * p0, a);
-      cuda::store_pack<scalar_t, P>(row + 2 * p0 + P, b);
-    }
-  } else {
-#pragma unroll
-    for (int k = 0; k < P; ++k) {
-      int64_t e1, e2;
-      math::rope_pair_features(p0 + k, half, interleaved, &e1, &e2);
-      row[e1 * sd] = static_cast<scalar_t>(y1[k]);
-      row[e2 * sd] = static_cast<scalar_t>(y2[k]);
-    }
-  }
-}
-
-// Row h of the (q heads, then k heads) of token (b, s): input and output pointers.
-template <typename scalar_t>
-__device__ __forceinline__ void head_rows(const RopeArgs& a, int64_t b, int64_t s, int64_t h,
-                                          const scalar_t** in, scalar_t** out, int64_t* in_sd,
-                                          int64_t* out_sd) {
-  const bool is_q = h < a.q.heads;
-  const RopeOperand& op = is_q ? a.q : a.k;
-  const int64_t hh = is_q ? h : h - a.q.heads;
-  *in = static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] + s * op.in_stride[1] +
-        hh * op.in_stride[2];
-  *out = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
-         hh * op.out_stride[2];
-  *in_sd = op.in_stride[3];
-  *out_sd = op.out_stride[3];
-}
 
 // Where a token starts (rope_token_shift), computed by one thread and shared by its slot.
 struct TokenStart {
@@ -280,24 +169,9 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
         scalar_t* out;
         int64_t in_sd, out_sd;
         head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
-        for (int64_t j = p0; j < pass; j += static_cast<int64_t>(shape.chunks) * P) {
-          const int64_t e = a.rotary_dim + j;
-          if constexpr (kVec) {
-            if (j + P <= pass) {
-              // rotary_dim is a multiple of 2P here and the rows are 16-byte aligned.
-              Pack<scalar_t, P> v = cuda::load_pack<scalar_t, P>(in + e);
-              if (!start.valid) {
-#pragma unroll
-                for (int k = 0; k < P; ++k) v.v[k] = static_cast<scalar_t>(nan);
-              }
-              cuda::store_pack<scalar_t, P>(out + e, v);
-              continue;
-            }
-          }
-          for (int64_t k = 0; k < P && j + k < pass; ++k) {
-            out[(e + k) * out_sd] = start.valid ? in[(e + k) * in_sd] : static_cast<scalar_t>(nan);
-          }
-        }
+        copy_pass_through<scalar_t, P, kVec>(in, out, in_sd, out_sd, a.rotary_dim, pass, p0,
+                                             static_cast<int64_t>(shape.chunks) * P,
+                                             start.valid);
       }
     }
   }

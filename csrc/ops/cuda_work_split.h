@@ -1,4 +1,4 @@
-// How two CUDA kernels split their work over blocks and threads, as plain functions of the
+// How the CUDA kernels split their work over blocks and threads, as plain functions of the
 // sizes and the block/thread indices: the kernels call them, and tests/cpp/test_work_split.cpp
 // walks every block and thread on the CPU and checks that each item is done exactly once
 // (the kernels themselves run only on a GPU).
@@ -34,8 +34,9 @@ POSENC_HOST_DEVICE void table_batch_slice(int64_t batch, int slices, int y, int6
   *end = *begin + per_slice < batch ? *begin + per_slice : batch;
 }
 
-// ---- RoPE (cuda/rope_cuda.cu). A block holds `slots` tokens; within a slot, thread (lane,
-// chunk) owns pairs [chunk * P, chunk * P + P) of heads lane, lane + head_lanes, ...
+// ---- RoPE (cuda/rope_cuda.cu, cuda/rope_cos_sin_cuda.cu). A block holds `slots` tokens;
+// within a slot, thread (lane, chunk) owns pairs [chunk * P, chunk * P + P) of heads lane,
+// lane + head_lanes, ...
 struct RopeBlockShape {
   int chunks, head_lanes, slots;
   int threads() const { return chunks * head_lanes * slots; }

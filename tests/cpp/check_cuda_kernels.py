@@ -92,6 +92,12 @@ def rules() -> list[Rule]:
             rf"rope_kernel<(c10::)?{dtype}, {p}, true>", 256, 80,
             "3 blocks/SM (launch bounds); a head's 2 loads in flight",
             min_ldg128=3, min_stg128=3, bytes_in_flight="32 B"))
+        # apply_rope_cos_sin (given tables): the same split, budget and accesses; the
+        # tables are staged in shared memory per step.
+        out.append(Rule(
+            rf"rope_cos_sin_kernel<(c10::)?{dtype}, {p}, true>", 256, 80,
+            "3 blocks/SM (launch bounds); a head's 2 loads in flight",
+            min_ldg128=3, min_stg128=3, bytes_in_flight="32 B"))
     return out
 
 

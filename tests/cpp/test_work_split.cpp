@@ -64,10 +64,11 @@ TEST(WorkSplit, TableBackwardSumsEveryRowOnceAndStoresEveryColumnOnce) {
   }
 }
 
-// rope_kernel: blocks walk steps of `slots` tokens grid-stride; within a step, thread
-// (slot, lane, chunk) rotates pairs [chunk P, chunk P + P) of heads lane, lane + head_lanes,
-// ...; the cos/sin loop fills slot sl's pair p at i = sl * half + p; the pass-through copies
-// features j = chunk P + n chunks P, P at a time.
+// rope_kernel and rope_cos_sin_kernel: blocks walk steps of `slots` tokens grid-stride;
+// within a step, thread (slot, lane, chunk) rotates pairs [chunk P, chunk P + P) of heads
+// lane, lane + head_lanes, ...; the cos/sin loop (angles, or the staged tables) fills slot
+// sl's pair p at i = sl * half + p; the pass-through copies features j = chunk P +
+// n chunks P, P at a time.
 void walk_rope(int64_t tokens, int64_t heads, int64_t half, int64_t pass, int P, int grid) {
   constexpr int kMaxThreads = 256, kMaxPairs = 256, kMaxSlots = 32;
   const RopeBlockShape shape =
