@@ -140,7 +140,7 @@ struct ColumnGroupSum {
 };
 
 // Positions that depend on s only. Block (tile, slices) = blockDim (x, y): thread (x, y)
-// sums column group tile * x_width + x of position s over batch slice y, rows in batch
+// sums column group tile * width + x of position s over batch slice y, rows in batch
 // order; then the slice sums are added in slice order, one thread per column, and stored.
 // Register budget: 4 blocks of 256 threads per SM (64 registers) on the 16-byte paths, two
 // rows' loads in flight (one for float64, whose row group is already four 16-byte loads);
