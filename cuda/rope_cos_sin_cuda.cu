@@ -30,15 +30,13 @@ namespace {
 
 using namespace rope_cuda;  // load_pairs, unpack_pairs, store_pairs, head_rows
 
-constexpr int kMaxThreads = 256;
 // Register budget: 3 blocks of 256 threads per SM (80 registers), as the rope kernel. The
 // chunk's table values come from shared memory per head: held in registers (4P values)
 // they spilled at 80.
 constexpr int kMinBlocksPerSm = 3;
-constexpr int kMaxSlots = 32;
 
 template <typename scalar_t, int P, bool kVec>
-__global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
     rope_cos_sin_kernel(const __grid_constant__ RopeCosSinArgs a, RopeBlockShape shape) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t tokens = a.batch * a.seq;
@@ -84,6 +82,9 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
       s_tab[buf][3][i] = __ldg(sn + e2);
     }
     __syncthreads();
+    // The head loop is rope_pairs.cuh's rotate_heads written out: through that helper (a
+    // lambda reading the staged tables) the 16-bit paths spilled 12 bytes at 80 registers
+    // (ctest cuda_kernel_resources).
     if (rotates) {
       const int64_t first = slot * half + p0;
       for (int64_t h = lane;;) {
@@ -107,48 +108,10 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
       }
     }
     if (live && pass > 0) {  // partial rotary: the other features are copied (out of place)
-      for (int64_t h = lane; h < heads; h += shape.head_lanes) {
-        const scalar_t* in;
-        scalar_t* out;
-        int64_t in_sd, out_sd;
-        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
-        copy_pass_through<scalar_t, P, kVec>(in, out, in_sd, out_sd, a.rotary_dim, pass, p0,
-                                             static_cast<int64_t>(shape.chunks) * P, true);
-      }
+      pass_through_heads<scalar_t, P, kVec>(a, b, s, lane, shape.head_lanes, shape.chunks, p0,
+                                            true);
     }
   }
-}
-
-// The 16-byte path: every row of q and k (in and out) contiguous and 16-byte aligned, and
-// whole chunks of P pairs (as the rope kernel, rope_cuda.cu).
-bool can_vectorize(const RopeCosSinArgs& a, int64_t P) {
-  if ((a.rotary_dim / 2) % P != 0) return false;
-  for (const RopeOperand* op : {&a.q, &a.k}) {
-    if (op->heads == 0) continue;
-    if (op->in_stride[3] != 1 || op->out_stride[3] != 1) return false;
-    if (!cuda::is_aligned16(op->in) || !cuda::is_aligned16(op->out)) return false;
-    for (int d = 0; d < 3; ++d) {
-      if (op->in_stride[d] % P != 0 || op->out_stride[d] % P != 0) return false;
-    }
-  }
-  return true;
-}
-
-template <typename scalar_t, int P, bool kVec>
-void launch_kernel(const RopeCosSinArgs& a) {
-  const int64_t tokens = a.batch * a.seq;
-  const RopeBlockShape shape = rope_block_shape(a.rotary_dim / 2, a.q.heads + a.k.heads, tokens,
-                                                P, kMaxThreads, kMaxRopePairs, kMaxSlots);
-  const int threads = shape.threads();
-  auto kernel = rope_cos_sin_kernel<scalar_t, P, kVec>;
-  int resident = 0;  // one wave of resident blocks: a host-side query, no synchronisation
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0));
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t steps = (tokens + shape.slots - 1) / shape.slots;
-  const int64_t blocks =
-      std::min<int64_t>(steps, static_cast<int64_t>(sms) * std::max(resident, 1));
-  kernel<<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a, shape);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cuda(
@@ -166,10 +129,10 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cuda(
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_apply_rope_cos_sin_cuda", [&] {
           constexpr int P = cuda::kPerVector<scalar_t>;
-          if (can_vectorize(a, P)) {
-            launch_kernel<scalar_t, P, true>(a);
+          if (rope_can_vectorize(a, P)) {
+            launch_rope_kernel(rope_cos_sin_kernel<scalar_t, P, true>, a, P);
           } else {
-            launch_kernel<scalar_t, 1, false>(a);
+            launch_rope_kernel(rope_cos_sin_kernel<scalar_t, 1, false>, a, 1);
           }
         });
   }

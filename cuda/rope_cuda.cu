@@ -43,14 +43,12 @@ namespace {
 using cuda::Pack;
 using namespace rope_cuda;  // load_pairs, store_pairs, head_rows, copy_pass_through
 
-constexpr int kMaxThreads = 256;
 // Register budget: 3 blocks of 256 threads per SM (80 registers a thread). At 64 (4
 // blocks) ptxas spilled the loop state of the 16-byte paths once a step's first loads were
 // hoisted above the sin/cos evaluation; 768 threads, each with its head's two 16-byte loads
 // in flight, keep 24 KiB of loads in flight per SM (benchmarks/NOTES.md, GPU). tests/cpp/
 // check_cuda_kernels.py checks the budget and that nothing spills.
 constexpr int kMinBlocksPerSm = 3;
-constexpr int kMaxSlots = 32;  // tokens per block at most (one per 8-thread slot)
 
 // Where a token starts (rope_token_shift), computed by one thread and shared by its slot.
 struct TokenStart {
@@ -65,12 +63,11 @@ struct TokenStart {
 // heads), so small calls still fill the block. The block walks its tokens grid-stride, one
 // group of `slots` tokens per step.
 template <typename scalar_t, int P, bool kVec>
-__global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
     rope_kernel(const __grid_constant__ RopeArgs a, RopeBlockShape shape) {
   using acc_t = at::opmath_type<scalar_t>;
   const int64_t tokens = a.batch * a.seq;
   const int half = static_cast<int>(a.rotary_dim / 2);
-  const int64_t heads = a.q.heads + a.k.heads;
   const int64_t pass = a.head_dim - a.rotary_dim;
   const RopeThreadRole role = rope_thread_role(shape, threadIdx.x);
   const int slot = role.slot, c = role.chunk, lane = role.lane;
@@ -85,7 +82,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
   __shared__ double s_freq[kMaxRopePairs];
   __shared__ acc_t s_cos[2][kMaxRopePairs];
   __shared__ acc_t s_sin[2][kMaxRopePairs];
-  __shared__ TokenStart s_start[2][kMaxSlots];
+  __shared__ TokenStart s_start[2][kRopeMaxSlots];
   for (int i = threadIdx.x; i < half; i += blockDim.x) s_freq[i] = a.inv_freq[i];
   int64_t token = static_cast<int64_t>(blockIdx.x) * shape.slots + slot;
   if (leader && token < tokens) {
@@ -104,13 +101,7 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
     // in flight during the float64 angle reduction and the barrier.
     const bool rotates = live && half > 0;
     RawPairs<scalar_t, P, kVec> raw;
-    if (rotates) {
-      const scalar_t* in;
-      scalar_t* out;
-      int64_t in_sd, out_sd;
-      head_rows<scalar_t>(a, b, s, lane, &in, &out, &in_sd, &out_sd);
-      raw = load_pairs<scalar_t, P, kVec>(in, in_sd, half, a.interleaved, p0);
-    }
+    if (rotates) raw = load_first_head<scalar_t, P, kVec>(a, b, s, lane, p0);
     // The cos/sin of the block's tokens, every thread a share of slots * half pairs.
     for (int i = threadIdx.x; i < shape.slots * half; i += blockDim.x) {
       const int sl = i / half;
@@ -141,76 +132,21 @@ __global__ void __launch_bounds__(kMaxThreads, kMinBlocksPerSm)
       // across the head loop they pushed the 16-bit paths into spilling).
       const acc_t* cs = &s_cos[buf][slot * half + p0];
       const acc_t* sn = &s_sin[buf][slot * half + p0];
-      for (int64_t h = lane;;) {
-        const scalar_t* in;
-        scalar_t* out;
-        int64_t in_sd, out_sd;
-        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
-        acc_t x1[P], x2[P], y1[P], y2[P];
-        unpack_pairs<scalar_t, acc_t, P, kVec>(raw, a.interleaved, x1, x2);
-#pragma unroll
-        for (int k = 0; k < P; ++k) {
-          math::rope_rotate_pair(x1[k], x2[k], cs[k], sn[k], &y1[k], &y2[k]);
-        }
-        store_pairs<scalar_t, acc_t, P, kVec>(out, out_sd, half, a.interleaved, p0, y1, y2);
-        h += shape.head_lanes;
-        if (h >= heads) break;
-        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
-        raw = load_pairs<scalar_t, P, kVec>(in, in_sd, half, a.interleaved, p0);
-      }
+      rotate_heads<scalar_t, acc_t, P, kVec>(
+          a, b, s, lane, shape.head_lanes, p0, raw,
+          [=](int k, acc_t x1, acc_t x2, acc_t* y1, acc_t* y2) {
+            math::rope_rotate_pair(x1, x2, cs[k], sn[k], y1, y2);
+          });
     }
     // Features beyond rotary_dim pass through (nothing to do in place, unless invalid),
     // P at a time by the same (lane, chunk) threads: no division per element. Both operands
     // are asked: a q without elements has in == out == nullptr even out of place, and k's
     // pass-through features must still be copied then.
     if (live && pass > 0 && (a.q.in != a.q.out || a.k.in != a.k.out || !start.valid)) {
-      for (int64_t h = lane; h < heads; h += shape.head_lanes) {
-        const scalar_t* in;
-        scalar_t* out;
-        int64_t in_sd, out_sd;
-        head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
-        copy_pass_through<scalar_t, P, kVec>(in, out, in_sd, out_sd, a.rotary_dim, pass, p0,
-                                             static_cast<int64_t>(shape.chunks) * P,
-                                             start.valid);
-      }
+      pass_through_heads<scalar_t, P, kVec>(a, b, s, lane, shape.head_lanes, shape.chunks, p0,
+                                            start.valid);
     }
   }
-}
-
-// The 16-byte path needs every row of q and k (in and out) contiguous and aligned, and
-// whole chunks of P pairs.
-bool can_vectorize(const RopeArgs& a, int64_t P) {
-  if ((a.rotary_dim / 2) % P != 0) return false;
-  for (const RopeOperand* op : {&a.q, &a.k}) {
-    if (op->heads == 0) continue;
-    if (op->in_stride[3] != 1 || op->out_stride[3] != 1) return false;
-    if (!cuda::is_aligned16(op->in) || !cuda::is_aligned16(op->out)) return false;
-    for (int d = 0; d < 3; ++d) {
-      if (op->in_stride[d] % P != 0 || op->out_stride[d] % P != 0) return false;
-    }
-  }
-  return true;
-}
-
-template <typename scalar_t, int P, bool kVec>
-void launch(const RopeArgs& a) {
-  const int64_t half = a.rotary_dim / 2;
-  const int64_t heads = a.q.heads + a.k.heads;
-  const int64_t tokens = a.batch * a.seq;
-  const RopeBlockShape shape =
-      rope_block_shape(half, heads, tokens, P, kMaxThreads, kMaxRopePairs, kMaxSlots);
-  const int threads = shape.threads();
-  auto kernel = rope_kernel<scalar_t, P, kVec>;
-  // One wave of resident blocks (the kernel walks the tokens grid-stride): the occupancy
-  // calculator, a host-side query (no device synchronisation).
-  int resident = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0));
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
-  const int64_t steps = (tokens + shape.slots - 1) / shape.slots;
-  const int64_t blocks =
-      std::min<int64_t>(steps, static_cast<int64_t>(sms) * std::max(resident, 1));
-  kernel<<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a, shape);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void run_rope_cuda(const RopeLaunch& l, const at::Tensor& q) {
@@ -219,10 +155,10 @@ void run_rope_cuda(const RopeLaunch& l, const at::Tensor& q) {
   const c10::cuda::CUDAGuard guard(q.device());  // current stream and properties of q's GPU
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_rope_cuda", [&] {
     constexpr int P = cuda::kPerVector<scalar_t>;
-    if (can_vectorize(a, P)) {
-      launch<scalar_t, P, true>(a);
+    if (rope_can_vectorize(a, P)) {
+      launch_rope_kernel(rope_kernel<scalar_t, P, true>, a, P);
     } else {
-      launch<scalar_t, 1, false>(a);
+      launch_rope_kernel(rope_kernel<scalar_t, 1, false>, a, 1);
     }
   });
 }

@@ -1,14 +1,19 @@
-// Device helpers shared by the RoPE kernels (cuda/rope_cuda.cu, cuda/rope_cos_sin_cuda.cu):
-// P rotary pairs of a row loaded, unpacked, stored (16-byte accesses on the fast path,
-// elements with any stride otherwise), the row of a head of q or k, and the partial-rotary
-// pass-through copy.
+// What the RoPE kernels (cuda/rope_cuda.cu, cuda/rope_cos_sin_cuda.cu) share: on the
+// device, P rotary pairs of a row loaded, unpacked, stored (16-byte accesses on the fast
+// path, elements with any stride otherwise), the row of a head of q or k, the
+// partial-rotary pass-through copy; on the host, the fast-path test and the launch with
+// the work split of ops/cuda_work_split.h.
 #pragma once
 
 #include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 
+#include "ops/cuda_work_split.h"
 #include "ops/rope/rope_args.h"
 #include "posenc/math/rope.h"
 #include "vector_access.cuh"
@@ -18,6 +23,9 @@ namespace ops {
 namespace rope_cuda {
 
 using cuda::Pack;
+
+constexpr int kRopeThreads = 256;   // threads a block at most
+constexpr int kRopeMaxSlots = 32;   // tokens a block at most
 
 // P pairs of a row as loaded, before conversion: two 16-byte words on the fast path (the
 // halves of rotate_half, or two consecutive packs of interleaved pairs), the elements e1
@@ -159,6 +167,98 @@ __device__ __forceinline__ void copy_pass_through(const scalar_t* in, scalar_t* 
       out[(e + k) * out_sd] = valid ? in[(e + k) * in_sd] : nan;
     }
   }
+}
+
+// Pairs p0 .. p0 + P - 1 of head `lane` of token (b, s), loaded before the step's barrier.
+template <typename scalar_t, int P, bool kVec, typename Args>
+__device__ __forceinline__ RawPairs<scalar_t, P, kVec> load_first_head(const Args& a, int64_t b,
+                                                                       int64_t s, int64_t lane,
+                                                                       int64_t p0) {
+  const scalar_t* in;
+  scalar_t* out;
+  int64_t in_sd, out_sd;
+  head_rows<scalar_t>(a, b, s, lane, &in, &out, &in_sd, &out_sd);
+  return load_pairs<scalar_t, P, kVec>(in, in_sd, a.rotary_dim / 2, a.interleaved, p0);
+}
+
+// Rotates pairs p0 .. p0 + P - 1 of heads lane, lane + head_lanes, ... of token (b, s):
+// `raw` holds the first head's pairs (load_first_head); each next head's are loaded right
+// after the previous head's store. rotate(k, x1, x2, &y1, &y2) rotates pair p0 + k.
+template <typename scalar_t, typename acc_t, int P, bool kVec, typename Args, typename Rotate>
+__device__ __forceinline__ void rotate_heads(const Args& a, int64_t b, int64_t s, int64_t lane,
+                                             int64_t head_lanes, int64_t p0,
+                                             RawPairs<scalar_t, P, kVec> raw, Rotate rotate) {
+  const int64_t half = a.rotary_dim / 2;
+  const int64_t heads = a.q.heads + a.k.heads;
+  for (int64_t h = lane;;) {
+    const scalar_t* in;
+    scalar_t* out;
+    int64_t in_sd, out_sd;
+    head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
+    acc_t x1[P], x2[P], y1[P], y2[P];
+    unpack_pairs<scalar_t, acc_t, P, kVec>(raw, a.interleaved, x1, x2);
+#pragma unroll
+    for (int k = 0; k < P; ++k) rotate(k, x1[k], x2[k], &y1[k], &y2[k]);
+    store_pairs<scalar_t, acc_t, P, kVec>(out, out_sd, half, a.interleaved, p0, y1, y2);
+    h += head_lanes;
+    if (h >= heads) break;
+    head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
+    raw = load_pairs<scalar_t, P, kVec>(in, in_sd, half, a.interleaved, p0);
+  }
+}
+
+// The pass-through features of heads lane, lane + head_lanes, ... of token (b, s), chunk
+// p0 / P of every chunks * P (copy_pass_through).
+template <typename scalar_t, int P, bool kVec, typename Args>
+__device__ __forceinline__ void pass_through_heads(const Args& a, int64_t b, int64_t s,
+                                                   int64_t lane, int64_t head_lanes, int chunks,
+                                                   int64_t p0, bool valid) {
+  const int64_t heads = a.q.heads + a.k.heads;
+  for (int64_t h = lane; h < heads; h += head_lanes) {
+    const scalar_t* in;
+    scalar_t* out;
+    int64_t in_sd, out_sd;
+    head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
+    copy_pass_through<scalar_t, P, kVec>(in, out, in_sd, out_sd, a.rotary_dim,
+                                         a.head_dim - a.rotary_dim, p0,
+                                         static_cast<int64_t>(chunks) * P, valid);
+  }
+}
+
+// The 16-byte path needs every row of q and k (in and out) contiguous and 16-byte aligned,
+// and whole chunks of P pairs. Args: RopeArgs or RopeCosSinArgs.
+template <typename Args>
+bool rope_can_vectorize(const Args& a, int64_t P) {
+  if ((a.rotary_dim / 2) % P != 0) return false;
+  for (const RopeOperand* op : {&a.q, &a.k}) {
+    if (op->heads == 0) continue;
+    if (op->in_stride[3] != 1 || op->out_stride[3] != 1) return false;
+    if (!cuda::is_aligned16(op->in) || !cuda::is_aligned16(op->out)) return false;
+    for (int d = 0; d < 3; ++d) {
+      if (op->in_stride[d] % P != 0 || op->out_stride[d] % P != 0) return false;
+    }
+  }
+  return true;
+}
+
+// Launches kernel(a, shape) on the current stream: the block shape of the call
+// (rope_block_shape: kRopeThreads, kMaxRopePairs shared pairs, kRopeMaxSlots) and one
+// wave of resident blocks, the kernel walking the tokens grid-stride; the occupancy
+// calculator is a host-side query (no device synchronisation).
+template <typename Args>
+void launch_rope_kernel(void (*kernel)(Args, RopeBlockShape), const Args& a, int P) {
+  const int64_t tokens = a.batch * a.seq;
+  const RopeBlockShape shape = rope_block_shape(a.rotary_dim / 2, a.q.heads + a.k.heads, tokens,
+                                                P, kRopeThreads, kMaxRopePairs, kRopeMaxSlots);
+  const int threads = shape.threads();
+  int resident = 0;
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0));
+  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  const int64_t steps = (tokens + shape.slots - 1) / shape.slots;
+  const int64_t blocks =
+      std::min<int64_t>(steps, static_cast<int64_t>(sms) * std::max(resident, 1));
+  kernel<<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a, shape);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace rope_cuda

@@ -63,14 +63,10 @@ def rules() -> list[Rule]:
         # thread (two 8-element groups of a 16-bit type, one group of float32) and stores
         # them the same way.
         for index in ("unsigned int", "unsigned long"):
-            out.append(Rule(
-                rf"add_position_forward_kernel<(c10::)?{dtype}, [^,]+, {index}, true>", 256, 64,
-                "4 blocks/SM (launch bounds); 32 B of x a thread in flight",
-                min_ldg128=2, min_stg128=2, bytes_in_flight="32 B x (+ table)"))
-            out.append(Rule(
-                rf"add_position_backward_kernel<(c10::)?{dtype}, {index}, true>", 256, 64,
-                "4 blocks/SM (launch bounds); 32 B of grad a thread in flight",
-                min_ldg128=2, min_stg128=2, bytes_in_flight="32 B"))
+            for kernel in (f"add_position_forward_kernel<(c10::)?{dtype}, [^,]+, {index}, true>",
+                           f"add_position_backward_kernel<(c10::)?{dtype}, {index}, true>"):
+                out.append(Rule(kernel, 256, 64, "4 blocks/SM (launch bounds); 32 B a thread in flight",
+                                min_ldg128=2, min_stg128=2, bytes_in_flight="32 B of x or grad"))
         # Learned-table backward (positions per s): (tile x batch slices) blocks, 4 per SM
         # (64 registers), two rows' grad loads in flight, grad_x stored 16 bytes at a time
         # (the two-row loop and the odd last row: 3 rows' stores).
@@ -87,17 +83,13 @@ def rules() -> list[Rule]:
     # RoPE 16-byte paths: __launch_bounds__(256, 3) -> <= 80 registers (3 blocks, 768
     # threads per SM); a head's two 16-byte loads and stores (the two layouts may share the
     # instructions) and the 16-byte pass-through copy: 3 of each at least.
+    # apply_rope_cos_sin (rope_cos_sin_kernel, given tables): the same split, budget and
+    # accesses; its tables are staged in shared memory per step.
     for dtype, p in (("BFloat16", 8), ("Half", 8), ("float", 4)):
-        out.append(Rule(
-            rf"rope_kernel<(c10::)?{dtype}, {p}, true>", 256, 80,
-            "3 blocks/SM (launch bounds); a head's 2 loads in flight",
-            min_ldg128=3, min_stg128=3, bytes_in_flight="32 B"))
-        # apply_rope_cos_sin (given tables): the same split, budget and accesses; the
-        # tables are staged in shared memory per step.
-        out.append(Rule(
-            rf"rope_cos_sin_kernel<(c10::)?{dtype}, {p}, true>", 256, 80,
-            "3 blocks/SM (launch bounds); a head's 2 loads in flight",
-            min_ldg128=3, min_stg128=3, bytes_in_flight="32 B"))
+        for kernel in ("rope_kernel", "rope_cos_sin_kernel"):
+            out.append(Rule(rf"{kernel}<(c10::)?{dtype}, {p}, true>", 256, 80,
+                            "3 blocks/SM (launch bounds); a head's 2 loads in flight",
+                            min_ldg128=3, min_stg128=3, bytes_in_flight="32 B"))
     return out
 
 
