@@ -15,7 +15,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from harness import time_interleaved  # noqa: E402
+from harness import grad_step, time_interleaved  # noqa: E402
 from posenc.functional import apply_rope_cos_sin, rope_cos_sin  # noqa: E402
 
 
@@ -58,15 +58,9 @@ def main():
     qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
     gq, gk = torch.randn_like(q), torch.randn_like(k)
 
-    def training(fn):
-        def step():
-            a, b = fn(qg, kg)
-            torch.autograd.grad((a, b), (qg, kg), (gq, gk))
-        return step
-
     with torch.no_grad():
         fwd = time_interleaved({n: (lambda f=f: f(q, k)) for n, f in fns.items()}, device, args.reps)
-    both = time_interleaved({n: training(f) for n, f in fns.items()}, device, args.reps)
+    both = time_interleaved({n: grad_step(f, (qg, kg), (gq, gk)) for n, f in fns.items()}, device, args.reps)
     print(f"apply_rope_cos_sin, {device} {args.dtype}, q {tuple(q.shape)}, k {tuple(k.shape)} (bhsd), "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads")
     print(f"{'case':16} {'posenc ms':>10} {'GB/s':>7} {'eager ms':>9} {'compile ms':>10} {'eager/ours':>10} "

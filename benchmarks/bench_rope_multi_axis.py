@@ -20,7 +20,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 import torch  # noqa: E402
 
-from harness import time_interleaved  # noqa: E402
+from harness import grad_step, time_interleaved  # noqa: E402
 from posenc.functional import apply_rope  # noqa: E402
 
 SECTIONS = [16, 24, 24]
@@ -92,13 +92,7 @@ def main():
     qg, kg = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
     gq, gk = torch.randn_like(q), torch.randn_like(k)
 
-    def train_step(f):
-        def step():
-            oq, ok = f(qg, kg)
-            torch.autograd.grad((oq, ok), (qg, kg), (gq, gk))
-        return step
-
-    fb = time_interleaved({n: train_step(f) for n, f in forms.items()}, device, args.reps)
+    fb = time_interleaved({n: grad_step(f, (qg, kg), (gq, gk)) for n, f in forms.items()}, device, args.reps)
     nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
     print(f"{device} {args.dtype} q, k ({B}, {S}, {H}, {D}) sections {SECTIONS}, {torch.get_num_threads()} threads")
     print(f"{'form':24} {'forward ms':>11} {'ratio':>6} {'fwd+bwd ms':>11} {'ratio':>6}")

@@ -129,6 +129,17 @@ def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3) -> dict
     return {name: statistics.median(v) for name, v in samples.items()}
 
 
+def grad_step(fn: Callable, inputs: tuple, grads: tuple) -> Callable[[], None]:
+    """A timed training step: fn(*inputs) forward, then the gradients of its outputs
+    (weighted by grads) with respect to inputs (leaves with requires_grad)."""
+
+    def step() -> None:
+        outputs = fn(*inputs)
+        torch.autograd.grad(outputs, inputs, grads)
+
+    return step
+
+
 def copy_bandwidth(device: str, gib: float = 2.0) -> float:
     """Measured device copy bandwidth in GB/s (bytes read + written), the ceiling that
     memory-bound kernels are compared against."""
