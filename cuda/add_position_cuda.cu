@@ -191,9 +191,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     bool whole[kUnroll<scalar_t>];
 #pragma unroll
     for (int u = 0; u < kUnroll<scalar_t>; ++u) {
-      const index_t e0 = (g0 + u * stride) * kGroup;
-      whole[u] = kVectorized && g0 + u * stride < groups && e0 + kGroup <= numel;
-      if (whole[u]) raw[u] = cuda::load_raw_group(grad + e0);
+      const index_t g = g0 + u * stride;
+      whole[u] = kVectorized && g < groups && g * kGroup + kGroup <= numel;
+      if (whole[u]) raw[u] = cuda::load_raw_group(grad + g * kGroup);
     }
 #pragma unroll
     for (int u = 0; u < kUnroll<scalar_t>; ++u) {
@@ -258,10 +258,11 @@ void launch_forward(const at::Tensor& x, const at::Tensor& table, const at::Tens
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
-// 32-bit indices when every group index a thread forms (up to groups + 2 strides, a stride
-// at most one group per thread of the grid) and its element index fit.
+// 32-bit indices when they fit: element indices are formed only for groups below `groups`
+// (so below numel + kGroup), group indices stay below groups + kUnroll strides (a stride is
+// at most one group per thread of the grid), far inside 32 bits.
 bool fits_int32(int64_t numel) {
-  return numel + kGroup * static_cast<int64_t>(kThreads) * 2 * 3 <
+  return numel + kGroup * static_cast<int64_t>(kThreads) * 2 <
          std::numeric_limits<int32_t>::max();
 }
 
