@@ -268,7 +268,9 @@ bool fits_int32(int64_t numel) {
 
 std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
     const at::Tensor& x_in, const at::Tensor& table_in, const std::optional<at::Tensor>& positions,
-    int64_t offset, bool batch_first, double p) {
+    int64_t offset, bool batch_first, double p, bool save_mask) {
+  TORCH_CHECK_VALUE(!save_mask, "posenc: add_position_forward: save_mask=True (a saved dropout "
+                    "mask) is CPU-only; on CUDA the backward regenerates the mask from rng");
   const AddPositionArgs g =
       check_add_position_inputs(x_in, table_in, positions, offset, batch_first, p);
   const c10::cuda::CUDAGuard device_guard(x_in.device());

@@ -36,13 +36,31 @@ void check_dropout_probability(double p) {
                     "posenc: expected dropout probability p in [0, 1], got ", p);
 }
 
-void check_dropout_backward_args(const at::Tensor& grad, const at::Tensor& rng, double p) {
-  // sym_numel: the Meta kernel runs this too, where rng can have symbolic sizes.
+void check_dropout_state(const at::Tensor& grad, const at::Tensor& rng) {
+  // sym_*: the Meta kernels run this too, where rng can have symbolic sizes.
+  if (rng.scalar_type() == at::kByte) {
+    TORCH_CHECK(grad.device().is_cpu() || grad.device().is_meta(),
+                "posenc: a saved dropout mask (uint8 rng, add_position_forward with "
+                "save_mask=True) is CPU-only; on ", grad.device(),
+                " rng must be the int64 (seed, offset) pair");
+    const bool ok = rng.device() == grad.device() && grad.dim() == 3 && rng.dim() == 3 &&
+                    rng.sym_size(0) == grad.sym_size(0) && rng.sym_size(1) == grad.sym_size(1) &&
+                    rng.sym_size(2) == (grad.sym_size(2) + 7) / 8;
+    TORCH_CHECK(ok, "posenc: expected rng, the saved dropout mask (uint8), to have shape "
+                "(grad.size(0), grad.size(1), ceil(grad.size(2) / 8)) on ", grad.device(),
+                " for grad of shape ", grad.sym_sizes(), ", got shape ", rng.sym_sizes(), " on ",
+                rng.device());
+    return;
+  }
   TORCH_CHECK(rng.device() == grad.device() && rng.sym_numel() == 2 &&
                   rng.scalar_type() == at::kLong,
               "posenc: expected rng to be the int64 (seed, offset) pair from the forward on ",
               grad.device(), ", got ", rng.scalar_type(), " of shape ", rng.sym_sizes(), " on ",
               rng.device());
+}
+
+void check_dropout_backward_args(const at::Tensor& grad, const at::Tensor& rng, double p) {
+  check_dropout_state(grad, rng);
   check_dropout_probability(p);
   check_grad_dtype(grad);
 }
@@ -138,11 +156,7 @@ AddPositionArgs check_add_position_backward_inputs(const at::Tensor& grad,
   // (zero strides: it allocates one element, not a table).
   const at::Tensor table = at::empty_strided({table_len, grad.size(2)}, {0, 0}, grad.options());
   check_add_position_structure(grad, table, positions, batch_first, p);
-  TORCH_CHECK(p == 0.0 || (rng.numel() == 2 && rng.scalar_type() == at::kLong &&
-                           rng.device() == grad.device()),
-              "posenc: expected rng to be the int64 (seed, offset) pair from the forward on ",
-              grad.device(), ", got ", rng.scalar_type(), " of shape ", rng.sizes(), " on ",
-              rng.device());
+  if (p > 0.0) check_dropout_state(grad, rng);
   return make_geometry(grad, positions, offset, batch_first, table_len);
 }
 

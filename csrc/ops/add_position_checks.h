@@ -14,8 +14,13 @@ namespace ops {
 // ValueError unless p is in [0, 1] (a NaN or negative p would reach an unsigned cast).
 void check_dropout_probability(double p);
 
-// The arguments of add_position_backward on every backend: rng the (seed, offset) pair on
-// grad's device (the kernels read it whatever p), p, grad's dtype.
+// rng, the dropout state a forward returned: the int64 (seed, offset) pair on grad's device,
+// or, on the CPU only, the uint8 keep mask of save_mask=True, of shape
+// (grad.size(0), grad.size(1), ceil(grad.size(2) / 8)).
+void check_dropout_state(const at::Tensor& grad, const at::Tensor& rng);
+
+// The arguments of add_position_backward on every backend: rng (check_dropout_state; the
+// kernels read it whatever p), p, grad's dtype.
 void check_dropout_backward_args(const at::Tensor& grad, const at::Tensor& rng, double p);
 
 // Checks shapes, dtypes, devices and p; works on Meta tensors (no data access, symbolic

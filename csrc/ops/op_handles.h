@@ -15,7 +15,7 @@ using AddPositionSig = at::Tensor(const at::Tensor&, const at::Tensor&,
                                   const std::optional<at::Tensor>&, c10::SymInt, bool, double);
 using AddPositionForwardSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, bool,
-    double);
+    double, bool);
 using AddPositionBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddPositionBackwardWithTableSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, bool,

@@ -2,9 +2,12 @@
 // torch.ops.posenc.* and from C++ through the functions in posenc/ops.h.
 //
 //   add_position           public op: dropout(x + table[positions]); autograd in C++.
-//   add_position_forward   its forward kernel; also returns the dropout (seed, offset).
-//   add_position_backward  grad * mask * scale, the mask regenerated from (seed, offset),
-//                          so the autograd graph stores no mask.
+//   add_position_forward   its forward kernel; also returns rng, the dropout state: the
+//                          (seed, offset) key, or with save_mask=True (CPU only; autograd
+//                          sets it for CPU training) the keep mask, 1 bit per element.
+//   add_position_backward  grad * mask * scale, the mask regenerated from (seed, offset)
+//                          (so on CUDA the autograd graph stores no mask) or read from the
+//                          saved bits.
 //   add_position_backward_with_table
 //                          fused backward for x and the table: grad read once, the
 //                          table gradient summed deterministically over the batch.
@@ -25,7 +28,7 @@ TORCH_LIBRARY(posenc, m) {
       {at::Tag::nondeterministic_seeded});
   m.def(
       "add_position_forward(Tensor x, Tensor table, Tensor? positions, SymInt offset, "
-      "bool batch_first, float p) -> (Tensor, Tensor)",
+      "bool batch_first, float p, bool save_mask=False) -> (Tensor, Tensor)",
       {at::Tag::nondeterministic_seeded});
   m.def("add_position_backward(Tensor grad, Tensor rng, float p) -> Tensor");
   // Returns (grad_x, grad_table): grad_x is empty unless need_x; grad_table is

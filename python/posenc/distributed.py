@@ -35,10 +35,11 @@ worst to R, so no placement gives a silently wrong answer):
       tensor. Replicated, every rank draws the full tensor's mask, identical on all ranks and
       equal to a single-process run when every rank's generator is seeded alike (as DTensor's
       own random ops require).
-``add_position_backward`` (the dropout mask applied to a gradient): R -> R, P -> P; S only
-    for p == 0. ``add_position_backward_with_table``: R; P -> (P, P); for p == 0 also
-    grad S(b) / S(s) (positions alike) -> grad_table P (a sum over the shards' rows) and grad
-    S(2) -> grad_table S(1).
+``add_position_backward`` (the dropout mask applied to a gradient; its ``rng``, the key or
+    the CPU's saved mask bits, always R): R -> R, P -> P; S only for p == 0.
+    ``add_position_backward_with_table``: R; P -> (P, P); for p == 0 also grad S(b) / S(s)
+    (positions alike) -> grad_table P (a sum over the shards' rows) and grad S(2) ->
+    grad_table S(1).
 ``sinusoidal_table``: positions R or S(d) -> the table S(d) (never on the d_model dimension).
 ``position_bounds`` / ``rope_position_bounds`` read values (a host-side check): for DTensor
     arguments they gather the index tensors (small, int64) and compute the global bounds on

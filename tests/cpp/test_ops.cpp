@@ -121,6 +121,37 @@ TEST(AddPosition, DropoutRegeneratesTheMaskInBackward) {
   EXPECT_TRUE(torch::equal(y.detach(), y2));
 }
 
+TEST(AddPosition, SavedCpuMaskGivesTheRegeneratedMasksGradients) {
+  // CPU autograd saves the keep mask as bits (save_mask=True); its backward must equal the
+  // one that regenerates the mask from the key, bit for bit, for x and for the table.
+  for (int64_t d : {5, 16, 1031}) {
+    const auto x = torch::randn({3, 9, d});
+    const auto table = torch::randn({12, d});
+    const auto pos = torch::randint(0, 3, {3, 9}, torch::kLong);
+    torch::manual_seed(11);
+    auto [out_key, key] = posenc::ops::add_position_forward_op().call(x, table, pos, 0, true, 0.3, false);
+    torch::manual_seed(11);
+    auto [out_mask, mask] = posenc::ops::add_position_forward_op().call(x, table, pos, 0, true, 0.3, true);
+    ASSERT_TRUE(torch::equal(out_key, out_mask)) << "d=" << d;
+    ASSERT_EQ(mask.scalar_type(), torch::kByte);
+    ASSERT_EQ(mask.sizes(), (std::vector<int64_t>{3, 9, (d + 7) / 8}));
+    const auto g = torch::randn({3, 9, d});
+    EXPECT_TRUE(torch::equal(posenc::ops::add_position_backward_op().call(g, key, 0.3),
+                             posenc::ops::add_position_backward_op().call(g, mask, 0.3)));
+    auto [gx_key, gt_key] = posenc::ops::add_position_backward_with_table_op().call(
+        g, key, pos, 0, true, 0.3, 12, true);
+    auto [gx_mask, gt_mask] = posenc::ops::add_position_backward_with_table_op().call(
+        g, mask, pos, 0, true, 0.3, 12, true);
+    EXPECT_TRUE(torch::equal(gx_key, gx_mask) && torch::equal(gt_key, gt_mask)) << "d=" << d;
+    // The C++ module API's gradients come from the saved mask: equal to the key path's.
+    const auto xg = x.clone().requires_grad_(true);
+    const auto tg = table.clone().requires_grad_(true);
+    torch::manual_seed(11);
+    posenc::add_position(xg, tg, pos, 0, true, 0.3).backward(g);
+    EXPECT_TRUE(torch::equal(xg.grad(), gx_key) && torch::equal(tg.grad(), gt_key)) << "d=" << d;
+  }
+}
+
 TEST(AddPosition, TableGradientSumsOverRepeatedPositions) {
   auto x = torch::randn({3, 6, 4}, torch::requires_grad(true).dtype(torch::kDouble));
   auto table = torch::randn({1, 9, 4}, torch::requires_grad(true).dtype(torch::kDouble));

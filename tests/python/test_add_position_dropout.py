@@ -81,6 +81,9 @@ def test_backward_regenerates_the_forward_mask(device, batch_first):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_autograd_graph_saves_no_tensor_of_x_size(device):
+    """CUDA saves the (seed, offset) pair and regenerates the mask; the CPU saves the mask
+    as bits (1 per element, 1/32 of float32 x) because reading them is cheaper there than
+    Philox. Neither saves x, the output or a byte-per-element mask."""
     pe = train_module(0.2, d=64, device=device)
     x = torch.randn(4, 128, 64, device=device, requires_grad=True)
     saved = []
@@ -91,10 +94,43 @@ def test_autograd_graph_saves_no_tensor_of_x_size(device):
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         y = pe(x, positions=torch.arange(128, device=device))
-    assert saved, "the op must save its (seed, offset) pair"
-    assert max(t.numel() for t in saved) <= 128  # rng (2) and positions (128), never x-sized
+    assert saved, "the op must save its dropout state"
     assert all(t.numel() != x.numel() for t in saved)
+    if device == "cuda":
+        assert max(t.numel() for t in saved) <= 128  # rng (2) and positions (128)
+    else:
+        masks = [t for t in saved if t.dtype == torch.uint8]
+        assert [tuple(t.shape) for t in masks] == [(4, 128, 8)]
+        assert sum(t.numel() * t.element_size() for t in saved if t.dtype != torch.int64) == x.nbytes // 32
     y.sum().backward()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_mask_is_written_only_for_a_cpu_backward(device):
+    """save_mask, as the autograd kernel passes it to add_position_forward: only on the CPU,
+    with dropout, and when a graph is recorded (a backward will read the mask)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is torch.ops.posenc.add_position_forward.default:
+                calls.append(args[6] if len(args) > 6 else kwargs.get("save_mask", False))
+            return func(*args, **(kwargs or {}))
+
+    table = torch.randn(16, 8, device=device)
+    x = torch.randn(2, 16, 8, device=device)
+    xg = x.clone().requires_grad_(True)
+    with Record():
+        add = posenc.functional.add_position
+        add(x, table, p=0.3)                      # nothing requires grad
+        add(xg, table, p=0.0)                     # no dropout
+        with torch.no_grad():
+            add(xg, table, p=0.3)                 # no graph
+        add(xg, table, p=0.3)                     # CPU training: the mask is saved
+        add(x, table.clone().requires_grad_(True), p=0.3)
+    assert calls == [False, False, False, device == "cpu", device == "cpu"]
 
 
 def test_mask_resolution_is_two_to_the_minus_16():

@@ -2,9 +2,12 @@
 // too. Forward and backward call the kernel ops through the dispatcher, which is what lets
 // torch.compile trace them as graph nodes.
 //
-// Saved for backward: the (seed, offset) pair and the positions, never a mask or any
-// tensor of x's size. d(out)/d(x) = mask * scale; d(out)/d(table) scatters that same
-// gradient into the table rows that were read, summed over the batch.
+// Saved for backward: the dropout state and the positions. The state is the (seed, offset)
+// pair on CUDA, where the backward regenerates the mask, so no tensor of x's size is saved;
+// on the CPU it is the keep mask, 1 bit per element (1/32 of float32 x), because reading it
+// is cheaper there than running Philox again (benchmarks/NOTES.md, "CPU backward").
+// d(out)/d(x) = mask * scale; d(out)/d(table) scatters that same gradient into the table
+// rows that were read, summed over the batch.
 //
 // Higher derivatives (create_graph=True): add_position_backward has its own autograd (it is
 // linear in grad with the same mask: its own derivative), and with grad mode on the table
@@ -27,10 +30,10 @@ class AddPositionFunction : public torch::autograd::Function<AddPositionFunction
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& x, const at::Tensor& table,
                                const std::optional<at::Tensor>& positions, c10::SymInt offset,
-                               bool batch_first, double p) {
+                               bool batch_first, double p, bool save_mask) {
     at::AutoDispatchBelowADInplaceOrView guard;
     auto [out, rng] =
-        add_position_forward_op().call(x, table, positions, offset, batch_first, p);
+        add_position_forward_op().call(x, table, positions, offset, batch_first, p, save_mask);
     ctx->save_for_backward({rng, positions.value_or(at::Tensor())});
     ctx->saved_data["offset"] = offset;
     ctx->saved_data["batch_first"] = batch_first;
@@ -70,7 +73,8 @@ class AddPositionFunction : public torch::autograd::Function<AddPositionFunction
     } else if (grad.defined() && want_x) {
       grad_x = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
     }
-    return {grad_x, grad_table, at::Tensor(), at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_x,      grad_table,  at::Tensor(), at::Tensor(),
+            at::Tensor(), at::Tensor(), at::Tensor()};
   }
 
  private:
@@ -111,7 +115,11 @@ at::Tensor add_position_backward_autograd(const at::Tensor& grad, const at::Tens
 at::Tensor add_position_autograd(const at::Tensor& x, const at::Tensor& table,
                                  const std::optional<at::Tensor>& positions, c10::SymInt offset,
                                  bool batch_first, double p) {
-  return AddPositionFunction::apply(x, table, positions, std::move(offset), batch_first, p)[0];
+  // The mask is saved only where a backward will read it: CPU, dropout, a graph recorded.
+  const bool save_mask = p > 0.0 && x.device().is_cpu() && at::GradMode::is_enabled() &&
+                         (x.requires_grad() || table.requires_grad());
+  return AddPositionFunction::apply(x, table, positions, std::move(offset), batch_first, p,
+                                    save_mask)[0];
 }
 
 // Below autograd (inference mode, or after the autograd kernel): just the forward.
@@ -119,7 +127,8 @@ at::Tensor add_position_no_grad(const at::Tensor& x, const at::Tensor& table,
                                 const std::optional<at::Tensor>& positions, c10::SymInt offset,
                                 bool batch_first, double p) {
   return std::get<0>(
-      add_position_forward_op().call(x, table, positions, std::move(offset), batch_first, p));
+      add_position_forward_op().call(x, table, positions, std::move(offset), batch_first, p,
+                                     /*save_mask=*/false));
 }
 
 }  // namespace

@@ -1,6 +1,12 @@
 // CPU backend of add_position_forward / add_position_backward: argument checks, the
 // dropout draw from the default CPU generator, and dispatch to the vectorised kernels in
 // add_position_kernel.cpp (a separate translation unit built for the host vector ISA).
+//
+// save_mask (set by autograd for CPU training): the forward returns the keep mask, one bit
+// per element (cpu::DropoutArgs), in place of the (seed, offset) key, and the backward ops
+// read it instead of regenerating it. Reading 1 bit per element is cheaper on a CPU than
+// running Philox again (benchmarks/NOTES.md); CUDA keeps regenerating (its Philox is free
+// beside the memory traffic), so no tensor of x's size is saved there.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
 #include <ATen/Dispatch.h>
@@ -60,9 +66,18 @@ at::Tensor rng_tensor(const cpu::DropoutArgs& draw) {
   return rng;
 }
 
+// The draw of a backward call: the saved keep mask (uint8, checked by the caller) or the key.
+cpu::DropoutArgs backward_draw(const at::Tensor& rng, double p, at::Tensor& mask_holder) {
+  if (rng.scalar_type() != at::kByte) return draw_from_rng(rng, p);
+  cpu::DropoutArgs draw = dropout_params(p);
+  mask_holder = rng.contiguous();
+  draw.keep_bits = mask_holder.const_data_ptr<uint8_t>();
+  return draw;
+}
+
 std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
     const at::Tensor& x_in, const at::Tensor& table_in, const std::optional<at::Tensor>& positions,
-    int64_t offset, bool batch_first, double p) {
+    int64_t offset, bool batch_first, double p, bool save_mask) {
   const AddPositionArgs g =
       check_add_position_inputs(x_in, table_in, positions, offset, batch_first, p);
   check_cpu_isa();
@@ -74,7 +89,12 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
   const at::Tensor x = x_in.contiguous();
   const at::Tensor table = table_as_matrix(table_in, x.scalar_type());
   at::Tensor out = empty_output(x.sizes(), x.options());
-  const cpu::DropoutArgs draw = p > 0.0 ? draw_cpu(p) : cpu::DropoutArgs{};
+  cpu::DropoutArgs draw = p > 0.0 ? draw_cpu(p) : cpu::DropoutArgs{};
+  at::Tensor mask;
+  if (save_mask && draw.active) {
+    mask = at::empty({x.size(0), x.size(1), cpu::keep_row_bytes(g.d)}, x.options().dtype(at::kByte));
+    draw.keep_bits_out = mask.mutable_data_ptr<uint8_t>();
+  }
   if (x.numel() > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(
         at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_add_position_cpu", [&] {
@@ -91,20 +111,23 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
           }
         });
   }
-  return {out, rng_tensor(draw)};
+  return {out, mask.defined() ? mask : rng_tensor(draw)};
 }
 
 at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor& rng, double p) {
   check_dropout_backward_args(grad_in, rng, p);
   check_cpu_isa();
-  const cpu::DropoutArgs draw = draw_from_rng(rng, p);
+  at::Tensor mask;
+  const cpu::DropoutArgs draw = backward_draw(rng, p, mask);
   const at::Tensor grad = grad_in.contiguous();
   at::Tensor out = empty_output(grad.sizes(), grad.options());
   if (grad.numel() == 0) return out;
+  // With a saved mask grad is 3-D (checked): rows of size(2); with the key any split works.
+  const int64_t d = mask.defined() ? grad.size(2) : grad.numel();
   AT_DISPATCH_FLOATING_TYPES_AND2(
       at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_cpu", [&] {
-        cpu::dropout_backward<scalar_t>(grad.const_data_ptr<scalar_t>(), grad.numel(), draw,
-                                        out.mutable_data_ptr<scalar_t>());
+        cpu::dropout_backward<scalar_t>(grad.const_data_ptr<scalar_t>(), grad.numel() / d, d,
+                                        draw, out.mutable_data_ptr<scalar_t>());
       });
   return out;
 }
@@ -120,7 +143,8 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
     pos = positions->contiguous();
     check_positions_in_range_cpu(pos, g.table_len);
   }
-  const cpu::DropoutArgs draw = p > 0.0 ? draw_from_rng(rng, p) : cpu::DropoutArgs{};
+  at::Tensor mask;
+  const cpu::DropoutArgs draw = p > 0.0 ? backward_draw(rng, p, mask) : cpu::DropoutArgs{};
   const at::Tensor grad = grad_in.contiguous();
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor grad_x = need_x ? empty_output(grad.sizes(), grad.options())

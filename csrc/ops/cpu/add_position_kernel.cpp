@@ -195,6 +195,30 @@ int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const
   }
   return done;
 }
+
+// masked_f32_avx2's product and stores with the factors read from the saved keep mask
+// (bits[k / 8] bit k % 8 for element k, from a byte boundary): whole bytes (8 elements)
+// from the start; returns the count done. The same factors and product as the general
+// path (keep_bits_factors + multiply), so the same results bit for bit.
+template <bool kStore, bool kAcc>
+int64_t masked_bits_f32_avx2(const uint8_t* bits, float scale_f, int64_t n, const float* src,
+                             float* dst, float* acc) {
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256 scale = _mm256_set1_ps(scale_f);
+  int64_t done = 0;
+  for (; done + 8 <= n; done += 8) {
+    const __m256i byte = _mm256_set1_epi32(bits[done / 8]);
+    const __m256i keep = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + done),
+                             _mm256_and_ps(_mm256_castsi256_ps(keep), scale));
+#if defined(__GNUC__)
+    __asm__("" : "+x"(v));  // rounded before the sum, as in masked_f32_avx2
+#endif
+    if constexpr (kStore) _mm256_storeu_ps(dst + done, v);
+    if constexpr (kAcc) _mm256_storeu_ps(acc + done, _mm256_add_ps(_mm256_loadu_ps(acc + done), v));
+  }
+  return done;
+}
 #else
 void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
                   uint16_t* bits) {
@@ -293,6 +317,7 @@ int64_t masked_fast(const DropoutArgs& draw, int64_t first, int64_t n, const sca
                     scalar_t* dst, acc_t* acc) {
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    if (draw.keep_bits != nullptr) return 0;  // masked_saved_fast's case
 #if defined(POSENC_AVX512_PHILOX)
     const bool avx512 = cpu_has_avx512();
 #else
@@ -302,6 +327,23 @@ int64_t masked_fast(const DropoutArgs& draw, int64_t first, int64_t n, const sca
   }
 #endif
   (void)draw, (void)first, (void)n, (void)src, (void)dst, (void)acc;
+  return 0;
+}
+
+// masked_bits_f32_avx2 where it applies (float32, saved mask, AVX2 build): elements
+// [j, j + n) of row r; returns the count of leading elements done, 0 elsewhere.
+template <bool kStore, bool kAcc, typename scalar_t, typename acc_t>
+int64_t masked_saved_fast(const DropoutArgs& draw, int64_t d, int64_t r, int64_t j, int64_t n,
+                          const scalar_t* src, scalar_t* dst, acc_t* acc) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    if (draw.keep_bits != nullptr) {
+      return masked_bits_f32_avx2<kStore, kAcc>(draw.keep_bits + r * keep_row_bytes(d) + j / 8,
+                                                static_cast<float>(draw.scale), n, src, dst, acc);
+    }
+  }
+#endif
+  (void)draw, (void)d, (void)r, (void)j, (void)n, (void)src, (void)dst, (void)acc;
   return 0;
 }
 
@@ -337,6 +379,62 @@ void dropout_factors(const DropoutArgs& draw, int64_t first, int64_t n, acc_t* f
   const acc_t scale = static_cast<acc_t>(draw.scale);
   const uint32_t threshold = draw.threshold;
   for (int64_t k = 0; k < n; ++k) factors[k] = mine[k] >= threshold ? scale : acc_t(0);
+}
+
+// The saved keep mask (DropoutArgs): bits[k / 8] bit k % 8 = (factors[k] != 0) for k < n,
+// from a byte boundary; the padding bits of a last partial byte are 0. A kept element's
+// factor is the scale, which is > 0 (p < 1; for p == 1 nothing is kept).
+template <typename acc_t>
+void pack_keep_bits(const acc_t* factors, int64_t n, uint8_t* bits) {
+  int64_t k = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+      const __m256 kept = _mm256_cmp_ps(_mm256_loadu_ps(factors + k), zero, _CMP_NEQ_UQ);
+      bits[k / 8] = static_cast<uint8_t>(_mm256_movemask_ps(kept));
+    }
+  }
+#endif
+  for (; k < n; k += 8) {
+    uint8_t byte = 0;
+    for (int64_t i = 0; i < 8 && k + i < n; ++i) {
+      byte = static_cast<uint8_t>(byte | ((factors[k + i] != acc_t(0) ? 1u : 0u) << i));
+    }
+    bits[k / 8] = byte;
+  }
+}
+
+// factors[k] = scale or 0 from the saved keep mask: bit k % 8 of bits[k / 8], k < n.
+template <typename acc_t>
+void keep_bits_factors(const uint8_t* bits, int64_t n, acc_t scale, acc_t* factors) {
+  int64_t k = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    // Byte broadcast to 8 lanes, lane i tests bit i: all ones where kept, AND the scale.
+    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (; k + 8 <= n; k += 8) {
+      const __m256i byte = _mm256_set1_epi32(bits[k / 8]);
+      const __m256i keep = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
+      _mm256_storeu_ps(factors + k, _mm256_and_ps(_mm256_castsi256_ps(keep), vscale));
+    }
+  }
+#endif
+  for (; k < n; ++k) factors[k] = ((bits[k >> 3] >> (k & 7)) & 1) != 0 ? scale : acc_t(0);
+}
+
+// The factors of elements [j, j + n) of row r (j a multiple of 8 when the mask is saved):
+// read from the saved mask when there is one, else regenerated from the key.
+template <typename acc_t>
+void row_factors(const DropoutArgs& draw, int64_t d, int64_t r, int64_t j, int64_t n,
+                 acc_t* factors) {
+  if (draw.keep_bits != nullptr) {
+    keep_bits_factors<acc_t>(draw.keep_bits + r * keep_row_bytes(d) + j / 8, n,
+                             static_cast<acc_t>(draw.scale), factors);
+  } else {
+    dropout_factors<acc_t>(draw, r * d + j, n, factors);
+  }
 }
 
 // bfloat16/float16 widened to float (and narrowed back) a whole vector at a time.
@@ -445,7 +543,12 @@ void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_
       scalar_t* o_row = out + r * d;
       for (int64_t j = 0; j < d; j += kChunk) {
         const int64_t n = std::min(kChunk, d - j);
-        if (draw.active) dropout_factors<acc_t>(draw, r * d + j, n, factors);
+        if (draw.active) {
+          dropout_factors<acc_t>(draw, r * d + j, n, factors);
+          if (draw.keep_bits_out != nullptr) {
+            pack_keep_bits<acc_t>(factors, n, draw.keep_bits_out + r * keep_row_bytes(d) + j / 8);
+          }
+        }
         combine<scalar_t, table_t, acc_t>(x_row + j, t_row + j, draw.active ? factors : nullptr,
                                           o_row + j, n);
       }
@@ -461,17 +564,23 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
   constexpr int64_t W = Vec::size();
   const int64_t d = g.d;
 
-  // Masked gradient of n elements of row r from column j0: written to grad_x (if wanted)
-  // and added to acc (n accumulators). The mask is regenerated from the row's flat index.
-  // masked_fast (float32, AVX2) does whole groups of 64 from the start in one pass; the
+  // Masked gradient of n elements of row r from column j0 (a multiple of kChunk): written
+  // to grad_x (if wanted) and added to acc (n accumulators). The mask is read from the saved
+  // bits, or regenerated from the row's flat index. The fast paths (float32, AVX2) do whole
+  // groups from the start in one pass (masked_saved_fast 8 elements, masked_fast 64); the
   // general path below does the rest (all of it elsewhere).
   auto masked_row_into = [&](int64_t r, int64_t j0, int64_t n, acc_t* factors, acc_t* acc) {
     const int64_t first = r * d + j0;
-    const int64_t done = grad_x != nullptr
-        ? masked_fast<true, true>(draw, first, n, grad + first, grad_x + first, acc)
-        : masked_fast<false, true>(draw, first, n, grad + first, grad_x, acc);
+    int64_t done = grad_x != nullptr
+        ? masked_saved_fast<true, true>(draw, d, r, j0, n, grad + first, grad_x + first, acc)
+        : masked_saved_fast<false, true>(draw, d, r, j0, n, grad + first, grad_x, acc);
+    if (done == 0) {
+      done = grad_x != nullptr
+          ? masked_fast<true, true>(draw, first, n, grad + first, grad_x + first, acc)
+          : masked_fast<false, true>(draw, first, n, grad + first, grad_x, acc);
+    }
     if (done == n) return;
-    if (draw.active) dropout_factors<acc_t>(draw, first + done, n - done, factors);
+    if (draw.active) row_factors<acc_t>(draw, d, r, j0 + done, n - done, factors);
     for (int64_t k = done; k < n; k += W) {
       const int64_t m = std::min<int64_t>(W, n - k);
       Vec v = load_as<scalar_t, acc_t>(grad + first + k, m);
@@ -557,8 +666,30 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
 }
 
 template <typename scalar_t>
-void dropout_backward(const scalar_t* grad, int64_t n, const DropoutArgs& draw, scalar_t* out) {
+void dropout_backward(const scalar_t* grad, int64_t rows, int64_t d, const DropoutArgs& draw,
+                      scalar_t* out) {
   using acc_t = at::opmath_type<scalar_t>;
+  if (draw.keep_bits != nullptr) {
+    // Row by row: the saved mask's rows start on byte boundaries.
+    const int64_t grain = std::max<int64_t>(1, 16 * kChunk / std::max<int64_t>(d, 1));
+    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+      alignas(64) acc_t factors[kChunk];
+      for (int64_t r = begin; r < end; ++r) {
+        for (int64_t j = 0; j < d; j += kChunk) {
+          const int64_t m = std::min(kChunk, d - j);
+          const int64_t first = r * d + j;
+          const int64_t done = masked_saved_fast<true, false, scalar_t, acc_t>(
+              draw, d, r, j, m, grad + first, out + first, nullptr);
+          if (done == m) continue;
+          row_factors<acc_t>(draw, d, r, j + done, m - done, factors);
+          combine<scalar_t, scalar_t, acc_t>(grad + first + done, nullptr, factors,
+                                             out + first + done, m - done);
+        }
+      }
+    });
+    return;
+  }
+  const int64_t n = rows * d;
   at::parallel_for(0, (n + kChunk - 1) / kChunk, 16, [&](int64_t begin, int64_t end) {
     alignas(64) acc_t factors[kChunk];
     for (int64_t c = begin; c < end; ++c) {
@@ -598,12 +729,14 @@ POSENC_INSTANTIATE_BACKWARD(c10::Half, float)
 POSENC_INSTANTIATE_BACKWARD(c10::BFloat16, float)
 #undef POSENC_INSTANTIATE_BACKWARD
 
-template void dropout_backward<float>(const float*, int64_t, const DropoutArgs&, float*);
-template void dropout_backward<double>(const double*, int64_t, const DropoutArgs&, double*);
-template void dropout_backward<c10::Half>(const c10::Half*, int64_t, const DropoutArgs&,
-                                          c10::Half*);
-template void dropout_backward<c10::BFloat16>(const c10::BFloat16*, int64_t, const DropoutArgs&,
-                                              c10::BFloat16*);
+template void dropout_backward<float>(const float*, int64_t, int64_t,
+                                          const DropoutArgs&, float*);
+template void dropout_backward<double>(const double*, int64_t, int64_t,
+                                          const DropoutArgs&, double*);
+template void dropout_backward<c10::Half>(const c10::Half*, int64_t, int64_t,
+                                          const DropoutArgs&, c10::Half*);
+template void dropout_backward<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t,
+                                          const DropoutArgs&, c10::BFloat16*);
 
 const char* cpu_kernels_isa() {
 #if defined(CPU_CAPABILITY_AVX2)

@@ -12,15 +12,28 @@ namespace ops {
 namespace cpu {
 
 // Dropout of one call: the (seed, offset) key plus the keep threshold and scale.
+//
+// The saved keep mask (CPU training only, add_position_forward with save_mask=True): one bit
+// per element, row by row, bit j % 8 of byte r * keep_row_bytes(d) + j / 8 for element j of
+// row r (rows padded to whole bytes, so threads owning different rows never share a byte;
+// padding bits are 0). The forward writes it to keep_bits_out; the backward reads keep_bits
+// instead of regenerating the mask with Philox. The bits are the Philox keep decisions, so
+// both backward paths give the same results bit for bit.
 struct DropoutArgs {
   bool active = false;
   uint64_t seed = 0;
   uint64_t offset = 0;
   uint32_t threshold = 0;
   double scale = 1.0;
+  uint8_t* keep_bits_out = nullptr;
+  const uint8_t* keep_bits = nullptr;
 };
 
-// out = dropout(x + table[position(row)]) for contiguous x/out rows of g.d elements.
+// Bytes of one row of the saved keep mask.
+inline int64_t keep_row_bytes(int64_t d) { return (d + 7) / 8; }
+
+// out = dropout(x + table[position(row)]) for contiguous x/out rows of g.d elements; also
+// writes the keep mask when draw.keep_bits_out is set.
 template <typename scalar_t, typename table_t>
 void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_t* table,
                        const int64_t* positions, const DropoutArgs& draw, scalar_t* out);
@@ -34,9 +47,11 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
                                 const int64_t* positions, const DropoutArgs& draw,
                                 scalar_t* grad_x, acc_t* grad_table);
 
-// out = grad * mask * scale over n contiguous elements.
+// out = grad * mask * scale over rows x d contiguous elements (the mask from draw.keep_bits
+// when set, else regenerated from the key; then any rows x d split of the same count works).
 template <typename scalar_t>
-void dropout_backward(const scalar_t* grad, int64_t n, const DropoutArgs& draw, scalar_t* out);
+void dropout_backward(const scalar_t* grad, int64_t rows, int64_t d, const DropoutArgs& draw,
+                      scalar_t* out);
 
 // False when the kernels were built for a vector ISA this CPU lacks.
 bool cpu_kernels_supported();

@@ -14,11 +14,17 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> add_position_forward_meta(
     const at::Tensor& x, const at::Tensor& table, const std::optional<at::Tensor>& positions,
-    c10::SymInt /*offset*/, bool batch_first, double p) {
+    c10::SymInt /*offset*/, bool batch_first, double p, bool save_mask) {
   check_add_position_structure(x, table, positions, batch_first, p);
   check_not_mixed_with_meta("add_position_forward",
                             {{"x", &x}, {"table", &table}, {"positions", optional_ptr(positions)}});
   at::Tensor out = at::empty_symint(x.sym_sizes(), x.options());
+  if (save_mask && p > 0.0) {
+    // The keep mask, 1 bit per element, rows padded to whole bytes (the CPU kernel's layout).
+    at::Tensor mask = at::empty_symint({x.sym_size(0), x.sym_size(1), (x.sym_size(2) + 7) / 8},
+                                       x.options().dtype(at::kByte));
+    return {out, mask};
+  }
   at::Tensor rng = at::empty({p > 0.0 ? 2 : 0}, x.options().dtype(at::kLong));
   return {out, rng};
 }
