@@ -24,6 +24,7 @@
 #include <limits>
 #include <mutex>
 
+#include "occupancy.cuh"
 #include "vector_access.cuh"
 #include "ops/add_position_checks.h"
 #include "posenc/math/philox.h"
@@ -220,17 +221,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
   }
 }
 
-// One wave of resident blocks (the kernels are grid-stride), from the occupancy calculator
-// (a host-side query, no device synchronisation), each thread given kUnroll groups a step.
+// One wave of resident blocks (the kernels are grid-stride; cuda::resident_blocks), or
+// fewer when the tensor needs fewer, each thread given kUnroll groups a step.
 template <typename scalar_t, typename Kernel>
 int64_t grid_for(Kernel kernel, int64_t numel) {
   const int64_t groups = (numel + kGroup - 1) / kGroup;
-  int resident = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, kThreads, 0));
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   constexpr int64_t per_block = kThreads * kUnroll<scalar_t>;
   const int64_t wanted = (groups + per_block - 1) / per_block;
-  return std::max<int64_t>(1, std::min<int64_t>(wanted, sms * std::max(resident, 1)));
+  const int64_t wave = cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kThreads);
+  return std::max<int64_t>(1, std::min<int64_t>(wanted, wave));
 }
 
 template <typename scalar_t, typename table_t, typename index_t>

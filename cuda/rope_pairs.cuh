@@ -16,6 +16,7 @@
 #include "ops/cuda_work_split.h"
 #include "ops/rope/rope_args.h"
 #include "posenc/math/rope.h"
+#include "occupancy.cuh"
 #include "vector_access.cuh"
 
 namespace posenc {
@@ -243,20 +244,17 @@ bool rope_can_vectorize(const Args& a, int64_t P) {
 
 // Launches kernel(a, shape) on the current stream: the block shape of the call
 // (rope_block_shape: kRopeThreads, kMaxRopePairs shared pairs, kRopeMaxSlots) and one
-// wave of resident blocks, the kernel walking the tokens grid-stride; the occupancy
-// calculator is a host-side query (no device synchronisation).
+// wave of resident blocks (cuda::resident_blocks), the kernel walking the tokens
+// grid-stride.
 template <typename Args>
 void launch_rope_kernel(void (*kernel)(Args, RopeBlockShape), const Args& a, int P) {
   const int64_t tokens = a.batch * a.seq;
   const RopeBlockShape shape = rope_block_shape(a.rotary_dim / 2, a.q.heads + a.k.heads, tokens,
                                                 P, kRopeThreads, kMaxRopePairs, kRopeMaxSlots);
   const int threads = shape.threads();
-  int resident = 0;
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&resident, kernel, threads, 0));
-  const int sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   const int64_t steps = (tokens + shape.slots - 1) / shape.slots;
-  const int64_t blocks =
-      std::min<int64_t>(steps, static_cast<int64_t>(sms) * std::max(resident, 1));
+  const int64_t blocks = std::min<int64_t>(
+      steps, ::posenc::cuda::resident_blocks(reinterpret_cast<const void*>(kernel), threads));
   kernel<<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a, shape);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
