@@ -414,10 +414,14 @@ def test_fused_backward_op_vector_widths_and_alignment(device, dtype, positions,
 
 
 @pytest.mark.parametrize("positions", [None, "1d", "2d"])
-def test_fused_backward_is_bitwise_independent_of_thread_count(positions):
+@pytest.mark.parametrize("state", ["key", "saved_mask"])
+def test_fused_backward_is_bitwise_independent_of_thread_count(positions, state):
+    """The accumulator blocks depend on the thread count; the sums' order must not."""
     grad = torch.randn(16, 300, 96)
     pos = {None: None, "1d": torch.randint(0, 40, (300,)), "2d": torch.randint(0, 40, (16, 300))}[positions]
     rng = torch.tensor([5, 6])
+    if state == "saved_mask":
+        rng = torch.ops.posenc.add_position_forward(grad, torch.randn(400, 96), pos, 0, True, 0.2, True)[1]
     op = torch.ops.posenc.add_position_backward_with_table
     table_len = 400
     threads = torch.get_num_threads()
