@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Builds examples/cpp against the *installed* posenc package (find_package(posenc)) and
-# runs them: each app trains a tiny model and fails unless it learns its task.
+# runs them: each app trains a tiny model and fails unless it learns its task. Then the
+# deploy example: Python exports a model (AOTInductor package, TorchScript trace) and the
+# C++ app deploy_model, which links posenc::posenc but calls none of its functions, loads
+# both and checks them against Python's outputs (issue 22).
 set -euo pipefail
 prefix="$1"; python="$2"
 root="$(cd "$(dirname "$0")/../.." && pwd)"
@@ -12,3 +15,11 @@ cmake -S "$root/examples/cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 cmake --build "$build" -j "${MAX_JOBS:-2}"
 "$build/train_order"
 "$build/rope_order"
+
+# Linked with the default flags (GNU ld --as-needed on Debian), the app that only loads
+# models must still list libposenc as NEEDED, or its ops are never registered.
+readelf -d "$build/deploy_model" | grep -q 'NEEDED.*\[libposenc\.so\]' ||
+  { echo "deploy_model does not list libposenc.so as NEEDED:"; readelf -d "$build/deploy_model"; exit 1; }
+artefacts="$build/deploy-artefacts"
+"$python" "$root/examples/deploy/export_model.py" "$artefacts"
+"$build/deploy_model" "$artefacts"

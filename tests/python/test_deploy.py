@@ -1,0 +1,232 @@
+"""Deploying posenc models (issue 22): torch.export + AOTInductor, TorchScript trace and script.
+
+The C++ side (an app that links posenc::posenc, loads an AOTInductor package and a
+TorchScript trace and compares them with Python) is examples/cpp/deploy_model.cpp, run by
+`make test` through tests/cpp/run_example.sh.
+"""
+
+import io
+import math
+import sys
+import zipfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import posenc
+from posenc import functional
+from posenc._rope import KEY_NOT_GIVEN, SCALING_KEYS
+
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def serialized_text(program) -> str:
+    """Every JSON file of torch.export.save's archive, concatenated."""
+    buffer = io.BytesIO()
+    torch.export.save(program, buffer)
+    with zipfile.ZipFile(io.BytesIO(buffer.getvalue())) as z:
+        return "\n".join(z.read(n).decode("utf-8", "replace") for n in z.namelist() if n.endswith(".json"))
+
+
+class RopeOnly(nn.Module):
+    def __init__(self, scaling) -> None:
+        super().__init__()
+        self.rope = posenc.RotaryPositionalEncoding(16, 256, scaling=scaling)
+
+    def forward(self, q, k):
+        return self.rope(q, k)
+
+
+@pytest.mark.parametrize("scaling", [None, YARN, {"rope_type": "linear", "factor": 2.0}])
+def test_exported_graph_holds_no_nan(scaling):
+    """JSON has no NaN: the scaling list of an exported RoPE call must not hold one (the
+    AOTInductor C++ loader rejected the "NaN" strings torch writes instead)."""
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
+    program = torch.export.export(RopeOnly(scaling).eval(), (q, k))
+    text = serialized_text(program)
+    assert "posenc.rope" in text
+    assert "NaN" not in text and "Infinity" not in text
+    nodes = [n for n in program.graph.nodes if n.target is torch.ops.posenc.rope.default]
+    assert nodes, program.graph
+    for node in nodes:
+        values = node.kwargs.get("scaling", node.args[8] if len(node.args) > 8 else [])
+        assert all(math.isfinite(v) for v in values), values
+        if scaling is None:
+            assert list(values) == []  # the canonical "default": no list at all
+        else:
+            assert len(values) == len(SCALING_KEYS) and KEY_NOT_GIVEN in values
+
+
+def test_op_reads_nan_and_the_marker_alike():
+    """Direct callers of the op may still mark a key not given with NaN."""
+    q = torch.randn(2, 6, 3, 32, dtype=torch.float64)
+    values = [KEY_NOT_GIVEN] * len(SCALING_KEYS)
+    values[SCALING_KEYS.index("factor")] = 4.0
+    values[SCALING_KEYS.index("original_max_position_embeddings")] = 16.0
+    with_nan = [math.nan if v == KEY_NOT_GIVEN else v for v in values]
+    a, _ = torch.ops.posenc.rope(q, rope_type="yarn", scaling=values)
+    b, _ = torch.ops.posenc.rope(q, rope_type="yarn", scaling=with_nan)
+    c = functional.apply_rope(q, scaling={**YARN, "original_max_position_embeddings": 16})
+    assert torch.equal(a, b) and torch.equal(a, c)
+    assert not torch.equal(a, functional.apply_rope(q))  # the scaling did something
+
+
+def test_a_nan_scaling_value_is_an_error_not_a_missing_key():
+    q = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match=r"expected scaling key 'factor' to be finite, got nan"):
+        functional.apply_rope(q, scaling={"rope_type": "linear", "factor": math.nan})
+    with pytest.raises(ValueError, match=r"expected scaling key 'factor' to be finite, got inf"):
+        functional.apply_rope(q, scaling={"rope_type": "linear", "factor": math.inf})
+
+
+class EveryOp(nn.Module):
+    """Every inference op of posenc with every argument kind: strings, float and int lists,
+    optional tensors (given and None), a SymInt offset from a dynamic size, per-row offsets."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        d = 32
+        self.fixed = posenc.PositionalEncoding(d, 0.0, 128)
+        self.learned = posenc.LearnedPositionalEncoding(d, 0.0, 128)
+        self.rope = posenc.RotaryPositionalEncoding(8, 128, scaling=YARN)
+        self.mrope = posenc.RotaryPositionalEncoding(8, 128, sections=[1, 1, 2], sections_mode="mrope")
+        self.time = posenc.Timesteps(d, flip_sin_to_cos=True, downscale_freq_shift=0.0)
+
+    def forward(self, x, positions, offsets, t, tokens):
+        batch, seq, _ = x.shape
+        y = self.fixed(x, positions=positions) + self.learned(x, offset=seq // 2)
+        q = y.view(batch, seq, 4, 8)
+        k = y[..., :16].reshape(batch, seq, 2, 8)
+        q1, k1 = self.rope(q, k, positions=positions)
+        q2, k2 = self.mrope(q1, k1, positions=torch.stack([positions, positions // 2, positions % 3]))
+        q3 = functional.apply_rope(q2, offset=offsets, interleaved=True, rotary_dim=4, layout="bshd")
+        cos, sin = functional.rope_cos_sin(positions, 8, scaling={"rope_type": "linear", "factor": 2.0})
+        q4, k4 = functional.apply_rope_cos_sin(q3, k2, cos, sin, layout="bshd")
+        table = functional.sinusoidal_table(positions[0], 32)
+        grid = functional.sinusoidal_2d_table(2, 4, 32, num_prefix_tokens=0)
+        resampled = functional.resample_position_table(grid.unsqueeze(0), (4, 2), old_grid=(2, 4),
+                                                       num_prefix_tokens=0)
+        emb = self.time(t)
+        made = functional.make_positions(tokens, 1)
+        return (q4.sum() + k4.sum() + table.sum() + resampled.sum() + emb.sum()).expand(1), made
+
+
+def every_op_inputs(batch, seq):
+    g = torch.Generator().manual_seed(batch * 1000 + seq)
+    x = torch.randn(batch, seq, 32, generator=g)
+    positions = torch.randint(0, 64, (batch, seq), generator=g)
+    offsets = torch.randint(0, 32, (batch,), generator=g)
+    t = torch.rand(batch, generator=g) * 1000
+    tokens = torch.randint(0, 5, (batch, seq), generator=g)
+    return x, positions, offsets, t, tokens
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="AOTInductor's CPU compile is tested on Linux")
+def test_aoti_package_runs_every_op(tmp_path):
+    model = EveryOp().eval()
+    example = every_op_inputs(2, 6)
+    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=64)
+    dims = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}, {0: batch}, {0: batch, 1: seq})
+    program = torch.export.export(model, example, dynamic_shapes=dims)
+    assert "NaN" not in serialized_text(program)
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "every_op.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    for b, s in ((2, 6), (3, 11), (1, 40)):  # other sizes than the example: dynamic shapes
+        inputs = every_op_inputs(b, s)
+        want = model(*inputs)
+        got = loaded(*inputs)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[1], want[1])
+
+
+@pytest.mark.cuda
+def test_export_aoti_package_runs_every_op_cuda(tmp_path):
+    """The CUDA half: a package compiled for CUDA (scripts/gpu_check.sh's export step)."""
+    model = EveryOp().eval().cuda()
+    example = tuple(t.cuda() for t in every_op_inputs(2, 6))
+    batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=64)
+    dims = ({0: batch, 1: seq}, {0: batch, 1: seq}, {0: batch}, {0: batch}, {0: batch, 1: seq})
+    program = torch.export.export(model, example, dynamic_shapes=dims)
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "every_op_cuda.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    for b, s in ((2, 6), (3, 11)):
+        inputs = tuple(t.cuda() for t in every_op_inputs(b, s))
+        want, got = model(*inputs), loaded(*inputs)
+        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
+        assert torch.equal(got[1], want[1])
+
+
+class AddBoth(nn.Module):
+    def __init__(self, dropout=0.0):
+        super().__init__()
+        self.fixed = posenc.PositionalEncoding(12, dropout, 50)
+        self.learned = posenc.LearnedPositionalEncoding(12, dropout, 50)
+
+    def forward(self, x):
+        return self.learned(self.fixed(x), 3)
+
+
+def test_jit_script_compiles_the_add_position_modules(tmp_path):
+    torch.manual_seed(0)
+    for module in (posenc.PositionalEncoding(12, 0.1, 50), posenc.LearnedPositionalEncoding(12, 0.1, 50)):
+        keys = dict(module.state_dict())
+        scripted = torch.jit.script(module).eval()
+        module.eval()
+        x = torch.randn(3, 7, 12)
+        pos = torch.randint(0, 50, (3, 7))
+        want = x + module.pe[:, :7]
+        torch.testing.assert_close(scripted(x), want, rtol=0, atol=0)
+        torch.testing.assert_close(scripted(x, 5), x + module.pe[:, 5:12], rtol=0, atol=0)
+        torch.testing.assert_close(scripted(x, 0, pos), x + module.pe[0, pos], rtol=0, atol=0)
+        assert scripted.state_dict().keys() == keys.keys()
+        path = tmp_path / "m.pt"
+        scripted.save(str(path))
+        reloaded = torch.jit.load(str(path))
+        torch.testing.assert_close(reloaded(x), want, rtol=0, atol=0)
+        with pytest.raises(torch.jit.Error, match=r"expected positions in \[0, max_len=50\)"):
+            reloaded(x, 0, pos + 50)
+
+
+def test_jit_script_keeps_dropout_and_gradients():
+    torch.manual_seed(0)
+    model = AddBoth(dropout=0.5)
+    scripted = torch.jit.script(model)
+    scripted.train()
+    x = torch.randn(4, 9, 12, requires_grad=True)
+    y = scripted(x)
+    kept = y != 0
+    assert 0.3 < kept.float().mean().item() < 0.7  # p = 0.5 in training
+    y.sum().backward()
+    # d/dx: 1/(1-p)^2 = 4 where both dropouts kept the element, else 0.
+    assert scripted.learned.pe.grad is not None and scripted.learned.pe.grad.abs().sum() > 0
+    assert set(x.grad.unique().tolist()) == {0.0, 4.0}
+    scripted.eval()
+    torch.testing.assert_close(scripted(x), x + model.fixed.pe[:, :9] + model.learned.pe[:, 3:12])
+
+
+def test_jit_script_of_rope_says_what_to_use_instead():
+    with pytest.raises(RuntimeError, match=r"cannot be compiled by torch.jit.script.*torch.jit.trace.*torch.export"):
+        torch.jit.script(posenc.RotaryPositionalEncoding(16))
+
+
+class TraceMe(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fixed = posenc.PositionalEncoding(16, 0.0, 64)
+        self.rope = posenc.RotaryPositionalEncoding(8, 64, scaling=YARN)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q = self.fixed(x).view(b, s, 2, 8)
+        q, k = self.rope(q, q[:, :, :1])
+        return F.silu(q).sum(-1) + k.sum(-1)
+
+
+def test_jit_trace_runs_at_other_lengths():
+    model = TraceMe().eval()
+    traced = torch.jit.trace(model, torch.randn(2, 5, 16))
+    for shape in ((2, 5, 16), (3, 17, 16), (1, 1, 16)):
+        x = torch.randn(shape)
+        torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
