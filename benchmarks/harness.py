@@ -25,20 +25,21 @@ import torch.nn.functional as F
 import posenc
 
 
-# The page policy that makes CPU timings comparable: every variant's fresh outputs on the same
-# page size. torch's own CPU allocator puts large tensors on 2 MiB transparent huge pages
-# (THP_MEM_ALLOC_ENABLE=1), and posenc's ops skip their own huge-page advice
-# (POSENC_NO_HUGE_PAGES=1), which would otherwise give posenc's outputs huge pages and the
-# others' 4 KiB ones (a clone then pays ~8000 page faults per 32 MiB that posenc does not:
-# benchmarks/NOTES.md, CPU). Both are read once per process (torch's at its first
-# allocation), so they must be in the environment when the process starts.
+# The page policy of a kernel-against-kernel comparison: every variant's fresh outputs on the
+# same page size. torch's own CPU allocator puts large tensors on 2 MiB transparent huge pages
+# (THP_MEM_ALLOC_ENABLE=1), and posenc's ops take their outputs from it too
+# (POSENC_NO_HUGE_PAGES=1, i.e. POSENC_CPU_OUTPUTS=fresh) instead of reusing their freed
+# blocks. Not what users get (the default, which the benchmarks and the demo time unless told
+# otherwise): for bench_saved_mask.py and the like. Both are read once per process (torch's
+# at its first allocation), so they must be in the environment when the process starts.
 FAIR_PAGE_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "POSENC_NO_HUGE_PAGES": "1"}
 
 
-def _thp_mode() -> str:
-    """The kernel's transparent-huge-page mode ("always", "madvise", "never"), or "unknown"."""
+def _thp_setting(name: str) -> str:
+    """A kernel transparent-huge-page setting ("enabled", "defrag"): its selected value
+    ("always", "madvise", "never", ...), or "unknown"."""
     try:
-        with open("/sys/kernel/mm/transparent_hugepage/enabled") as f:
+        with open(f"/sys/kernel/mm/transparent_hugepage/{name}") as f:
             text = f.read()
     except OSError:
         return "unknown"
@@ -46,19 +47,33 @@ def _thp_mode() -> str:
     return text[start + 1 : end] if 0 <= start < end else "unknown"
 
 
+def cpu_outputs() -> str:
+    """Where posenc's CPU ops take their large outputs from in this process, as the library
+    reads the environment (csrc/ops/cpu/cpu_support.cpp): "reuse" (default), "fresh", "huge"."""
+    chosen = os.environ.get("POSENC_CPU_OUTPUTS", "")
+    if chosen:
+        return chosen
+    return "fresh" if os.environ.get("POSENC_NO_HUGE_PAGES", "") not in ("", "0") else "reuse"
+
+
+_CPU_OUTPUTS_MEANING = {
+    "reuse": "posenc's outputs of >= 32 MiB reuse the blocks of its freed outputs (4 KiB pages, faulted once)",
+    "fresh": "posenc's outputs from torch's allocator, as every other variant's",
+    "huge": "posenc's fresh outputs advised onto transparent huge pages (the former default)",
+}
+
+
 def page_policy() -> str:
-    """One line saying which pages the CPU timings' outputs get in this process."""
-    fair = all(os.environ.get(k) == v for k, v in FAIR_PAGE_ENV.items())
-    env = " ".join(f"{k}={os.environ.get(k, '')}" for k in FAIR_PAGE_ENV)
-    mode = _thp_mode()
-    if fair and mode == "never":
-        what = "one policy for all: every variant on 4 KiB pages (huge pages off in the kernel)"
-    elif fair:
-        what = ("one policy for all: every variant's tensors on 2 MiB huge pages from torch's "
-                "allocator, posenc's own advice off")
-    else:
-        what = "NOT one policy: posenc's outputs and the others' may get different page sizes"
-    return f"Page policy (CPU): {what} ({env}; kernel THP mode: {mode})"
+    """One line saying which memory the CPU timings' outputs get in this process."""
+    outputs = cpu_outputs()
+    torch_thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
+    default = outputs == "reuse" and not torch_thp
+    what = _CPU_OUTPUTS_MEANING.get(outputs, "unknown setting")
+    others = ("torch's allocator on 2 MiB huge pages (THP_MEM_ALLOC_ENABLE=1)" if torch_thp
+              else "torch's allocator with its default pages")
+    return (f"Page policy (CPU): {'the default users get' if default else 'NOT the default'}: "
+            f"POSENC_CPU_OUTPUTS={outputs}: {what}; eager and clone: {others} "
+            f"(kernel THP enabled={_thp_setting('enabled')}, defrag={_thp_setting('defrag')})")
 
 
 @dataclass

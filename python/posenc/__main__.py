@@ -77,8 +77,6 @@ def rope_depends_on_relative_position(d: int = 64) -> None:
 
 BENCHMARKS_DIR = Path(__file__).resolve().parent.parent.parent / "benchmarks"
 
-_REEXEC_MARK = "POSENC_DEMO_REEXEC"
-
 
 def _harness():
     """benchmarks/harness.py of the source checkout, or None (installed package)."""
@@ -89,28 +87,6 @@ def _harness():
     import harness
 
     return harness
-
-
-def _reexec_with_page_policy(argv: list[str]) -> None:
-    """Replace this process by `python -m posenc ARGV` under the benchmark's page policy
-    (harness.FAIR_PAGE_ENV: every variant's tensors on 2 MiB huge pages from torch's
-    allocator, posenc's own huge-page advice off). Without it posenc's outputs were advised
-    onto huge pages and the clone/eager ones faulted in 4 KiB pages, so the table compared
-    page faults (eval forward at ~350% of the clone "floor") and moved from run to run. Both
-    variables are read once per process (torch's at its first CPU allocation, posenc's at its
-    first output), and the demo allocates before its benchmark, so setting them here would
-    depend on nothing having allocated yet; a fresh process started with them does not. A
-    no-op when they are set already, without the harness (no benchmark), or where exec is
-    not POSIX's."""
-    harness = _harness()
-    if harness is None or all(os.environ.get(k) == v for k, v in harness.FAIR_PAGE_ENV.items()):
-        return
-    if os.name != "posix" or os.environ.get(_REEXEC_MARK):
-        return
-    env = dict(os.environ, **harness.FAIR_PAGE_ENV, **{_REEXEC_MARK: "1"})
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execve(sys.executable, [sys.executable, "-m", "posenc", *argv], env)
 
 
 def benchmark(quick: bool) -> None:
@@ -158,12 +134,10 @@ def heatmap(path: str, positions: int = 100, d: int = 128) -> str:
     return os.path.abspath(path)
 
 
-def main(argv=None, reexec: bool = False) -> int:
-    """reexec: first re-execute the process under the benchmark's page policy (the
-    `python -m posenc` entry does; a caller in a running process gets its own policy, which
-    the printed page-policy line reports)."""
-    if reexec:
-        _reexec_with_page_policy(sys.argv[1:] if argv is None else list(argv))
+def main(argv=None) -> int:
+    """The benchmark runs under the process's own environment, so it times the CPU output
+    memory users get (posenc's default unless POSENC_CPU_OUTPUTS is set), and prints that
+    policy before its tables."""
     parser = argparse.ArgumentParser(prog="python -m posenc")
     parser.add_argument("command", choices=["demo", "bench"], nargs="?", default="demo")
     parser.add_argument("--quick", action="store_true", help="smaller benchmark")
@@ -181,4 +155,4 @@ def main(argv=None, reexec: bool = False) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(reexec=True))
+    sys.exit(main())

@@ -14,6 +14,13 @@ from posenc._dtensor import is_dtensor
 
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
 
+# The ops the forwards call, looked up once: an OpOverload call skips the packet's overload
+# resolution and the torch.ops attribute chain (benchmarks/NOTES.md, "The cost of one small
+# call").
+_ADD_POSITION = torch.ops.posenc.add_position.default
+_ROPE = torch.ops.posenc.rope.default
+_ROPE_LAYOUT_AXES = {"bshd": (0, 1), "bhsd": (0, 2), "sbhd": (1, 0)}  # (batch, seq) dims of q
+
 
 def _check_positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
@@ -68,7 +75,7 @@ class _AddPositionModule(nn.Module):
         if positions is not None and self.check_positions:
             _check_positions_on_host(positions, self.pe.shape[1])
         p = self.dropout.p if self.training else 0.0
-        return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
+        return _ADD_POSITION(x, self.pe, positions, offset, self.batch_first, p)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}"
@@ -300,6 +307,11 @@ class RotaryPositionalEncoding(nn.Module):
         attention's ``pos_embeddings``. ``seq_len``: as in :func:`posenc.functional.apply_rope`
         ("dynamic" scaling's length; the global one for a shard of the sequence), default the
         longest position of the call."""
+        if (type(offset) is int and positions is None and input_pos is None and cu_seqlens is None
+                and seq_len is None and self.scaling is None and self.sections is None):
+            out = self._rotate_at_offset(q, k, offset)
+            if out is not None:
+                return out
         if input_pos is not None:
             if positions is not None:
                 raise ValueError("RotaryPositionalEncoding: got both positions and input_pos (torchtune's name "
@@ -315,6 +327,32 @@ class RotaryPositionalEncoding(nn.Module):
             _original_max=self.max_len,
             seq_len=seq_len if seq_len is not None or longest is None else max(longest + 1, 0),
         )
+
+    def _rotate_at_offset(
+        self, q: Tensor, k: Optional[Tensor], offset: int
+    ) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
+        """The common call, positions offset .. offset + seq - 1 and no scaling or sections:
+        the range check and the op with the module's settings (checked when it was built),
+        only the arguments that differ from the op's defaults. A small call spends more in
+        apply_rope's normalisation and the op's keyword parsing than in the kernel. None
+        when q is not a 4-D tensor of head_dim dim (the general path then raises)."""
+        axes = _ROPE_LAYOUT_AXES.get(self.layout)
+        if axes is None or not isinstance(q, Tensor) or q.dim() != 4 or q.shape[-1] != self.dim:
+            return None
+        batch, seq = q.shape[axes[0]], q.shape[axes[1]]
+        if batch > 0 and seq > 0 and (offset < 0 or offset + seq > self.max_len):
+            torch.ops.posenc.position_range_check(offset, offset + seq - 1, self.max_len)  # raises
+        settings = {}
+        if self.base != 10000.0:
+            settings["base"] = self.base
+        if self.rotary_dim != self.dim:
+            settings["rotary_dim"] = self.rotary_dim
+        if self.interleaved:
+            settings["interleaved"] = True
+        if self.layout != "bshd":
+            settings["layout"] = self.layout
+        out_q, out_k = _ROPE(q, k, offset=offset, **settings)
+        return out_q if k is None else (out_q, out_k)
 
     def _check_range(
         self, q: Tensor, positions: Optional[Tensor], offset: Union[int, Tensor], cu_seqlens: Optional[Tensor]

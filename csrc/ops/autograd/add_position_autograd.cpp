@@ -115,9 +115,20 @@ at::Tensor add_position_backward_autograd(const at::Tensor& grad, const at::Tens
 at::Tensor add_position_autograd(const at::Tensor& x, const at::Tensor& table,
                                  const std::optional<at::Tensor>& positions, c10::SymInt offset,
                                  bool batch_first, double p) {
+  const bool record = at::GradMode::is_enabled() && (x.requires_grad() || table.requires_grad());
+  // Forward-mode tangents still go to the autograd Function (which refuses them) rather
+  // than being dropped.
+  const bool tangents = x._fw_grad(/*level=*/0).defined() || table._fw_grad(/*level=*/0).defined();
+  if (!record && !tangents) {
+    // No graph to record (eval with a buffer table, no_grad): the forward alone, without
+    // the autograd node and its saved state, which cost a small call as much as the kernel
+    // (benchmarks/NOTES.md, "The cost of one small call").
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return std::get<0>(add_position_forward_op().call(x, table, positions, std::move(offset),
+                                                      batch_first, p, /*save_mask=*/false));
+  }
   // The mask is saved only where a backward will read it: CPU, dropout, a graph recorded.
-  const bool save_mask = p > 0.0 && x.device().is_cpu() && at::GradMode::is_enabled() &&
-                         (x.requires_grad() || table.requires_grad());
+  const bool save_mask = p > 0.0 && x.device().is_cpu();
   return AddPositionFunction::apply(x, table, positions, std::move(offset), batch_first, p,
                                     save_mask)[0];
 }

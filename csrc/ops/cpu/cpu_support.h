@@ -9,9 +9,11 @@ namespace ops {
 // Raises a clear error when the vector kernels were built for an ISA this CPU lacks.
 void check_cpu_isa();
 
-// An output that a kernel writes once, front to back. Large ones are advised onto
-// transparent huge pages: a fresh 32 MiB output otherwise costs ~8000 page faults, which
-// take longer than the kernel itself (measured in benchmarks/NOTES.md).
+// An output that a kernel writes once, front to back. Large ones (>= 32 MiB) reuse the
+// blocks of freed outputs (POSENC_CPU_OUTPUTS=reuse, the default): a fresh 32 MiB output
+// otherwise costs ~8000 page faults, which take longer than the kernel itself
+// (benchmarks/NOTES.md, "CPU output memory"). POSENC_CPU_OUTPUTS=fresh gives torch's
+// allocator, =huge the former huge-page advice.
 at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options);
 
 // As empty_output, with the sizes and strides of `like` when it is dense (a transposed or
