@@ -251,6 +251,9 @@ void launch_rope_kernel(void (*kernel)(Args, RopeBlockShape), const Args& a, int
   const int64_t tokens = a.batch * a.seq;
   const RopeBlockShape shape = rope_block_shape(a.rotary_dim / 2, a.q.heads + a.k.heads, tokens,
                                                 P, kRopeThreads, kMaxRopePairs, kRopeMaxSlots);
+  TORCH_INTERNAL_ASSERT(rope_block_shape_fits(shape, a.rotary_dim / 2, kRopeThreads, kMaxRopePairs),
+                        "posenc: rotary_dim ", a.rotary_dim, " passed the op checks but does not ",
+                        "fit the RoPE block");
   const int threads = shape.threads();
   const int64_t steps = (tokens + shape.slots - 1) / shape.slots;
   const int64_t blocks = std::min<int64_t>(

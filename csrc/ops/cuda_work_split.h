@@ -57,6 +57,16 @@ inline RopeBlockShape rope_block_shape(int64_t half, int64_t heads, int64_t toke
   return s;
 }
 
+// Whether the shape stays within the block's limits: at most max_threads threads (a thread
+// per chunk of P pairs, so half <= max_threads * P) and slots * half <= max_pairs shared
+// table values. rope_block_shape clamps slots and head_lanes but not chunks, so a half
+// beyond max_pairs (rotary_dim > 512; the op checks refuse it) gives a shape that does not
+// fit: the launcher refuses that instead of writing past the shared tables.
+inline bool rope_block_shape_fits(const RopeBlockShape& s, int64_t half, int max_threads,
+                                  int64_t max_pairs) {
+  return s.threads() <= max_threads && s.slots * half <= max_pairs;
+}
+
 struct RopeThreadRole {
   int slot, lane, chunk;
   bool leader;  // the slot's first thread: computes its tokens' starts

@@ -75,6 +75,7 @@ void walk_rope(int64_t tokens, int64_t heads, int64_t half, int64_t pass, int P,
       posenc::ops::rope_block_shape(half, heads, tokens, P, kMaxThreads, kMaxPairs, kMaxSlots);
   ASSERT_LE(shape.threads(), kMaxThreads);
   ASSERT_LE(shape.slots * half, kMaxPairs);
+  ASSERT_TRUE(posenc::ops::rope_block_shape_fits(shape, half, kMaxThreads, kMaxPairs));
   std::vector<int> rotated(tokens * heads * half, 0), angle(tokens * half, 0);
   std::vector<int> copied(tokens * heads * pass, 0), started(tokens, 0);
   const int64_t step = static_cast<int64_t>(grid) * shape.slots;
@@ -118,6 +119,7 @@ TEST(WorkSplit, RopeRotatesEveryPairOnceAndEvaluatesEveryAngleOnce) {
   walk_rope(100, 2, 4, 24, 4, 3);   // partial rotary, float path
   walk_rope(33, 3, 13, 7, 1, 4);    // element path, odd sizes
   walk_rope(5, 12, 256, 0, 2, 8);   // rotary_dim 512, more blocks than steps
+  walk_rope(7, 3, 256, 5, 1, 3);    // rotary_dim 512 on the element path: 256 chunks
   walk_rope(1, 1, 1, 1, 1, 1);
   std::mt19937_64 gen(11);
   for (int i = 0; i < 60; ++i) {
@@ -125,6 +127,29 @@ TEST(WorkSplit, RopeRotatesEveryPairOnceAndEvaluatesEveryAngleOnce) {
     const int64_t half = P * (1 + static_cast<int64_t>(gen() % (256 / P)));
     walk_rope(1 + gen() % 70, 1 + gen() % 48, half, gen() % 3 == 0 ? gen() % 40 : 0, P,
               1 + static_cast<int>(gen() % 9));
+  }
+}
+
+// rotary_dim > 512 (half > 256) is refused by every RoPE op's checks before dispatch; the
+// shape rope_block_shape gives for it must not pass rope_block_shape_fits, which the CUDA
+// launcher asserts: on the element path it needs a thread per pair, and with any P one slot
+// holds more pairs than the shared tables (the out-of-bounds write of issue 26, item 1).
+TEST(WorkSplit, RopeShapeBeyondMaxPairsDoesNotFit) {
+  constexpr int kMaxThreads = 256, kMaxPairs = 256, kMaxSlots = 32;
+  for (int P : {1, 2, 4, 8}) {
+    for (int64_t half : {P, 64, 256}) {
+      const RopeBlockShape fits =
+          posenc::ops::rope_block_shape(half, 40, 100, P, kMaxThreads, kMaxPairs, kMaxSlots);
+      EXPECT_TRUE(posenc::ops::rope_block_shape_fits(fits, half, kMaxThreads, kMaxPairs))
+          << "P " << P << " half " << half;
+    }
+    for (int64_t half : {257, 288, 1024}) {
+      const RopeBlockShape over =
+          posenc::ops::rope_block_shape(half, 40, 100, P, kMaxThreads, kMaxPairs, kMaxSlots);
+      EXPECT_EQ(over.slots, 1);
+      EXPECT_FALSE(posenc::ops::rope_block_shape_fits(over, half, kMaxThreads, kMaxPairs))
+          << "P " << P << " half " << half;
+    }
   }
 }
 

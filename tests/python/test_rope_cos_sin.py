@@ -338,6 +338,24 @@ from conftest import DEVICES  # noqa: E402
 from torch.library import opcheck  # noqa: E402
 
 
+@pytest.mark.parametrize("device", [*DEVICES, "meta"])
+def test_rotary_dim_beyond_512_is_refused_like_apply_rope(device):
+    """The CUDA kernel stages rotary_dim / 2 pairs per token in shared memory (256 at most):
+    issue 26 item 1, a rotary_dim of 514 wrote past that table. The op checks refuse it
+    before dispatch, with apply_rope's message, on every device; 512 still works."""
+    q = torch.randn(1, 2, 3, 520, device=device)
+    message = "posenc: rotary_dim 514 is not supported; expected at most 512"
+    cos, sin = torch.ones(3, 514, device=device), torch.zeros(3, 514, device=device)
+    with pytest.raises(ValueError, match=message):
+        F.apply_rope_cos_sin(q, None, cos, sin)
+    with pytest.raises(ValueError, match=message):
+        F.apply_rope(q, rotary_dim=514)
+    cos, sin = torch.ones(3, 512, device=device), torch.zeros(3, 512, device=device)
+    out_q = F.apply_rope_cos_sin(q, None, cos, sin)  # the identity rotation
+    if device != "meta":
+        torch.testing.assert_close(out_q, q, rtol=0, atol=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.float16, torch.bfloat16])
 def test_fused_op_on_every_device_and_dtype(device, dtype):

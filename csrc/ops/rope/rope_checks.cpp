@@ -73,6 +73,11 @@ void check_rope_base(double base) {
   TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0, "posenc: expected base > 1, got ", base);
 }
 
+void check_rope_rotary_dim_supported(int64_t rotary_dim) {
+  TORCH_CHECK_VALUE(rotary_dim / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rotary_dim,
+                    " is not supported; expected at most ", 2 * kMaxRopePairs);
+}
+
 void check_rope_position_value(const char* what, int64_t value) {
   TORCH_CHECK_VALUE(value >= -kRopeMaxPosition && value <= kRopeMaxPosition, "posenc: expected ",
                     what, " within [-2**53, 2**53] (integers exact in the float64 angle), got ",
@@ -256,8 +261,7 @@ int64_t check_rope_structure(const RopeCall& c) {
   TORCH_CHECK_VALUE(rot % 2 == 0, "posenc: expected rotary_dim to be even (features rotate in ",
                     "pairs), got ", rot, c.rotary_dim < 0 ? " (the head_dim of q)" : "");
   TORCH_CHECK_VALUE(rot <= hd, "posenc: expected rotary_dim <= head_dim = ", hd, ", got ", rot);
-  TORCH_CHECK_VALUE(rot / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rot, " is not supported; ",
-                    "expected at most ", 2 * kMaxRopePairs);
+  check_rope_rotary_dim_supported(rot);
   check_rope_sections(c.sections, c.sections_mode, rot);
   check_rope_scaling_lists(c.scaling, rot, c.multi_axis());
   check_rope_indices(c);

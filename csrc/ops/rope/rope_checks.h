@@ -30,6 +30,10 @@ void check_rope_scaling(const math::RopeScalingParams& scaling);
 void check_rope_scaling_lists(const math::RopeScalingParams& scaling, int64_t rotary_dim,
                               bool multi_axis);
 void check_rope_base(double base);
+// rotary_dim / 2 <= kMaxRopePairs: the kernels stage a token's pairs in fixed arrays (CPU
+// stack, CUDA shared memory and threads per block). Every RoPE op (rope, rope_frequencies,
+// apply_rope_cos_sin) refuses a larger one with this message, on every device.
+void check_rope_rotary_dim_supported(int64_t rotary_dim);
 // sections for rotary_dim (even, resolved): 1..kRopeMaxAxes positive counts summing to
 // rotary_dim / 2 (interleaved M-RoPE: n_axes * sections[a] <= rotary_dim / 2 for a >= 1).
 void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSectionsMode mode,

@@ -17,6 +17,7 @@
 #include "ops/helpers/py_format.h"
 #include "ops/meta_support.h"
 #include "ops/op_handles.h"
+#include "ops/rope/rope_checks.h"
 #include "ops/rope/rope_launch.h"
 
 namespace posenc {
@@ -72,6 +73,9 @@ bool check_rope_cos_sin(const at::Tensor& q, const std::optional<at::Tensor>& k,
   TORCH_CHECK_VALUE(rot > 0 && rot % 2 == 0 && rot <= head_dim, kFn,
                     ": expected the tables' last dimension (rotary_dim) to be even and in [2, head_dim=",
                     head_dim, "], got ", rot);
+  // Here, before any backend kernel: the CUDA kernel stages rotary_dim / 2 pairs per token in
+  // shared memory and needs a thread per pair on its element path.
+  check_rope_rotary_dim_supported(rot);
   return bhsd;
 }
 

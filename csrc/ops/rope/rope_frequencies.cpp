@@ -56,8 +56,7 @@ std::tuple<at::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,
                     "posenc: expected rotary_dim to be a positive even number, got ", rotary_dim);
   // The kernels hold the frequencies per launch: a module with a larger dim would build
   // and then fail at its first call, so rope_frequencies refuses it too.
-  TORCH_CHECK_VALUE(rotary_dim / 2 <= kMaxRopePairs, "posenc: rotary_dim ", rotary_dim,
-                    " is not supported; expected at most ", 2 * kMaxRopePairs);
+  check_rope_rotary_dim_supported(rotary_dim);
   check_rope_base(base);
   check_rope_scaling(params);
   check_rope_sections(sections.vec(), mode, rotary_dim);
