@@ -127,6 +127,27 @@ def test_layout_and_scaling_names():
         posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64})
 
 
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_messages_name_what_the_caller_passed(device):
+    """Issue 26 item 5: a missing required key is reported missing (it used to read as NaN,
+    "got nan"), and a width that comes from sections names sections, not the rotary_dim the
+    caller never passed."""
+    q = torch.randn(1, 5, 2, 16, device=device)
+    with pytest.raises(ValueError, match=r"^posenc: rope scaling type 'proportional' needs the key "
+                       r"'partial_rotary_factor', which was not given"):
+        apply_rope(q, scaling={"rope_type": "proportional"})
+    with pytest.raises(ValueError, match=r"^posenc: rope scaling type 'proportional' needs the key "
+                       r"'partial_rotary_factor', which was not given"):
+        rope_frequencies(16, scaling={"rope_type": "proportional"})
+    pos3 = torch.zeros(3, 5, dtype=torch.long, device=device)
+    with pytest.raises(ValueError, match=r"^posenc: expected sections to hold at most head_dim / 2 = 8 "
+                       r"rotary pairs, got sections=\[4, 4, 4\] \(12 pairs\)"):
+        apply_rope(q, positions=pos3, sections=[4, 4, 4])
+    # A rotary_dim given explicitly is still what the message names.
+    with pytest.raises(ValueError, match=r"^posenc: expected rotary_dim <= head_dim = 16, got 24"):
+        apply_rope(q, positions=pos3, sections=[4, 4, 4], rotary_dim=24)
+
+
 @pytest.mark.cuda
 def test_cuda_q_with_cpu_index_tensors():
     """Index tensors on another device than q: a RuntimeError naming the argument and both

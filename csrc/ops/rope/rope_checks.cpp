@@ -23,9 +23,15 @@ const char* layout_shape(RopeLayout layout) {
   }
 }
 
-void require_positive(math::RopeType type, const char* key, double value) {
+// A key the type needs: a NaN field (rope_missing) was not in the dict, so say so instead of
+// "got nan".
+void require_given(math::RopeType type, const char* key, double value) {
   TORCH_CHECK_VALUE(!math::rope_missing(value), "posenc: rope scaling type '",
                     rope_type_name(type), "' needs the key '", key, "', which was not given");
+}
+
+void require_positive(math::RopeType type, const char* key, double value) {
+  require_given(type, key, value);
   TORCH_CHECK_VALUE(std::isfinite(value) && value > 0.0, "posenc: expected rope scaling key '",
                     key, "' to be a positive number, got ", value);
 }
@@ -136,6 +142,7 @@ void check_rope_scaling(const math::RopeScalingParams& s) {
       }
       break;
     case math::RopeType::kProportional:
+      require_given(s.type, "partial_rotary_factor", s.partial_rotary_factor);
       TORCH_CHECK_VALUE(s.partial_rotary_factor > 0.0 && s.partial_rotary_factor <= 1.0,
                         "posenc: expected rope scaling key 'partial_rotary_factor' in (0, 1] for "
                         "rope_type 'proportional', got ", s.partial_rotary_factor);
@@ -260,6 +267,11 @@ int64_t check_rope_structure(const RopeCall& c) {
                     c.rotary_dim);
   TORCH_CHECK_VALUE(rot % 2 == 0, "posenc: expected rotary_dim to be even (features rotate in ",
                     "pairs), got ", rot, c.rotary_dim < 0 ? " (the head_dim of q)" : "");
+  // Without rotary_dim, sections set the width: name the argument the caller passed.
+  TORCH_CHECK_VALUE(rot <= hd || c.rotary_dim >= 0 || !c.multi_axis(),
+                    "posenc: expected sections to hold at most head_dim / 2 = ", hd / 2,
+                    " rotary pairs, got sections=", c10::IntArrayRef(c.sections), " (", rot / 2,
+                    " pairs)");
   TORCH_CHECK_VALUE(rot <= hd, "posenc: expected rotary_dim <= head_dim = ", hd, ", got ", rot);
   check_rope_rotary_dim_supported(rot);
   check_rope_sections(c.sections, c.sections_mode, rot);
