@@ -50,7 +50,10 @@ struct RowMap {
   int64_t offset;
   int64_t table_len;
 
-  // Table row for output row `row`, or -1 when the position is out of range.
+  // Table row for output row `row`. A position outside [0, table_len) stops the kernel with
+  // a device-side assert (the CPU kernel's IndexError; ATen's indexing does the same): the
+  // error surfaces at the next synchronisation, and the CUDA context is unusable after it.
+  // Checked on the device so that the default call needs no host sync (graph capture).
   __device__ __forceinline__ int64_t position(index_t row) const {
     const auto qr = inner.divmod(row);
     const index_t b = batch_first ? qr.div : qr.mod;
@@ -58,7 +61,9 @@ struct RowMap {
     const int64_t pos = positions != nullptr
                             ? positions[static_cast<int64_t>(b) * positions_batch_stride + s]
                             : offset + static_cast<int64_t>(s);
-    return (pos >= 0 && pos < table_len) ? pos : -1;
+    CUDA_KERNEL_ASSERT_MSG(pos >= 0 && pos < table_len,
+                           "posenc: add_position: a position is outside [0, max_len) of the table");
+    return pos;
   }
 };
 
@@ -109,7 +114,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     }
   }
   const acc_t scale = static_cast<acc_t>(dropout.scale);
-  const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
   const index_t groups = (numel + kGroup - 1) / kGroup;
   const index_t stride = static_cast<index_t>(gridDim.x) * kThreads;
   if constexpr (kVectorized) {
@@ -117,18 +121,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
          g0 += stride * kUnroll<scalar_t>) {
       cuda::RawGroup<scalar_t> xs[kUnroll<scalar_t>];
       cuda::RawGroup<table_t> ts[kUnroll<scalar_t>];
-      bool in_table[kUnroll<scalar_t>];
 #pragma unroll
       for (int u = 0; u < kUnroll<scalar_t>; ++u) {
         const index_t g = g0 + u * stride;
-        in_table[u] = false;
         if (g < groups) {
           const index_t e0 = g * kGroup;
           const auto rc = map.d.divmod(e0);
           const int64_t pos = map.position(rc.div);
           xs[u] = cuda::load_raw_group(x + e0);
-          in_table[u] = pos >= 0;
-          if (in_table[u]) ts[u] = cuda::load_raw_group(table + pos * map.d.divisor + rc.mod);
+          ts[u] = cuda::load_raw_group(table + pos * map.d.divisor + rc.mod);
         }
       }
 #pragma unroll
@@ -143,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
         }
 #pragma unroll
         for (int k = 0; k < kGroup; ++k) {
-          v[k] = in_table[u] ? v[k] + t[k] : nan;
+          v[k] += t[k];
           if (dropout.active) v[k] *= factors[k];
         }
         store_group<scalar_t, acc_t>(out + g * kGroup, v);
@@ -163,9 +164,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
         if (e >= numel) break;
         const auto rc = map.d.divmod(e);
         const int64_t pos = map.position(rc.div);
-        acc_t v = pos >= 0 ? static_cast<acc_t>(x[e]) +
-                                 static_cast<acc_t>(table[pos * map.d.divisor + rc.mod])
-                           : nan;
+        acc_t v = static_cast<acc_t>(x[e]) + static_cast<acc_t>(table[pos * map.d.divisor + rc.mod]);
         if (dropout.active) v *= factors[k];
         out[e] = static_cast<scalar_t>(v);
       }

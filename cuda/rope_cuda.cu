@@ -33,6 +33,7 @@
 #include "rope_pairs.cuh"
 #include "vector_access.cuh"
 #include "ops/cuda_work_split.h"
+#include "ops/rope/rope_checks.h"  // kRopeMaxPosition
 #include "ops/rope/rope_launch.h"
 #include "posenc/math/rope.h"
 
@@ -55,6 +56,36 @@ struct TokenStart {
   int64_t shift, restart;
   int valid;
 };
+
+// The CPU's index value checks (rope_launch.cpp, check_cpu_index_values), on the device so
+// that the default call reads no value on the host (no sync: CUDA graphs can capture it).
+// A failure stops the kernel with a device-side assert, as ATen's indexing does: a
+// RuntimeError at the next synchronisation, after which the CUDA context is unusable.
+__device__ __forceinline__ bool rope_in_position_domain(int64_t v) {
+  return v >= -kRopeMaxPosition && v <= kRopeMaxPosition;
+}
+
+// cu_seqlens starts at 0, never decreases and ends at the token count: block 0 reads it once.
+__device__ __forceinline__ void assert_cu_seqlens(const RopeArgs& a) {
+  if (blockIdx.x != 0 || (a.cu_seqlens == nullptr && a.cu_seqlens32 == nullptr)) return;
+  const auto cu = [&](int64_t j) -> int64_t {
+    return a.cu_seqlens != nullptr ? a.cu_seqlens[j] : a.cu_seqlens32[j];
+  };
+  for (int64_t j = threadIdx.x; j <= a.num_seqs; j += blockDim.x) {
+    const int64_t v = cu(j);
+    CUDA_KERNEL_ASSERT_MSG((j == 0 ? v == 0 : cu(j - 1) <= v) && (j < a.num_seqs || v == a.seq),
+                           "posenc: rope: expected cu_seqlens to start at 0, never decrease and "
+                           "end at the number of tokens");
+  }
+}
+
+// A token's start: inside a sequence of cu_seqlens, its offsets value in the domain.
+__device__ __forceinline__ void assert_token_start(const RopeArgs& a, const TokenStart& t) {
+  CUDA_KERNEL_ASSERT_MSG(t.valid, "posenc: rope: a packed token lies outside every sequence of "
+                         "cu_seqlens");
+  CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(t.shift - a.offset),
+                         "posenc: rope: expected offsets within [-2**53, 2**53]");
+}
 
 // Thread layout: ops/cuda_work_split.h (RopeBlockShape, rope_thread_role): a block holds
 // `slots` tokens side by side; within a slot, thread (lane, c) owns the chunk c of P
@@ -88,7 +119,9 @@ __global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
   if (leader && token < tokens) {
     TokenStart& t = s_start[0][slot];
     t.valid = rope_token_shift(a, token / a.seq, token % a.seq, &t.shift, &t.restart);
+    assert_token_start(a, t);
   }
+  assert_cu_seqlens(a);
   __syncthreads();
 
   for (int buf = 0; token - slot < tokens; token += step, buf ^= 1) {
@@ -114,6 +147,8 @@ __global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
           const int64_t tb = t / a.seq;
           const int64_t pos =
               rope_axis_position(a, tb, t - tb * a.seq, ts.shift, ts.restart, a.pair_axis[pair]);
+          CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(pos - ts.shift),
+                                 "posenc: rope: expected positions within [-2**53, 2**53]");
           math::rope_sincos<acc_t>(pos, s_freq[pair], &sv, &cv);
         }
       }
@@ -125,6 +160,7 @@ __global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
       const int64_t next = token + step;
       TokenStart& t = s_start[buf ^ 1][slot];
       t.valid = rope_token_shift(a, next / a.seq, next % a.seq, &t.shift, &t.restart);
+      assert_token_start(a, t);
     }
     __syncthreads();
     if (rotates) {

@@ -11,9 +11,10 @@ namespace posenc {
 namespace ops {
 
 // rows (n, d) summed into a zero (table_len, d) table at positions (n,), deterministically
-// (sort-based index_put on CUDA). A position outside [0, table_len) adds nothing: such
-// positions reach a backward only unchecked on CUDA (the forward wrote NaN rows for them),
-// and index_put would device-assert on them, or wrap negative ones.
+// (sort-based index_put on CUDA). A position outside [0, table_len) adds nothing: the
+// forward's kernels refuse such positions (CPU IndexError, CUDA device-side assert), so only
+// a direct call of the backward op brings them, and index_put would device-assert on them,
+// or wrap negative ones.
 at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor& rows,
                                    const c10::SymInt& table_len);
 

@@ -216,7 +216,8 @@ def _canonical(x: Tensor, layout: str) -> Tensor:
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, tokens: int) -> None:
-    """Values of CUDA cu_seqlens (CPU ones are checked in the op): one device sync."""
+    """Values of CUDA cu_seqlens on the host, for a ValueError naming them (CPU ones are
+    checked in the op; the CUDA kernel asserts on the device): one device sync."""
     cu = cu_seqlens.to(device="cpu", dtype=torch.int64)
     if cu.dim() != 1 or cu.numel() == 0:
         return  # the op raises with the shape
@@ -243,7 +244,7 @@ def apply_rope(
     sections: Optional[Sequence[int]] = None,
     sections_mode: str = "axial",
     inplace: bool = False,
-    check_inputs: bool = True,
+    check_inputs: bool = False,
     seq_len: Optional[int] = None,
     _original_max: Optional[int] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -287,8 +288,12 @@ def apply_rope(
             "mrope_interleaved": the same frequencies, pair p on axis ``p % n_axes`` within
             the first ``n_axes * sections[a]`` pairs, else axis 0 (Qwen3-VL).
         inplace: rotate q and k in their own storage (inference; no autograd) and return them.
-        check_inputs: check CUDA ``cu_seqlens`` values on the host (one sync) in eager mode.
-            Unchecked, tokens outside every sequence come out as NaN.
+        check_inputs: also check CUDA ``cu_seqlens`` values on the host in eager mode, for a
+            ``ValueError`` naming them (one device sync, so no CUDA graph capture). By
+            default the kernel checks them on the device, as ATen's indexing checks its
+            indices: a bad ``cu_seqlens`` (or a position or offset outside [-2**53, 2**53])
+            stops it with a device-side assert, a ``RuntimeError`` at the next
+            synchronisation. CPU index tensors are always checked by the op.
         seq_len: for "dynamic" and "longrope" scaling, the length they scale for (longest position + 1);
             default: read from the call. Pass the global length when the call sees a shard
             of the sequence (context parallel; see the README's "Distributed training"), or
@@ -298,8 +303,8 @@ def apply_rope(
     positions, offsets and ``offset`` must each lie in [-2**53, 2**53] (so their sum cannot
     overflow int64; a summed position within that range is exact in the float64 angle, which
     is reduced exactly, so accuracy holds there). An
-    int ``offset`` and CPU index tensors are checked by the op; CUDA index tensors only where
-    they are read anyway ("dynamic" scaling, the module's range check).
+    int ``offset`` and CPU index tensors are checked by the op; CUDA index tensors by the
+    kernel, on the device (see ``check_inputs``).
     """
     if not isinstance(q, Tensor):
         raise TypeError(f"apply_rope: expected q to be a Tensor, got {type(q).__name__}")

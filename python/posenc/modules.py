@@ -40,9 +40,9 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
 
     Op ``position_bounds`` (shared with the C++ modules): one read-back of the smallest and
     largest position, one device sync, IndexError outside [0, max_len). The CUDA kernel
-    never reads out of bounds, but could only mark bad rows with NaN, so eager mode checks
-    here. Under torch.compile the check is left out (it would break the graph) and
-    out-of-range rows come out as NaN.
+    checks on the device too, but a device-side assert is a RuntimeError at the next sync
+    that leaves the CUDA context unusable, so eager mode checks here first. Under
+    torch.compile the host check is left out (it would break the graph); the kernel's stays.
     """
     if positions.is_cuda and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
         torch.ops.posenc.position_bounds(positions, max_len)
@@ -54,7 +54,8 @@ class _AddPositionModule(nn.Module):
 
     ``check_positions`` (attribute, default True): range-check CUDA ``positions`` on the
     host in eager mode, which costs one device sync. Set it to False in a hot loop whose
-    positions are known to be valid; out-of-range rows then come out as NaN.
+    positions are known to be valid (or under CUDA graph capture); an out-of-range position
+    then stops the kernel with a device-side assert (a RuntimeError at the next sync).
     """
 
     pe: Tensor

@@ -243,3 +243,34 @@ def test_cuda_graph_apply_rope_equals_eager(interleaved):
         for got, want in zip(static_out, fn()):
             assert torch.equal(got, want)
         assert not torch.equal(static_out[0], static_q)
+
+
+def test_cuda_graph_default_calls_of_every_op():
+    """Each op's default call captures (issue 26, item 4): no host read of a value, in
+    particular apply_rope(layout="thd"), whose cu_seqlens the Python front end used to check
+    on the host by default. Replays on new inputs equal eager calls."""
+    F = posenc.functional
+    q = torch.randn(9, 4, 64, device="cuda", dtype=torch.bfloat16)
+    cu = torch.tensor([0, 4, 9], device="cuda", dtype=torch.int32)
+    x = torch.randn(2, 5, 32, device="cuda")
+    table = torch.randn(16, 32, device="cuda")
+    pos = torch.randint(0, 16, (2, 5), device="cuda")
+    q4 = torch.randn(2, 5, 4, 64, device="cuda")
+    cos, sin = F.rope_cos_sin(torch.arange(5, device="cuda"), 64)
+
+    def fn():
+        return (F.apply_rope(q, cu_seqlens=cu, layout="thd"),
+                F.apply_rope(q4, positions=pos, offset=3),
+                F.add_position(x, table, positions=pos, p=0.0),
+                F.apply_rope_cos_sin(q4, None, cos, sin, layout="bshd")[0])
+
+    graph, static_out = capture(fn)
+    for _ in range(2):
+        for t in (q, x, q4):
+            t.copy_(torch.randn_like(t))
+        pos.copy_(torch.randint(0, 16, (2, 5), device="cuda"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for got, want in zip(static_out, fn()):
+            assert torch.equal(got, want)
+        assert torch.equal(static_out[2], reference_add(x, table, pos))

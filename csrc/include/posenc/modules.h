@@ -25,7 +25,8 @@ struct PositionalEncodingOptions {
   // Wavelength base of the sinusoids.
   TORCH_ARG(double, base) = 10000.0;
   // Check CUDA position values against max_len before the kernel (one device sync).
-  // CPU positions are always checked; unchecked CUDA positions out of range give NaN rows.
+  // CPU positions are always checked; unchecked CUDA positions out of range stop the kernel
+  // with a device-side assert (an error at the next synchronisation).
   TORCH_ARG(bool, check_positions) = true;
 };
 
