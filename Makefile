@@ -41,8 +41,10 @@ test-example:
 test-python:
 	$(PY) -m pytest tests/python -q -p no:cacheprovider
 
+# One CPU-only build: the wheel built by pip with the CUDA toolkit hidden, installed into a
+# fresh venv and run; checks its torch pin and the RUNPATH of both installed libraries.
 test-install:
-	bash tests/python/run_pip_install.sh $(CURDIR)/$(PY)
+	bash tests/python/run_pip_install.sh $(CURDIR)/$(PY) $(CURDIR)/$(INSTALL)
 
 # AddressSanitizer + UBSan: a CPU-only libposenc built with -fsanitize=address,undefined in
 # build-sanitize/ under the GoogleTest binary and the CPU pytest suite; stops at the first
