@@ -35,7 +35,7 @@ std::vector<double> RopeScaling::values() const {
 namespace detail {
 
 int64_t rope_seq_len_argument(const RopeScaling& s) {
-  return s.rope_type == "dynamic" || s.rope_type == "longrope" ? -1 : 0;
+  return math::rope_scales_by_length(ops::parse_rope_type(s.rope_type)) ? -1 : 0;
 }
 
 ops::RopeCall make_rope_call(const torch::Tensor& q, const std::optional<torch::Tensor>& k,

@@ -16,7 +16,8 @@ namespace detail {
 ops::RopeCall make_rope_call(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
                              const ApplyRopeOptions& o, int64_t seq_len);
 
-// -1 lets the op read the longest position of the call ("dynamic", "longrope"), else 0.
+// -1 lets the op read the longest position of the call for a type that scales by length
+// (math::rope_scales_by_length), else 0.
 int64_t rope_seq_len_argument(const RopeScaling& s);
 
 }  // namespace detail

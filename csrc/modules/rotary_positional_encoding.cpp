@@ -27,26 +27,27 @@ void RotaryPositionalEncodingImpl::reset() {
   TORCH_CHECK_VALUE(rot > 0 && rot % 2 == 0 && rot <= options.dim(),
                     "RotaryPositionalEncoding: expected rotary_dim to be even and at most dim=",
                     options.dim(), ", got ", rot);
+  // The model's defaults, as transformers fills them from the config, max_len standing for
+  // max_position_embeddings: which type takes which is in its facts (POSENC_ROPE_TYPES).
   RopeScaling& s = options.scaling();
-  if (s.rope_type == "dynamic") {
-    // "dynamic" rescales only positions beyond original_max_position_embeddings, and the
-    // module refuses positions at or beyond max_len: a baseline there would be a no-op.
-    TORCH_CHECK_VALUE(s.original_max_position_embeddings.has_value() &&
-                          *s.original_max_position_embeddings < options.max_len(),
-                      "RotaryPositionalEncoding: 'dynamic' scaling needs "
+  const unsigned facts = math::rope_type_facts(ops::parse_rope_type(s.rope_type));
+  const auto& orig = s.original_max_position_embeddings;
+  if ((facts & math::kRopeScalesByLength) && (facts & math::kRopeOriginalFromModel)) {
+    // Such a type rescales only positions beyond original_max_position_embeddings, and the
+    // module refuses positions at or beyond max_len: a baseline there (or the default,
+    // max_len itself) would make the scaling a silent no-op.
+    TORCH_CHECK_VALUE(orig.has_value() && *orig < options.max_len(),
+                      "RotaryPositionalEncoding: '", s.rope_type, "' scaling needs "
                       "original_max_position_embeddings (the context the model was trained on) "
                       "below max_len=", options.max_len(), ", got ",
-                      s.original_max_position_embeddings.has_value()
-                          ? std::to_string(*s.original_max_position_embeddings)
-                          : std::string("none"));
+                      orig.has_value() ? std::to_string(*orig) : std::string("none"));
   }
-  if (s.rope_type == "yarn" && !s.original_max_position_embeddings.has_value()) {
+  if ((facts & math::kRopeOriginalFromModel) && !orig.has_value()) {
     s.original_max_position_embeddings = static_cast<double>(options.max_len());
   }
-  if (s.rope_type == "longrope" && !s.factor.has_value() && !s.attention_factor.has_value() &&
-      s.original_max_position_embeddings.has_value()) {
-    // transformers: factor = max_position_embeddings / original_max_position_embeddings.
-    s.factor = static_cast<double>(options.max_len()) / *s.original_max_position_embeddings;
+  if ((facts & math::kRopeFactorFromModel) && !s.factor.has_value() &&
+      !s.attention_factor.has_value() && orig.has_value()) {
+    s.factor = static_cast<double>(options.max_len()) / *orig;
   }
   inv_freq();  // validates base, scaling and layout-independent arguments now
 }
@@ -124,12 +125,11 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
     bounded = true;
   }
   ops::check_position_range(lo, hi, max_len);
-  // "dynamic" and "longrope" need the longest position: hand over the one just read rather
-  // than have the op read the index tensors again.
-  const std::string& type = options.scaling().rope_type;
+  // A type that scales by length needs the longest position: hand over the one just read
+  // rather than have the op read the index tensors again.
+  const int64_t seq_len_argument = detail::rope_seq_len_argument(o.scaling());
   const int64_t seq_len =
-      bounded && (type == "dynamic" || type == "longrope") ? std::max<int64_t>(hi + 1, 0)
-                                : detail::rope_seq_len_argument(o.scaling());
+      bounded && seq_len_argument < 0 ? std::max<int64_t>(hi + 1, 0) : seq_len_argument;
   return ops::call_rope(detail::make_rope_call(q, k, o, seq_len));
 }
 

@@ -17,18 +17,35 @@ from torch import Tensor
 from posenc._dtensor import place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
-# types, the scaling keys in the order of the op's ``scaling`` list, the layouts and the
-# multi-axis sections modes.
-ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES, SCALING_LIST_KEYS = (
+# types, the scaling keys in the order of the op's ``scaling`` list, the layouts, the
+# multi-axis sections modes and the list-valued keys; then the facts of the types
+# (POSENC_ROPE_TYPE_FACTS: their names, and per type an int whose bit i is fact i).
+ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES, SCALING_LIST_KEYS, _FACTS, _TYPE_FACTS = (
     tuple(names) for names in torch.ops.posenc.rope_scaling_spec()
 )
+
+
+def _types_with(fact: str) -> Tuple[str, ...]:
+    bit = 1 << _FACTS.index(fact)
+    return tuple(t for t, facts in zip(ROPE_TYPES, _TYPE_FACTS) if facts & bit)
+
+
+# The types whose frequencies depend on the call's longest position (seq_len).
+LENGTH_SCALED_TYPES = _types_with("scales_by_length")
+# The types that read the list keys (SCALING_LIST_KEYS, one value per rotary pair).
+LIST_KEY_TYPES = _types_with("list_keys")
+# The types whose original_max_position_embeddings defaults to the model's
+# max_position_embeddings, and those whose factor defaults to max_position_embeddings /
+# original_max_position_embeddings (neither factor nor attention_factor given).
+ORIGINAL_FROM_MODEL_TYPES = _types_with("original_from_model")
+FACTOR_FROM_MODEL_TYPES = _types_with("factor_from_model")
+# The types that read partial_rotary_factor as their own scaling key ("proportional").
+PARTIAL_ROTARY_KEY_TYPES = _types_with("partial_rotary_key")
 
 
 # Keys of a transformers 5 ``rope_parameters`` / ``rope_scaling`` dict (and of Qwen-VL
 # configs) that are not scaling keys but set other arguments: resolved by resolve_config_keys.
 CONFIG_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
-# The scaling types whose frequencies depend on the call's longest position.
-LENGTH_SCALED_TYPES = ("dynamic", "longrope")
 
 
 def resolve_config_keys(
@@ -64,10 +81,11 @@ def resolve_config_keys(
             if isinstance(theta, bool) or not isinstance(theta, numbers.Real):
                 raise TypeError(f"{fn}: expected scaling key 'rope_theta' to be a number, got {theta!r}")
             base = take("rope_theta", None if base is None else float(base), float(theta), "base", base is not None)
-        # "proportional" (Gemma 4) reads partial_rotary_factor itself: the share of pairs
-        # that turn, over the whole head_dim; it is a scaling key there, not rotary_dim.
-        proportional = scaling.get("rope_type", scaling.get("type")) == "proportional"
-        factor = None if proportional else scaling.pop("partial_rotary_factor", None)
+        # A type of PARTIAL_ROTARY_KEY_TYPES ("proportional", Gemma 4) reads
+        # partial_rotary_factor itself: the share of pairs that turn, over the whole head_dim;
+        # it is a scaling key there, not rotary_dim.
+        own_key = scaling.get("rope_type", scaling.get("type")) in PARTIAL_ROTARY_KEY_TYPES
+        factor = None if own_key else scaling.pop("partial_rotary_factor", None)
         if factor is not None:
             if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
                 raise ValueError(f"{fn}: expected scaling key 'partial_rotary_factor' in (0, 1], got {factor!r}")
@@ -86,16 +104,17 @@ def resolve_config_keys(
 
 
 def scaling_arguments(
-    scaling: Optional[Mapping], default_original_max: Optional[int] = None
+    scaling: Optional[Mapping], max_position_embeddings: Optional[int] = None
 ) -> Tuple[str, list]:
     """``(rope_type, values)`` for the op from a Hugging Face ``rope_scaling`` dict.
 
-    ``default_original_max`` is the model's max_position_embeddings (the module's max_len):
-    it fills ``original_max_position_embeddings`` for "yarn" when the dict has none, and
-    "longrope"'s ``factor`` (max_position_embeddings / original_max_position_embeddings), as
-    transformers does; "dynamic" needs original_max_position_embeddings given (the module
-    checks it against max_len). The list keys of "longrope" (``short_factor``,
-    ``long_factor``) follow the keys in ``values``.
+    ``max_position_embeddings`` is the model's (the module's max_len): as transformers fills
+    them from the config, it is ``original_max_position_embeddings`` when the dict has none
+    for the types of ORIGINAL_FROM_MODEL_TYPES ("yarn", "dynamic"), and sets ``factor`` to
+    max_position_embeddings / original_max_position_embeddings when neither factor nor
+    attention_factor is given for those of FACTOR_FROM_MODEL_TYPES ("longrope"). The list
+    keys (LIST_KEY_TYPES: "longrope"'s ``short_factor``, ``long_factor``) follow the keys in
+    ``values``.
     """
     if scaling is None:
         return "default", []
@@ -128,21 +147,23 @@ def scaling_arguments(
             raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
         values[i] = float(value)
     orig = SCALING_KEYS.index("original_max_position_embeddings")
-    if default_original_max is not None and rope_type == "yarn" and math.isnan(values[orig]):
-        values[orig] = float(default_original_max)
+    if (max_position_embeddings is not None and rope_type in ORIGINAL_FROM_MODEL_TYPES
+            and math.isnan(values[orig])):
+        values[orig] = float(max_position_embeddings)
     factor, attention = SCALING_KEYS.index("factor"), SCALING_KEYS.index("attention_factor")
-    if (default_original_max is not None and rope_type == "longrope" and math.isnan(values[factor])
+    if (max_position_embeddings is not None and rope_type in FACTOR_FROM_MODEL_TYPES and math.isnan(values[factor])
             and math.isnan(values[attention]) and not math.isnan(values[orig]) and values[orig] > 0):
-        values[factor] = default_original_max / values[orig]
+        values[factor] = max_position_embeddings / values[orig]
     lists = [scaling.get(key) for key in SCALING_LIST_KEYS]
-    if rope_type != "longrope":
+    if rope_type not in LIST_KEY_TYPES:
         given = [key for key, value in zip(SCALING_LIST_KEYS, lists) if value is not None]
         if given:
-            raise ValueError(f"rope: scaling key(s) {given} belong to rope_type 'longrope', got {rope_type!r}")
+            raise ValueError(f"rope: scaling key(s) {given} belong to rope_type "
+                             f"{' or '.join(map(repr, LIST_KEY_TYPES))}, got {rope_type!r}")
         return rope_type, values
     for key, value in zip(SCALING_LIST_KEYS, lists):
         if value is None:
-            raise ValueError(f"rope: rope_type 'longrope' needs the scaling key {key!r} (one factor per rotary "
+            raise ValueError(f"rope: rope_type {rope_type!r} needs the scaling key {key!r} (one factor per rotary "
                              f"pair), got none")
         if isinstance(value, (str, bytes, Mapping)) or not isinstance(value, Sequence) or not all(
             isinstance(v, numbers.Real) and not isinstance(v, bool) for v in value
@@ -269,8 +290,9 @@ def apply_rope(
             ``(i, i + rotary_dim/2)`` (GPT-NeoX, HF LLaMA) or adjacent ``(2i, 2i+1)`` when
             ``interleaved`` (GPT-J, Meta).
         scaling: None or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (transformers
-            4 or 5) of type "default", "linear", "dynamic", "yarn", "llama3" or "longrope"
-            (Phi-3: ``short_factor`` / ``long_factor`` lists, one factor per pair); its
+            4 or 5) of type "default", "linear", "dynamic", "yarn", "llama3", "longrope"
+            (Phi-3: ``short_factor`` / ``long_factor`` lists, one factor per pair) or
+            "proportional" (Gemma 4: its own ``partial_rotary_factor``); its
             ``rope_theta``, ``partial_rotary_factor`` and ``mrope_section`` /
             ``mrope_interleaved`` set base, rotary_dim and sections (an explicit argument
             that disagrees is an error). "dynamic" scales by the longest position of the call, and

@@ -11,14 +11,30 @@ types, the op checks values.
 from __future__ import annotations
 
 import numbers
-from typing import Mapping, Optional, Tuple, Union
+from typing import List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._dtensor import place_beside
-from posenc._rope import resolve_config_keys, rope_frequencies
+from posenc._rope import LENGTH_SCALED_TYPES, resolve_config_keys, scaling_arguments
 
+
+@torch._dynamo.assume_constant_result
+def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
+                      seq_len: int) -> Tuple[List[float], float]:
+    """(inverse frequencies, attention factor) of op ``rope_frequencies``, as Python numbers.
+
+    Every argument is a Python constant, so the result is one too: under torch.compile and
+    torch.export it is evaluated while tracing (tracing modes set aside) and enters the graph
+    as a constant. The op itself cannot be in a graph: it has no tensor input to take a
+    device from, and Inductor cannot run an op that returns a float.
+    """
+    with _disable_current_modes():
+        inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
+                                                             seq_len, [], "axial")
+    return inv_freq.tolist(), float(factor)
 
 
 def rope_cos_sin(
@@ -39,7 +55,8 @@ def rope_cos_sin(
         dim: the head dimension; the tables cover its first ``rotary_dim`` features.
         base, scaling, rotary_dim: as :func:`posenc.functional.apply_rope`: base default 10000
             (or the dict's ``rope_theta``), a transformers 4 or 5 ``rope_scaling`` /
-            ``rope_parameters`` dict ("default", "linear", "dynamic", "yarn", "llama3", "longrope"), rotary
+            ``rope_parameters`` dict ("default", "linear", "dynamic", "yarn", "llama3", "longrope",
+            "proportional"), rotary
             width default ``dim`` (or ``int(dim * partial_rotary_factor)`` from the dict).
         dtype: the tables' dtype (angles are computed in float64, rounded once).
         attention_scaling: multiply cos and sin by the scaling's attention factor (yarn's
@@ -47,7 +64,8 @@ def rope_cos_sin(
         max_position_embeddings: the model's ``max_position_embeddings``: the default of
             ``original_max_position_embeddings`` for "yarn" and "dynamic" and of "longrope"'s ``factor``
             (max_position_embeddings / original), as transformers fills them
-            from the config.
+            from the config (the types' facts: ``posenc._rope.ORIGINAL_FROM_MODEL_TYPES``,
+            ``FACTOR_FROM_MODEL_TYPES``).
 
     Returns ``(cos, sin)`` of shape ``positions.shape + (rotary_dim,)`` on ``positions``' device,
     with the pair frequencies duplicated as ``cat((freqs, freqs), -1)``:
@@ -84,29 +102,15 @@ def rope_cos_sin(
     rotary_dim = dim if rotary_dim is None else rotary_dim
     if rotary_dim <= 0 or rotary_dim > dim or rotary_dim % 2:
         raise ValueError(f"{fn}: expected rotary_dim to be even and in [2, dim={dim}], got {rotary_dim}")
-    rope_type = None
-    if isinstance(scaling, Mapping):
-        rope_type = scaling.get("rope_type", scaling.get("type"))
-        if (
-            rope_type in ("yarn", "dynamic")
-            and scaling.get("original_max_position_embeddings") is None
-            and max_position_embeddings is not None
-        ):
-            scaling = {**scaling, "original_max_position_embeddings": int(max_position_embeddings)}
-        if (
-            rope_type == "longrope"
-            and scaling.get("factor") is None
-            and scaling.get("attention_factor") is None
-            and max_position_embeddings is not None
-            and isinstance(scaling.get("original_max_position_embeddings"), numbers.Real)
-            and scaling["original_max_position_embeddings"] > 0
-        ):  # transformers: factor = max_position_embeddings / original_max_position_embeddings
-            scaling = {**scaling, "factor": max_position_embeddings / scaling["original_max_position_embeddings"]}
+    # The model's defaults (max_position_embeddings) and the length a type scales by come from
+    # the types' facts (scaling_arguments, LENGTH_SCALED_TYPES), as for apply_rope.
+    rope_type, values = scaling_arguments(scaling, max_position_embeddings)
     seq_len = 0
-    if rope_type in ("dynamic", "longrope") and positions.numel():
+    if rope_type in LENGTH_SCALED_TYPES and positions.numel():
         seq_len = int(positions.max()) + 1
-    inv_freq, factor = rope_frequencies(rotary_dim, base=base, scaling=scaling, seq_len=seq_len)
-    inv_freq = inv_freq.to(device=positions.device, dtype=torch.float64)
+    inv_freq, factor = _host_frequencies(rotary_dim, 10000.0 if base is None else float(base), rope_type,
+                                         tuple(values), seq_len)
+    inv_freq = torch.tensor(inv_freq, dtype=torch.float64, device=positions.device)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos(), angles.sin()

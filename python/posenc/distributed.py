@@ -61,6 +61,7 @@ import torch
 from torch import Tensor
 
 import posenc  # noqa: F401  (loads the ops)
+from posenc._rope import LENGTH_SCALED_TYPES
 
 __all__ = [
     "register_sharding_rules",
@@ -101,7 +102,7 @@ def _rope_rule(a: dict, outputs: str) -> list:
     layout = a["layout"] if a["layout"] in ("bshd", "bhsd", "sbhd", "thd") else "bshd"
     b_dim, s_dim, h_dim = _rope_dims(layout)
     multi = len(a["sections"]) > 0
-    dynamic_from_call = a["rope_type"] in ("dynamic", "longrope") and a["seq_len"] < 0
+    dynamic_from_call = a["rope_type"] in LENGTH_SCALED_TYPES and a["seq_len"] < 0
     strategies = []
 
     def add(qk, positions=R, offsets=R):

@@ -187,20 +187,21 @@ class LearnedPositionalEncoding(_AddPositionModule):
         return f"{super().extra_repr()}, init_std={self.init_std}"
 
 
-def _check_dynamic_baseline(scaling: dict, max_len: int) -> None:
-    """"dynamic" rescales only when a call's positions pass original_max_position_embeddings,
-    and the module refuses positions at or beyond max_len: a baseline at or above max_len
-    (or a default of max_len) would make the scaling a silent no-op."""
+def _check_length_baseline(scaling: dict, rope_type: str, max_len: int) -> None:
+    """A type that scales by length with original_max_position_embeddings defaulting to the
+    model's ("dynamic") rescales only when a call's positions pass that baseline, and the
+    module refuses positions at or beyond max_len: a baseline at or above max_len (or the
+    default, max_len) would make the scaling a silent no-op."""
     orig = scaling.get("original_max_position_embeddings")
     if orig is None:
         raise ValueError(
-            "RotaryPositionalEncoding: 'dynamic' scaling needs 'original_max_position_embeddings' "
+            f"RotaryPositionalEncoding: {rope_type!r} scaling needs 'original_max_position_embeddings' "
             f"(the context length the model was trained on, Hugging Face's max_position_embeddings), "
             f"below max_len={max_len}: positions beyond it are what it rescales"
         )
     if orig >= max_len:
         raise ValueError(
-            f"RotaryPositionalEncoding: 'dynamic' scaling with original_max_position_embeddings={orig} "
+            f"RotaryPositionalEncoding: {rope_type!r} scaling with original_max_position_embeddings={orig} "
             f">= max_len={max_len} would never apply (positions stop below max_len); expected it below max_len"
         )
 
@@ -223,9 +224,11 @@ class RotaryPositionalEncoding(nn.Module):
         rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary);
             default ``dim`` (``2 * sum(sections)`` with sections).
         scaling: None or a Hugging Face ``rope_scaling`` dict ("linear", "dynamic", "yarn",
-            "llama3"). "dynamic" needs ``original_max_position_embeddings`` below ``max_len``
-            (the trained context, Hugging Face's ``max_position_embeddings``: positions
-            beyond it are what it rescales); for "yarn" it defaults to ``max_len``.
+            "llama3", "longrope" or "proportional"). "dynamic" needs
+            ``original_max_position_embeddings`` below ``max_len`` (the trained context,
+            Hugging Face's ``max_position_embeddings``: positions beyond it are what it
+            rescales); for "yarn" it defaults to ``max_len``, and "longrope"'s ``factor`` to
+            ``max_len / original_max_position_embeddings``.
         layout: "bshd" (default), "bhsd", "sbhd" or "thd" (packed, with ``cu_seqlens``).
         sections, sections_mode: multi-axis RoPE (Qwen2-VL M-RoPE, axial 2-D/3-D RoPE), as
             in :func:`posenc.functional.apply_rope`; positions are then (n_axes, ...) and
@@ -284,8 +287,8 @@ class RotaryPositionalEncoding(nn.Module):
         self.layout = layout
         self.scaling = None if scaling is None else dict(scaling)
         rope_type, values = _rope.scaling_arguments(self.scaling, self.max_len)  # validates now
-        if rope_type == "dynamic":
-            _check_dynamic_baseline(self.scaling, self.max_len)
+        if rope_type in _rope.LENGTH_SCALED_TYPES and rope_type in _rope.ORIGINAL_FROM_MODEL_TYPES:
+            _check_length_baseline(self.scaling, rope_type, self.max_len)
         inv_freq, factor = torch.ops.posenc.rope_frequencies(
             self.rotary_dim, self.base, rope_type, values, 0, self.sections or [], sections_mode
         )

@@ -3,6 +3,8 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <optional>
+#include <string>
 
 #include "posenc/math/rope.h"
 #include "posenc/posenc.h"
@@ -270,6 +272,120 @@ TEST(ApplyRopeCosSin, MatchesApplyRopeAndBackwardIsTheTranspose) {
   EXPECT_TRUE(torch::allclose(bq, gq, 1e-12, 1e-12));
   EXPECT_TRUE(torch::allclose(bk, gk, 1e-12, 1e-12));
   EXPECT_THROW(posenc::apply_rope_cos_sin(q, k, emb.cos(), emb.sin(), "sbhd"), c10::ValueError);
+}
+
+}  // namespace
+
+// ---- The facts of each scaling type (POSENC_ROPE_TYPES) against the C++ front ends.
+
+namespace {
+
+// A valid configuration of every type for rotary_dim 8 (a new type needs one here).
+posenc::RopeScaling sample_scaling(const std::string& type) {
+  posenc::RopeScaling s;
+  s.rope_type = type;
+  if (type == "default") return s;
+  s.factor = 4.0;
+  s.original_max_position_embeddings = 16;
+  if (type == "llama3") {
+    s.low_freq_factor = 1.0;
+    s.high_freq_factor = 4.0;
+  } else if (type == "longrope") {
+    s.short_factor = {1.0, 1.25, 1.5, 2.0};
+    s.long_factor = {2.0, 3.0, 5.0, 9.0};
+  } else if (type == "proportional") {
+    s.partial_rotary_factor = 0.5;
+  }
+  return s;
+}
+
+// The rope op called directly with an explicit seq_len.
+torch::Tensor rope_op(const torch::Tensor& q, const torch::Tensor& positions,
+                      const posenc::RopeScaling& s, int64_t seq_len) {
+  posenc::ops::RopeCall c;
+  c.q = q;
+  c.positions = positions;
+  c.scaling = posenc::ops::parse_rope_scaling(s.rope_type, s.values());
+  c.seq_len = seq_len;
+  return std::get<0>(posenc::ops::call_rope(c));
+}
+
+TEST(RopeTypeFacts, FunctionAndModulePassTheLengthOfLengthScaledTypes) {
+  auto q = torch::randn({2, 5, 2, 8}, torch::kDouble);
+  auto positions = torch::tensor({0, 3, 9, 2, 40, 1, 1, 7, 33, 6}, torch::kLong).reshape({2, 5});
+  for (const std::string& type : posenc::ops::rope_type_names()) {
+    const posenc::RopeScaling s = sample_scaling(type);
+    const bool by_length =
+        posenc::math::rope_type_facts(posenc::ops::parse_rope_type(type)) & posenc::math::kRopeScalesByLength;
+    auto want = rope_op(q, positions, s, 41);  // the longest position + 1
+    // The check can fail: a front end passing seq_len 0 gets other numbers for these types.
+    EXPECT_EQ(torch::equal(rope_op(q, positions, s, 0), want), !by_length) << type;
+    auto function = posenc::apply_rope(q, posenc::ApplyRopeOptions().positions(positions).scaling(s));
+    EXPECT_TRUE(torch::equal(function, want)) << type;
+    posenc::RotaryPositionalEncoding module(posenc::RotaryPositionalEncodingOptions(8).max_len(64).scaling(s));
+    EXPECT_TRUE(torch::equal(std::get<0>(module(q, q, positions)), want)) << type;
+  }
+}
+
+// A call's output, or nullopt when it is refused; and the two compared.
+template <typename F>
+std::optional<torch::Tensor> attempt(F&& fn) {
+  try {
+    return fn();
+  } catch (const c10::Error&) {
+    return std::nullopt;
+  }
+}
+
+bool same(const std::optional<torch::Tensor>& a, const std::optional<torch::Tensor>& b) {
+  return a.has_value() == b.has_value() && (!a.has_value() || torch::equal(*a, *b));
+}
+
+TEST(RopeTypeFacts, ModuleFillsTheModelDefaultsOfTheFacts) {
+  auto q = torch::randn({1, 6, 1, 8}, torch::kDouble);
+  auto positions = torch::tensor({0, 5, 17, 30, 2, 63}, torch::kLong).reshape({1, 6});
+  const int64_t max_len = 64;
+  const auto module_output = [&](const posenc::RopeScaling& s) {
+    return attempt([&] {
+      posenc::RotaryPositionalEncoding m(posenc::RotaryPositionalEncodingOptions(8).max_len(max_len).scaling(s));
+      return std::get<0>(m(q, q, positions));
+    });
+  };
+  // What the dict alone gives (no model defaults): the op with the module's seq_len.
+  const auto op_output = [&](const posenc::RopeScaling& s) {
+    return attempt([&] { return rope_op(q, positions, s, max_len); });
+  };
+  for (const std::string& type : posenc::ops::rope_type_names()) {
+    if (type == "default") continue;  // no keys
+    const unsigned facts = posenc::math::rope_type_facts(posenc::ops::parse_rope_type(type));
+    // original_max_position_embeddings: max_len for the types that take the model's, refused
+    // where that default would make length scaling a no-op, else left to the op.
+    posenc::RopeScaling no_orig = sample_scaling(type);
+    no_orig.original_max_position_embeddings.reset();
+    posenc::RopeScaling filled = no_orig;
+    filled.original_max_position_embeddings = static_cast<double>(max_len);
+    if ((facts & posenc::math::kRopeOriginalFromModel) && (facts & posenc::math::kRopeScalesByLength)) {
+      EXPECT_THROW(
+          posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).max_len(max_len).scaling(no_orig)),
+          c10::ValueError)
+          << type;
+    } else if (facts & posenc::math::kRopeOriginalFromModel) {
+      EXPECT_TRUE(module_output(no_orig).has_value()) << type;
+      EXPECT_TRUE(same(module_output(no_orig), op_output(filled))) << type;
+    } else {
+      EXPECT_TRUE(same(module_output(no_orig), op_output(no_orig))) << type;
+    }
+    // factor: max_len / original_max_position_embeddings for the types that take it.
+    posenc::RopeScaling no_factor = sample_scaling(type);
+    no_factor.factor.reset();
+    no_factor.attention_factor.reset();
+    posenc::RopeScaling with_factor = no_factor;
+    if (facts & posenc::math::kRopeFactorFromModel) {
+      with_factor.factor = static_cast<double>(max_len) / *no_factor.original_max_position_embeddings;
+      EXPECT_TRUE(module_output(no_factor).has_value()) << type;
+    }
+    EXPECT_TRUE(same(module_output(no_factor), op_output(with_factor))) << type;
+  }
 }
 
 }  // namespace

@@ -30,7 +30,7 @@ constexpr std::pair<RopeLayout, const char*> kLayouts[] = {
     {RopeLayout::kBSHD, "bshd"}, {RopeLayout::kBHSD, "bhsd"}, {RopeLayout::kSBHD, "sbhd"},
     {RopeLayout::kTHD, "thd"}};
 constexpr std::pair<math::RopeType, const char*> kRopeTypes[] = {
-#define POSENC_X(e, name) {math::RopeType::e, name},
+#define POSENC_X(e, name, facts) {math::RopeType::e, name},
     POSENC_ROPE_TYPES(POSENC_X)
 #undef POSENC_X
 };
@@ -98,7 +98,7 @@ std::string scaling_key_list() {
 void read_scaling_values(const std::vector<double>& fields, math::RopeScalingParams& out) {
   if (out.type == math::RopeType::kDefault && fields.empty()) return;
   const int64_t extra = static_cast<int64_t>(fields.size()) - math::kRopeScalingFields;
-  const bool lists = out.type == math::RopeType::kLongrope;
+  const bool lists = (math::rope_type_facts(out.type) & math::kRopeListKeys) != 0;
   TORCH_CHECK_VALUE(lists ? extra > 0 && extra % kScalingLists == 0 &&
                                 extra / kScalingLists <= math::kRopeMaxPairs
                           : extra == 0,
@@ -188,6 +188,10 @@ math::RopeScalingParams parse_rope_scaling(const std::string& rope_type,
   out.type = parse_name(kRopeTypes, "rope scaling type", rope_type);
   read_scaling_values(fields, out);
   return out;
+}
+
+math::RopeType parse_rope_type(const std::string& name) {
+  return parse_name(kRopeTypes, "rope scaling type", name);
 }
 
 RopeLayout parse_rope_layout(const std::string& name) {
@@ -285,14 +289,22 @@ void check_rope_schema_matches(const c10::FunctionSchema& schema) {
 
 namespace {
 
-// Every name list of the RoPE ops, for Python (its key and type lists come from here).
+// Every name list of the RoPE ops and the facts of each scaling type, for Python (its key
+// and type lists and its per-type behaviour come from here).
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<std::string>, std::vector<std::string>>
+           std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+           std::vector<int64_t>>
 rope_scaling_spec() {
-  std::vector<std::string> layouts, modes;
+  std::vector<std::string> layouts, modes, fact_names;
   for (const auto& [v, n] : kLayouts) layouts.emplace_back(n);
   for (const auto& [v, n] : kSectionsModes) modes.emplace_back(n);
-  return {rope_type_names(), rope_scaling_keys(), layouts, modes, rope_scaling_list_keys()};
+#define POSENC_X(flag, name) fact_names.emplace_back(name);
+  POSENC_ROPE_TYPE_FACTS(POSENC_X)
+#undef POSENC_X
+  std::vector<int64_t> facts;
+  for (const auto& [v, n] : kRopeTypes) facts.push_back(math::rope_type_facts(v));
+  return {rope_type_names(), rope_scaling_keys(), layouts, modes, rope_scaling_list_keys(),
+          fact_names, facts};
 }
 
 }  // namespace
@@ -305,7 +317,9 @@ rope_scaling_spec() {
 //                         read back to the host; the modules' range check.
 //   rope_frequencies      inverse frequencies (per pair) and attention factor.
 //   rope_scaling_spec     the names the ops accept: (rope types, scaling keys, layouts,
-//                         sections modes, list-valued scaling keys).
+//                         sections modes, list-valued scaling keys), then the facts of the
+//                         types: (fact names, one int per type whose bit i is fact i), from
+//                         POSENC_ROPE_TYPE_FACTS and POSENC_ROPE_TYPES (posenc/math/rope.h).
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   const std::string tail = kRopeSchemaArguments;
   m.def(("rope(Tensor q, Tensor? k=None, " + tail + ") -> (Tensor, Tensor)").c_str());
@@ -315,7 +329,8 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
       "rope_frequencies(int rotary_dim, float base=10000.0, str rope_type=\"default\", "
       "float[] scaling=[], int seq_len=0, int[] sections=[], str sections_mode=\"axial\") "
       "-> (Tensor, float)");
-  m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[])", &rope_scaling_spec);
+  m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[], str[], int[])",
+        &rope_scaling_spec);
 }
 
 }  // namespace ops

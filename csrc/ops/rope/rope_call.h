@@ -84,6 +84,8 @@ struct RopeCall {
 math::RopeScalingParams parse_rope_scaling(const std::string& rope_type,
                                            const std::vector<double>& values);
 math::RopeSectionsMode parse_rope_sections_mode(const std::string& name);
+// A scaling type by its Hugging Face name (ValueError naming the accepted ones).
+math::RopeType parse_rope_type(const std::string& name);
 RopeLayout parse_rope_layout(const std::string& name);
 
 // The rotary width sections rotate when rotary_dim is not given: 2 * sum(sections).

@@ -22,19 +22,52 @@
 namespace posenc {
 namespace math {
 
-// The scaling types and their Hugging Face names: the one list that the op's parser, its
-// error messages and Python's list of types come from (X(enumerator, "name")).
-#define POSENC_ROPE_TYPES(X) \
-  X(kDefault, "default")     \
-  X(kLinear, "linear")       \
-  X(kDynamic, "dynamic")     \
-  X(kYarn, "yarn")           \
-  X(kLlama3, "llama3")       \
-  X(kLongrope, "longrope")   \
-  X(kProportional, "proportional")
+// What a scaling type is besides its formula (rope_inv_freq): bit flags that every front end
+// (the C++ API and module; Python through rope_scaling_spec, by the names here) reads from
+// the table below instead of naming types. X(flag, "name"); flag i is bit i.
+//   scales_by_length     its frequencies depend on the call's length (longest position + 1,
+//                        the op's seq_len): a front end passes seq_len=-1 (the op reads it
+//                        from the call) or the length it knows, never 0.
+//   list_keys            it reads the list keys (POSENC_ROPE_SCALING_LIST_KEYS), one value per
+//                        rotary pair, appended to the op's float[] scaling.
+//   original_from_model  original_max_position_embeddings, when not given, is the model's
+//                        max_position_embeddings (transformers reads the config's; the
+//                        modules' max_len, rope_cos_sin's max_position_embeddings).
+//   factor_from_model    factor, when neither it nor attention_factor is given, is
+//                        max_position_embeddings / original_max_position_embeddings.
+//   partial_rotary_key   it reads partial_rotary_factor as its own scaling key (the share of
+//                        pairs that turn), where for the others a config's
+//                        partial_rotary_factor sets rotary_dim (Python's resolve_config_keys).
+#define POSENC_ROPE_TYPE_FACTS(X)                  \
+  X(kRopeScalesByLength, "scales_by_length")       \
+  X(kRopeListKeys, "list_keys")                    \
+  X(kRopeOriginalFromModel, "original_from_model") \
+  X(kRopeFactorFromModel, "factor_from_model")     \
+  X(kRopePartialRotaryKey, "partial_rotary_key")
+
+enum RopeTypeFactBit : unsigned {
+#define POSENC_X(flag, name) flag##Bit,
+  POSENC_ROPE_TYPE_FACTS(POSENC_X)
+#undef POSENC_X
+};
+#define POSENC_X(flag, name) constexpr unsigned flag = 1u << flag##Bit;
+POSENC_ROPE_TYPE_FACTS(POSENC_X)
+#undef POSENC_X
+
+// The scaling types, their Hugging Face names and facts: the one list that the op's parser,
+// its error messages, Python's list of types and every front end's per-type behaviour come
+// from (X(enumerator, "name", facts)).
+#define POSENC_ROPE_TYPES(X)                                                           \
+  X(kDefault, "default", 0u)                                                           \
+  X(kLinear, "linear", 0u)                                                             \
+  X(kDynamic, "dynamic", kRopeScalesByLength | kRopeOriginalFromModel)                 \
+  X(kYarn, "yarn", kRopeOriginalFromModel)                                             \
+  X(kLlama3, "llama3", 0u)                                                             \
+  X(kLongrope, "longrope", kRopeScalesByLength | kRopeListKeys | kRopeFactorFromModel) \
+  X(kProportional, "proportional", kRopePartialRotaryKey)
 
 enum class RopeType : int {
-#define POSENC_X(e, name) e,
+#define POSENC_X(e, name, facts) e,
   POSENC_ROPE_TYPES(POSENC_X)
 #undef POSENC_X
 };
@@ -180,9 +213,21 @@ POSENC_HOST_DEVICE double yarn_correction_dim(double num_rotations, int64_t dim,
   return (static_cast<double>(dim) * log(max_pos / (num_rotations * two_pi))) / (2.0 * log(base));
 }
 
+// The facts (kRope* flags) of a type.
+inline constexpr unsigned rope_type_facts(RopeType t) {
+  switch (t) {
+#define POSENC_X(e, name, facts) \
+  case RopeType::e:              \
+    return facts;
+    POSENC_ROPE_TYPES(POSENC_X)
+#undef POSENC_X
+  }
+  return 0u;
+}
+
 // The types whose frequencies depend on the call's length (longest position + 1).
 inline constexpr bool rope_scales_by_length(RopeType t) {
-  return t == RopeType::kDynamic || t == RopeType::kLongrope;
+  return (rope_type_facts(t) & kRopeScalesByLength) != 0;
 }
 
 // The frequency of pair i after scaling. seq_len matters for "dynamic" and "longrope": the longest

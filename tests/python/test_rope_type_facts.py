@@ -1,0 +1,183 @@
+"""The facts of each RoPE scaling type (POSENC_ROPE_TYPES in posenc/math/rope.h, exported by
+``torch.ops.posenc.rope_scaling_spec``: scales by length, reads the list keys, takes
+original_max_position_embeddings or factor from the model) against what every Python front
+end does with that type: ``apply_rope``, ``RotaryPositionalEncoding``, ``rope_cos_sin`` and the
+op itself. A new type gets these checks from the table; it only needs a sample below.
+(The C++ API and module: tests/cpp/test_rope.cpp, RopeTypeFacts.)"""
+
+import math
+
+import pytest
+import torch
+
+from posenc import RotaryPositionalEncoding
+from posenc import _rope
+from posenc.functional import apply_rope, apply_rope_cos_sin, rope_cos_sin
+
+F64 = torch.float64
+ROT = 8
+MAX_LEN = 64
+
+# A valid configuration of every type for rotary_dim 8.
+SAMPLES = {
+    "default": {"rope_type": "default"},
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+                 "short_factor": [1.0, 1.25, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0, 9.0]},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
+}
+
+
+def frequencies(scaling, seq_len=0):
+    """(inv_freq, attention factor) from the op, the scaling dict flattened without model defaults."""
+    rope_type, values = _rope.scaling_arguments(scaling)
+    return torch.ops.posenc.rope_frequencies(ROT, 10000.0, rope_type, values, seq_len, [], "axial")
+
+
+def outcome(fn):
+    """What a call gives: its tensors, or its error's type and message."""
+    try:
+        result = fn()
+    except (ValueError, TypeError, RuntimeError) as e:
+        return type(e), str(e)
+    return tuple(t for t in (result if isinstance(result, tuple) else (result,)))
+
+
+def same(a, b):
+    if isinstance(a[0], type) or isinstance(b[0], type):
+        return a == b
+    return len(a) == len(b) and all(
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b)
+    )
+
+
+def test_spec_exports_the_facts_of_every_type():
+    spec = torch.ops.posenc.rope_scaling_spec()
+    assert len(spec) == 7
+    types, facts, per_type = spec[0], spec[5], spec[6]
+    assert facts == ["scales_by_length", "list_keys", "original_from_model", "factor_from_model",
+                     "partial_rotary_key"]
+    assert len(per_type) == len(types) and all(0 <= f < 1 << len(facts) for f in per_type)
+    assert set(SAMPLES) == set(types), "a new rope type needs a sample configuration in SAMPLES"
+    # The sets as they stand, so that a change to the table is a visible change here.
+    assert _rope.LENGTH_SCALED_TYPES == ("dynamic", "longrope")
+    assert _rope.LIST_KEY_TYPES == ("longrope",)
+    assert _rope.ORIGINAL_FROM_MODEL_TYPES == ("dynamic", "yarn")
+    assert _rope.FACTOR_FROM_MODEL_TYPES == ("longrope",)
+    assert _rope.PARTIAL_ROTARY_KEY_TYPES == ("proportional",)
+
+
+@pytest.mark.parametrize("rope_type", _rope.ROPE_TYPES)
+def test_length_scaled_set_is_what_the_frequencies_do(rope_type):
+    """A type is in LENGTH_SCALED_TYPES exactly when the op's frequencies change with seq_len
+    (the formula in rope_inv_freq against the table's flag)."""
+    unscaled = frequencies(SAMPLES[rope_type], 0)
+    scaled = frequencies(SAMPLES[rope_type], 1000)
+    changes = not (torch.equal(unscaled[0], scaled[0]) and unscaled[1] == scaled[1])
+    assert changes == (rope_type in _rope.LENGTH_SCALED_TYPES)
+
+
+@pytest.mark.parametrize("rope_type", _rope.ROPE_TYPES)
+def test_every_front_end_passes_the_longest_position(rope_type):
+    """apply_rope, the module and rope_cos_sin + apply_rope_cos_sin all give the op's result
+    for seq_len = longest position + 1 (a length-scaled type given 0 would differ)."""
+    scaling = SAMPLES[rope_type]
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 5, 2, ROT, generator=g, dtype=F64)
+    positions = torch.tensor([[0, 3, 9, 2, 40], [1, 1, 7, 33, 6]])
+    name, values = _rope.scaling_arguments(scaling)
+    want = torch.ops.posenc.rope(q, None, positions=positions, rope_type=name, scaling=values, seq_len=41)[0]
+    unscaled = torch.ops.posenc.rope(q, None, positions=positions, rope_type=name, scaling=values, seq_len=0)[0]
+    assert torch.equal(unscaled, want) == (rope_type not in _rope.LENGTH_SCALED_TYPES)
+    torch.testing.assert_close(apply_rope(q, positions=positions, scaling=scaling), want, rtol=0, atol=0)
+    module = RotaryPositionalEncoding(ROT, max_len=MAX_LEN, scaling=scaling)
+    torch.testing.assert_close(module(q, positions=positions), want, rtol=0, atol=0)
+    cos, sin = rope_cos_sin(positions, ROT, scaling=scaling, dtype=F64)
+    torch.testing.assert_close(apply_rope_cos_sin(q, None, cos, sin, layout="bshd"), want, rtol=1e-12, atol=1e-12)
+
+
+def without(scaling, *keys):
+    return {key: value for key, value in scaling.items() if key not in keys}
+
+
+@pytest.mark.parametrize("rope_type", [t for t in _rope.ROPE_TYPES if t != "default"])
+def test_model_defaults_follow_the_facts(rope_type):
+    """original_max_position_embeddings and factor missing from the dict: the module (max_len)
+    and rope_cos_sin (max_position_embeddings) fill them for the types the table names, and
+    for no other (those get what the dict alone gives: the same numbers, or the same error)."""
+    positions = torch.tensor([0, 5, 17, 30, 2, 63])
+    sample = SAMPLES[rope_type]
+
+    def tables(scaling, model=None):
+        return outcome(lambda: rope_cos_sin(positions, ROT, scaling=scaling, dtype=F64,
+                                            max_position_embeddings=model))
+
+    def module(scaling):
+        return outcome(lambda: (lambda m: (m.inv_freq, torch.tensor(m.attention_scaling)))(
+            RotaryPositionalEncoding(ROT, max_len=MAX_LEN, scaling=scaling)))
+
+    def plain(scaling):
+        return outcome(lambda: (lambda f: (f[0].float(), torch.tensor(f[1])))(frequencies(scaling)))
+
+    no_orig = without(sample, "original_max_position_embeddings")
+    if rope_type in _rope.ORIGINAL_FROM_MODEL_TYPES:
+        filled = dict(no_orig, original_max_position_embeddings=MAX_LEN)
+        assert same(tables(no_orig, MAX_LEN), tables(filled))
+        if rope_type in _rope.LENGTH_SCALED_TYPES:  # the default would never rescale below max_len
+            with pytest.raises(ValueError, match="original_max_position_embeddings"):
+                RotaryPositionalEncoding(ROT, max_len=MAX_LEN, scaling=no_orig)
+        else:
+            assert same(module(no_orig), plain(filled))
+    else:
+        assert same(tables(no_orig, MAX_LEN), tables(no_orig))
+        assert same(module(no_orig), plain(no_orig))
+    no_factor = without(sample, "factor", "attention_factor")
+    if rope_type in _rope.FACTOR_FROM_MODEL_TYPES:
+        filled = dict(no_factor, factor=MAX_LEN / sample["original_max_position_embeddings"])
+        assert same(tables(no_factor, MAX_LEN), tables(filled))
+        assert same(module(no_factor), plain(filled))
+    else:
+        assert same(tables(no_factor, MAX_LEN), tables(no_factor))
+        assert same(module(no_factor), plain(no_factor))
+
+
+@pytest.mark.parametrize("rope_type", _rope.ROPE_TYPES)
+def test_list_keys_follow_the_facts(rope_type):
+    """Only the types of LIST_KEY_TYPES take short_factor / long_factor: Python refuses them
+    for the others, and so does the op's parser (extra values)."""
+    lists = {key: [1.0] * (ROT // 2) for key in _rope.SCALING_LIST_KEYS}
+    scaling = {**SAMPLES[rope_type], **lists}
+    if rope_type in _rope.LIST_KEY_TYPES:
+        frequencies(scaling)
+        with pytest.raises(ValueError, match="needs the scaling key"):
+            frequencies(without(scaling, _rope.SCALING_LIST_KEYS[0]))
+        return
+    with pytest.raises(ValueError, match="belong to rope_type"):
+        frequencies(scaling)
+    _, values = _rope.scaling_arguments(SAMPLES[rope_type])
+    values = values or [math.nan] * len(_rope.SCALING_KEYS)  # NaN: a key not given
+    with pytest.raises(ValueError, match="rope scaling values"):
+        torch.ops.posenc.rope_frequencies(ROT, 10000.0, rope_type, values + [1.0] * ROT, 0, [], "axial")
+
+
+@pytest.mark.parametrize("rope_type", _rope.ROPE_TYPES)
+def test_partial_rotary_factor_follows_the_facts(rope_type):
+    """A config's partial_rotary_factor sets rotary_dim (int(head_dim * factor), the other
+    features pass through), except for the types of PARTIAL_ROTARY_KEY_TYPES, which read it as
+    their own key over the whole head_dim. Checked by the result: with rotary_dim set, the
+    last head_dim - rotary_dim features are q's own."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 6, 1, 16, generator=g, dtype=F64)
+    positions = torch.arange(3, 9)
+    scaling = {**SAMPLES[rope_type], "partial_rotary_factor": 0.5}
+    out = apply_rope(q, positions=positions, scaling=scaling)
+    if rope_type in _rope.PARTIAL_ROTARY_KEY_TYPES:
+        want = apply_rope(q, positions=positions, scaling=scaling, rotary_dim=16)
+    else:
+        want = apply_rope(q, positions=positions, scaling=without(scaling, "partial_rotary_factor"), rotary_dim=8)
+        assert torch.equal(out[..., 8:], q[..., 8:])
+    torch.testing.assert_close(out, want, rtol=0, atol=0)
