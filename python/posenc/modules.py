@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from posenc import _rope, functional
-from posenc._dtensor import is_dtensor
+from posenc._dtensor import is_dtensor, place_beside
 
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
 
@@ -75,8 +75,26 @@ class _AddPositionModule(nn.Module):
             raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
         if positions is not None and self.check_positions:
             _check_positions_on_host(positions, self.pe.shape[1])
+        pe = self.pe
+        if is_dtensor(x):
+            pe, positions = self._beside_dtensor(x, positions)
         p = self.dropout.p if self.training else 0.0
-        return _ADD_POSITION(x, self.pe, positions, offset, self.batch_first, p)
+        return _ADD_POSITION(x, pe, positions, offset, self.batch_first, p)
+
+    def _beside_dtensor(self, x: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        """(pe, positions) for a DTensor x, as the functions place their plain tensors: a plain
+        buffer ``pe`` (PositionalEncoding's fixed table, the same on every rank) and plain
+        positions become Replicate() DTensors on x's mesh. A plain parameter ``pe``
+        (LearnedPositionalEncoding not distributed yet) is refused: each rank would train its
+        own copy."""
+        if isinstance(self.pe, nn.Parameter) and not is_dtensor(self.pe):
+            raise RuntimeError(
+                f"{type(self).__name__}: parameter 'pe' is a plain tensor but the input is a DTensor; "
+                f"distribute the module's parameters first (distribute_module, parallelize_module or "
+                f"fully_shard)"
+            )
+        pe, positions = place_beside(x, self.pe, positions)
+        return pe, positions
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}"
@@ -101,6 +119,11 @@ class PositionalEncoding(_AddPositionModule):
     ``pe`` is built in float64 and rounded once: every entry is within 2**-25 of the
     exact value (the classic float32 construction is off by up to ~4e-4 at max_len 5000).
     The forward adds rows of ``pe`` as it is, so a loaded or edited table is honoured.
+
+    A DTensor ``x`` needs no wrapper: ``pe`` (a buffer, the same on every rank) and plain
+    ``positions`` are used as ``Replicate()`` on x's mesh, as the functions place plain
+    tensors (:class:`LearnedPositionalEncoding`, whose ``pe`` is trained, needs its parameter
+    distributed first).
     """
 
     def __init__(

@@ -1,5 +1,8 @@
+import functools
+import inspect
 import math
 import random
+import re
 
 import pytest
 import torch
@@ -85,6 +88,20 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one; scripts/gpu_check.sh runs -m cuda)")
 
 
+# A test body that branches on torch.cuda.is_available() (or a CUDA device count) hides
+# its CUDA part the same way a skip does.
+CUDA_BRANCH = re.compile(r"cuda\.(is_available|device_count)\(\)")
+
+
+@functools.lru_cache(maxsize=None)
+def branches_on_cuda(function) -> bool:
+    try:
+        source = inspect.getsource(function)
+    except (OSError, TypeError):
+        return False
+    return CUDA_BRANCH.search(source) is not None
+
+
 def pytest_collection_modifyitems(config, items):
     """The `cuda` marker is the one way a test says it needs a GPU: without one such tests
     are skipped here, and a test that skips for want of CUDA without the marker is an error
@@ -98,3 +115,8 @@ def pytest_collection_modifyitems(config, items):
             reason = str(mark.kwargs.get("reason", ""))
             if "CUDA" in reason and not marked:
                 raise pytest.UsageError(f"{item.nodeid}: skips without CUDA but has no cuda marker")
+        if not marked and branches_on_cuda(getattr(item, "function", None)):
+            raise pytest.UsageError(
+                f"{item.nodeid}: tests torch.cuda.is_available() in its body but has no cuda marker, "
+                "so its CUDA branch runs nowhere (CI has no GPU, the GPU check selects -m cuda): "
+                "move that branch into a test marked cuda")

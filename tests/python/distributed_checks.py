@@ -757,6 +757,59 @@ def sharding_cache_keys():
 
 
 @check
+def positional_encoding_takes_dtensors():
+    """PositionalEncoding (its pe a buffer) takes a DTensor x without accept_dtensor_inputs, as
+    the functions do: pe and plain positions are replicated on x's mesh, the result equals the
+    plain call and keeps x's placement, forward and backward. LearnedPositionalEncoding with a
+    plain parameter is refused (each rank would train its own copy); distributed, it runs."""
+    import posenc
+    from posenc.distributed import sequence_positions
+    from torch.distributed.tensor import DTensor, distribute_module
+
+    mesh, _, Shard, _, distribute_tensor = env()
+    x = rand(2, 8, 16, seed=171)
+    pos = randint(32, (2, 8), 172)
+    pe = posenc.PositionalEncoding(16, dropout=0.0, max_len=32).double()
+    for name, placement, kwargs in [
+        ("batch", Shard(0), dict(offset=3)),
+        ("hidden", Shard(2), dict(offset=1)),
+        ("batch, plain (B, S) positions", Shard(0), dict(positions=pos)),
+        ("sequence, plain positions", Shard(1), dict(positions=pos)),
+    ]:
+        ref_x = x.clone().requires_grad_()
+        want = pe(ref_x, **kwargs)
+        dx = distribute_tensor(x, mesh, [placement]).requires_grad_()
+        out = pe(dx, **kwargs)
+        assert isinstance(out, DTensor), name
+        if "sequence" not in name:  # plain (replicated) positions beside a sequence split: DTensor picks
+            assert out.placements == (placement,), f"{name}: {out.placements}"
+        close(out.full_tensor(), want, f"PositionalEncoding {name}")
+        grad = rand(*x.shape, seed=173)
+        want.backward(grad)
+        out.backward(distribute_tensor(grad, mesh, out.placements))
+        close(dx.grad.full_tensor(), ref_x.grad, f"PositionalEncoding {name} grad x")
+    dx = distribute_tensor(x, mesh, [Shard(1)])
+    out = pe(dx, positions=sequence_positions(dx, 1, offset=3))
+    assert out.placements == (Shard(1),), out.placements
+    close(out.full_tensor(), pe(x, offset=3), "PositionalEncoding sequence parallel")
+    assert not isinstance(pe.pe, DTensor) and "pe" in pe.state_dict()
+    seq_major = posenc.PositionalEncoding(16, dropout=0.0, max_len=32, batch_first=False).double()
+    xt = x.transpose(0, 1).contiguous()
+    close(seq_major(distribute_tensor(xt, mesh, [Shard(1)]), offset=2).full_tensor(), seq_major(xt, offset=2),
+          "PositionalEncoding seq-major, batch split")
+    lpe = posenc.LearnedPositionalEncoding(16, dropout=0.0, max_len=32).double()
+    try:
+        lpe(dx)
+    except RuntimeError as e:
+        assert "parameter 'pe' is a plain tensor" in str(e) and "distribute" in str(e), str(e)
+    else:
+        raise AssertionError("a plain parameter was used with a DTensor input")
+    distribute_module(lpe, mesh)  # replicates its parameter
+    close(lpe(dx, offset=1).full_tensor(), torch.ops.posenc.add_position(x, lpe.pe.full_tensor(), None, 1, True, 0.0),
+          "learned, distributed")
+
+
+@check
 def readme_example():
     """README.md's "Distributed training" example, run as written on each rank."""
     import re

@@ -283,15 +283,20 @@ def test_module_range_check_uses_the_bounds_op(module_cls, monkeypatch):
     message = "posenc: expected positions in [0, max_len=16), found 16 at flat index 2"
     with pytest.raises(IndexError, match=re.escape(message)):
         m(x, positions=torch.tensor([0, 1, 16, 3, 4]))
-    if not torch.cuda.is_available():
-        calls = []
-        monkeypatch.setattr(posenc.modules.torch.ops.posenc, "position_bounds",
-                            lambda *a: calls.append(a) or (0, 0), raising=False)
-        m(x, positions=torch.tensor([0, 1, 2, 3, 4]))
-        assert calls == []  # CPU positions: no bounds read-back
-        return
-    m = m.cuda()
-    x = x.cuda()
+    calls = []
+    monkeypatch.setattr(posenc.modules.torch.ops.posenc, "position_bounds",
+                        lambda *a: calls.append(a) or (0, 0), raising=False)
+    m(x, positions=torch.tensor([0, 1, 2, 3, 4]))
+    assert calls == []  # CPU positions: no bounds read-back
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("module_cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+def test_module_range_check_of_cuda_positions_uses_the_bounds_op(module_cls):
+    """CUDA positions: the module reads their bounds through position_bounds (one sync), so
+    the message gives the range instead of the flat index."""
+    m = module_cls(8, 0.0, 16).cuda()
+    x = torch.randn(2, 5, 8, device="cuda")
     with pytest.raises(IndexError, match=re.escape("posenc: expected positions in [0, max_len=16), found 16 "
                                                    "(positions range from 0 to 16)")):
         m(x, positions=torch.tensor([0, 1, 16, 3, 4], device="cuda"))
