@@ -160,3 +160,27 @@ def test_a_freed_output_stays_mapped_only_when_reused(env, kept):
     proc = run_python(MAPPED_AFTER_FREE, **env)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == kept
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="POSIX fork")
+def test_a_forked_child_reuses_the_parents_cached_blocks_and_its_own():
+    code = """
+        import os, torch, posenc
+        pe = posenc.PositionalEncoding(1024, 0.0, max_len=1024).eval()
+        x = torch.randn(8, 1024, 1024)
+        ref = x.double() + pe.pe[0].double()
+        pe(x)  # its block is freed at once: cached in the parent
+        pid = os.fork()
+        if pid == 0:
+            torch.set_num_threads(1)  # GNU OpenMP's pool does not survive a fork (any op hangs)
+            for _ in range(3):
+                ok = (pe(x).double() - ref).abs().max().item() < 2e-6
+                if not ok:
+                    os._exit(1)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        print(os.waitstatus_to_exitcode(status))
+    """
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "0"

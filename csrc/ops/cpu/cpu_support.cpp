@@ -12,6 +12,7 @@
 #include <vector>
 
 #if defined(__linux__)
+#include <pthread.h>
 #include <sys/mman.h>
 #endif
 
@@ -97,7 +98,13 @@ class OutputBlockCache final : public c10::Allocator {
   static constexpr size_t kGranule = size_t{64} << 10;
 
   static OutputBlockCache& get() {
-    static auto* cache = new OutputBlockCache();  // never destroyed: outputs may outlive statics
+    static auto* cache = [] {
+      auto* made = new OutputBlockCache();  // never destroyed: outputs may outlive statics
+      // A fork while another thread holds the lock would leave it held in the child.
+      pthread_atfork([] { get().mutex_.lock(); }, [] { get().mutex_.unlock(); },
+                     [] { get().mutex_.unlock(); });
+      return made;
+    }();
     return *cache;
   }
 
@@ -152,7 +159,7 @@ class OutputBlockCache final : public c10::Allocator {
       const auto it = live_.find(data);
       TORCH_INTERNAL_ASSERT(it != live_.end(), "posenc: freeing an unknown CPU output block");
       const Block block{data, it->second};
-      if (block.bytes > kMaxBytes) {
+      if (block.bytes > kMaxBytes || block.bytes < kReuseMinBytes) {  // e.g. after a resize_
         live_.erase(it);
         evicted.push_back(block);
       } else {
