@@ -202,16 +202,28 @@ def _register_rule(op, rule, mutated: Sequence[str] = ()) -> None:
     """Registers ``rule(arguments) -> [(output placements, {tensor argument: placement})]``
     (one mesh dimension; expanded over the mesh as register_sharding does) as op's DTensor
     strategy. ``mutated``: tensor arguments written in place, which must keep their
-    placements (checked on the expanded strategies)."""
+    placements (checked on the expanded strategies).
+
+    Not torch's public ``register_sharding``: it derives the cache key itself (static
+    arguments from the first int on), which drops rope's None index tensors and, for ops with
+    no int argument (apply_rope_cos_sin, add_position_backward), their layout or dropout
+    settings; nor does it check in-place ops' second tensor (rope_'s k). The private pieces
+    here are the registration, RuntimeSchemaInfo and the expansion over the mesh."""
     from torch.distributed.tensor._op_schema import OpStrategy, RuntimeSchemaInfo
     from torch.distributed.tensor._ops.utils import expand_to_full_mesh_op_strategy
 
     schema = op._schema
     names = [arg.name for arg in schema.arguments]
     defaults = {arg.name: arg.default_value for arg in schema.arguments if arg.has_default_value()}
-    first_static = next(
-        (i for i, arg in enumerate(schema.arguments) if "Tensor" not in str(arg.type)), len(names)
-    )
+    # DTensor caches a decision per key: the tensor arguments' specs plus the arguments from
+    # static_argnum on. A None before static_argnum is left out of the key, so with the first
+    # non-tensor argument there (register_sharding's choice, the first int) rope's
+    # positions=X, offsets=None and positions=None, offsets=Y (equal specs) shared one
+    # decision although the rule places them apart (test: distributed_checks
+    # sharding_cache_keys). From 0 every argument is in the key, None included. (Lists are
+    # hashed as tuples; the schemas have no keyword-only arguments, whose key would be
+    # static_kwargkey.)
+    assert not any(arg.kwarg_only for arg in schema.arguments), f"{op}: keyword-only arguments need static_kwargkey"
 
     def spec_of(value):
         if isinstance(value, OpStrategy):
@@ -254,7 +266,7 @@ def _register_rule(op, rule, mutated: Sequence[str] = ()) -> None:
         return result
 
     DTensor._op_dispatcher.sharding_propagator.register_op_strategy(
-        op, strategy, RuntimeSchemaInfo(first_static, None, needs_pytree=True)
+        op, strategy, RuntimeSchemaInfo(static_argnum=0, static_kwargkey=None, needs_pytree=True)
     )
 
 
@@ -264,14 +276,14 @@ def _is_spec(value) -> bool:
     return isinstance(value, DTensorSpec)
 
 
-def _bounds_handler(op_call, args, kwargs):
+def _bounds_handler(cls, op_call, types, args, kwargs):
     """position_bounds / rope_position_bounds of DTensor arguments: the bounds of the global
-    tensors, on every rank."""
+    tensors, on every rank (a torch_dispatch rule of DTensor for these ops)."""
     names = [arg.name for arg in op_call._schema.arguments]
     new_args = []
     for name, value in zip(names, args):
         new_args.append(_bounds_argument(name, value))
-    new_kwargs = {name: _bounds_argument(name, value) for name, value in kwargs.items()}
+    new_kwargs = {name: _bounds_argument(name, value) for name, value in (kwargs or {}).items()}
     return op_call(*new_args, **new_kwargs)
 
 
@@ -299,9 +311,9 @@ def register_sharding_rules() -> None:
     _register_rule(ops.add_position_backward_with_table.default, _backward_with_table_rule)
     _register_rule(ops.sinusoidal_table.default, _sinusoidal_table_rule)
     _register_rule(ops.apply_rope_cos_sin.default, _rope_cos_sin_rule)
-    handlers = DTensor._op_dispatcher._custom_op_handlers
-    handlers[ops.position_bounds.default] = _bounds_handler
-    handlers[ops.rope_position_bounds.default] = _bounds_handler
+    # Public API (torch.library) for what DTensor's private _custom_op_handlers table does.
+    torch.library.register_torch_dispatch(ops.position_bounds.default, DTensor, _bounds_handler)
+    torch.library.register_torch_dispatch(ops.rope_position_bounds.default, DTensor, _bounds_handler)
     _registered = True
 
 

@@ -744,16 +744,24 @@ def two_dim_mesh():
 def sharding_cache_keys():
     """DTensor caches a sharding decision per call signature: calls that differ only in which
     optional index tensor is given (positions (S,) vs per-row offsets (B,), same shape) must
-    not share one."""
+    not share one. Batch-sharded, the two decide differently: (S,) positions stay replicated,
+    (B,) offsets are split with the batch. With the default base both calls' argument tuples
+    end early (DTensor drops trailing defaults) and differ in length; with base 5e5 they have
+    the same length, and only None's place tells them apart: a cache key that dropped the
+    None arguments (register_sharding's, static_argnum at the first int) gave the offsets call
+    the positions call's decision (every rank's whole offsets beside its half batch)."""
     _, Replicate, Shard, _, _ = env()
     R = Replicate()
     q, k = rand(4, 4, 2, 16, seed=151), rand(4, 4, 2, 16, seed=152)
     idx = torch.tensor([5, 1, 9, 3])
-    for _ in range(2):
-        run_rope_case("positions (S,), batch", q, k, (Shard(0), Shard(0), R, R), dict(positions=idx), Shard(0))
-        run_rope_case("offsets (B,), batch", q, k, (Shard(0), Shard(0), R, Shard(0)), dict(offset=idx), Shard(0))
-        run_rope_case("offsets (B,), batch, offsets replicated", q, k, (Shard(0), Shard(0), R, R),
-                      dict(offset=idx), Shard(0))
+    for base in (10000.0, 5e5):
+        for _ in range(2):
+            run_rope_case(f"positions (S,), batch, base {base}", q, k, (Shard(0), Shard(0), R, R),
+                          dict(positions=idx, base=base), Shard(0))
+            run_rope_case(f"offsets (B,), batch, offsets replicated, base {base}", q, k,
+                          (Shard(0), Shard(0), R, R), dict(offset=idx, base=base), Shard(0))
+            run_rope_case(f"offsets (B,), batch, base {base}", q, k, (Shard(0), Shard(0), R, Shard(0)),
+                          dict(offset=idx, base=base), Shard(0))
 
 
 @check
