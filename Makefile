@@ -6,7 +6,7 @@ INSTALL   := $(BUILD)/install
 MAX_JOBS  ?= 2
 export PYTHONPATH := $(CURDIR)/python
 
-.PHONY: all setup build demo lint test test-cpp test-example test-python test-install test-sanitize bench clean
+.PHONY: all setup build demo lint test test-cpp test-example test-python test-python-baseline test-install test-sanitize bench clean
 
 all: build
 
@@ -30,7 +30,7 @@ demo: build
 lint: setup
 	$(PY) -m ruff check python tests benchmarks scripts
 
-test: build test-cpp test-example test-python test-install
+test: build test-cpp test-example test-python test-python-baseline test-install
 
 test-cpp:
 	ctest --test-dir $(BUILD) --output-on-failure
@@ -40,6 +40,18 @@ test-example:
 
 test-python:
 	$(PY) -m pytest tests/python -q -p no:cacheprovider
+
+# The core CPU tests again with the baseline kernels forced (POSENC_CPU_CAPABILITY=default:
+# the build without AVX2 that a CPU without AVX2 runs; csrc/ops/cpu/cpu_capability.h). The
+# dropout tests compare its masks with a NumPy Philox, bit for bit. torch.compile and
+# opcheck tests are left out (tracing, not the kernels' arithmetic: 80 of 120 s).
+BASELINE_TESTS := test_add_position_dropout test_add_position_dropout_bits \
+  test_add_position_saved_mask test_positional_encoding test_rope test_rope_cos_sin
+test-python-baseline:
+	POSENC_CPU_CAPABILITY=default $(PY) -c "import torch, posenc; \
+	  c = torch.ops.posenc.cpu_capability(); assert c == 'default', c"
+	POSENC_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider \
+	  -k "not cuda and not compile and not opcheck" $(patsubst %,tests/python/%.py,$(BASELINE_TESTS))
 
 # One CPU-only build: the wheel built by pip with the CUDA toolkit hidden, installed into a
 # fresh venv and run; checks its torch pin and the RUNPATH of both installed libraries.

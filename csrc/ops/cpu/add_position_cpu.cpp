@@ -1,6 +1,6 @@
 // CPU backend of add_position_forward / add_position_backward: argument checks, the
-// dropout draw from the default CPU generator, and dispatch to the vectorised kernels in
-// add_position_kernel.cpp (a separate translation unit built for the host vector ISA).
+// dropout draw from the default CPU generator, and the call of the vectorised kernels in
+// add_position_kernel.cpp (built once per vector ISA, chosen at run time: cpu_capability.h).
 //
 // save_mask (set by autograd for CPU training): the forward returns the keep mask, one bit
 // per element (cpu::DropoutArgs), in place of the (seed, offset) key, and the backward ops
@@ -9,8 +9,6 @@
 // beside the memory traffic), so no tensor of x's size is saved there.
 #include <ATen/ATen.h>
 #include <ATen/CPUGeneratorImpl.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <cstdint>
@@ -80,7 +78,6 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
     int64_t offset, bool batch_first, double p, bool save_mask) {
   const AddPositionArgs g =
       check_add_position_inputs(x_in, table_in, positions, offset, batch_first, p);
-  check_cpu_isa();
   at::Tensor pos;
   if (positions.has_value()) {
     pos = positions->contiguous();
@@ -96,27 +93,16 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cpu(
     draw.keep_bits_out = mask.mutable_data_ptr<uint8_t>();
   }
   if (x.numel() > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(
-        at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_add_position_cpu", [&] {
-          const int64_t* pos_ptr = pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr;
-          if (table.scalar_type() == x.scalar_type()) {
-            cpu::add_position_rows<scalar_t, scalar_t>(g, x.const_data_ptr<scalar_t>(),
-                                                       table.const_data_ptr<scalar_t>(), pos_ptr,
-                                                       draw, out.mutable_data_ptr<scalar_t>());
-          } else {
-            using wide_t = at::opmath_type<scalar_t>;
-            cpu::add_position_rows<scalar_t, wide_t>(g, x.const_data_ptr<scalar_t>(),
-                                                     table.const_data_ptr<wide_t>(), pos_ptr,
-                                                     draw, out.mutable_data_ptr<scalar_t>());
-          }
-        });
+    cpu::add_position_forward_stub::get()(
+        g, x.scalar_type(), table.scalar_type() != x.scalar_type(), x.const_data_ptr(),
+        table.const_data_ptr(), pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr, draw,
+        out.mutable_data_ptr());
   }
   return {out, mask.defined() ? mask : rng_tensor(draw)};
 }
 
 at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor& rng, double p) {
   check_dropout_backward_args(grad_in, rng, p);
-  check_cpu_isa();
   at::Tensor mask;
   const cpu::DropoutArgs draw = backward_draw(rng, p, mask);
   const at::Tensor grad = grad_in.contiguous();
@@ -124,11 +110,8 @@ at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor
   if (grad.numel() == 0) return out;
   // With a saved mask grad is 3-D (checked): rows of size(2); with the key any split works.
   const int64_t d = mask.defined() ? grad.size(2) : grad.numel();
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_cpu", [&] {
-        cpu::dropout_backward<scalar_t>(grad.const_data_ptr<scalar_t>(), grad.numel() / d, d,
-                                        draw, out.mutable_data_ptr<scalar_t>());
-      });
+  cpu::dropout_backward_stub::get()(grad.scalar_type(), grad.const_data_ptr(), grad.numel() / d,
+                                    d, draw, out.mutable_data_ptr());
   return out;
 }
 
@@ -137,7 +120,6 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
     int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x) {
   const AddPositionArgs g = check_add_position_backward_inputs(
       grad_in, rng, positions, offset, batch_first, p, table_len);
-  check_cpu_isa();
   at::Tensor pos;
   if (positions.has_value()) {
     pos = positions->contiguous();
@@ -151,14 +133,10 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
                              : at::empty({0}, grad.options());
   at::Tensor grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
   if (grad.numel() == 0) return {grad_x, grad_table};
-  AT_DISPATCH_FLOATING_TYPES_AND2(
-      at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_table_cpu", [&] {
-        using acc_t = at::opmath_type<scalar_t>;
-        cpu::add_position_backward_rows<scalar_t, acc_t>(
-            g, grad.const_data_ptr<scalar_t>(), pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr,
-            draw, need_x ? grad_x.mutable_data_ptr<scalar_t>() : nullptr,
-            grad_table.mutable_data_ptr<acc_t>());
-      });
+  cpu::add_position_backward_stub::get()(
+      g, grad.scalar_type(), grad.const_data_ptr(),
+      pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr, draw,
+      need_x ? grad_x.mutable_data_ptr() : nullptr, grad_table.mutable_data_ptr());
   return {grad_x, grad_table};
 }
 

@@ -24,6 +24,7 @@
 namespace posenc {
 namespace ops {
 namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
 namespace {
 
 using at::vec::Vectorized;
@@ -300,10 +301,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void philox16_bits(uint64_t
 #pragma GCC diagnostic pop
 #endif
 
+// AVX-512F/BW/VL present and not capped by POSENC_CPU_CAPABILITY (cpu_capability.h).
 bool cpu_has_avx512() {
-  static const bool has = __builtin_cpu_supports("avx512f") &&
-                          __builtin_cpu_supports("avx512bw") &&
-                          __builtin_cpu_supports("avx512vl");
+  static const bool has = cpu_capability() == CpuCapability::kAvx512;
   return has;
 }
 #endif
@@ -746,13 +746,54 @@ template void dropout_backward<c10::Half>(const c10::Half*, int64_t, int64_t,
 template void dropout_backward<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t,
                                           const DropoutArgs&, c10::BFloat16*);
 
-const char* cpu_kernels_isa() {
-#if defined(CPU_CAPABILITY_AVX2)
-  return "AVX2";
-#else
-  return "DEFAULT";
-#endif
+namespace {
+
+void add_position_forward_kernel(const AddPositionArgs& g, c10::ScalarType dtype,
+                                 bool wide_table, const void* x, const void* table,
+                                 const int64_t* positions, const DropoutArgs& draw, void* out) {
+  dispatch_floating(dtype, "posenc_add_position_cpu", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    using wide_t = at::opmath_type<scalar_t>;
+    const auto* xs = static_cast<const scalar_t*>(x);
+    auto* os = static_cast<scalar_t*>(out);
+    if (wide_table) {
+      add_position_rows<scalar_t, wide_t>(g, xs, static_cast<const wide_t*>(table), positions,
+                                          draw, os);
+    } else {
+      add_position_rows<scalar_t, scalar_t>(g, xs, static_cast<const scalar_t*>(table),
+                                            positions, draw, os);
+    }
+  });
 }
+
+void add_position_backward_kernel(const AddPositionArgs& g, c10::ScalarType dtype,
+                                  const void* grad, const int64_t* positions,
+                                  const DropoutArgs& draw, void* grad_x, void* grad_table) {
+  dispatch_floating(dtype, "posenc_add_position_backward_table_cpu", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    using acc_t = at::opmath_type<scalar_t>;
+    add_position_backward_rows<scalar_t, acc_t>(g, static_cast<const scalar_t*>(grad), positions,
+                                                draw, static_cast<scalar_t*>(grad_x),
+                                                static_cast<acc_t*>(grad_table));
+  });
+}
+
+void dropout_backward_kernel(c10::ScalarType dtype, const void* grad, int64_t rows, int64_t d,
+                             const DropoutArgs& draw, void* out) {
+  dispatch_floating(dtype, "posenc_add_position_backward_cpu", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    dropout_backward<scalar_t>(static_cast<const scalar_t*>(grad), rows, d, draw,
+                               static_cast<scalar_t*>(out));
+  });
+}
+
+}  // namespace
+
+POSENC_ISA_NAMESPACE_END
+
+POSENC_REGISTER_DISPATCH(add_position_forward_stub, &add_position_forward_kernel)
+POSENC_REGISTER_DISPATCH(add_position_backward_stub, &add_position_backward_kernel)
+POSENC_REGISTER_DISPATCH(dropout_backward_stub, &dropout_backward_kernel)
 
 }  // namespace cpu
 }  // namespace ops

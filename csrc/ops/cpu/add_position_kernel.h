@@ -1,11 +1,15 @@
-// Raw-pointer CPU kernels of add_position, compiled in their own translation unit with
-// the host's vector ISA (AVX2 + FMA on x86-64, see CMakeLists.txt). Callers must check
-// cpu_kernels_supported() first.
+// CPU kernels of add_position, compiled in their own translation unit once per vector ISA
+// (add_position_kernel.cpp, POSENC_ISA_SOURCES in CMakeLists.txt); callers reach the build
+// of the chosen capability through the stubs at the end (cpu_capability.h).
 #pragma once
+
+#include <c10/core/ScalarType.h>
 
 #include <cstdint>
 
 #include "ops/add_position_args.h"
+#include "ops/cpu/cpu_capability.h"
+#include "posenc/math/host_device.h"
 
 namespace posenc {
 namespace ops {
@@ -32,6 +36,9 @@ struct DropoutArgs {
 // Bytes of one row of the saved keep mask.
 inline int64_t keep_row_bytes(int64_t d) { return (d + 7) / 8; }
 
+// The raw-pointer kernels, one copy per ISA build (its translation unit only).
+POSENC_ISA_NAMESPACE_BEGIN
+
 // out = dropout(x + table[position(row)]) for contiguous x/out rows of g.d elements; also
 // writes the keep mask when draw.keep_bits_out is set.
 template <typename scalar_t, typename table_t>
@@ -53,9 +60,30 @@ template <typename scalar_t>
 void dropout_backward(const scalar_t* grad, int64_t rows, int64_t d, const DropoutArgs& draw,
                       scalar_t* out);
 
-// False when the kernels were built for a vector ISA this CPU lacks.
-bool cpu_kernels_supported();
-const char* cpu_kernels_isa();
+POSENC_ISA_NAMESPACE_END
+
+// The entry points: the kernels above for the dtype `dtype` of x / grad (contiguous data,
+// non-empty, shaped as checked by the caller; pointers to elements of that dtype unless
+// said otherwise).
+//
+// add_position_rows; the table (table_len, d) is in x's dtype, or in its opmath dtype
+// (float32, float64 for float64) when wide_table.
+using AddPositionForwardFn = void (*)(const AddPositionArgs& g, c10::ScalarType dtype,
+                                      bool wide_table, const void* x, const void* table,
+                                      const int64_t* positions, const DropoutArgs& draw, void* out);
+POSENC_DECLARE_DISPATCH(AddPositionForwardFn, add_position_forward_stub)
+
+// add_position_backward_rows; grad_x null when not wanted, grad_table in the opmath dtype,
+// zeroed.
+using AddPositionBackwardFn = void (*)(const AddPositionArgs& g, c10::ScalarType dtype,
+                                       const void* grad, const int64_t* positions,
+                                       const DropoutArgs& draw, void* grad_x, void* grad_table);
+POSENC_DECLARE_DISPATCH(AddPositionBackwardFn, add_position_backward_stub)
+
+// dropout_backward of grad as rows x d into out.
+using DropoutBackwardFn = void (*)(c10::ScalarType dtype, const void* grad, int64_t rows,
+                                   int64_t d, const DropoutArgs& draw, void* out);
+POSENC_DECLARE_DISPATCH(DropoutBackwardFn, dropout_backward_stub)
 
 }  // namespace cpu
 }  // namespace ops

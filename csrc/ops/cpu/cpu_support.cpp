@@ -16,26 +16,8 @@
 #include <sys/mman.h>
 #endif
 
-#include "ops/cpu/add_position_kernel.h"
-
 namespace posenc {
 namespace ops {
-
-namespace cpu {
-bool cpu_kernels_supported() {
-#if defined(POSENC_CPU_AVX2) && (defined(__x86_64__) || defined(__i386__))
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-#else
-  return true;
-#endif
-}
-}  // namespace cpu
-
-void check_cpu_isa() {
-  TORCH_CHECK(cpu::cpu_kernels_supported(), "posenc: the CPU kernels were built for ",
-              cpu::cpu_kernels_isa(), ", which this CPU does not support; rebuild with "
-              "-DPOSENC_CPU_AVX2=OFF");
-}
 
 namespace {
 

@@ -1,13 +1,10 @@
-// What every CPU backend file needs: the vector-ISA check and output allocation.
+// What every CPU backend file needs: output allocation.
 #pragma once
 
 #include <ATen/ATen.h>
 
 namespace posenc {
 namespace ops {
-
-// Raises a clear error when the vector kernels were built for an ISA this CPU lacks.
-void check_cpu_isa();
 
 // An output that a kernel writes once, front to back. Large ones (>= 32 MiB) reuse the
 // blocks of freed outputs (POSENC_CPU_OUTPUTS=reuse, the default): a fresh 32 MiB output

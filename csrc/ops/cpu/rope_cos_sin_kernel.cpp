@@ -1,12 +1,12 @@
 // Raw-pointer CPU kernel of apply_rope_cos_sin, compiled in a vector-ISA translation unit
-// (POSENC_ISA_SOURCES in CMakeLists.txt: AVX2 + FMA, so the rotation's fma is one
-// instruction and the unit-stride loop vectorises). Tokens (batch, seq) are spread over
-// threads with at::parallel_for; each token's table row (rotary_dim cos and sin values,
-// already in the compute dtype) is read once for every head of q and k. Rows whose last
-// dimension is contiguous take a loop over pairs the compiler vectorises; the rest an
-// element loop with strides. The rotation is math::rope_rotate_pair_tables, as on CUDA, in
-// float32 (float64 for float64); transpose (the backward) is a template argument, so the
-// loops carry no branch.
+// once per capability (POSENC_ISA_SOURCES in CMakeLists.txt; in the AVX2 build the
+// rotation's fma is one instruction and the unit-stride loop vectorises). Tokens (batch,
+// seq) are spread over threads with at::parallel_for; each token's table row (rotary_dim
+// cos and sin values, already in the compute dtype) is read once for every head of q and
+// k. Rows whose last dimension is contiguous take a loop over pairs the compiler
+// vectorises; the rest an element loop with strides. The rotation is
+// math::rope_rotate_pair_tables, as on CUDA, in float32 (float64 for float64); transpose
+// (the backward) is a template argument, so the loops carry no branch.
 #include "ops/cpu/rope_cos_sin_kernel.h"
 
 #include <ATen/OpMathType.h>
@@ -15,12 +15,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <type_traits>
 
 #include "posenc/math/rope.h"
 
 namespace posenc {
 namespace ops {
 namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
 namespace {
 
 template <typename scalar_t, typename acc_t, bool kTranspose>
@@ -92,6 +94,18 @@ template void rope_cos_sin_tokens<float>(const RopeCosSinArgs&);
 template void rope_cos_sin_tokens<double>(const RopeCosSinArgs&);
 template void rope_cos_sin_tokens<c10::Half>(const RopeCosSinArgs&);
 template void rope_cos_sin_tokens<c10::BFloat16>(const RopeCosSinArgs&);
+
+namespace {
+void rope_cos_sin_kernel(const RopeCosSinArgs& a, c10::ScalarType dtype) {
+  dispatch_floating(dtype, "posenc_apply_rope_cos_sin_cpu", [&](auto* tag) {
+    rope_cos_sin_tokens<std::remove_pointer_t<decltype(tag)>>(a);
+  });
+}
+}  // namespace
+
+POSENC_ISA_NAMESPACE_END
+
+POSENC_REGISTER_DISPATCH(rope_cos_sin_stub, &rope_cos_sin_kernel)
 
 }  // namespace cpu
 }  // namespace ops

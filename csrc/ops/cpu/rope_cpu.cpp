@@ -1,8 +1,7 @@
 // CPU backend of the rope ops: the shared boxed body (rope/rope_launch.h) with outputs
-// advised onto huge pages, and dispatch over dtypes to the vectorised kernel in
-// rope_kernel.cpp.
+// advised onto huge pages, and the call of the vectorised kernel in rope_kernel.cpp (built
+// once per vector ISA, chosen at run time: cpu_capability.h).
 #include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
 #include <torch/library.h>
 
 #include "ops/cpu/cpu_support.h"
@@ -14,9 +13,7 @@ namespace ops {
 namespace {
 
 void run_rope_cpu(const RopeLaunch& launch, const at::Tensor& q) {
-  check_cpu_isa();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_rope_cpu",
-                                  [&] { cpu::rope_tokens<scalar_t>(launch.args); });
+  cpu::rope_stub::get()(launch.args, q.scalar_type());
 }
 
 }  // namespace

@@ -13,12 +13,14 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <cmath>
 #include <limits>
 #include <type_traits>
 
 namespace posenc {
 namespace ops {
 namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
 namespace {
 
 using at::vec::Vectorized;
@@ -67,9 +69,26 @@ inline void rotate_pair(const scalar_t* in, int64_t i1, int64_t i2, scalar_t* ou
 
 // math::rope_rotate_pair on vectors: one rounded product, one fused multiply-add per output.
 template <typename Vec>
+inline Vec fma_vec(const Vec& a, const Vec& b, const Vec& c) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return at::vec::fmadd(a, b, c);
+#else
+  // The baseline's at::vec::fmadd is a * b + c rounded twice: std::fma per lane keeps the
+  // AVX2 build's bits (tests/python/test_cpu_capability.py).
+  using T = typename Vec::value_type;
+  alignas(64) T va[Vec::size()], vb[Vec::size()], vc[Vec::size()];
+  a.store(va);
+  b.store(vb);
+  c.store(vc);
+  for (int64_t i = 0; i < Vec::size(); ++i) va[i] = std::fma(va[i], vb[i], vc[i]);
+  return Vec::loadu(va);
+#endif
+}
+
+template <typename Vec>
 inline void rotate_vec(const Vec& x1, const Vec& x2, const Vec& c, const Vec& s, Vec& y1, Vec& y2) {
-  y1 = at::vec::fmadd(x1, c, (x2 * s).neg());
-  y2 = at::vec::fmadd(x2, c, x1 * s);
+  y1 = fma_vec(x1, c, (x2 * s).neg());
+  y2 = fma_vec(x2, c, x1 * s);
 }
 
 // Any strides, any dtype: pair p of the row with element strides si (in) and so (out).
@@ -236,6 +255,18 @@ template void rope_tokens<float>(const RopeArgs&);
 template void rope_tokens<double>(const RopeArgs&);
 template void rope_tokens<c10::Half>(const RopeArgs&);
 template void rope_tokens<c10::BFloat16>(const RopeArgs&);
+
+namespace {
+void rope_kernel(const RopeArgs& a, c10::ScalarType dtype) {
+  dispatch_floating(dtype, "posenc_rope_cpu", [&](auto* tag) {
+    rope_tokens<std::remove_pointer_t<decltype(tag)>>(a);
+  });
+}
+}  // namespace
+
+POSENC_ISA_NAMESPACE_END
+
+POSENC_REGISTER_DISPATCH(rope_stub, &rope_kernel)
 
 }  // namespace cpu
 }  // namespace ops

@@ -1,0 +1,170 @@
+"""The CPU kernels' runtime ISA choice (csrc/ops/cpu/cpu_capability.h).
+
+Each vector-ISA kernel is built for the baseline (DEFAULT) and AVX2; the library picks one
+once per process, capped by POSENC_CPU_CAPABILITY=default|avx2|avx512. "avx512" is the AVX2
+build with its 16-lane AVX-512 Philox, "avx2" the same build with the 8-lane AVX2 Philox and
+the fused float32 dropout path. Each level runs in its own process (the choice is made once)
+and every CPU kernel must give the same bits at every level the host supports: the dropout
+masks (Philox, saved bits), the sums of the table gradient, the RoPE rotations (one fma per
+output, so the baseline must not round a * b + c twice).
+"""
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import posenc  # noqa: F401  (registers torch.ops.posenc)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def host_levels() -> list:
+    """The levels this CPU runs: always "default"; "avx2" with AVX2 + FMA + F16C; "avx512"
+    with AVX-512F/BW/VL too (the AVX-512 Philox path; a host without them cannot run it)."""
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    levels = ["default"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        levels.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+            levels.append("avx512")
+    return levels
+
+
+# Every CPU kernel once per dtype, on shapes that reach each path: rows of 512 (whole groups
+# of the fused dropout), of 37 (blocks cut by rows, tails), a row of 1030 (cut by the
+# 1024-element chunks); positions (S,), (B, S) and offsets; the saved-mask backward (grad
+# mode on) and the regenerated one (the raw ops with the (seed, offset) key).
+SCRIPT = r"""
+import sys
+import torch
+import posenc
+
+F = posenc.functional
+out = {"capability": torch.ops.posenc.cpu_capability()}
+g = torch.Generator().manual_seed(1234)
+
+def rand(*shape, dtype):
+    return torch.randn(*shape, generator=g, dtype=torch.float64).to(dtype)
+
+for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
+    name = str(dtype)
+    for d, batch_first in ((512, True), (37, False), (1030, True)):
+        shape = (3, 9, d) if batch_first else (9, 3, d)
+        x = rand(*shape, dtype=dtype).requires_grad_()
+        table = rand(20, d, dtype=torch.float32).requires_grad_()
+        for kind, kw in (("offset", dict(offset=4)),
+                         ("pos_s", dict(positions=torch.randint(0, 20, (9,), generator=g))),
+                         ("pos_bs", dict(positions=torch.randint(0, 20, (3, 9), generator=g)))):
+            for p in (0.0, 0.3):
+                torch.manual_seed(7)
+                y = F.add_position(x, table, p=p, batch_first=batch_first, **kw)
+                gx, gt = torch.autograd.grad(y, (x, table), rand(*shape, dtype=dtype))
+                key = (name, d, kind, p)
+                out[key] = (y.detach(), gx, gt)
+        # The raw ops: the mask regenerated from a (seed, offset) key.
+        grad = rand(*shape, dtype=dtype)
+        rng = torch.tensor([0x1234_5678_9ABC_DEF, 40], dtype=torch.int64)
+        out[(name, d, "dropout_backward")] = torch.ops.posenc.add_position_backward(grad, rng, 0.3)
+        out[(name, d, "backward_with_table")] = torch.ops.posenc.add_position_backward_with_table(
+            grad, rng, None, 1, batch_first, 0.3, 12, True)
+    for head_dim, interleaved in ((64, False), (64, True), (40, False)):
+        q = rand(2, 7, 4, head_dim, dtype=dtype).requires_grad_()
+        k = rand(2, 7, 2, head_dim, dtype=dtype).requires_grad_()
+        for rotary_dim in (head_dim, head_dim // 2):
+            qo, ko = F.apply_rope(q, k, offset=3, interleaved=interleaved, rotary_dim=rotary_dim)
+            gq, gk = torch.autograd.grad((qo, ko), (q, k), (torch.ones_like(qo), torch.ones_like(ko)))
+            out[(name, "rope", head_dim, interleaved, rotary_dim)] = (qo.detach(), ko.detach(), gq, gk)
+        q2 = q.detach().clone()
+        F.apply_rope(q2, positions=torch.arange(7).flip(0), inplace=True, interleaved=interleaved)
+        out[(name, "rope_", head_dim, interleaved)] = q2
+        cos, sin = F.rope_cos_sin(torch.arange(7), head_dim, dtype=torch.float32)
+        qb = q.detach().transpose(1, 2).requires_grad_()
+        kb = k.detach().transpose(1, 2).requires_grad_()
+        qo, ko = F.apply_rope_cos_sin(qb, kb, cos, sin, interleaved=interleaved)
+        gq, gk = torch.autograd.grad((qo, ko), (qb, kb), (torch.ones_like(qo), torch.ones_like(ko)))
+        out[(name, "cos_sin", head_dim, interleaved)] = (qo.detach(), ko.detach(), gq, gk)
+torch.save(out, sys.argv[1])
+"""
+
+
+def run_at(level: str, tmp_path: Path) -> dict:
+    env = dict(os.environ, POSENC_CPU_CAPABILITY=level, PYTHONPATH=str(ROOT / "python"))
+    path = tmp_path / f"{level}.pt"
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return torch.load(path)
+
+
+def flatten(value):
+    if isinstance(value, torch.Tensor):
+        return [value]
+    return [t for v in value for t in flatten(v)]
+
+
+def test_the_chosen_level_is_reported():
+    level = torch.ops.posenc.cpu_capability()
+    forced = os.environ.get("POSENC_CPU_CAPABILITY", "").lower()
+    levels = host_levels()
+    # A cap above what the CPU runs (or none) gives what it runs.
+    assert level == (forced if forced in levels else levels[-1])
+
+
+@pytest.mark.parametrize("level", ["default", "avx2", "avx512"])
+def test_each_level_runs_in_a_process_of_its_own(level):
+    env = dict(os.environ, POSENC_CPU_CAPABILITY=level.upper(), PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, "-c", "import torch, posenc; "
+                           "print(torch.ops.posenc.cpu_capability())"],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    levels = host_levels()
+    # A cap above what the CPU runs gives what it runs.
+    want = level if level in levels else levels[-1]
+    assert proc.stdout.strip() == want
+
+
+def test_an_unknown_level_is_refused_by_name():
+    env = dict(os.environ, POSENC_CPU_CAPABILITY="sse9", PYTHONPATH=str(ROOT / "python"))
+    code = ("import torch, posenc\n"
+            "try:\n"
+            "    torch.ops.posenc.cpu_capability()\n"
+            "except ValueError as e:\n"
+            "    print(e)\n")
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert ("posenc: expected the environment variable POSENC_CPU_CAPABILITY to be one of "
+            "default, avx2, avx512 (or unset), got 'sse9'") in proc.stdout
+
+
+def test_every_level_gives_the_same_bits(tmp_path):
+    levels = host_levels()
+    if len(levels) < 2:
+        pytest.skip("this CPU runs only the baseline kernels (no AVX2 + FMA + F16C)")
+    # Without AVX-512F/BW/VL the AVX-512 Philox cannot run here: default and avx2 only.
+    results = {level: run_at(level, tmp_path) for level in levels}
+    base = results["default"]
+    assert base["capability"] == "default"
+    keys = [k for k in base if k != "capability"]
+    assert len(keys) > 100
+    for level in levels[1:]:
+        got = results[level]
+        assert got["capability"] == level
+        for key in keys:
+            for a, b in zip(flatten(base[key]), flatten(got[key]), strict=True):
+                assert a.dtype == b.dtype and a.shape == b.shape, key
+                assert torch.equal(a, b), (level, key, (a.double() - b.double()).abs().max())
+    # The cases are not all trivial: dropout zeroed elements and kept others.
+    y, _, _ = base[("torch.float32", 512, "offset", 0.3)]
+    assert 0.2 < (y == 0).double().mean() < 0.4
+
