@@ -6,7 +6,7 @@ import torch
 from torch.library import opcheck
 
 import posenc
-from test_add_position_dropout_bits import keep_mask  # Philox written out in NumPy
+from dropout_reference import keep_mask  # Philox written out in NumPy
 
 ops = torch.ops.posenc
 P = 0.3

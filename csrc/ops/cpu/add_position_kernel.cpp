@@ -12,8 +12,8 @@
 #include <c10/util/Half.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
-#include <vector>
 
 #if defined(CPU_CAPABILITY_AVX2)
 #include <immintrin.h>
@@ -58,7 +58,7 @@ inline void mulhilo8(__m256i c, __m256i mul, __m256i& hi, __m256i& lo) {
 }
 
 // The ten round keys of a seed, broadcast to 8 lanes: built once per call of the fused path
-// instead of per round of every group (Philox alone, 1M blocks, one thread: 4.4 -> 3.9 ms).
+// instead of per round of every group (measured: benchmarks/NOTES.md, CPU item 13).
 struct PhiloxKeys8 {
   __m256i k0[math::kPhiloxRounds], k1[math::kPhiloxRounds];
   explicit PhiloxKeys8(uint64_t seed) {
@@ -197,6 +197,15 @@ int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const
   return done;
 }
 
+// The 8 factors of one byte of the saved keep mask: the byte broadcast to 8 lanes, lane i
+// all ones where bit i is set (kept), AND the scale; 0 elsewhere.
+inline __m256 keep_byte_factors(uint8_t byte, __m256 scale) {
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i keep =
+      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(byte), lane_bit), lane_bit);
+  return _mm256_and_ps(_mm256_castsi256_ps(keep), scale);
+}
+
 // masked_f32_avx2's product and stores with the factors read from the saved keep mask
 // (bits[k / 8] bit k % 8 for element k, from a byte boundary): whole bytes (8 elements)
 // from the start; returns the count done. The same factors and product as the general
@@ -204,14 +213,10 @@ int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const
 template <bool kStore, bool kAcc>
 int64_t masked_bits_f32_avx2(const uint8_t* bits, float scale_f, int64_t n, const float* src,
                              float* dst, float* acc) {
-  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
   const __m256 scale = _mm256_set1_ps(scale_f);
   int64_t done = 0;
   for (; done + 8 <= n; done += 8) {
-    const __m256i byte = _mm256_set1_epi32(bits[done / 8]);
-    const __m256i keep = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
-    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + done),
-                             _mm256_and_ps(_mm256_castsi256_ps(keep), scale));
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + done), keep_byte_factors(bits[done / 8], scale));
 #if defined(__GNUC__)
     __asm__("" : "+x"(v));  // rounded before the sum, as in masked_f32_avx2
 #endif
@@ -411,14 +416,8 @@ void keep_bits_factors(const uint8_t* bits, int64_t n, acc_t scale, acc_t* facto
   int64_t k = 0;
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<acc_t, float>) {
-    // Byte broadcast to 8 lanes, lane i tests bit i: all ones where kept, AND the scale.
-    const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
     const __m256 vscale = _mm256_set1_ps(scale);
-    for (; k + 8 <= n; k += 8) {
-      const __m256i byte = _mm256_set1_epi32(bits[k / 8]);
-      const __m256i keep = _mm256_cmpeq_epi32(_mm256_and_si256(byte, lane_bit), lane_bit);
-      _mm256_storeu_ps(factors + k, _mm256_and_ps(_mm256_castsi256_ps(keep), vscale));
-    }
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(factors + k, keep_byte_factors(bits[k / 8], vscale));
   }
 #endif
   for (; k < n; ++k) factors[k] = ((bits[k >> 3] >> (k & 7)) & 1) != 0 ? scale : acc_t(0);
@@ -481,8 +480,7 @@ void store_as(const Vectorized<acc_t>& v, T* dst, int64_t n) {
 // out[j] = (x[j] + t[j]) * factors[j] for j < n, for a table (kTable) and factors
 // (kScale) known at compile time. Four vectors per iteration while they are full: the
 // loop streams x and out through memory, and the wider body keeps more loads in flight
-// (eval forward on fresh 4 KiB pages, one thread, (32, 512, 512) float32: 14.4 -> 13.3 ms;
-// benchmarks/NOTES.md item 10).
+// (measured: benchmarks/NOTES.md, CPU items 10 and 13).
 template <bool kTable, bool kScale, typename scalar_t, typename table_t, typename acc_t>
 void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t* out, int64_t n) {
   using Vec = Vectorized<acc_t>;
@@ -564,7 +562,8 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
   constexpr int64_t W = Vec::size();
   const int64_t d = g.d;
 
-  // Masked gradient of n elements of row r from column j0 (a multiple of kChunk): written
+  // Masked gradient of n elements of row r from column j0 (a multiple of 8, as the saved
+  // mask's byte reads need: column ranges start at multiples of 16, pieces at kChunk): written
   // to grad_x (if wanted) and added to acc (n accumulators). The mask is read from the saved
   // bits, or regenerated from the row's flat index. The fast paths (float32, AVX2) do whole
   // groups from the start in one pass (masked_saved_fast 8 elements, masked_fast 64); the
@@ -595,11 +594,10 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
     // The table row depends on s only: sum over the batch into accumulators of a block of
     // s (at most kAccElems values, 512 KiB of float32: L2-resident), then add each s once to
     // its row. Large blocks because, with batch_first, rows (b, s0..s1) are one contiguous
-    // run of grad, and long runs are what the hardware prefetchers stream: (32, 512, 512)
-    // float32 with the saved mask, 2 threads, 60 calls interleaved in one process, twice:
-    // 10.7 / 11.0 ms at 8192 values (32 KiB runs), 10.4 / 10.7 at 65536, 9.5 / 10.1 at
-    // 131072, against 8.5 / 9.7 for grad_x alone. Without positions the blocks are also
-    // capped at seq / threads rows, so that every thread gets one.
+    // run of grad, and long runs are what the hardware prefetchers stream (the block sizes
+    // measured: benchmarks/NOTES.md, CPU items 12 and 13). Without
+    // positions the blocks are also capped at seq / threads rows, so that every thread gets
+    // one.
     // Without positions every s has its own row, so s blocks can be split over threads;
     // with (S,) positions two s may share a row, so threads own columns instead. Each table
     // entry is summed in a fixed order (b ascending into acc, then s ascending into the
@@ -616,8 +614,9 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
     const int64_t s_grain = unique ? block_s : g.seq;
     at::parallel_for(0, ranges * ((g.seq + s_grain - 1) / s_grain), 1, [&](int64_t begin, int64_t end) {
       alignas(64) acc_t factors[kChunk];
-      std::vector<acc_t> acc_buffer(static_cast<size_t>(block_s * std::min(width, d)));
-      acc_t* acc = acc_buffer.data();
+      // Uninitialised: each block of s zeroes the part it uses just below.
+      const std::unique_ptr<acc_t[]> acc_buffer(new acc_t[static_cast<size_t>(block_s * std::min(width, d))]);
+      acc_t* acc = acc_buffer.get();
       for (int64_t task = begin; task < end; ++task) {
         const int64_t c = task % ranges;
         const int64_t j_begin = c * width;
@@ -673,40 +672,35 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
   });
 }
 
+// grad * mask * scale in pieces of up to kChunk elements. With the saved mask the pieces
+// are (row, columns) ones, since the mask's rows start on byte boundaries; without it the
+// regenerated mask depends on the flat index only, so the whole tensor is one "row" and
+// short rows do not cut the pieces (and masked_fast's 64-element groups) short. Either way
+// each element gets the same factor and one rounded product.
 template <typename scalar_t>
 void dropout_backward(const scalar_t* grad, int64_t rows, int64_t d, const DropoutArgs& draw,
                       scalar_t* out) {
   using acc_t = at::opmath_type<scalar_t>;
-  if (draw.keep_bits != nullptr) {
-    // Row by row: the saved mask's rows start on byte boundaries.
-    const int64_t grain = std::max<int64_t>(1, 16 * kChunk / std::max<int64_t>(d, 1));
-    at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
-      alignas(64) acc_t factors[kChunk];
-      for (int64_t r = begin; r < end; ++r) {
-        for (int64_t j = 0; j < d; j += kChunk) {
-          const int64_t m = std::min(kChunk, d - j);
-          const int64_t first = r * d + j;
-          const int64_t done = masked_saved_fast<true, false, scalar_t, acc_t>(
-              draw, d, r, j, m, grad + first, out + first, nullptr);
-          if (done == m) continue;
-          row_factors<acc_t>(draw, d, r, j + done, m - done, factors);
-          combine<scalar_t, scalar_t, acc_t>(grad + first + done, nullptr, factors,
-                                             out + first + done, m - done);
-        }
-      }
-    });
-    return;
-  }
-  const int64_t n = rows * d;
-  at::parallel_for(0, (n + kChunk - 1) / kChunk, 16, [&](int64_t begin, int64_t end) {
+  const bool saved = draw.keep_bits != nullptr;
+  const int64_t row_len = saved ? d : rows * d;
+  const int64_t walk_rows = saved ? rows : 1;
+  if (row_len == 0 || walk_rows == 0) return;
+  const int64_t pieces_per_row = (row_len + kChunk - 1) / kChunk;
+  const int64_t grain = std::max<int64_t>(1, 16 * kChunk / std::min(row_len, kChunk));
+  at::parallel_for(0, walk_rows * pieces_per_row, grain, [&](int64_t begin, int64_t end) {
     alignas(64) acc_t factors[kChunk];
-    for (int64_t c = begin; c < end; ++c) {
-      const int64_t first = c * kChunk;
-      const int64_t m = std::min(kChunk, n - first);
-      const int64_t done = masked_fast<true, false, scalar_t, acc_t>(draw, first, m, grad + first,
-                                                                    out + first, nullptr);
+    for (int64_t piece = begin; piece < end; ++piece) {
+      const int64_t r = piece / pieces_per_row;
+      const int64_t j = (piece - r * pieces_per_row) * kChunk;
+      const int64_t m = std::min(kChunk, row_len - j);
+      const int64_t first = r * row_len + j;
+      const int64_t done =
+          saved ? masked_saved_fast<true, false, scalar_t, acc_t>(draw, row_len, r, j, m, grad + first,
+                                                                  out + first, nullptr)
+                : masked_fast<true, false, scalar_t, acc_t>(draw, first, m, grad + first, out + first,
+                                                            nullptr);
       if (done == m) continue;
-      dropout_factors<acc_t>(draw, first + done, m - done, factors);
+      row_factors<acc_t>(draw, row_len, r, j + done, m - done, factors);
       combine<scalar_t, scalar_t, acc_t>(grad + first + done, nullptr, factors, out + first + done,
                                          m - done);
     }
