@@ -363,22 +363,21 @@ class RotaryPositionalEncoding(nn.Module):
         only the arguments that differ from the op's defaults. A small call spends more in
         apply_rope's normalisation and the op's keyword parsing than in the kernel. None
         when q is not a 4-D tensor of head_dim dim (the general path then raises)."""
-        axes = _ROPE_LAYOUT_AXES.get(self.layout)
-        if axes is None or not isinstance(q, Tensor) or q.dim() != 4 or q.shape[-1] != self.dim:
+        layout = self.layout
+        axes = _ROPE_LAYOUT_AXES.get(layout)
+        if axes is None or not isinstance(q, Tensor):
             return None
-        batch, seq = q.shape[axes[0]], q.shape[axes[1]]
-        if batch > 0 and seq > 0 and (offset < 0 or offset + seq > self.max_len):
+        shape = q.shape
+        if len(shape) != 4 or shape[3] != self.dim:
+            return None
+        seq = shape[axes[1]]
+        if shape[axes[0]] > 0 and seq > 0 and (offset < 0 or offset + seq > self.max_len):
             torch.ops.posenc.position_range_check(offset, offset + seq - 1, self.max_len)  # raises
-        settings = {}
-        if self.base != 10000.0:
-            settings["base"] = self.base
-        if self.rotary_dim != self.dim:
-            settings["rotary_dim"] = self.rotary_dim
-        if self.interleaved:
-            settings["interleaved"] = True
-        if self.layout != "bshd":
-            settings["layout"] = self.layout
-        out_q, out_k = _ROPE(q, k, offset=offset, **settings)
+        if self.base == 10000.0 and self.rotary_dim == self.dim and not self.interleaved and layout == "bshd":
+            out_q, out_k = _ROPE(q, k, None, None, offset)  # every other argument at its default
+        else:
+            out_q, out_k = _ROPE(q, k, None, None, offset, None, self.base, rotary_dim=self.rotary_dim,
+                                 interleaved=self.interleaved, layout=layout)
         return out_q if k is None else (out_q, out_k)
 
     def _check_range(
