@@ -1,5 +1,5 @@
 // CPU backend of the rope ops: the shared boxed body (rope/rope_launch.h) with outputs
-// advised onto huge pages, and the call of the vectorised kernel in rope_kernel.cpp (built
+// from empty_output_like (cpu_support.h: reused blocks of freed outputs), and the call of the vectorised kernel in rope_kernel.cpp (built
 // once per vector ISA, chosen at run time: cpu_capability.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
