@@ -205,7 +205,8 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
         with torch.no_grad():
             t = time_interleaved(fns, device, reps)
             # Timed apart: interleaved with the others, clone's 4 KiB-page allocations were
-            # seen to slow the next huge-page allocations of posenc's outputs (2x, CPU).
+            # seen to slow the next huge-page allocations of posenc's outputs (2x, CPU, when
+            # they were advised onto huge pages: POSENC_CPU_OUTPUTS=huge).
             t["floor"] = time_ms(clone, device, reps)
         rows.append(Row(device, tag, shape, "train forward" if training else "eval forward", kind,
                         t["ours"], t["ref"], t.get("compiled"), t["floor"], nbytes, copy_gbps))
