@@ -15,9 +15,12 @@
 namespace posenc {
 
 std::vector<double> RopeScaling::values() const {
-  const double nan = std::numeric_limits<double>::quiet_NaN();
-  const auto value = [nan](const auto& key) -> double {
-    return key.has_value() ? static_cast<double>(*key) : nan;  // a bool: 1 or 0
+  const auto value = [](const auto& key) -> double {  // a bool: 1 or 0
+    if (!key.has_value()) return math::kRopeKeyNotGiven;
+    const double v = static_cast<double>(*key);
+    // The op reads NaN as "not given": a NaN the caller set must not pass as that.
+    TORCH_CHECK_VALUE(std::isfinite(v), "RopeScaling: expected every key given to be finite, got ", v);
+    return v;
   };
   std::vector<double> out;
 #define POSENC_X(key) out.push_back(value(key));

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -42,6 +43,11 @@ FACTOR_FROM_MODEL_TYPES = _types_with("factor_from_model")
 # The types that read partial_rotary_factor as their own scaling key ("proportional").
 PARTIAL_ROTARY_KEY_TYPES = _types_with("partial_rotary_key")
 
+
+# A scaling key that was not given, in the op's ``scaling`` list: the lowest float
+# (posenc::math::kRopeKeyNotGiven), not NaN, so that torch.export's JSON (which has no NaN)
+# carries the list to AOTInductor's C++ loader.
+KEY_NOT_GIVEN = -sys.float_info.max
 
 # Keys of a transformers 5 ``rope_parameters`` / ``rope_scaling`` dict (and of Qwen-VL
 # configs) that are not scaling keys but set other arguments: resolved by resolve_config_keys.
@@ -134,7 +140,7 @@ def scaling_arguments(
             f"rope: unknown rope scaling key(s) {unknown}; accepted keys are rope_type, "
             f"{', '.join(dict.fromkeys(SCALING_KEYS + SCALING_LIST_KEYS + CONFIG_KEYS))}"
         )
-    values = [math.nan] * len(SCALING_KEYS)
+    values = [KEY_NOT_GIVEN] * len(SCALING_KEYS)
     for i, key in enumerate(SCALING_KEYS):
         value = scaling.get(key)
         if value is None:
@@ -145,14 +151,16 @@ def scaling_arguments(
             value = 1.0 if value else 0.0
         elif isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
+        if not math.isfinite(value):  # the op reads NaN as "not given": never let one through
+            raise ValueError(f"rope: expected rope scaling key {key!r} to be finite, got {value}")
         values[i] = float(value)
     orig = SCALING_KEYS.index("original_max_position_embeddings")
     if (max_position_embeddings is not None and rope_type in ORIGINAL_FROM_MODEL_TYPES
-            and math.isnan(values[orig])):
+            and values[orig] == KEY_NOT_GIVEN):
         values[orig] = float(max_position_embeddings)
     factor, attention = SCALING_KEYS.index("factor"), SCALING_KEYS.index("attention_factor")
-    if (max_position_embeddings is not None and rope_type in FACTOR_FROM_MODEL_TYPES and math.isnan(values[factor])
-            and math.isnan(values[attention]) and not math.isnan(values[orig]) and values[orig] > 0):
+    if (max_position_embeddings is not None and rope_type in FACTOR_FROM_MODEL_TYPES
+            and values[factor] == KEY_NOT_GIVEN and values[attention] == KEY_NOT_GIVEN and values[orig] > 0):
         values[factor] = max_position_embeddings / values[orig]
     lists = [scaling.get(key) for key in SCALING_LIST_KEYS]
     if rope_type not in LIST_KEY_TYPES:

@@ -11,13 +11,36 @@ types, the op checks values.
 from __future__ import annotations
 
 import numbers
-from typing import Mapping, Optional, Tuple, Union
+from typing import List, Mapping, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._dtensor import place_beside
 from posenc._rope import LENGTH_SCALED_TYPES, resolve_config_keys, scaling_arguments
+
+
+def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
+                      seq_len: int) -> Tuple[List[float], float]:
+    """(inverse frequencies, attention factor) of op ``rope_frequencies``, as Python numbers.
+
+    Every argument is a Python constant, so the result is one too: under torch.compile and
+    torch.export it is evaluated while tracing (tracing modes set aside) and enters the graph
+    as a constant. The op itself cannot be in a graph: it has no tensor input to take a
+    device from, and Inductor cannot run an op that returns a float.
+    """
+    with _disable_current_modes():
+        inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
+                                                             seq_len, [], "axial")
+    return inv_freq.tolist(), float(factor)
+
+
+# torch.compiler.assume_constant_result(_host_frequencies) sets this one attribute; it is
+# set by hand because that call imports torch._dynamo, and `import posenc` stays light
+# (tests/python/test_distributed.py). test_deploy.py's compile and export tests cover it.
+_host_frequencies._dynamo_marked_constant = True
+
 
 def rope_cos_sin(
     positions: Tensor,
@@ -90,9 +113,9 @@ def rope_cos_sin(
     seq_len = 0
     if rope_type in LENGTH_SCALED_TYPES and positions.numel():
         seq_len = int(positions.max()) + 1
-    inv_freq, factor = torch.ops.posenc.rope_frequencies(
-        rotary_dim, 10000.0 if base is None else float(base), rope_type, values, seq_len, [], "axial")
-    inv_freq = inv_freq.to(device=positions.device, dtype=torch.float64)
+    inv_freq, factor = _host_frequencies(rotary_dim, 10000.0 if base is None else float(base), rope_type,
+                                         tuple(values), seq_len)
+    inv_freq = torch.tensor(inv_freq, dtype=torch.float64, device=positions.device)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos(), angles.sin()

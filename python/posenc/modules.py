@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from posenc import _rope, functional
+from posenc import _rope, _scripting, functional
 from posenc._dtensor import is_dtensor, place_beside
 
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
@@ -95,6 +95,10 @@ class _AddPositionModule(nn.Module):
             )
         pe, positions = place_beside(x, self.pe, positions)
         return pe, positions
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """torch.jit.script compiles this twin (same ``pe`` and dropout, same op) instead."""
+        return _scripting.ScriptableAddPosition(self)
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}"
@@ -410,6 +414,9 @@ class RotaryPositionalEncoding(nn.Module):
         if hi >= lo and (lo < 0 or hi >= self.max_len):
             torch.ops.posenc.position_range_check(lo, hi, self.max_len)  # raises the one IndexError
         return hi if positions is not None or offsets is not None or cu_seqlens is not None else None
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        _scripting.rope_not_scriptable(self)  # raises: what to use instead
 
     def extra_repr(self) -> str:
         extra = f"dim={self.dim}, max_len={self.max_len}, base={self.base}, interleaved={self.interleaved}"

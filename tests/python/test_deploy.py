@@ -75,10 +75,30 @@ def test_op_reads_nan_and_the_marker_alike():
 
 def test_a_nan_scaling_value_is_an_error_not_a_missing_key():
     q = torch.randn(1, 4, 2, 8)
-    with pytest.raises(ValueError, match=r"expected scaling key 'factor' to be finite, got nan"):
+    with pytest.raises(ValueError, match=r"expected rope scaling key 'factor' to be finite, got nan"):
         functional.apply_rope(q, scaling={"rope_type": "linear", "factor": math.nan})
-    with pytest.raises(ValueError, match=r"expected scaling key 'factor' to be finite, got inf"):
+    with pytest.raises(ValueError, match=r"expected rope scaling key 'factor' to be finite, got inf"):
         functional.apply_rope(q, scaling={"rope_type": "linear", "factor": math.inf})
+
+
+def test_rope_cos_sin_tables_compile_and_export():
+    """rope_cos_sin's frequencies are constants of the graph (op rope_frequencies has no
+    tensor input and returns a float, so it cannot be in one): fullgraph compile and export."""
+    def f(q, positions):
+        cos, sin = functional.rope_cos_sin(positions, 8, scaling={"rope_type": "linear", "factor": 2.0})
+        return functional.apply_rope_cos_sin(q, None, cos, sin, layout="bshd")
+
+    q, positions = torch.randn(2, 5, 3, 8), torch.randint(0, 50, (2, 5))
+    want = f(q, positions)
+    torch.testing.assert_close(torch.compile(f, fullgraph=True)(q, positions), want, rtol=0, atol=0)
+
+    class M(nn.Module):
+        def forward(self, q, positions):
+            return f(q, positions)
+
+    program = torch.export.export(M(), (q, positions))
+    assert not [n for n in program.graph.nodes if "rope_frequencies" in str(n.target)]
+    torch.testing.assert_close(program.module()(q, positions), want, rtol=0, atol=0)
 
 
 class EveryOp(nn.Module):

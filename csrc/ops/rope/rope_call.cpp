@@ -13,7 +13,8 @@ namespace posenc {
 namespace ops {
 
 // rope_type and scaling carry Hugging Face's rope_scaling dict (the keys of
-// POSENC_ROPE_SCALING_KEYS in posenc/math/rope.h, NaN where not given; [] for "default"; then
+// POSENC_ROPE_SCALING_KEYS in posenc/math/rope.h, math::kRopeKeyNotGiven (-DBL_MAX; NaN is read
+// the same) where not given; [] for "default"; then
 // longrope's lists). seq_len (longest position + 1) matters for "dynamic" and "longrope";
 // -1 derives it from the call (a device sync when index tensors are CUDA tensors).
 // rotary_dim=-1: head_dim. sections (pairs per axis) make positions (n_axes, ...)
@@ -103,15 +104,16 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
                                 extra / kScalingLists <= math::kRopeMaxPairs
                           : extra == 0,
                     "posenc: expected ", math::kRopeScalingFields, " rope scaling values (",
-                    scaling_key_list(), "; NaN for a key not given)",
+                    scaling_key_list(), "; -1.7976931348623157e+308 or NaN for a key not given)",
                     lists ? ", then the lists short_factor and long_factor of equal lengths (at "
                             "most 256 each)" : "",
                     " for rope_type '", rope_type_name(out.type), "', got ", fields.size());
   for (int i = 0; i < math::kRopeScalingFields; ++i) {
-    TORCH_CHECK_VALUE(math::rope_missing(fields[i]) || std::isfinite(fields[i]),
+    const double v = fields[i] == math::kRopeKeyNotGiven ? NAN : fields[i];
+    TORCH_CHECK_VALUE(math::rope_missing(v) || std::isfinite(v),
                       "posenc: expected rope scaling key '", kScalingKeys[i],
-                      "' to be finite, got ", fields[i]);
-    out.*kScalingFields[i] = fields[i];
+                      "' to be finite, got ", v);
+    out.*kScalingFields[i] = v;
   }
   if (!lists) return;
   out.list_length = extra / kScalingLists;
@@ -160,9 +162,16 @@ c10::IValue write(const std::vector<int64_t>& v) { return v; }
 c10::IValue write(RopeLayout v) { return std::string(rope_layout_name(v)); }
 c10::IValue write(math::RopeType v) { return std::string(rope_type_name(v)); }
 c10::IValue write(math::RopeSectionsMode v) { return std::string(name_of(kSectionsModes, v)); }
+// The canonical list: [] for a "default" call with no key given; otherwise every key, the
+// ones not given as kRopeKeyNotGiven (never NaN: the list must survive torch.export's JSON).
 c10::IValue write(const math::RopeScalingParams& s) {
   std::vector<double> fields;
-  for (const auto field : kScalingFields) fields.push_back(s.*field);
+  bool any_given = s.list_length > 0;
+  for (const auto field : kScalingFields) any_given = any_given || !math::rope_missing(s.*field);
+  if (s.type == math::RopeType::kDefault && !any_given) return fields;
+  for (const auto field : kScalingFields) {
+    fields.push_back(math::rope_missing(s.*field) ? math::kRopeKeyNotGiven : s.*field);
+  }
   for (const auto list : kScalingListFields) {
     fields.insert(fields.end(), s.*list, s.*list + s.list_length);
   }

@@ -119,6 +119,14 @@ struct RopeScalingParams {
 #undef POSENC_X
 };
 
+// A key that was not given, as the op's float[] `scaling` argument carries it: the lowest
+// double, which no key can mean (each is checked finite, and all but mscale and truncate
+// positive). Not NaN: torch.export writes a graph's float lists as JSON, which has no NaN,
+// and AOTInductor's C++ loader rejects the string it writes instead (issue 22). The parser
+// also reads NaN as "not given" (direct callers of the op); in RopeScalingParams a missing
+// key is NaN.
+constexpr double kRopeKeyNotGiven = -1.7976931348623157e308;
+
 // Number of keys: the length of the op's float[] argument.
 constexpr int kRopeScalingFields = 0
 #define POSENC_X(key) +1
