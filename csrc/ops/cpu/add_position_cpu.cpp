@@ -15,6 +15,7 @@
 #include <mutex>
 
 #include "ops/add_position_checks.h"
+#include "ops/aten_fallback.h"
 #include "ops/cpu/add_position_kernel.h"
 #include "ops/cpu/cpu_support.h"
 #include "posenc/math/philox.h"
@@ -143,6 +144,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
+  if (force_aten_fallback()) return;  // CPU calls take the ATen fallback (aten_fallback.h)
   m.impl("add_position_backward_with_table", &add_position_backward_with_table_cpu);
   m.impl("add_position_forward", &add_position_forward_cpu);
   m.impl("add_position_backward", &add_position_backward_cpu);

@@ -8,6 +8,7 @@
 #include <cmath>
 
 #include "ops/add_position_checks.h"
+#include "ops/aten_fallback.h"
 #include "posenc/math/sinusoid.h"
 
 namespace posenc {
@@ -42,7 +43,10 @@ at::Tensor sinusoidal_table_cpu(const at::Tensor& positions, int64_t d_model, do
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, CPU, m) { m.impl("sinusoidal_table", &sinusoidal_table_cpu); }
+TORCH_LIBRARY_IMPL(posenc, CPU, m) {
+  if (force_aten_fallback()) return;  // CPU calls take the ATen fallback (aten_fallback.h)
+  m.impl("sinusoidal_table", &sinusoidal_table_cpu);
+}
 
 }  // namespace ops
 }  // namespace posenc

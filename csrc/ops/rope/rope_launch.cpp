@@ -76,9 +76,13 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
   std::copy(f.axis.begin(), f.axis.end(), a.pair_axis);
   a.n_axes = c.n_axes();
 
-  fill_rope_operand(a.q, rope_canonical_view(c.q, c.layout), rope_canonical_view(out_q, c.layout));
+  launch.q_in = rope_canonical_view(c.q, c.layout);
+  launch.q_out = rope_canonical_view(out_q, c.layout);
+  fill_rope_operand(a.q, launch.q_in, launch.q_out);
   if (c.k.has_value()) {
-    fill_rope_operand(a.k, rope_canonical_view(*c.k, c.layout), rope_canonical_view(*out_k, c.layout));
+    launch.k_in = rope_canonical_view(*c.k, c.layout);
+    launch.k_out = rope_canonical_view(*out_k, c.layout);
+    fill_rope_operand(a.k, launch.k_in, launch.k_out);
   }
 
   if (c.positions.has_value()) {

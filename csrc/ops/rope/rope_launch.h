@@ -42,6 +42,9 @@ struct RopeLaunch {
   RopeArgs args;
   // Contiguous int64 copies (or the originals); cu_seqlens stays int32 on CUDA.
   at::Tensor positions, offsets, cu_seqlens;
+  // The (batch, seq, heads, head_dim) views args.q and args.k point into (k's undefined
+  // without k): what the ATen fallback (rope_composite.cpp), which works on tensors, reads.
+  at::Tensor q_in, q_out, k_in, k_out;
 };
 
 // A backend: how it allocates outputs like an input, and how it launches (on q's device,
