@@ -15,6 +15,9 @@
 # libcudart (CUDA kernels), the directory of that library, and nothing else.
 #   usage: run_pip_install.sh <python with torch> [<cmake install prefix>]
 set -euo pipefail
+# As in a user's shell: not make's PYTHONPATH to this checkout's python/, which would shadow
+# the installed copy under test.
+unset PYTHONPATH
 py="$(cd "$(dirname "$1")" && pwd)/$(basename "$1")"
 here="$(cd "$(dirname "$0")" && pwd)"
 root="$(cd "$here/../.." && pwd)"
