@@ -39,9 +39,13 @@ std::string error_of(F&& call) {
   return "";
 }
 
-void expect_index_error(const char* what, const std::string& message) {
-  // The kernel's IndexError: "posenc: expected positions in [0, max_len=1024), found ...".
-  const bool ok = message.find("expected positions in [0, max_len=1024)") != std::string::npos;
+// TorchScript rethrows the kernel's IndexError: "posenc: expected positions in [0,
+// max_len=1024), found ...". AOTInductor's runner (torch 2.11) logs that message to stderr
+// and throws a generic "run_func_(...) API call failed"; tests/cpp/run_example.sh checks the
+// log for the posenc message.
+void expect_index_error(const char* what, const std::string& message, bool generic_ok) {
+  const bool ok = message.find("expected positions in [0, max_len=1024)") != std::string::npos ||
+                  (generic_ok && message.find("API call failed") != std::string::npos);
   std::printf("deploy_model: %-11s out-of-range position: %s\n", what,
               ok ? "raised a clear error" : "FAILED");
   if (!ok) std::printf("  got: %s\n", message.empty() ? "(no error)" : message.substr(0, 400).c_str());
@@ -74,8 +78,8 @@ int main(int argc, char** argv) {
   // A position past the tables (max_len 1024) must raise, not crash or return garbage.
   const at::Tensor tokens = reference.attr("tokens_b").toTensor();
   const at::Tensor bad = reference.attr("positions_b").toTensor() + 5000;
-  expect_index_error("AOTInductor", error_of([&] { package.run({tokens, bad}); }));
-  expect_index_error("TorchScript", error_of([&] { traced.forward({tokens, bad}); }));
+  expect_index_error("AOTInductor", error_of([&] { package.run({tokens, bad}); }), true);
+  expect_index_error("TorchScript", error_of([&] { traced.forward({tokens, bad}); }), false);
 
   if (failures) {
     std::printf("deploy_model: %d check(s) failed\n", failures);

@@ -1,8 +1,7 @@
 """Train in Python, run in C++: export a small model that uses posenc's three encodings.
 
 The model: token embedding, the fixed sinusoidal PositionalEncoding (at explicit
-positions), the LearnedPositionalEncoding (at an offset that depends on the sequence
-length: a SymInt in the exported graph), a qkv projection, RoPE twice on q and k (a yarn
+positions), the LearnedPositionalEncoding (at an offset), a qkv projection, RoPE twice on q and k (a yarn
 scaling dict at the same positions, then M-RoPE-style multi-axis sections), attention,
 a linear head. It is exported two ways, for C++ (examples/cpp/deploy_model.cpp):
 
@@ -46,7 +45,9 @@ class TinyLM(nn.Module):
     def forward(self, tokens: Tensor, positions: Tensor) -> Tensor:
         batch, seq = tokens.shape
         x = self.fixed(self.embed(tokens), positions=positions)
-        x = self.learned(x, offset=seq // 2)  # positions seq//2 .. seq//2 + seq - 1
+        # Rows 2 .. seq + 1 of the learned table (an int offset; a traced model records ints
+        # as constants, so no arithmetic on sizes here).
+        x = self.learned(x, offset=2)
         q, k, v = self.qkv(x).view(batch, seq, 3, HEADS, HEAD_DIM).unbind(2)
         q, k = self.rope(q, k, positions=positions)
         # (t, h, w) coordinates of a 4-wide grid of patches, one (3, batch, seq) tensor.

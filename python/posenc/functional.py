@@ -63,6 +63,14 @@ def _tensor_arg(fn: str, name: str, value: Any) -> Tensor:
     return value
 
 
+def _op_dtype(dtype: torch.dtype) -> Optional[torch.dtype]:
+    """The dtype argument for the table ops: None for their default, float32. torch 2.11's
+    AOTInductor proxy executor misreads a ScalarType argument of a custom op (float32 arrives
+    as float64), so the common case keeps it out of exported graphs; other dtypes are passed
+    as given (README, "Deploy to C++")."""
+    return None if dtype == torch.float32 else dtype
+
+
 def sinusoidal_table(
     positions: Tensor, d_model: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32
 ) -> Tensor:
@@ -76,7 +84,7 @@ def sinusoidal_table(
     """
     if not isinstance(positions, Tensor):
         raise TypeError(f"sinusoidal_table: expected positions to be a Tensor, got {type(positions).__name__}")
-    return torch.ops.posenc.sinusoidal_table(positions, d_model, float(base), dtype)
+    return torch.ops.posenc.sinusoidal_table(positions, d_model, float(base), _op_dtype(dtype))
 
 
 def add_position(
@@ -193,7 +201,7 @@ def sinusoidal_2d_table(
         _int_arg(fn, "dim", dim),
         _float_arg(fn, "base", base),
         _int_arg(fn, "num_prefix_tokens", num_prefix_tokens),
-        dtype,
+        _op_dtype(dtype),
         None if device is None else torch.device(device),
         None if base_size is None else _float_arg(fn, "base_size", base_size),
         _float_arg(fn, "interpolation_scale", interpolation_scale),

@@ -44,7 +44,8 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
     that leaves the CUDA context unusable, so eager mode checks here first. Under
     torch.compile the host check is left out (it would break the graph); the kernel's stays.
     """
-    if positions.is_cuda and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
+    if (positions.is_cuda and positions.dtype == torch.int64 and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing()):
         torch.ops.posenc.position_bounds(positions, max_len)
 
 
@@ -403,7 +404,9 @@ class RotaryPositionalEncoding(nn.Module):
         else:
             tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
             on_cuda = any(t.is_cuda for t in tensors)
-            if (torch.compiler.is_compiling() or (on_cuda and not self.check_positions)
+            # torch.jit.trace cannot record an op that returns ints: a traced module, like a
+            # compiled one, keeps the kernels' own checks.
+            if (torch.compiler.is_compiling() or torch.jit.is_tracing() or (on_cuda and not self.check_positions)
                     or q.is_meta or any(t.is_meta for t in tensors)):
                 return None  # nothing to read: traced, unchecked, or shapes only (meta)
             lo, hi = torch.ops.posenc.rope_position_bounds(

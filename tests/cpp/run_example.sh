@@ -22,4 +22,9 @@ readelf -d "$build/deploy_model" | grep -q 'NEEDED.*\[libposenc\.so\]' ||
   { echo "deploy_model does not list libposenc.so as NEEDED:"; readelf -d "$build/deploy_model"; exit 1; }
 artefacts="$build/deploy-artefacts"
 "$python" "$root/examples/deploy/export_model.py" "$artefacts"
-"$build/deploy_model" "$artefacts"
+# AOTInductor's runner logs an op's error to stderr (its exception says only "API call
+# failed"): the out-of-range position must show posenc's own message there.
+"$build/deploy_model" "$artefacts" 2> "$build/deploy_model.stderr" ||
+  { tail -40 "$build/deploy_model.stderr"; exit 1; }
+grep -q 'posenc: expected positions in \[0, max_len=1024)' "$build/deploy_model.stderr" ||
+  { echo "deploy_model: posenc's IndexError message is not in the AOTInductor log:"; tail -40 "$build/deploy_model.stderr"; exit 1; }

@@ -130,7 +130,7 @@ class EveryOp(nn.Module):
                                                        num_prefix_tokens=0)
         emb = self.time(t)
         made = functional.make_positions(tokens, 1)
-        return (q4.sum() + k4.sum() + table.sum() + resampled.sum() + emb.sum()).expand(1), made
+        return q4, k4, table, resampled, emb, made
 
 
 def every_op_inputs(batch, seq):
@@ -157,8 +157,10 @@ def test_aoti_package_runs_every_op(tmp_path):
         inputs = every_op_inputs(b, s)
         want = model(*inputs)
         got = loaded(*inputs)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
-        assert torch.equal(got[1], want[1])
+        assert len(got) == len(want) == 6
+        for g, w in zip(got[:5], want[:5]):  # the kernels are the ones eager runs
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got[5], want[5])
 
 
 @pytest.mark.cuda
@@ -174,8 +176,9 @@ def test_export_aoti_package_runs_every_op_cuda(tmp_path):
     for b, s in ((2, 6), (3, 11)):
         inputs = tuple(t.cuda() for t in every_op_inputs(b, s))
         want, got = model(*inputs), loaded(*inputs)
-        torch.testing.assert_close(got[0], want[0], rtol=1e-5, atol=1e-4)
-        assert torch.equal(got[1], want[1])
+        for g, w in zip(got[:5], want[:5]):
+            torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
+        assert torch.equal(got[5], want[5])
 
 
 class AddBoth(nn.Module):
@@ -205,7 +208,7 @@ def test_jit_script_compiles_the_add_position_modules(tmp_path):
         scripted.save(str(path))
         reloaded = torch.jit.load(str(path))
         torch.testing.assert_close(reloaded(x), want, rtol=0, atol=0)
-        with pytest.raises(torch.jit.Error, match=r"expected positions in \[0, max_len=50\)"):
+        with pytest.raises(RuntimeError, match=r"expected positions in \[0, max_len=50\)"):
             reloaded(x, 0, pos + 50)
 
 

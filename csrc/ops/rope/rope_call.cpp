@@ -136,7 +136,12 @@ void read(const c10::IValue& v, const char*, c10::SymInt& out) { out = v.toSymIn
 void read(const c10::IValue& v, const char*, double& out) { out = v.toDouble(); }
 void read(const c10::IValue& v, const char*, int64_t& out) { out = v.toInt(); }
 void read(const c10::IValue& v, const char*, bool& out) { out = v.toBool(); }
-void read(const c10::IValue& v, const char*, std::vector<int64_t>& out) { out = v.toIntVector(); }
+// An empty list may arrive as None: torch 2.11's AOTInductor proxy executor leaves an empty
+// serialized int or float list as None on the stack (fixed upstream, pytorch#194324), and
+// every RoPE call without sections or scaling has one.
+void read(const c10::IValue& v, const char*, std::vector<int64_t>& out) {
+  out = v.isNone() ? std::vector<int64_t>{} : v.toIntVector();
+}
 void read(const c10::IValue& v, const char*, RopeLayout& out) {
   out = parse_rope_layout(v.toStringRef());
 }
@@ -148,7 +153,7 @@ void read(const c10::IValue& v, const char*, math::RopeSectionsMode& out) {
 }
 // The values of the scaling dict (its type was read just before, from rope_type).
 void read(const c10::IValue& v, const char*, math::RopeScalingParams& out) {
-  read_scaling_values(v.toDoubleVector(), out);
+  read_scaling_values(v.isNone() ? std::vector<double>{} : v.toDoubleVector(), out);
 }
 
 // ---- Writing one argument (field -> IValue).

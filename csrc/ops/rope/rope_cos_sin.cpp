@@ -48,8 +48,8 @@ bool check_rope_cos_sin(const at::Tensor& q, const std::optional<at::Tensor>& k,
                     py_str(layout), ", got ", shape_of(q));
   const int64_t seq_dim = bhsd ? 2 : 1;
   if (k.has_value()) {
-    TORCH_CHECK_VALUE(k->dim() == 4 && k->size(0) == q.size(0) && k->size(seq_dim) == q.size(seq_dim) &&
-                          k->size(3) == q.size(3),
+    TORCH_CHECK_VALUE(k->dim() == 4 && k->sym_size(0) == q.sym_size(0) &&
+                          k->sym_size(seq_dim) == q.sym_size(seq_dim) && k->sym_size(3) == q.sym_size(3),
                       kFn, ": expected k of shape ", shape,
                       " with q's batch, seq and head_dim (heads may differ), got k ", shape_of(*k),
                       " and q ", shape_of(q));
@@ -57,19 +57,24 @@ bool check_rope_cos_sin(const at::Tensor& q, const std::optional<at::Tensor>& k,
                       ": expected k on q's device with q's dtype (", py_dtype(q.scalar_type()), ", ",
                       q.device(), "), got ", py_dtype(k->scalar_type()), ", ", k->device());
   }
-  TORCH_CHECK_VALUE(cos.sizes() == sin.sizes(), kFn,
+  TORCH_CHECK_VALUE(cos.sym_sizes() == sin.sym_sizes(), kFn,
                     ": expected cos and sin of the same shape, got ", shape_of(cos), " and ",
                     shape_of(sin));
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"cos", &cos}, {"sin", &sin}}) {
     TORCH_CHECK_VALUE(t->device() == q.device(), kFn, ": expected ", name, " on q's device ",
                       q.device(), ", got ", t->device());
   }
-  const int64_t batch = q.size(0), seq = q.size(seq_dim), head_dim = q.size(3);
-  TORCH_CHECK_VALUE((cos.dim() == 2 || cos.dim() == 3) && cos.size(-2) == seq &&
-                        (cos.dim() == 2 || cos.size(0) == 1 || cos.size(0) == batch),
+  // Symbolic sizes (the Meta kernel's, under torch.export with dynamic shapes): compared as
+  // expressions, so a dynamic batch or sequence is not specialised to the example's.
+  const c10::SymInt batch = q.sym_size(0), seq = q.sym_size(seq_dim);
+  // size(d) would read every size of a traced tensor as an int (specialising them all);
+  // sym_size(d) reads one. head_dim and rotary_dim are static in every model.
+  const int64_t head_dim = q.sym_size(3).guard_int(__FILE__, __LINE__);
+  TORCH_CHECK_VALUE((cos.dim() == 2 || cos.dim() == 3) && cos.sym_size(-2) == seq &&
+                        (cos.dim() == 2 || cos.sym_size(0) == batch || cos.sym_size(0) == 1),
                     kFn, ": expected cos and sin of shape (seq, rotary_dim) or (batch, seq, rotary_dim) "
                     "with seq=", seq, " and batch=", batch, " (or 1), got ", shape_of(cos));
-  const int64_t rot = cos.size(-1);
+  const int64_t rot = cos.sym_size(-1).guard_int(__FILE__, __LINE__);
   TORCH_CHECK_VALUE(rot > 0 && rot % 2 == 0 && rot <= head_dim, kFn,
                     ": expected the tables' last dimension (rotary_dim) to be even and in [2, head_dim=",
                     head_dim, "], got ", rot);
@@ -158,7 +163,8 @@ class RopeCosSinFunction : public torch::autograd::Function<RopeCosSinFunction> 
     ctx->saved_data["interleaved"] = interleaved;
     ctx->saved_data["transpose"] = transpose;
     ctx->saved_data["has_k"] = has_k;
-    ctx->saved_data["q_sizes"] = q.sizes().vec();
+    // Symbolic: concrete sizes would specialise a dynamic batch or sequence under export.
+    ctx->saved_data["q_sizes"] = c10::IValue(q.sym_sizes());
     if (!has_k) ctx->mark_non_differentiable({out_k});
     return {out_q, out_k};
   }
@@ -179,7 +185,7 @@ class RopeCosSinFunction : public torch::autograd::Function<RopeCosSinFunction> 
       // The op rotates a q and an optional k: an unused q output has a zero gradient.
       const at::Tensor a = g_q.defined()
                                ? g_q
-                               : at::zeros(ctx->saved_data["q_sizes"].toIntVector(), g_k.options());
+                               : at::zeros_symint(ctx->saved_data["q_sizes"].toSymIntVector(), g_k.options());
       auto [rq, rk] = apply_rope_cos_sin_op().call(
           a, g_k.defined() ? std::optional<at::Tensor>(g_k) : std::nullopt, cos, sin, layout,
           interleaved, !transpose);
