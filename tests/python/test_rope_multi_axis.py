@@ -296,7 +296,7 @@ def test_bad_inputs():
     pos = torch.randint(0, 9, (3, 2, 5))
     with pytest.raises(ValueError, match=r"sections .* sum to rotary_dim / 2 = 8, got sections=\[4, 2, 1\]"):
         apply_rope(q, positions=pos, sections=[4, 2, 1], rotary_dim=16)
-    with pytest.raises(ValueError, match=r"rotary_dim <= head_dim = 16, got 18"):
+    with pytest.raises(ValueError, match=r"expected sections to hold at most head_dim / 2 = 8 rotary pairs, got sections=\[4, 3, 2\] \(9 pairs\)"):
         apply_rope(q, positions=pos, sections=[4, 3, 2])  # sections wider than the head
     with pytest.raises(RuntimeError, match=r"positions of shape \(n_axes, seq\) = \(2, 5\).*got shape \[3, 2, 5\]"):
         apply_rope(q, positions=pos, sections=[4, 4])
