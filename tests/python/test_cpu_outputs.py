@@ -154,7 +154,9 @@ MAPPED_AFTER_FREE = """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
-@pytest.mark.parametrize("env, kept", [({}, "0" if SANITIZED else "1"), ({"POSENC_CPU_OUTPUTS": "reuse"}, "1"),
+@pytest.mark.skipif(SANITIZED, reason="AddressSanitizer's allocator keeps freed blocks mapped (its quarantine), "
+                                      "so a fresh output's block stays mapped too: only glibc's allocator tells them apart")
+@pytest.mark.parametrize("env, kept", [({}, "1"), ({"POSENC_CPU_OUTPUTS": "reuse"}, "1"),
                                        ({"POSENC_CPU_OUTPUTS": "fresh"}, "0"), ({"POSENC_NO_HUGE_PAGES": "1"}, "0")])
 def test_a_freed_output_stays_mapped_only_when_reused(env, kept):
     proc = run_python(MAPPED_AFTER_FREE, **env)
