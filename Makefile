@@ -42,7 +42,7 @@ test-python:
 	$(PY) -m pytest tests/python -q -p no:cacheprovider
 
 # The core CPU tests again with the baseline kernels forced (POSENC_CPU_CAPABILITY=default:
-# the build without AVX2 that a CPU without AVX2 runs; csrc/ops/cpu/cpu_capability.h). The
+# the build without AVX2 that a CPU without AVX2 runs; csrc/ops/common/cpu/cpu_capability.h). The
 # dropout tests compare its masks with a NumPy Philox, bit for bit. torch.compile and
 # opcheck tests are left out (tracing, not the kernels' arithmetic: 80 of 120 s).
 BASELINE_TESTS := test_add_position_dropout test_add_position_dropout_bits \

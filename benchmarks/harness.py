@@ -49,7 +49,7 @@ def _thp_setting(name: str) -> str:
 
 def cpu_outputs() -> str:
     """Where posenc's CPU ops take their large outputs from in this process, as the library
-    reads the environment (csrc/ops/cpu/cpu_support.cpp): "reuse" (default), "fresh", "huge"."""
+    reads the environment (csrc/ops/common/cpu/cpu_support.cpp): "reuse" (default), "fresh", "huge"."""
     chosen = os.environ.get("POSENC_CPU_OUTPUTS", "")
     if chosen:
         return chosen

@@ -7,7 +7,7 @@
 
 #include <vector>
 
-#include "ops/op_handles.h"
+#include "ops/common/op_handles.h"
 
 namespace posenc {
 

@@ -1,7 +1,7 @@
 // posenc/ops.h: C++ entry points that call the ops through the dispatcher.
 #include "posenc/ops.h"
 
-#include "ops/op_handles.h"
+#include "ops/common/op_handles.h"
 
 namespace posenc {
 

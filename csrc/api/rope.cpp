@@ -9,7 +9,7 @@
 #include <limits>
 
 #include "api/rope_call_from_options.h"
-#include "ops/op_handles.h"
+#include "ops/common/op_handles.h"
 #include "ops/rope/rope_call.h"
 
 namespace posenc {

@@ -4,7 +4,7 @@
 #include <cmath>
 
 #include "modules/module_forward.h"
-#include "ops/op_handles.h"
+#include "ops/common/op_handles.h"
 #include "posenc/modules.h"
 #include "posenc/ops.h"
 

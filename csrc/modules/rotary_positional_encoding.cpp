@@ -7,7 +7,7 @@
 #include <limits>
 
 #include "api/rope_call_from_options.h"
-#include "ops/position_bounds.h"
+#include "ops/add_position/position_bounds.h"
 #include "ops/rope/rope_call.h"
 
 namespace posenc {

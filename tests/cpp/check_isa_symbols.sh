@@ -8,7 +8,7 @@
 # CPU without AVX2. The ISA namespace (posenc/math/host_device.h, POSENC_ISA_NAMESPACE_BEGIN)
 # makes the names differ; this check proves it on the objects that were built. It also
 # checks that each capability's build registered its kernels (its dispatch-stub pointers,
-# csrc/ops/cpu/cpu_capability.h).
+# csrc/ops/common/cpu/cpu_capability.h).
 #   check_isa_symbols.sh "<objects:separated:by:colons>" <ISA sources> <CAPABILITY>...
 set -euo pipefail
 IFS=':' read -r -a objects <<< "$1"

@@ -5,7 +5,7 @@
 
 #include <cmath>
 
-#include "ops/op_handles.h"
+#include "ops/common/op_handles.h"
 #include "posenc/math/philox.h"
 #include "posenc/posenc.h"
 

@@ -1,5 +1,5 @@
 // GoogleTest: the index logic of the CUDA table backward for (batch, seq) positions
-// (csrc/ops/sorted_runs.h), walked serially on the host: every slot summed once, every
+// (csrc/ops/common/sorted_runs.h), walked serially on the host: every slot summed once, every
 // run stored once with the sum of its slots, whatever the chunk size.
 #include <gtest/gtest.h>
 
@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "ops/sorted_runs.h"
+#include "ops/common/sorted_runs.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-// GoogleTest: the work split of two CUDA kernels (csrc/ops/cuda_work_split.h), walked
+// GoogleTest: the work split of two CUDA kernels (csrc/ops/common/cuda_work_split.h), walked
 // serially on the host with the kernels' own loop structure: every item done exactly once,
 // nothing outside the tensors touched. The kernels run only on a GPU; their index
 // functions run here.
@@ -8,7 +8,7 @@
 #include <random>
 #include <vector>
 
-#include "ops/cuda_work_split.h"
+#include "ops/common/cuda_work_split.h"
 
 namespace {
 

@@ -1,4 +1,4 @@
-"""The ATen fallback (csrc/ops/aten_fallback.h): every op composed of ATen ops, for devices
+"""The ATen fallback (csrc/ops/common/aten_fallback.h): every op composed of ATen ops, for devices
 without a posenc kernel (CUDA in a build without the CUDA kernels, MPS, XPU, ...).
 
 POSENC_FORCE_ATEN_FALLBACK=1, read once per process, leaves the CPU kernels unregistered, so

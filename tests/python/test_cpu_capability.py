@@ -1,4 +1,4 @@
-"""The CPU kernels' runtime ISA choice (csrc/ops/cpu/cpu_capability.h).
+"""The CPU kernels' runtime ISA choice (csrc/ops/common/cpu/cpu_capability.h).
 
 Each vector-ISA kernel is built for the baseline (DEFAULT) and AVX2; the library picks one
 once per process, capped by POSENC_CPU_CAPABILITY=default|avx2|avx512. "avx512" is the AVX2

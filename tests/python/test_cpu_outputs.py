@@ -1,4 +1,4 @@
-"""CPU output memory (csrc/ops/cpu/cpu_support.cpp): by default the CPU ops' outputs of
+"""CPU output memory (csrc/ops/common/cpu/cpu_support.cpp): by default the CPU ops' outputs of
 >= 32 MiB reuse the blocks of freed outputs (POSENC_CPU_OUTPUTS=reuse), so the values must not
 depend on what a reused block held before, and the outputs must behave as any tensor's
 (resizable, shareable). POSENC_CPU_OUTPUTS=fresh / huge and the old POSENC_NO_HUGE_PAGES=1

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/aten_fallback.h"
+#include "ops/common/aten_fallback.h"
 #include "ops/rope/rope_cos_sin.h"
 #include "ops/rope/rope_launch.h"
 

@@ -4,7 +4,7 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "ops/meta_support.h"
+#include "ops/common/meta_support.h"
 #include "ops/rope/rope_checks.h"
 
 namespace posenc {

@@ -1,0 +1,794 @@
+// CPU kernels of add_position: one pass over x that adds the table rows and applies the
+// dropout mask. Rows are spread over threads with at::parallel_for; within a row, the
+// Philox rounds run over 8 counters at a time (SIMD lanes) and the add/scale uses at::vec.
+// The bits are those of the shared header posenc/math/philox.h, so CPU and CUDA agree.
+#include "ops/add_position/cpu/add_position_kernel.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <memory>
+#include <type_traits>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include "posenc/math/philox.h"
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
+namespace {
+
+using at::vec::Vectorized;
+
+// Elements per chunk: keep factors and random bits of a chunk stay in L1.
+constexpr int64_t kChunk = 1024;
+constexpr int kLanes = 8;  // Philox counters processed together
+
+// Stores the 16 random bits of the element lanes of 8 blocks: block i's bits are its four
+// Philox words (c0[i], c1[i], c2[i], c3[i]), low half first, i.e. dropout_lane_bits order.
+void store_block_bits(const uint32_t (&c0)[kLanes], const uint32_t (&c1)[kLanes],
+                      const uint32_t (&c2)[kLanes], const uint32_t (&c3)[kLanes], int64_t lanes,
+                      uint16_t* bits) {
+  for (int64_t i = 0; i < lanes; ++i) {
+    const uint32_t words[4] = {c0[i], c1[i], c2[i], c3[i]};
+    uint16_t* out = bits + i * math::kDropoutBlock;
+    for (int w = 0; w < 4; ++w) {
+      out[2 * w] = static_cast<uint16_t>(words[w]);
+      out[2 * w + 1] = static_cast<uint16_t>(words[w] >> 16);
+    }
+  }
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// (hi, lo) halves of the 32x32 -> 64-bit products of 8 lanes with a constant.
+inline void mulhilo8(__m256i c, __m256i mul, __m256i& hi, __m256i& lo) {
+  const __m256i even = _mm256_mul_epu32(c, mul);                         // lanes 0, 2, 4, 6
+  const __m256i odd = _mm256_mul_epu32(_mm256_srli_epi64(c, 32), mul);  // lanes 1, 3, 5, 7
+  lo = _mm256_blend_epi32(even, _mm256_slli_epi64(odd, 32), 0xAA);
+  hi = _mm256_blend_epi32(_mm256_srli_epi64(even, 32), odd, 0xAA);
+}
+
+// The ten round keys of a seed, broadcast to 8 lanes: built once per call of the fused path
+// instead of per round of every group (measured: benchmarks/NOTES.md, CPU item 13).
+struct PhiloxKeys8 {
+  __m256i k0[math::kPhiloxRounds], k1[math::kPhiloxRounds];
+  explicit PhiloxKeys8(uint64_t seed) {
+    uint32_t a = static_cast<uint32_t>(seed), b = static_cast<uint32_t>(seed >> 32);
+    for (int round = 0; round < math::kPhiloxRounds; ++round) {
+      k0[round] = _mm256_set1_epi32(static_cast<int>(a));
+      k1[round] = _mm256_set1_epi32(static_cast<int>(b));
+      a += math::kPhiloxWeyl0;
+      b += math::kPhiloxWeyl1;
+    }
+  }
+};
+
+// Ten rounds of philox4x32_10 (posenc/math/philox.h: same rounds and constants) on the 8
+// counters (v0, v1, v2, v3)[lane] at once.
+inline void philox8_rounds(const PhiloxKeys8& keys, __m256i& v0, __m256i& v1, __m256i& v2,
+                           __m256i& v3) {
+  const __m256i mul0 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul0));
+  const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul1));
+  for (int round = 0; round < math::kPhiloxRounds; ++round) {
+    __m256i hi0, lo0, hi1, lo1;
+    mulhilo8(v0, mul0, hi0, lo0);
+    mulhilo8(v2, mul1, hi1, lo1);
+    v0 = _mm256_xor_si256(_mm256_xor_si256(hi1, v1), keys.k0[round]);
+    v1 = lo1;
+    v2 = _mm256_xor_si256(_mm256_xor_si256(hi0, v3), keys.k1[round]);
+    v3 = lo0;
+  }
+}
+
+// The counters of 8 consecutive blocks from block0, whose indices share their high word
+// (dropout_counter's layout: offset/4 lo/hi, block lo/hi).
+inline void philox8_counters(uint64_t offset, uint64_t block0, __m256i& v0, __m256i& v1,
+                             __m256i& v2, __m256i& v3) {
+  v0 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 2)));
+  v1 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 34)));
+  v2 = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0))),
+                        _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  v3 = _mm256_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0 >> 32)));
+}
+
+// 4 x 8 transpose of 32-bit words, rows v0..v3 (one per word) to block order: words[k]
+// holds blocks 2k and 2k + 1, i.e. the 16-bit values of elements 16 k .. 16 k + 15 of the
+// 8 blocks in element order (dropout_lane_bits order on little-endian x86).
+inline void philox8_transpose(__m256i v0, __m256i v1, __m256i v2, __m256i v3,
+                              __m256i (&words)[4]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(v0, v1), t1 = _mm256_unpackhi_epi32(v0, v1);
+  const __m256i t2 = _mm256_unpacklo_epi32(v2, v3), t3 = _mm256_unpackhi_epi32(v2, v3);
+  const __m256i b04 = _mm256_unpacklo_epi64(t0, t2), b15 = _mm256_unpackhi_epi64(t0, t2);
+  const __m256i b26 = _mm256_unpacklo_epi64(t1, t3), b37 = _mm256_unpackhi_epi64(t1, t3);
+  words[0] = _mm256_permute2x128_si256(b04, b15, 0x20);
+  words[1] = _mm256_permute2x128_si256(b26, b37, 0x20);
+  words[2] = _mm256_permute2x128_si256(b04, b15, 0x31);
+  words[3] = _mm256_permute2x128_si256(b26, b37, 0x31);
+}
+
+// philox4x32_10 on 8 counters at once; writes the 8 blocks' bits in element order: block
+// i's words (c0, c1, c2, c3)[i] at bits + 8 * i, which on little-endian x86 is
+// dropout_lane_bits order.
+void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
+                  uint16_t* bits) {
+  alignas(32) uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+  __m256i v0, v1, v2, v3;
+  if (static_cast<uint32_t>(block0) <= 0xFFFFFFFFu - kLanes) {
+    // The usual case: the 8 block indices share their high word.
+    philox8_counters(offset, block0, v0, v1, v2, v3);
+  } else {
+    for (int i = 0; i < kLanes; ++i) math::dropout_counter(offset, block0 + i, c0[i], c1[i], c2[i], c3[i]);
+    v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0));
+    v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c1));
+    v2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c2));
+    v3 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c3));
+  }
+  philox8_rounds(PhiloxKeys8(seed), v0, v1, v2, v3);
+  if (lanes == kLanes) {
+    __m256i words[4];
+    philox8_transpose(v0, v1, v2, v3, words);
+    __m256i* out = reinterpret_cast<__m256i*>(bits);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_si256(out + k, words[k]);
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c0), v0);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c1), v1);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c2), v2);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3), v3);
+    store_block_bits(c0, c1, c2, c3, lanes, bits);
+  }
+}
+
+// float32 dropout applied straight from the Philox registers in one pass, with no bits or
+// factors arrays in between (those were two more passes over an L1 chunk: bits ->
+// factors -> multiply, benchmarks/NOTES.md items 5 and 11): for elements [first, first +
+// done) of the call, v = src * (kept ? scale : 0), stored to dst (kStore) and/or added to
+// acc (kAcc). Does whole groups of 8 blocks (64 elements) from the start and returns `done`;
+// the caller does the rest through the general path. The same bits, keep test (bits16 >=
+// threshold) and product as dropout_factors + combine: bit for bit that path's results
+// (tests/python/test_add_position_dropout_bits.py).
+template <bool kStore, bool kAcc>
+int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const float* src,
+                        float* dst, float* acc) {
+  constexpr int64_t B = math::kDropoutBlock;
+  constexpr int64_t kGroup = kLanes * B;  // 64 elements
+  // A threshold of 65536 (p rounds to 1) does not fit the 16-bit compare: general path.
+  if (first % B != 0 || draw.threshold > 0xFFFFu) return 0;
+  const __m256i threshold =
+      _mm256_set1_epi16(static_cast<short>(static_cast<uint16_t>(draw.threshold)));
+  const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
+  const PhiloxKeys8 keys(draw.seed);
+  uint64_t block = static_cast<uint64_t>(first / B);
+  int64_t done = 0;
+  for (; done + kGroup <= n && static_cast<uint32_t>(block) <= 0xFFFFFFFFu - kLanes;
+       done += kGroup, block += kLanes) {
+    __m256i v0, v1, v2, v3, words[4];
+    philox8_counters(draw.offset, block, v0, v1, v2, v3);
+    philox8_rounds(keys, v0, v1, v2, v3);
+    philox8_transpose(v0, v1, v2, v3, words);
+    for (int k = 0; k < 4; ++k) {
+      // 0xFFFF where bits >= threshold (unsigned), widened to one 32-bit lane per element.
+      const __m256i keep16 = _mm256_cmpeq_epi16(_mm256_max_epu16(words[k], threshold), words[k]);
+      const __m256i keep[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(keep16)),
+                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(keep16, 1))};
+      for (int h = 0; h < 2; ++h) {
+        const int64_t at = done + 16 * k + 8 * h;
+        const __m256 factor = _mm256_and_ps(_mm256_castsi256_ps(keep[h]), scale);
+        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + at), factor);
+#if defined(__GNUC__)
+        // The product is rounded before the sum, as grad_x holds it: without this GCC
+        // contracts the mul and the add below into one FMA when v is not stored (kAcc
+        // only), and the table gradient would then differ with and without grad_x.
+        __asm__("" : "+x"(v));
+#endif
+        if constexpr (kStore) _mm256_storeu_ps(dst + at, v);
+        if constexpr (kAcc) _mm256_storeu_ps(acc + at, _mm256_add_ps(_mm256_loadu_ps(acc + at), v));
+      }
+    }
+  }
+  return done;
+}
+
+// The 8 factors of one byte of the saved keep mask: the byte broadcast to 8 lanes, lane i
+// all ones where bit i is set (kept), AND the scale; 0 elsewhere.
+inline __m256 keep_byte_factors(uint8_t byte, __m256 scale) {
+  const __m256i lane_bit = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i keep =
+      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(byte), lane_bit), lane_bit);
+  return _mm256_and_ps(_mm256_castsi256_ps(keep), scale);
+}
+
+// masked_f32_avx2's product and stores with the factors read from the saved keep mask
+// (bits[k / 8] bit k % 8 for element k, from a byte boundary): whole bytes (8 elements)
+// from the start; returns the count done. The same factors and product as the general
+// path (keep_bits_factors + multiply), so the same results bit for bit.
+template <bool kStore, bool kAcc>
+int64_t masked_bits_f32_avx2(const uint8_t* bits, float scale_f, int64_t n, const float* src,
+                             float* dst, float* acc) {
+  const __m256 scale = _mm256_set1_ps(scale_f);
+  int64_t done = 0;
+  for (; done + 8 <= n; done += 8) {
+    __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + done), keep_byte_factors(bits[done / 8], scale));
+#if defined(__GNUC__)
+    __asm__("" : "+x"(v));  // rounded before the sum, as in masked_f32_avx2
+#endif
+    if constexpr (kStore) _mm256_storeu_ps(dst + done, v);
+    if constexpr (kAcc) _mm256_storeu_ps(acc + done, _mm256_add_ps(_mm256_loadu_ps(acc + done), v));
+  }
+  return done;
+}
+#else
+void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
+                  uint16_t* bits) {
+  uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
+  for (int i = 0; i < kLanes; ++i) math::dropout_counter(offset, block0 + i, c0[i], c1[i], c2[i], c3[i]);
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  for (int round = 0; round < math::kPhiloxRounds; ++round) {
+    for (int i = 0; i < kLanes; ++i) math::philox_round(c0[i], c1[i], c2[i], c3[i], k0, k1);
+    k0 += math::kPhiloxWeyl0;
+    k1 += math::kPhiloxWeyl1;
+  }
+  store_block_bits(c0, c1, c2, c3, lanes, bits);
+}
+#endif
+
+#if defined(CPU_CAPABILITY_AVX2) && (defined(__GNUC__) || defined(__clang__))
+#define POSENC_AVX512_PHILOX 1
+constexpr int kWideLanes = 16;  // Philox counters per AVX-512 pass
+
+// The AVX-512 form of philox8_bits for 16 whole blocks whose indices share their high
+// word: the same rounds on 16 lanes, the two XORs of each half-round in one ternary-logic
+// instruction. Compiled for AVX-512 by attribute (the file targets AVX2) and called only
+// when the CPU reports AVX-512F/BW/VL at run time; gtest compares its bits with the scalar
+// header's (DropoutMask.CpuKernelDrawsTheSharedScalarBits).
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic push
+// GCC 12's avx512fintrin.h builds set1/setr from a self-initialised vector and then warns
+// about it under -Wuninitialized; nothing here reads an uninitialised value.
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void philox16_bits(uint64_t seed,
+                                                                        uint64_t offset,
+                                                                        uint64_t block0,
+                                                                        uint16_t* bits) {
+  __m512i v0 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 2)));
+  __m512i v1 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(offset >> 34)));
+  __m512i v2 = _mm512_add_epi32(_mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0))),
+                                _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13,
+                                                  14, 15));
+  __m512i v3 = _mm512_set1_epi32(static_cast<int>(static_cast<uint32_t>(block0 >> 32)));
+  uint32_t k0 = static_cast<uint32_t>(seed), k1 = static_cast<uint32_t>(seed >> 32);
+  const __m512i mul0 = _mm512_set1_epi32(static_cast<int>(math::kPhiloxMul0));
+  const __m512i mul1 = _mm512_set1_epi32(static_cast<int>(math::kPhiloxMul1));
+  constexpr __mmask16 kOdd = 0xAAAA;
+  for (int round = 0; round < math::kPhiloxRounds; ++round) {
+    // (hi, lo) of the 32x32 -> 64-bit products: even lanes, then odd lanes shifted down.
+    const __m512i e0 = _mm512_mul_epu32(v0, mul0);
+    const __m512i o0 = _mm512_mul_epu32(_mm512_srli_epi64(v0, 32), mul0);
+    const __m512i e1 = _mm512_mul_epu32(v2, mul1);
+    const __m512i o1 = _mm512_mul_epu32(_mm512_srli_epi64(v2, 32), mul1);
+    const __m512i lo0 = _mm512_mask_blend_epi32(kOdd, e0, _mm512_slli_epi64(o0, 32));
+    const __m512i hi0 = _mm512_mask_blend_epi32(kOdd, _mm512_srli_epi64(e0, 32), o0);
+    const __m512i lo1 = _mm512_mask_blend_epi32(kOdd, e1, _mm512_slli_epi64(o1, 32));
+    const __m512i hi1 = _mm512_mask_blend_epi32(kOdd, _mm512_srli_epi64(e1, 32), o1);
+    // 0x96: a ^ b ^ c.
+    v0 = _mm512_ternarylogic_epi32(hi1, v1, _mm512_set1_epi32(static_cast<int>(k0)), 0x96);
+    v1 = lo1;
+    v2 = _mm512_ternarylogic_epi32(hi0, v3, _mm512_set1_epi32(static_cast<int>(k1)), 0x96);
+    v3 = lo0;
+    k0 += math::kPhiloxWeyl0;
+    k1 += math::kPhiloxWeyl1;
+  }
+  // 4 x 16 transpose of 32-bit words to block order (block i's four words at bits + 8 i):
+  // within each 128-bit lane as in philox8_bits (A holds blocks 0, 4, 8, 12; B 1, 5, ...),
+  // then a 4 x 4 transpose of the 128-bit lanes.
+  const __m512i t0 = _mm512_unpacklo_epi32(v0, v1), t1 = _mm512_unpackhi_epi32(v0, v1);
+  const __m512i t2 = _mm512_unpacklo_epi32(v2, v3), t3 = _mm512_unpackhi_epi32(v2, v3);
+  const __m512i a = _mm512_unpacklo_epi64(t0, t2), b = _mm512_unpackhi_epi64(t0, t2);
+  const __m512i c = _mm512_unpacklo_epi64(t1, t3), d = _mm512_unpackhi_epi64(t1, t3);
+  const __m512i ab01 = _mm512_shuffle_i32x4(a, b, 0x44), cd01 = _mm512_shuffle_i32x4(c, d, 0x44);
+  const __m512i ab23 = _mm512_shuffle_i32x4(a, b, 0xEE), cd23 = _mm512_shuffle_i32x4(c, d, 0xEE);
+  _mm512_storeu_si512(bits + 0 * 32, _mm512_shuffle_i32x4(ab01, cd01, 0x88));
+  _mm512_storeu_si512(bits + 1 * 32, _mm512_shuffle_i32x4(ab01, cd01, 0xDD));
+  _mm512_storeu_si512(bits + 2 * 32, _mm512_shuffle_i32x4(ab23, cd23, 0x88));
+  _mm512_storeu_si512(bits + 3 * 32, _mm512_shuffle_i32x4(ab23, cd23, 0xDD));
+}
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC diagnostic pop
+#endif
+
+// AVX-512F/BW/VL present and not capped by POSENC_CPU_CAPABILITY (cpu_capability.h).
+bool cpu_has_avx512() {
+  static const bool has = cpu_capability() == CpuCapability::kAvx512;
+  return has;
+}
+#endif
+
+// masked_f32_avx2 where it applies: returns the count of leading elements it did, 0
+// elsewhere (other dtypes, no dropout, the plain build, and CPUs with AVX-512, which keep
+// the 16-lane Philox of dropout_bits and the separate passes: not measured against this
+// path, no such CPU at hand).
+template <bool kStore, bool kAcc, typename scalar_t, typename acc_t>
+int64_t masked_fast(const DropoutArgs& draw, int64_t first, int64_t n, const scalar_t* src,
+                    scalar_t* dst, acc_t* acc) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    if (draw.keep_bits != nullptr) return 0;  // masked_saved_fast's case
+#if defined(POSENC_AVX512_PHILOX)
+    const bool avx512 = cpu_has_avx512();
+#else
+    const bool avx512 = false;
+#endif
+    if (draw.active && !avx512) return masked_f32_avx2<kStore, kAcc>(draw, first, n, src, dst, acc);
+  }
+#endif
+  (void)draw, (void)first, (void)n, (void)src, (void)dst, (void)acc;
+  return 0;
+}
+
+// masked_bits_f32_avx2 where it applies (float32, saved mask, AVX2 build): elements
+// [j, j + n) of row r; returns the count of leading elements done, 0 elsewhere.
+template <bool kStore, bool kAcc, typename scalar_t, typename acc_t>
+int64_t masked_saved_fast(const DropoutArgs& draw, int64_t d, int64_t r, int64_t j, int64_t n,
+                          const scalar_t* src, scalar_t* dst, acc_t* acc) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
+    if (draw.keep_bits != nullptr) {
+      return masked_bits_f32_avx2<kStore, kAcc>(draw.keep_bits + r * keep_row_bytes(d) + j / 8,
+                                                static_cast<float>(draw.scale), n, src, dst, acc);
+    }
+  }
+#endif
+  (void)draw, (void)d, (void)r, (void)j, (void)n, (void)src, (void)dst, (void)acc;
+  return 0;
+}
+
+// 16 random bits for each element of dropout blocks [block0, block0 + nblocks).
+void dropout_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t nblocks,
+                  uint16_t* bits) {
+  int64_t b = 0;
+#if defined(POSENC_AVX512_PHILOX)
+  if (cpu_has_avx512()) {
+    // Whole groups of 16 blocks whose indices share their high word; the rest below.
+    for (; b + kWideLanes <= nblocks &&
+           static_cast<uint32_t>(block0 + b) <= 0xFFFFFFFFu - kWideLanes;
+         b += kWideLanes) {
+      philox16_bits(seed, offset, block0 + b, bits + b * math::kDropoutBlock);
+    }
+  }
+#endif
+  for (; b < nblocks; b += kLanes) {
+    philox8_bits(seed, offset, block0 + b, std::min<int64_t>(kLanes, nblocks - b),
+                 bits + b * math::kDropoutBlock);
+  }
+}
+
+// factors[k] = scale or 0 for elements first .. first + n - 1 of the call (n <= kChunk).
+template <typename acc_t>
+void dropout_factors(const DropoutArgs& draw, int64_t first, int64_t n, acc_t* factors) {
+  constexpr int64_t B = math::kDropoutBlock;
+  alignas(64) uint16_t bits[kChunk + 2 * B * kLanes];
+  const int64_t block0 = first / B;
+  const int64_t nblocks = (first + n + B - 1) / B - block0;
+  dropout_bits(draw.seed, draw.offset, static_cast<uint64_t>(block0), nblocks, bits);
+  const uint16_t* mine = bits + (first - block0 * B);
+  const acc_t scale = static_cast<acc_t>(draw.scale);
+  const uint32_t threshold = draw.threshold;
+  for (int64_t k = 0; k < n; ++k) factors[k] = mine[k] >= threshold ? scale : acc_t(0);
+}
+
+// The saved keep mask (DropoutArgs): bits[k / 8] bit k % 8 = (factors[k] != 0) for k < n,
+// from a byte boundary; the padding bits of a last partial byte are 0. A kept element's
+// factor is the scale, which is > 0 (p < 1; for p == 1 nothing is kept).
+template <typename acc_t>
+void pack_keep_bits(const acc_t* factors, int64_t n, uint8_t* bits) {
+  int64_t k = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (; k + 8 <= n; k += 8) {
+      const __m256 kept = _mm256_cmp_ps(_mm256_loadu_ps(factors + k), zero, _CMP_NEQ_UQ);
+      bits[k / 8] = static_cast<uint8_t>(_mm256_movemask_ps(kept));
+    }
+  }
+#endif
+  for (; k < n; k += 8) {
+    uint8_t byte = 0;
+    for (int64_t i = 0; i < 8 && k + i < n; ++i) {
+      byte = static_cast<uint8_t>(byte | ((factors[k + i] != acc_t(0) ? 1u : 0u) << i));
+    }
+    bits[k / 8] = byte;
+  }
+}
+
+// factors[k] = scale or 0 from the saved keep mask: bit k % 8 of bits[k / 8], k < n.
+template <typename acc_t>
+void keep_bits_factors(const uint8_t* bits, int64_t n, acc_t scale, acc_t* factors) {
+  int64_t k = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {
+    const __m256 vscale = _mm256_set1_ps(scale);
+    for (; k + 8 <= n; k += 8) _mm256_storeu_ps(factors + k, keep_byte_factors(bits[k / 8], vscale));
+  }
+#endif
+  for (; k < n; ++k) factors[k] = ((bits[k >> 3] >> (k & 7)) & 1) != 0 ? scale : acc_t(0);
+}
+
+// The factors of elements [j, j + n) of row r (j a multiple of 8 when the mask is saved):
+// read from the saved mask when there is one, else regenerated from the key.
+template <typename acc_t>
+void row_factors(const DropoutArgs& draw, int64_t d, int64_t r, int64_t j, int64_t n,
+                 acc_t* factors) {
+  if (draw.keep_bits != nullptr) {
+    keep_bits_factors<acc_t>(draw.keep_bits + r * keep_row_bytes(d) + j / 8, n,
+                             static_cast<acc_t>(draw.scale), factors);
+  } else {
+    dropout_factors<acc_t>(draw, r * d + j, n, factors);
+  }
+}
+
+// bfloat16/float16 widened to float (and narrowed back) a whole vector at a time.
+template <typename T, typename acc_t>
+constexpr bool kReducedToFloat =
+    std::is_same_v<acc_t, float> && (std::is_same_v<T, c10::BFloat16> || std::is_same_v<T, c10::Half>);
+
+template <typename T, typename acc_t>
+Vectorized<acc_t> load_as(const T* src, int64_t n) {
+  constexpr int64_t W = Vectorized<acc_t>::size();
+  if constexpr (std::is_same_v<T, acc_t>) {
+    return n == W ? Vectorized<acc_t>::loadu(src) : Vectorized<acc_t>::loadu(src, n);
+  } else if constexpr (kReducedToFloat<T, acc_t>) {
+    Vectorized<float> v;
+    if (n == W) {
+      at::vec::load_to_float<T>(src, v);
+    } else {
+      alignas(64) T buf[W] = {};
+      std::copy(src, src + n, buf);
+      at::vec::load_to_float<T>(buf, v);
+    }
+    return v;
+  } else {
+    alignas(64) acc_t buf[W] = {};
+    for (int64_t k = 0; k < n; ++k) buf[k] = static_cast<acc_t>(src[k]);
+    return Vectorized<acc_t>::loadu(buf);
+  }
+}
+
+template <typename T, typename acc_t>
+void store_as(const Vectorized<acc_t>& v, T* dst, int64_t n) {
+  constexpr int64_t W = Vectorized<acc_t>::size();
+  if constexpr (std::is_same_v<T, acc_t>) {
+    if (n == W) v.store(dst); else v.store(dst, n);
+  } else if constexpr (kReducedToFloat<T, acc_t>) {
+    at::vec::convert_from_float<T>(v, v).store(dst, n);  // the first n of 2 W narrowed
+  } else {
+    alignas(64) acc_t buf[W];
+    v.store(buf);
+    for (int64_t k = 0; k < n; ++k) dst[k] = static_cast<T>(buf[k]);
+  }
+}
+
+// out[j] = (x[j] + t[j]) * factors[j] for j < n, for a table (kTable) and factors
+// (kScale) known at compile time. Four vectors per iteration while they are full: the
+// loop streams x and out through memory, and the wider body keeps more loads in flight
+// (measured: benchmarks/NOTES.md, CPU items 10 and 13).
+template <bool kTable, bool kScale, typename scalar_t, typename table_t, typename acc_t>
+void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t* out, int64_t n) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  constexpr int64_t kUnroll = 4;
+  auto value = [&](int64_t j, int64_t m) {
+    Vec v = load_as<scalar_t, acc_t>(x + j, m);
+    if constexpr (kTable) v = v + load_as<table_t, acc_t>(t + j, m);
+    if constexpr (kScale) v = v * load_as<acc_t, acc_t>(factors + j, m);
+    return v;
+  };
+  int64_t j = 0;
+  for (; j + kUnroll * W <= n; j += kUnroll * W) {
+    Vec v[kUnroll];
+    for (int64_t u = 0; u < kUnroll; ++u) v[u] = value(j + u * W, W);
+    for (int64_t u = 0; u < kUnroll; ++u) store_as<scalar_t, acc_t>(v[u], out + j + u * W, W);
+  }
+  for (; j < n; j += W) {
+    const int64_t m = std::min<int64_t>(W, n - j);
+    store_as<scalar_t, acc_t>(value(j, m), out + j, m);
+  }
+}
+
+// The same with t and factors possibly null (no table row, no dropout).
+template <typename scalar_t, typename table_t, typename acc_t>
+void combine(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t* out, int64_t n) {
+  if (t != nullptr) {
+    if (factors != nullptr) combine_as<true, true>(x, t, factors, out, n);
+    else combine_as<true, false>(x, t, factors, out, n);
+  } else {
+    if (factors != nullptr) combine_as<false, true>(x, t, factors, out, n);
+    else combine_as<false, false>(x, t, factors, out, n);
+  }
+}
+
+// The table row that output row r reads.
+inline int64_t row_position(const AddPositionArgs& g, const int64_t* positions, int64_t r) {
+  const int64_t b = g.batch_first ? r / g.seq : r % g.batch;
+  const int64_t s = g.batch_first ? r % g.seq : r / g.batch;
+  return positions != nullptr ? positions[b * g.positions_batch_stride + s] : g.offset + s;
+}
+
+}  // namespace
+
+template <typename scalar_t, typename table_t>
+void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_t* table,
+                       const int64_t* positions, const DropoutArgs& draw, scalar_t* out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const int64_t rows = g.batch * g.seq;
+  const int64_t d = g.d;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) acc_t factors[kChunk];
+    for (int64_t r = begin; r < end; ++r) {
+      const int64_t pos = row_position(g, positions, r);
+      const scalar_t* x_row = x + r * d;
+      const table_t* t_row = table + pos * d;
+      scalar_t* o_row = out + r * d;
+      for (int64_t j = 0; j < d; j += kChunk) {
+        const int64_t n = std::min(kChunk, d - j);
+        if (draw.active) {
+          dropout_factors<acc_t>(draw, r * d + j, n, factors);
+          if (draw.keep_bits_out != nullptr) {
+            pack_keep_bits<acc_t>(factors, n, draw.keep_bits_out + r * keep_row_bytes(d) + j / 8);
+          }
+        }
+        combine<scalar_t, table_t, acc_t>(x_row + j, t_row + j, draw.active ? factors : nullptr,
+                                          o_row + j, n);
+      }
+    }
+  });
+}
+
+template <typename scalar_t, typename acc_t>
+void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
+                                const int64_t* positions, const DropoutArgs& draw,
+                                scalar_t* grad_x, acc_t* grad_table) {
+  using Vec = Vectorized<acc_t>;
+  constexpr int64_t W = Vec::size();
+  const int64_t d = g.d;
+
+  // Masked gradient of n elements of row r from column j0 (a multiple of 8, as the saved
+  // mask's byte reads need: column ranges start at multiples of 16, pieces at kChunk): written
+  // to grad_x (if wanted) and added to acc (n accumulators). The mask is read from the saved
+  // bits, or regenerated from the row's flat index. The fast paths (float32, AVX2) do whole
+  // groups from the start in one pass (masked_saved_fast 8 elements, masked_fast 64); the
+  // general path below does the rest (all of it elsewhere).
+  auto masked_row_into = [&](int64_t r, int64_t j0, int64_t n, acc_t* factors, acc_t* acc) {
+    const int64_t first = r * d + j0;
+    int64_t done = grad_x != nullptr
+        ? masked_saved_fast<true, true>(draw, d, r, j0, n, grad + first, grad_x + first, acc)
+        : masked_saved_fast<false, true>(draw, d, r, j0, n, grad + first, grad_x, acc);
+    if (done == 0) {
+      done = grad_x != nullptr
+          ? masked_fast<true, true>(draw, first, n, grad + first, grad_x + first, acc)
+          : masked_fast<false, true>(draw, first, n, grad + first, grad_x, acc);
+    }
+    if (done == n) return;
+    if (draw.active) row_factors<acc_t>(draw, d, r, j0 + done, n - done, factors);
+    for (int64_t k = done; k < n; k += W) {
+      const int64_t m = std::min<int64_t>(W, n - k);
+      Vec v = load_as<scalar_t, acc_t>(grad + first + k, m);
+      if (draw.active) v = v * load_as<acc_t, acc_t>(factors + (k - done), m);
+      if (grad_x != nullptr) store_as<scalar_t, acc_t>(v, grad_x + first + k, m);
+      store_as<acc_t, acc_t>(load_as<acc_t, acc_t>(acc + k, m) + v, acc + k, m);
+    }
+  };
+  auto row_of = [&](int64_t b, int64_t s) { return g.batch_first ? b * g.seq + s : s * g.batch + b; };
+
+  if (positions == nullptr || g.positions_batch_stride == 0) {
+    // The table row depends on s only: sum over the batch into accumulators of a block of
+    // s (at most kAccElems values, 512 KiB of float32: L2-resident), then add each s once to
+    // its row. Large blocks because, with batch_first, rows (b, s0..s1) are one contiguous
+    // run of grad, and long runs are what the hardware prefetchers stream (the block sizes
+    // measured: benchmarks/NOTES.md, CPU items 12 and 13). Without
+    // positions the blocks are also capped at seq / threads rows, so that every thread gets
+    // one.
+    // Without positions every s has its own row, so s blocks can be split over threads;
+    // with (S,) positions two s may share a row, so threads own columns instead. Each table
+    // entry is summed in a fixed order (b ascending into acc, then s ascending into the
+    // table): deterministic, whatever the loop order below. The loop order follows memory:
+    // with batch_first, rows (b, s0..s1) are contiguous, so b is the outer loop.
+    constexpr int64_t kAccElems = 131072;
+    const bool unique = positions == nullptr;
+    const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+    const int64_t width = unique ? d : std::max<int64_t>(64, ((d + threads - 1) / threads + 15) / 16 * 16);
+    const int64_t ranges = (d + width - 1) / width;
+    // At most the rows there are (the accumulators are allocated per call).
+    int64_t block_s = std::clamp<int64_t>(kAccElems / std::min(width, d), 1, std::max<int64_t>(1, g.seq));
+    if (unique) block_s = std::min(block_s, std::max<int64_t>(1, (g.seq + threads - 1) / threads));
+    const int64_t s_grain = unique ? block_s : g.seq;
+    at::parallel_for(0, ranges * ((g.seq + s_grain - 1) / s_grain), 1, [&](int64_t begin, int64_t end) {
+      alignas(64) acc_t factors[kChunk];
+      // Uninitialised: each block of s zeroes the part it uses just below.
+      const std::unique_ptr<acc_t[]> acc_buffer(new acc_t[static_cast<size_t>(block_s * std::min(width, d))]);
+      acc_t* acc = acc_buffer.get();
+      for (int64_t task = begin; task < end; ++task) {
+        const int64_t c = task % ranges;
+        const int64_t j_begin = c * width;
+        const int64_t j_end = std::min(d, j_begin + width);
+        const int64_t wc = j_end - j_begin;
+        const int64_t s_begin = (task / ranges) * s_grain;
+        const int64_t s_end = std::min(g.seq, s_begin + s_grain);
+        for (int64_t s0 = s_begin; s0 < s_end; s0 += block_s) {
+          const int64_t s1 = std::min(s_end, s0 + block_s);
+          std::fill(acc, acc + (s1 - s0) * wc, acc_t(0));
+          auto add_row = [&](int64_t b, int64_t s) {
+            for (int64_t j0 = j_begin; j0 < j_end; j0 += kChunk) {
+              masked_row_into(row_of(b, s), j0, std::min(kChunk, j_end - j0), factors,
+                              acc + (s - s0) * wc + (j0 - j_begin));
+            }
+          };
+          if (g.batch_first) {
+            for (int64_t b = 0; b < g.batch; ++b)
+              for (int64_t s = s0; s < s1; ++s) add_row(b, s);
+          } else {
+            for (int64_t s = s0; s < s1; ++s)
+              for (int64_t b = 0; b < g.batch; ++b) add_row(b, s);
+          }
+          for (int64_t s = s0; s < s1; ++s) {
+            const int64_t pos = positions != nullptr ? positions[s] : g.offset + s;
+            acc_t* t_row = grad_table + pos * d + j_begin;
+            const acc_t* a_row = acc + (s - s0) * wc;
+            for (int64_t k = 0; k < wc; ++k) t_row[k] += a_row[k];
+          }
+        }
+      }
+    });
+    return;
+  }
+
+  // (B, S) positions: any two rows may share a table row. Threads own column ranges and
+  // walk the rows in order, accumulating straight into the table: deterministic.
+  const int64_t rows = g.batch * g.seq;
+  const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
+  const int64_t width = std::max<int64_t>(64, ((d + threads - 1) / threads + 15) / 16 * 16);
+  const int64_t ranges = (d + width - 1) / width;
+  at::parallel_for(0, ranges, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) acc_t factors[kChunk];
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t j_end = std::min(d, (c + 1) * width);
+      for (int64_t j0 = c * width; j0 < j_end; j0 += kChunk) {
+        const int64_t n = std::min(kChunk, j_end - j0);
+        for (int64_t r = 0; r < rows; ++r) {
+          masked_row_into(r, j0, n, factors, grad_table + row_position(g, positions, r) * d + j0);
+        }
+      }
+    }
+  });
+}
+
+// grad * mask * scale in pieces of up to kChunk elements. With the saved mask the pieces
+// are (row, columns) ones, since the mask's rows start on byte boundaries; without it the
+// regenerated mask depends on the flat index only, so the whole tensor is one "row" and
+// short rows do not cut the pieces (and masked_fast's 64-element groups) short. Either way
+// each element gets the same factor and one rounded product.
+template <typename scalar_t>
+void dropout_backward(const scalar_t* grad, int64_t rows, int64_t d, const DropoutArgs& draw,
+                      scalar_t* out) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const bool saved = draw.keep_bits != nullptr;
+  const int64_t row_len = saved ? d : rows * d;
+  const int64_t walk_rows = saved ? rows : 1;
+  if (row_len == 0 || walk_rows == 0) return;
+  const int64_t pieces_per_row = (row_len + kChunk - 1) / kChunk;
+  const int64_t grain = std::max<int64_t>(1, 16 * kChunk / std::min(row_len, kChunk));
+  at::parallel_for(0, walk_rows * pieces_per_row, grain, [&](int64_t begin, int64_t end) {
+    alignas(64) acc_t factors[kChunk];
+    for (int64_t piece = begin; piece < end; ++piece) {
+      const int64_t r = piece / pieces_per_row;
+      const int64_t j = (piece - r * pieces_per_row) * kChunk;
+      const int64_t m = std::min(kChunk, row_len - j);
+      const int64_t first = r * row_len + j;
+      const int64_t done =
+          saved ? masked_saved_fast<true, false, scalar_t, acc_t>(draw, row_len, r, j, m, grad + first,
+                                                                  out + first, nullptr)
+                : masked_fast<true, false, scalar_t, acc_t>(draw, first, m, grad + first, out + first,
+                                                            nullptr);
+      if (done == m) continue;
+      row_factors<acc_t>(draw, row_len, r, j + done, m - done, factors);
+      combine<scalar_t, scalar_t, acc_t>(grad + first + done, nullptr, factors, out + first + done,
+                                         m - done);
+    }
+  });
+}
+
+#define POSENC_INSTANTIATE(scalar_t, table_t)                                              \
+  template void add_position_rows<scalar_t, table_t>(const AddPositionArgs&,            \
+                                                     const scalar_t*, const table_t*,       \
+                                                     const int64_t*, const DropoutArgs&,    \
+                                                     scalar_t*);
+POSENC_INSTANTIATE(float, float)
+POSENC_INSTANTIATE(double, double)
+POSENC_INSTANTIATE(double, float)
+POSENC_INSTANTIATE(c10::Half, c10::Half)
+POSENC_INSTANTIATE(c10::Half, float)
+POSENC_INSTANTIATE(c10::BFloat16, c10::BFloat16)
+POSENC_INSTANTIATE(c10::BFloat16, float)
+#undef POSENC_INSTANTIATE
+
+#define POSENC_INSTANTIATE_BACKWARD(scalar_t, acc_t)                                      \
+  template void add_position_backward_rows<scalar_t, acc_t>(                                \
+      const AddPositionArgs&, const scalar_t*, const int64_t*, const DropoutArgs&,       \
+      scalar_t*, acc_t*);
+POSENC_INSTANTIATE_BACKWARD(float, float)
+POSENC_INSTANTIATE_BACKWARD(double, double)
+POSENC_INSTANTIATE_BACKWARD(c10::Half, float)
+POSENC_INSTANTIATE_BACKWARD(c10::BFloat16, float)
+#undef POSENC_INSTANTIATE_BACKWARD
+
+template void dropout_backward<float>(const float*, int64_t, int64_t,
+                                          const DropoutArgs&, float*);
+template void dropout_backward<double>(const double*, int64_t, int64_t,
+                                          const DropoutArgs&, double*);
+template void dropout_backward<c10::Half>(const c10::Half*, int64_t, int64_t,
+                                          const DropoutArgs&, c10::Half*);
+template void dropout_backward<c10::BFloat16>(const c10::BFloat16*, int64_t, int64_t,
+                                          const DropoutArgs&, c10::BFloat16*);
+
+namespace {
+
+void add_position_forward_kernel(const AddPositionArgs& g, c10::ScalarType dtype,
+                                 bool wide_table, const void* x, const void* table,
+                                 const int64_t* positions, const DropoutArgs& draw, void* out) {
+  dispatch_floating(dtype, "posenc_add_position_cpu", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    using wide_t = at::opmath_type<scalar_t>;
+    const auto* xs = static_cast<const scalar_t*>(x);
+    auto* os = static_cast<scalar_t*>(out);
+    if (wide_table) {
+      add_position_rows<scalar_t, wide_t>(g, xs, static_cast<const wide_t*>(table), positions,
+                                          draw, os);
+    } else {
+      add_position_rows<scalar_t, scalar_t>(g, xs, static_cast<const scalar_t*>(table),
+                                            positions, draw, os);
+    }
+  });
+}
+
+void add_position_backward_kernel(const AddPositionArgs& g, c10::ScalarType dtype,
+                                  const void* grad, const int64_t* positions,
+                                  const DropoutArgs& draw, void* grad_x, void* grad_table) {
+  dispatch_floating(dtype, "posenc_add_position_backward_table_cpu", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    using acc_t = at::opmath_type<scalar_t>;
+    add_position_backward_rows<scalar_t, acc_t>(g, static_cast<const scalar_t*>(grad), positions,
+                                                draw, static_cast<scalar_t*>(grad_x),
+                                                static_cast<acc_t*>(grad_table));
+  });
+}
+
+void dropout_backward_kernel(c10::ScalarType dtype, const void* grad, int64_t rows, int64_t d,
+                             const DropoutArgs& draw, void* out) {
+  dispatch_floating(dtype, "posenc_add_position_backward_cpu", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    dropout_backward<scalar_t>(static_cast<const scalar_t*>(grad), rows, d, draw,
+                               static_cast<scalar_t*>(out));
+  });
+}
+
+}  // namespace
+
+POSENC_ISA_NAMESPACE_END
+
+POSENC_REGISTER_DISPATCH(add_position_forward_stub, &add_position_forward_kernel)
+POSENC_REGISTER_DISPATCH(add_position_backward_stub, &add_position_backward_kernel)
+POSENC_REGISTER_DISPATCH(dropout_backward_stub, &dropout_backward_kernel)
+
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,44 @@
+// The ATen fallback: every posenc op also has a kernel composed of ATen ops, registered under
+// CompositeExplicitAutograd, which the dispatcher takes for every backend that has no posenc
+// kernel of its own: CUDA in a library built without the CUDA kernels (pip install on a
+// machine without nvcc), MPS, XPU and the rest. A backend kernel (CPU, CUDA, Meta) wins over
+// it, and autograd still goes through posenc's C++ autograd kernels (Autograd key), which
+// call the ops below autograd. The numbers are those of the reference formulas to the
+// device's rounding, with the same checks and messages as the kernels; dropout draws the
+// same Philox bits as the kernels (posenc/math/philox.h, in int64 tensor ops).
+//
+// POSENC_FORCE_ATEN_FALLBACK=1 (read once) leaves the CPU kernels unregistered, so that CPU
+// calls take the fallback too: how the tests check it against the kernels
+// (tests/python/test_aten_fallback.py).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+
+namespace posenc {
+namespace ops {
+
+// True when POSENC_FORCE_ATEN_FALLBACK is set to anything but "" or "0".
+bool force_aten_fallback();
+
+// The one-time warning of the fallback (the first op and device that take it).
+void warn_aten_fallback(const char* op, const at::Device& device);
+
+// The float dtype the fallback computes angles in: float64, float32 where the device has no
+// float64 (MPS).
+at::ScalarType fallback_wide_dtype(const at::Device& device);
+
+// The dropout keep decisions of elements 0 .. numel - 1 of a call with key (seed, offset)
+// and threshold (posenc/math/philox.h: keep iff the element's 16 Philox bits >= threshold),
+// as a bool tensor of `sizes` (row-major) on `device`.
+at::Tensor dropout_keep_composite(uint64_t seed, uint64_t offset, uint32_t threshold,
+                                  at::IntArrayRef sizes, const at::Device& device);
+
+// The saved keep mask of the CPU kernels (1 bit per element, rows of (d + 7) / 8 bytes:
+// ops/add_position/cpu/add_position_kernel.h, DropoutArgs) from a (B0, B1, d) bool tensor, and back.
+at::Tensor pack_keep_bits_composite(const at::Tensor& keep);
+at::Tensor unpack_keep_bits_composite(const at::Tensor& bits, int64_t d);
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,112 @@
+// Raw-pointer CPU kernel of apply_rope_cos_sin, compiled in a vector-ISA translation unit
+// once per capability (POSENC_ISA_SOURCES in CMakeLists.txt; in the AVX2 build the
+// rotation's fma is one instruction and the unit-stride loop vectorises). Tokens (batch,
+// seq) are spread over threads with at::parallel_for; each token's table row (rotary_dim
+// cos and sin values, already in the compute dtype) is read once for every head of q and
+// k. Rows whose last dimension is contiguous take a loop over pairs the compiler
+// vectorises; the rest an element loop with strides. The rotation is
+// math::rope_rotate_pair_tables, as on CUDA, in float32 (float64 for float64); transpose
+// (the backward) is a template argument, so the loops carry no branch.
+#include "ops/rope/cpu/rope_cos_sin_kernel.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
+namespace {
+
+template <typename scalar_t, typename acc_t, bool kTranspose>
+void rotate_rows(const RopeCosSinArgs& a, const RopeOperand& op, int64_t b, int64_t s,
+                 const acc_t* cs, const acc_t* sn) {
+  const int64_t rot = a.rotary_dim, half = rot / 2;
+  const auto* in = static_cast<const scalar_t*>(op.in);
+  auto* out = static_cast<scalar_t*>(op.out);
+  for (int64_t h = 0; h < op.heads; ++h) {
+    const scalar_t* x = in + b * op.in_stride[0] + s * op.in_stride[1] + h * op.in_stride[2];
+    scalar_t* y = out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
+    const int64_t xs = op.in_stride[3], ys = op.out_stride[3];
+    if (xs == 1 && ys == 1 && !a.interleaved) {
+      // Unit strides: a loop the compiler vectorises. x and y may be the same row only in
+      // place, which this op never is (its outputs are fresh tensors).
+      for (int64_t p = 0; p < half; ++p) {
+        acc_t y1, y2;
+        math::rope_rotate_pair_tables<acc_t>(
+            static_cast<acc_t>(x[p]), static_cast<acc_t>(x[p + half]), cs[p], sn[p], cs[p + half],
+            sn[p + half], kTranspose, &y1, &y2);
+        y[p] = static_cast<scalar_t>(y1);
+        y[p + half] = static_cast<scalar_t>(y2);
+      }
+    } else {
+      for (int64_t p = 0; p < half; ++p) {
+        int64_t e1, e2;
+        math::rope_pair_features(p, half, a.interleaved, &e1, &e2);
+        acc_t y1, y2;
+        math::rope_rotate_pair_tables<acc_t>(static_cast<acc_t>(x[e1 * xs]),
+                                             static_cast<acc_t>(x[e2 * xs]), cs[e1], sn[e1], cs[e2],
+                                             sn[e2], kTranspose, &y1, &y2);
+        y[e1 * ys] = static_cast<scalar_t>(y1);
+        y[e2 * ys] = static_cast<scalar_t>(y2);
+      }
+    }
+    for (int64_t e = rot; e < a.head_dim; ++e) y[e * ys] = x[e * xs];  // partial rotary
+  }
+}
+
+template <typename scalar_t, bool kTranspose>
+void tokens(const RopeCosSinArgs& a) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const auto* cos = static_cast<const acc_t*>(a.cos);
+  const auto* sin = static_cast<const acc_t*>(a.sin);
+  const int64_t heads = a.q.heads + a.k.heads;
+  const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, heads * a.head_dim));
+  at::parallel_for(0, a.batch * a.seq, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t b = t / a.seq, s = t % a.seq;
+      const int64_t row = b * a.table_batch_stride + s * a.rotary_dim;
+      rotate_rows<scalar_t, acc_t, kTranspose>(a, a.q, b, s, cos + row, sin + row);
+      if (a.k.heads > 0) rotate_rows<scalar_t, acc_t, kTranspose>(a, a.k, b, s, cos + row, sin + row);
+    }
+  });
+}
+
+}  // namespace
+
+template <typename scalar_t>
+void rope_cos_sin_tokens(const RopeCosSinArgs& a) {
+  if (a.transpose) {
+    tokens<scalar_t, true>(a);
+  } else {
+    tokens<scalar_t, false>(a);
+  }
+}
+
+template void rope_cos_sin_tokens<float>(const RopeCosSinArgs&);
+template void rope_cos_sin_tokens<double>(const RopeCosSinArgs&);
+template void rope_cos_sin_tokens<c10::Half>(const RopeCosSinArgs&);
+template void rope_cos_sin_tokens<c10::BFloat16>(const RopeCosSinArgs&);
+
+namespace {
+void rope_cos_sin_kernel(const RopeCosSinArgs& a, c10::ScalarType dtype) {
+  dispatch_floating(dtype, "posenc_apply_rope_cos_sin_cpu", [&](auto* tag) {
+    rope_cos_sin_tokens<std::remove_pointer_t<decltype(tag)>>(a);
+  });
+}
+}  // namespace
+
+POSENC_ISA_NAMESPACE_END
+
+POSENC_REGISTER_DISPATCH(rope_cos_sin_stub, &rope_cos_sin_kernel)
+
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc
