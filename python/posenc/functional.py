@@ -10,6 +10,7 @@ from torch import Tensor
 
 from posenc._dtensor import place_beside
 from posenc._rope import apply_rope, grid_positions, rope_frequencies
+from posenc._rope_append_kv import rope_append_kv
 from posenc._rope_cos_sin import apply_rope_cos_sin, rope_cos_sin
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "grid_positions",
     "make_positions",
     "resample_position_table",
+    "rope_append_kv",
     "rope_cos_sin",
     "rope_frequencies",
     "sinusoidal_2d_table",

@@ -5,3 +5,4 @@
 #include "posenc/modules.h"
 #include "posenc/ops.h"
 #include "posenc/rope.h"
+#include "posenc/rope_append_kv.h"

@@ -49,8 +49,8 @@ void check_cpu_index_values(const RopeLaunch& launch) {
                     "end at the number of tokens ", a.seq, ", got [", values.str(), "]");
 }
 
-// The kernel parameters of a checked call (rot: its resolved rotary_dim); out_q/out_k are
-// where the kernel writes (q and k themselves in place).
+}  // namespace
+
 RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor& out_q,
                                const std::optional<at::Tensor>& out_k) {
   const int64_t offset = c.concrete_offset();
@@ -116,8 +116,6 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
   check_cpu_index_values(launch);
   return launch;
 }
-
-}  // namespace
 
 void run_rope_boxed(torch::jit::Stack* stack, bool in_place, RopeOutputAllocator allocate,
                     RopeKernelRunner run) {

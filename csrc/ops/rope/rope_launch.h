@@ -47,6 +47,12 @@ struct RopeLaunch {
   at::Tensor q_in, q_out, k_in, k_out;
 };
 
+// The kernel parameters of a checked call (check_rope_structure, which gave rot, its resolved
+// rotary_dim, and check_rope_settings); out_q/out_k are where the kernel writes (q and k
+// themselves in place). CPU index values are domain-checked here. Also rope_append_kv's.
+RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor& out_q,
+                               const std::optional<at::Tensor>& out_k);
+
 // A backend: how it allocates outputs like an input, and how it launches (on q's device,
 // with q's dtype; the CUDA one sets the device guard itself).
 using RopeOutputAllocator = at::Tensor (*)(const at::Tensor& like);

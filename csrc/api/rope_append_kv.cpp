@@ -1,0 +1,52 @@
+// posenc/rope_append_kv.h: the C++ front end of the rope_append_kv ops (a boxed call through
+// the dispatcher, so CPU or CUDA by the inputs' device).
+#include "posenc/rope_append_kv.h"
+
+#include "api/rope_call_from_options.h"
+#include "ops/rope_append_kv/rope_append_kv_call.h"
+
+namespace posenc {
+namespace {
+
+ops::RopeAppendKvCall make_call(const torch::Tensor& q, const torch::Tensor& k,
+                                const torch::Tensor& v, const torch::Tensor& k_cache,
+                                const torch::Tensor& v_cache, const RopeAppendKvOptions& o) {
+  const ApplyRopeOptions rope = ApplyRopeOptions()
+                                    .positions(o.positions())
+                                    .offset(o.offset())
+                                    .offsets(o.offsets())
+                                    .base(o.base())
+                                    .interleaved(o.interleaved())
+                                    .rotary_dim(o.rotary_dim())
+                                    .scaling(o.scaling())
+                                    .layout(o.layout())
+                                    .sections(o.sections())
+                                    .sections_mode(o.sections_mode());
+  ops::RopeAppendKvCall c;
+  c.rope = detail::make_rope_call(q, k, rope, detail::rope_seq_len_argument(o.scaling()));
+  c.v = v;
+  c.k_cache = k_cache;
+  c.v_cache = v_cache;
+  c.slot_mapping = o.slot_mapping();
+  c.return_k = o.return_k();
+  return c;
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> rope_append_kv(const torch::Tensor& q,
+                                                        const torch::Tensor& k,
+                                                        const torch::Tensor& v,
+                                                        const torch::Tensor& k_cache,
+                                                        const torch::Tensor& v_cache,
+                                                        const RopeAppendKvOptions& o) {
+  return ops::call_rope_append_kv(make_call(q, k, v, k_cache, v_cache, o));
+}
+
+void rope_append_kv_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                     const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                     const RopeAppendKvOptions& o) {
+  ops::call_rope_append_kv_inplace(make_call(q, k, v, k_cache, v_cache, o));
+}
+
+}  // namespace posenc

@@ -1,0 +1,205 @@
+// The per-token pieces of the CPU RoPE kernel (rope_kernel.cpp), shared with the kernels that
+// rotate on the way to somewhere else (rope_append_kv's cache write): a token's angles and
+// positions, and the rotation of one row (at::vec paths for contiguous rows, a scalar loop
+// for any strides). Only for the vector-ISA translation units (POSENC_ISA_SOURCES): every
+// function lives in the ISA namespace (posenc/math/host_device.h).
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <limits>
+#include <type_traits>
+
+#include "ops/rope/rope_args.h"
+#include "posenc/math/host_device.h"
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
+
+using at::vec::Vectorized;
+
+// cos and sin of one token, already multiplied by the attention factor (sin negated for the
+// inverse rotation).
+template <typename acc_t>
+struct TokenAngles {
+  acc_t cs[kMaxRopePairs];
+  acc_t sn[kMaxRopePairs];
+};
+
+// The angles of a token whose position on axis a is pos[a] (one axis for plain RoPE).
+template <typename acc_t>
+void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t) {
+  const acc_t factor = static_cast<acc_t>(a.attention_factor);
+  const acc_t sign = a.inverse ? acc_t(-1) : acc_t(1);
+  for (int64_t i = 0; i < a.rotary_dim / 2; ++i) {
+    acc_t s, c;
+    math::rope_sincos<acc_t>(pos[a.pair_axis[i]], a.inv_freq[i], &s, &c);
+    t.cs[i] = c * factor;
+    t.sn[i] = s * factor * sign;
+  }
+}
+
+// The coordinates of token (b, s) on every axis; false for a packed token outside every
+// sequence.
+inline bool token_positions(const RopeArgs& a, int64_t b, int64_t s, int64_t* pos) {
+  int64_t shift = 0, restart = 0;
+  if (!rope_token_shift(a, b, s, &shift, &restart)) return false;
+  for (int64_t axis = 0; axis < a.n_axes; ++axis) {
+    pos[axis] = rope_axis_position(a, b, s, shift, restart, axis);
+  }
+  return true;
+}
+
+// Pair (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), rounded as math::rope_rotate_pair.
+template <typename scalar_t, typename acc_t>
+inline void rotate_pair(const scalar_t* in, int64_t i1, int64_t i2, scalar_t* out, int64_t o1,
+                        int64_t o2, acc_t c, acc_t s) {
+  acc_t y1, y2;
+  math::rope_rotate_pair(static_cast<acc_t>(in[i1]), static_cast<acc_t>(in[i2]), c, s, &y1, &y2);
+  out[o1] = static_cast<scalar_t>(y1);
+  out[o2] = static_cast<scalar_t>(y2);
+}
+
+// math::rope_rotate_pair on vectors: one rounded product, one fused multiply-add per output.
+template <typename Vec>
+inline Vec fma_vec(const Vec& a, const Vec& b, const Vec& c) {
+#if defined(CPU_CAPABILITY_AVX2) || defined(CPU_CAPABILITY_AVX512)
+  return at::vec::fmadd(a, b, c);
+#else
+  // The baseline's at::vec::fmadd is a * b + c rounded twice: std::fma per lane keeps the
+  // AVX2 build's bits (tests/python/test_cpu_capability.py).
+  using T = typename Vec::value_type;
+  alignas(64) T va[Vec::size()], vb[Vec::size()], vc[Vec::size()];
+  a.store(va);
+  b.store(vb);
+  c.store(vc);
+  for (int64_t i = 0; i < Vec::size(); ++i) va[i] = std::fma(va[i], vb[i], vc[i]);
+  return Vec::loadu(va);
+#endif
+}
+
+template <typename Vec>
+inline void rotate_vec(const Vec& x1, const Vec& x2, const Vec& c, const Vec& s, Vec& y1, Vec& y2) {
+  y1 = fma_vec(x1, c, (x2 * s).neg());
+  y2 = fma_vec(x2, c, x1 * s);
+}
+
+// Any strides, any dtype: pair p of the row with element strides si (in) and so (out).
+template <typename scalar_t, typename acc_t>
+void rotate_row_strided(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
+                        int64_t so, const TokenAngles<acc_t>& t, int64_t first_pair) {
+  const int64_t half = a.rotary_dim / 2;
+  for (int64_t p = first_pair; p < half; ++p) {
+    int64_t e1, e2;
+    math::rope_pair_features(p, half, a.interleaved, &e1, &e2);
+    rotate_pair(in, e1 * si, e2 * si, out, e1 * so, e2 * so, t.cs[p], t.sn[p]);
+  }
+}
+
+// Contiguous rows of float or double: at::vec over pairs, the scalar loop for the tail.
+template <typename scalar_t>
+void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
+                    const TokenAngles<scalar_t>& t) {
+  using Vec = Vectorized<scalar_t>;
+  constexpr int64_t W = Vec::size();
+  const int64_t half = a.rotary_dim / 2;
+  int64_t p = 0;
+  if (!a.interleaved) {
+    for (; p + W <= half; p += W) {
+      const Vec x1 = Vec::loadu(in + p), x2 = Vec::loadu(in + half + p);
+      const Vec c = Vec::loadu(t.cs + p), s = Vec::loadu(t.sn + p);
+      Vec y1, y2;
+      rotate_vec(x1, x2, c, s, y1, y2);
+      y1.store(out + p);
+      y2.store(out + half + p);
+    }
+  } else {
+    for (; p + W <= half; p += W) {
+      auto [x1, x2] = at::vec::deinterleave2(Vec::loadu(in + 2 * p), Vec::loadu(in + 2 * p + W));
+      const Vec c = Vec::loadu(t.cs + p), s = Vec::loadu(t.sn + p);
+      Vec y1, y2;
+      rotate_vec(x1, x2, c, s, y1, y2);
+      auto [o0, o1] = at::vec::interleave2(y1, y2);
+      o0.store(out + 2 * p);
+      o1.store(out + 2 * p + W);
+    }
+  }
+  rotate_row_strided<scalar_t, scalar_t>(a, in, 1, out, 1, t, p);
+}
+
+// Contiguous rows of bfloat16 or float16: 16 elements per load, widened to two float32
+// vectors, rotated in float32 and rounded once on the way back.
+template <typename scalar_t>
+void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out,
+                            const TokenAngles<float>& t) {
+  using VecH = Vectorized<scalar_t>;
+  using VecF = Vectorized<float>;
+  constexpr int64_t W = VecH::size();  // 2 * VecF::size()
+  constexpr int64_t F = VecF::size();
+  const int64_t half = a.rotary_dim / 2;
+  auto rotate = [&](const VecF& x1, const VecF& x2, int64_t p, VecF& y1, VecF& y2) {
+    const VecF c = VecF::loadu(t.cs + p), s = VecF::loadu(t.sn + p);
+    rotate_vec(x1, x2, c, s, y1, y2);
+  };
+  int64_t p = 0;
+  if (!a.interleaved) {
+    for (; p + W <= half; p += W) {
+      auto [x1a, x1b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + p));
+      auto [x2a, x2b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + half + p));
+      VecF y1a, y2a, y1b, y2b;
+      rotate(x1a, x2a, p, y1a, y2a);
+      rotate(x1b, x2b, p + F, y1b, y2b);
+      at::vec::convert_from_float<scalar_t>(y1a, y1b).store(out + p);
+      at::vec::convert_from_float<scalar_t>(y2a, y2b).store(out + half + p);
+    }
+  } else {
+    for (; p + W <= half; p += W) {  // 2W elements: pairs p .. p + W - 1
+      auto [v0, v1] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + 2 * p));
+      auto [v2, v3] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + 2 * p + W));
+      auto [x1a, x2a] = at::vec::deinterleave2(v0, v1);
+      auto [x1b, x2b] = at::vec::deinterleave2(v2, v3);
+      VecF y1a, y2a, y1b, y2b;
+      rotate(x1a, x2a, p, y1a, y2a);
+      rotate(x1b, x2b, p + F, y1b, y2b);
+      auto [o0, o1] = at::vec::interleave2(y1a, y2a);
+      auto [o2, o3] = at::vec::interleave2(y1b, y2b);
+      at::vec::convert_from_float<scalar_t>(o0, o1).store(out + 2 * p);
+      at::vec::convert_from_float<scalar_t>(o2, o3).store(out + 2 * p + W);
+    }
+  }
+  rotate_row_strided<scalar_t, float>(a, in, 1, out, 1, t, p);
+}
+
+template <typename scalar_t, typename acc_t>
+void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
+                const TokenAngles<acc_t>& t) {
+  if (si != 1 || so != 1) {
+    rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
+  } else if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    rotate_row_vec<scalar_t>(a, in, out, t);
+  } else {
+    rotate_row_vec_reduced<scalar_t>(a, in, out, t);
+  }
+  if (in != out) {  // the features beyond rotary_dim pass through
+    for (int64_t j = a.rotary_dim; j < a.head_dim; ++j) out[j * so] = in[j * si];
+  }
+}
+
+template <typename scalar_t>
+void nan_row(const RopeArgs& a, scalar_t* out, int64_t so) {
+  for (int64_t j = 0; j < a.head_dim; ++j) {
+    out[j * so] = std::numeric_limits<scalar_t>::quiet_NaN();
+  }
+}
+
+POSENC_ISA_NAMESPACE_END
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,90 @@
+// rope_append_kv: rotate q and k (every RoPE feature, through RopeCall) and write k and v
+// into a KV cache in the same pass, for decoding. This header is the family's host side:
+// the parsed call, its checks, the launch preparation shared by the CPU and CUDA kernels.
+//
+// Schemas (rope_append_kv_call.cpp); the tail after slot_mapping/return_k is RoPE's
+// (kRopeSchemaArguments), read by RopeCall::pop:
+//   rope_append_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache,
+//                  Tensor? slot_mapping=None, bool return_k=False, <RoPE tail>)
+//       -> (Tensor q_rotated, Tensor k_rotated or an empty tensor)
+//   rope_append_kv_(Tensor(c!) q, Tensor(d!) k, ...same...) -> ()   q (and k with return_k)
+//                                                                    rotated in place
+// Layouts: "bshd" (cache (batch, max_len, kv_heads, head_dim)), "bhsd" (Hugging Face's
+// static cache (batch, kv_heads, max_len, head_dim); q, k, v (batch, heads, seq, head_dim)),
+// "thd" (q, k, v (tokens, heads, head_dim); paged cache (num_blocks, block_size, kv_heads,
+// head_dim) addressed by slot_mapping, -1: rotate, write nothing). The tail's offset /
+// offsets are the cache lengths so far: token s of batch row b goes to row offset +
+// offsets[b] + s, and is rotated there unless positions are given (then at positions).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include <optional>
+#include <tuple>
+
+#include "ops/rope/rope_call.h"
+#include "ops/rope/rope_launch.h"
+#include "ops/rope_append_kv/rope_append_kv_args.h"
+
+namespace posenc {
+namespace ops {
+
+struct RopeAppendKvCall {
+  RopeCall rope;  // q, k and the RoPE tail as the caller gave them (offsets: cache offsets)
+  at::Tensor v, k_cache, v_cache;
+  std::optional<at::Tensor> slot_mapping;
+  bool return_k = false;
+
+  // Pops a boxed call of rope_append_kv / rope_append_kv_ (the whole schema).
+  static RopeAppendKvCall pop(torch::jit::Stack& stack);
+  // The rotation alone as a RoPE call: "thd" as "bshd" with batch 1; without positions the
+  // tokens turn at their rows (offset + offsets[b] + s), with positions at those alone.
+  RopeCall rotation() const;
+  bool paged() const { return rope.layout == RopeLayout::kTHD; }
+};
+
+// (batch, seq, heads, head_dim) view of q, k or v ("thd": batch 1), and the cache as
+// (batch or block, row or index, kv_heads, head_dim): no copies.
+at::Tensor kv_token_view(const at::Tensor& x, RopeLayout layout);
+at::Tensor kv_cache_view(const at::Tensor& cache, RopeLayout layout);
+
+// Every check that needs no tensor value (shapes, dtypes, devices, settings); works on Meta
+// tensors. Returns the resolved rotary_dim. rope_append_kv_checks.cpp.
+int64_t check_rope_append_kv(const RopeAppendKvCall& call);
+// The values: every cache row or slot the call writes lies in the cache (IndexError naming
+// the batch row or token, before anything is written), for CPU index tensors; and the caches
+// overlap neither each other nor q, k, v. rope_append_kv_checks.cpp.
+void check_rope_append_kv_rows(const KvCacheArgs& args);
+void check_rope_append_kv_overlap(const RopeAppendKvCall& call);
+
+// The boxed op calls of the C++ API: rope_append_kv returns (q, k or an empty tensor),
+// rope_append_kv_ works in place.
+std::tuple<at::Tensor, at::Tensor> call_rope_append_kv(const RopeAppendKvCall& call);
+void call_rope_append_kv_inplace(const RopeAppendKvCall& call);
+
+struct KvLaunch {
+  KvCacheArgs args;
+  RopeLaunch rope;  // keeps the rotation's index tensors alive
+  at::Tensor offsets, slot_mapping;
+};
+
+using KvOutputAllocator = at::Tensor (*)(const at::Tensor& like);
+using KvKernelRunner = void (*)(const KvLaunch& launch, const at::Tensor& q);
+
+// The body of the boxed kernels of every backend: pop, check, allocate, prepare, launch,
+// push (q and k or an empty tensor; nothing in place).
+void run_rope_append_kv_boxed(torch::jit::Stack* stack, bool in_place, KvOutputAllocator allocate,
+                              KvKernelRunner run, bool check_rows);
+
+template <KvOutputAllocator Allocate, KvKernelRunner Run, bool kCheckRows>
+void rope_append_kv_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_rope_append_kv_boxed(stack, /*in_place=*/false, Allocate, Run, kCheckRows);
+}
+template <KvOutputAllocator Allocate, KvKernelRunner Run, bool kCheckRows>
+void rope_append_kv_inplace_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_rope_append_kv_boxed(stack, /*in_place=*/true, Allocate, Run, kCheckRows);
+}
+
+}  // namespace ops
+}  // namespace posenc

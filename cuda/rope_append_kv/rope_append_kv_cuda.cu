@@ -1,0 +1,171 @@
+// CUDA kernel of rope_append_kv / rope_append_kv_: one block per token (grid-stride). The
+// block evaluates the token's cos/sin once into shared memory (math::rope_sincos, float64
+// angle reduction, as RoPE's kernels), then its threads share the token's elements: the
+// pairs of q's heads (rotated into q's output), of k's heads (rotated into the token's cache
+// row, and into the returned k when asked), the pass-through features beyond rotary_dim, and
+// v's elements (copied into the cache row). Element accesses with any strides; one read of
+// q, k, v and one write of q and of each cache row; no host synchronisation.
+//
+// The rows are never written outside the cache: a row or slot out of range (which the CPU op
+// refuses with an IndexError before writing) is skipped and stops the kernel with a
+// device-side assert, as ATen's indexing does (a RuntimeError at the next synchronisation).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+
+#include "ops/rope/rope_checks.h"  // kRopeMaxPosition
+#include "ops/rope_append_kv/rope_append_kv_call.h"
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+constexpr int kThreads = 128;
+
+__device__ __forceinline__ bool in_position_domain(int64_t v) {
+  return v >= -kRopeMaxPosition && v <= kRopeMaxPosition;
+}
+
+template <typename scalar_t>
+__global__ void __launch_bounds__(kThreads)
+    rope_append_kv_kernel(const __grid_constant__ KvCacheArgs a) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const RopeArgs& r = a.rope;
+  const int64_t tokens = r.batch * r.seq;
+  const int64_t half = r.rotary_dim / 2;
+  const int64_t pass = r.head_dim - r.rotary_dim;
+  const acc_t factor = static_cast<acc_t>(r.attention_factor);
+  __shared__ acc_t s_cos[kMaxRopePairs];
+  __shared__ acc_t s_sin[kMaxRopePairs];
+  // Per head: half pairs, then pass features; q heads, then k heads; then v's elements.
+  const int64_t per_head = half + pass;
+  const int64_t q_items = r.q.heads * per_head;
+  const int64_t k_items = r.k.heads * per_head;
+  const int64_t items = q_items + k_items + r.k.heads * a.v_head_dim;
+  const auto* q_in = static_cast<const scalar_t*>(r.q.in);
+  auto* q_out = static_cast<scalar_t*>(r.q.out);
+  const auto* k_in = static_cast<const scalar_t*>(r.k.in);
+  auto* k_out = static_cast<scalar_t*>(r.k.out);
+  const auto* v_in = static_cast<const scalar_t*>(a.v);
+  auto* kc = static_cast<scalar_t*>(a.k_cache);
+  auto* vc = static_cast<scalar_t*>(a.v_cache);
+
+  for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
+    const int64_t b = token / r.seq;
+    const int64_t s = token - b * r.seq;
+    int64_t shift = 0, restart = 0;
+    rope_token_shift(r, b, s, &shift, &restart);  // no packed sequences here: always true
+    int64_t outer = 0, inner = 0;
+    const bool cached = kv_cache_row(a, b, s, &outer, &inner);
+    if (threadIdx.x == 0) {
+      CUDA_KERNEL_ASSERT_MSG(cached || (a.slot_mapping != nullptr && a.slot_mapping[s] == -1),
+                             "posenc: rope_append_kv: a cache row or slot_mapping slot out of "
+                             "range (it was not written)");
+      CUDA_KERNEL_ASSERT_MSG(in_position_domain(shift - r.offset),
+                             "posenc: rope_append_kv: expected offset within [-2**53, 2**53]");
+    }
+    for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
+      const int64_t pos = rope_axis_position(r, b, s, shift, restart, r.pair_axis[i]);
+      CUDA_KERNEL_ASSERT_MSG(in_position_domain(pos - shift),
+                             "posenc: rope_append_kv: expected positions within [-2**53, 2**53]");
+      acc_t sv, cv;
+      math::rope_sincos<acc_t>(pos, r.inv_freq[i], &sv, &cv);
+      s_cos[i] = cv * factor;
+      s_sin[i] = sv * factor;
+    }
+    __syncthreads();
+    for (int64_t i = threadIdx.x; i < items; i += blockDim.x) {
+      if (i < q_items + k_items) {
+        const bool is_q = i < q_items;
+        const int64_t j = is_q ? i : i - q_items;
+        const int64_t h = j / per_head;
+        const int64_t e = j - h * per_head;
+        const RopeOperand& op = is_q ? r.q : r.k;
+        const scalar_t* in = (is_q ? q_in : k_in) + b * op.in_stride[0] + s * op.in_stride[1] +
+                             h * op.in_stride[2];
+        const int64_t sd = op.in_stride[3];
+        // Up to two destinations: q's output; k's cache row and the returned k.
+        scalar_t* dst[2] = {nullptr, nullptr};
+        int64_t dsd[2] = {0, 0};
+        if (is_q) {
+          dst[0] = q_out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
+          dsd[0] = op.out_stride[3];
+        } else {
+          if (cached) {
+            dst[0] = kc + outer * a.k_cache_stride[0] + inner * a.k_cache_stride[1] +
+                     h * a.k_cache_stride[2];
+            dsd[0] = a.k_cache_stride[3];
+          }
+          if (a.write_k) {
+            dst[1] = k_out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
+            dsd[1] = op.out_stride[3];
+          }
+        }
+        if (e < half) {
+          int64_t e1, e2;
+          math::rope_pair_features(e, half, r.interleaved, &e1, &e2);
+          acc_t y1, y2;
+          math::rope_rotate_pair(static_cast<acc_t>(in[e1 * sd]), static_cast<acc_t>(in[e2 * sd]),
+                                 s_cos[e], s_sin[e], &y1, &y2);
+          for (int d = 0; d < 2; ++d) {
+            if (dst[d] == nullptr) continue;
+            dst[d][e1 * dsd[d]] = static_cast<scalar_t>(y1);
+            dst[d][e2 * dsd[d]] = static_cast<scalar_t>(y2);
+          }
+        } else {
+          const int64_t f = r.rotary_dim + (e - half);
+          const scalar_t x = in[f * sd];
+          for (int d = 0; d < 2; ++d) {
+            // In place, q's pass-through features are already where they belong.
+            if (dst[d] != nullptr && !(is_q && dst[d] == in && dsd[d] == sd)) dst[d][f * dsd[d]] = x;
+          }
+        }
+      } else if (cached) {
+        const int64_t j = i - q_items - k_items;
+        const int64_t h = j / a.v_head_dim;
+        const int64_t e = j - h * a.v_head_dim;
+        vc[outer * a.v_cache_stride[0] + inner * a.v_cache_stride[1] + h * a.v_cache_stride[2] +
+           e * a.v_cache_stride[3]] =
+            v_in[b * a.v_stride[0] + s * a.v_stride[1] + h * a.v_stride[2] + e * a.v_stride[3]];
+      }
+    }
+    __syncthreads();  // the next token's cos/sin overwrite this one's
+  }
+}
+
+void run_rope_append_kv_cuda(const KvLaunch& l, const at::Tensor& q) {
+  const KvCacheArgs& a = l.args;
+  const int64_t tokens = a.rope.batch * a.rope.seq;
+  if (tokens == 0) return;
+  const c10::cuda::CUDAGuard guard(q.device());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
+                                  "posenc_rope_append_kv_cuda", [&] {
+    const int64_t blocks = std::min<int64_t>(tokens, 65535);
+    rope_append_kv_kernel<scalar_t>
+        <<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  });
+}
+
+at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("rope_append_kv",
+         torch::CppFunction::makeFromBoxedFunction<
+             &rope_append_kv_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
+  m.impl("rope_append_kv_",
+         torch::CppFunction::makeFromBoxedFunction<
+             &rope_append_kv_inplace_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
+}
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,100 @@
+"""RoPE straight into a KV cache: the Python front end of ``torch.ops.posenc.rope_append_kv``."""
+
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+from torch import Tensor
+
+from posenc._rope import LENGTH_SCALED_TYPES, _sections, resolve_config_keys, scaling_arguments
+
+_LAYOUTS = ("bshd", "bhsd", "thd")
+
+
+def rope_append_kv(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    *,
+    offset: Union[int, Tensor] = 0,
+    positions: Optional[Tensor] = None,
+    slot_mapping: Optional[Tensor] = None,
+    layout: str = "bshd",
+    base: Optional[float] = None,
+    interleaved: bool = False,
+    rotary_dim: Optional[int] = None,
+    scaling: Optional[Mapping] = None,
+    sections: Optional[Sequence[int]] = None,
+    sections_mode: str = "axial",
+    seq_len: Optional[int] = None,
+    inplace: bool = False,
+    return_k: bool = False,
+) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+    """Rotates q and k (RoPE, as :func:`apply_rope`) and writes the rotated k and v into a KV
+    cache, in one pass over q, k and v (one kernel launch): a decoding step's RoPE and cache
+    update. ``k_cache`` and ``v_cache`` are written in place; no autograd (inference: inputs
+    that require grad under grad mode are an error).
+
+    Args:
+        q, k, v: the new tokens. Layout "bshd": (batch, seq, heads, head_dim); "bhsd"
+            (Hugging Face): (batch, heads, seq, head_dim); "thd" (paged cache):
+            (tokens, heads, head_dim). k and v have the cache's kv_heads (GQA/MQA: q may have
+            more); v may have its own head_dim. float16, bfloat16, float32 or float64.
+        k_cache, v_cache: of k's (v's) dtype and device. "bshd": (batch, max_len, kv_heads,
+            head_dim); "bhsd": (batch, kv_heads, max_len, head_dim) (Hugging Face's static
+            cache); "thd": paged, (num_blocks, block_size, kv_heads, head_dim).
+        offset: the cache lengths so far, an int or an int64 (batch,) tensor: token s of row
+            b goes to cache row ``offset[b] + s`` (contiguous caches), rotated at that
+            position unless ``positions`` are given. For "thd" an int added to the default
+            positions.
+        positions: the positions the new tokens turn at (as :func:`apply_rope`'s; (tokens,)
+            for "thd"); default: their cache rows ("thd": ``offset + 0 .. tokens-1``).
+        slot_mapping: "thd" only: int64 (tokens,), the cache slot of each token, ``block *
+            block_size + index``; -1: rotated but not written (padding, speculative tokens).
+        base, interleaved, rotary_dim, scaling, sections, sections_mode, seq_len: the RoPE
+            settings of :func:`apply_rope`.
+        inplace: rotate q (and k, with ``return_k``) in their own storage.
+        return_k: also return the rotated k.
+
+    Every row or slot written must lie in the cache: on the CPU an ``IndexError`` is raised
+    before anything is written (the caches unchanged); CUDA kernels never write outside the
+    cache (an out-of-range row stops the kernel with a device-side assert, as ATen's
+    indexing). Returns the rotated q, or (q, k) with ``return_k``.
+    """
+    fn = "rope_append_kv"
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
+    if not isinstance(layout, str) or layout not in _LAYOUTS:
+        raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(_LAYOUTS)}")
+    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
+        raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
+    offsets = None
+    if isinstance(offset, Tensor):
+        offsets, offset = offset, 0
+    elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
+        raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
+    scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
+        scaling, base=base, rotary_dim=rotary_dim, head_dim=q.shape[-1] if q.dim() else 0, sections=sections,
+        sections_mode=sections_mode, fn=fn)
+    base = 10000.0 if base is None else base
+    rope_type, values = scaling_arguments(scaling)
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))):
+        raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}")
+    if seq_len is not None and seq_len < 0:
+        raise ValueError(f"{fn}: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
+    seq_len = (-1 if seq_len is None else seq_len) if rope_type in LENGTH_SCALED_TYPES else 0
+    arguments = dict(
+        slot_mapping=slot_mapping, return_k=bool(return_k), positions=positions, offsets=offsets, offset=offset,
+        base=float(base), rope_type=rope_type, scaling=values, seq_len=seq_len,
+        rotary_dim=-1 if rotary_dim is None else rotary_dim, interleaved=bool(interleaved), layout=layout,
+        sections=_sections(sections), sections_mode=sections_mode,
+    )
+    if inplace:
+        torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, **arguments)
+        return (q, k) if return_k else q
+    out_q, out_k = torch.ops.posenc.rope_append_kv(q, k, v, k_cache, v_cache, **arguments)
+    return (out_q, out_k) if return_k else out_q

@@ -1,0 +1,68 @@
+// GoogleTest: posenc::rope_append_kv (the C++ front end of the KV-cache op) against
+// apply_rope followed by index copies into the caches.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "posenc/posenc.h"
+
+namespace {
+
+TEST(RopeAppendKv, ContiguousCacheMatchesApplyRopeAndCopies) {
+  torch::manual_seed(0);
+  const int64_t B = 2, S = 3, Hq = 4, Hkv = 2, D = 16, L = 10;
+  const auto q = torch::randn({B, S, Hq, D}), k = torch::randn({B, S, Hkv, D}),
+             v = torch::randn({B, S, Hkv, D});
+  auto kc = torch::randn({B, L, Hkv, D}), vc = torch::randn({B, L, Hkv, D});
+  const auto kc0 = kc.clone(), vc0 = vc.clone();
+  const auto offsets = torch::tensor({1, 6}, torch::kLong);
+  auto [out_q, out_k] = posenc::rope_append_kv(
+      q, k, v, kc, vc, posenc::RopeAppendKvOptions().offsets(offsets).return_k(true).base(500.0));
+  auto [ref_q, ref_k] = posenc::apply_rope(q, k, posenc::ApplyRopeOptions().offsets(offsets).base(500.0));
+  EXPECT_TRUE(torch::equal(out_q, ref_q));
+  EXPECT_TRUE(torch::equal(out_k, ref_k));
+  auto want_k = kc0.clone(), want_v = vc0.clone();
+  want_k[0].slice(0, 1, 4).copy_(ref_k[0]);
+  want_k[1].slice(0, 6, 9).copy_(ref_k[1]);
+  want_v[0].slice(0, 1, 4).copy_(v[0]);
+  want_v[1].slice(0, 6, 9).copy_(v[1]);
+  EXPECT_TRUE(torch::equal(kc, want_k));
+  EXPECT_TRUE(torch::equal(vc, want_v));
+}
+
+TEST(RopeAppendKv, HuggingFaceStaticCacheInPlace) {
+  torch::manual_seed(1);
+  const auto q = torch::randn({2, 4, 1, 8}), k = torch::randn({2, 2, 1, 8}),
+             v = torch::randn({2, 2, 1, 8});
+  auto kc = torch::zeros({2, 2, 5, 8}), vc = torch::zeros({2, 2, 5, 8});
+  const auto ref_q = posenc::apply_rope(q, posenc::ApplyRopeOptions().layout("bhsd").offset(3));
+  const auto rotated = q.clone();
+  posenc::rope_append_kv_(rotated, k, v, kc, vc,
+                          posenc::RopeAppendKvOptions().layout("bhsd").offset(3));
+  EXPECT_TRUE(torch::equal(rotated, ref_q));
+  EXPECT_TRUE(torch::equal(vc.select(2, 3), v.select(2, 0)));
+  EXPECT_EQ(kc.ne(0).sum().item<int64_t>(), kc.select(2, 3).ne(0).sum().item<int64_t>());
+}
+
+TEST(RopeAppendKv, PagedCacheSkipsMinusOneAndRefusesOutOfRange) {
+  torch::manual_seed(2);
+  const auto q = torch::randn({3, 2, 8}), k = torch::randn({3, 1, 8}), v = torch::randn({3, 1, 8});
+  auto kc = torch::zeros({2, 4, 1, 8}), vc = torch::zeros({2, 4, 1, 8});
+  const auto positions = torch::tensor({5, 9, 2}, torch::kLong);
+  posenc::rope_append_kv(q, k, v, kc, vc,
+                         posenc::RopeAppendKvOptions()
+                             .layout("thd")
+                             .positions(positions)
+                             .slot_mapping(torch::tensor({6, -1, 0}, torch::kLong)));
+  EXPECT_TRUE(torch::equal(vc[1][2], v[0]));
+  EXPECT_TRUE(torch::equal(vc[0][0], v[2]));
+  EXPECT_EQ(vc.ne(0).sum().item<int64_t>(), 2 * 8);
+  const auto before = kc.clone();
+  EXPECT_THROW(posenc::rope_append_kv(q, k, v, kc, vc,
+                                      posenc::RopeAppendKvOptions()
+                                          .layout("thd")
+                                          .slot_mapping(torch::tensor({1, 8, 0}, torch::kLong))),
+               c10::IndexError);
+  EXPECT_TRUE(torch::equal(kc, before));
+}
+
+}  // namespace

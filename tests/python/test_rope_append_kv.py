@@ -1,0 +1,307 @@
+"""rope_append_kv (issue 25): RoPE of q and k with k and v written into a KV cache, against a
+float64 reference in plain PyTorch (rope_reference.py's rotation, then index copies into
+the caches): both contiguous layouts, the paged cache with -1 slots, int and tensor offsets,
+positions, GQA, partial rotary, interleaved pairs, a scaling type, every dtype, strides, in
+place and return_k; bad inputs (rows out of range: IndexError with the caches unchanged);
+opcheck and torch.compile with the mutated caches."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import posenc  # noqa: F401
+from posenc.functional import apply_rope, rope_append_kv
+from rope_reference import reference_inv_freq, rope_gptj, rope_neox
+
+F64 = torch.float64
+TOL = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=2e-6, rtol=2e-6),
+    torch.float16: dict(atol=4e-3, rtol=2e-3),
+    torch.bfloat16: dict(atol=3e-2, rtol=1.6e-2),
+}
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+
+
+def rand(*shape, dtype=F64):
+    return (torch.rand(*shape, dtype=F64) * 4 - 2).to(dtype)
+
+
+def tokens_view(x, layout):
+    """(batch, seq, heads, head_dim) view of q, k or v."""
+    return {"bshd": x, "bhsd": x.transpose(1, 2), "thd": x.unsqueeze(0)}[layout]
+
+
+def cache_view(c, layout):
+    """(batch or block, row or index, heads, head_dim) view of a cache."""
+    return c.transpose(1, 2) if layout == "bhsd" else c
+
+
+def reference(q, k, v, k_cache, v_cache, *, offset=0, positions=None, slot_mapping=None, layout="bshd",
+              base=10000.0, interleaved=False, rotary_dim=None, scaling=None):
+    """(q, k rotated, k_cache, v_cache after the write) in float64: rope_reference's rotation,
+    then index copies."""
+    qv, kv, vv = (tokens_view(t, layout).to(F64) for t in (q, k, v))
+    B, S = qv.shape[:2]
+    offs = offset.to(torch.int64) if isinstance(offset, torch.Tensor) else torch.full((B,), offset)
+    rows = offs[:, None] + torch.arange(S)[None, :]  # (B, S)
+    if positions is None:
+        pos = rows
+    else:
+        pos = positions.reshape(-1, S).expand(B, S) if layout != "thd" else positions.reshape(1, S)
+    rot = qv.shape[-1] if rotary_dim is None else rotary_dim
+    inv, attn = reference_inv_freq(rot, base, scaling, int(pos.max()) + 1 if pos.numel() else 0)
+    rope = rope_gptj if interleaved else rope_neox
+    q_ref, k_ref = rope(qv, pos, inv, rot, attn), rope(kv, pos, inv, rot, attn)
+    kc, vc = k_cache.to(F64).clone(), v_cache.to(F64).clone()
+    kcv, vcv = cache_view(kc, layout), cache_view(vc, layout)
+    if layout == "thd":
+        block = kcv.shape[1]
+        for t, slot in enumerate(slot_mapping.tolist()):
+            if slot >= 0:
+                kcv[slot // block, slot % block] = k_ref[0, t]
+                vcv[slot // block, slot % block] = vv[0, t]
+    else:
+        for b in range(B):
+            kcv[b].index_copy_(0, rows[b], k_ref[b])
+            vcv[b].index_copy_(0, rows[b], vv[b])
+    back = {"bshd": lambda x: x, "bhsd": lambda x: x.transpose(1, 2), "thd": lambda x: x.squeeze(0)}[layout]
+    return back(q_ref), back(k_ref), kc, vc
+
+
+def make(layout, B=3, S=5, Hq=4, Hkv=2, D=16, max_len=12, dtype=F64, Dv=None, blocks=5, block=4):
+    Dv = D if Dv is None else Dv
+    if layout == "thd":
+        q, k, v = rand(S, Hq, D, dtype=dtype), rand(S, Hkv, D, dtype=dtype), rand(S, Hkv, Dv, dtype=dtype)
+        kc, vc = rand(blocks, block, Hkv, D, dtype=dtype), rand(blocks, block, Hkv, Dv, dtype=dtype)
+    elif layout == "bhsd":
+        q, k, v = rand(B, Hq, S, D, dtype=dtype), rand(B, Hkv, S, D, dtype=dtype), rand(B, Hkv, S, Dv, dtype=dtype)
+        kc, vc = rand(B, Hkv, max_len, D, dtype=dtype), rand(B, Hkv, max_len, Dv, dtype=dtype)
+    else:
+        q, k, v = rand(B, S, Hq, D, dtype=dtype), rand(B, S, Hkv, D, dtype=dtype), rand(B, S, Hkv, Dv, dtype=dtype)
+        kc, vc = rand(B, max_len, Hkv, D, dtype=dtype), rand(B, max_len, Hkv, Dv, dtype=dtype)
+    return q, k, v, kc, vc
+
+
+def check(q, k, v, kc, vc, **kw):
+    """Runs the op (return_k) on copies of the caches and compares all four results."""
+    dtype = q.dtype
+    kc0, vc0 = kc.clone(), vc.clone()
+    q_ref, k_ref, kc_ref, vc_ref = reference(q, k, v, kc, vc, **kw)
+    out_q, out_k = rope_append_kv(q, k, v, kc, vc, return_k=True, **kw)
+    torch.testing.assert_close(out_q.to(F64), q_ref, **TOL[dtype])
+    torch.testing.assert_close(out_k.to(F64), k_ref, **TOL[dtype])
+    torch.testing.assert_close(kc.to(F64), kc_ref, **TOL[dtype])
+    torch.testing.assert_close(vc.to(F64), vc_ref, atol=0, rtol=0)  # v is copied as it is
+    # Rows not written keep their bits.
+    for got, before, ref in ((kc, kc0, kc_ref), (vc, vc0, vc_ref)):
+        untouched = ref == before.to(F64)
+        assert torch.equal(got[untouched], before[untouched])
+    return out_q, out_k
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("tensor_offset", [False, True])
+def test_contiguous_cache(dtype, layout, tensor_offset):
+    torch.manual_seed(0)
+    q, k, v, kc, vc = make(layout, dtype=dtype)
+    offset = torch.tensor([0, 7, 3]) if tensor_offset else 4
+    check(q, k, v, kc, vc, offset=offset, layout=layout)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_paged_cache_with_unwritten_slots(dtype):
+    torch.manual_seed(1)
+    q, k, v, kc, vc = make("thd", S=7, dtype=dtype)
+    slots = torch.tensor([5, -1, 0, 19, 12, -1, 6])
+    positions = torch.tensor([3, 9, 0, 40, 1, 2, 1000])
+    check(q, k, v, kc, vc, slot_mapping=slots, positions=positions, layout="thd")
+    # Default positions: offset + token index.
+    q, k, v, kc, vc = make("thd", S=7, dtype=dtype)
+    check(q, k, v, kc, vc, slot_mapping=slots, offset=11, layout="thd")
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+def test_rope_features(layout):
+    torch.manual_seed(2)
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16}
+    for kw in (dict(interleaved=True), dict(rotary_dim=6), dict(scaling=scaling, base=500.0),
+               dict(positions=torch.tensor([[2, 30, 5, 6, 1]]), interleaved=True, rotary_dim=8)):
+        q, k, v, kc, vc = make(layout, Hq=6, Hkv=3, D=20, dtype=torch.float32)
+        check(q, k, v, kc, vc, offset=torch.tensor([1, 0, 6]), layout=layout, **kw)
+
+
+def test_positions_per_row_mqa_and_v_head_dim():
+    torch.manual_seed(3)
+    q, k, v, kc, vc = make("bshd", Hq=8, Hkv=1, D=16, Dv=10)
+    positions = torch.randint(0, 100, (3, 5))
+    check(q, k, v, kc, vc, offset=2, positions=positions)
+
+
+def test_multi_axis_matches_apply_rope():
+    torch.manual_seed(4)
+    q, k, v, kc, vc = make("bshd", dtype=torch.float32)
+    positions = torch.randint(0, 50, (3, 5))  # (n_axes, seq)
+    kw = dict(positions=positions, sections=[2, 2, 4], sections_mode="mrope")
+    out_q, out_k = rope_append_kv(q, k, v, kc, vc, offset=3, return_k=True, **kw)
+    ref_q, ref_k = apply_rope(q, k, **kw)
+    assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
+    assert torch.equal(kc[:, 3:8], ref_k) and torch.equal(vc[:, 3:8], v)
+
+
+def test_strided_inputs_and_caches():
+    torch.manual_seed(5)
+    B, S, H, D = 2, 3, 2, 16
+    qkv = rand(B, S, 3 * H, D, dtype=torch.float32)  # a fused projection's output
+    q, k, v = qkv[:, :, :H], qkv[:, :, H:2 * H], qkv[:, :, 2 * H:]
+    big_k, big_v = rand(B, 9, H, 2 * D, dtype=torch.float32), rand(B, 9, H, 2 * D, dtype=torch.float32)
+    kc, vc = big_k[..., ::2], big_v[..., D:]  # strided last dimension / storage offset
+    check(q, k, v, kc, vc, offset=torch.tensor([0, 6]))
+
+
+def test_strided_q_in_bhsd():
+    torch.manual_seed(6)
+    q = rand(2, 5, 4, 16, dtype=torch.float32).transpose(1, 2)  # (B, H, S, D), non-contiguous
+    _, k, v, kc, vc = make("bhsd", B=2, dtype=torch.float32)
+    check(q, k, v, kc, vc, offset=1, layout="bhsd")
+
+
+def test_inplace_and_return_k():
+    torch.manual_seed(7)
+    q, k, v, kc, vc = make("bshd")
+    q_ref, k_ref, kc_ref, vc_ref = reference(q, k, v, kc, vc, offset=2)
+    k0 = k.clone()
+    out = rope_append_kv(q, k, v, kc, vc, offset=2, inplace=True)
+    assert out is q and torch.equal(k, k0)  # k is rotated in place only with return_k
+    torch.testing.assert_close(q, q_ref, **TOL[F64])
+    torch.testing.assert_close(kc, kc_ref, **TOL[F64])
+    q, k, v, kc, vc = make("bshd")
+    q_ref, k_ref, kc_ref, vc_ref = reference(q, k, v, kc, vc, offset=2)
+    out_q, out_k = rope_append_kv(q, k, v, kc, vc, offset=2, inplace=True, return_k=True)
+    assert out_q is q and out_k is k
+    torch.testing.assert_close(k, k_ref, **TOL[F64])
+    torch.testing.assert_close(kc, kc_ref, **TOL[F64])
+    torch.testing.assert_close(vc, vc_ref, **TOL[F64])
+    # Out of place without return_k: q alone.
+    q, k, v, kc, vc = make("bshd")
+    assert isinstance(rope_append_kv(q, k, v, kc, vc), torch.Tensor)
+
+
+def test_empty():
+    q, k, v, kc, vc = make("bshd", S=0)
+    kc0 = kc.clone()
+    out = rope_append_kv(q, k, v, kc, vc, offset=12)  # no row written: any offset <= max_len
+    assert out.shape == q.shape and torch.equal(kc, kc0)
+    q, k, v, kc, vc = make("thd", S=0)
+    assert rope_append_kv(q, k, v, kc, vc, slot_mapping=torch.zeros(0, dtype=torch.int64), layout="thd").numel() == 0
+
+
+@pytest.mark.parametrize("case", ["past_end", "negative", "one_row", "slot_high", "slot_low"])
+def test_out_of_range_rows_raise_before_writing(case):
+    layout = "thd" if case.startswith("slot") else "bshd"
+    q, k, v, kc, vc = make(layout, S=5)
+    kc0, vc0, q0 = kc.clone(), vc.clone(), q.clone()
+    kw = {
+        "past_end": dict(offset=8),  # rows 8 .. 12 of 12
+        "negative": dict(offset=-1),
+        "one_row": dict(offset=torch.tensor([0, 8, 1])),
+        "slot_high": dict(slot_mapping=torch.tensor([0, 1, 20, 2, 3]), layout="thd"),
+        "slot_low": dict(slot_mapping=torch.tensor([0, 1, -2, 2, 3]), layout="thd"),
+    }[case]
+    what = "slot_mapping" if layout == "thd" else "batch row"
+    with pytest.raises(IndexError, match=what):
+        rope_append_kv(q, k, v, kc, vc, inplace=True, **kw)
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0) and torch.equal(q, q0)
+
+
+def test_bad_arguments_name_them():
+    q, k, v, kc, vc = make("bshd", dtype=torch.float32)
+    with pytest.raises(TypeError, match="k_cache"):
+        rope_append_kv(q, k, v, kc.half(), vc)
+    with pytest.raises(TypeError, match="v_cache"):
+        rope_append_kv(q, k, v, kc, vc.double())
+    with pytest.raises(TypeError, match="expected v"):
+        rope_append_kv(q, k, v.double(), kc, vc)
+    with pytest.raises(RuntimeError, match="k_cache of shape"):
+        rope_append_kv(q, k, v, kc[:, :, :1], vc)
+    with pytest.raises(RuntimeError, match="v_cache of shape"):
+        rope_append_kv(q, k, v, kc, vc[:2])
+    with pytest.raises(RuntimeError, match="expected v of k's shape"):
+        rope_append_kv(q, k, v[:, :2], kc, vc)
+    with pytest.raises(RuntimeError, match="as many rows"):
+        rope_append_kv(q, k, v, kc, vc[:, :5])
+    with pytest.raises(ValueError, match="slot_mapping is only used"):
+        rope_append_kv(q, k, v, kc, vc, slot_mapping=torch.zeros(5, dtype=torch.int64))
+    with pytest.raises(ValueError, match="layout"):
+        rope_append_kv(q, k, v, kc, vc, layout="sbhd")
+    with pytest.raises(RuntimeError, match="offsets? of shape"):
+        rope_append_kv(q, k, v, kc, vc, offset=torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(RuntimeError, match="share memory"):
+        rope_append_kv(q, k, v, kc, kc)
+    q, k, v, kc, vc = make("thd", dtype=torch.float32)
+    with pytest.raises(ValueError, match="needs slot_mapping"):
+        rope_append_kv(q, k, v, kc, vc, layout="thd")
+    with pytest.raises(TypeError, match="slot_mapping"):
+        rope_append_kv(q, k, v, kc, vc, layout="thd", slot_mapping=torch.zeros(5, dtype=torch.int32))
+    with pytest.raises(RuntimeError, match=r"slot_mapping of shape \(tokens,\)"):
+        rope_append_kv(q, k, v, kc, vc, layout="thd", slot_mapping=torch.zeros(4, dtype=torch.int64))
+
+
+def test_requires_grad_is_an_error_under_grad_mode():
+    q, k, v, kc, vc = make("bshd")
+    with pytest.raises(RuntimeError, match="no autograd.*got k that requires grad"):
+        rope_append_kv(q, k.requires_grad_(), v, kc, vc)
+    with torch.no_grad():
+        rope_append_kv(q, k, v, kc, vc)  # fine without grad mode
+    with pytest.raises(RuntimeError, match="no autograd.*got q that requires grad"):
+        rope_append_kv(q.requires_grad_(), k.detach(), v, kc, vc, offset=1)
+
+
+def test_opcheck():
+    q, k, v, kc, vc = make("bshd", dtype=torch.float32)
+    ops = torch.ops.posenc
+    opcheck(ops.rope_append_kv, (q, k, v, kc, vc), dict(offsets=torch.tensor([0, 2, 4]), return_k=True))
+    opcheck(ops.rope_append_kv_, (q.clone(), k.clone(), v, kc, vc), dict(offset=3, return_k=True))
+    q, k, v, kc, vc = make("thd", dtype=torch.float32)
+    opcheck(ops.rope_append_kv, (q, k, v, kc, vc),
+            dict(slot_mapping=torch.tensor([3, -1, 9, 0, 1]), positions=torch.arange(5) + 2, layout="thd"))
+    q, k, v, kc, vc = make("bhsd", dtype=torch.float32)
+    opcheck(ops.rope_append_kv, (q, k, v, kc, vc), dict(offset=2, layout="bhsd"))
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_compile_fullgraph_mutates_the_caches(layout):
+    torch._dynamo.reset()
+    q, k, v, kc, vc = make(layout, dtype=torch.float32)
+    kw = dict(layout="thd", slot_mapping=torch.tensor([3, -1, 9, 0, 1])) if layout == "thd" else \
+        dict(offset=torch.tensor([0, 2, 4]))
+
+    def step(q, k, v, kc, vc):
+        return rope_append_kv(q, k, v, kc, vc, **kw) * 2
+
+    kc_e, vc_e = kc.clone(), vc.clone()
+    eager = step(q, k, v, kc_e, vc_e)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    kc0 = kc.clone()
+    out = compiled(q, k, v, kc, vc)
+    assert not torch.equal(kc, kc0)  # the compiled call wrote the caller's cache
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(kc, kc_e)
+    torch.testing.assert_close(vc, vc_e)
+
+
+def test_compile_inductor_decode_step():
+    torch._dynamo.reset()
+    q, k, v, kc, vc = make("bhsd", S=1, dtype=torch.float32)
+
+    def step(q, k, v, kc, vc, lengths):
+        return rope_append_kv(q, k, v, kc, vc, offset=lengths, layout="bhsd", inplace=True)
+
+    lengths = torch.tensor([0, 3, 5])
+    kc_e, vc_e = kc.clone(), vc.clone()
+    eager = step(q.clone(), k, v, kc_e, vc_e, lengths)
+    out = torch.compile(step, fullgraph=True)(q.clone(), k, v, kc, vc, lengths)
+    torch.testing.assert_close(out, eager)
+    torch.testing.assert_close(kc, kc_e)
+    torch.testing.assert_close(vc, vc_e)
