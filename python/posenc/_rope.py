@@ -258,6 +258,67 @@ def check_cu_seqlens(cu_seqlens: Tensor, tokens: int) -> None:
         )
 
 
+def rope_op_arguments(
+    q: Tensor,
+    *,
+    positions: Optional[Tensor],
+    offset: Union[int, Tensor],
+    cu_seqlens: Optional[Tensor],
+    base: Optional[float],
+    interleaved: bool,
+    rotary_dim: Optional[int],
+    scaling: Optional[Mapping],
+    layout: str,
+    sections: Optional[Sequence[int]],
+    sections_mode: str,
+    check_inputs: bool,
+    seq_len: Optional[int],
+    _original_max: Optional[int] = None,
+    fn: str = "apply_rope",
+) -> dict:
+    """The RoPE arguments of the ops (rope's schema tail, shared by the fused ops that rotate
+    as rope does: qk_norm_rope) from :func:`apply_rope`'s, as keyword arguments; ``fn`` names
+    the function in messages."""
+    if not isinstance(q, Tensor):
+        raise TypeError(f"{fn}: expected q to be a Tensor, got {type(q).__name__}")
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
+        raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
+    offsets = None
+    if isinstance(offset, Tensor):
+        offsets, offset = offset, 0
+    elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
+        raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
+    scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
+        scaling, base=base, rotary_dim=rotary_dim, head_dim=q.shape[-1] if q.dim() else 0, sections=sections,
+        sections_mode=sections_mode, fn=fn)
+    base = 10000.0 if base is None else base
+    rope_type, values = scaling_arguments(scaling, _original_max)
+    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))):
+        raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}")
+    if seq_len is not None and seq_len < 0:
+        raise ValueError(f"{fn}: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
+    # -1: the op reads the longest position from the call.
+    seq_len = (-1 if seq_len is None else seq_len) if rope_type in LENGTH_SCALED_TYPES else 0
+    if (
+        check_inputs
+        and cu_seqlens is not None
+        and cu_seqlens.is_cuda
+        and q.dim() == 3
+        and not torch.compiler.is_compiling()
+    ):
+        check_cu_seqlens(cu_seqlens, q.shape[0])
+    # A DTensor q with plain index tensors beside it: those are replicated on its mesh.
+    positions, offsets, cu_seqlens = place_beside(q, positions, offsets, cu_seqlens)
+    arguments = dict(
+        positions=positions, offsets=offsets, offset=offset, cu_seqlens=cu_seqlens, base=float(base),
+        rope_type=rope_type, scaling=values, seq_len=seq_len, rotary_dim=-1 if rotary_dim is None else rotary_dim,
+        interleaved=bool(interleaved), layout=layout, sections=_sections(sections), sections_mode=sections_mode,
+    )
+    return arguments
+
+
 def apply_rope(
     q: Tensor,
     k: Optional[Tensor] = None,
@@ -336,43 +397,10 @@ def apply_rope(
     int ``offset`` and CPU index tensors are checked by the op; CUDA index tensors by the
     kernel, on the device (see ``check_inputs``).
     """
-    if not isinstance(q, Tensor):
-        raise TypeError(f"apply_rope: expected q to be a Tensor, got {type(q).__name__}")
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"apply_rope: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
-    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
-        raise TypeError(f"apply_rope: expected rotary_dim to be an int or None, got {rotary_dim!r}")
-    offsets = None
-    if isinstance(offset, Tensor):
-        offsets, offset = offset, 0
-    elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
-        raise TypeError(f"apply_rope: expected offset to be an int or an int64 tensor, got {offset!r}")
-    scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
-        scaling, base=base, rotary_dim=rotary_dim, head_dim=q.shape[-1] if q.dim() else 0, sections=sections,
-        sections_mode=sections_mode)
-    base = 10000.0 if base is None else base
-    rope_type, values = scaling_arguments(scaling, _original_max)
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))):
-        raise TypeError(f"apply_rope: expected seq_len to be an int or None, got {seq_len!r}")
-    if seq_len is not None and seq_len < 0:
-        raise ValueError(f"apply_rope: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
-    # -1: the op reads the longest position from the call.
-    seq_len = (-1 if seq_len is None else seq_len) if rope_type in LENGTH_SCALED_TYPES else 0
-    if (
-        check_inputs
-        and cu_seqlens is not None
-        and cu_seqlens.is_cuda
-        and q.dim() == 3
-        and not torch.compiler.is_compiling()
-    ):
-        check_cu_seqlens(cu_seqlens, q.shape[0])
-    # A DTensor q with plain index tensors beside it: those are replicated on its mesh.
-    positions, offsets, cu_seqlens = place_beside(q, positions, offsets, cu_seqlens)
-    arguments = dict(
-        positions=positions, offsets=offsets, offset=offset, cu_seqlens=cu_seqlens, base=float(base),
-        rope_type=rope_type, scaling=values, seq_len=seq_len, rotary_dim=-1 if rotary_dim is None else rotary_dim,
-        interleaved=bool(interleaved), layout=layout, sections=_sections(sections), sections_mode=sections_mode,
-    )
+    arguments = rope_op_arguments(
+        q, positions=positions, offset=offset, cu_seqlens=cu_seqlens, base=base, interleaved=interleaved,
+        rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode,
+        check_inputs=check_inputs, seq_len=seq_len, _original_max=_original_max)
     if inplace:
         torch.ops.posenc.rope_(q, k, **arguments)
         return q if k is None else (q, k)

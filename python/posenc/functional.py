@@ -12,6 +12,7 @@ from posenc._dtensor import place_beside
 from posenc._rope import apply_rope, grid_positions, rope_frequencies
 from posenc._rope_append_kv import rope_append_kv
 from posenc._rope_cos_sin import apply_rope_cos_sin, rope_cos_sin
+from posenc._qk_norm_rope import qk_norm_rope
 
 __all__ = [
     "add_position",
@@ -19,6 +20,7 @@ __all__ = [
     "apply_rope_cos_sin",
     "grid_positions",
     "make_positions",
+    "qk_norm_rope",
     "resample_position_table",
     "rope_append_kv",
     "rope_cos_sin",

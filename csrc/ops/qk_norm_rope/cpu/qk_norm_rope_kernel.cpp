@@ -1,0 +1,323 @@
+// CPU kernel of qk_norm_rope: one pass per token over q and k, forward and backward.
+//
+// Tokens are spread over threads with at::parallel_for. Per token, the cos/sin of its pairs
+// are computed once (rope_rows.h, the RoPE kernel's), then for each of q and k: the inverse
+// RMS of each head (norm "head") or of the token's whole projection ("hidden"), and each
+// pair normalised, weighted and rotated (posenc/math/qk_norm.h, posenc/math/rope.h), in
+// float32 (float64 for float64) and rounded once. The backward turns the incoming gradient
+// back pair by pair, sums mean(g * xhat) of the vector and the weight gradient's terms, then
+// writes dx in a second pass over the (cached) row. Sums run in 8 independent lanes added in
+// a fixed order, so that the loops vectorise and the result does not depend on threads.
+#include "ops/qk_norm_rope/cpu/qk_norm_rope_kernel.h"
+
+#include <ATen/OpMathType.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <limits>
+#include <type_traits>
+
+#include "ops/rope/cpu/rope_rows.h"  // TokenAngles, token_positions, token_angles
+#include "posenc/math/qk_norm.h"
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
+namespace {
+
+constexpr int kLanes = 8;
+
+template <typename acc_t>
+inline acc_t lanes_sum(const acc_t (&part)[kLanes]) {
+  acc_t s = 0;
+  for (int i = 0; i < kLanes; ++i) s += part[i];
+  return s;
+}
+
+template <bool kC>
+inline int64_t at_(int64_t e, int64_t stride) {
+  return kC ? e : e * stride;
+}
+
+// Sum of squares of n features, into the lanes.
+template <typename scalar_t, typename acc_t, bool kC>
+inline void add_squares(const scalar_t* in, int64_t si, int64_t n, acc_t (&part)[kLanes]) {
+  int64_t e = 0;
+  for (; e + kLanes <= n; e += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const acc_t x = static_cast<acc_t>(in[at_<kC>(e + l, si)]);
+      part[l] += x * x;
+    }
+  }
+  for (; e < n; ++e) {
+    const acc_t x = static_cast<acc_t>(in[at_<kC>(e, si)]);
+    part[0] += x * x;
+  }
+}
+
+template <typename scalar_t>
+const scalar_t* row_in(const RopeOperand& op, int64_t b, int64_t s, int64_t h) {
+  return static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] + s * op.in_stride[1] +
+         h * op.in_stride[2];
+}
+template <typename scalar_t>
+scalar_t* row_out(const RopeOperand& op, int64_t b, int64_t s, int64_t h) {
+  return static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
+         h * op.out_stride[2];
+}
+
+template <typename scalar_t, typename acc_t, bool kC>
+acc_t inv_rms_of(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int64_t s,
+                 int64_t h_begin, int64_t h_end) {
+  const int64_t D = a.rope.head_dim;
+  acc_t part[kLanes] = {};
+  for (int64_t h = h_begin; h < h_end; ++h) {
+    add_squares<scalar_t, acc_t, kC>(row_in<scalar_t>(op, b, s, h), op.in_stride[3], D, part);
+  }
+  return math::qk_norm_inv_rms<acc_t>(lanes_sum(part), (h_end - h_begin) * D,
+                                      static_cast<acc_t>(a.eps));
+}
+
+// Forward of one head row: normalise, weight (w: the row's effective weights), rotate.
+template <typename scalar_t, typename acc_t, bool kC>
+void forward_row(const QkNormRopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
+                 int64_t so, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t) {
+  const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
+  if (!a.rope.interleaved) {
+    for (int64_t p = 0; p < half; ++p) {
+      const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(p, si)]), r, w[p]);
+      const acc_t x2 =
+          math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(p + half, si)]), r, w[p + half]);
+      acc_t y1, y2;
+      math::rope_rotate_pair(x1, x2, t.cs[p], t.sn[p], &y1, &y2);
+      out[at_<kC>(p, so)] = static_cast<scalar_t>(y1);
+      out[at_<kC>(p + half, so)] = static_cast<scalar_t>(y2);
+    }
+  } else {
+    for (int64_t p = 0; p < half; ++p) {
+      const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(2 * p, si)]), r, w[2 * p]);
+      const acc_t x2 =
+          math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(2 * p + 1, si)]), r, w[2 * p + 1]);
+      acc_t y1, y2;
+      math::rope_rotate_pair(x1, x2, t.cs[p], t.sn[p], &y1, &y2);
+      out[at_<kC>(2 * p, so)] = static_cast<scalar_t>(y1);
+      out[at_<kC>(2 * p + 1, so)] = static_cast<scalar_t>(y2);
+    }
+  }
+  for (int64_t e = 2 * half; e < D; ++e) {  // beyond rotary_dim: normalised only
+    out[at_<kC>(e, so)] =
+        static_cast<scalar_t>(math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(e, si)]), r, w[e]));
+  }
+}
+
+template <typename scalar_t>
+void nan_rows(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int64_t s) {
+  for (int64_t h = 0; h < op.heads; ++h) {
+    scalar_t* out = row_out<scalar_t>(op, b, s, h);
+    for (int64_t e = 0; e < a.rope.head_dim; ++e) {
+      out[e * op.out_stride[3]] = std::numeric_limits<scalar_t>::quiet_NaN();
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t, bool kC>
+void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t* w, int64_t b,
+                     int64_t s, const TokenAngles<acc_t>& t) {
+  const int64_t D = a.rope.head_dim;
+  const bool hidden = a.norm == QkNorm::kHidden;
+  const acc_t r_all = hidden ? inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, 0, op.heads) : acc_t(0);
+  for (int64_t h = 0; h < op.heads; ++h) {
+    const acc_t r = hidden ? r_all : inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, h, h + 1);
+    forward_row<scalar_t, acc_t, kC>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
+                                     row_out<scalar_t>(op, b, s, h), op.out_stride[3],
+                                     w + (hidden ? h * D : 0), r, t);
+  }
+}
+
+// Backward, pass A over one head row: the unrotated gradient gu of every feature; adds
+// sum(gu * w * xhat) to the lanes and gu * xhat to the weight-gradient row dw.
+template <typename scalar_t, typename acc_t, bool kC>
+void backward_row_sums(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, const scalar_t* g,
+                       int64_t sg, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t,
+                       acc_t* dw, acc_t (&part)[kLanes]) {
+  const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
+  const bool il = a.rope.interleaved;
+  int64_t p = 0;
+  auto pair = [&](int64_t p, int l) {
+    const int64_t e1 = il ? 2 * p : p, e2 = il ? 2 * p + 1 : p + half;
+    acc_t gu1, gu2;
+    math::rope_rotate_pair(static_cast<acc_t>(g[at_<kC>(e1, sg)]), static_cast<acc_t>(g[at_<kC>(e2, sg)]),
+                           t.cs[p], t.sn[p], &gu1, &gu2);
+    const acc_t xh1 = static_cast<acc_t>(x[at_<kC>(e1, sx)]) * r;
+    const acc_t xh2 = static_cast<acc_t>(x[at_<kC>(e2, sx)]) * r;
+    dw[e1] += gu1 * xh1;
+    dw[e2] += gu2 * xh2;
+    part[l] += gu1 * w[e1] * xh1 + gu2 * w[e2] * xh2;
+  };
+  for (; p + kLanes <= half; p += kLanes) {
+    for (int l = 0; l < kLanes; ++l) pair(p + l, l);
+  }
+  for (; p < half; ++p) pair(p, 0);
+  for (int64_t e = 2 * half; e < D; ++e) {
+    const acc_t gu = static_cast<acc_t>(g[at_<kC>(e, sg)]);
+    const acc_t xh = static_cast<acc_t>(x[at_<kC>(e, sx)]) * r;
+    dw[e] += gu * xh;
+    part[1] += gu * w[e] * xh;
+  }
+}
+
+// Backward, pass B over one head row: dx from gu (turned back again), xhat and mean(g xhat).
+template <typename scalar_t, typename acc_t, bool kC>
+void backward_row_dx(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, const scalar_t* g,
+                     int64_t sg, scalar_t* dx, int64_t sd, const acc_t* w, acc_t r, acc_t mean_gx,
+                     const TokenAngles<acc_t>& t) {
+  const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
+  const bool il = a.rope.interleaved;
+  for (int64_t p = 0; p < half; ++p) {
+    const int64_t e1 = il ? 2 * p : p, e2 = il ? 2 * p + 1 : p + half;
+    acc_t gu1, gu2;
+    math::rope_rotate_pair(static_cast<acc_t>(g[at_<kC>(e1, sg)]), static_cast<acc_t>(g[at_<kC>(e2, sg)]),
+                           t.cs[p], t.sn[p], &gu1, &gu2);
+    const acc_t xh1 = static_cast<acc_t>(x[at_<kC>(e1, sx)]) * r;
+    const acc_t xh2 = static_cast<acc_t>(x[at_<kC>(e2, sx)]) * r;
+    dx[at_<kC>(e1, sd)] = static_cast<scalar_t>(math::qk_norm_grad_input(gu1, w[e1], xh1, mean_gx, r));
+    dx[at_<kC>(e2, sd)] = static_cast<scalar_t>(math::qk_norm_grad_input(gu2, w[e2], xh2, mean_gx, r));
+  }
+  for (int64_t e = 2 * half; e < D; ++e) {
+    const acc_t gu = static_cast<acc_t>(g[at_<kC>(e, sg)]);
+    const acc_t xh = static_cast<acc_t>(x[at_<kC>(e, sx)]) * r;
+    dx[at_<kC>(e, sd)] = static_cast<scalar_t>(math::qk_norm_grad_input(gu, w[e], xh, mean_gx, r));
+  }
+}
+
+template <typename scalar_t, typename acc_t, bool kC>
+void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const RopeOperand& gop,
+                      const acc_t* w, acc_t* dw, int64_t b, int64_t s, const TokenAngles<acc_t>& t) {
+  const int64_t D = a.rope.head_dim;
+  const bool hidden = a.norm == QkNorm::kHidden;
+  auto sums = [&](int64_t h, acc_t r, acc_t (&part)[kLanes]) {
+    const int64_t wo = hidden ? h * D : 0;
+    backward_row_sums<scalar_t, acc_t, kC>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
+                                           row_in<scalar_t>(gop, b, s, h), gop.in_stride[3],
+                                           w + wo, r, t, dw + wo, part);
+  };
+  auto write = [&](int64_t h, acc_t r, acc_t mean_gx) {
+    const int64_t wo = hidden ? h * D : 0;
+    backward_row_dx<scalar_t, acc_t, kC>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
+                                         row_in<scalar_t>(gop, b, s, h), gop.in_stride[3],
+                                         row_out<scalar_t>(op, b, s, h), op.out_stride[3], w + wo,
+                                         r, mean_gx, t);
+  };
+  if (hidden) {
+    if (op.heads == 0 || D == 0) return;
+    const acc_t r = inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, 0, op.heads);
+    acc_t part[kLanes] = {};
+    for (int64_t h = 0; h < op.heads; ++h) sums(h, r, part);
+    const acc_t mean_gx = lanes_sum(part) / static_cast<acc_t>(op.heads * D);
+    for (int64_t h = 0; h < op.heads; ++h) write(h, r, mean_gx);
+    return;
+  }
+  for (int64_t h = 0; h < op.heads; ++h) {
+    const acc_t r = inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, h, h + 1);
+    acc_t part[kLanes] = {};
+    sums(h, r, part);
+    write(h, r, lanes_sum(part) / static_cast<acc_t>(D));
+  }
+}
+
+bool contiguous_rows(const QkNormRopeArgs& a, bool backward) {
+  for (const RopeOperand* op : {&a.rope.q, &a.rope.k}) {
+    if (op->heads > 0 && (op->in_stride[3] != 1 || op->out_stride[3] != 1)) return false;
+  }
+  if (backward) {
+    for (const RopeOperand* op : {&a.grad_q, &a.grad_k}) {
+      if (op->heads > 0 && op->in_stride[3] != 1) return false;
+    }
+  }
+  return true;
+}
+
+template <typename scalar_t, bool kC>
+void run_tokens(const QkNormRopeArgs& a, bool backward, int64_t chunks) {
+  using acc_t = at::opmath_type<scalar_t>;
+  const RopeArgs& ra = a.rope;
+  const int64_t tokens = ra.batch * ra.seq;
+  if (tokens == 0) return;
+  const auto* wq = static_cast<const acc_t*>(a.q_weight);
+  const auto* wk = static_cast<const acc_t*>(a.k_weight);
+  const bool hidden = a.norm == QkNorm::kHidden;
+  const int64_t lq = hidden ? ra.q.heads * ra.head_dim : ra.head_dim;
+  const int64_t lk = hidden ? ra.k.heads * ra.head_dim : ra.head_dim;
+  // One token's work: its angles, then q and k (NaN rows for a packed token outside every
+  // sequence; its gradients are NaN too, and it adds nothing to the weight gradients).
+  auto token = [&](int64_t item, TokenAngles<acc_t>& angles, acc_t* dwq, acc_t* dwk) {
+    const int64_t b = item / ra.seq, s = item % ra.seq;
+    int64_t pos[math::kRopeMaxAxes];
+    if (!token_positions(ra, b, s, pos)) {
+      nan_rows<scalar_t>(a, ra.q, b, s);
+      nan_rows<scalar_t>(a, ra.k, b, s);
+      return;
+    }
+    token_angles<acc_t>(ra, pos, angles);
+    if (!backward) {
+      forward_operand<scalar_t, acc_t, kC>(a, ra.q, wq, b, s, angles);
+      forward_operand<scalar_t, acc_t, kC>(a, ra.k, wk, b, s, angles);
+    } else {
+      backward_operand<scalar_t, acc_t, kC>(a, ra.q, a.grad_q, wq, dwq, b, s, angles);
+      backward_operand<scalar_t, acc_t, kC>(a, ra.k, a.grad_k, wk, dwk, b, s, angles);
+    }
+  };
+  if (!backward) {
+    const int64_t row_elems = std::max<int64_t>(1, (ra.q.heads + ra.k.heads) * ra.head_dim);
+    const int64_t grain = std::max<int64_t>(1, 32768 / row_elems);
+    at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
+      TokenAngles<acc_t> angles;
+      for (int64_t item = begin; item < end; ++item) token(item, angles, nullptr, nullptr);
+    });
+    return;
+  }
+  // Backward: chunk c of the fixed split sums its tokens' weight-gradient terms into row c.
+  auto* dq = static_cast<acc_t*>(a.q_weight_grad);
+  auto* dk = static_cast<acc_t*>(a.k_weight_grad);
+  const int64_t per_chunk = (tokens + chunks - 1) / chunks;
+  at::parallel_for(0, chunks, 1, [&](int64_t begin, int64_t end) {
+    TokenAngles<acc_t> angles;
+    for (int64_t c = begin; c < end; ++c) {
+      const int64_t last = std::min(tokens, (c + 1) * per_chunk);
+      for (int64_t item = c * per_chunk; item < last; ++item) {
+        token(item, angles, dq + c * lq, dk + c * lk);
+      }
+    }
+  });
+  // Row 0 = the chunks' sums, added in chunk order.
+  for (const auto& [buf, len] : {std::pair<acc_t*, int64_t>{dq, lq}, {dk, lk}}) {
+    at::parallel_for(0, len, 256, [&, buf = buf, len = len](int64_t begin, int64_t end) {
+      for (int64_t c = 1; c < chunks; ++c) {
+        for (int64_t e = begin; e < end; ++e) buf[e] += buf[c * len + e];
+      }
+    });
+  }
+}
+
+void qk_norm_rope_kernel(const QkNormRopeArgs& a, c10::ScalarType dtype, bool backward,
+                         int64_t chunks) {
+  dispatch_floating(dtype, "posenc_qk_norm_rope_cpu", [&](auto* tag) {
+    using scalar_t = std::remove_pointer_t<decltype(tag)>;
+    if (contiguous_rows(a, backward)) {
+      run_tokens<scalar_t, true>(a, backward, chunks);
+    } else {
+      run_tokens<scalar_t, false>(a, backward, chunks);
+    }
+  });
+}
+
+}  // namespace
+POSENC_ISA_NAMESPACE_END
+
+POSENC_REGISTER_DISPATCH(qk_norm_rope_stub, &qk_norm_rope_kernel)
+
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,342 @@
+"""qk_norm_rope (issue 24): RMSNorm of q and k then RoPE, fused. Against a float64 reference
+written from each model's formula in plain PyTorch (Qwen3's and Gemma 3's per-head norm,
+OLMo 2's norm over the whole projection), every RoPE feature, gradients (gradcheck, and the
+fused backward against autograd through the reference), opcheck, torch.compile, bad inputs."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import posenc  # noqa: F401
+from conftest import DEVICES
+from posenc.functional import apply_rope, qk_norm_rope
+from rope_reference import from_bshd, reference_inv_freq, reference_rope, thd_positions, to_bshd
+
+F64 = torch.float64
+TOL = {torch.float64: (1e-10, 1e-10), torch.float32: (2e-5, 2e-5), torch.float16: (4e-3, 4e-3),
+       torch.bfloat16: (3e-2, 2e-2)}
+# (norm, weight_offset, eps): Qwen3 / Qwen3-MoE, Gemma 3 ((1 + w), eps 1e-6), OLMo 2.
+MODELS = {"qwen3": ("head", 0.0, 1e-6), "gemma3": ("head", 1.0, 1e-6), "olmo2": ("hidden", 0.0, 1e-5)}
+
+
+def reference_norm(x, w, eps, offset, norm, layout):
+    """x (user layout) -> float64 x * rsqrt(mean(x^2) + eps) * (w + offset), same layout."""
+    xb = to_bshd(x.to(F64), layout)
+    if norm == "head":
+        ms, wv = xb.pow(2).mean(-1, keepdim=True), w.to(F64)
+    else:
+        ms, wv = xb.pow(2).mean((-2, -1), keepdim=True), w.to(F64).view(xb.shape[-2], xb.shape[-1])
+    return from_bshd(xb * torch.rsqrt(ms + eps) * (wv + offset), layout)
+
+
+def reference(q, k, wq, wk, *, eps, offset, norm, layout="bshd", pos=None, rotary_dim=None, interleaved=False,
+              base=10000.0, scaling=None, seq_len=0):
+    d = q.shape[-1]
+    rot = d if rotary_dim is None else rotary_dim
+    inv_freq, attn = reference_inv_freq(rot, base, scaling, seq_len)
+    if pos is None:
+        b, s = to_bshd(q, layout).shape[:2]
+        pos = torch.arange(s).expand(b, s)
+    out = []
+    for x, w in ((q, wq), (k, wk)):
+        y = reference_norm(x, w, eps, offset, norm, layout)
+        out.append(reference_rope(y, layout, pos.cpu(), inv_freq.cpu(), rot, interleaved, attn).to(x.device))
+    return out
+
+
+def make(B, S, Hq, Hk, D, dtype, device, norm, layout="bshd", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    shape = {"bshd": lambda h: (B, S, h, D), "bhsd": lambda h: (B, h, S, D), "sbhd": lambda h: (S, B, h, D),
+             "thd": lambda h: (S, h, D)}[layout]
+    q = (torch.randn(shape(Hq), generator=g, dtype=F64) * 2 + 0.3).to(device, dtype)
+    k = (torch.randn(shape(Hk), generator=g, dtype=F64) * 2 - 0.2).to(device, dtype)
+    lq, lk = (D, D) if norm == "head" else (Hq * D, Hk * D)
+    wq = (torch.rand(lq, generator=g, dtype=F64) + 0.5).to(device, dtype)
+    wk = (torch.rand(lk, generator=g, dtype=F64) + 0.5).to(device, dtype)
+    return q, k, wq, wk
+
+
+def close(actual, expected, dtype):
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(actual.to(F64), expected.to(F64), atol=atol, rtol=rtol)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_models_match_reference(device, dtype, model):
+    norm, offset, eps = MODELS[model]
+    # GQA (6 q heads, 2 kv heads), odd sequence length.
+    q, k, wq, wk = make(2, 7, 6, 2, 16, dtype, device, norm)
+    oq, ok = qk_norm_rope(q, k, wq, wk, eps=eps, weight_offset=offset, norm=norm)
+    rq, rk = reference(q, k, wq, wk, eps=eps, offset=offset, norm=norm)
+    assert oq.dtype == dtype and ok.dtype == dtype and oq.shape == q.shape and ok.shape == k.shape
+    close(oq, rq, dtype)
+    close(ok, rk, dtype)
+
+
+CASES = ["partial", "interleaved", "yarn", "positions", "offsets", "thd", "bhsd-strided", "sbhd",
+         "odd-head-dim", "mrope", "float32-weights"]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", ["head", "hidden"])
+@pytest.mark.parametrize("case", CASES)
+def test_rope_features(device, norm, case):
+    dtype = torch.bfloat16 if case == "float32-weights" else torch.float32
+    B, S, Hq, Hk, D = 2, 9, 3, 1, 24
+    layout = {"thd": "thd", "bhsd-strided": "bhsd", "sbhd": "sbhd"}.get(case, "bshd")
+    if case == "odd-head-dim":
+        D = 18  # 9 pairs: no whole vector of pairs
+    q, k, wq, wk = make(B, S, Hq, Hk, D, dtype, device, norm, layout=layout)
+    opts, ref = {}, {}
+    pos = None
+    if case == "partial":
+        opts["rotary_dim"] = ref["rotary_dim"] = 10
+    elif case == "interleaved":
+        opts["interleaved"] = ref["interleaved"] = True
+    elif case == "yarn":
+        scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 4}
+        opts.update(scaling=scaling, rotary_dim=16, offset=5)
+        ref.update(scaling=scaling, rotary_dim=16)
+        pos = torch.arange(5, 5 + S).expand(B, S)
+    elif case == "positions":
+        pos = torch.randint(0, 100000, (B, S))
+        opts["positions"] = pos.to(device)
+    elif case == "offsets":
+        offs = torch.tensor([3, 1000])
+        opts["offset"] = offs.to(device)
+        pos = torch.arange(S)[None] + offs[:, None]
+    elif case == "thd":
+        cu = torch.tensor([0, 4, 9])
+        offs = torch.tensor([7, 0])
+        opts.update(layout="thd", cu_seqlens=cu.to(device), offset=offs.to(device))
+        pos = thd_positions(cu, offs)
+    elif case == "bhsd-strided":
+        # Non-contiguous: every other head of a wider tensor, and a transposed last dim.
+        q = torch.cat([q, q], 1)[:, ::2]
+        k = k.transpose(-1, -2).contiguous().transpose(-1, -2)
+        opts["layout"] = "bhsd"
+        assert not q.is_contiguous() and not k.is_contiguous()
+    elif case == "sbhd":
+        opts["layout"] = "sbhd"
+    elif case == "mrope":
+        sections = [4, 4, 4]
+        p3 = torch.randint(0, 50, (3, B, S))
+        opts.update(sections=sections, sections_mode="mrope", positions=p3.to(device))
+    elif case == "float32-weights":
+        wq, wk = wq.float(), wk.float()
+    oq, ok = qk_norm_rope(q, k, wq, wk, norm=norm, **opts)
+    if case == "mrope":
+        # RoPE of the normalised inputs: apply_rope with the same arguments (tested on its own).
+        nq = reference_norm(q, wq, 1e-6, 0.0, norm, layout).to(dtype)
+        nk = reference_norm(k, wk, 1e-6, 0.0, norm, layout).to(dtype)
+        rq, rk = apply_rope(nq.double(), nk.double(), **opts)
+    else:
+        if layout != "bshd" and pos is None:
+            pos = torch.arange(S).expand(B, S)
+        rq, rk = reference(q, k, wq, wk, eps=1e-6, offset=0.0, norm=norm, layout=layout, pos=pos, **ref)
+    close(oq, rq, dtype)
+    close(ok, rk, dtype)
+
+
+def test_packed_token_outside_sequences_is_refused():
+    q, k, wq, wk = make(1, 6, 2, 1, 8, torch.float32, "cpu", "head", layout="thd")
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        qk_norm_rope(q, k, wq, wk, layout="thd", cu_seqlens=torch.tensor([0, 4]))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", ["head", "hidden"])
+@pytest.mark.parametrize("case", ["plain", "partial+offset", "interleaved+positions", "thd", "bhsd"])
+def test_gradcheck(device, norm, case):
+    torch.manual_seed(0)
+    B, S, Hq, Hk, D = 2, 3, 3, 1, 8
+    layout = {"thd": "thd", "bhsd": "bhsd"}.get(case, "bshd")
+    q, k, wq, wk = make(B, S, Hq, Hk, D, F64, device, norm, layout=layout)
+    opts = dict(norm=norm, eps=1e-3)
+    if case == "partial+offset":
+        opts.update(rotary_dim=4, weight_offset=1.0, offset=11)
+    elif case == "interleaved+positions":
+        opts.update(interleaved=True, positions=torch.randint(0, 1000, (B, S), device=device))
+    elif case == "thd":
+        opts.update(layout="thd", cu_seqlens=torch.tensor([0, 1, 3], device=device))
+    elif case == "bhsd":
+        opts["layout"] = "bhsd"
+    inputs = [t.requires_grad_(True) for t in (q, k, wq, wk)]
+    assert torch.autograd.gradcheck(lambda *a: qk_norm_rope(*a, **opts), inputs)
+    if case in ("plain", "partial+offset"):
+        assert torch.autograd.gradgradcheck(lambda *a: qk_norm_rope(*a, **opts), inputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_fused_backward_matches_reference_gradients(device, dtype, model):
+    norm, offset, eps = MODELS[model]
+    q, k, wq, wk = make(2, 37, 4, 2, 64, dtype, device, norm, seed=3)
+    gq = torch.randn(q.shape, dtype=F64).to(device, dtype)
+    gk = torch.randn(k.shape, dtype=F64).to(device, dtype)
+    ins = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+    oq, ok = qk_norm_rope(*ins, eps=eps, weight_offset=offset, norm=norm, rotary_dim=48)
+    torch.autograd.backward((oq, ok), (gq, gk))
+    ref = [t.detach().to(F64).requires_grad_(True) for t in (q, k, wq, wk)]
+    rq, rk = reference(*ref, eps=eps, offset=offset, norm=norm, rotary_dim=48)
+    torch.autograd.backward((rq, rk), (gq.to(F64), gk.to(F64)))
+    for got, want in zip(ins, ref):
+        assert got.grad.dtype == got.dtype
+        atol, rtol = TOL[dtype]
+        # Weight gradients sum over tokens and heads: scale the tolerance by their size.
+        scale = want.grad.abs().max().item() if got.dim() == 1 else 1.0
+        torch.testing.assert_close(got.grad.to(F64), want.grad, atol=atol * max(scale, 1.0) * 4, rtol=rtol * 4)
+
+
+def test_weight_gradient_is_deterministic_across_thread_counts():
+    q, k, wq, wk = make(1, 300, 4, 2, 32, torch.float32, "cpu", "head", seed=5)
+    grads = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            ins = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+            oq, ok = qk_norm_rope(*ins)
+            (oq.sum() + 2 * ok.sum()).backward()
+            grads.append([t.grad for t in ins])
+    finally:
+        torch.set_num_threads(threads)
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
+
+
+def test_only_q_used_gives_k_zero_gradient():
+    q, k, wq, wk = make(1, 4, 2, 1, 8, F64, "cpu", "head")
+    ins = [t.requires_grad_(True) for t in (q, k, wq, wk)]
+    oq, _ = qk_norm_rope(*ins)
+    oq.sum().backward()
+    assert torch.equal(ins[1].grad, torch.zeros_like(k)) and torch.equal(ins[3].grad, torch.zeros_like(wk))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_empty(device):
+    for S in (0,):
+        q, k, wq, wk = make(2, S, 3, 1, 8, torch.float32, device, "head")
+        ins = [t.requires_grad_(True) for t in (q, k, wq, wk)]
+        oq, ok = qk_norm_rope(*ins)
+        assert oq.shape == q.shape and ok.shape == k.shape
+        (oq.sum() + ok.sum()).backward()
+        assert torch.equal(ins[2].grad, torch.zeros_like(wq))
+
+
+def _op_args(device, norm="head", dtype=torch.float32, requires_grad=False):
+    q, k, wq, wk = make(2, 5, 3, 1, 8, dtype, device, norm)
+    return [t.requires_grad_(requires_grad) for t in (q, k, wq, wk)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", ["head", "hidden"])
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_opcheck(device, norm, requires_grad):
+    args = _op_args(device, norm, requires_grad=requires_grad)
+    opcheck(torch.ops.posenc.qk_norm_rope.default, tuple(args),
+            dict(eps=1e-5, weight_offset=1.0, norm=norm, offset=3, rotary_dim=6))
+    opcheck(torch.ops.posenc.qk_norm_rope.default, tuple(args),
+            dict(norm=norm, positions=torch.randint(0, 99, (2, 5), device=device), interleaved=True))
+    q, k, wq, wk = _op_args(device, norm)
+    grads = (torch.randn_like(q), torch.randn_like(k))
+    opcheck(torch.ops.posenc.qk_norm_rope_backward.default, (q, k, *grads, wq, wk, 1e-6, 0.5, norm),
+            dict(offset=2))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", ["head", "hidden"])
+def test_compile_fullgraph(device, norm):
+    torch._dynamo.reset()
+    q, k, wq, wk = make(2, 6, 4, 2, 16, torch.float32, device, norm)
+
+    def f(q, k, wq, wk, pos):
+        oq, ok = qk_norm_rope(q, k, wq, wk, norm=norm, weight_offset=1.0, positions=pos, rotary_dim=8)
+        return (oq * 2).sum() + ok.square().sum()
+
+    pos = torch.randint(0, 50, (2, 6), device=device)
+    # aot_eager: dynamo and AOTAutograd trace the op and its backward on fake tensors (the
+    # Meta kernels) without inductor's C++ compile (tens of seconds on this CI's cores).
+    compiled = torch.compile(f, fullgraph=True, dynamic=True, backend="aot_eager")
+    ins_c = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+    ins_e = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+    out_c, out_e = compiled(*ins_c, pos), f(*ins_e, pos)
+    torch.testing.assert_close(out_c, out_e)
+    out_c.backward()
+    out_e.backward()
+    for a, b in zip(ins_c, ins_e):
+        torch.testing.assert_close(a.grad, b.grad)
+
+
+def test_inplace():
+    q, k, wq, wk = make(2, 5, 3, 1, 8, torch.float32, "cpu", "head")
+    want = qk_norm_rope(q, k, wq, wk, offset=4)
+    q2, k2 = q.clone(), k.clone()
+    got = qk_norm_rope(q2, k2, wq, wk, offset=4, inplace=True)
+    assert got[0] is q2 and got[1] is k2
+    torch.testing.assert_close(q2, want[0], atol=0, rtol=0)
+    torch.testing.assert_close(k2, want[1], atol=0, rtol=0)
+    with pytest.raises(RuntimeError, match="inplace=True"):
+        qk_norm_rope(q2, k2, wq.requires_grad_(True), wk, inplace=True)
+
+
+def test_bad_inputs():
+    q, k, wq, wk = make(2, 5, 3, 1, 8, torch.float32, "cpu", "head")
+    with pytest.raises(ValueError, match=r"q_weight of shape \(8,\).*got shape \[7\]"):
+        qk_norm_rope(q, k, wq[:7], wk)
+    with pytest.raises(ValueError, match=r"k_weight of shape \(8,\)"):
+        qk_norm_rope(q, k, wq, wk.view(2, 4))
+    with pytest.raises(ValueError, match=r"q_weight of shape \(24,\).*heads \* head_dim of q.*'hidden'"):
+        qk_norm_rope(q, k, wq, wk, norm="hidden")
+    with pytest.raises(TypeError, match="q_weight to have q's dtype Float, got Double"):
+        qk_norm_rope(q, k, wq.double(), wk)
+    with pytest.raises(TypeError, match="k_weight to have q's dtype"):
+        qk_norm_rope(q, k, wq, wk.to(torch.int64))
+    with pytest.raises(TypeError, match="q_weight to have q's dtype BFloat16 \\(or torch.float32\\), got Half"):
+        qk_norm_rope(q.bfloat16(), k.bfloat16(), wq.half(), wk.bfloat16())
+    for eps in (0.0, -1e-6):
+        with pytest.raises(ValueError, match=f"eps > 0.*got {eps}"):
+            qk_norm_rope(q, k, wq, wk, eps=eps)
+    with pytest.raises(ValueError, match="eps > 0"):
+        torch.ops.posenc.qk_norm_rope(q, k, wq, wk, eps=float("nan"))
+    with pytest.raises(ValueError, match="weight_offset to be finite"):
+        torch.ops.posenc.qk_norm_rope(q, k, wq, wk, weight_offset=float("inf"))
+    with pytest.raises(ValueError, match="unknown norm 'rms'"):
+        qk_norm_rope(q, k, wq, wk, norm="rms")
+    with pytest.raises(ValueError, match="unknown norm 'rms'"):
+        torch.ops.posenc.qk_norm_rope(q, k, wq, wk, norm="rms")
+    with pytest.raises(TypeError, match="expected q_weight to be a Tensor"):
+        qk_norm_rope(q, k, None, wk)
+    # RoPE's own checks, with the function's name.
+    with pytest.raises(ValueError, match="rotary_dim <= head_dim"):
+        qk_norm_rope(q, k, wq, wk, rotary_dim=10)
+    with pytest.raises(ValueError, match="qk_norm_rope: unknown layout"):
+        qk_norm_rope(q, k, wq, wk, layout="bsdh")
+    with pytest.raises(TypeError, match="expected k to have q's dtype"):
+        qk_norm_rope(q, k.double(), wq, wk)
+    q2 = torch.randn(2, 5, 3, 8)
+    with pytest.raises(RuntimeError, match="grad_q of q's shape"):
+        torch.ops.posenc.qk_norm_rope_backward(q2, k, q2[:1], k, wq, wk, 1e-6, 0.0, "head")
+
+
+def test_meta_and_fake_shapes():
+    q, k, wq, wk = (t.to("meta") for t in make(2, 5, 3, 1, 8, torch.float32, "cpu", "hidden"))
+    oq, ok = torch.ops.posenc.qk_norm_rope(q, k, wq, wk, norm="hidden")
+    assert oq.shape == q.shape and ok.shape == k.shape and oq.device.type == "meta"
+    with pytest.raises(ValueError, match="k_weight of shape"):
+        torch.ops.posenc.qk_norm_rope(q, k, wq, wq, norm="hidden")
+
+
+def test_export():
+    q, k, wq, wk = make(2, 6, 4, 2, 16, torch.float32, "cpu", "head")
+
+    class M(torch.nn.Module):
+        def forward(self, q, k, wq, wk):
+            return qk_norm_rope(q, k, wq, wk, weight_offset=1.0, offset=3)
+
+    ep = torch.export.export(M(), (q, k, wq, wk))
+    for got, want in zip(ep.module()(q, k, wq, wk), M()(q, k, wq, wk)):
+        torch.testing.assert_close(got, want, atol=0, rtol=0)
