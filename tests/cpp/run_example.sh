@@ -15,6 +15,7 @@ cmake -S "$root/examples/cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
 cmake --build "$build" -j "${MAX_JOBS:-2}"
 "$build/train_order"
 "$build/rope_order"
+"$build/kv_cache_decode"
 
 # Linked with the default flags (GNU ld --as-needed on Debian), the app that only loads
 # models must still list libposenc as NEEDED, or its ops are never registered.
