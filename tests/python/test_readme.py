@@ -19,7 +19,7 @@ def python_blocks():
 
 def test_readme_python_examples_run():
     blocks = python_blocks()
-    assert len(blocks) == 3, "update the stand-ins below when README examples are added"
+    assert len(blocks) == 4, "update the stand-ins below when README examples are added"
     # Block 1: the additive encodings and helpers.
     d, B, S = 512, 2, 9
     first = dict(
@@ -59,3 +59,17 @@ def test_readme_python_examples_run():
                                        sections_mode="mrope", base=1e6, layout="bhsd")
     torch.testing.assert_close(got, want)
     assert third["rope"].sections == [16, 24, 24]
+    # Block 4: RoPE into the KV cache (rope_append_kv), a decode loop and a paged call.
+    Hq, Hkv, hd, new = 4, 2, 32, 1
+    g = torch.Generator().manual_seed(0)
+    steps_qkv = [tuple(torch.randn(2, h, new, hd, generator=g) for h in (Hq, Hkv, Hkv)) for _ in range(3)]
+    fourth = dict(
+        torch=torch, batch=2, kv_heads=Hkv, max_len=16, head_dim=hd, steps=3, project=lambda step: steps_qkv[step],
+        num_blocks=4, block_size=4, q_t=torch.randn(5, Hq, hd), k_t=torch.randn(5, Hkv, hd),
+        v_t=torch.randn(5, Hkv, hd), pos_t=torch.tensor([0, 1, 2, 7, 8]), slots=torch.tensor([0, 1, 2, -1, 9]),
+    )
+    exec(compile(blocks[3], "README.md (block 4)", "exec"), fourth)
+    assert fourth["lengths"].tolist() == [3, 3]
+    for step, (_, k, v) in enumerate(steps_qkv):  # row `step` of the cache holds step's v
+        assert torch.equal(fourth["v_cache"][:, :, step], v[:, :, 0])
+    assert torch.equal(fourth["v_blocks"][2, 1], fourth["v_t"][4])

@@ -1,0 +1,63 @@
+"""rope_append_kv deployed (issue 25): torch.export of a decode step whose KV caches are
+mutated inputs, and the AOTInductor package of it (one small compile), against eager."""
+
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+import posenc  # noqa: F401
+from posenc.functional import rope_append_kv
+
+
+class DecodeStep(nn.Module):
+    """One decode step of a layer: rotate q and k, append k and v to the caches (Hugging
+    Face's static-cache layout), attend over the cache."""
+
+    def forward(self, q, k, v, k_cache, v_cache, lengths):
+        q = rope_append_kv(q, k, v, k_cache, v_cache, offset=lengths, layout="bhsd")
+        scores = torch.einsum("bhsd,bhtd->bhst", q, k_cache.repeat_interleave(2, 1))
+        return scores.softmax(-1).matmul(v_cache.repeat_interleave(2, 1))
+
+
+def inputs(seed):
+    g = torch.Generator().manual_seed(seed)
+    B, H, KV, D, L = 2, 4, 2, 16, 8
+    q, k, v = (torch.randn(B, h, 1, D, generator=g) for h in (H, KV, KV))
+    k_cache, v_cache = torch.randn(B, KV, L, D, generator=g), torch.randn(B, KV, L, D, generator=g)
+    lengths = torch.randint(0, L, (B,), generator=g)
+    return q, k, v, k_cache, v_cache, lengths
+
+
+def test_export_keeps_the_cache_writes():
+    args = inputs(0)
+    program = torch.export.export(DecodeStep(), tuple(a.clone() for a in args))
+    assert [n.target for n in program.graph.nodes if "posenc" in str(n.target)] == [
+        torch.ops.posenc.rope_append_kv.default]
+    # Functionalized (the inference IR AOTInductor compiles), the writes are the caches'.
+    functional = program.run_decompositions({})
+    assert set(functional.graph_signature.user_inputs_to_mutate.values()) == {"k_cache", "v_cache"}
+    want_args, got_args = [a.clone() for a in args], [a.clone() for a in args]
+    want = DecodeStep()(*want_args)
+    got = program.module()(*got_args)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    for g, w in zip(got_args[3:5], want_args[3:5]):
+        assert torch.equal(g, w)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="AOTInductor's CPU compile is tested on Linux")
+def test_aoti_package_writes_the_caches(tmp_path):
+    program = torch.export.export(DecodeStep(), inputs(0))
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "decode.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    for seed in (1, 2):
+        args = inputs(seed)
+        want_args, got_args = [a.clone() for a in args], [a.clone() for a in args]
+        want = DecodeStep()(*want_args)
+        got = loaded(*got_args)
+        got = got[0] if isinstance(got, (list, tuple)) else got
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        assert not torch.equal(got_args[3], args[3])  # the package wrote the caller's cache
+        torch.testing.assert_close(got_args[3], want_args[3], rtol=0, atol=0)
+        torch.testing.assert_close(got_args[4], want_args[4], rtol=0, atol=0)
