@@ -119,8 +119,20 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   const ApplyRopeOptions o = call_options(where);
   int64_t lo = 0, hi = -1;
   bool bounded = false;
-  if (q.dim() == (options.layout() == "thd" ? 3 : 4) &&
-      (options.check_positions() || !reads_device)) {
+  const std::string& layout = options.layout();
+  if (!where.positions() && !where.offsets() && !where.cu_seqlens() && options.sections().empty() &&
+      q.dim() == 4 && layout != "thd") {
+    // Positions offset .. offset + seq - 1 (the decode step): the range is arithmetic, as
+    // the bounds op would compute it (no token, no bound), without a dispatcher round trip.
+    const int64_t batch = q.size(layout == "sbhd" ? 1 : 0);
+    const int64_t seq = q.size(layout == "bshd" ? 1 : layout == "bhsd" ? 2 : 0);
+    if (batch > 0 && seq > 0) {
+      lo = where.offset();
+      hi = lo + seq - 1;
+    }
+    bounded = true;
+  } else if (q.dim() == (layout == "thd" ? 3 : 4) &&
+             (options.check_positions() || !reads_device)) {
     std::tie(lo, hi) = ops::call_rope_position_bounds(detail::make_rope_call(q, k, o, 0));
     bounded = true;
   }

@@ -10,6 +10,7 @@ types, the op checks values.
 
 from __future__ import annotations
 
+import functools
 import numbers
 from typing import List, Mapping, Optional, Tuple, Union
 
@@ -30,10 +31,19 @@ def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tupl
     as a constant. The op itself cannot be in a graph: it has no tensor input to take a
     device from, and Inductor cannot run an op that returns a float.
     """
+    inv_freq, factor = _frequencies_cached(rotary_dim, base, rope_type, values, seq_len)
+    return list(inv_freq), factor
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies_cached(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
+                        seq_len: int) -> Tuple[Tuple[float, ...], float]:
+    """The op's answer, once per configuration (a model's layers call with the same one):
+    the op call and the read-back of up to 256 floats are not repeated per call."""
     with _disable_current_modes():
         inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
                                                              seq_len, [], "axial")
-    return inv_freq.tolist(), float(factor)
+    return tuple(inv_freq.tolist()), float(factor)
 
 
 # torch.compiler.assume_constant_result(_host_frequencies) sets this one attribute; it is

@@ -72,6 +72,15 @@ class _AddPositionModule(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given."""
+        if positions is None and type(offset) is int and type(x) is Tensor:
+            # The decode step's call (a plain tensor, an int offset): nothing to check on the
+            # host or to place beside a DTensor. The table is read from the module's dicts
+            # directly: `self.pe` reaches a buffer only through nn.Module.__getattr__, after the
+            # instance lookup fails (benchmarks/NOTES.md, "The cost of one small call").
+            pe = self._buffers.get("pe")
+            if pe is None:
+                pe = self._parameters["pe"]  # LearnedPositionalEncoding's trainable table
+            return _ADD_POSITION(x, pe, None, offset, self.batch_first, self.dropout.p if self.training else 0.0)
         if isinstance(offset, bool):  # the op's SymInt would take True as 1
             raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
         if positions is not None and self.check_positions:

@@ -186,3 +186,38 @@ def test_a_forked_child_reuses_the_parents_cached_blocks_and_its_own():
     proc = run_python(code)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "0"
+
+
+EMPTY_CACHE = """
+    import torch, posenc
+    pe = posenc.PositionalEncoding(1024, 0.0, max_len=1024).eval()
+    out = pe(torch.randn(10, 1024, 1024))  # 40 MiB, a cached size
+    address, nbytes = out.data_ptr(), out.nbytes
+    del out
+
+    def mapped(a):
+        for line in open("/proc/self/maps"):
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= a < hi:
+                return True
+        return False
+
+    before = mapped(address)
+    released = torch.ops.posenc.empty_cpu_output_cache()
+    print(int(before), int(released >= nbytes), int(mapped(address)), torch.ops.posenc.empty_cpu_output_cache())
+    kept = pe(torch.randn(10, 1024, 1024))  # a block in use is never released
+    torch.ops.posenc.empty_cpu_output_cache()
+    kept.add_(1)
+    print(torch.isfinite(kept).all().item())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
+@pytest.mark.skipif(SANITIZED, reason="AddressSanitizer's allocator keeps freed blocks mapped (its quarantine)")
+@pytest.mark.parametrize("env, expected", [({}, "1 1 0 0"), ({"POSENC_CPU_OUTPUTS": "fresh"}, "0 0 0 0")])
+def test_empty_cpu_output_cache_unmaps_the_free_blocks_only(env, expected):
+    proc = run_python(EMPTY_CACHE, **env)
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.split("\n")
+    assert lines[0].strip() == expected
+    assert lines[1].strip() == "True"

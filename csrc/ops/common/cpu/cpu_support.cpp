@@ -2,6 +2,7 @@
 
 #include <ATen/EmptyTensor.h>
 #include <c10/util/accumulate.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -139,7 +140,10 @@ class OutputBlockCache final : public c10::Allocator {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       const auto it = live_.find(data);
-      TORCH_INTERNAL_ASSERT(it != live_.end(), "posenc: freeing an unknown CPU output block");
+      // A deleter runs inside destructors (noexcept): an exception here would terminate the
+      // process. Every pointer handed out is in live_, so this cannot happen; if it ever
+      // did, its size is unknown and nothing can be unmapped.
+      if (it == live_.end()) return;
       const Block block{data, it->second};
       if (block.bytes > kMaxBytes || block.bytes < kReuseMinBytes) {  // e.g. after a resize_
         live_.erase(it);
@@ -158,6 +162,25 @@ class OutputBlockCache final : public c10::Allocator {
     for (const Block& b : evicted) munmap(b.data, b.bytes);  // outside the lock
   }
 
+ public:
+  // Unmaps every cached free block; returns their bytes. Blocks in use are untouched.
+  int64_t release_free() {
+    std::vector<Block> evicted;
+    {
+      std::lock_guard<std::mutex> lock(mutex_);
+      evicted.swap(free_);
+      for (const Block& b : evicted) live_.erase(b.data);
+      free_bytes_ = 0;
+    }
+    int64_t bytes = 0;
+    for (const Block& b : evicted) {
+      munmap(b.data, b.bytes);
+      bytes += static_cast<int64_t>(b.bytes);
+    }
+    return bytes;
+  }
+
+ private:
   std::mutex mutex_;
   std::unordered_map<void*, size_t> live_;  // every mapped block (in use or free) and its size
   std::vector<Block> free_;                 // freed blocks, oldest first
@@ -190,6 +213,21 @@ c10::Allocator* reuse_allocator(size_t bytes, const at::TensorOptions& options) 
 }
 
 }  // namespace
+
+int64_t empty_cpu_output_cache() {
+#if defined(__linux__)
+  // Only touch the cache if it exists: creating it here would be pointless.
+  if (output_memory() == OutputMemory::kReuse) return OutputBlockCache::get().release_free();
+#endif
+  return 0;
+}
+
+TORCH_LIBRARY_FRAGMENT(posenc, m) {
+  // Gives the blocks that the CPU output cache (POSENC_CPU_OUTPUTS=reuse) keeps for the next
+  // large output back to the system, as torch.cuda.empty_cache() does for CUDA's cache;
+  // returns the bytes unmapped. No tensor: one kernel for every backend.
+  m.def("empty_cpu_output_cache() -> int", &empty_cpu_output_cache);
+}
 
 at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options) {
   const size_t bytes = static_cast<size_t>(c10::multiply_integers(sizes)) *

@@ -17,5 +17,9 @@ at::Tensor empty_output(at::IntArrayRef sizes, const at::TensorOptions& options)
 // channels-last tensor keeps its layout), contiguous otherwise.
 at::Tensor empty_output_like(const at::Tensor& like);
 
+// Unmaps the free blocks the output cache holds (op posenc::empty_cpu_output_cache); returns
+// their bytes. 0 when the cache is off (POSENC_CPU_OUTPUTS=fresh or huge) or empty.
+int64_t empty_cpu_output_cache();
+
 }  // namespace ops
 }  // namespace posenc
