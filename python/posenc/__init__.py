@@ -6,6 +6,8 @@
 from posenc import _library  # noqa: F401  (registers torch.ops.posenc)
 from posenc import functional
 from posenc.modules import LearnedPositionalEncoding, PositionalEncoding, RotaryPositionalEncoding, Timesteps
+from posenc._qk_norm_rope import QKNormRotary
 
-__all__ = ["LearnedPositionalEncoding", "PositionalEncoding", "RotaryPositionalEncoding", "Timesteps", "functional"]
+__all__ = ["LearnedPositionalEncoding", "PositionalEncoding", "QKNormRotary", "RotaryPositionalEncoding", "Timesteps",
+           "functional"]
 __version__ = "0.1.0"

@@ -80,3 +80,73 @@ def qk_norm_rope(
         return q, k
     return torch.ops.posenc.qk_norm_rope(
         q, k, q_weight, k_weight, eps=float(eps), weight_offset=float(weight_offset), norm=norm, **arguments)
+
+
+class _NormWeight(torch.nn.Module):
+    """Holds one norm's ``weight`` (Hugging Face's ``q_norm`` / ``k_norm`` submodules)."""
+
+    def __init__(self, size: int, init: float, device=None, dtype=None) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.full((size,), float(init), device=device, dtype=dtype))
+
+
+class QKNormRotary(torch.nn.Module):
+    r"""RMSNorm of q and k followed by RoPE, fused (:func:`posenc.functional.qk_norm_rope`),
+    owning the two norm weights under Hugging Face's names, ``q_norm.weight`` and
+    ``k_norm.weight``, so that an attention layer's checkpoint loads as is.
+
+    Args:
+        head_dim: features per head.
+        eps, weight_offset, norm: as :func:`~posenc.functional.qk_norm_rope`: Qwen3 (defaults),
+            Gemma 3 (``weight_offset=1.0``; weights start at 0), OLMo 2 (``norm="hidden"``:
+            then ``num_heads`` and ``num_kv_heads`` size the weights).
+        num_heads, num_kv_heads: q's and k's head counts (needed for ``norm="hidden"``).
+        base, interleaved, rotary_dim, scaling, layout, sections, sections_mode: RoPE's, as
+            :func:`~posenc.functional.apply_rope`.
+
+    ``q, k = m(q, k, positions=..., offset=...)``.
+    """
+
+    def __init__(
+        self,
+        head_dim: int,
+        *,
+        eps: float = 1e-6,
+        weight_offset: float = 0.0,
+        norm: str = "head",
+        num_heads: Optional[int] = None,
+        num_kv_heads: Optional[int] = None,
+        base: Optional[float] = None,
+        interleaved: bool = False,
+        rotary_dim: Optional[int] = None,
+        scaling: Optional[Mapping] = None,
+        layout: str = "bshd",
+        sections: Optional[Sequence[int]] = None,
+        sections_mode: str = "axial",
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__()
+        if norm not in NORMS:
+            raise ValueError(f"QKNormRotary: unknown norm {norm!r}; expected 'head' or 'hidden'")
+        if norm == "hidden" and (num_heads is None or num_kv_heads is None):
+            raise ValueError("QKNormRotary: norm='hidden' normalises each token's whole projection: pass num_heads "
+                             "and num_kv_heads (the weights have num_heads * head_dim and num_kv_heads * head_dim "
+                             "values)")
+        lq = head_dim if norm == "head" else num_heads * head_dim
+        lk = head_dim if norm == "head" else num_kv_heads * head_dim
+        init = 1.0 - weight_offset  # effective weights start at 1 (Gemma's zeros for offset 1)
+        self.q_norm = _NormWeight(lq, init, device, dtype)
+        self.k_norm = _NormWeight(lk, init, device, dtype)
+        self.head_dim, self.eps, self.weight_offset, self.norm = head_dim, eps, weight_offset, norm
+        self.rope_options = dict(base=base, interleaved=interleaved, rotary_dim=rotary_dim, scaling=scaling,
+                                 layout=layout, sections=sections, sections_mode=sections_mode)
+
+    def forward(self, q: Tensor, k: Tensor, *, positions: Optional[Tensor] = None, offset: Union[int, Tensor] = 0,
+                cu_seqlens: Optional[Tensor] = None, seq_len: Optional[int] = None) -> Tuple[Tensor, Tensor]:
+        return qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, eps=self.eps,
+                            weight_offset=self.weight_offset, norm=self.norm, positions=positions, offset=offset,
+                            cu_seqlens=cu_seqlens, seq_len=seq_len, **self.rope_options)
+
+    def extra_repr(self) -> str:
+        return f"head_dim={self.head_dim}, eps={self.eps}, weight_offset={self.weight_offset}, norm={self.norm!r}"

@@ -23,6 +23,14 @@ worst to R, so no placement gives a silently wrong answer):
       per-shard ``cu_seqlens`` and offsets.
     ``rope_`` (in place) runs only on the placements q and k already have (a redistributed
     copy would be rotated instead of the caller's tensor): otherwise it raises.
+``qk_norm_rope`` / ``qk_norm_rope_backward`` (the norm is not linear: never P):
+    * all R; q, k S(b) and S(s) as ``rope`` (positions, offsets alike), the weights R;
+    * q, k S(h) for ``norm="head"`` only. ``norm="hidden"`` (OLMo 2) normalises over all of a
+      token's heads, a reduction across head shards: it has no heads-sharded rule, so DTensor
+      redistributes heads-sharded q and k (all-gathers them to R) before the op, and the
+      outputs come back R (correct; call it before sharding heads to avoid the gather).
+    * the backward's weight gradients (sums over tokens, and heads for "head") are P when q
+      and k are sharded, R when replicated.
 ``add_position_forward`` / ``add_position`` (x: batch b, seq s, hidden 2; table ``(L, d)`` or
 ``(1, L, d)``):
     * all R;
@@ -113,6 +121,48 @@ def _rope_rule(a: dict, outputs: str) -> list:
     if q.ndim == (3 if layout == "thd" else 4):
         add(Shard(h_dim))
         add(P)
+        if b_dim is not None:
+            batch = q.shape[b_dim]
+            pos_p = R
+            if pos is not None:
+                pos_batch_dim = 1 if multi else 0
+                if pos.ndim == pos_batch_dim + 2 and pos.shape[pos_batch_dim] == batch:
+                    pos_p = Shard(pos_batch_dim)
+            offs_p = Shard(0) if offs is not None else R
+            if not (dynamic_from_call and (isinstance(pos_p, Shard) or offs is not None)):
+                add(Shard(b_dim), pos_p, offs_p)
+            if pos is not None and pos.ndim >= 1 and not dynamic_from_call:
+                add(Shard(s_dim), Shard(pos.ndim - 1), R)
+    return strategies
+
+
+def _qk_norm_rope_rule(a: dict, backward: bool) -> list:
+    """Strategies for qk_norm_rope (outputs q, k) and its backward (grad q, grad k, grad
+    q_weight, grad k_weight). The norm is not linear: no Partial inputs. Batch- and
+    sequence-sharded calls (positions sharded as for rope) and, for norm "head",
+    heads-sharded ones run locally on replicated weights; the weight gradients, sums over
+    tokens (and heads), are then Partial. norm "hidden" reduces over a token's heads, so it
+    has no heads-sharded strategy: DTensor redistributes heads-sharded q and k (to
+    replicated, or to a batch or sequence sharding the call allows) before the op."""
+    q, pos, offs = a["q"], a["positions"], a["offsets"]
+    layout = a["layout"] if a["layout"] in ("bshd", "bhsd", "sbhd", "thd") else "bshd"
+    b_dim, s_dim, h_dim = _rope_dims(layout)
+    multi = len(a["sections"]) > 0
+    dynamic_from_call = a["rope_type"] in LENGTH_SCALED_TYPES and a["seq_len"] < 0
+    strategies = []
+
+    def add(qk, positions=R, offsets=R):
+        weights_grad = R if qk == R else P
+        outs = [qk, qk] + ([weights_grad, weights_grad] if backward else [])
+        inputs = dict(q=qk, k=qk, q_weight=R, k_weight=R, positions=positions, offsets=offsets, cu_seqlens=R)
+        if backward:
+            inputs.update(grad_q=qk, grad_k=qk)
+        strategies.append((outs, inputs))
+
+    add(R)
+    if q.ndim == (3 if layout == "thd" else 4):
+        if a["norm"] == "head":
+            add(Shard(h_dim))
         if b_dim is not None:
             batch = q.shape[b_dim]
             pos_p = R
@@ -311,6 +361,8 @@ def register_sharding_rules() -> None:
     _register_rule(ops.add_position_backward_with_table.default, _backward_with_table_rule)
     _register_rule(ops.sinusoidal_table.default, _sinusoidal_table_rule)
     _register_rule(ops.apply_rope_cos_sin.default, _rope_cos_sin_rule)
+    _register_rule(ops.qk_norm_rope.default, lambda a: _qk_norm_rope_rule(a, False))
+    _register_rule(ops.qk_norm_rope_backward.default, lambda a: _qk_norm_rope_rule(a, True))
     # Public API (torch.library) for what DTensor's private _custom_op_handlers table does.
     torch.library.register_torch_dispatch(ops.position_bounds.default, DTensor, _bounds_handler)
     torch.library.register_torch_dispatch(ops.rope_position_bounds.default, DTensor, _bounds_handler)

@@ -139,6 +139,48 @@ def rope_rules():
 
 
 @check
+def qk_norm_rope_rules():
+    """qk_norm_rope on DTensors: forward, output placement, and the gradients of q, k and
+    both weights against the plain call; norm "hidden" on heads-sharded inputs is
+    redistributed (replicated outputs), not computed per shard."""
+    from posenc.functional import qk_norm_rope
+    from torch.distributed.tensor import DTensor
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    R = Replicate()
+    B, S, Hq, Hk, D = 2, 6, 4, 2, 8
+    q, k = rand(B, S, Hq, D, seed=11), rand(B, S, Hk, D, seed=12)
+    pos = randint(100, (B, S), 13)
+    for norm in ("head", "hidden"):
+        lq, lk = (D, D) if norm == "head" else (Hq * D, Hk * D)
+        wq, wk = rand(lq, seed=14) + 2, rand(lk, seed=15) + 2
+        cases = [("replicate", R, {}, R), ("batch", Shard(0), dict(offset=3), Shard(0)),
+                 ("seq+positions", Shard(1), dict(positions=pos), Shard(1)),
+                 ("heads", Shard(2), {}, Shard(2) if norm == "head" else R)]
+        for name, place, kwargs, expect in cases:
+            what = f"qk_norm_rope {norm} {name}"
+            ref_in = [t.clone().requires_grad_() for t in (q, k, wq, wk)]
+            ref = qk_norm_rope(*ref_in, norm=norm, weight_offset=0.5, **kwargs)
+            d_in = [distribute_tensor(q, mesh, [place]), distribute_tensor(k, mesh, [place]),
+                    distribute_tensor(wq, mesh, [R]), distribute_tensor(wk, mesh, [R])]
+            d_in = [t.detach().requires_grad_() for t in d_in]
+            dkw = dict(kwargs)
+            if "positions" in dkw:
+                dkw["positions"] = distribute_tensor(pos, mesh, [Shard(1)])
+            out = qk_norm_rope(*d_in, norm=norm, weight_offset=0.5, **dkw)
+            grads = [rand(*r.shape, seed=16 + i) for i, r in enumerate(ref)]
+            torch.autograd.backward(ref, grads)
+            for i, (o, r) in enumerate(zip(out, ref)):
+                assert isinstance(o, DTensor), what
+                close(o.full_tensor(), r.detach(), f"{what} forward {i}")
+                assert o.placements == (expect,), f"{what}: output placed {o.placements}, expected {expect}"
+            torch.autograd.backward(out, [distribute_tensor(g, mesh, o.placements) for g, o in zip(grads, out)])
+            for i, (d, r) in enumerate(zip(d_in, ref_in)):
+                torch.testing.assert_close(d.grad.full_tensor(), r.grad, rtol=1e-10, atol=1e-10,
+                                           msg=lambda m, what=what, i=i: f"{what} grad {i}: {m}")
+
+
+@check
 def functions_take_plain_tensors_beside_dtensors():
     """apply_rope, apply_rope_cos_sin and add_position with a DTensor input and plain index
     tensors / tables beside it: those are replicated on its mesh (no "mixed Tensor and

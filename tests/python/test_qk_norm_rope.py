@@ -340,3 +340,24 @@ def test_export():
     ep = torch.export.export(M(), (q, k, wq, wk))
     for got, want in zip(ep.module()(q, k, wq, wk), M()(q, k, wq, wk)):
         torch.testing.assert_close(got, want, atol=0, rtol=0)
+
+
+def test_module_owns_hf_named_weights_and_matches_functional():
+    m = posenc.QKNormRotary(16, eps=1e-5, weight_offset=1.0, rotary_dim=8, base=500.0)
+    assert set(m.state_dict()) == {"q_norm.weight", "k_norm.weight"}
+    assert torch.equal(m.q_norm.weight, torch.zeros(16))  # Gemma's (1 + w) starts at w = 0
+    with torch.no_grad():
+        m.q_norm.weight.uniform_(-0.5, 0.5)
+        m.k_norm.weight.uniform_(-0.5, 0.5)
+    q, k, _, _ = make(2, 5, 4, 2, 16, torch.float32, "cpu", "head")
+    got = m(q, k, offset=7)
+    want = qk_norm_rope(q, k, m.q_norm.weight, m.k_norm.weight, eps=1e-5, weight_offset=1.0, rotary_dim=8,
+                        base=500.0, offset=7)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    (got[0].sum() + got[1].sum()).backward()
+    assert m.q_norm.weight.grad is not None and m.k_norm.weight.grad is not None
+    hidden = posenc.QKNormRotary(16, norm="hidden", num_heads=4, num_kv_heads=2)
+    assert hidden.q_norm.weight.shape == (64,) and hidden.k_norm.weight.shape == (32,)
+    with pytest.raises(ValueError, match="num_heads"):
+        posenc.QKNormRotary(16, norm="hidden")

@@ -19,7 +19,7 @@ def python_blocks():
 
 def test_readme_python_examples_run():
     blocks = python_blocks()
-    assert len(blocks) == 4, "update the stand-ins below when README examples are added"
+    assert len(blocks) == 5, "update the stand-ins below when README examples are added"
     # Block 1: the additive encodings and helpers.
     d, B, S = 512, 2, 9
     first = dict(
@@ -73,3 +73,24 @@ def test_readme_python_examples_run():
     for step, (_, k, v) in enumerate(steps_qkv):  # row `step` of the cache holds step's v
         assert torch.equal(fourth["v_cache"][:, :, step], v[:, :, 0])
     assert torch.equal(fourth["v_blocks"][2, 1], fourth["v_t"][4])
+    # Block 5: fused QK-norm + RoPE (Qwen3), against RMSNorm written out then apply_rope.
+    nh, nkv, hd = 4, 2, 32
+    fifth = dict(
+        posenc=posenc, hidden=torch.randn(B, S, 64), batch=B, seq=S, num_heads=nh, num_kv_heads=nkv, head_dim=hd,
+        q_proj=torch.nn.Linear(64, nh * hd), k_proj=torch.nn.Linear(64, nkv * hd), q_norm_weight=torch.rand(hd) + 0.5,
+        k_norm_weight=torch.rand(hd) + 0.5, position_ids=torch.randint(0, 4096, (B, S)),
+    )
+    exec(compile(blocks[4], "README.md (block 5)", "exec"), fifth)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+
+    with torch.no_grad():
+        q = fifth["q_proj"](fifth["hidden"]).view(B, S, nh, hd)
+        k = fifth["k_proj"](fifth["hidden"]).view(B, S, nkv, hd)
+        want = posenc.functional.apply_rope(rms(q, fifth["q_norm_weight"]), rms(k, fifth["k_norm_weight"]),
+                                            base=1e6, positions=fifth["position_ids"])
+        torch.testing.assert_close(fifth["q"], want[0], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fifth["k"], want[1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fifth["q2"], posenc.functional.apply_rope(rms(q, 1.0), base=1e6,
+                                   positions=fifth["position_ids"]), atol=1e-5, rtol=1e-5)

@@ -4,5 +4,6 @@
 #include "posenc/functional.h"
 #include "posenc/modules.h"
 #include "posenc/ops.h"
+#include "posenc/qk_norm_rope.h"
 #include "posenc/rope.h"
 #include "posenc/rope_append_kv.h"

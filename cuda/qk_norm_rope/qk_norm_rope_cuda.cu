@@ -1,0 +1,271 @@
+// CUDA kernels of qk_norm_rope and its backward.
+//
+// One warp per (token, operand): operand 0 is q, 1 is k. The warp's lanes compute the
+// token's cos/sin (one pair each in turn; angle formed and reduced in float64 with
+// posenc/math/rope.h, as the RoPE kernel) into the warp's slice of shared memory, then per
+// normalised vector (a head, norm "head"; all heads of the operand, norm "hidden") the
+// sum of squares over the lanes (a fixed butterfly of shuffles: deterministic), and each
+// lane normalises, weights and rotates its pairs (posenc/math/qk_norm.h). Accesses are per
+// element: lane p reads pairs p, p + 32, ..., so a warp's loads of one half are coalesced.
+//
+// The backward turns the incoming gradient back pair by pair, sums mean(g * xhat) over the
+// vector with the same butterfly, writes dx in a second pass over the (cached) rows, and adds
+// the weight-gradient terms gu * xhat into the warp's own row of a partial-sum buffer
+// (rows: one per warp of the grid, a fixed grid: no atomics), which a second kernel sums
+// over the rows in order. Results are deterministic for a given GPU and shape.
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <limits>
+
+#include "../common/occupancy.cuh"
+#include "ops/qk_norm_rope/qk_norm_rope_call.h"
+#include "posenc/math/qk_norm.h"
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <typename scalar_t>
+__device__ __forceinline__ const scalar_t* in_row(const RopeOperand& op, int64_t b, int64_t s,
+                                                  int64_t h) {
+  return static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] + s * op.in_stride[1] +
+         h * op.in_stride[2];
+}
+template <typename scalar_t>
+__device__ __forceinline__ scalar_t* out_row(const RopeOperand& op, int64_t b, int64_t s,
+                                             int64_t h) {
+  return static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
+         h * op.out_stride[2];
+}
+
+// Sum of squares of heads [h0, h1) of the operand's token row, over the warp.
+template <typename scalar_t, typename acc_t>
+__device__ acc_t sum_squares(const RopeOperand& op, int64_t b, int64_t s, int64_t h0, int64_t h1,
+                             int64_t D, int lane) {
+  acc_t ss = 0;
+  for (int64_t h = h0; h < h1; ++h) {
+    const scalar_t* x = in_row<scalar_t>(op, b, s, h);
+    for (int64_t e = lane; e < D; e += 32) {
+      const acc_t v = static_cast<acc_t>(x[e * op.in_stride[3]]);
+      ss += v * v;
+    }
+  }
+  return warp_sum(ss);
+}
+
+// The features of pair p.
+__device__ __forceinline__ void pair_of(int64_t p, int64_t half, bool il, int64_t* e1, int64_t* e2) {
+  math::rope_pair_features(p, half, il, e1, e2);
+}
+
+template <typename scalar_t, typename acc_t, bool kBackward>
+__global__ void __launch_bounds__(kThreads)
+    qk_norm_rope_kernel(const __grid_constant__ QkNormRopeArgs a, acc_t* dw_rows, int64_t dw_len) {
+  const RopeArgs& ra = a.rope;
+  __shared__ acc_t s_cos[kWarps][kMaxRopePairs];
+  __shared__ acc_t s_sin[kWarps][kMaxRopePairs];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t global_warp = static_cast<int64_t>(blockIdx.x) * kWarps + warp;
+  const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t tokens = ra.batch * ra.seq;
+  const int64_t half = ra.rotary_dim / 2, D = ra.head_dim;
+  const bool hidden = a.norm == QkNorm::kHidden;
+  const acc_t eps = static_cast<acc_t>(a.eps);
+  const acc_t factor = static_cast<acc_t>(ra.attention_factor);
+  const acc_t sign = ra.inverse ? acc_t(-1) : acc_t(1);
+  acc_t* cs = s_cos[warp];
+  acc_t* sn = s_sin[warp];
+  for (int64_t item = global_warp; item < 2 * tokens; item += warps) {
+    const int64_t token = item >> 1;
+    const bool is_q = (item & 1) == 0;
+    const RopeOperand& op = is_q ? ra.q : ra.k;
+    const RopeOperand& gop = is_q ? a.grad_q : a.grad_k;
+    const acc_t* w = static_cast<const acc_t*>(is_q ? a.q_weight : a.k_weight);
+    const int64_t H = op.heads;
+    const int64_t b = token / ra.seq, s = token - (token / ra.seq) * ra.seq;
+    if (H == 0 || D == 0) continue;
+    int64_t shift = 0, restart = 0;
+    const bool valid = rope_token_shift(ra, b, s, &shift, &restart);
+    if (!valid) {
+      const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
+      for (int64_t h = 0; h < H; ++h) {
+        scalar_t* y = out_row<scalar_t>(op, b, s, h);
+        for (int64_t e = lane; e < D; e += 32) y[e * op.out_stride[3]] = static_cast<scalar_t>(nan);
+      }
+      continue;
+    }
+    __syncwarp();  // the previous item's reads of cs / sn are done
+    for (int64_t p = lane; p < half; p += 32) {
+      const int64_t pos = rope_axis_position(ra, b, s, shift, restart, ra.pair_axis[p]);
+      acc_t sv, cv;
+      math::rope_sincos<acc_t>(pos, ra.inv_freq[p], &sv, &cv);
+      cs[p] = cv * factor;
+      sn[p] = sv * factor * sign;
+    }
+    __syncwarp();
+    acc_t* dw = kBackward ? dw_rows + global_warp * dw_len + (is_q ? 0 : dw_len / 2) : nullptr;
+    const int64_t groups = hidden ? 1 : H;
+    const int64_t per_group = hidden ? H : 1;
+    const int64_t n = per_group * D;
+    for (int64_t gi = 0; gi < groups; ++gi) {
+      const int64_t h0 = gi * per_group, h1 = h0 + per_group;
+      const acc_t r = math::qk_norm_inv_rms<acc_t>(
+          sum_squares<scalar_t, acc_t>(op, b, s, h0, h1, D, lane), n, eps);
+      acc_t mean_gx = 0;
+      if constexpr (kBackward) {
+        // Pass A: sum of g * xhat (g = gu * w) and the weight-gradient terms.
+        acc_t part = 0;
+        for (int64_t h = h0; h < h1; ++h) {
+          const scalar_t* x = in_row<scalar_t>(op, b, s, h);
+          const scalar_t* g = in_row<scalar_t>(gop, b, s, h);
+          const int64_t sx = op.in_stride[3], sg = gop.in_stride[3];
+          const acc_t* wr = w + (hidden ? h * D : 0);
+          acc_t* dwr = dw + (hidden ? h * D : 0);
+          for (int64_t p = lane; p < half; p += 32) {
+            int64_t e1, e2;
+            pair_of(p, half, ra.interleaved, &e1, &e2);
+            acc_t gu1, gu2;
+            math::rope_rotate_pair(static_cast<acc_t>(g[e1 * sg]), static_cast<acc_t>(g[e2 * sg]),
+                                   cs[p], sn[p], &gu1, &gu2);
+            const acc_t xh1 = static_cast<acc_t>(x[e1 * sx]) * r;
+            const acc_t xh2 = static_cast<acc_t>(x[e2 * sx]) * r;
+            dwr[e1] += gu1 * xh1;
+            dwr[e2] += gu2 * xh2;
+            part += gu1 * wr[e1] * xh1 + gu2 * wr[e2] * xh2;
+          }
+          for (int64_t e = 2 * half + lane; e < D; e += 32) {
+            const acc_t gu = static_cast<acc_t>(g[e * sg]);
+            const acc_t xh = static_cast<acc_t>(x[e * sx]) * r;
+            dwr[e] += gu * xh;
+            part += gu * wr[e] * xh;
+          }
+        }
+        mean_gx = warp_sum(part) / static_cast<acc_t>(n);
+      }
+      // Pass B: the outputs (forward) or dx (backward).
+      for (int64_t h = h0; h < h1; ++h) {
+        const scalar_t* x = in_row<scalar_t>(op, b, s, h);
+        scalar_t* y = out_row<scalar_t>(op, b, s, h);
+        const int64_t sx = op.in_stride[3], sy = op.out_stride[3];
+        const acc_t* wr = w + (hidden ? h * D : 0);
+        const scalar_t* g = kBackward ? in_row<scalar_t>(gop, b, s, h) : nullptr;
+        const int64_t sg = gop.in_stride[3];
+        for (int64_t p = lane; p < half; p += 32) {
+          int64_t e1, e2;
+          pair_of(p, half, ra.interleaved, &e1, &e2);
+          const acc_t x1 = static_cast<acc_t>(x[e1 * sx]), x2 = static_cast<acc_t>(x[e2 * sx]);
+          acc_t y1, y2;
+          if constexpr (kBackward) {
+            acc_t gu1, gu2;
+            math::rope_rotate_pair(static_cast<acc_t>(g[e1 * sg]), static_cast<acc_t>(g[e2 * sg]),
+                                   cs[p], sn[p], &gu1, &gu2);
+            y1 = math::qk_norm_grad_input(gu1, wr[e1], x1 * r, mean_gx, r);
+            y2 = math::qk_norm_grad_input(gu2, wr[e2], x2 * r, mean_gx, r);
+          } else {
+            math::rope_rotate_pair(math::qk_norm_apply(x1, r, wr[e1]), math::qk_norm_apply(x2, r, wr[e2]),
+                                   cs[p], sn[p], &y1, &y2);
+          }
+          y[e1 * sy] = static_cast<scalar_t>(y1);
+          y[e2 * sy] = static_cast<scalar_t>(y2);
+        }
+        for (int64_t e = 2 * half + lane; e < D; e += 32) {
+          const acc_t xv = static_cast<acc_t>(x[e * sx]);
+          acc_t yv;
+          if constexpr (kBackward) {
+            yv = math::qk_norm_grad_input(static_cast<acc_t>(g[e * sg]), wr[e], xv * r, mean_gx, r);
+          } else {
+            yv = math::qk_norm_apply(xv, r, wr[e]);
+          }
+          y[e * sy] = static_cast<scalar_t>(yv);
+        }
+      }
+    }
+  }
+}
+
+// out[e] = sum over rows of rows[row * len + e], rows in order.
+template <typename acc_t>
+__global__ void sum_rows_kernel(const acc_t* rows, int64_t n_rows, int64_t len, acc_t* out) {
+  for (int64_t e = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < len;
+       e += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    acc_t s = 0;
+    for (int64_t r = 0; r < n_rows; ++r) s += rows[r * len + e];
+    out[e] = s;
+  }
+}
+
+void run_qk_norm_rope_cuda(QkNormRopeLaunch& l, const at::Tensor& q, bool backward) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const RopeArgs& ra = l.args.rope;
+  const int64_t tokens = ra.batch * ra.seq;
+  const int64_t lq = l.q_weight.size(0), lk = l.k_weight.size(0);
+  if (backward) {
+    l.q_weight_grad = at::zeros({lq}, l.q_weight.options());
+    l.k_weight_grad = at::zeros({lk}, l.k_weight.options());
+  }
+  if (tokens == 0) return;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_qk_norm_rope_cuda", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
+    const int64_t needed = (2 * tokens + kWarps - 1) / kWarps;
+    if (!backward) {
+      auto kernel = qk_norm_rope_kernel<scalar_t, acc_t, false>;
+      const int64_t blocks = std::min<int64_t>(
+          needed, ::posenc::cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kThreads));
+      kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(l.args, nullptr, 0);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
+    // One partial row (q's weights then k's) per warp of a fixed grid, at most ~64 MiB of rows.
+    auto kernel = qk_norm_rope_kernel<scalar_t, acc_t, true>;
+    const int64_t len = lq + lk;
+    const int64_t cap = std::max<int64_t>(1, (int64_t{16} << 20) / (kWarps * std::max<int64_t>(len, 1)));
+    const int64_t blocks = std::min<int64_t>(
+        {needed, cap, ::posenc::cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kThreads)});
+    // Rows hold q's weights at [0, lq) and k's at [len / 2, ...): pad so both halves fit.
+    const int64_t row = 2 * std::max(lq, lk);
+    at::Tensor rows = at::zeros({blocks * kWarps, row}, l.q_weight.options());
+    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(l.args, rows.data_ptr<acc_t>(), row);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    at::Tensor sums = at::empty({row}, l.q_weight.options());
+    const int64_t reduce_blocks = std::min<int64_t>((row + kThreads - 1) / kThreads, 1024);
+    sum_rows_kernel<acc_t><<<static_cast<unsigned>(reduce_blocks), kThreads, 0, stream>>>(
+        rows.data_ptr<acc_t>(), blocks * kWarps, row, sums.data_ptr<acc_t>());
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    l.q_weight_grad = sums.narrow(0, 0, lq);
+    l.k_weight_grad = sums.narrow(0, row / 2, lk);
+  });
+}
+
+at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<
+                             &qk_norm_rope_kernel_boxed<&empty_like_input, &run_qk_norm_rope_cuda>>());
+  m.impl("qk_norm_rope_backward",
+         torch::CppFunction::makeFromBoxedFunction<
+             &qk_norm_rope_backward_kernel_boxed<&empty_like_input, &run_qk_norm_rope_cuda>>());
+}
+
+}  // namespace ops
+}  // namespace posenc
