@@ -46,7 +46,8 @@ test-python:
 # dropout tests compare its masks with a NumPy Philox, bit for bit. torch.compile and
 # opcheck tests are left out (tracing, not the kernels' arithmetic: 80 of 120 s).
 BASELINE_TESTS := test_add_position_dropout test_add_position_dropout_bits \
-  test_add_position_saved_mask test_positional_encoding test_rope test_rope_cos_sin
+  test_add_position_saved_mask test_positional_encoding test_rope test_rope_cos_sin \
+  test_rope_append_kv
 test-python-baseline:
 	POSENC_CPU_CAPABILITY=default $(PY) -c "import torch, posenc; \
 	  c = torch.ops.posenc.cpu_capability(); assert c == 'default', c"
