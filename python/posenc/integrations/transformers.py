@@ -51,6 +51,8 @@ __all__ = [
     "posenc_apply_rotary_pos_emb",
     "posenc_gptj_apply_rotary_pos_emb",
     "revert_posenc_rope",
+    "revert_posenc_qk_norm",
+    "QK_NORM_MODEL_TYPES",
 ]
 
 
@@ -141,6 +143,9 @@ def apply_posenc_rope_to(model_type: str) -> None:
     current = getattr(module, "apply_rotary_pos_emb", None)
     if current is replacement:
         return
+    if hasattr(current, "_posenc_original"):
+        raise RuntimeError(f"apply_posenc_rope: {module.__name__} is routed through qk_norm_rope "
+                           f"(apply_posenc_rope(model, qk_norm=True)), which already rotates with posenc")
     if current is None:
         raise RuntimeError(f"apply_posenc_rope: {module.__name__} has no apply_rotary_pos_emb to patch "
                            f"(transformers {transformers.__version__})")
@@ -152,15 +157,122 @@ def apply_posenc_rope_to(model_type: str) -> None:
     module.apply_rotary_pos_emb = replacement
 
 
-def apply_posenc_rope(model: Any) -> Any:
+def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
     """Route a transformers model's RoPE through posenc; returns ``model``.
 
     ``model``: a loaded model (its ``config.model_type``, or the modeling module of its class),
     a config, or a model-type string. Patches the model type's modeling module (see the module
     docstring): every model of that type uses posenc's rotation until :func:`revert_posenc_rope`.
+
+    ``qk_norm=True`` (a loaded model of a type in ``QK_NORM_MODEL_TYPES``: Qwen3, Qwen3-MoE,
+    Gemma 3, OLMo 2): each attention layer's q_norm / k_norm and RoPE run as one fused
+    :func:`posenc.functional.qk_norm_rope` at the positions the layer receives
+    (``position_ids``) with the config's RoPE parameters; the weights stay where they are
+    (``q_norm.weight``, ``k_norm.weight``). Per instance, until :func:`revert_posenc_qk_norm`.
     """
+    if qk_norm:
+        _apply_qk_norm(model)
+        return model
     apply_posenc_rope_to(_model_type(model))
     return model
+
+
+# ---- qk_norm=True: the norms and RoPE of each attention layer fused.
+
+# model_type -> (norm, weight_offset): the attention's q_norm / k_norm convention.
+_QK_NORM_TYPES: Dict[str, Tuple[str, float]] = {
+    "qwen3": ("head", 0.0),
+    "qwen3_moe": ("head", 0.0),
+    "gemma3_text": ("head", 1.0),
+    "gemma3": ("head", 1.0),
+    "olmo2": ("hidden", 0.0),
+}
+QK_NORM_MODEL_TYPES: Tuple[str, ...] = tuple(_QK_NORM_TYPES)
+
+# The attention module now running (set by its forward pre-hook), for the patched
+# apply_rotary_pos_emb of its modeling module; attention layers run one at a time.
+_CURRENT: Dict[str, Any] = {}
+_QK_ORIGINALS: Dict[str, Callable] = {}
+
+
+def _identity(x: Tensor) -> Tensor:
+    return x
+
+
+def _rope_parameters(attn: Any) -> Optional[dict]:
+    config = attn.config
+    params = getattr(config, "rope_parameters", None)
+    if isinstance(params, dict) and getattr(attn, "layer_type", None) in params:
+        params = params[attn.layer_type]  # Gemma 3: one dict per layer type
+    if params is None:  # transformers 4: rope_theta and rope_scaling on the config
+        params = dict(getattr(config, "rope_scaling", None) or {"rope_type": "default"})
+        params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return dict(params)
+
+
+def _fused_rotary(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
+        attn = _CURRENT.get("attn")
+        positions = _CURRENT.get("position_ids")
+        if attn is None or positions is None:  # not a patched layer: transformers' own
+            return original(q, k, cos, sin, *args, **kwargs)
+        norm, offset = attn._posenc_qk_norm
+        eps = getattr(attn.q_norm, "variance_epsilon", getattr(attn.q_norm, "eps", 1e-6))
+        return posenc.functional.qk_norm_rope(
+            q, k, attn.q_norm.weight, attn.k_norm.weight, eps=eps, weight_offset=offset, norm=norm,
+            positions=positions, layout="bhsd", scaling=_rope_parameters(attn))
+
+    apply_rotary_pos_emb._posenc_original = original
+    return apply_rotary_pos_emb
+
+
+def _apply_qk_norm(model: Any) -> None:
+    model_type = _model_type(model)
+    if model_type not in _QK_NORM_TYPES or not isinstance(model, torch.nn.Module):
+        raise ValueError(f"apply_posenc_rope(qk_norm=True): expected a loaded model of type "
+                         f"{', '.join(QK_NORM_MODEL_TYPES)}; got {model_type!r}")
+    found = False
+    for attn in model.modules():
+        if not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm") and hasattr(attn, "q_proj")):
+            continue
+        if getattr(attn, "_posenc_qk_norm", None) is not None:
+            found = True
+            continue
+        module = importlib.import_module(type(attn).__module__)
+        current = module.apply_rotary_pos_emb
+        if not hasattr(current, "_posenc_original"):
+            module.apply_rotary_pos_emb = _fused_rotary(current)
+            _QK_ORIGINALS[module.__name__] = current
+        attn._posenc_qk_norm = _QK_NORM_TYPES[model_type]
+        # The norms run inside the fused op: the modules keep their weights (state_dict
+        # unchanged), their forward passes q and k through.
+        attn.q_norm.forward = _identity
+        attn.k_norm.forward = _identity
+
+        def pre(mod, args, kwargs):
+            _CURRENT["attn"], _CURRENT["position_ids"] = mod, kwargs.get("position_ids")
+
+        def post(mod, args, kwargs, output):
+            _CURRENT.clear()
+
+        attn._posenc_hooks = (attn.register_forward_pre_hook(pre, with_kwargs=True),
+                              attn.register_forward_hook(post, with_kwargs=True))
+        found = True
+    if not found:
+        raise ValueError(f"apply_posenc_rope(qk_norm=True): no attention layer with q_norm and k_norm in "
+                         f"{type(model).__name__}")
+
+
+def revert_posenc_qk_norm(model: Any) -> None:
+    """Undo ``apply_posenc_rope(model, qk_norm=True)`` for ``model`` (its layers run
+    transformers' own norms and RoPE again)."""
+    for attn in model.modules():
+        if getattr(attn, "_posenc_qk_norm", None) is None:
+            continue
+        for handle in attn._posenc_hooks:
+            handle.remove()
+        del attn.q_norm.forward, attn.k_norm.forward
+        attn._posenc_qk_norm = None
 
 
 def revert_posenc_rope(model: Optional[Union[Any, str]] = None) -> None:
