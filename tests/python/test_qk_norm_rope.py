@@ -361,3 +361,32 @@ def test_module_owns_hf_named_weights_and_matches_functional():
     assert hidden.q_norm.weight.shape == (64,) and hidden.k_norm.weight.shape == (32,)
     with pytest.raises(ValueError, match="num_heads"):
         posenc.QKNormRotary(16, norm="hidden")
+
+
+def test_aten_fallback_matches_kernel(tmp_path):
+    """POSENC_FORCE_ATEN_FALLBACK=1 (no CPU kernel: the composite of ATen ops and rope) gives
+    the kernel's outputs and gradients."""
+    import os
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, posenc\n"
+        "sys.path.insert(0, sys.argv[2])\n"
+        "from test_qk_norm_rope import make\n"
+        "from posenc.functional import qk_norm_rope\n"
+        "ins = [t.requires_grad_(True) for t in make(2, 5, 4, 2, 16, torch.float32, 'cpu', 'hidden', seed=9)]\n"
+        "out = qk_norm_rope(*ins, norm='hidden', weight_offset=0.5, rotary_dim=12, offset=3)\n"
+        "(out[0].square().sum() + out[1].sum()).backward()\n"
+        "torch.save([*out, *[t.grad for t in ins]], sys.argv[1])\n"
+    )
+    here = os.path.dirname(os.path.abspath(__file__))
+    results = []
+    for force in ("0", "1"):
+        path = tmp_path / f"out{force}.pt"
+        env = dict(os.environ, POSENC_FORCE_ATEN_FALLBACK=force)
+        subprocess.run([sys.executable, "-W", "ignore", "-c", script, str(path), here], env=env, check=True,
+                       timeout=120)
+        results.append(torch.load(path))
+    for kernel, fallback in zip(*results):
+        torch.testing.assert_close(fallback, kernel, atol=2e-5, rtol=2e-5)
