@@ -6,8 +6,10 @@ POSENC_WITH_CUDA and TORCH_CUDA_ARCH_LIST in the README; without nvcc a CPU-only
 also with a CUDA torch) and builds the library straight into posenc/lib. The library must
 be built against the torch it will run with, the one installed beside this Python: pip's
 build isolation hides it (an overlay on PYTHONPATH), so CMake runs this same interpreter
-without the overlay. `--no-build-isolation` works too. The package requires exactly that
-torch release (torch==X.Y.Z), as torchvision's does: the library uses torch's C++ ABI.
+without the overlay. `--no-build-isolation` works too, and so does `python -m build --wheel
+--no-isolation`; `python -m build`'s own isolation cannot (a separate venv, without torch).
+The package requires exactly that torch release (torch==X.Y.Z), as torchvision's does: the
+library uses torch's C++ ABI.
 """
 
 import os
@@ -39,7 +41,9 @@ def torch_environment() -> dict:
         return env
     raise RuntimeError(
         f"posenc builds against the installed torch, which {sys.executable} cannot import: "
-        "install torch first (then `pip install .`, or `pip install --no-build-isolation .`)"
+        "install torch first (then `pip install .`, or `pip install --no-build-isolation .`); "
+        "`python -m build` needs --no-isolation (its isolated build runs in a venv of its own, "
+        "which has no torch)"
     )
 
 

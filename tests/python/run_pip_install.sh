@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # The pip package as a user without the CUDA toolkit gets it (issue 23), in one build:
-#  1. `pip wheel` of a copy of the sources, with pip's default build isolation (so pyproject's
-#     build requirements, cmake and ninja from PyPI, are what builds it) and the toolkit hidden
-#     (without_cuda_toolkit.sh: no nvcc, no /usr/local/cuda, no CUDA variables);
+#  1. `python -m build --wheel --no-isolation` of a copy of the sources, with the toolkit hidden
+#     (without_cuda_toolkit.sh: no nvcc, no /usr/local/cuda, no CUDA variables); <python> holds
+#     pyproject's build requirements (requirements-dev.txt: setuptools, wheel, cmake and ninja
+#     from PyPI, which setup.py runs). Before it, pip's default path, `pip install .` with
+#     build isolation, up to the wheel's metadata only (`pip install --dry-run`: pip installs
+#     the build requirements into its isolated environment and runs setup.py there, which
+#     must find <python>'s torch; no compile): the same torch pin;
 #  2. that wheel installed with pip, dependencies checked, into a fresh venv that has <python>'s
 #     torch (its site-packages through a .pth file; torch/ and nvidia/ linked beside posenc as a
 #     real install lays them out);
@@ -30,9 +34,11 @@ mkdir -p "$work/src"
 git -C "$root" ls-files -z --cached --others --exclude-standard |
   tar -C "$root" --null -T - --ignore-failed-read -cf - | tar -C "$work/src" -xf -
 
+# site: the site-packages that holds <python>'s torch (its purelib, or another directory on
+# its path, such as a system or user site).
 read -r torch_version torch_cuda site < <("$py" -c '
-import sysconfig, torch
-print(torch.__version__, torch.version.cuda or "-", sysconfig.get_paths()["purelib"])')
+import os, torch
+print(torch.__version__, torch.version.cuda or "-", os.path.dirname(os.path.dirname(os.path.abspath(torch.__file__))))')
 release="${torch_version%%+*}"
 
 # The CMake-installed library first: it needs no build.
@@ -65,14 +71,28 @@ elif [ "$rc" -ne 0 ]; then
   fail "without_cuda_toolkit.sh failed ($rc)"
 fi
 start=$(date +%s)
-"${hide[@]}" env MAX_JOBS="${MAX_JOBS:-2}" "$py" -m pip wheel -v --no-deps -w "$work/dist" "$work/src" \
-  > "$work/pip-wheel.log" 2>&1 || { tail -60 "$work/pip-wheel.log"; fail "pip wheel failed"; }
-echo "pip wheel built posenc without the CUDA toolkit in $(( $(date +%s) - start )) s"
+# pip's isolated build, as far as the metadata (setup.py's torch probe; seconds, no compile).
+"${hide[@]}" "$py" -m pip install -q --dry-run --no-deps --ignore-installed --report "$work/pip-report.json" \
+  "$work/src" > "$work/pip-dry-run.log" 2>&1 ||
+  { tail -30 "$work/pip-dry-run.log"; fail "pip install --dry-run (build isolation) failed"; }
+"$py" - "$work/pip-report.json" "$release" <<'PY' || fail "pip's isolated build: wrong metadata"
+import json, sys
+report, release = json.load(open(sys.argv[1])), sys.argv[2]
+requires = report["install"][0]["metadata"].get("requires_dist", [])
+assert f"torch=={release}" in requires, f"pip's isolated build requires {requires}, not torch=={release}"
+PY
+echo "pip's isolated build (pip install .) finds this torch: requires torch==$release"
+build_start=$(date +%s)
+"${hide[@]}" env MAX_JOBS="${MAX_JOBS:-2}" "$py" -m build --wheel --no-isolation --outdir "$work/dist" \
+  "$work/src" > "$work/build-wheel.log" 2>&1 ||
+  { tail -60 "$work/build-wheel.log"; fail "python -m build --wheel --no-isolation failed"; }
+echo "python -m build --wheel --no-isolation built posenc without the CUDA toolkit" \
+     "in $(( $(date +%s) - build_start )) s"
 wheel=("$work"/dist/posenc-*.whl)
 [ -f "${wheel[0]}" ] || fail "no wheel in $work/dist"
 if [ "$torch_cuda" != "-" ]; then
   # (CMake wraps a warning's lines wherever its width falls.)
-  tr -s ' \n' '  ' < "$work/pip-wheel.log" | grep -q "building libposenc WITHOUT its CUDA kernels" ||
+  tr -s ' \n' '  ' < "$work/build-wheel.log" | grep -q "building libposenc WITHOUT its CUDA kernels" ||
     fail "torch $torch_version is a CUDA build, but the build did not warn that it skips the CUDA kernels"
 fi
 
