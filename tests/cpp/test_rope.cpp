@@ -117,6 +117,35 @@ TEST(RotaryModule, DynamicWithTensorPositionsMatchesTheFunction) {
   EXPECT_FALSE(torch::allclose(oq, unscaled, 1e-6, 1e-6));
 }
 
+TEST(RotaryModule, AnIntOffsetIsRangeCheckedOnEveryLayoutsSequenceAxis) {
+  // The decode step's call (no index tensor) checks offset .. offset + seq - 1 arithmetically.
+  auto q = torch::randn({2, 3, 2, 8}, torch::kDouble);
+  posenc::RotaryPositionalEncoding bshd(posenc::RotaryPositionalEncodingOptions(8).max_len(10));
+  EXPECT_NO_THROW(bshd(q, q, std::nullopt, 7));  // positions 7, 8, 9
+  EXPECT_THROW(bshd(q, q, std::nullopt, 8), c10::IndexError);
+  EXPECT_THROW(bshd(q, q, std::nullopt, -1), c10::IndexError);
+  auto no_tokens = torch::randn({2, 0, 2, 8});
+  EXPECT_NO_THROW(bshd(no_tokens, no_tokens, std::nullopt, 50));  // no token, no bound
+  posenc::RotaryPositionalEncoding bhsd(posenc::RotaryPositionalEncodingOptions(8).max_len(10).layout("bhsd"));
+  auto q_bhsd = torch::randn({1, 2, 3, 8});  // seq is dim 2
+  EXPECT_NO_THROW(bhsd(q_bhsd, q_bhsd, std::nullopt, 7));
+  EXPECT_THROW(bhsd(q_bhsd, q_bhsd, std::nullopt, 8), c10::IndexError);
+  posenc::RotaryPositionalEncoding sbhd(posenc::RotaryPositionalEncodingOptions(8).max_len(10).layout("sbhd"));
+  auto q_sbhd = torch::randn({3, 1, 2, 8});  // seq is dim 0
+  EXPECT_NO_THROW(sbhd(q_sbhd, q_sbhd, std::nullopt, 7));
+  EXPECT_THROW(sbhd(q_sbhd, q_sbhd, std::nullopt, 8), c10::IndexError);
+  // "dynamic" scales by the longest position, offset + seq - 1, as with explicit positions.
+  posenc::RopeScaling dynamic;
+  dynamic.rope_type = "dynamic";
+  dynamic.factor = 2.0;
+  dynamic.original_max_position_embeddings = 16;
+  posenc::RotaryPositionalEncoding scaled(posenc::RotaryPositionalEncodingOptions(8).max_len(64).scaling(dynamic));
+  auto [at_offset, unused] = scaled(q, q, std::nullopt, 30);
+  auto positions = torch::arange(30, 33, torch::kLong);
+  auto want = posenc::apply_rope(q, posenc::ApplyRopeOptions().positions(positions).scaling(dynamic));
+  EXPECT_TRUE(torch::allclose(at_offset, want, 1e-12, 1e-12));
+}
+
 TEST(RotaryModule, GradientsAreTheInverseRotation) {
   posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(12).interleaved(true));
   auto q = torch::randn({2, 5, 3, 12}, torch::requires_grad(true).dtype(torch::kDouble));
