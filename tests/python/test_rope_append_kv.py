@@ -305,3 +305,66 @@ def test_compile_inductor_decode_step():
     torch.testing.assert_close(out, eager)
     torch.testing.assert_close(kc, kc_e)
     torch.testing.assert_close(vc, vc_e)
+
+
+FALLBACK_SCRIPT = r"""
+import sys
+import torch
+import posenc
+from posenc.functional import rope_append_kv
+
+g = torch.Generator().manual_seed(5)
+
+def rand(*shape):
+    return torch.randn(*shape, generator=g)
+
+out = {}
+for name, layout, kw in (
+    ("bshd", "bshd", dict(offset=torch.tensor([0, 7, 3]), return_k=True)),
+    ("bhsd", "bhsd", dict(offset=2, rotary_dim=8, interleaved=True)),
+    ("thd", "thd", dict(slot_mapping=torch.tensor([5, -1, 0, 19, 12]), positions=torch.tensor([3, 9, 0, 40, 1]))),
+):
+    if layout == "thd":
+        q, k, v, kc, vc = rand(5, 4, 16), rand(5, 2, 16), rand(5, 2, 16), rand(5, 4, 2, 16), rand(5, 4, 2, 16)
+    elif layout == "bhsd":
+        q, k, v, kc, vc = rand(3, 4, 5, 16), rand(3, 2, 5, 16), rand(3, 2, 5, 16), rand(3, 2, 12, 16), rand(3, 2, 12, 16)
+    else:
+        q, k, v, kc, vc = rand(3, 5, 4, 16), rand(3, 5, 2, 16), rand(3, 5, 2, 16), rand(3, 12, 2, 16), rand(3, 12, 2, 16)
+    res = rope_append_kv(q, k, v, kc, vc, layout=layout, **kw)
+    out[name] = (res if isinstance(res, tuple) else (res,)) + (kc, vc)
+    q2 = q.clone()
+    rope_append_kv(q2, k, v, kc.clone(), vc.clone(), layout=layout, inplace=True, **kw)
+    out[name + "_inplace"] = (q2,)
+kc = rand(3, 12, 2, 16)
+before = kc.clone()
+try:
+    rope_append_kv(rand(3, 5, 4, 16), rand(3, 5, 2, 16), rand(3, 5, 2, 16), kc, rand(3, 12, 2, 16),
+                   offset=torch.tensor([0, 8, 1]))
+    out["error"] = None
+except IndexError as e:
+    out["error"] = (type(e).__name__, str(e).split("\n")[0], torch.equal(kc, before))
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_aten_fallback_matches_the_kernel(tmp_path):
+    """POSENC_FORCE_ATEN_FALLBACK=1: the ATen composite (rope_append_kv_composite.cpp) writes
+    the same rows, rotates as the kernel to float32 rounding, and refuses the same rows."""
+    import os
+    import subprocess
+    import sys
+
+    results = {}
+    for forced in ("0", "1"):
+        path = tmp_path / f"out{forced}.pt"
+        env = dict(os.environ, POSENC_FORCE_ATEN_FALLBACK=forced)
+        subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT, str(path)], env=env, check=True, timeout=300)
+        results[forced] = torch.load(path)
+    kernel, fallback = results["0"], results["1"]
+    assert kernel.keys() == fallback.keys()
+    for key in kernel:
+        if key == "error":
+            assert kernel[key] == fallback[key] and kernel[key][2], (kernel[key], fallback[key])
+            continue
+        for a, b in zip(kernel[key], fallback[key]):
+            torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)

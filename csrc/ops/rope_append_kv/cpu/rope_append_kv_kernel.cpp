@@ -34,7 +34,9 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
   const RopeArgs& r = a.rope;
   const int64_t row_elems =
       std::max<int64_t>(1, (r.q.heads + 2 * r.k.heads) * std::max(r.head_dim, a.v_head_dim));
-  const int64_t grain = std::max<int64_t>(1, 32768 / row_elems);
+  // About 64k elements per task: a decode step (a few tokens) runs on the calling thread,
+  // where waking the pool would cost more than the work.
+  const int64_t grain = std::max<int64_t>(1, 65536 / row_elems);
   const auto* q_in = static_cast<const scalar_t*>(r.q.in);
   auto* q_out = static_cast<scalar_t*>(r.q.out);
   const auto* k_in = static_cast<const scalar_t*>(r.k.in);
