@@ -134,20 +134,22 @@ def test_an_unknown_setting_is_an_error_naming_the_variable():
     assert "posenc: expected POSENC_CPU_OUTPUTS to be reuse, fresh or huge, got 'always'" in proc.stderr
 
 
-MAPPED_AFTER_FREE = """
+MAPPED = """
+    def mapped(a):  # is address a inside one of this process's mappings?
+        for line in open("/proc/self/maps"):
+            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
+            if lo <= a < hi:
+                return True
+        return False
+"""
+
+MAPPED_AFTER_FREE = MAPPED + """
     import torch, posenc
     # 40 MiB: above glibc's largest mmap threshold (32 MiB), so torch's allocator unmaps it on free.
     pe = posenc.PositionalEncoding(1024, 0.0, max_len=1024).eval()
     out = pe(torch.randn(10, 1024, 1024))
     address = out.data_ptr()
     del out
-
-    def mapped(a):
-        for line in open("/proc/self/maps"):
-            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
-            if lo <= a < hi:
-                return True
-        return False
 
     print(int(mapped(address)))
 """
@@ -188,19 +190,12 @@ def test_a_forked_child_reuses_the_parents_cached_blocks_and_its_own():
     assert proc.stdout.strip() == "0"
 
 
-EMPTY_CACHE = """
+EMPTY_CACHE = MAPPED + """
     import torch, posenc
     pe = posenc.PositionalEncoding(1024, 0.0, max_len=1024).eval()
     out = pe(torch.randn(10, 1024, 1024))  # 40 MiB, a cached size
     address, nbytes = out.data_ptr(), out.nbytes
     del out
-
-    def mapped(a):
-        for line in open("/proc/self/maps"):
-            lo, hi = (int(v, 16) for v in line.split()[0].split("-"))
-            if lo <= a < hi:
-                return True
-        return False
 
     before = mapped(address)
     released = torch.ops.posenc.empty_cpu_output_cache()
