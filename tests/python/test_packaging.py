@@ -1,7 +1,10 @@
 """Packaging: one version, the torch check before the library loads, typed package."""
 
+import os
 import pathlib
 import re
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -37,3 +40,21 @@ def test_one_version():
     if cache.is_file():  # the CMake build reads the same line
         assert f"CMAKE_PROJECT_VERSION:STATIC={posenc.__version__}" in cache.read_text()
     assert (ROOT / "python" / "posenc" / "py.typed").is_file()
+
+
+def test_the_loaded_library_has_a_clean_runpath():
+    """Issue 23: each RUNPATH entry of the library this Python loaded (make's copy in
+    python/posenc/lib, or an installed one) is an existing directory, absolute or under
+    $ORIGIN: no empty entry (the loader reads it as the working directory, where a planted
+    libc10.so would be loaded), no relative one, and none of the link line's absent
+    directories (CMake's build RPATH had torch's /lib/intel64 and an empty entry)."""
+    readelf = shutil.which("readelf")
+    if readelf is None:
+        pytest.skip("readelf (binutils) is not installed")
+    lib = _library.LIBRARY_PATH
+    dynamic = subprocess.run([readelf, "-d", str(lib)], capture_output=True, text=True, check=True).stdout
+    runpaths = re.findall(r"\((?:RUNPATH|RPATH)\)\s+Library r(?:un)?path: \[(.*)\]", dynamic)
+    for entry in ":".join(runpaths).split(":") if runpaths else []:
+        assert entry.startswith(("/", "$ORIGIN")), f"{lib}: RUNPATH entry {entry!r} in {runpaths}"
+        where = entry.replace("$ORIGIN", str(lib.parent), 1)
+        assert os.path.isdir(where), f"{lib}: RUNPATH entry {entry!r} is not a directory (in {runpaths})"
