@@ -77,6 +77,9 @@ __device__ __forceinline__ void pair_of(int64_t p, int64_t half, bool il, int64_
 }
 
 template <typename scalar_t, typename acc_t, bool kBackward>
+// No minimum of blocks per SM: ptxas takes 158-168 registers (one block of 8 warps per SM);
+// bounded to 128 (2 blocks) it spilled 168-332 bytes (tests/cpp/check_cuda_kernels.py
+// reports this kernel). Untuned: no GPU was at hand to measure it.
 __global__ void __launch_bounds__(kThreads)
     qk_norm_rope_kernel(const __grid_constant__ QkNormRopeArgs a, acc_t* dw_rows, int64_t dw_len) {
   const RopeArgs& ra = a.rope;

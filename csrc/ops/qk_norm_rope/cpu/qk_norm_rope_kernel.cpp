@@ -138,15 +138,14 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
 
 // Backward, pass A over one head row: the unrotated gradient gu of every feature; adds
 // sum(gu * w * xhat) to the lanes and gu * xhat to the weight-gradient row dw.
-template <typename scalar_t, typename acc_t, bool kC>
+template <typename scalar_t, typename acc_t, bool kC, bool kIl>
 void backward_row_sums(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, const scalar_t* g,
                        int64_t sg, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t,
                        acc_t* dw, acc_t (&part)[kLanes]) {
   const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
-  const bool il = a.rope.interleaved;
   int64_t p = 0;
   auto pair = [&](int64_t p, int l) {
-    const int64_t e1 = il ? 2 * p : p, e2 = il ? 2 * p + 1 : p + half;
+    const int64_t e1 = kIl ? 2 * p : p, e2 = kIl ? 2 * p + 1 : p + half;
     acc_t gu1, gu2;
     math::rope_rotate_pair(static_cast<acc_t>(g[at_<kC>(e1, sg)]), static_cast<acc_t>(g[at_<kC>(e2, sg)]),
                            t.cs[p], t.sn[p], &gu1, &gu2);
@@ -169,14 +168,13 @@ void backward_row_sums(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, c
 }
 
 // Backward, pass B over one head row: dx from gu (turned back again), xhat and mean(g xhat).
-template <typename scalar_t, typename acc_t, bool kC>
+template <typename scalar_t, typename acc_t, bool kC, bool kIl>
 void backward_row_dx(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, const scalar_t* g,
                      int64_t sg, scalar_t* dx, int64_t sd, const acc_t* w, acc_t r, acc_t mean_gx,
                      const TokenAngles<acc_t>& t) {
   const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
-  const bool il = a.rope.interleaved;
   for (int64_t p = 0; p < half; ++p) {
-    const int64_t e1 = il ? 2 * p : p, e2 = il ? 2 * p + 1 : p + half;
+    const int64_t e1 = kIl ? 2 * p : p, e2 = kIl ? 2 * p + 1 : p + half;
     acc_t gu1, gu2;
     math::rope_rotate_pair(static_cast<acc_t>(g[at_<kC>(e1, sg)]), static_cast<acc_t>(g[at_<kC>(e2, sg)]),
                            t.cs[p], t.sn[p], &gu1, &gu2);
@@ -192,20 +190,20 @@ void backward_row_dx(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, con
   }
 }
 
-template <typename scalar_t, typename acc_t, bool kC>
+template <typename scalar_t, typename acc_t, bool kC, bool kIl>
 void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const RopeOperand& gop,
                       const acc_t* w, acc_t* dw, int64_t b, int64_t s, const TokenAngles<acc_t>& t) {
   const int64_t D = a.rope.head_dim;
   const bool hidden = a.norm == QkNorm::kHidden;
   auto sums = [&](int64_t h, acc_t r, acc_t (&part)[kLanes]) {
     const int64_t wo = hidden ? h * D : 0;
-    backward_row_sums<scalar_t, acc_t, kC>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
+    backward_row_sums<scalar_t, acc_t, kC, kIl>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
                                            row_in<scalar_t>(gop, b, s, h), gop.in_stride[3],
                                            w + wo, r, t, dw + wo, part);
   };
   auto write = [&](int64_t h, acc_t r, acc_t mean_gx) {
     const int64_t wo = hidden ? h * D : 0;
-    backward_row_dx<scalar_t, acc_t, kC>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
+    backward_row_dx<scalar_t, acc_t, kC, kIl>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
                                          row_in<scalar_t>(gop, b, s, h), gop.in_stride[3],
                                          row_out<scalar_t>(op, b, s, h), op.out_stride[3], w + wo,
                                          r, mean_gx, t);
@@ -265,8 +263,13 @@ void run_tokens(const QkNormRopeArgs& a, bool backward, int64_t chunks) {
       forward_operand<scalar_t, acc_t, kC>(a, ra.q, wq, b, s, angles);
       forward_operand<scalar_t, acc_t, kC>(a, ra.k, wk, b, s, angles);
     } else {
-      backward_operand<scalar_t, acc_t, kC>(a, ra.q, a.grad_q, wq, dwq, b, s, angles);
-      backward_operand<scalar_t, acc_t, kC>(a, ra.k, a.grad_k, wk, dwk, b, s, angles);
+      if (ra.interleaved) {
+        backward_operand<scalar_t, acc_t, kC, true>(a, ra.q, a.grad_q, wq, dwq, b, s, angles);
+        backward_operand<scalar_t, acc_t, kC, true>(a, ra.k, a.grad_k, wk, dwk, b, s, angles);
+      } else {
+        backward_operand<scalar_t, acc_t, kC, false>(a, ra.q, a.grad_q, wq, dwq, b, s, angles);
+        backward_operand<scalar_t, acc_t, kC, false>(a, ra.k, a.grad_k, wk, dwk, b, s, angles);
+      }
     }
   };
   if (!backward) {
