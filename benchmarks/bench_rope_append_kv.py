@@ -1,0 +1,87 @@
+"""Benchmark of rope_append_kv (RoPE of q and k, k and v written into the KV cache, one pass)
+against the composition it replaces: posenc's apply_rope followed by the index copies of k and
+v into the cache (eager), and torch.compile of that composition, in the same run (calls
+interleaved). Decode: batch 8, 1 new token, 32 q / 8 kv heads, head_dim 128, cache 4096 rows
+with per-row lengths; prefill: 1 row of 2048 tokens into the same cache. GB/s counts q, k, v
+read once and q, k and v written once (what one pass must move).
+
+Usage: python benchmarks/bench_rope_append_kv.py [--device cpu|cuda] [--dtype float32]
+       [--reps N] [--no-compile]
+"""
+
+import argparse
+import os
+
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+
+import torch  # noqa: E402
+
+from harness import time_interleaved  # noqa: E402
+from posenc.functional import apply_rope, rope_append_kv  # noqa: E402
+
+CASES = {  # name: (batch, new tokens, q heads, kv heads, head_dim, cache rows)
+    "decode": (8, 1, 32, 8, 128, 4096),
+    "prefill": (1, 2048, 32, 8, 128, 4096),
+}
+
+
+def composition(q, k, v, k_cache, v_cache, lengths):
+    """What a decoding loop writes without the fused op: rotate, then copy k and v into the
+    rows lengths[b] .. lengths[b] + seq - 1."""
+    q, k = apply_rope(q, k, offset=lengths)
+    B, S = k.shape[:2]
+    rows = lengths[:, None] + torch.arange(S, device=k.device)
+    batch = torch.arange(B, device=k.device)[:, None]
+    k_cache[batch, rows] = k
+    v_cache[batch, rows] = v
+    return q
+
+
+def fused(q, k, v, k_cache, v_cache, lengths):
+    return rope_append_kv(q, k, v, k_cache, v_cache, offset=lengths)
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--no-compile", action="store_true")
+    args = parser.parse_args()
+    device, dtype = args.device, getattr(torch, args.dtype)
+    print(f"device {device}, dtype {args.dtype}, threads {torch.get_num_threads()}")
+    print("| case | shape (B, S, Hq, Hkv, D, cache) | fused ms | GB/s | apply_rope + copies ms | "
+          "compile of it ms | vs eager | vs compile |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (B, S, Hq, Hkv, D, L) in CASES.items():
+        torch.manual_seed(0)
+        q = torch.randn(B, S, Hq, D, device=device, dtype=dtype)
+        k = torch.randn(B, S, Hkv, D, device=device, dtype=dtype)
+        v = torch.randn(B, S, Hkv, D, device=device, dtype=dtype)
+        k_cache = torch.zeros(B, L, Hkv, D, device=device, dtype=dtype)
+        v_cache = torch.zeros(B, L, Hkv, D, device=device, dtype=dtype)
+        lengths = torch.randint(0, L - S + 1, (B,), device=device)
+        # Same results first (the timings compare equal work).
+        kc2, vc2 = k_cache.clone(), v_cache.clone()
+        out = fused(q, k, v, k_cache, v_cache, lengths)
+        ref = composition(q, k, v, kc2, vc2, lengths)
+        assert torch.equal(out, ref) and torch.equal(k_cache, kc2) and torch.equal(v_cache, vc2)
+        fns = {
+            "fused": lambda: fused(q, k, v, k_cache, v_cache, lengths),
+            "eager": lambda: composition(q, k, v, k_cache, v_cache, lengths),
+        }
+        if not args.no_compile:
+            compiled = torch.compile(composition)
+            fns["compile"] = lambda: compiled(q, k, v, k_cache, v_cache, lengths)
+        ms = time_interleaved(fns, device, reps=args.reps, warmup=5)
+        nbytes = 2 * (q.numel() + k.numel() + v.numel()) * q.element_size()
+        gbps = nbytes / (ms["fused"] * 1e-3) / 1e9
+        t, e, c = ms["fused"], ms["eager"], ms.get("compile")
+        c_text = "-" if c is None else f"{c:.4f}"
+        c_ratio = "-" if c is None else f"{c / t:.2f}x"
+        print(f"| {name} | ({B}, {S}, {Hq}, {Hkv}, {D}, {L}) | {t:.4f} | {gbps:.3g} | {e:.4f} | {c_text} | "
+              f"{e / t:.2f}x | {c_ratio} |")
+
+
+if __name__ == "__main__":
+    main()
