@@ -10,6 +10,7 @@ Usage: python benchmarks/bench_rope_append_kv.py [--device cpu|cuda] [--dtype fl
 """
 
 import argparse
+import functools
 import os
 
 os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -66,13 +67,10 @@ def main():
         out = fused(q, k, v, k_cache, v_cache, lengths)
         ref = composition(q, k, v, kc2, vc2, lengths)
         assert torch.equal(out, ref) and torch.equal(k_cache, kc2) and torch.equal(v_cache, vc2)
-        fns = {
-            "fused": lambda: fused(q, k, v, k_cache, v_cache, lengths),
-            "eager": lambda: composition(q, k, v, k_cache, v_cache, lengths),
-        }
+        call = (q, k, v, k_cache, v_cache, lengths)
+        fns = {"fused": functools.partial(fused, *call), "eager": functools.partial(composition, *call)}
         if not args.no_compile:
-            compiled = torch.compile(composition)
-            fns["compile"] = lambda: compiled(q, k, v, k_cache, v_cache, lengths)
+            fns["compile"] = functools.partial(torch.compile(composition), *call)
         ms = time_interleaved(fns, device, reps=args.reps, warmup=5)
         nbytes = 2 * (q.numel() + k.numel() + v.numel()) * q.element_size()
         gbps = nbytes / (ms["fused"] * 1e-3) / 1e9

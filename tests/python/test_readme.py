@@ -70,7 +70,7 @@ def test_readme_python_examples_run():
     )
     exec(compile(blocks[3], "README.md (block 4)", "exec"), fourth)
     assert fourth["lengths"].tolist() == [3, 3]
-    for step, (_, k, v) in enumerate(steps_qkv):  # row `step` of the cache holds step's v
+    for step, (_, _, v) in enumerate(steps_qkv):  # row `step` of the cache holds step's v
         assert torch.equal(fourth["v_cache"][:, :, step], v[:, :, 0])
     assert torch.equal(fourth["v_blocks"][2, 1], fourth["v_t"][4])
     # Block 5: fused QK-norm + RoPE (Qwen3), against RMSNorm written out then apply_rope.

@@ -307,6 +307,8 @@ def test_compile_inductor_decode_step():
     torch.testing.assert_close(vc, vc_e)
 
 
+PYTHON_DIR = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "python")
+
 FALLBACK_SCRIPT = r"""
 import sys
 import torch
@@ -357,7 +359,8 @@ def test_aten_fallback_matches_the_kernel(tmp_path):
     results = {}
     for forced in ("0", "1"):
         path = tmp_path / f"out{forced}.pt"
-        env = dict(os.environ, POSENC_FORCE_ATEN_FALLBACK=forced)
+        env = dict(os.environ, POSENC_FORCE_ATEN_FALLBACK=forced,
+                   PYTHONPATH=os.pathsep.join([PYTHON_DIR, os.environ.get("PYTHONPATH", "")]))
         subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT, str(path)], env=env, check=True, timeout=300)
         results[forced] = torch.load(path)
     kernel, fallback = results["0"], results["1"]
@@ -368,3 +371,60 @@ def test_aten_fallback_matches_the_kernel(tmp_path):
             continue
         for a, b in zip(kernel[key], fallback[key]):
             torch.testing.assert_close(a, b, atol=2e-6, rtol=2e-6)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+def test_cuda_kernel_matches_the_cpu_kernel(dtype, layout):
+    """The CUDA kernel (cuda/rope_append_kv/) against the CPU one: same rows written, the same
+    rotation (both round as math::rope_rotate_pair), return_k and in place."""
+    torch.manual_seed(8)
+    q, k, v, kc, vc = make(layout, D=24, Dv=20, dtype=dtype)
+    kw = dict(layout=layout, rotary_dim=16, scaling={"rope_type": "linear", "factor": 2.0})
+    if layout == "thd":
+        kw.update(slot_mapping=torch.tensor([5, -1, 0, 19, 12]), positions=torch.tensor([3, 9, 0, 40, 1]))
+    else:
+        kw.update(offset=torch.tensor([0, 7, 3]))
+    cuda_kw = {n: t.cuda() if isinstance(t, torch.Tensor) else t for n, t in kw.items()}
+    kc_gpu, vc_gpu = kc.cuda(), vc.cuda()
+    want = rope_append_kv(q, k, v, kc, vc, return_k=True, **kw)
+    got = rope_append_kv(q.cuda(), k.cuda(), v.cuda(), kc_gpu, vc_gpu, return_k=True, **cuda_kw)
+    for g, w in zip(got + (kc_gpu, vc_gpu), want + (kc, vc)):
+        torch.testing.assert_close(g.cpu(), w, **TOL[dtype])
+    q_gpu = q.cuda()
+    rope_append_kv(q_gpu, k.cuda(), v.cuda(), kc_gpu, vc_gpu, inplace=True, **cuda_kw)
+    torch.testing.assert_close(q_gpu.cpu(), want[0], **TOL[dtype])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["row", "slot"])
+def test_cuda_out_of_range_rows_stop_the_kernel(case):
+    """A row or slot outside the cache is not written: the kernel stops with a device-side
+    assert (a RuntimeError at the next synchronisation), as ATen's indexing."""
+    import os
+    import subprocess
+    import sys
+
+    call = {
+        "row": "F.rope_append_kv(q, k, k.clone(), kc, kc.clone(), offset=torch.tensor([0, 6], device='cuda'))",
+        "slot": "F.rope_append_kv(q[0], k[0], k[0].clone(), kc, kc.clone(), layout='thd', "
+                "slot_mapping=torch.tensor([0, 1, 99], device='cuda'))",
+    }[case]
+    code = f"""
+import torch, posenc
+F = posenc.functional
+q, k = torch.randn(2, 3, 4, 8, device="cuda"), torch.randn(2, 3, 2, 8, device="cuda")
+kc = torch.zeros(2, 8, 2, 8, device="cuda")
+try:
+    {call}
+    torch.cuda.synchronize()
+except RuntimeError as e:
+    print("raised:", str(e).splitlines()[0])
+else:
+    print("no error")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([PYTHON_DIR, os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert "device-side assert triggered" in r.stdout, (r.stdout, r.stderr[-2000:])
+    assert "posenc: rope_append_kv: a cache row or slot_mapping slot out of range" in r.stdout + r.stderr
