@@ -131,6 +131,37 @@ def rope_call(rng):
     return lambda: ops.rope(*args)
 
 
+def qk_norm_rope_call(rng):
+    """qk_norm_rope and its backward: weights of wrong lengths, dtypes and devices, bad eps,
+    weight_offset and norm, with a few of RoPE's arguments (rope_call sweeps those)."""
+    def pick(rng, usual, unusual, p_unusual=0.08):
+        return rng.choice(unusual) if rng.random() < p_unusual else rng.choice(usual)
+
+    layout = pick(rng, ["bshd", "bhsd", "thd"], ["xyz"])
+    D = pick(rng, [8, 16], [0, 7])
+    shape = (3, 2, D) if layout == "thd" else (1, 3, 2, D)
+    q = tensor(rng, pick(rng, [shape], [shape[:-1]]))
+    k = tensor(rng, shape, dtype=q.dtype if q.dtype.is_floating_point else None, device=q.device.type)
+    norm = pick(rng, ["head", "hidden"], ["", "layer"])
+    length = D if norm == "head" else 2 * D
+    wdtype = q.dtype if q.dtype.is_floating_point and rng.random() > 0.1 else None
+    wq, wk = (tensor(rng, pick(rng, [(length,)], [(length + 1,), (), (2, length)]), dtype=wdtype,
+                     device=pick(rng, [q.device.type], ["meta", "cpu"])) for _ in range(2))
+    eps = pick(rng, [1e-6, 1e-5], [0.0, -1.0, NAN, math.inf, 1e300])
+    offset = pick(rng, [0.0, 1.0], [NAN, -math.inf])
+    cu = torch.tensor(pick(rng, [[0, 1, 3]], [[0, 4], [1, 3]])) if layout == "thd" else None
+    positions = None if rng.random() < 0.6 else index(rng, pick(rng, [(3,), (1, 3)], [(4,)]), 100)
+    rope = dict(positions=positions, offset=pick(rng, [0, 5], HUGE), cu_seqlens=cu, layout=layout,
+                rotary_dim=pick(rng, [-1, 4], [0, 3, 2 * D + 2]), interleaved=rng.random() < 0.5,
+                base=pick(rng, [10000.0], [1.0, NAN]))
+    if rng.random() < 0.3:
+        gq = tensor(rng, pick(rng, [tuple(q.shape)], [(1,)]), dtype=q.dtype if q.dtype.is_floating_point else None,
+                    device=q.device.type)
+        return lambda: ops.qk_norm_rope_backward(q, k, gq, gq if gq.shape == k.shape else k, wq, wk, eps, offset,
+                                                 norm, **rope)
+    return lambda: ops.qk_norm_rope(q, k, wq, wk, eps, offset, norm, **rope)
+
+
 def other_call(rng):
     kind = rng.randrange(3)
     if kind == 0:
@@ -191,7 +222,7 @@ def helper_call(rng):
 
 
 @pytest.mark.parametrize("family", [add_position_call, add_position_backward_call, rope_call, other_call,
-                                    helper_call])
+                                    helper_call, qk_norm_rope_call])
 def test_random_bad_arguments_raise_cleanly(family):
     rng = random.Random(f"sweep-{family.__name__}")  # a fixed seed per family
     torch.manual_seed(0)
