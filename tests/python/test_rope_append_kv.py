@@ -122,6 +122,16 @@ def test_paged_cache_with_unwritten_slots(dtype):
     check(q, k, v, kc, vc, slot_mapping=slots, offset=11, layout="thd")
 
 
+def test_a_slot_written_twice_is_an_error_before_writing():
+    q, k, v, kc, vc = make("thd", S=5)
+    kc0, vc0 = kc.clone(), vc.clone()
+    slots = torch.tensor([4, -1, 9, -1, 4])  # -1 twice is fine, 4 twice is not
+    with pytest.raises(ValueError, match=r"slot_mapping\[0\] and slot_mapping\[4\] are both 4"):
+        rope_append_kv(q, k, v, kc, vc, slot_mapping=slots, layout="thd")
+    assert torch.equal(kc, kc0) and torch.equal(vc, vc0)
+    check(q, k, v, kc, vc, slot_mapping=torch.tensor([4, -1, 9, -1, 5]), layout="thd")
+
+
 @pytest.mark.parametrize("layout", ["bshd", "bhsd"])
 def test_rope_features(layout):
     torch.manual_seed(2)
@@ -256,6 +266,23 @@ def test_requires_grad_is_an_error_under_grad_mode():
         rope_append_kv(q, k, v, kc, vc)  # fine without grad mode
     with pytest.raises(RuntimeError, match="no autograd.*got q that requires grad"):
         rope_append_kv(q.requires_grad_(), k.detach(), v, kc, vc, offset=1)
+
+
+def test_written_tensors_move_their_version_counters():
+    # As an ATen in-place op: autograd must see that a saved cache (or q, k in place) changed.
+    q, k, v, kc, vc = make("bshd")
+    versions = [t._version for t in (q, k, v, kc, vc)]
+    rope_append_kv(q, k, v, kc, vc, offset=1)
+    assert [t._version for t in (q, k, v, kc, vc)] == [versions[0], versions[1], versions[2],
+                                                        versions[3] + 1, versions[4] + 1]
+    rope_append_kv(q, k, v, kc, vc, offset=1, inplace=True, return_k=True)
+    assert [t._version for t in (q, k, v, kc, vc)] == [versions[0] + 1, versions[1] + 1, versions[2],
+                                                        versions[3] + 2, versions[4] + 2]
+    w = torch.ones((), dtype=kc.dtype, requires_grad=True)
+    saved = kc * w  # saves kc for the backward of w
+    rope_append_kv(q, k, v, kc, vc, offset=3)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        saved.sum().backward()
 
 
 def test_opcheck():

@@ -3,6 +3,7 @@
 #include "ops/rope_append_kv/rope_append_kv_call.h"
 
 #include <ATen/core/grad_mode.h>
+#include <torch/csrc/autograd/variable.h>
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
@@ -161,18 +162,23 @@ namespace {
 // No autograd: the op writes a cache (inference). Under grad mode, an input that requires
 // grad is an error naming it, rather than an output silently detached from the graph.
 void no_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  if (at::GradMode::is_enabled()) {
-    const auto& args = op.schema().arguments();
-    const size_t first = stack->size() - args.size();
-    for (size_t i = 0; i < args.size(); ++i) {
-      const c10::IValue& v = (*stack)[first + i];
-      TORCH_CHECK(!v.isTensor() || !v.toTensor().requires_grad(), "posenc: ",
-                  op.schema().name(), " has no autograd (it writes a KV cache, for inference); got ",
-                  args[i].name(), " that requires grad: call it under torch.no_grad() or "
-                  "torch.inference_mode(), or pass ", args[i].name(), ".detach()");
-    }
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  // The tensors the op writes (the caches; q and k for rope_append_kv_): their version
+  // counters move, as an ATen in-place op's do, so that autograd refuses a graph that saved
+  // one of them before this write.
+  c10::SmallVector<at::Tensor, 4> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = (*stack)[first + i];
+    if (!v.isTensor()) continue;
+    TORCH_CHECK(!at::GradMode::is_enabled() || !v.toTensor().requires_grad(), "posenc: ",
+                op.schema().name(), " has no autograd (it writes a KV cache, for inference); got ",
+                args[i].name(), " that requires grad: call it under torch.no_grad() or "
+                "torch.inference_mode(), or pass ", args[i].name(), ".detach()");
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written.push_back(v.toTensor());
   }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
 }
 
 }  // namespace

@@ -4,6 +4,10 @@
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
+#include <algorithm>
+#include <utility>
+#include <vector>
+
 #include "ops/rope/rope_checks.h"
 #include "ops/rope_append_kv/rope_append_kv_call.h"
 
@@ -142,6 +146,20 @@ void check_rope_append_kv_rows(const KvCacheArgs& a) {
       TORCH_CHECK_INDEX(slot >= -1 && slot < a.num_slots, "posenc: rope_append_kv: slot_mapping[",
                         s, "] = ", slot, " is out of range for a cache of ", a.num_slots,
                         " slots (num_blocks * block_size; -1: not written); nothing was written");
+    }
+    // Two tokens for one slot: the tokens run on different threads, so the slot would hold
+    // either one (a data race). Refused, before anything is written.
+    std::vector<std::pair<int64_t, int64_t>> slots;  // (slot, token)
+    slots.reserve(static_cast<size_t>(seq));
+    for (int64_t s = 0; s < seq; ++s) {
+      if (a.slot_mapping[s] >= 0) slots.emplace_back(a.slot_mapping[s], s);
+    }
+    std::sort(slots.begin(), slots.end());
+    for (size_t i = 1; i < slots.size(); ++i) {
+      TORCH_CHECK_VALUE(slots[i].first != slots[i - 1].first, "posenc: rope_append_kv: slot_mapping[",
+                        slots[i - 1].second, "] and slot_mapping[", slots[i].second,
+                        "] are both ", slots[i].first,
+                        "; expected each written slot once (-1: not written); nothing was written");
     }
     return;
   }
