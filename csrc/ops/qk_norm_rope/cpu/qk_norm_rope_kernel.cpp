@@ -28,6 +28,8 @@ POSENC_ISA_NAMESPACE_BEGIN
 namespace {
 
 constexpr int kLanes = 8;
+// Rows of at most this many features are staged on the stack in the backward (norm "head").
+constexpr int64_t kStagedRow = 256;
 
 template <typename acc_t>
 inline acc_t lanes_sum(const acc_t (&part)[kLanes]) {
@@ -215,6 +217,54 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
     for (int64_t h = 0; h < op.heads; ++h) sums(h, r, part);
     const acc_t mean_gx = lanes_sum(part) / static_cast<acc_t>(op.heads * D);
     for (int64_t h = 0; h < op.heads; ++h) write(h, r, mean_gx);
+    return;
+  }
+  if (D <= kStagedRow) {
+    // Norm "head" with short rows: each row of x and of the gradient is read once, widened
+    // into the compute type on the stack, and the passes run there (no re-reading, no
+    // second turn of the gradient).
+    const int64_t half = a.rope.rotary_dim / 2;
+    acc_t xs[kStagedRow], gs[kStagedRow];
+    for (int64_t h = 0; h < op.heads; ++h) {
+      const scalar_t* x = row_in<scalar_t>(op, b, s, h);
+      const scalar_t* g = row_in<scalar_t>(gop, b, s, h);
+      const int64_t sx = op.in_stride[3], sg = gop.in_stride[3];
+      for (int64_t e = 0; e < D; ++e) {
+        xs[e] = static_cast<acc_t>(x[at_<kC>(e, sx)]);
+        gs[e] = static_cast<acc_t>(g[at_<kC>(e, sg)]);
+      }
+      acc_t sq[kLanes] = {};
+      add_squares<acc_t, acc_t, true>(xs, 1, D, sq);
+      const acc_t r = math::qk_norm_inv_rms<acc_t>(lanes_sum(sq), D, static_cast<acc_t>(a.eps));
+      for (int64_t p = 0; p < half; ++p) {  // the gradient turned back
+        const int64_t e1 = kIl ? 2 * p : p, e2 = kIl ? 2 * p + 1 : p + half;
+        acc_t gu1, gu2;
+        math::rope_rotate_pair(gs[e1], gs[e2], t.cs[p], t.sn[p], &gu1, &gu2);
+        gs[e1] = gu1;
+        gs[e2] = gu2;
+      }
+      acc_t part[kLanes] = {};
+      int64_t e = 0;
+      for (; e + kLanes <= D; e += kLanes) {
+        for (int l = 0; l < kLanes; ++l) {
+          const acc_t xh = xs[e + l] * r;
+          dw[e + l] += gs[e + l] * xh;
+          part[l] += gs[e + l] * w[e + l] * xh;
+        }
+      }
+      for (; e < D; ++e) {
+        const acc_t xh = xs[e] * r;
+        dw[e] += gs[e] * xh;
+        part[0] += gs[e] * w[e] * xh;
+      }
+      const acc_t mean_gx = lanes_sum(part) / static_cast<acc_t>(D);
+      scalar_t* dx = row_out<scalar_t>(op, b, s, h);
+      const int64_t sd = op.out_stride[3];
+      for (int64_t j = 0; j < D; ++j) {
+        dx[at_<kC>(j, sd)] =
+            static_cast<scalar_t>(math::qk_norm_grad_input(gs[j], w[j], xs[j] * r, mean_gx, r));
+      }
+    }
     return;
   }
   for (int64_t h = 0; h < op.heads; ++h) {
