@@ -1,6 +1,11 @@
 // posenc/qk_norm_rope.h: the C++ front end of the qk_norm_rope op, through the dispatcher.
 #include "posenc/qk_norm_rope.h"
 
+#include <c10/util/Exception.h>
+
+#include <cmath>
+#include <ostream>
+
 #include "api/rope_call_from_options.h"
 #include "ops/qk_norm_rope/qk_norm_rope_call.h"
 
@@ -18,6 +23,47 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& q, co
   c.weight_offset = o.weight_offset();
   c.norm = ops::parse_qk_norm(o.norm());
   return ops::call_qk_norm_rope(c);
+}
+
+void QkNormWeightImpl::reset() {
+  weight = register_parameter("weight", torch::full({size}, init, torch::kFloat32));
+}
+
+QKNormRotaryImpl::QKNormRotaryImpl(const QKNormRotaryOptions& options_) : options(options_) {
+  reset();
+}
+
+void QKNormRotaryImpl::reset() {
+  const auto& o = options;
+  TORCH_CHECK_VALUE(o.head_dim() > 0, "QKNormRotary: expected head_dim > 0, got ", o.head_dim());
+  ops::parse_qk_norm(o.norm());  // names norm and what it may be
+  const bool hidden = o.norm() == "hidden";
+  TORCH_CHECK_VALUE(!hidden || (o.num_heads().value_or(0) > 0 && o.num_kv_heads().value_or(0) > 0),
+                    "QKNormRotary: norm='hidden' normalises each token's whole projection: expected "
+                    "num_heads and num_kv_heads > 0 (the weights have num_heads * head_dim and "
+                    "num_kv_heads * head_dim values)");
+  TORCH_CHECK_VALUE(std::isfinite(o.weight_offset()), "QKNormRotary: expected a finite weight_offset, got ",
+                    o.weight_offset());
+  const int64_t lq = hidden ? *o.num_heads() * o.head_dim() : o.head_dim();
+  const int64_t lk = hidden ? *o.num_kv_heads() * o.head_dim() : o.head_dim();
+  const double init = 1.0 - o.weight_offset();  // effective weights start at 1
+  q_norm = register_module("q_norm", QkNormWeight(lq, init));
+  k_norm = register_module("k_norm", QkNormWeight(lk, init));
+}
+
+void QKNormRotaryImpl::pretty_print(std::ostream& stream) const {
+  stream << "posenc::QKNormRotary(head_dim=" << options.head_dim() << ", eps=" << options.eps()
+         << ", weight_offset=" << options.weight_offset() << ", norm=" << options.norm() << ")";
+}
+
+std::tuple<torch::Tensor, torch::Tensor> QKNormRotaryImpl::forward(const torch::Tensor& q,
+                                                                   const torch::Tensor& k,
+                                                                   const RopePositions& where) {
+  QkNormRopeOptions o;
+  o.eps(options.eps()).weight_offset(options.weight_offset()).norm(options.norm()).rope(options.rope());
+  o.rope().positions(where.positions()).offset(where.offset()).offsets(where.offsets()).cu_seqlens(
+      where.cu_seqlens());
+  return qk_norm_rope(q, k, q_norm->weight, k_norm->weight, o);
 }
 
 }  // namespace posenc

@@ -58,3 +58,45 @@ TEST(QkNormRope, BadNormNamesTheArgument) {
 }
 
 }  // namespace
+
+namespace {
+
+TEST(QKNormRotaryModule, HoldsHuggingFacesWeightsAndMatchesTheFunction) {
+  torch::manual_seed(1);
+  const auto rope = posenc::ApplyRopeOptions().base(1e6).rotary_dim(8);
+  posenc::QKNormRotary m(posenc::QKNormRotaryOptions(16).eps(1e-5).rope(rope));
+  std::vector<std::string> names;
+  for (const auto& p : m->named_parameters()) names.push_back(p.key());
+  EXPECT_EQ(names, (std::vector<std::string>{"q_norm.weight", "k_norm.weight"}));
+  EXPECT_TRUE(torch::equal(m->q_norm->weight, torch::ones({16})));
+  torch::NoGradGuard no_grad;
+  m->q_norm->weight.uniform_(0.5, 1.5);
+  m->k_norm->weight.uniform_(0.5, 1.5);
+  const auto q = torch::randn({2, 5, 4, 16}), k = torch::randn({2, 5, 2, 16});
+  const auto pos = torch::tensor({3, 1, 4, 1, 5}, torch::kLong);
+  auto [oq, ok] = m(q, k, posenc::RopePositions().positions(pos));
+  auto [wq, wk] = posenc::qk_norm_rope(q, k, m->q_norm->weight, m->k_norm->weight,
+                                       posenc::QkNormRopeOptions().eps(1e-5).rope(
+                                           posenc::ApplyRopeOptions(rope).positions(pos)));
+  EXPECT_TRUE(torch::equal(oq, wq));
+  EXPECT_TRUE(torch::equal(ok, wk));
+  auto [oq2, ok2] = m(q, k, posenc::RopePositions().offset(7));  // another position: other numbers
+  EXPECT_FALSE(torch::allclose(oq2, oq));
+}
+
+TEST(QKNormRotaryModule, GemmaOffsetHiddenNormAndGradients) {
+  // Gemma's (1 + w): the weights start at 0. OLMo 2's hidden norm: heads * head_dim weights.
+  posenc::QKNormRotary gemma(posenc::QKNormRotaryOptions(8).weight_offset(1.0));
+  EXPECT_TRUE(torch::equal(gemma->k_norm->weight, torch::zeros({8})));
+  posenc::QKNormRotary olmo(posenc::QKNormRotaryOptions(8).norm("hidden").num_heads(4).num_kv_heads(2));
+  EXPECT_EQ(olmo->q_norm->weight.size(0), 32);
+  EXPECT_EQ(olmo->k_norm->weight.size(0), 16);
+  auto [oq, ok] = olmo(torch::randn({1, 3, 4, 8}), torch::randn({1, 3, 2, 8}));
+  (oq.square().sum() + ok.sum()).backward();
+  ASSERT_TRUE(olmo->q_norm->weight.grad().defined());
+  EXPECT_GT(olmo->q_norm->weight.grad().abs().sum().item<double>(), 0.0);
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).norm("hidden")), c10::ValueError);
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).norm("layer")), c10::Error);
+}
+
+}  // namespace

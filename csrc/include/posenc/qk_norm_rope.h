@@ -3,6 +3,8 @@
 // (posenc::qk_norm_rope) with a fused backward (gradients of q, k and both weights).
 #pragma once
 
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
 #include <string>
@@ -30,5 +32,51 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& q, co
                                                       const torch::Tensor& q_weight,
                                                       const torch::Tensor& k_weight,
                                                       const QkNormRopeOptions& options = {});
+
+// One RMSNorm's weight, as Hugging Face's q_norm / k_norm submodules hold it (parameter
+// "weight"), so that QKNormRotary's state_dict keys are theirs: q_norm.weight, k_norm.weight.
+class QkNormWeightImpl : public torch::nn::Cloneable<QkNormWeightImpl> {
+ public:
+  QkNormWeightImpl(int64_t size, double init) : size(size), init(init) { reset(); }
+  void reset() override;
+  int64_t size;
+  double init;
+  torch::Tensor weight;
+};
+TORCH_MODULE(QkNormWeight);
+
+struct QKNormRotaryOptions {
+  /* implicit */ QKNormRotaryOptions(int64_t head_dim) : head_dim_(head_dim) {}
+  // Features per head.
+  TORCH_ARG(int64_t, head_dim);
+  TORCH_ARG(double, eps) = 1e-6;
+  // 1.0 for Gemma 3's (1 + w); the weights then start at 0 (effective weights start at 1).
+  TORCH_ARG(double, weight_offset) = 0.0;
+  // "head" (Qwen3, Gemma 3) or "hidden" (OLMo 2: then num_heads and num_kv_heads size the
+  // weights, heads * head_dim values each).
+  TORCH_ARG(std::string, norm) = "head";
+  TORCH_ARG(std::optional<int64_t>, num_heads) = std::nullopt;
+  TORCH_ARG(std::optional<int64_t>, num_kv_heads) = std::nullopt;
+  // RoPE's settings (base, interleaved, rotary_dim, scaling, layout, sections); positions,
+  // offsets and cu_seqlens come with each call (RopePositions).
+  TORCH_ARG(ApplyRopeOptions, rope) = {};
+};
+
+// Fused QK-norm + RoPE as a module owning the two norm weights (the twin of Python's
+// posenc.QKNormRotary): forward(q, k, where) = qk_norm_rope(q, k, q_norm->weight,
+// k_norm->weight, options with where's positions).
+class QKNormRotaryImpl : public torch::nn::Cloneable<QKNormRotaryImpl> {
+ public:
+  explicit QKNormRotaryImpl(const QKNormRotaryOptions& options);
+  void reset() override;
+  void pretty_print(std::ostream& stream) const override;
+  std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k,
+                                                   const RopePositions& where = {});
+
+  QKNormRotaryOptions options;
+  QkNormWeight q_norm{nullptr};
+  QkNormWeight k_norm{nullptr};
+};
+TORCH_MODULE(QKNormRotary);
 
 }  // namespace posenc
