@@ -25,6 +25,7 @@
 #include <limits>
 
 #include "../common/occupancy.cuh"
+#include "../rope/rope_device_checks.cuh"
 #include "ops/qk_norm_rope/qk_norm_rope_call.h"
 #include "posenc/math/qk_norm.h"
 #include "posenc/math/rope.h"
@@ -96,6 +97,7 @@ __global__ void __launch_bounds__(kThreads)
   const acc_t sign = ra.inverse ? acc_t(-1) : acc_t(1);
   acc_t* cs = s_cos[warp];
   acc_t* sn = s_sin[warp];
+  rope_cuda::assert_cu_seqlens(ra);
   for (int64_t item = global_warp; item < 2 * tokens; item += warps) {
     const int64_t token = item >> 1;
     const bool is_q = (item & 1) == 0;
@@ -107,7 +109,8 @@ __global__ void __launch_bounds__(kThreads)
     if (H == 0 || D == 0) continue;
     int64_t shift = 0, restart = 0;
     const bool valid = rope_token_shift(ra, b, s, &shift, &restart);
-    if (!valid) {
+    rope_cuda::assert_token_start(ra, valid, shift);  // as rope's kernel: never a silent NaN row
+    if (!valid) {  // reached only with device asserts compiled out
       const acc_t nan = std::numeric_limits<acc_t>::quiet_NaN();
       for (int64_t h = 0; h < H; ++h) {
         scalar_t* y = out_row<scalar_t>(op, b, s, h);
@@ -118,6 +121,8 @@ __global__ void __launch_bounds__(kThreads)
     __syncwarp();  // the previous item's reads of cs / sn are done
     for (int64_t p = lane; p < half; p += 32) {
       const int64_t pos = rope_axis_position(ra, b, s, shift, restart, ra.pair_axis[p]);
+      CUDA_KERNEL_ASSERT_MSG(rope_cuda::rope_in_position_domain(pos - shift),
+                             "posenc: qk_norm_rope: expected positions within [-2**53, 2**53]");
       acc_t sv, cv;
       math::rope_sincos<acc_t>(pos, ra.inv_freq[p], &sv, &cv);
       cs[p] = cv * factor;

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "rope_device_checks.cuh"
 #include "rope_pairs.cuh"
 #include "../common/vector_access.cuh"
 #include "ops/common/cuda_work_split.h"
@@ -57,34 +58,9 @@ struct TokenStart {
   int valid;
 };
 
-// The CPU's index value checks (rope_launch.cpp, check_cpu_index_values), on the device so
-// that the default call reads no value on the host (no sync: CUDA graphs can capture it).
-// A failure stops the kernel with a device-side assert, as ATen's indexing does: a
-// RuntimeError at the next synchronisation, after which the CUDA context is unusable.
-__device__ __forceinline__ bool rope_in_position_domain(int64_t v) {
-  return v >= -kRopeMaxPosition && v <= kRopeMaxPosition;
-}
-
-// cu_seqlens starts at 0, never decreases and ends at the token count: block 0 reads it once.
-__device__ __forceinline__ void assert_cu_seqlens(const RopeArgs& a) {
-  if (blockIdx.x != 0 || (a.cu_seqlens == nullptr && a.cu_seqlens32 == nullptr)) return;
-  const auto cu = [&](int64_t j) -> int64_t {
-    return a.cu_seqlens != nullptr ? a.cu_seqlens[j] : a.cu_seqlens32[j];
-  };
-  for (int64_t j = threadIdx.x; j <= a.num_seqs; j += blockDim.x) {
-    const int64_t v = cu(j);
-    CUDA_KERNEL_ASSERT_MSG((j == 0 ? v == 0 : cu(j - 1) <= v) && (j < a.num_seqs || v == a.seq),
-                           "posenc: rope: expected cu_seqlens to start at 0, never decrease and "
-                           "end at the number of tokens");
-  }
-}
-
-// A token's start: inside a sequence of cu_seqlens, its offsets value in the domain.
+// A token's start: the packed-sequence search's result (ops/rope/rope_launch.h).
 __device__ __forceinline__ void assert_token_start(const RopeArgs& a, const TokenStart& t) {
-  CUDA_KERNEL_ASSERT_MSG(t.valid, "posenc: rope: a packed token lies outside every sequence of "
-                         "cu_seqlens");
-  CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(t.shift - a.offset),
-                         "posenc: rope: expected offsets within [-2**53, 2**53]");
+  rope_cuda::assert_token_start(a, t.valid != 0, t.shift);
 }
 
 // Thread layout: ops/common/cuda_work_split.h (RopeBlockShape, rope_thread_role): a block holds
