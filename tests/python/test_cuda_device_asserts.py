@@ -61,6 +61,16 @@ CASES = {
     "rope_positions": (
         "F.apply_rope(q.unsqueeze(0), positions=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 2**60], device='cuda'))",
         re.escape("posenc: rope: expected positions within [-2**53, 2**53]")),
+    # qk_norm_rope's kernel shares rope's checks (cuda/rope/rope_device_checks.cuh).
+    "qk_norm_rope_cu_seqlens_short": (
+        "w = torch.ones(8, device='cuda')\n"
+        "F.qk_norm_rope(q, q[:, :1].contiguous(), w, w, cu_seqlens=torch.tensor([0, 4, 6], device='cuda'), layout='thd')",
+        CU_SEQLENS),
+    "qk_norm_rope_positions": (
+        "w = torch.ones(8, device='cuda')\n"
+        "F.qk_norm_rope(q.unsqueeze(0), q[:, :1].unsqueeze(0), w, w, "
+        "positions=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 2**60], device='cuda'))",
+        re.escape("posenc: qk_norm_rope: expected positions within [-2**53, 2**53]")),
     "rope_offsets": (
         "F.apply_rope(q.view(3, 3, 2, 8), offset=torch.tensor([0, -2**54, 1], device='cuda'))",
         re.escape("posenc: rope: expected offsets within [-2**53, 2**53]")),
