@@ -7,7 +7,7 @@ from typing import Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._rope import LENGTH_SCALED_TYPES, _sections, resolve_config_keys, scaling_arguments
+from posenc._rope import rope_op_arguments
 
 _LAYOUTS = ("bshd", "bhsd", "thd")
 
@@ -70,29 +70,12 @@ def rope_append_kv(
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
     if not isinstance(layout, str) or layout not in _LAYOUTS:
         raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(_LAYOUTS)}")
-    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
-        raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
-    offsets = None
-    if isinstance(offset, Tensor):
-        offsets, offset = offset, 0
-    elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
-        raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
-    scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
-        scaling, base=base, rotary_dim=rotary_dim, head_dim=q.shape[-1] if q.dim() else 0, sections=sections,
-        sections_mode=sections_mode, fn=fn)
-    base = 10000.0 if base is None else base
-    rope_type, values = scaling_arguments(scaling)
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))):
-        raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}")
-    if seq_len is not None and seq_len < 0:
-        raise ValueError(f"{fn}: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
-    seq_len = (-1 if seq_len is None else seq_len) if rope_type in LENGTH_SCALED_TYPES else 0
-    arguments = dict(
-        slot_mapping=slot_mapping, return_k=bool(return_k), positions=positions, offsets=offsets, offset=offset,
-        base=float(base), rope_type=rope_type, scaling=values, seq_len=seq_len,
-        rotary_dim=-1 if rotary_dim is None else rotary_dim, interleaved=bool(interleaved), layout=layout,
-        sections=_sections(sections), sections_mode=sections_mode,
-    )
+    # RoPE's arguments exactly as apply_rope normalises them (no packed sequences here).
+    arguments = rope_op_arguments(
+        q, positions=positions, offset=offset, cu_seqlens=None, base=base, interleaved=interleaved,
+        rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode,
+        check_inputs=False, seq_len=seq_len, fn=fn)
+    arguments.update(slot_mapping=slot_mapping, return_k=bool(return_k))
     if inplace:
         torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, **arguments)
         return (q, k) if return_k else q
