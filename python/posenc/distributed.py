@@ -103,14 +103,34 @@ def _rope_dims(layout: str) -> Tuple[Optional[int], Optional[int], int]:
     return {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2), "thd": (None, None, 1)}[layout]
 
 
+def _add_batch_and_sequence_shardings(a: dict, b_dim: Optional[int], s_dim: Optional[int], add) -> None:
+    """The batch- and sequence-sharded strategies of the ops that rotate as rope does (rope,
+    qk_norm_rope): ``add(qk, positions, offsets)`` for each. Batch: (batch, seq) positions
+    and per-row offsets shard with q's batch. Sequence: only with explicit positions, sharded
+    along their last dim. A length-scaled type that reads its length from the call
+    ("dynamic" without seq_len) gets neither where a shard could see another length."""
+    if b_dim is None:
+        return
+    q, pos, offs = a["q"], a["positions"], a["offsets"]
+    dynamic_from_call = a["rope_type"] in LENGTH_SCALED_TYPES and a["seq_len"] < 0
+    pos_p = R
+    if pos is not None:
+        pos_batch_dim = 1 if len(a["sections"]) > 0 else 0
+        if pos.ndim == pos_batch_dim + 2 and pos.shape[pos_batch_dim] == q.shape[b_dim]:
+            pos_p = Shard(pos_batch_dim)
+    offs_p = Shard(0) if offs is not None else R
+    if not (dynamic_from_call and (isinstance(pos_p, Shard) or offs is not None)):
+        add(Shard(b_dim), pos_p, offs_p)
+    if pos is not None and pos.ndim >= 1 and not dynamic_from_call:
+        add(Shard(s_dim), Shard(pos.ndim - 1), R)
+
+
 def _rope_rule(a: dict, outputs: str) -> list:
     """Strategies for rope (outputs "qk"), rope_ (outputs "") and their arguments ``a``
     (name -> DTensorSpec, None or value, defaults filled in)."""
-    q, k, pos, offs = a["q"], a["k"], a["positions"], a["offsets"]
+    q, k = a["q"], a["k"]
     layout = a["layout"] if a["layout"] in ("bshd", "bhsd", "sbhd", "thd") else "bshd"
     b_dim, s_dim, h_dim = _rope_dims(layout)
-    multi = len(a["sections"]) > 0
-    dynamic_from_call = a["rope_type"] in LENGTH_SCALED_TYPES and a["seq_len"] < 0
     strategies = []
 
     def add(qk, positions=R, offsets=R):
@@ -121,18 +141,7 @@ def _rope_rule(a: dict, outputs: str) -> list:
     if q.ndim == (3 if layout == "thd" else 4):
         add(Shard(h_dim))
         add(P)
-        if b_dim is not None:
-            batch = q.shape[b_dim]
-            pos_p = R
-            if pos is not None:
-                pos_batch_dim = 1 if multi else 0
-                if pos.ndim == pos_batch_dim + 2 and pos.shape[pos_batch_dim] == batch:
-                    pos_p = Shard(pos_batch_dim)
-            offs_p = Shard(0) if offs is not None else R
-            if not (dynamic_from_call and (isinstance(pos_p, Shard) or offs is not None)):
-                add(Shard(b_dim), pos_p, offs_p)
-            if pos is not None and pos.ndim >= 1 and not dynamic_from_call:
-                add(Shard(s_dim), Shard(pos.ndim - 1), R)
+        _add_batch_and_sequence_shardings(a, b_dim, s_dim, add)
     return strategies
 
 
@@ -144,11 +153,9 @@ def _qk_norm_rope_rule(a: dict, backward: bool) -> list:
     tokens (and heads), are then Partial. norm "hidden" reduces over a token's heads, so it
     has no heads-sharded strategy: DTensor redistributes heads-sharded q and k (to
     replicated, or to a batch or sequence sharding the call allows) before the op."""
-    q, pos, offs = a["q"], a["positions"], a["offsets"]
+    q = a["q"]
     layout = a["layout"] if a["layout"] in ("bshd", "bhsd", "sbhd", "thd") else "bshd"
     b_dim, s_dim, h_dim = _rope_dims(layout)
-    multi = len(a["sections"]) > 0
-    dynamic_from_call = a["rope_type"] in LENGTH_SCALED_TYPES and a["seq_len"] < 0
     strategies = []
 
     def add(qk, positions=R, offsets=R):
@@ -163,18 +170,7 @@ def _qk_norm_rope_rule(a: dict, backward: bool) -> list:
     if q.ndim == (3 if layout == "thd" else 4):
         if a["norm"] == "head":
             add(Shard(h_dim))
-        if b_dim is not None:
-            batch = q.shape[b_dim]
-            pos_p = R
-            if pos is not None:
-                pos_batch_dim = 1 if multi else 0
-                if pos.ndim == pos_batch_dim + 2 and pos.shape[pos_batch_dim] == batch:
-                    pos_p = Shard(pos_batch_dim)
-            offs_p = Shard(0) if offs is not None else R
-            if not (dynamic_from_call and (isinstance(pos_p, Shard) or offs is not None)):
-                add(Shard(b_dim), pos_p, offs_p)
-            if pos is not None and pos.ndim >= 1 and not dynamic_from_call:
-                add(Shard(s_dim), Shard(pos.ndim - 1), R)
+        _add_batch_and_sequence_shardings(a, b_dim, s_dim, add)
     return strategies
 
 
