@@ -177,6 +177,50 @@ def test_strided_q_in_bhsd():
     check(q, k, v, kc, vc, offset=1, layout="bhsd")
 
 
+def misaligned(x):
+    """A copy of x whose data starts 2 elements past an allocation's start: not 32-byte aligned."""
+    flat = torch.empty(x.numel() + 2, dtype=x.dtype)[2:]
+    return flat.view(x.shape).copy_(x)
+
+
+@pytest.mark.parametrize("dtype,interleaved,rotary_dim,aligned,layout", [
+    (torch.float32, False, None, True, "bshd"),
+    (torch.float32, True, None, True, "bhsd"),
+    (torch.bfloat16, False, 96, True, "bshd"),
+    (torch.bfloat16, True, None, False, "bshd"),
+    (torch.float32, False, 40, True, "bhsd"),
+    (torch.float32, False, None, False, "bhsd"),
+])
+def test_prefill_large_enough_to_stream(dtype, interleaved, rotary_dim, aligned, layout):
+    """A prefill that writes 16 MiB (float32; 8 MiB in bfloat16) takes the CPU kernel's
+    streaming stores (kStreamBytes, rope_append_kv_kernel.cpp) wherever a row is 32-byte
+    aligned (rotary_dim 40's halves are not; nor are the misaligned caches' rows): the same
+    bits as the same tokens written by eight calls small enough for plain stores, and the
+    float64 reference's values."""
+    torch.manual_seed(11)
+    S, Hq, Hkv, D, max_len = 2048, 8, 4, 128, 2056
+    q, k, v, kc, vc = make(layout, B=1, S=S, Hq=Hq, Hkv=Hkv, D=D, max_len=max_len, dtype=dtype)
+    if not aligned:
+        kc, vc = misaligned(kc), misaligned(vc)
+    kw = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim)
+    kc_small, vc_small = kc.clone(), vc.clone()
+    q_ref, k_ref, kc_ref, vc_ref = reference(q, k, v, kc, vc, offset=5, **kw)
+    out_q = rope_append_kv(q, k, v, kc, vc, offset=5, **kw)
+    torch.testing.assert_close(out_q.to(F64), q_ref, **TOL[dtype])
+    torch.testing.assert_close(kc.to(F64), kc_ref, **TOL[dtype])
+    assert torch.equal(vc.to(F64), vc_ref)
+    seq_dim = 2 if layout == "bhsd" else 1
+    chunk = S // 8
+    parts = []
+    for start in range(0, S, chunk):
+        def piece(t):
+            return t.narrow(seq_dim, start, chunk)
+
+        parts.append(rope_append_kv(piece(q), piece(k), piece(v), kc_small, vc_small, offset=5 + start, **kw))
+    assert torch.equal(out_q, torch.cat(parts, seq_dim))
+    assert torch.equal(kc, kc_small) and torch.equal(vc, vc_small)
+
+
 def test_inplace_and_return_k():
     torch.manual_seed(7)
     q, k, v, kc, vc = make("bshd")

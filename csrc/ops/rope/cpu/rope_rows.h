@@ -11,8 +11,12 @@
 #include <c10/util/Half.h>
 
 #include <cmath>
+#include <cstdint>
 #include <limits>
 #include <type_traits>
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
 
 #include "ops/rope/rope_args.h"
 #include "posenc/math/host_device.h"
@@ -85,6 +89,51 @@ inline Vec fma_vec(const Vec& a, const Vec& b, const Vec& c) {
 #endif
 }
 
+// Non-temporal ("streaming") stores: for outputs too large to stay in the caches, a store
+// that goes to memory without first reading the line it overwrites (the read-for-ownership
+// of a plain store: a third of the traffic of a pass that reads and writes as much). Only the
+// AVX2 build has them; everywhere else kStream is a plain store. The address must be aligned
+// to the vector (rows_can_stream checks); stream_fence() must follow the last of them before
+// another thread may read the data (they are weakly ordered).
+constexpr bool kHasStreamingStores =
+#if defined(CPU_CAPABILITY_AVX2)
+    true;
+#else
+    false;
+#endif
+
+template <bool kStream, typename Vec, typename T>
+inline void store_vec(const Vec& v, T* out) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kStream) {
+    static_assert(sizeof(Vec) == 32, "streaming stores of 256-bit vectors only");
+    if constexpr (std::is_same_v<T, float>) {
+      _mm256_stream_ps(out, v);
+    } else if constexpr (std::is_same_v<T, double>) {
+      _mm256_stream_pd(out, v);
+    } else {
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(out), v);
+    }
+    return;
+  }
+#endif
+  v.store(out);
+}
+
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// Whether every vector store of a row of `rotary_dim` features at `out` (contiguous) is
+// aligned to 32 bytes: the row's start and each half of it.
+template <typename scalar_t>
+inline bool rows_can_stream(const void* out, int64_t rotary_dim) {
+  return kHasStreamingStores && reinterpret_cast<std::uintptr_t>(out) % 32 == 0 &&
+         (rotary_dim / 2 * static_cast<int64_t>(sizeof(scalar_t))) % 32 == 0;
+}
+
 template <typename Vec>
 inline void rotate_vec(const Vec& x1, const Vec& x2, const Vec& c, const Vec& s, Vec& y1, Vec& y2) {
   y1 = fma_vec(x1, c, (x2 * s).neg());
@@ -104,7 +153,7 @@ void rotate_row_strided(const RopeArgs& a, const scalar_t* in, int64_t si, scala
 }
 
 // Contiguous rows of float or double: at::vec over pairs, the scalar loop for the tail.
-template <typename scalar_t>
+template <typename scalar_t, bool kStream = false>
 void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
                     const TokenAngles<scalar_t>& t) {
   using Vec = Vectorized<scalar_t>;
@@ -117,8 +166,8 @@ void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
       const Vec c = Vec::loadu(t.cs + p), s = Vec::loadu(t.sn + p);
       Vec y1, y2;
       rotate_vec(x1, x2, c, s, y1, y2);
-      y1.store(out + p);
-      y2.store(out + half + p);
+      store_vec<kStream>(y1, out + p);
+      store_vec<kStream>(y2, out + half + p);
     }
   } else {
     for (; p + W <= half; p += W) {
@@ -127,8 +176,8 @@ void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
       Vec y1, y2;
       rotate_vec(x1, x2, c, s, y1, y2);
       auto [o0, o1] = at::vec::interleave2(y1, y2);
-      o0.store(out + 2 * p);
-      o1.store(out + 2 * p + W);
+      store_vec<kStream>(o0, out + 2 * p);
+      store_vec<kStream>(o1, out + 2 * p + W);
     }
   }
   rotate_row_strided<scalar_t, scalar_t>(a, in, 1, out, 1, t, p);
@@ -136,7 +185,7 @@ void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
 
 // Contiguous rows of bfloat16 or float16: 16 elements per load, widened to two float32
 // vectors, rotated in float32 and rounded once on the way back.
-template <typename scalar_t>
+template <typename scalar_t, bool kStream = false>
 void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out,
                             const TokenAngles<float>& t) {
   using VecH = Vectorized<scalar_t>;
@@ -156,8 +205,8 @@ void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out
       VecF y1a, y2a, y1b, y2b;
       rotate(x1a, x2a, p, y1a, y2a);
       rotate(x1b, x2b, p + F, y1b, y2b);
-      at::vec::convert_from_float<scalar_t>(y1a, y1b).store(out + p);
-      at::vec::convert_from_float<scalar_t>(y2a, y2b).store(out + half + p);
+      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(y1a, y1b), out + p);
+      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(y2a, y2b), out + half + p);
     }
   } else {
     for (; p + W <= half; p += W) {  // 2W elements: pairs p .. p + W - 1
@@ -170,22 +219,32 @@ void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out
       rotate(x1b, x2b, p + F, y1b, y2b);
       auto [o0, o1] = at::vec::interleave2(y1a, y2a);
       auto [o2, o3] = at::vec::interleave2(y1b, y2b);
-      at::vec::convert_from_float<scalar_t>(o0, o1).store(out + 2 * p);
-      at::vec::convert_from_float<scalar_t>(o2, o3).store(out + 2 * p + W);
+      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(o0, o1), out + 2 * p);
+      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(o2, o3), out + 2 * p + W);
     }
   }
   rotate_row_strided<scalar_t, float>(a, in, 1, out, 1, t, p);
 }
 
+// One row; `stream` asks for streaming stores where the row allows them (contiguous and
+// aligned: rows_can_stream), plain stores elsewhere.
 template <typename scalar_t, typename acc_t>
 void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
-                const TokenAngles<acc_t>& t) {
+                const TokenAngles<acc_t>& t, bool stream = false) {
   if (si != 1 || so != 1) {
     rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
   } else if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    rotate_row_vec<scalar_t>(a, in, out, t);
+    if (stream && rows_can_stream<scalar_t>(out, a.rotary_dim)) {
+      rotate_row_vec<scalar_t, true>(a, in, out, t);
+    } else {
+      rotate_row_vec<scalar_t>(a, in, out, t);
+    }
   } else {
-    rotate_row_vec_reduced<scalar_t>(a, in, out, t);
+    if (stream && rows_can_stream<scalar_t>(out, a.rotary_dim)) {
+      rotate_row_vec_reduced<scalar_t, true>(a, in, out, t);
+    } else {
+      rotate_row_vec_reduced<scalar_t>(a, in, out, t);
+    }
   }
   if (in != out) {  // the features beyond rotary_dim pass through
     for (int64_t j = a.rotary_dim; j < a.head_dim; ++j) out[j * so] = in[j * si];

@@ -19,14 +19,28 @@ namespace cpu {
 POSENC_ISA_NAMESPACE_BEGIN
 namespace {
 
+// v's row into its cache row; with `stream`, streaming stores where the rows allow them
+// (rope_rows.h).
 template <typename scalar_t>
-void copy_row(const scalar_t* in, int64_t si, scalar_t* out, int64_t so, int64_t n) {
-  if (si == 1 && so == 1) {
-    std::memcpy(out, in, n * sizeof(scalar_t));
-  } else {
+void copy_row(const scalar_t* in, int64_t si, scalar_t* out, int64_t so, int64_t n, bool stream) {
+  if (si != 1 || so != 1) {
     for (int64_t j = 0; j < n; ++j) out[j * so] = in[j * si];
+    return;
   }
+  if (stream && rows_can_stream<scalar_t>(out, 2 * n)) {
+    using Vec = Vectorized<scalar_t>;
+    for (int64_t j = 0; j < n; j += Vec::size()) store_vec<true>(Vec::loadu(in + j), out + j);
+    return;
+  }
+  std::memcpy(out, in, n * sizeof(scalar_t));
 }
+
+// Streaming stores pay off once the rows written are well beyond what the caches keep: the
+// data would be evicted before anyone reads it, and a plain store first reads every line it
+// overwrites. A prefill of 2048 tokens (48 MiB written in float32) streams; a decode step
+// (a few hundred KiB, read back at once by attention) does not. Measured in
+// benchmarks/NOTES.md (issue 25).
+constexpr int64_t kStreamBytes = int64_t{8} << 20;
 
 template <typename scalar_t>
 void rope_append_kv_tokens(const KvCacheArgs& a) {
@@ -45,7 +59,11 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
   auto* kc = static_cast<scalar_t*>(a.k_cache);
   auto* vc = static_cast<scalar_t*>(a.v_cache);
 
-  at::parallel_for(0, r.batch * r.seq, grain, [&](int64_t begin, int64_t end) {
+  const int64_t tokens = r.batch * r.seq;
+  const int64_t written = tokens * static_cast<int64_t>(sizeof(scalar_t)) *
+                          (r.q.heads * r.head_dim + r.k.heads * (r.head_dim + a.v_head_dim));
+  const bool stream = written >= kStreamBytes;
+  at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     TokenAngles<acc_t> angles;
     int64_t pos[math::kRopeMaxAxes];
     for (int64_t item = begin; item < end; ++item) {
@@ -56,7 +74,8 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
         const int64_t* si = r.q.in_stride;
         const int64_t* so = r.q.out_stride;
         rotate_row<scalar_t, acc_t>(r, q_in + b * si[0] + s * si[1] + h * si[2], si[3],
-                                    q_out + b * so[0] + s * so[1] + h * so[2], so[3], angles);
+                                    q_out + b * so[0] + s * so[1] + h * so[2], so[3], angles,
+                                    stream);
       }
       int64_t outer = 0, inner = 0;
       const bool cached = kv_cache_row(a, b, s, &outer, &inner);
@@ -66,7 +85,7 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
         if (cached) {
           const int64_t* sc = a.k_cache_stride;
           rotate_row<scalar_t, acc_t>(r, k_row, si[3], kc + outer * sc[0] + inner * sc[1] + h * sc[2],
-                                      sc[3], angles);
+                                      sc[3], angles, stream);
         }
         if (a.write_k) {
           const int64_t* so = r.k.out_stride;
@@ -77,10 +96,11 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
           const int64_t* sv = a.v_stride;
           const int64_t* sc = a.v_cache_stride;
           copy_row(v_in + b * sv[0] + s * sv[1] + h * sv[2], sv[3],
-                   vc + outer * sc[0] + inner * sc[1] + h * sc[2], sc[3], a.v_head_dim);
+                   vc + outer * sc[0] + inner * sc[1] + h * sc[2], sc[3], a.v_head_dim, stream);
         }
       }
     }
+    if (stream) stream_fence();  // before this thread's part is handed back
   });
 }
 
