@@ -19,6 +19,12 @@ __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalE
 # call").
 _ADD_POSITION = torch.ops.posenc.add_position.default
 _ROPE = torch.ops.posenc.rope.default
+# The C++ entries those overloads forward to (OpOverload.__call__ is `return self._op(...)`):
+# the eager decode calls use them directly, one Python frame less (about 1 us of a 9 us call).
+# Dynamo cannot trace a bound builtin, so under torch.compile/export the overloads are used.
+_ADD_POSITION_EAGER = _ADD_POSITION._op
+_ROPE_EAGER = _ROPE._op
+_is_compiling = torch.compiler.is_compiling
 _ROPE_LAYOUT_AXES = {"bshd": (0, 1), "bhsd": (0, 2), "sbhd": (1, 0)}  # (batch, seq) dims of q
 
 
@@ -80,7 +86,8 @@ class _AddPositionModule(nn.Module):
             pe = self._buffers.get("pe")
             if pe is None:
                 pe = self._parameters["pe"]  # LearnedPositionalEncoding's trainable table
-            return _ADD_POSITION(x, pe, None, offset, self.batch_first, self.dropout.p if self.training else 0.0)
+            op = _ADD_POSITION if _is_compiling() else _ADD_POSITION_EAGER
+            return op(x, pe, None, offset, self.batch_first, self.dropout.p if self.training else 0.0)
         if isinstance(offset, bool):  # the op's SymInt would take True as 1
             raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
         if positions is not None and self.check_positions:
@@ -387,11 +394,12 @@ class RotaryPositionalEncoding(nn.Module):
         seq = shape[axes[1]]
         if shape[axes[0]] > 0 and seq > 0 and (offset < 0 or offset + seq > self.max_len):
             torch.ops.posenc.position_range_check(offset, offset + seq - 1, self.max_len)  # raises
+        rope = _ROPE if _is_compiling() else _ROPE_EAGER
         if self.base == 10000.0 and self.rotary_dim == self.dim and not self.interleaved and layout == "bshd":
-            out_q, out_k = _ROPE(q, k, None, None, offset)  # every other argument at its default
+            out_q, out_k = rope(q, k, None, None, offset)  # every other argument at its default
         else:
-            out_q, out_k = _ROPE(q, k, None, None, offset, None, self.base, rotary_dim=self.rotary_dim,
-                                 interleaved=self.interleaved, layout=layout)
+            out_q, out_k = rope(q, k, None, None, offset, None, self.base, rotary_dim=self.rotary_dim,
+                                interleaved=self.interleaved, layout=layout)
         return out_q if k is None else (out_q, out_k)
 
     def _check_range(

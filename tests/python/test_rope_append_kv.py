@@ -213,10 +213,8 @@ def test_prefill_large_enough_to_stream(dtype, interleaved, rotary_dim, aligned,
     chunk = S // 8
     parts = []
     for start in range(0, S, chunk):
-        def piece(t):
-            return t.narrow(seq_dim, start, chunk)
-
-        parts.append(rope_append_kv(piece(q), piece(k), piece(v), kc_small, vc_small, offset=5 + start, **kw))
+        q_part, k_part, v_part = (t.narrow(seq_dim, start, chunk) for t in (q, k, v))
+        parts.append(rope_append_kv(q_part, k_part, v_part, kc_small, vc_small, offset=5 + start, **kw))
     assert torch.equal(out_q, torch.cat(parts, seq_dim))
     assert torch.equal(kc, kc_small) and torch.equal(vc, vc_small)
 
