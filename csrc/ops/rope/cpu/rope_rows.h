@@ -231,20 +231,14 @@ void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out
 template <typename scalar_t, typename acc_t>
 void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
                 const TokenAngles<acc_t>& t, bool stream = false) {
+  const bool nt = stream && si == 1 && so == 1 && rows_can_stream<scalar_t>(out, a.rotary_dim);
   if (si != 1 || so != 1) {
     rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
   } else if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    if (stream && rows_can_stream<scalar_t>(out, a.rotary_dim)) {
-      rotate_row_vec<scalar_t, true>(a, in, out, t);
-    } else {
-      rotate_row_vec<scalar_t>(a, in, out, t);
-    }
+    nt ? rotate_row_vec<scalar_t, true>(a, in, out, t) : rotate_row_vec<scalar_t>(a, in, out, t);
   } else {
-    if (stream && rows_can_stream<scalar_t>(out, a.rotary_dim)) {
-      rotate_row_vec_reduced<scalar_t, true>(a, in, out, t);
-    } else {
-      rotate_row_vec_reduced<scalar_t>(a, in, out, t);
-    }
+    nt ? rotate_row_vec_reduced<scalar_t, true>(a, in, out, t)
+       : rotate_row_vec_reduced<scalar_t>(a, in, out, t);
   }
   if (in != out) {  // the features beyond rotary_dim pass through
     for (int64_t j = a.rotary_dim; j < a.head_dim; ++j) out[j * so] = in[j * si];

@@ -27,6 +27,8 @@ void copy_row(const scalar_t* in, int64_t si, scalar_t* out, int64_t so, int64_t
     for (int64_t j = 0; j < n; ++j) out[j * so] = in[j * si];
     return;
   }
+  // A row of n elements as a "rotary_dim" of 2n: its start aligned and n * sizeof a multiple
+  // of 32 bytes, so the loop below covers the row in whole vectors.
   if (stream && rows_can_stream<scalar_t>(out, 2 * n)) {
     using Vec = Vectorized<scalar_t>;
     for (int64_t j = 0; j < n; j += Vec::size()) store_vec<true>(Vec::loadu(in + j), out + j);
