@@ -24,7 +24,8 @@ POSENC_WITH_CUDA=OFF cmake -S . -B "$BUILD" -G Ninja -DPython3_EXECUTABLE="$PY" 
   -DPOSENC_WITH_CUDA=OFF -DPOSENC_BUILD_TESTS=ON -DPOSENC_INSTALL_PYTHON_LIB=OFF \
   -DPOSENC_SANITIZER_SELFTEST=ON \
   -DCMAKE_CXX_FLAGS="$san -fno-sanitize-recover=all -fno-omit-frame-pointer" \
-  -DCMAKE_SHARED_LINKER_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="$san" > "$BUILD/configure.log" 2>&1 ||
+  -DCMAKE_SHARED_LINKER_FLAGS="$san" -DCMAKE_MODULE_LINKER_FLAGS="$san" -DCMAKE_EXE_LINKER_FLAGS="$san" \
+  > "$BUILD/configure.log" 2>&1 ||
   { cat "$BUILD/configure.log"; exit 1; }
 cmake --build "$BUILD" -j "${MAX_JOBS:-2}" --target posenc posenc_tests
 echo "built in $(( $(date +%s) - start )) s"

@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from posenc import _rope, _scripting, functional
+from posenc import _library, _rope, _scripting, functional
 from posenc._dtensor import is_dtensor, place_beside
 
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
@@ -25,6 +25,22 @@ _ROPE = torch.ops.posenc.rope.default
 _ADD_POSITION_EAGER = _ADD_POSITION._op
 _ROPE_EAGER = _ROPE._op
 _is_compiling = torch.compiler.is_compiling
+# posenc._C's entries for the decode calls (csrc/python/fast_calls.cpp): the same ops
+# through the dispatcher without torch.ops' argument parsing, 1-3 us less per call.
+# It returns NotImplemented for what only torch.ops handles (__torch_function__ overrides and
+# modes); None when the build has no posenc._C.
+_ADD_POSITION_FAST = None if _library.FAST_CALLS is None else _library.FAST_CALLS.add_position
+_ROPE_FAST = None if _library.FAST_CALLS is None else _library.FAST_CALLS.rope
+# The global module hooks that nn.Module.__call__ checks before it goes straight to forward
+# (the dicts themselves: torch registers and removes hooks in place). A torch without them
+# gets non-empty stand-ins, which turn the modules' __call__ shortcut off.
+try:
+    from torch.nn.modules.module import _global_backward_hooks as _G_BACKWARD
+    from torch.nn.modules.module import _global_backward_pre_hooks as _G_BACKWARD_PRE
+    from torch.nn.modules.module import _global_forward_hooks as _G_FORWARD
+    from torch.nn.modules.module import _global_forward_pre_hooks as _G_FORWARD_PRE
+except ImportError:  # pragma: no cover (torch 2.11 has them)
+    _G_BACKWARD = _G_BACKWARD_PRE = _G_FORWARD = _G_FORWARD_PRE = {"unknown torch": None}
 _ROPE_LAYOUT_AXES = {"bshd": (0, 1), "bhsd": (0, 2), "sbhd": (1, 0)}  # (batch, seq) dims of q
 
 
@@ -76,6 +92,37 @@ class _AddPositionModule(nn.Module):
         # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
         self.dropout = nn.Dropout(p=_check_probability("dropout", dropout))
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """``nn.Module.__call__``, with a shortcut for the decode step's call (``m(x)``,
+        ``m(x, offset)``, ``m(x, offset=...)`` with a plain tensor and an int) when nothing
+        observes the call: no hook on this module and no global one, not compiled
+        (``module.compile()``, torch.compile, export), forward not overridden or patched
+        (in a subclass, on the class or on the instance). Module.__call__ would then call
+        forward at once, but its two frames and argument forwarding cost about 1 us, as much
+        as the op (benchmarks/NOTES.md, "The cost of one small call"). The shortcut calls the
+        op through posenc._C, as forward does; posenc._C declines under torch.jit tracing, and
+        Module.__call__ then records the module's scope."""
+        if kwargs:
+            offset = kwargs.get("offset")
+            direct = len(args) == 1 and len(kwargs) == 1 and offset is not None
+        else:
+            offset = args[1] if len(args) == 2 else 0
+            direct = 0 < len(args) <= 2
+        if (direct and type(offset) is int and type(args[0]) is Tensor and _ADD_POSITION_FAST is not None
+                and type(self).forward is _SHARED_FORWARD and "forward" not in self.__dict__
+                and not (self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
+                         or self._backward_hooks or _G_FORWARD_PRE or _G_FORWARD or _G_BACKWARD_PRE
+                         or _G_BACKWARD)
+                and self._compiled_call_impl is None and not _is_compiling()):
+            pe = self._buffers.get("pe")
+            if pe is None:
+                pe = self._parameters["pe"]  # LearnedPositionalEncoding's trainable table
+            p = self._modules["dropout"].p if self.training else 0.0
+            out = _ADD_POSITION_FAST(args[0], pe, offset, self.batch_first, p)
+            if out is not NotImplemented:
+                return out
+        return super().__call__(*args, **kwargs)
+
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given."""
         if positions is None and type(offset) is int and type(x) is Tensor:
@@ -86,8 +133,14 @@ class _AddPositionModule(nn.Module):
             pe = self._buffers.get("pe")
             if pe is None:
                 pe = self._parameters["pe"]  # LearnedPositionalEncoding's trainable table
-            op = _ADD_POSITION if _is_compiling() else _ADD_POSITION_EAGER
-            return op(x, pe, None, offset, self.batch_first, self.dropout.p if self.training else 0.0)
+            p = self.dropout.p if self.training else 0.0
+            if _is_compiling():
+                return _ADD_POSITION(x, pe, None, offset, self.batch_first, p)
+            if _ADD_POSITION_FAST is not None:
+                out = _ADD_POSITION_FAST(x, pe, offset, self.batch_first, p)
+                if out is not NotImplemented:
+                    return out
+            return _ADD_POSITION_EAGER(x, pe, None, offset, self.batch_first, p)
         if isinstance(offset, bool):  # the op's SymInt would take True as 1
             raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
         if positions is not None and self.check_positions:
@@ -119,6 +172,9 @@ class _AddPositionModule(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}"
+
+
+_SHARED_FORWARD = _AddPositionModule.forward
 
 
 class PositionalEncoding(_AddPositionModule):
@@ -394,6 +450,10 @@ class RotaryPositionalEncoding(nn.Module):
         seq = shape[axes[1]]
         if shape[axes[0]] > 0 and seq > 0 and (offset < 0 or offset + seq > self.max_len):
             torch.ops.posenc.position_range_check(offset, offset + seq - 1, self.max_len)  # raises
+        if _ROPE_FAST is not None and not _is_compiling():
+            out = _ROPE_FAST(q, k, offset, self.base, self.rotary_dim, self.interleaved, layout)
+            if out is not NotImplemented:
+                return out[0] if k is None else out
         rope = _ROPE if _is_compiling() else _ROPE_EAGER
         if self.base == 10000.0 and self.rotary_dim == self.dim and not self.interleaved and layout == "bshd":
             out_q, out_k = rope(q, k, None, None, offset)  # every other argument at its default
