@@ -404,3 +404,31 @@ def test_rope_errors_and_declines():
     with RecordDispatch() as boxed_mode:
         torch.ops.posenc.rope(q, None, offset=0)
     assert fast_mode.seen == boxed_mode.seen and fast_mode.seen
+
+
+def test_compile_fullgraph_of_a_model_that_holds_the_modules():
+    """Dynamo traces the modules' __call__ (a user-defined __call__ on an nn.Module):
+    under compilation the shortcut and posenc._C are skipped, so the graph has the ops and
+    no break."""
+    torch._dynamo.reset()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pos = posenc.PositionalEncoding(16, 0.0, 64)
+            self.learned = posenc.LearnedPositionalEncoding(16, 0.0, 64)
+            self.rope = posenc.RotaryPositionalEncoding(8)
+
+        def forward(self, x, offset: int):
+            h = self.learned(self.pos(x, offset), offset=offset)
+            q = h.view(h.shape[0], h.shape[1], 2, 8)
+            return self.rope(q, offset=offset)
+
+    model = Block().eval()
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(compiled(x, 3), model(x, 3), rtol=0, atol=0)
+    h = (x.double() + reference_table(torch.arange(3, 8), 16)) + model.learned.pe.detach()[0, 3:8].double()
+    expected = reference_rope(h.view(2, 5, 2, 8), "bshd", torch.arange(3, 8).expand(2, 5), default_inv_freq(8, 10000.0),
+                              8, False)
+    torch.testing.assert_close(compiled(x, 3).double(), expected, rtol=0, atol=1e-5)
