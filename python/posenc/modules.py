@@ -116,11 +116,12 @@ class _AddPositionModule(nn.Module):
                 and self._compiled_call_impl is None and not _is_compiling()):
             pe = self._buffers.get("pe")
             if pe is None:
-                pe = self._parameters["pe"]  # LearnedPositionalEncoding's trainable table
-            p = self._modules["dropout"].p if self.training else 0.0
-            out = _ADD_POSITION_FAST(args[0], pe, offset, self.batch_first, p)
-            if out is not NotImplemented:
-                return out
+                pe = self._parameters.get("pe")  # LearnedPositionalEncoding's trainable table
+            if pe is not None:  # else a property (nn.utils.parametrize): forward reads self.pe
+                p = self._modules["dropout"].p if self.training else 0.0
+                out = _ADD_POSITION_FAST(args[0], pe, offset, self.batch_first, p)
+                if out is not NotImplemented:
+                    return out
         return super().__call__(*args, **kwargs)
 
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
@@ -132,7 +133,9 @@ class _AddPositionModule(nn.Module):
             # instance lookup fails (benchmarks/NOTES.md, "The cost of one small call").
             pe = self._buffers.get("pe")
             if pe is None:
-                pe = self._parameters["pe"]  # LearnedPositionalEncoding's trainable table
+                pe = self._parameters.get("pe")  # LearnedPositionalEncoding's trainable table
+                if pe is None:
+                    pe = self.pe  # a property: a parametrized table (nn.utils.parametrize)
             p = self.dropout.p if self.training else 0.0
             if _is_compiling():
                 return _ADD_POSITION(x, pe, None, offset, self.batch_first, p)

@@ -432,3 +432,20 @@ def test_compile_fullgraph_of_a_model_that_holds_the_modules():
     expected = reference_rope(h.view(2, 5, 2, 8), "bshd", torch.arange(3, 8).expand(2, 5), default_inv_freq(8, 10000.0),
                               8, False)
     torch.testing.assert_close(compiled(x, 3).double(), expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+def test_a_parametrized_table_is_read_through_its_parametrization(cls):
+    """nn.utils.parametrize turns pe into a property (it leaves _parameters/_buffers): the
+    module must read the parametrized value, not fail on the dicts or use a stale table."""
+
+    class Doubled(torch.nn.Module):
+        def forward(self, table):
+            return 2 * table
+
+    m = cls(8, 0.0, max_len=16).eval()
+    table = m.pe.detach().clone()
+    torch.nn.utils.parametrize.register_parametrization(m, "pe", Doubled())
+    x = torch.randn(2, 3, 8)
+    for out in (m(x, 4), m(x, offset=4), m.forward(x, 4)):
+        torch.testing.assert_close(out, x + 2 * table[:, 4:7])
