@@ -6,6 +6,9 @@ mode and under torch.compile.
 Default: (1, 4096, 32 q heads, 8 kv heads, 128), float32 and bfloat16, on the CPU.
 Bytes counted: the forward reads q, k and writes them once (2x), the backward reads x and the
 incoming gradient and writes dx (3x): 5 * (q + k) bytes per forward + backward.
+Then inference (no_grad, forward only, 2 * (q + k) bytes): inplace=True (the in-place op
+qk_norm_rope_), out of place, the former inplace=True (out of place, then copied into q and
+k), and the eager composition.
 Usage: python benchmarks/bench_qk_norm_rope.py [--device cpu|cuda] [--dtypes float32,bfloat16]
                                                [--shape B,S,Hq,Hk,D] [--iters N] [--no-compile]
 """
@@ -90,6 +93,31 @@ def bench_dtype(name, args, B, S, Hq, Hk, D, dev, sync):
         print(f"{name:<9} {label:<22} {ms:8.2f} {nbytes / ms / 1e6:7.1f} {ms / base_ms:8.2f}x", flush=True)
 
 
+def bench_inference(name, args, B, S, Hq, Hk, D, dev, sync):
+    dtype = getattr(torch, name)
+    q = torch.randn(B, S, Hq, D, device=dev, dtype=dtype)
+    k = torch.randn(B, S, Hk, D, device=dev, dtype=dtype)
+    qn, kn = RMSNorm(D).to(dev, dtype), RMSNorm(D).to(dev, dtype)
+    wq, wk = qn.weight.detach(), kn.weight.detach()
+
+    def copied():  # what inplace=True did before qk_norm_rope_: out of place, then copied
+        oq, ok = qk_norm_rope(q, k, wq, wk)
+        q.copy_(oq)
+        k.copy_(ok)
+
+    variants = [("posenc inplace=True", lambda: qk_norm_rope(q, k, wq, wk, inplace=True)),
+                ("posenc out of place", lambda: qk_norm_rope(q, k, wq, wk)),
+                ("out of place + copy_", copied),
+                ("eager RMSNorm+apply_rope", lambda: apply_rope(qn(q), kn(k)))]
+    nbytes = 2 * (q.numel() + k.numel()) * q.element_size()
+    base_ms = None
+    with torch.no_grad():
+        for label, f in variants:
+            ms = timeit(f, args.iters, sync) * 1e3
+            base_ms = base_ms or ms
+            print(f"{name:<9} {label:<24} {ms:8.2f} {nbytes / ms / 1e6:7.1f} {ms / base_ms:8.2f}x", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cpu")
@@ -106,6 +134,9 @@ def main():
     print(f"{'dtype':<9} {'variant':<22} {'ms':>8} {'GB/s':>7} {'vs posenc':>9}")
     for name in args.dtypes.split(","):
         bench_dtype(name, args, B, S, Hq, Hk, D, dev, sync)
+    print(f"\ninference (no_grad, forward only)\n{'dtype':<9} {'variant':<24} {'ms':>8} {'GB/s':>7} {'vs inplace':>9}")
+    for name in args.dtypes.split(","):
+        bench_inference(name, args, B, S, Hq, Hk, D, dev, sync)
     return 0
 
 

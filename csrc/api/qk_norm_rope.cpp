@@ -11,10 +11,11 @@
 
 namespace posenc {
 
-std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& q, const torch::Tensor& k,
-                                                      const torch::Tensor& q_weight,
-                                                      const torch::Tensor& k_weight,
-                                                      const QkNormRopeOptions& o) {
+namespace {
+
+ops::QkNormRopeCall make_call(const torch::Tensor& q, const torch::Tensor& k,
+                              const torch::Tensor& q_weight, const torch::Tensor& k_weight,
+                              const QkNormRopeOptions& o) {
   ops::QkNormRopeCall c;
   c.rope = detail::make_rope_call(q, k, o.rope(), detail::rope_seq_len_argument(o.rope().scaling()));
   c.q_weight = q_weight;
@@ -22,7 +23,21 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& q, co
   c.eps = o.eps();
   c.weight_offset = o.weight_offset();
   c.norm = ops::parse_qk_norm(o.norm());
-  return ops::call_qk_norm_rope(c);
+  return c;
+}
+
+}  // namespace
+
+std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& q, const torch::Tensor& k,
+                                                      const torch::Tensor& q_weight,
+                                                      const torch::Tensor& k_weight,
+                                                      const QkNormRopeOptions& o) {
+  return ops::call_qk_norm_rope(make_call(q, k, q_weight, k_weight, o));
+}
+
+void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_weight,
+                   const torch::Tensor& k_weight, const QkNormRopeOptions& o) {
+  ops::call_qk_norm_rope_inplace(make_call(q, k, q_weight, k_weight, o));
 }
 
 void QkNormWeightImpl::reset() {

@@ -270,6 +270,10 @@ at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
   m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<
                              &qk_norm_rope_kernel_boxed<&empty_like_input, &run_qk_norm_rope_cuda>>());
+  // In place: each warp reads its vector whole (the sum of squares, a warp-wide shuffle)
+  // before any lane writes, and each lane writes only the features it read.
+  m.impl("qk_norm_rope_", torch::CppFunction::makeFromBoxedFunction<
+                              &qk_norm_rope_inplace_kernel_boxed<&run_qk_norm_rope_cuda>>());
   m.impl("qk_norm_rope_backward",
          torch::CppFunction::makeFromBoxedFunction<
              &qk_norm_rope_backward_kernel_boxed<&empty_like_input, &run_qk_norm_rope_cuda>>());

@@ -46,6 +46,33 @@ TEST(QkNormRope, MatchesNormThenApplyRopeWithGradients) {
   }
 }
 
+TEST(QkNormRope, InPlaceWritesTheOutOfPlaceResultIntoQAndK) {
+  torch::manual_seed(1);
+  for (const bool hidden : {false, true}) {
+    const int64_t B = 2, S = 3, Hq = 4, Hk = 2, D = 8;
+    // q and k as slices of one (B, S, Hq + Hk, D) buffer: strided, in one storage.
+    auto qk = torch::randn({B, S, Hq + Hk, D});
+    auto q = qk.narrow(2, 0, Hq), k = qk.narrow(2, Hq, Hk);
+    auto wq = torch::rand({hidden ? Hq * D : D}) + 0.5, wk = torch::rand({hidden ? Hk * D : D}) + 0.5;
+    const auto o = posenc::QkNormRopeOptions()
+                       .norm(hidden ? "hidden" : "head")
+                       .rope(posenc::ApplyRopeOptions().offset(5).interleaved(true));
+    auto [want_q, want_k] = posenc::qk_norm_rope(q, k, wq, wk, o);
+    const auto version = q._version();
+    posenc::qk_norm_rope_(q, k, wq, wk, o);
+    EXPECT_TRUE(torch::equal(q, want_q));
+    EXPECT_TRUE(torch::equal(k, want_k));
+    EXPECT_GT(q._version(), version);
+  }
+  auto q = torch::randn({1, 2, 2, 8}, torch::requires_grad());
+  auto k = torch::randn({1, 2, 1, 8});
+  EXPECT_THROW(posenc::qk_norm_rope_(q, k, torch::ones({8}), torch::ones({8})), c10::Error);
+  {
+    torch::NoGradGuard no_grad;
+    posenc::qk_norm_rope_(q, k, torch::ones({8}), torch::ones({8}));
+  }
+}
+
 TEST(QkNormRope, BadNormNamesTheArgument) {
   const auto q = torch::randn({1, 2, 2, 8}), k = torch::randn({1, 2, 1, 8}), w = torch::ones({8});
   try {

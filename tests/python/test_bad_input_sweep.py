@@ -132,7 +132,7 @@ def rope_call(rng):
 
 
 def qk_norm_rope_call(rng):
-    """qk_norm_rope and its backward: weights of wrong lengths, dtypes and devices, bad eps,
+    """qk_norm_rope, its in-place twin and its backward: weights of wrong lengths, dtypes and devices, bad eps,
     weight_offset and norm, with a few of RoPE's arguments (rope_call sweeps those)."""
     def pick(rng, usual, unusual, p_unusual=0.08):
         return rng.choice(unusual) if rng.random() < p_unusual else rng.choice(usual)
@@ -159,6 +159,8 @@ def qk_norm_rope_call(rng):
                     device=q.device.type)
         return lambda: ops.qk_norm_rope_backward(q, k, gq, gq if gq.shape == k.shape else k, wq, wk, eps, offset,
                                                  norm, **rope)
+    if rng.random() < 0.25:  # the in-place op: the same checks, then its own
+        return lambda: ops.qk_norm_rope_(q, k, wq, wk, eps, offset, norm, **rope)
     return lambda: ops.qk_norm_rope(q, k, wq, wk, eps, offset, norm, **rope)
 
 

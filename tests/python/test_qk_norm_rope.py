@@ -283,6 +283,92 @@ def test_inplace():
         qk_norm_rope(q2, k2, wq.requires_grad_(True), wk, inplace=True)
 
 
+INPLACE_CASES = [  # norm, layout, rotary_dim, interleaved, dtype
+    ("head", "bshd", None, False, torch.float32), ("hidden", "bhsd", 6, True, torch.float64),
+    ("head", "sbhd", 4, False, torch.bfloat16), ("hidden", "bshd", None, True, torch.float16),
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm,layout,rotary_dim,interleaved,dtype", INPLACE_CASES)
+def test_inplace_op_writes_q_and_k_themselves(device, norm, layout, rotary_dim, interleaved, dtype):
+    """qk_norm_rope_ (inplace=True): the out-of-place op's bits, written into q and k (here
+    strided slices of one fused qkv buffer, as attention layers produce them), with the
+    version counters bumped and nothing else of the buffer touched."""
+    B, S, Hq, Hk, D = 2, 5, 4, 2, 8
+    q0, k0, wq, wk = make(B, S, Hq, Hk, D, dtype, device, norm, layout, seed=5)
+    # One buffer holding q | k | v per token (v untouched), q and k as views of it.
+    qkv = torch.randn(*to_bshd(q0, layout).shape[:2], Hq + 2 * Hk, D, dtype=F64).to(device, dtype)
+    q_view = from_bshd(qkv[:, :, :Hq], layout)
+    k_view = from_bshd(qkv[:, :, Hq:Hq + Hk], layout)
+    q_view.copy_(q0)
+    k_view.copy_(k0)
+    v_before = qkv[:, :, Hq + Hk:].clone()
+    assert not q_view.is_contiguous()
+    kw = dict(norm=norm, offset=7, rotary_dim=rotary_dim, interleaved=interleaved, layout=layout,
+              weight_offset=0.5 if norm == "head" else 0.0)
+    want = qk_norm_rope(q0, k0, wq, wk, **kw)
+    versions = (q_view._version, k_view._version)
+    got = qk_norm_rope(q_view, k_view, wq, wk, inplace=True, **kw)
+    assert got[0] is q_view and got[1] is k_view
+    assert q_view._version > versions[0] and k_view._version > versions[1]
+    assert torch.equal(q_view, want[0]) and torch.equal(k_view, want[1])
+    assert torch.equal(qkv[:, :, Hq + Hk:], v_before)
+    pos = torch.arange(7, 7 + S).expand(B, S)
+    ref_q, ref_k = reference(q0, k0, wq, wk, eps=1e-6, offset=kw["weight_offset"], norm=norm, layout=layout,
+                             pos=pos, rotary_dim=rotary_dim, interleaved=interleaved)
+    close(q_view, ref_q, dtype)
+    close(k_view, ref_k, dtype)
+
+
+def test_inplace_op_refuses_shared_memory_and_autograd():
+    q, k, wq, wk = make(2, 5, 3, 1, 8, torch.float32, "cpu", "head")
+    op = torch.ops.posenc.qk_norm_rope_
+    with pytest.raises(RuntimeError, match="q without internal overlap"):
+        op(q[:, :1].expand(2, 5, 3, 8), k, wq, wk)
+    with pytest.raises(RuntimeError, match="q and k in separate memory"):
+        op(q, q[:, :, :1], wq, wk)
+    with pytest.raises(RuntimeError, match="q_weight in memory of its own, got q_weight sharing q's storage"):
+        op(q, k, q[0, 0, 0], wk)
+    with pytest.raises(RuntimeError, match="k_weight in memory of its own, got k_weight sharing k's storage"):
+        op(q, k, wq, k[1, 1, 0])
+    with pytest.raises(RuntimeError, match="inplace=True overwrites q and k"):
+        op(q.clone().requires_grad_(True), k, wq, wk)
+    with torch.no_grad():  # allowed without a graph
+        op(q.clone().requires_grad_(True), k.clone(), wq, wk)
+    with pytest.raises(ValueError, match=r"q_weight of shape \(8,\)"):
+        op(q, k, wq[:7], wk)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("norm", ["head", "hidden"])
+def test_opcheck_inplace(device, norm):
+    q, k, wq, wk = _op_args(device, norm)
+    opcheck(torch.ops.posenc.qk_norm_rope_.default, (q, k, wq, wk),
+            dict(eps=1e-5, weight_offset=1.0, norm=norm, offset=3, rotary_dim=6))
+    opcheck(torch.ops.posenc.qk_norm_rope_.default, (q, k, wq, wk),
+            dict(norm=norm, positions=torch.randint(0, 99, (2, 5), device=device), interleaved=True))
+
+
+def test_compile_fullgraph_inplace():
+    """torch.compile functionalizes the mutating op (Tensor(a!) in its schema): the compiled
+    function leaves q and k as eager does."""
+    torch._dynamo.reset()
+    q, k, wq, wk = make(2, 6, 4, 2, 16, torch.float32, "cpu", "hidden")
+
+    def f(q, k, wq, wk):
+        qk_norm_rope(q, k, wq, wk, norm="hidden", offset=2, inplace=True)
+        return q.sum() + k.sum()
+
+    compiled = torch.compile(f, fullgraph=True, backend="aot_eager")
+    qc, kc, qe, ke = q.clone(), k.clone(), q.clone(), k.clone()
+    with torch.no_grad():
+        out_c, out_e = compiled(qc, kc, wq, wk), f(qe, ke, wq, wk)
+    assert torch.equal(qc, qe) and torch.equal(kc, ke)
+    torch.testing.assert_close(out_c, out_e)
+    assert not torch.equal(qc, q)
+
+
 def test_bad_inputs():
     q, k, wq, wk = make(2, 5, 3, 1, 8, torch.float32, "cpu", "head")
     with pytest.raises(ValueError, match=r"q_weight of shape \(8,\).*got shape \[7\]"):
@@ -378,7 +464,10 @@ def test_aten_fallback_matches_kernel(tmp_path):
         "ins = [t.requires_grad_(True) for t in make(2, 5, 4, 2, 16, torch.float32, 'cpu', 'hidden', seed=9)]\n"
         "out = qk_norm_rope(*ins, norm='hidden', weight_offset=0.5, rotary_dim=12, offset=3)\n"
         "(out[0].square().sum() + out[1].sum()).backward()\n"
-        "torch.save([*out, *[t.grad for t in ins]], sys.argv[1])\n"
+        "q, k = (t.detach().clone() for t in ins[:2])\n"
+        "with torch.no_grad():\n"
+        "    qk_norm_rope(q, k, *ins[2:], norm='hidden', weight_offset=0.5, rotary_dim=12, offset=3, inplace=True)\n"
+        "torch.save([*out, *[t.grad for t in ins], q, k], sys.argv[1])\n"
     )
     here = os.path.dirname(os.path.abspath(__file__))
     results = []

@@ -33,6 +33,11 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& q, co
                                                       const torch::Tensor& k_weight,
                                                       const QkNormRopeOptions& options = {});
 
+// In place (inference): q and k normalised and rotated in their own storage (no autograd;
+// q and k must not share memory, nor the weights with them).
+void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_weight,
+                   const torch::Tensor& k_weight, const QkNormRopeOptions& options = {});
+
 // One RMSNorm's weight, as Hugging Face's q_norm / k_norm submodules hold it (parameter
 // "weight"), so that QKNormRotary's state_dict keys are theirs: q_norm.weight, k_norm.weight.
 class QkNormWeightImpl : public torch::nn::Cloneable<QkNormWeightImpl> {

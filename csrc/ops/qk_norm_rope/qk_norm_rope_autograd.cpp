@@ -8,6 +8,7 @@
 // (qk_norm_rope_backward_composite), which autograd differentiates again.
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
@@ -87,10 +88,30 @@ void qk_norm_rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack)
   stack->emplace_back(std::move(out[1]));
 }
 
+// qk_norm_rope_ overwrites q and k: refused when a graph would be recorded (as rope_), else
+// the kernel below autograd, then the version counters bumped (a saved q or k is stale).
+void qk_norm_rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const QkNormRopeCall call = QkNormRopeCall::pop(*stack, /*backward=*/false);
+  const bool needs_grad =
+      at::GradMode::is_enabled() && (call.rope.q.requires_grad() || call.rope.k->requires_grad() ||
+                                     call.q_weight.requires_grad() || call.k_weight.requires_grad());
+  TORCH_CHECK(!needs_grad,
+              "posenc: qk_norm_rope: inplace=True overwrites q and k, which autograd cannot "
+              "differentiate; use inplace=False for training, or run under torch.no_grad()");
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    call_qk_norm_rope_inplace(call);
+  }
+  torch::autograd::impl::bump_version(call.rope.q);
+  torch::autograd::impl::bump_version(*call.rope.k);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_autograd>());
+  m.impl("qk_norm_rope_",
+         torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_inplace_autograd>());
 }
 
 }  // namespace ops

@@ -101,6 +101,13 @@ std::tuple<at::Tensor, at::Tensor> call_qk_norm_rope(const QkNormRopeCall& call)
   return {stack[0].toTensor(), stack[1].toTensor()};
 }
 
+void call_qk_norm_rope_inplace(const QkNormRopeCall& call) {
+  static const c10::OperatorHandle op = find_handle("posenc::qk_norm_rope_");
+  torch::jit::Stack stack;
+  call.push(stack, /*backward=*/false);
+  op.callBoxed(stack);
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_qk_norm_rope_backward(
     const QkNormRopeCall& call) {
   static const c10::OperatorHandle op = find_handle("posenc::qk_norm_rope_backward");
@@ -115,6 +122,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_qk_norm_rope_bac
 //                          by weight + weight_offset, then RoPE exactly as rope with the same
 //                          arguments; the norm in float32 (float64 for float64), the outputs
 //                          in q's dtype, rounded once. (q, k).
+//   qk_norm_rope_          the same, written into q and k (inference: no autograd).
 //   qk_norm_rope_backward  (grad q, grad k, grad q_weight, grad k_weight) from the incoming
 //                          gradients, in one pass (the gradient turned back, then RMSNorm's
 //                          backward); the weight gradients in the weights' dtype.
@@ -122,6 +130,9 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
   const std::string tail = kRopeSchemaArguments;
   m.def(("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps=1e-06, "
          "float weight_offset=0.0, str norm=\"head\", " + tail + ") -> (Tensor, Tensor)")
+            .c_str());
+  m.def(("qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, "
+         "float eps=1e-06, float weight_offset=0.0, str norm=\"head\", " + tail + ") -> ()")
             .c_str());
   m.def(("qk_norm_rope_backward(Tensor q, Tensor k, Tensor grad_q, Tensor grad_k, "
          "Tensor q_weight, Tensor k_weight, float eps, float weight_offset, str norm, " + tail +

@@ -7,6 +7,7 @@
 // Schemas (the norm's arguments sit between k and the RoPE tail):
 //   qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps=1e-06,
 //                float weight_offset=0.0, str norm="head", <RoPE tail>) -> (Tensor, Tensor)
+//   qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, <as qk_norm_rope>) -> ()   (in place)
 //   qk_norm_rope_backward(Tensor q, Tensor k, Tensor grad_q, Tensor grad_k, Tensor q_weight,
 //                Tensor k_weight, float eps, float weight_offset, str norm, <RoPE tail>)
 //                -> (grad q, grad k, grad q_weight, grad k_weight)
@@ -40,6 +41,11 @@ struct QkNormRopeCall {
 QkNorm parse_qk_norm(const std::string& name);
 const char* qk_norm_name(QkNorm norm);
 
+// The in-place call's own checks (qk_norm_rope_): q and k as rope_ takes them
+// (check_rope_inplace: no internal overlap, separate memory), and weights that share no
+// storage with them.
+void check_qk_norm_rope_inplace(const QkNormRopeCall& call);
+
 // Every check of a call, on any device (Meta included: symbolic sizes): RoPE's, then eps,
 // weight_offset, the weights (1-D, head_dim or heads * head_dim values by norm, q's dtype
 // or float32 for half-precision q, q's device) and in the backward the gradients (q's and
@@ -69,6 +75,14 @@ template <QkNormRopeAllocator Allocate, QkNormRopeRunner Run>
 void qk_norm_rope_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   run_qk_norm_rope_boxed(stack, /*backward=*/false, Allocate, Run);
 }
+// qk_norm_rope_: the checks (with check_qk_norm_rope_inplace), then the kernel with q and k
+// as their own outputs.
+void run_qk_norm_rope_inplace_boxed(torch::jit::Stack* stack, QkNormRopeRunner run);
+
+template <QkNormRopeRunner Run>
+void qk_norm_rope_inplace_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_qk_norm_rope_inplace_boxed(stack, Run);
+}
 template <QkNormRopeAllocator Allocate, QkNormRopeRunner Run>
 void qk_norm_rope_backward_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   run_qk_norm_rope_boxed(stack, /*backward=*/true, Allocate, Run);
@@ -76,6 +90,7 @@ void qk_norm_rope_backward_kernel_boxed(const c10::OperatorHandle&, torch::jit::
 
 // The boxed op calls (C++ API, autograd).
 std::tuple<at::Tensor, at::Tensor> call_qk_norm_rope(const QkNormRopeCall& call);
+void call_qk_norm_rope_inplace(const QkNormRopeCall& call);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_qk_norm_rope_backward(
     const QkNormRopeCall& call);
 

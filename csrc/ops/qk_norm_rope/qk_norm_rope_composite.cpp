@@ -107,11 +107,25 @@ void qk_norm_rope_fallback(const c10::OperatorHandle&, torch::jit::Stack* stack)
   for (at::Tensor* t : {&dq, &dk, &dwq, &dwk}) stack->emplace_back(std::move(*t));
 }
 
+// qk_norm_rope_ on a device without a kernel: the same checks, the composite out of place,
+// then copied into q and k.
+void qk_norm_rope_inplace_fallback(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const QkNormRopeCall c = QkNormRopeCall::pop(*stack, /*backward=*/false);
+  check_qk_norm_rope(c, /*backward=*/false);
+  check_qk_norm_rope_inplace(c);
+  warn_aten_fallback("qk_norm_rope_", c.rope.q.device());
+  auto [q, k] = qk_norm_rope_composite(c);
+  c.rope.q.copy_(q);
+  c.rope.k->copy_(k);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
   m.impl("qk_norm_rope",
          torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_fallback<false>>());
+  m.impl("qk_norm_rope_",
+         torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_inplace_fallback>());
   m.impl("qk_norm_rope_backward",
          torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_fallback<true>>());
 }

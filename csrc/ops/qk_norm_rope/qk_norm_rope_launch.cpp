@@ -103,6 +103,21 @@ QkNormRopeLaunch prepare_qk_norm_rope_launch(const QkNormRopeCall& c, int64_t ro
 
 }  // namespace
 
+void check_qk_norm_rope_inplace(const QkNormRopeCall& c) {
+  check_rope_inplace(c.rope);  // q and k: no internal overlap, separate memory
+  const std::pair<const char*, const at::Tensor*> weights[] = {{"q_weight", &c.q_weight},
+                                                               {"k_weight", &c.k_weight}};
+  const std::pair<const char*, const at::Tensor*> operands[] = {{"q", &c.rope.q},
+                                                                {"k", &*c.rope.k}};
+  for (const auto& [wname, w] : weights) {
+    for (const auto& [xname, x] : operands) {
+      TORCH_CHECK(!(w->has_storage() && x->has_storage() && w->storage().is_alias_of(x->storage())),
+                  "posenc: qk_norm_rope: inplace=True needs ", wname, " in memory of its own, got ",
+                  wname, " sharing ", xname, "'s storage; pass a copy or use inplace=False");
+    }
+  }
+}
+
 void run_qk_norm_rope_boxed(torch::jit::Stack* stack, bool backward,
                             QkNormRopeAllocator allocate, QkNormRopeRunner run) {
   const QkNormRopeCall c = QkNormRopeCall::pop(*stack, backward);
@@ -117,6 +132,16 @@ void run_qk_norm_rope_boxed(torch::jit::Stack* stack, bool backward,
     stack->emplace_back(l.q_weight_grad.to(c.q_weight.scalar_type()));
     stack->emplace_back(l.k_weight_grad.to(c.k_weight.scalar_type()));
   }
+}
+
+void run_qk_norm_rope_inplace_boxed(torch::jit::Stack* stack, QkNormRopeRunner run) {
+  const QkNormRopeCall c = QkNormRopeCall::pop(*stack, /*backward=*/false);
+  const int64_t rot = check_qk_norm_rope(c, /*backward=*/false);
+  check_qk_norm_rope_inplace(c);
+  // Each kernel reads a normalised vector whole (its sum of squares) before it writes it, and
+  // writes every feature from the thread that read it: q and k can be their own outputs.
+  QkNormRopeLaunch l = prepare_qk_norm_rope_launch(c, rot, c.rope.q, *c.rope.k, /*backward=*/false);
+  run(l, c.rope.q, /*backward=*/false);
 }
 
 }  // namespace ops

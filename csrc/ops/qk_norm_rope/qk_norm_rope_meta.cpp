@@ -30,9 +30,21 @@ void qk_norm_rope_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   }
 }
 
+// qk_norm_rope_: the checks only (the in-place proof reads strides, not data).
+void qk_norm_rope_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const QkNormRopeCall c = QkNormRopeCall::pop(*stack, /*backward=*/false);
+  check_not_mixed_with_meta("qk_norm_rope_", {{"q", &c.rope.q}, {"k", optional_ptr(c.rope.k)},
+                                              {"q_weight", &c.q_weight}, {"k_weight", &c.k_weight},
+                                              {"positions", optional_ptr(c.rope.positions)},
+                                              {"offsets", optional_ptr(c.rope.offsets)},
+                                              {"cu_seqlens", optional_ptr(c.rope.cu_seqlens)}});
+  check_qk_norm_rope(c, /*backward=*/false);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, Meta, m) {
+  m.impl("qk_norm_rope_", torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_inplace_meta>());
   m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_meta<false>>());
   m.impl("qk_norm_rope_backward",
          torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_meta<true>>());

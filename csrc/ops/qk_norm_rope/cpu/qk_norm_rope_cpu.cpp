@@ -36,6 +36,8 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
   if (force_aten_fallback()) return;  // CPU calls take the ATen composite (aten_fallback.h)
   m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<
                              &qk_norm_rope_kernel_boxed<&empty_output_like, &run_qk_norm_rope_cpu>>());
+  m.impl("qk_norm_rope_", torch::CppFunction::makeFromBoxedFunction<
+                              &qk_norm_rope_inplace_kernel_boxed<&run_qk_norm_rope_cpu>>());
   m.impl("qk_norm_rope_backward",
          torch::CppFunction::makeFromBoxedFunction<
              &qk_norm_rope_backward_kernel_boxed<&empty_output_like, &run_qk_norm_rope_cpu>>());
