@@ -63,16 +63,18 @@ bool unpack_int64(PyObject* obj, const char* op, const char* name, int64_t* out)
   return true;
 }
 
+// False, with a TypeError naming the entry's arguments, unless there are `expected` of them.
+bool argument_count(const char* entry, const char* names, Py_ssize_t expected, Py_ssize_t got) {
+  if (got == expected) return true;
+  PyErr_Format(PyExc_TypeError, "posenc._C.%s: expected %zd arguments (%s), got %zd", entry,
+               expected, names, got);
+  return false;
+}
+
 // add_position(x, table, offset, batch_first, p): the op with positions=None.
 PyObject* add_position(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 5) {
-    PyErr_Format(PyExc_TypeError,
-                 "posenc._C.add_position: expected 5 arguments (x, table, offset, batch_first, "
-                 "p), got %zd",
-                 nargs);
-    return nullptr;
-  }
+  if (!argument_count("add_position", "x, table, offset, batch_first, p", 5, nargs)) return nullptr;
   PyObject* x = args[0];
   PyObject* table = args[1];
   if (!plain_tensor(x) || !plain_tensor(table) || !PyLong_CheckExact(args[2]) ||
@@ -132,11 +134,7 @@ struct RopeDecodeCall {
 // offsets, cu_seqlens, scaling and sections at their defaults; (q, k or an empty tensor).
 PyObject* rope(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
   HANDLE_TH_ERRORS
-  if (nargs != 7) {
-    PyErr_Format(PyExc_TypeError,
-                 "posenc._C.rope: expected 7 arguments (q, k, offset, base, rotary_dim, "
-                 "interleaved, layout), got %zd",
-                 nargs);
+  if (!argument_count("rope", "q, k, offset, base, rotary_dim, interleaved, layout", 7, nargs)) {
     return nullptr;
   }
   const bool has_k = args[1] != Py_None;

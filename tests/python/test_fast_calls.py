@@ -83,14 +83,22 @@ def test_gradients_flow_as_through_torch_ops():
     torch.testing.assert_close(gt, expected_gt)
 
 
-def test_learned_module_trains_through_the_entry(monkeypatch):
+def counting(monkeypatch, name="add_position"):
+    """Replaces the modules' posenc._C entry `name` by one that records each call's
+    arguments after the tensors; returns the record."""
     calls = []
+    entry = getattr(FAST, name)
 
-    def counting(*args):
-        calls.append(args[2])
-        return FAST.add_position(*args)
+    def record(*args):
+        calls.append(args[2] if name == "add_position" else args[2:])
+        return entry(*args)
 
-    monkeypatch.setattr(modules, "_ADD_POSITION_FAST", counting)
+    monkeypatch.setattr(modules, f"_{name.upper()}_FAST", record)
+    return calls
+
+
+def test_learned_module_trains_through_the_entry(monkeypatch):
+    calls = counting(monkeypatch)
     torch.manual_seed(2)
     m = posenc.LearnedPositionalEncoding(8, 0.0, max_len=16)
     x = torch.randn(2, 3, 8)
@@ -180,17 +188,6 @@ def test_dispatch_modes_see_what_torch_ops_shows_them():
 # ---- The modules' __call__ shortcut: taken only when nn.Module.__call__ would go straight
 # to forward; otherwise everything nn.Module.__call__ does still happens.
 
-def counting_fast(monkeypatch):
-    calls = []
-
-    def fast(*args):
-        calls.append(args[2])
-        return FAST.add_position(*args)
-
-    monkeypatch.setattr(modules, "_ADD_POSITION_FAST", fast)
-    return calls
-
-
 def expected_eval(x, offset, d=8):
     return x.double() + reference_table(torch.arange(offset, offset + x.shape[1]), d)
 
@@ -198,7 +195,7 @@ def expected_eval(x, offset, d=8):
 @pytest.mark.parametrize("call", ["m(x)", "m(x, 3)", "m(x, offset=3)", "m(x=x)", "m(x, 3, None)",
                                   "m(x, positions=torch.arange(3, 8))"])
 def test_every_call_form_gives_the_formula(call, monkeypatch):
-    calls = counting_fast(monkeypatch)
+    calls = counting(monkeypatch)
     m = posenc.PositionalEncoding(8, 0.1, max_len=16).eval()
     x = torch.randn(2, 5, 8)
     out = eval(call, {"m": m, "x": x, "torch": torch})
@@ -209,7 +206,7 @@ def test_every_call_form_gives_the_formula(call, monkeypatch):
 
 
 def test_hooks_run_and_see_the_call_as_made(monkeypatch):
-    calls = counting_fast(monkeypatch)
+    calls = counting(monkeypatch)
     m = posenc.PositionalEncoding(8, 0.0, max_len=16).eval()
     x = torch.randn(2, 5, 8)
     seen = []
@@ -347,13 +344,7 @@ def test_rope_values(dtype, layout, interleaved, rotary_dim, base, with_k):
 
 
 def test_rope_module_takes_it_and_gives_the_formula(monkeypatch):
-    calls = []
-
-    def fast(*args):
-        calls.append(args[2:])
-        return FAST.rope(*args)
-
-    monkeypatch.setattr(modules, "_ROPE_FAST", fast)
+    calls = counting(monkeypatch, "rope")
     rope = posenc.RotaryPositionalEncoding(64, base=500000.0, rotary_dim=32, interleaved=True, layout="bhsd")
     q, k = torch.randn(1, 8, 1, 64, dtype=torch.float64), torch.randn(1, 2, 1, 64, dtype=torch.float64)
     out_q, out_k = rope(q, k, offset=100)
