@@ -7,7 +7,7 @@ from typing import Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._dtensor import is_dtensor, place_beside
+from posenc._dtensor import place_beside
 from posenc._rope import rope_op_arguments
 
 NORMS = ("head", "hidden")
@@ -73,13 +73,6 @@ def qk_norm_rope(
         if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight)):
             raise RuntimeError(f"{fn}: inplace=True overwrites q and k, which autograd cannot differentiate; use "
                                f"inplace=False for training, or run under torch.no_grad()")
-        if is_dtensor(q):  # no DTensor rule for the in-place op: out of place, then copied
-            out_q, out_k = torch.ops.posenc.qk_norm_rope(
-                q, k, q_weight, k_weight, eps=float(eps), weight_offset=float(weight_offset), norm=norm,
-                **arguments)
-            q.copy_(out_q)
-            k.copy_(out_k)
-            return q, k
         torch.ops.posenc.qk_norm_rope_(
             q, k, q_weight, k_weight, eps=float(eps), weight_offset=float(weight_offset), norm=norm, **arguments)
         return q, k

@@ -145,9 +145,10 @@ def _rope_rule(a: dict, outputs: str) -> list:
     return strategies
 
 
-def _qk_norm_rope_rule(a: dict, backward: bool) -> list:
-    """Strategies for qk_norm_rope (outputs q, k) and its backward (grad q, grad k, grad
-    q_weight, grad k_weight). The norm is not linear: no Partial inputs. Batch- and
+def _qk_norm_rope_rule(a: dict, backward: bool, in_place: bool = False) -> list:
+    """Strategies for qk_norm_rope (outputs q, k), qk_norm_rope_ (in place: no outputs) and
+    the backward (grad q, grad k, grad q_weight, grad k_weight). The norm is not linear: no
+    Partial inputs. Batch- and
     sequence-sharded calls (positions sharded as for rope) and, for norm "head",
     heads-sharded ones run locally on replicated weights; the weight gradients, sums over
     tokens (and heads), are then Partial. norm "hidden" reduces over a token's heads, so it
@@ -160,7 +161,7 @@ def _qk_norm_rope_rule(a: dict, backward: bool) -> list:
 
     def add(qk, positions=R, offsets=R):
         weights_grad = R if qk == R else P
-        outs = [qk, qk] + ([weights_grad, weights_grad] if backward else [])
+        outs = [] if in_place else [qk, qk] + ([weights_grad, weights_grad] if backward else [])
         inputs = dict(q=qk, k=qk, q_weight=R, k_weight=R, positions=positions, offsets=offsets, cu_seqlens=R)
         if backward:
             inputs.update(grad_q=qk, grad_k=qk)
@@ -306,7 +307,7 @@ def _register_rule(op, rule, mutated: Sequence[str] = ()) -> None:
                 raise RuntimeError(
                     f"{op}: no sharding rule keeps the placements {current} of the tensors it writes in "
                     f"place; redistribute them first (e.g. to Replicate or heads-sharded), or use the "
-                    f"out-of-place op (apply_rope(..., inplace=False))"
+                    f"out-of-place op (inplace=False)"
                 )
             result = OpStrategy(keep)
         return result
@@ -359,6 +360,8 @@ def register_sharding_rules() -> None:
     _register_rule(ops.apply_rope_cos_sin.default, _rope_cos_sin_rule)
     _register_rule(ops.qk_norm_rope.default, lambda a: _qk_norm_rope_rule(a, False))
     _register_rule(ops.qk_norm_rope_backward.default, lambda a: _qk_norm_rope_rule(a, True))
+    _register_rule(ops.qk_norm_rope_.default, lambda a: _qk_norm_rope_rule(a, False, in_place=True),
+                   mutated=("q", "k"))
     # Public API (torch.library) for what DTensor's private _custom_op_handlers table does.
     torch.library.register_torch_dispatch(ops.position_bounds.default, DTensor, _bounds_handler)
     torch.library.register_torch_dispatch(ops.rope_position_bounds.default, DTensor, _bounds_handler)

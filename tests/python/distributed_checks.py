@@ -314,6 +314,45 @@ def rope_inplace():
         raise AssertionError("rope_ on a sequence-sharded q without positions did not raise")
 
 
+@check
+def qk_norm_rope_inplace():
+    """qk_norm_rope(..., inplace=True) on DTensors: the in-place op's rule keeps q's and k's
+    placements (heads for norm "head", batch, sequence with positions, replicated), and
+    refuses what would write a redistributed copy (norm "hidden" has no heads sharding)."""
+    from posenc.functional import qk_norm_rope
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    q, k = rand(2, 8, 4, 16, seed=41), rand(2, 8, 2, 16, seed=42)
+    pos = randint(50, (2, 8), 43)
+    for norm in ("head", "hidden"):
+        wq = rand(16 if norm == "head" else 64, seed=44) + 1.5
+        wk = rand(16 if norm == "head" else 32, seed=45) + 1.5
+        want_q, want_k = qk_norm_rope(q, k, wq, wk, norm=norm, positions=pos)
+        cases = [(Shard(0), Shard(0)), (Shard(1), Shard(1)), (Replicate(), Replicate())]
+        if norm == "head":
+            cases.append((Shard(2), Replicate()))
+        for pl, pos_pl in cases:
+            # Copies: a replicated DTensor may share the plain tensor's storage, which the
+            # in-place call would then overwrite for the next case.
+            dq, dk = distribute_tensor(q.clone(), mesh, [pl]), distribute_tensor(k.clone(), mesh, [pl])
+            with torch.no_grad():
+                out = qk_norm_rope(dq, dk, wq, wk, norm=norm, positions=distribute_tensor(pos, mesh, [pos_pl]),
+                                   inplace=True)
+            assert out[0] is dq and out[1] is dk
+            assert dq.placements == (pl,) and dk.placements == (pl,), (norm, pl, dq.placements)
+            close(dq.full_tensor(), want_q, f"qk_norm_rope inplace q {norm} {pl}")
+            close(dk.full_tensor(), want_k, f"qk_norm_rope inplace k {norm} {pl}")
+    # norm "hidden" reduces over the heads: heads-sharded q and k would be redistributed -> error.
+    dq, dk = distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Shard(2)])
+    try:
+        with torch.no_grad():
+            qk_norm_rope(dq, dk, rand(64, seed=46), rand(32, seed=47), norm="hidden", inplace=True)
+    except RuntimeError as e:
+        assert "in place" in str(e) or "in-place" in str(e), str(e)
+    else:
+        raise AssertionError("qk_norm_rope_ with norm 'hidden' on heads-sharded q did not raise")
+
+
 def run_add_case(name, x, table, placements, kwargs, expect, p=0.0, seed=None):
     from torch.distributed.tensor import DTensor
 
