@@ -495,3 +495,44 @@ def test_every_code_path_gives_the_same_bits(device, dtype, interleaved):
     assert torch.equal(apply_rope(shifted, positions=pos, interleaved=interleaved), want)
     apply_rope(shifted, positions=pos, interleaved=interleaved, inplace=True)
     assert torch.equal(shifted, want)
+
+
+@pytest.mark.parametrize("dtype,interleaved,rotary_dim,layout", [
+    (torch.float32, False, None, "bshd"),
+    (torch.float32, True, None, "bhsd"),
+    (torch.bfloat16, False, 96, "bshd"),
+    (torch.bfloat16, True, None, "sbhd"),
+    (torch.float32, False, 40, "bshd"),  # halves of 80 bytes: not 32-byte aligned, plain stores
+])
+def test_large_call_streams_with_the_bits_of_small_calls(dtype, interleaved, rotary_dim, layout):
+    """An out-of-place call that writes 12 MiB (float32; 6 MiB + the backward's in bfloat16
+    at S 4096) takes the CPU kernel's streaming stores (kStreamBytes, rope_rows.h) where its
+    rows are aligned: the same bits as eight calls small enough for plain stores, forward
+    and backward, and the float64 reference's values. (objdump: the AVX2 object has them.)"""
+    torch.manual_seed(21)
+    S = 2048 if dtype == torch.float32 else 4096
+    B, Hq, Hk, D = 1, 8, 4, 128
+    q, k = make((B, S, D), layout, dtype, "cpu", Hq), make((B, S, D), layout, dtype, "cpu", Hk)
+    q.requires_grad_(True)
+    kw = dict(layout=layout, interleaved=interleaved, rotary_dim=rotary_dim, offset=9)
+    out_q, out_k = apply_rope(q, k, **kw)
+    rot = D if rotary_dim is None else rotary_dim
+    pos = grid_positions(B, S, offset=9)
+    check(out_q.detach(), reference_rope(q.detach(), layout, pos, default_inv_freq(rot, 10000.0), rot, interleaved),
+          dtype)
+    check(out_k, reference_rope(k, layout, pos, default_inv_freq(rot, 10000.0), rot, interleaved), dtype)
+    grad = torch.randn_like(out_q)
+    (grad_q,) = torch.autograd.grad(out_q, q, grad)
+    seq_dim = {"bshd": 1, "bhsd": 2, "sbhd": 0}[layout]
+    chunk = S // 8
+    parts_q, parts_k, parts_g = [], [], []
+    for start in range(0, S, chunk):
+        q_part = q.detach().narrow(seq_dim, start, chunk).clone().requires_grad_(True)
+        pq, pk = apply_rope(q_part, k.narrow(seq_dim, start, chunk), **dict(kw, offset=9 + start))
+        (pg,) = torch.autograd.grad(pq, q_part, grad.narrow(seq_dim, start, chunk))
+        parts_q.append(pq.detach())
+        parts_k.append(pk)
+        parts_g.append(pg)
+    assert torch.equal(out_q.detach(), torch.cat(parts_q, seq_dim))
+    assert torch.equal(out_k, torch.cat(parts_k, seq_dim))
+    assert torch.equal(grad_q, torch.cat(parts_g, seq_dim))

@@ -3,7 +3,9 @@
 // with the shared math of posenc/math/rope.h and reused for every head of q and k (and for every batch row when
 // all rows share their positions). Rows whose last dimension is
 // contiguous take an at::vec path (half precision widened to float32); the rest a scalar
-// loop. The rotation is done in float32 (float64 for float64) and rounded once.
+// loop. The rotation is done in float32 (float64 for float64) and rounded once. A call that
+// writes kStreamBytes or more out of place uses streaming stores (rope_rows.h); in place,
+// each line is in the cache already (it was just read), so plain stores.
 #include "ops/rope/cpu/rope_kernel.h"
 
 #include <ATen/Parallel.h>
@@ -30,6 +32,9 @@ void rope_tokens(const RopeArgs& a) {
   const int64_t items = shared ? a.seq : a.batch * a.seq;
   // About 32k elements per task: large enough to amortise the per-token angles.
   const int64_t grain = std::max<int64_t>(1, 32768 / (row_elems * std::max<int64_t>(per_item, 1)));
+  const bool in_place = a.q.out == a.q.in;
+  const int64_t written = a.batch * a.seq * row_elems * static_cast<int64_t>(sizeof(scalar_t));
+  const bool stream = !in_place && written >= kStreamBytes;
 
   auto rotate_token = [&](int64_t b, int64_t s, bool valid, const TokenAngles<acc_t>& angles) {
     for (const RopeOperand* op : {&a.q, &a.k}) {
@@ -42,7 +47,7 @@ void rope_tokens(const RopeArgs& a) {
             out + b * op->out_stride[0] + s * op->out_stride[1] + h * op->out_stride[2];
         if (valid) {
           rotate_row<scalar_t, acc_t>(a, in_row, op->in_stride[3], out_row, op->out_stride[3],
-                                      angles);
+                                      angles, stream);
         } else {
           nan_row(a, out_row, op->out_stride[3]);
         }
@@ -65,6 +70,7 @@ void rope_tokens(const RopeArgs& a) {
         rotate_token(b, s, valid, angles);
       }
     }
+    if (stream) stream_fence();  // before this thread's part is handed back
   });
 }
 

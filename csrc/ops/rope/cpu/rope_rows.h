@@ -120,6 +120,13 @@ inline void store_vec(const Vec& v, T* out) {
   v.store(out);
 }
 
+// Streaming stores pay off once the rows written are well beyond what the caches keep: the
+// data would be evicted before anyone reads it, and a plain store first reads every line it
+// overwrites. A prefill of 2048 tokens (48 MiB written in float32) streams; a decode step
+// (a few hundred KiB, read back at once by attention) does not. Measured in
+// benchmarks/NOTES.md (issue 25, and apply_rope's outputs after it).
+constexpr int64_t kStreamBytes = int64_t{8} << 20;
+
 inline void stream_fence() {
 #if defined(CPU_CAPABILITY_AVX2)
   _mm_sfence();

@@ -37,13 +37,6 @@ void copy_row(const scalar_t* in, int64_t si, scalar_t* out, int64_t so, int64_t
   std::memcpy(out, in, n * sizeof(scalar_t));
 }
 
-// Streaming stores pay off once the rows written are well beyond what the caches keep: the
-// data would be evicted before anyone reads it, and a plain store first reads every line it
-// overwrites. A prefill of 2048 tokens (48 MiB written in float32) streams; a decode step
-// (a few hundred KiB, read back at once by attention) does not. Measured in
-// benchmarks/NOTES.md (issue 25).
-constexpr int64_t kStreamBytes = int64_t{8} << 20;
-
 template <typename scalar_t>
 void rope_append_kv_tokens(const KvCacheArgs& a) {
   using acc_t = at::opmath_type<scalar_t>;
