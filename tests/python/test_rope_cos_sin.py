@@ -419,3 +419,43 @@ def test_empty_tensors_and_unused_outputs():
     assert gq is None or torch.count_nonzero(gq) == 0
     # gk is the transpose (the inverse: unit tables) of the rotation applied to g.
     torch.testing.assert_close(F.apply_rope_cos_sin(gk, None, cos, sin), g, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("dtype,layout,interleaved,rot", [
+    (torch.float32, "bhsd", False, 128),
+    (torch.bfloat16, "bshd", True, 128),
+    (torch.float32, "bshd", False, 64),  # partial rotary: the row (128 features) still streams
+    (torch.float16, "bhsd", False, 96),
+])
+def test_large_call_streams_with_the_bits_of_small_calls(dtype, layout, interleaved, rot):
+    """A call that writes >= 8 MiB computes each aligned row into an L1 buffer and streams it
+    (rope_cos_sin_kernel.cpp, kStreamBytes): the same bits as eight calls small enough for
+    plain stores, forward and backward, and the float64 reference's values."""
+    S = 2048 if dtype == torch.float32 else 4096
+    q, k = make_qk(1, 8, 4, S, 128, layout, dtype, seed=3)
+    q.requires_grad_(True)
+    pos = torch.arange(5, 5 + S)[None]
+    cos, sin = hf_cos_sin(pos, rot)
+    if interleaved:
+        cos, sin = interleave_tables(cos, sin)
+    cos, sin = cos.float(), sin.float()
+    out_q, out_k = F.apply_rope_cos_sin(q, k, cos, sin, layout=layout, interleaved=interleaved)
+    tol = TOLERANCE.get(dtype, dict(rtol=2e-3, atol=4e-3))
+    torch.testing.assert_close(out_k.to(F64), reference_rotate(k, cos, sin, layout, interleaved), **tol)
+    torch.testing.assert_close(out_q.detach().to(F64), reference_rotate(q.detach(), cos, sin, layout, interleaved),
+                               **tol)
+    grad = torch.randn_like(out_q)
+    (grad_q,) = torch.autograd.grad(out_q, q, grad)
+    seq_dim = 2 if layout == "bhsd" else 1
+    chunk = S // 8
+    parts = []
+    for start in range(0, S, chunk):
+        q_part = q.detach().narrow(seq_dim, start, chunk).clone().requires_grad_(True)
+        tables = cos[:, start:start + chunk], sin[:, start:start + chunk]
+        pq, pk = F.apply_rope_cos_sin(q_part, k.narrow(seq_dim, start, chunk), *tables, layout=layout,
+                                      interleaved=interleaved)
+        (pg,) = torch.autograd.grad(pq, q_part, grad.narrow(seq_dim, start, chunk))
+        parts.append((pq.detach(), pk, pg))
+    assert torch.equal(out_q.detach(), torch.cat([p[0] for p in parts], seq_dim))
+    assert torch.equal(out_k, torch.cat([p[1] for p in parts], seq_dim))
+    assert torch.equal(grad_q, torch.cat([p[2] for p in parts], seq_dim))

@@ -6,7 +6,10 @@
 // k. Rows whose last dimension is contiguous take a loop over pairs the compiler
 // vectorises; the rest an element loop with strides. The rotation is
 // math::rope_rotate_pair_tables, as on CUDA, in float32 (float64 for float64); transpose
-// (the backward) is a template argument, so the loops carry no branch.
+// (the backward) is a template argument, so the loops carry no branch. A call that writes
+// kStreamBytes or more computes each contiguous, aligned row into an L1 buffer and streams
+// it out (rope_rows.h): the same arithmetic, without the read of every output line that a
+// plain store makes first.
 #include "ops/rope/cpu/rope_cos_sin_kernel.h"
 
 #include <ATen/OpMathType.h>
@@ -17,6 +20,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "ops/rope/cpu/rope_rows.h"  // kStreamBytes, row_can_stream, stream_row, stream_fence
 #include "posenc/math/rope.h"
 
 namespace posenc {
@@ -25,16 +29,23 @@ namespace cpu {
 POSENC_ISA_NAMESPACE_BEGIN
 namespace {
 
+// Rows of at most this many features are staged for streaming.
+constexpr int64_t kStagedRow = 512;
+
 template <typename scalar_t, typename acc_t, bool kTranspose>
 void rotate_rows(const RopeCosSinArgs& a, const RopeOperand& op, int64_t b, int64_t s,
-                 const acc_t* cs, const acc_t* sn) {
+                 const acc_t* cs, const acc_t* sn, bool stream) {
   const int64_t rot = a.rotary_dim, half = rot / 2;
   const auto* in = static_cast<const scalar_t*>(op.in);
   auto* out = static_cast<scalar_t*>(op.out);
+  alignas(32) scalar_t staged[kStagedRow];
   for (int64_t h = 0; h < op.heads; ++h) {
     const scalar_t* x = in + b * op.in_stride[0] + s * op.in_stride[1] + h * op.in_stride[2];
-    scalar_t* y = out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
-    const int64_t xs = op.in_stride[3], ys = op.out_stride[3];
+    scalar_t* const row = out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
+    const bool nt = stream && op.out_stride[3] == 1 && a.head_dim <= kStagedRow &&
+                    row_can_stream<scalar_t>(row, a.head_dim);
+    scalar_t* y = nt ? staged : row;  // where the row is computed
+    const int64_t xs = op.in_stride[3], ys = nt ? 1 : op.out_stride[3];
     if (xs == 1 && ys == 1 && !a.interleaved) {
       // Unit strides: a loop the compiler vectorises. x and y may be the same row only in
       // place, which this op never is (its outputs are fresh tensors).
@@ -59,6 +70,7 @@ void rotate_rows(const RopeCosSinArgs& a, const RopeOperand& op, int64_t b, int6
       }
     }
     for (int64_t e = rot; e < a.head_dim; ++e) y[e * ys] = x[e * xs];  // partial rotary
+    if (nt) stream_row(staged, row, a.head_dim);
   }
 }
 
@@ -69,13 +81,18 @@ void tokens(const RopeCosSinArgs& a) {
   const auto* sin = static_cast<const acc_t*>(a.sin);
   const int64_t heads = a.q.heads + a.k.heads;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, heads * a.head_dim));
+  const bool stream = a.batch * a.seq * heads * a.head_dim * static_cast<int64_t>(sizeof(scalar_t)) >=
+                      kStreamBytes;
   at::parallel_for(0, a.batch * a.seq, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / a.seq, s = t % a.seq;
       const int64_t row = b * a.table_batch_stride + s * a.rotary_dim;
-      rotate_rows<scalar_t, acc_t, kTranspose>(a, a.q, b, s, cos + row, sin + row);
-      if (a.k.heads > 0) rotate_rows<scalar_t, acc_t, kTranspose>(a, a.k, b, s, cos + row, sin + row);
+      rotate_rows<scalar_t, acc_t, kTranspose>(a, a.q, b, s, cos + row, sin + row, stream);
+      if (a.k.heads > 0) {
+        rotate_rows<scalar_t, acc_t, kTranspose>(a, a.k, b, s, cos + row, sin + row, stream);
+      }
     }
+    if (stream) stream_fence();  // before this thread's part is handed back
   });
 }
 

@@ -10,6 +10,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -139,6 +140,30 @@ template <typename scalar_t>
 inline bool rows_can_stream(const void* out, int64_t rotary_dim) {
   return kHasStreamingStores && reinterpret_cast<std::uintptr_t>(out) % 32 == 0 &&
          (rotary_dim / 2 * static_cast<int64_t>(sizeof(scalar_t))) % 32 == 0;
+}
+
+// A row computed into an L1 buffer and then streamed whole (apply_rope_cos_sin's kernel,
+// whose rotation loop the compiler vectorises): row_can_stream says whether the row of n
+// contiguous elements at out starts 32-byte aligned and is whole 32-byte vectors; stream_row
+// then copies it with streaming stores (a plain copy without them).
+template <typename scalar_t>
+inline bool row_can_stream(const void* out, int64_t n) {
+  return kHasStreamingStores && reinterpret_cast<std::uintptr_t>(out) % 32 == 0 &&
+         (n * static_cast<int64_t>(sizeof(scalar_t))) % 32 == 0;
+}
+
+template <typename scalar_t>
+inline void stream_row(const scalar_t* staged, scalar_t* out, int64_t n) {
+#if defined(CPU_CAPABILITY_AVX2)
+  const auto* from = reinterpret_cast<const char*>(staged);
+  auto* to = reinterpret_cast<char*>(out);
+  for (int64_t i = 0; i < n * static_cast<int64_t>(sizeof(scalar_t)); i += 32) {
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(to + i),
+                        _mm256_loadu_si256(reinterpret_cast<const __m256i*>(from + i)));
+  }
+#else
+  std::copy(staged, staged + n, out);
+#endif
 }
 
 template <typename Vec>
