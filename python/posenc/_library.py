@@ -75,7 +75,8 @@ def load_fast_calls(library: Path):
     """posenc._C, the direct entry for the modules' decode call (csrc/python/fast_calls.cpp),
     from beside the loaded libposenc; None when that build has none (built without Python's
     headers, or POSENC_PYTHON_MODULE=OFF): the modules then call torch.ops, which gives the
-    same results about 3 us slower per call."""
+    same results about 2 us slower per small call (benchmarks/NOTES.md, "The cost of one
+    small call")."""
     import importlib.machinery
     import importlib.util
     import sys

@@ -69,10 +69,7 @@ def qk_norm_rope(
         rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode,
         check_inputs=check_inputs, seq_len=seq_len, fn=fn)
     q_weight, k_weight = place_beside(q, q_weight, k_weight)
-    if inplace:
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, q_weight, k_weight)):
-            raise RuntimeError(f"{fn}: inplace=True overwrites q and k, which autograd cannot differentiate; use "
-                               f"inplace=False for training, or run under torch.no_grad()")
+    if inplace:  # the op refuses a call that would record a graph (its autograd kernel)
         torch.ops.posenc.qk_norm_rope_(
             q, k, q_weight, k_weight, eps=float(eps), weight_offset=float(weight_offset), norm=norm, **arguments)
         return q, k

@@ -31,6 +31,8 @@ worst to R, so no placement gives a silently wrong answer):
       outputs come back R (correct; call it before sharding heads to avoid the gather).
     * the backward's weight gradients (sums over tokens, and heads for "head") are P when q
       and k are sharded, R when replicated.
+    ``qk_norm_rope_`` (in place) has the same strategies and, as ``rope_``, runs only on
+    the placements q and k already have: otherwise it raises.
 ``add_position_forward`` / ``add_position`` (x: batch b, seq s, hidden 2; table ``(L, d)`` or
 ``(1, L, d)``):
     * all R;
@@ -148,8 +150,7 @@ def _rope_rule(a: dict, outputs: str) -> list:
 def _qk_norm_rope_rule(a: dict, backward: bool, in_place: bool = False) -> list:
     """Strategies for qk_norm_rope (outputs q, k), qk_norm_rope_ (in place: no outputs) and
     the backward (grad q, grad k, grad q_weight, grad k_weight). The norm is not linear: no
-    Partial inputs. Batch- and
-    sequence-sharded calls (positions sharded as for rope) and, for norm "head",
+    Partial inputs. Batch- and sequence-sharded calls (positions sharded as for rope) and, for norm "head",
     heads-sharded ones run locally on replicated weights; the weight gradients, sums over
     tokens (and heads), are then Partial. norm "hidden" reduces over a token's heads, so it
     has no heads-sharded strategy: DTensor redistributes heads-sharded q and k (to
