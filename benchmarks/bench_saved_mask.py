@@ -4,7 +4,7 @@ does), and the saved keep mask, 1 bit per element, which the backward reads (wha
 autograd does; add_position_forward with save_mask=True). Times the kernel ops alone,
 interleaved in one process, on (32, 512, 512) by default.
 
-Usage: THP_MEM_ALLOC_ENABLE=1 POSENC_NO_HUGE_PAGES=1 PYTHONPATH=python \\
+Usage: THP_MEM_ALLOC_ENABLE=1 PYTHONPATH=python \\
     python benchmarks/bench_saved_mask.py [--shape B,S,D] [--dtype float32] [--reps 20]
 """
 

@@ -7,8 +7,8 @@ replaces (buffer + nn.Dropout child); RotaryPositionalEncoding(128) on q
 Face's rotate_half in eager. Each variant: warm-up, then 2000 calls in 10 blocks of 200, the
 blocks of all variants of a group interleaved; printed: the median over blocks of the mean
 us per call. Grad mode on, inputs without requires_grad (an inference call as users write it).
-The modules' decode calls go through posenc._C (csrc/python/fast_calls.cpp) when the build
-has it: its entries are timed too, and the eval module once more with it switched off.
+The modules take one road (forward -> posenc.functional -> torch.ops.posenc), timed beside
+the function and the raw op.
 
 Usage: PYTHONPATH=python python benchmarks/bench_small_call.py [--calls 2000] [--threads 1]
 """
@@ -81,28 +81,15 @@ def main() -> int:
     results = []
     pe_mod.eval()
     classic = ClassicPositionalEncoding(512, 0.1).eval()
-    # The module's decode call goes through posenc._C (csrc/python/fast_calls.cpp) when the
-    # build has it; the "without posenc._C" variant times the same module with it switched off
-    # (nn.Module.__call__, then forward through torch.ops).
-    fast = posenc.modules._ADD_POSITION_FAST
-
-    def use_fast(on: bool):
-        return lambda: setattr(posenc.modules, "_ADD_POSITION_FAST", fast if on else None)
-
     eval_fns = {
         "PositionalEncoding eval": lambda: pe_mod(x, offset=100),
-        "PositionalEncoding eval, without posenc._C": lambda: pe_mod(x, offset=100),
+        "functional.add_position": lambda: posenc.functional.add_position(x, pe, offset=100, training=False),
         "classic module (what it replaces)": lambda: classic(x, 100),
         "eager x + pe[:, 100:101]": lambda: x + pe[:, 100:101],
         "x.clone()": lambda: x.clone(),
         "raw op add_position": lambda: add_position(x, pe, None, 100, True, 0.0),
     }
-    if fast is not None:
-        eval_fns["posenc._C.add_position"] = lambda: fast(x, pe, 100, True, 0.0)
-    else:
-        print("this build has no posenc._C: the module uses torch.ops")
-    t = time_us(eval_fns, args.calls, setup={
-        name: use_fast(name != "PositionalEncoding eval, without posenc._C") for name in eval_fns})
+    t = time_us(eval_fns, args.calls)
     results.append(("add-position eval, (1, 1, 512), offset=100", t))
     ratio = t["PositionalEncoding eval"] / t["eager x + pe[:, 100:101]"]
     t["module / eager expression (ratio)"] = ratio
@@ -132,9 +119,6 @@ def main() -> int:
         "raw op rope": lambda: rope_op(q, k, offset=100),
         "eager HF rotate_half": hf,
     }
-    if fast is not None:
-        rope_fast = posenc.modules._ROPE_FAST
-        rope_fns["posenc._C.rope"] = lambda: rope_fast(q, k, 100, 10000.0, 128, False, "bshd")
     t = time_us(rope_fns, args.calls)
     t["module - raw op (us)"] = t["RotaryPositionalEncoding"] - t["raw op rope"]
     results.append(("RoPE q (1, 1, 32, 128), k (1, 1, 8, 128), offset=100", t))

@@ -25,14 +25,11 @@ import torch.nn.functional as F
 import posenc
 
 
-# The page policy of a kernel-against-kernel comparison: every variant's fresh outputs on the
-# same page size. torch's own CPU allocator puts large tensors on 2 MiB transparent huge pages
-# (THP_MEM_ALLOC_ENABLE=1), and posenc's ops take their outputs from it too
-# (POSENC_NO_HUGE_PAGES=1, i.e. POSENC_CPU_OUTPUTS=fresh) instead of reusing their freed
-# blocks. Not what users get (the default, which the benchmarks and the demo time unless told
-# otherwise): for bench_saved_mask.py and the like. Both are read once per process (torch's
-# at its first allocation), so they must be in the environment when the process starts.
-FAIR_PAGE_ENV = {"THP_MEM_ALLOC_ENABLE": "1", "POSENC_NO_HUGE_PAGES": "1"}
+# The page policy of a kernel-against-kernel comparison: every variant's outputs on 2 MiB
+# transparent huge pages (torch's allocator serves posenc's outputs as everyone's). Not what
+# users get by default: for bench_saved_mask.py and the like. Read once per process (at
+# torch's first allocation), so it must be in the environment when the process starts.
+FAIR_PAGE_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 def _thp_setting(name: str) -> str:
@@ -47,32 +44,21 @@ def _thp_setting(name: str) -> str:
     return text[start + 1 : end] if 0 <= start < end else "unknown"
 
 
-def cpu_outputs() -> str:
-    """Where posenc's CPU ops take their large outputs from in this process, as the library
-    reads the environment (csrc/ops/common/cpu/cpu_support.cpp): "reuse" (default), "fresh", "huge"."""
-    chosen = os.environ.get("POSENC_CPU_OUTPUTS", "")
-    if chosen:
-        return chosen
-    return "fresh" if os.environ.get("POSENC_NO_HUGE_PAGES", "") not in ("", "0") else "reuse"
-
-
-_CPU_OUTPUTS_MEANING = {
-    "reuse": "posenc's outputs of >= 32 MiB reuse the blocks of its freed outputs (4 KiB pages, faulted once)",
-    "fresh": "posenc's outputs from torch's allocator, as every other variant's",
-    "huge": "posenc's fresh outputs advised onto transparent huge pages (the former default)",
-}
+def allocator() -> str:
+    """The CPU allocator of this process: tcmalloc or jemalloc when preloaded, else glibc's."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    for name in ("tcmalloc", "jemalloc"):
+        if name in preload:
+            return name
+    return "glibc malloc"
 
 
 def page_policy() -> str:
-    """One line saying which memory the CPU timings' outputs get in this process."""
-    outputs = cpu_outputs()
+    """One line saying which memory the CPU timings' outputs get in this process: torch's
+    allocator for every variant, posenc's included."""
     torch_thp = os.environ.get("THP_MEM_ALLOC_ENABLE") == "1"
-    default = outputs == "reuse" and not torch_thp
-    what = _CPU_OUTPUTS_MEANING.get(outputs, "unknown setting")
-    others = ("torch's allocator on 2 MiB huge pages (THP_MEM_ALLOC_ENABLE=1)" if torch_thp
-              else "torch's allocator with its default pages")
-    return (f"Page policy (CPU): {'the default users get' if default else 'NOT the default'}: "
-            f"POSENC_CPU_OUTPUTS={outputs}: {what}; eager and clone: {others} "
+    pages = "2 MiB huge pages (THP_MEM_ALLOC_ENABLE=1)" if torch_thp else "its default pages"
+    return (f"Memory (CPU): every variant's outputs from torch's allocator on {pages}, over {allocator()} "
             f"(kernel THP enabled={_thp_setting('enabled')}, defrag={_thp_setting('defrag')})")
 
 
@@ -204,9 +190,7 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
             fns["compiled"] = (lambda c: (lambda: c(x)))(fns["compiled"])
         with torch.no_grad():
             t = time_interleaved(fns, device, reps)
-            # Timed apart: interleaved with the others, clone's 4 KiB-page allocations were
-            # seen to slow the next huge-page allocations of posenc's outputs (2x, CPU, when
-            # they were advised onto huge pages: POSENC_CPU_OUTPUTS=huge).
+            # Timed apart, after the others (its allocations do not sit between theirs).
             t["floor"] = time_ms(clone, device, reps)
         rows.append(Row(device, tag, shape, "train forward" if training else "eval forward", kind,
                         t["ours"], t["ref"], t.get("compiled"), t["floor"], nbytes, copy_gbps))

@@ -38,6 +38,5 @@ TORCH_LIBRARY(posenc, m) {
       "SymInt offset, bool batch_first, float p, SymInt table_len, bool need_x) "
       "-> (Tensor, Tensor)");
   m.def(
-      "sinusoidal_table(Tensor positions, SymInt d_model, float base=10000.0, "
-      "ScalarType? dtype=None) -> Tensor");
+      "sinusoidal_table(Tensor positions, SymInt d_model, float base=10000.0) -> Tensor");
 }

@@ -29,25 +29,21 @@ __global__ void sinusoidal_table_kernel(const double* __restrict__ positions,
   }
 }
 
-at::Tensor sinusoidal_table_cuda(const at::Tensor& positions, int64_t d_model, double base,
-                                 std::optional<at::ScalarType> dtype) {
-  check_sinusoidal_table_args(positions, d_model, base, dtype);
+at::Tensor sinusoidal_table_cuda(const at::Tensor& positions, int64_t d_model, double base) {
+  check_sinusoidal_table_args(positions, d_model, base);
   const c10::cuda::CUDAGuard device_guard(positions.device());
   const at::Tensor pos = positions.to(at::kDouble).contiguous();
   std::vector<int64_t> shape(positions.sizes().begin(), positions.sizes().end());
   shape.push_back(d_model);
-  at::Tensor out = at::empty(shape, positions.options().dtype(dtype.value_or(at::kFloat)));
+  at::Tensor out = at::empty(shape, positions.options().dtype(at::kDouble));
   const int64_t numel = out.numel();
   if (numel == 0) return out;
   constexpr int kThreads = 256;
   const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, 65535);
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, out.scalar_type(),
-                                  "posenc_sinusoidal_table_cuda", [&] {
-    sinusoidal_table_kernel<scalar_t><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-        pos.const_data_ptr<double>(), out.mutable_data_ptr<scalar_t>(), numel, d_model,
-        std::log(base));
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
+  sinusoidal_table_kernel<double><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      pos.const_data_ptr<double>(), out.mutable_data_ptr<double>(), numel, d_model,
+      std::log(base));
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return out;
 }
 

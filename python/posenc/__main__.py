@@ -135,9 +135,8 @@ def heatmap(path: str, positions: int = 100, d: int = 128) -> str:
 
 
 def main(argv=None) -> int:
-    """The benchmark runs under the process's own environment, so it times the CPU output
-    memory users get (posenc's default unless POSENC_CPU_OUTPUTS is set), and prints that
-    policy before its tables."""
+    """The benchmark runs under the process's own allocator (torch's, for posenc's outputs
+    as for every variant's), and prints it before its tables."""
     parser = argparse.ArgumentParser(prog="python -m posenc")
     parser.add_argument("command", choices=["demo", "bench"], nargs="?", default="demo")
     parser.add_argument("--quick", action="store_true", help="smaller benchmark")

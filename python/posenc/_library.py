@@ -69,27 +69,3 @@ def load() -> Path:
 
 
 LIBRARY_PATH = load()
-
-
-def load_fast_calls(library: Path):
-    """posenc._C, the direct entry for the modules' decode call (csrc/python/fast_calls.cpp),
-    from beside the loaded libposenc; None when that build has none (built without Python's
-    headers, or POSENC_PYTHON_MODULE=OFF): the modules then call torch.ops, which gives the
-    same results about 2 us slower per small call (benchmarks/NOTES.md, "The cost of one
-    small call")."""
-    import importlib.machinery
-    import importlib.util
-    import sys
-
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        path = library.with_name("_C" + suffix)
-        if path.is_file():
-            spec = importlib.util.spec_from_file_location("posenc._C", path)
-            module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            sys.modules["posenc._C"] = module
-            return module
-    return None
-
-
-FAST_CALLS = load_fast_calls(LIBRARY_PATH)

@@ -67,12 +67,16 @@ def _tensor_arg(fn: str, name: str, value: Any) -> Tensor:
     return value
 
 
-def _op_dtype(dtype: torch.dtype) -> Optional[torch.dtype]:
-    """The dtype argument for the table ops: None for their default, float32. torch 2.11's
-    AOTInductor proxy executor misreads a ScalarType argument of a custom op (float32 arrives
-    as float64), so the common case keeps it out of exported graphs; other dtypes are passed
-    as given (README, "Deploy to C++")."""
-    return None if dtype == torch.float32 else dtype
+_TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _table_dtype(fn: str, dtype: Any) -> torch.dtype:
+    """The table ops compute and return float64, which this rounds once to ``dtype`` with an
+    ATen cast: no ScalarType argument of a custom op travels through an exported graph
+    (torch 2.11's AOTInductor proxy executor misread them and returned None)."""
+    if dtype not in _TABLE_DTYPES:
+        raise TypeError(f"{fn}: expected dtype to be float16, bfloat16, float32 or float64, got {dtype!r}")
+    return dtype
 
 
 def sinusoidal_table(
@@ -88,7 +92,8 @@ def sinusoidal_table(
     """
     if not isinstance(positions, Tensor):
         raise TypeError(f"sinusoidal_table: expected positions to be a Tensor, got {type(positions).__name__}")
-    return torch.ops.posenc.sinusoidal_table(positions, d_model, float(base), _op_dtype(dtype))
+    dtype = _table_dtype("sinusoidal_table", dtype)
+    return torch.ops.posenc.sinusoidal_table(positions, d_model, float(base)).to(dtype)
 
 
 def add_position(
@@ -205,7 +210,7 @@ def sinusoidal_2d_table(
         _int_arg(fn, "dim", dim),
         _float_arg(fn, "base", base),
         _int_arg(fn, "num_prefix_tokens", num_prefix_tokens),
-        _op_dtype(dtype),
+        dtype,
         None if device is None else torch.device(device),
         None if base_size is None else _float_arg(fn, "base_size", base_size),
         _float_arg(fn, "interpolation_scale", interpolation_scale),

@@ -1,6 +1,13 @@
-"""nn.Module front ends of the posenc ops."""
+"""nn.Module front ends of the posenc ops.
 
-from __future__ import annotations
+Each module's forward calls the function users call (:mod:`posenc.functional`), which calls
+the op: one road, through ``nn.Module.__call__`` (hooks, profiler, module traces see every
+call). The add-position modules' forward is also what ``torch.jit.script`` compiles: under
+``torch.jit.is_scripting()`` it calls the op the function calls (the host-side checks and
+DTensor placement are eager-only), so a scripted module computes what the eager one does, in
+train and eval mode, and scripting leaves the Python model as it was (no twin). No ``from __future__ import
+annotations`` here: TorchScript reads the annotations as types.
+"""
 
 import math
 import numbers
@@ -9,39 +16,10 @@ from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor, nn
 
-from posenc import _library, _rope, _scripting, functional
+from posenc import _rope, functional
 from posenc._dtensor import is_dtensor, place_beside
 
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
-
-# The ops the forwards call, looked up once: an OpOverload call skips the packet's overload
-# resolution and the torch.ops attribute chain (benchmarks/NOTES.md, "The cost of one small
-# call").
-_ADD_POSITION = torch.ops.posenc.add_position.default
-_ROPE = torch.ops.posenc.rope.default
-# The C++ entries those overloads forward to (OpOverload.__call__ is `return self._op(...)`):
-# the eager decode calls use them directly, one Python frame less (about 1 us of a 9 us call).
-# Dynamo cannot trace a bound builtin, so under torch.compile/export the overloads are used.
-_ADD_POSITION_EAGER = _ADD_POSITION._op
-_ROPE_EAGER = _ROPE._op
-_is_compiling = torch.compiler.is_compiling
-# posenc._C's entries for the decode calls (csrc/python/fast_calls.cpp): the same ops
-# through the dispatcher without torch.ops' argument parsing, 1-3 us less per call.
-# It returns NotImplemented for what only torch.ops handles (__torch_function__ overrides and
-# modes); None when the build has no posenc._C.
-_ADD_POSITION_FAST = None if _library.FAST_CALLS is None else _library.FAST_CALLS.add_position
-_ROPE_FAST = None if _library.FAST_CALLS is None else _library.FAST_CALLS.rope
-# The global module hooks that nn.Module.__call__ checks before it goes straight to forward
-# (the dicts themselves: torch registers and removes hooks in place). A torch without them
-# gets non-empty stand-ins, which turn the modules' __call__ shortcut off.
-try:
-    from torch.nn.modules.module import _global_backward_hooks as _G_BACKWARD
-    from torch.nn.modules.module import _global_backward_pre_hooks as _G_BACKWARD_PRE
-    from torch.nn.modules.module import _global_forward_hooks as _G_FORWARD
-    from torch.nn.modules.module import _global_forward_pre_hooks as _G_FORWARD_PRE
-except ImportError:  # pragma: no cover (torch 2.11 has them)
-    _G_BACKWARD = _G_BACKWARD_PRE = _G_FORWARD = _G_FORWARD_PRE = {"unknown torch": None}
-_ROPE_LAYOUT_AXES = {"bshd": (0, 1), "bhsd": (0, 2), "sbhd": (1, 0)}  # (batch, seq) dims of q
 
 
 def _check_positive_int(name: str, value: Any) -> int:
@@ -92,67 +70,25 @@ class _AddPositionModule(nn.Module):
         # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
         self.dropout = nn.Dropout(p=_check_probability("dropout", dropout))
 
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """``nn.Module.__call__``, with a shortcut for the decode step's call (``m(x)``,
-        ``m(x, offset)``, ``m(x, offset=...)`` with a plain tensor and an int) when nothing
-        observes the call: no hook on this module and no global one, not compiled
-        (``module.compile()``, torch.compile, export), forward not overridden or patched
-        (in a subclass, on the class or on the instance). Module.__call__ would then call
-        forward at once, but its two frames and argument forwarding cost about 1 us, as much
-        as the op (benchmarks/NOTES.md, "The cost of one small call"). The shortcut calls the
-        op through posenc._C, as forward does; posenc._C declines under torch.jit tracing, and
-        Module.__call__ then records the module's scope."""
-        if kwargs:
-            offset = kwargs.get("offset")
-            direct = len(args) == 1 and len(kwargs) == 1 and offset is not None
-        else:
-            offset = args[1] if len(args) == 2 else 0
-            direct = 0 < len(args) <= 2
-        if (direct and type(offset) is int and type(args[0]) is Tensor and _ADD_POSITION_FAST is not None
-                and type(self).forward is _SHARED_FORWARD and "forward" not in self.__dict__
-                and not (self._forward_pre_hooks or self._forward_hooks or self._backward_pre_hooks
-                         or self._backward_hooks or _G_FORWARD_PRE or _G_FORWARD or _G_BACKWARD_PRE
-                         or _G_BACKWARD)
-                and self._compiled_call_impl is None and not _is_compiling()):
-            pe = self._buffers.get("pe")
-            if pe is None:
-                pe = self._parameters.get("pe")  # LearnedPositionalEncoding's trainable table
-            if pe is not None:  # else a property (nn.utils.parametrize): forward reads self.pe
-                p = self._modules["dropout"].p if self.training else 0.0
-                out = _ADD_POSITION_FAST(args[0], pe, offset, self.batch_first, p)
-                if out is not NotImplemented:
-                    return out
-        return super().__call__(*args, **kwargs)
-
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
-        """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given."""
-        if positions is None and type(offset) is int and type(x) is Tensor:
-            # The decode step's call (a plain tensor, an int offset): nothing to check on the
-            # host or to place beside a DTensor. The table is read from the module's dicts
-            # directly: `self.pe` reaches a buffer only through nn.Module.__getattr__, after the
-            # instance lookup fails (benchmarks/NOTES.md, "The cost of one small call").
-            pe = self._buffers.get("pe")
-            if pe is None:
-                pe = self._parameters.get("pe")  # LearnedPositionalEncoding's trainable table
-                if pe is None:
-                    pe = self.pe  # a property: a parametrized table (nn.utils.parametrize)
-            p = self.dropout.p if self.training else 0.0
-            if _is_compiling():
-                return _ADD_POSITION(x, pe, None, offset, self.batch_first, p)
-            if _ADD_POSITION_FAST is not None:
-                out = _ADD_POSITION_FAST(x, pe, offset, self.batch_first, p)
-                if out is not NotImplemented:
-                    return out
-            return _ADD_POSITION_EAGER(x, pe, None, offset, self.batch_first, p)
+        """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given:
+        :func:`posenc.functional.add_position` with the module's table and dropout."""
+        p = self.dropout.p if self.training else 0.0
+        if torch.jit.is_scripting():  # what TorchScript compiles: the op the function calls
+            return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
+        pe, positions = self._host_side(x, offset, positions)
+        return functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p)
+
+    def _host_side(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        """What eager mode checks on the host and places beside a DTensor x, for forward:
+        (pe, positions) to call the function with."""
         if isinstance(offset, bool):  # the op's SymInt would take True as 1
             raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
         if positions is not None and self.check_positions:
             _check_positions_on_host(positions, self.pe.shape[1])
-        pe = self.pe
         if is_dtensor(x):
-            pe, positions = self._beside_dtensor(x, positions)
-        p = self.dropout.p if self.training else 0.0
-        return _ADD_POSITION(x, pe, positions, offset, self.batch_first, p)
+            return self._beside_dtensor(x, positions)
+        return self.pe, positions
 
     def _beside_dtensor(self, x: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
         """(pe, positions) for a DTensor x, as the functions place their plain tensors: a plain
@@ -169,15 +105,9 @@ class _AddPositionModule(nn.Module):
         pe, positions = place_beside(x, self.pe, positions)
         return pe, positions
 
-    def __prepare_scriptable__(self) -> nn.Module:
-        """torch.jit.script compiles this twin (same ``pe`` and dropout, same op) instead."""
-        return _scripting.ScriptableAddPosition(self)
-
     def extra_repr(self) -> str:
         return f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}"
 
-
-_SHARED_FORWARD = _AddPositionModule.forward
 
 
 class PositionalEncoding(_AddPositionModule):
@@ -414,11 +344,6 @@ class RotaryPositionalEncoding(nn.Module):
         attention's ``pos_embeddings``. ``seq_len``: as in :func:`posenc.functional.apply_rope`
         ("dynamic" scaling's length; the global one for a shard of the sequence), default the
         longest position of the call."""
-        if (type(offset) is int and positions is None and input_pos is None and cu_seqlens is None
-                and seq_len is None and self.scaling is None and self.sections is None):
-            out = self._rotate_at_offset(q, k, offset)
-            if out is not None:
-                return out
         if input_pos is not None:
             if positions is not None:
                 raise ValueError("RotaryPositionalEncoding: got both positions and input_pos (torchtune's name "
@@ -434,36 +359,6 @@ class RotaryPositionalEncoding(nn.Module):
             _original_max=self.max_len,
             seq_len=seq_len if seq_len is not None or longest is None else max(longest + 1, 0),
         )
-
-    def _rotate_at_offset(
-        self, q: Tensor, k: Optional[Tensor], offset: int
-    ) -> Optional[Union[Tensor, Tuple[Tensor, Tensor]]]:
-        """The common call, positions offset .. offset + seq - 1 and no scaling or sections:
-        the range check and the op with the module's settings (checked when it was built),
-        only the arguments that differ from the op's defaults. A small call spends more in
-        apply_rope's normalisation and the op's keyword parsing than in the kernel. None
-        when q is not a 4-D tensor of head_dim dim (the general path then raises)."""
-        layout = self.layout
-        axes = _ROPE_LAYOUT_AXES.get(layout)
-        if axes is None or not isinstance(q, Tensor):
-            return None
-        shape = q.shape
-        if len(shape) != 4 or shape[3] != self.dim:
-            return None
-        seq = shape[axes[1]]
-        if shape[axes[0]] > 0 and seq > 0 and (offset < 0 or offset + seq > self.max_len):
-            torch.ops.posenc.position_range_check(offset, offset + seq - 1, self.max_len)  # raises
-        if _ROPE_FAST is not None and not _is_compiling():
-            out = _ROPE_FAST(q, k, offset, self.base, self.rotary_dim, self.interleaved, layout)
-            if out is not NotImplemented:
-                return out[0] if k is None else out
-        rope = _ROPE if _is_compiling() else _ROPE_EAGER
-        if self.base == 10000.0 and self.rotary_dim == self.dim and not self.interleaved and layout == "bshd":
-            out_q, out_k = rope(q, k, None, None, offset)  # every other argument at its default
-        else:
-            out_q, out_k = rope(q, k, None, None, offset, None, self.base, rotary_dim=self.rotary_dim,
-                                interleaved=self.interleaved, layout=layout)
-        return out_q if k is None else (out_q, out_k)
 
     def _check_range(
         self, q: Tensor, positions: Optional[Tensor], offset: Union[int, Tensor], cu_seqlens: Optional[Tensor]
@@ -499,7 +394,15 @@ class RotaryPositionalEncoding(nn.Module):
         return hi if positions is not None or offsets is not None or cu_seqlens is not None else None
 
     def __prepare_scriptable__(self) -> nn.Module:
-        _scripting.rope_not_scriptable(self)  # raises: what to use instead
+        """Its forward returns q alone or (q, k) depending on its arguments, a type
+        TorchScript cannot give a caller: say what works instead."""
+        raise RuntimeError(
+            f"posenc: {type(self).__name__} cannot be compiled by torch.jit.script (its forward returns q "
+            "or (q, k) depending on whether k is given, which TorchScript cannot type). Export the model "
+            "instead: torch.jit.trace(model, example_inputs) for TorchScript, or torch.export.export + "
+            "torch._inductor.aoti_compile_and_package for AOTInductor (README, 'Deploy to C++'); or call "
+            "torch.ops.posenc.rope from scripted code"
+        )
 
     def extra_repr(self) -> str:
         extra = f"dim={self.dim}, max_len={self.max_len}, base={self.base}, interleaved={self.interleaved}"

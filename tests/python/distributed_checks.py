@@ -473,20 +473,20 @@ def sinusoidal_table_and_bounds():
     from torch.distributed.tensor.experimental import implicit_replication
 
     pos = randint(1000, (4, 6), 71)
-    want = torch.ops.posenc.sinusoidal_table(pos, 10, 10000.0, torch.float64)
+    want = torch.ops.posenc.sinusoidal_table(pos, 10, 10000.0)
     for pl in (Replicate(), Shard(0), Shard(1)):
-        out = torch.ops.posenc.sinusoidal_table(distribute_tensor(pos, mesh, [pl]), 10, 10000.0, torch.float64)
+        out = torch.ops.posenc.sinusoidal_table(distribute_tensor(pos, mesh, [pl]), 10, 10000.0)
         assert out.placements == (pl,), out.placements
         close(out.full_tensor(), want, f"sinusoidal_table {pl}")
     # Differentiable float positions: the C++ backward builds its frequencies as plain tensors,
     # which DTensor accepts as replicated under implicit_replication().
     t = rand(6, seed=72).abs() * 100
     ref_t = t.clone().requires_grad_()
-    ref = torch.ops.posenc.sinusoidal_table(ref_t, 8, 10000.0, None)
+    ref = torch.ops.posenc.sinusoidal_table(ref_t, 8, 10000.0)
     g = rand(6, 8, seed=73)
     ref.backward(g)
     dt = distribute_tensor(t, mesh, [Shard(0)]).requires_grad_()
-    out = torch.ops.posenc.sinusoidal_table(dt, 8, 10000.0, None)
+    out = torch.ops.posenc.sinusoidal_table(dt, 8, 10000.0)
     close(out.full_tensor(), ref.detach(), "float positions")
     with implicit_replication():
         out.backward(distribute_tensor(g, mesh, [Shard(0)]))

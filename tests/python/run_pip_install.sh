@@ -124,15 +124,6 @@ runpath="$(runpath_of "$lib")"
 missing="$("${hide[@]}" ldd "$lib" | grep 'not found' || true)"
 [ -z "$missing" ] || fail "libraries that libposenc needs do not resolve through its RUNPATH: $missing"
 echo "the wheel requires torch==$release; libposenc's RUNPATH is [$runpath] and resolves"
-# posenc._C (the modules' direct entry, csrc/python/fast_calls.cpp): beside libposenc, with
-# the same RUNPATH, and everything it needs resolving through it (libtorch_python included).
-ext="$("$vpy" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')"
-module="$vsite/posenc/lib/_C$ext"
-[ -f "$module" ] || fail "the wheel installed no $module"
-[ "$(runpath_of "$module")" = '$ORIGIN/../../torch/lib' ] ||
-  fail "posenc._C's RUNPATH should be exactly \$ORIGIN/../../torch/lib, not [$(runpath_of "$module")]"
-missing="$("${hide[@]}" ldd "$module" | grep 'not found' || true)"
-[ -z "$missing" ] || fail "libraries that posenc._C needs do not resolve through its RUNPATH: $missing"
 
 cd "$work"
 "${hide[@]}" "$vpy" - "$vsite" <<'PY'
@@ -150,7 +141,7 @@ angle = pos / 10000.0 ** ((j - j % 2) / 6)
 want = x + torch.where(j % 2 == 0, torch.sin(angle), torch.cos(angle))
 torch.testing.assert_close(pe(x), want, atol=1e-7, rtol=0)
 from posenc import _library
-assert _library.FAST_CALLS is not None and _library.FAST_CALLS.__file__.startswith(site), _library.FAST_CALLS
+assert str(_library.LIBRARY_PATH).startswith(site), _library.LIBRARY_PATH
 print("installed posenc imports and matches the reference:", posenc.__file__)
 PY
 echo "run_pip_install.sh: passed in $(( $(date +%s) - start )) s"

@@ -117,7 +117,7 @@ def test_opcheck_add_position_backward_and_sinusoidal_table(device):
     rng = torch.tensor([12345, 8], dtype=torch.int64, device=device)
     opcheck(torch.ops.posenc.add_position_backward.default, (grad, rng, 0.3))
     opcheck(torch.ops.posenc.sinusoidal_table.default, (torch.randint(0, 100, (4, 3), device=device), 10))
-    opcheck(torch.ops.posenc.sinusoidal_table.default, (torch.rand(5, device=device), 7, 500.0, torch.float64))
+    opcheck(torch.ops.posenc.sinusoidal_table.default, (torch.rand(5, device=device), 7, 500.0))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -171,7 +171,7 @@ def test_a_meta_tensor_among_real_ones_is_refused():
     with pytest.raises(RuntimeError, match=r"expected offsets on q.s device cpu, got offsets on meta"):
         ops.rope(torch.ones(2, 3, 1, 4), None, None, torch.zeros(2, dtype=torch.long, device="meta"))
     with pytest.raises(TypeError, match=r"expected integer or floating-point positions, got ComplexFloat"):
-        ops.sinusoidal_table(torch.zeros(3, device="meta", dtype=torch.complex64), 4, 10000.0, None)
+        ops.sinusoidal_table(torch.zeros(3, device="meta", dtype=torch.complex64), 4, 10000.0)
     # The Meta kernel runs the real kernels' checks when sizes are concrete.
     with pytest.raises(TypeError, match=r"expected grad to have a floating-point dtype .* got Bool"):
         ops.add_position_backward_with_table(torch.empty(5, 6, 1, dtype=torch.bool, device="meta"), meta_rng,

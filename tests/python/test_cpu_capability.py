@@ -84,6 +84,11 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
             qo, ko = F.apply_rope(q, k, offset=3, interleaved=interleaved, rotary_dim=rotary_dim)
             gq, gk = torch.autograd.grad((qo, ko), (q, k), (torch.ones_like(qo), torch.ones_like(ko)))
             out[(name, "rope", head_dim, interleaved, rotary_dim)] = (qo.detach(), ko.detach(), gq, gk)
+        # Long positions: angles over every quadrant and the float32 polynomials' whole
+        # range (positions 3..9 alone agreed even while the levels rounded them differently).
+        long_q = rand(1, 4096, 1, head_dim, dtype=dtype)
+        out[(name, "rope_long", head_dim, interleaved)] = F.apply_rope(
+            long_q, positions=torch.arange(4096) * 37 + 1000, interleaved=interleaved)
         q2 = q.detach().clone()
         F.apply_rope(q2, positions=torch.arange(7).flip(0), inplace=True, interleaved=interleaved)
         out[(name, "rope_", head_dim, interleaved)] = q2

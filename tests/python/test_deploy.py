@@ -17,6 +17,7 @@ from torch import nn
 
 import posenc
 from posenc import functional
+from conftest import reference_table
 from posenc._rope import KEY_NOT_GIVEN, SCALING_KEYS
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
@@ -229,6 +230,51 @@ def test_jit_script_keeps_dropout_and_gradients():
     torch.testing.assert_close(scripted(x), x + model.fixed.pe[:, :9] + model.learned.pe[:, 3:12])
 
 
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+def test_jit_script_of_an_eval_module_computes_what_the_eager_one_does(cls):
+    """Issue 34: the scripted twin of an eval-mode module came out in training mode (half of
+    its output zeroed). Scripted as the user has it, no .eval() after scripting."""
+    torch.manual_seed(0)
+    module = cls(16, 0.5, 32).eval()
+    scripted = torch.jit.script(module)
+    assert scripted.training is False
+    x = torch.randn(3, 7, 16)
+    want = x + module.pe.detach()[:, :7]
+    torch.testing.assert_close(scripted(x), want, rtol=0, atol=0)
+    torch.testing.assert_close(module(x), want, rtol=0, atol=0)
+
+
+def test_jit_script_of_a_parent_leaves_the_python_model_as_it_was():
+    """Issue 34: torch.jit.script put the twin from __prepare_scriptable__ into the Python
+    parent, whose eval-mode child then dropped half its output."""
+    torch.manual_seed(0)
+    model = AddBoth(dropout=0.5).eval()
+    children = {name: type(child) for name, child in model.named_children()}
+    x = torch.randn(2, 9, 12)
+    want = x + model.fixed.pe[:, :9] + model.learned.pe.detach()[:, 3:12]
+    scripted = torch.jit.script(model)
+    assert {name: type(child) for name, child in model.named_children()} == children
+    assert not model.training and not model.fixed.training and not model.learned.training
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)  # the Python model, after scripting
+    torch.testing.assert_close(scripted(x), want, rtol=0, atol=0)
+    assert scripted.training is False and scripted.fixed.training is False
+
+
+def test_jit_script_in_training_mode_draws_the_eager_masks():
+    """Train mode, scripted as built: the same op, so the same generator state gives the same
+    dropout mask as the eager model."""
+    module = posenc.LearnedPositionalEncoding(12, 0.3, 40)
+    scripted = torch.jit.script(module)
+    assert scripted.training is True
+    x = torch.randn(2, 6, 12)
+    torch.manual_seed(5)
+    eager = module(x, 4)
+    torch.manual_seed(5)
+    got = scripted(x, 4)
+    assert torch.equal(got, eager)
+    assert 0 < (got == 0).float().mean() < 1
+
+
 def test_jit_script_of_rope_says_what_to_use_instead():
     with pytest.raises(RuntimeError, match=r"cannot be compiled by torch.jit.script.*torch.jit.trace.*torch.export"):
         torch.jit.script(posenc.RotaryPositionalEncoding(16))
@@ -253,3 +299,40 @@ def test_jit_trace_runs_at_other_lengths():
     for shape in ((2, 5, 16), (3, 17, 16), (1, 1, 16)):
         x = torch.randn(shape)
         torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+
+
+class TablesInEveryDtype(nn.Module):
+    """sinusoidal_table and sinusoidal_2d_table in each floating dtype (issue 34: with torch
+    2.11's AOTInductor a ScalarType argument of a custom op came back as a None output)."""
+
+    def forward(self, positions):
+        out = []
+        for dtype in TABLE_DTYPES:
+            out.append(functional.sinusoidal_table(positions, 16, dtype=dtype))
+            out.append(functional.sinusoidal_2d_table(2, 3, 16, num_prefix_tokens=1, dtype=dtype))
+        return tuple(out)
+
+
+TABLE_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="AOTInductor's CPU compile is tested on Linux")
+def test_aoti_package_returns_tables_in_every_dtype(tmp_path):
+    model = TablesInEveryDtype()
+    positions = torch.arange(5) * 7
+    program = torch.export.export(model, (positions,))
+    path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "tables.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    got = loaded(positions)
+    want = model(positions)
+    assert len(got) == len(want) == 2 * len(TABLE_DTYPES)
+    exact = reference_table(positions, 16)  # float64, from the formula
+    for i, dtype in enumerate(TABLE_DTYPES):
+        table, grid = got[2 * i], got[2 * i + 1]
+        assert isinstance(table, torch.Tensor) and isinstance(grid, torch.Tensor), (dtype, table, grid)
+        assert table.dtype == grid.dtype == dtype
+        assert torch.equal(table, want[2 * i])  # posenc's kernel, then one cast
+        tol = {torch.float64: 1e-12, torch.float32: 1e-7, torch.bfloat16: 4e-3, torch.float16: 5e-4}[dtype]
+        # sinusoidal_2d_table is made of ATen ops, which Inductor compiles with its own sin/cos.
+        torch.testing.assert_close(grid.double(), want[2 * i + 1].double(), rtol=0, atol=tol)
+        torch.testing.assert_close(table.double(), exact, rtol=0, atol=tol)  # rounded once

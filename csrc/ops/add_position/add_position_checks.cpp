@@ -193,8 +193,7 @@ at::Tensor table_as_matrix(const at::Tensor& table, at::ScalarType x_dtype) {
   return t.contiguous();
 }
 
-void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base,
-                                 std::optional<at::ScalarType> dtype) {
+void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base) {
   TORCH_CHECK_VALUE(d_model > 0, "posenc: expected d_model > 0, got ", d_model);
   // base <= 1 would give every column the same or a growing frequency: no longer the
   // geometric ladder of wavelengths 2 pi .. 2 pi base (RoPE refuses the same values).
@@ -203,11 +202,6 @@ void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, d
   TORCH_CHECK_TYPE(!positions.is_complex() && positions.scalar_type() != at::kBool,
                    "posenc: expected integer or floating-point positions, got ",
                    positions.scalar_type());
-  if (dtype.has_value()) {
-    TORCH_CHECK_TYPE(is_supported_float(*dtype),
-                     "posenc: expected dtype to be float16, bfloat16, float32 or float64, got ",
-                     *dtype);
-  }
 }
 
 }  // namespace ops

@@ -56,8 +56,11 @@ void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len
 // own dtype or float32 (float64 for float64 x); any other dtype is converted.
 at::Tensor table_as_matrix(const at::Tensor& table, at::ScalarType x_dtype);
 
-void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base,
-                                 std::optional<at::ScalarType> dtype);
+// The table ops compute and return float64; the front ends (posenc::sinusoidal_table,
+// posenc.functional.sinusoidal_table) round it once to the dtype asked for with an ATen cast,
+// so no ScalarType argument has to travel through an exported graph (torch 2.11's AOTInductor
+// proxy executor misread them: a table came back as None).
+void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base);
 
 }  // namespace ops
 }  // namespace posenc

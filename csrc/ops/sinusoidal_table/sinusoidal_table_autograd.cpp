@@ -20,12 +20,11 @@ using torch::autograd::variable_list;
 class SinusoidalTableFunction : public torch::autograd::Function<SinusoidalTableFunction> {
  public:
   static variable_list forward(AutogradContext* ctx, const at::Tensor& positions,
-                               c10::SymInt d_model, double base,
-                               std::optional<at::ScalarType> dtype) {
+                               c10::SymInt d_model, double base) {
     at::AutoDispatchBelowADInplaceOrView guard;
     ctx->save_for_backward({positions});
     ctx->saved_data["base"] = base;
-    return {sinusoidal_table_op().call(positions, d_model, base, dtype)};
+    return {sinusoidal_table_op().call(positions, d_model, base)};
   }
 
   static variable_list backward(AutogradContext* ctx, variable_list grad_outputs) {
@@ -42,13 +41,13 @@ class SinusoidalTableFunction : public torch::autograd::Function<SinusoidalTable
       const at::Tensor slope = at::where(parity.eq(0), at::cos(angle), -at::sin(angle)) * freq;
       grad_positions = (grad.to(at::kDouble) * slope).sum(-1).to(positions.scalar_type());
     }
-    return {grad_positions, at::Tensor(), at::Tensor(), at::Tensor()};
+    return {grad_positions, at::Tensor(), at::Tensor()};
   }
 };
 
 at::Tensor sinusoidal_table_autograd(const at::Tensor& positions, c10::SymInt d_model,
-                                     double base, std::optional<at::ScalarType> dtype) {
-  return SinusoidalTableFunction::apply(positions, std::move(d_model), base, dtype)[0];
+                                     double base) {
+  return SinusoidalTableFunction::apply(positions, std::move(d_model), base)[0];
 }
 
 }  // namespace

@@ -329,12 +329,19 @@ POSENC_HOST_DEVICE double rope_attention_factor(const RopeScalingParams& s) {
 }
 
 // sin and cos of r in [-pi/4, pi/4]: minimax polynomials (float32, < 1 ulp on that range),
-// the same on host and device so that CPU and CUDA kernels agree.
+// the same on host and device so that CPU and CUDA kernels agree. Each step is an explicit
+// rounded product or fused multiply-add, as the rotation's are: written as plain a + b * c,
+// the AVX2 build (-mfma) and nvcc contracted it into FMAs while the baseline build rounded
+// every step, so the CPU levels differed by 1 ulp in ~2% of the angles. These are the FMAs
+// gcc's and nvcc's contraction chose, so the AVX2 and CUDA bits are unchanged (checked on
+// 20M angles); a CPU without FMA instructions computes them in software (slower, same bits).
 POSENC_HOST_DEVICE void rope_sincos_reduced(float r, float* s, float* c) {
-  const float r2 = r * r;
-  *s = r + r * r2 * (-1.6666654611e-1f + r2 * (8.3321608736e-3f + r2 * -1.9515295891e-4f));
-  *c = 1.0f - 0.5f * r2 +
-       r2 * r2 * (4.166664568298827e-2f + r2 * (-1.388731625493765e-3f + r2 * 2.443315711809948e-5f));
+  const float r2 = rope_mul_rn(r, r);
+  const float ps = rope_fma(r2, rope_fma(r2, -1.9515295891e-4f, 8.3321608736e-3f), -1.6666654611e-1f);
+  *s = rope_fma(rope_mul_rn(r, r2), ps, r);
+  const float pc = rope_fma(r2, rope_fma(r2, 2.443315711809948e-5f, -1.388731625493765e-3f),
+                            4.166664568298827e-2f);
+  *c = rope_fma(rope_mul_rn(r2, r2), pc, rope_fma(-0.5f, r2, 1.0f));
 }
 
 POSENC_HOST_DEVICE void rope_sincos_reduced(double r, double* s, double* c) {
