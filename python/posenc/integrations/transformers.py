@@ -18,6 +18,37 @@ convention; GPT-NeoX's partial rotary included); GPT-J has its own
 with ``interleaved=True``. Other model types raise ValueError rather than being patched with a
 function whose convention was not checked.
 
+``apply_posenc_rope(model, qk_norm=True)`` (Qwen3, Qwen3-MoE, Gemma 3, OLMo 2) is per
+instance instead: each attention layer of ``model`` runs its q_norm / k_norm and RoPE as one
+:func:`posenc.functional.qk_norm_rope`, until :func:`revert_posenc_qk_norm`. How: the layer's
+class becomes a posenc subclass of its own class (``attn.__class__ = ...``; one subclass per
+attention class, created once and kept), whose ``forward`` is transformers 5's attention
+forward for these models with the norm + rotation step replaced. Everything that step needs
+comes from the layer itself and from the call's own arguments: with ``position_ids`` (which
+the decoder layers pass: the positions the model computed ``position_embeddings`` from), the
+fused op at those positions with the config's RoPE parameters; without them (a layer called
+on its own, any caller that passes only ``position_embeddings``), or for RoPE types whose
+transformers tables depend on the call ("dynamic", "longrope"), the layer's own norms and
+then :func:`posenc.functional.apply_rope_cos_sin` on the given (cos, sin), so every call path
+computes what the unpatched layer computes; no ``position_embeddings`` is a ValueError naming
+it. Nothing is stored between calls and no module-level function is replaced, so threads,
+exceptions and revert (which restores the class) cannot carry one call's state into another,
+and the per-type patch above works independently of it. The weights, hooks and state_dict
+stay where they are; copies and pickles keep the patch.
+
+Extension point: the class swap, per instance. transformers 5's ``register_patch_mapping``
+(transformers.monkey_patching) also replaces classes, but through a process-wide registry
+applied when a model is created (``from_pretrained`` / ``from_config`` / ``apply_patches``):
+it cannot patch a model already loaded, and it would patch every later model of that class,
+not the one given. Its attention-interface registry (``AttentionInterface.register``) is
+called after the norms and the rotation, too late to fuse them; and the kernels-hub hook on
+these classes (``use_kernelized_func(apply_rotary_pos_emb)``) needs kernels >= 0.18.2 (not
+installable here) and replaces the rotation only, not the norms. The subclass keeps the
+class's name and passes ``isinstance`` checks (output recording, ``_can_record_outputs``).
+Before patching, each attention class's forward is checked against what the rewrite assumes
+(its parameters, and that it uses q_norm, k_norm, apply_rotary_pos_emb, the cache's update
+and the attention interface): a transformers whose forward differs is a RuntimeError.
+
 Importing this module imports transformers (ImportError with the pip command when it is
 missing); ``import posenc`` does not.
 """
@@ -25,8 +56,10 @@ missing); ``import posenc`` does not.
 from __future__ import annotations
 
 import contextlib
+import copyreg
 import importlib
 import inspect
+import threading
 from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
 
 import torch
@@ -41,6 +74,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
     ) from error
 
 import posenc.functional
+from posenc._rope import LENGTH_SCALED_TYPES
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -143,9 +177,6 @@ def apply_posenc_rope_to(model_type: str) -> None:
     current = getattr(module, "apply_rotary_pos_emb", None)
     if current is replacement:
         return
-    if hasattr(current, "_posenc_original"):
-        raise RuntimeError(f"apply_posenc_rope: {module.__name__} is routed through qk_norm_rope "
-                           f"(apply_posenc_rope(model, qk_norm=True)), which already rotates with posenc")
     if current is None:
         raise RuntimeError(f"apply_posenc_rope: {module.__name__} has no apply_rotary_pos_emb to patch "
                            f"(transformers {transformers.__version__})")
@@ -167,8 +198,11 @@ def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
     ``qk_norm=True`` (a loaded model of a type in ``QK_NORM_MODEL_TYPES``: Qwen3, Qwen3-MoE,
     Gemma 3, OLMo 2): each attention layer's q_norm / k_norm and RoPE run as one fused
     :func:`posenc.functional.qk_norm_rope` at the positions the layer receives
-    (``position_ids``) with the config's RoPE parameters; the weights stay where they are
-    (``q_norm.weight``, ``k_norm.weight``). Per instance, until :func:`revert_posenc_qk_norm`.
+    (``position_ids``) with the config's RoPE parameters; a call without them runs the
+    layer's norms, then posenc's rotation with the given tables (the module docstring has
+    the rules). The weights stay where they are (``q_norm.weight``, ``k_norm.weight``). Per
+    instance (the model type's modeling module is not touched), until
+    :func:`revert_posenc_qk_norm`; patching twice is a no-op.
     """
     if qk_norm:
         _apply_qk_norm(model)
@@ -178,6 +212,12 @@ def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
 
 
 # ---- qk_norm=True: the norms and RoPE of each attention layer fused.
+#
+# Each patched attention instance gets a posenc subclass of its own class as its class
+# (``attn.__class__``); that subclass's forward is the model's attention forward with the
+# q_norm / k_norm + RoPE step replaced, and everything it needs comes from the instance and
+# from the call's own arguments. No module-level function is replaced and nothing is stored
+# between calls, so threads, exceptions and revert cannot leak one call into another.
 
 # model_type -> (norm, weight_offset): the attention's q_norm / k_norm convention.
 _QK_NORM_TYPES: Dict[str, Tuple[str, float]] = {
@@ -189,14 +229,16 @@ _QK_NORM_TYPES: Dict[str, Tuple[str, float]] = {
 }
 QK_NORM_MODEL_TYPES: Tuple[str, ...] = tuple(_QK_NORM_TYPES)
 
-# The attention module now running (set by its forward pre-hook), for the patched
-# apply_rotary_pos_emb of its modeling module; attention layers run one at a time.
-_CURRENT: Dict[str, Any] = {}
-_QK_ORIGINALS: Dict[str, Callable] = {}
+# What the rewritten forward assumes of transformers' attention forward (transformers 5.x):
+# its leading parameters, and the attributes and functions it uses. Checked once per class.
+_ATTENTION_PARAMETERS = ("self", "hidden_states", "position_embeddings", "attention_mask", "cache")
+_ATTENTION_NAMES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm", "apply_rotary_pos_emb",
+                              "update", "get_interface", "scaling", "layer_idx", "head_dim"})
 
-
-def _identity(x: Tensor) -> Tensor:
-    return x
+# (attention class, norm, weight_offset) -> its posenc subclass. Written once per key under
+# the lock and never changed: memoisation, not state a call depends on.
+_QK_NORM_CLASSES: Dict[Tuple[type, str, float], type] = {}
+_QK_NORM_CLASSES_LOCK = threading.Lock()
 
 
 def _rope_parameters(attn: Any) -> Optional[dict]:
@@ -210,20 +252,145 @@ def _rope_parameters(attn: Any) -> Optional[dict]:
     return dict(params)
 
 
-def _fused_rotary(original: Callable) -> Callable:
-    def apply_rotary_pos_emb(q, k, cos, sin, *args, **kwargs):
-        attn = _CURRENT.get("attn")
-        positions = _CURRENT.get("position_ids")
-        if attn is None or positions is None:  # not a patched layer: transformers' own
-            return original(q, k, cos, sin, *args, **kwargs)
-        norm, offset = attn._posenc_qk_norm
-        eps = getattr(attn.q_norm, "variance_epsilon", getattr(attn.q_norm, "eps", 1e-6))
-        return posenc.functional.qk_norm_rope(
-            q, k, attn.q_norm.weight, attn.k_norm.weight, eps=eps, weight_offset=offset, norm=norm,
-            positions=positions, layout="bhsd", scaling=_rope_parameters(attn))
+def _norm_eps(norm: Any) -> Optional[float]:
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))  # Qwen3 / OLMo 2, Gemma 3
+    return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
-    apply_rotary_pos_emb._posenc_original = original
-    return apply_rotary_pos_emb
+
+def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Optional[dict]:
+    """qk_norm_rope's keyword arguments when the fused op provably computes what the layer's
+    own norms and (cos, sin) would: the call has position_ids for every token (the decoder
+    layer passes the ones its model computed position_embeddings from), both norms share one
+    eps, and the model's tables depend on the positions and the config only (not "dynamic"
+    or "longrope", whose transformers tables change with the call's length and the rotary
+    module's history). None otherwise: the layer then runs its own norms and rotates with
+    the given (cos, sin)."""
+    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.is_complex():
+        return None
+    if positions.dim() not in (1, 2) or len(input_shape) != 2 or positions.shape[-1] != input_shape[1]:
+        return None
+    if positions.dim() == 2 and positions.shape[0] not in (1, input_shape[0]):
+        return None
+    eps = _norm_eps(attn.q_norm)
+    if eps is None or eps != _norm_eps(attn.k_norm):
+        return None
+    params = _rope_parameters(attn)
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    if "dynamic" in rope_type or rope_type == "longrope" or rope_type in LENGTH_SCALED_TYPES:
+        return None
+    original = params.get("original_max_position_embeddings")
+    max_positions = getattr(attn.config, "max_position_embeddings", None)
+    if rope_type == "yarn" and params.get("factor") is None and original and max_positions:
+        params["factor"] = max_positions / original  # as transformers' _compute_yarn_parameters
+    return dict(eps=eps, positions=positions, layout="bhsd", scaling=params)
+
+
+class _PosencQKNormAttention:
+    """Mixin placed before a transformers attention class (see _qk_norm_class): its forward
+    is that class's forward (transformers 5) with the norms and RoPE through posenc."""
+
+    _posenc_base: type
+    _posenc_norm: str
+    _posenc_weight_offset: float
+    _posenc_eager: Callable
+    _posenc_attention_functions: Any
+    _posenc_sliding_window: bool
+
+    def forward(self, hidden_states: Tensor, position_embeddings: Optional[Tuple[Tensor, Tensor]] = None,
+                attention_mask: Optional[Tensor] = None, cache: Any = None, **kwargs: Any):
+        if "past_key_values" in kwargs:  # transformers 5's deprecated name of cache
+            legacy = kwargs.pop("past_key_values")
+            cache = legacy if cache is None else cache
+        if position_embeddings is None:
+            raise ValueError(f"{self._posenc_base.__name__} patched by apply_posenc_rope(qk_norm=True): missing "
+                             f"argument position_embeddings (the (cos, sin) tables of the model's rotary embedding); "
+                             f"transformers' own forward needs it too")
+        input_shape = hidden_states.shape[:-1]
+        hidden_shape = (*input_shape, -1, self.head_dim)
+        query_states = self.q_proj(hidden_states)
+        key_states = self.k_proj(hidden_states)
+        value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
+
+        fused = _fused_arguments(self, kwargs.get("position_ids"), input_shape)
+        if fused is not None:
+            query_states = query_states.view(hidden_shape).transpose(1, 2)
+            key_states = key_states.view(hidden_shape).transpose(1, 2)
+            query_states, key_states = posenc.functional.qk_norm_rope(
+                query_states, key_states, self.q_norm.weight, self.k_norm.weight, norm=self._posenc_norm,
+                weight_offset=self._posenc_weight_offset, **fused)
+        else:  # the layer's own norms, then the given tables: transformers' numbers on every path
+            if self._posenc_norm == "hidden":  # OLMo 2: each token's whole projection
+                query_states = self.q_norm(query_states).view(hidden_shape).transpose(1, 2)
+                key_states = self.k_norm(key_states).view(hidden_shape).transpose(1, 2)
+            else:
+                query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
+                key_states = self.k_norm(key_states.view(hidden_shape)).transpose(1, 2)
+            cos, sin = position_embeddings
+            query_states, key_states = posenc.functional.apply_rope_cos_sin(
+                query_states, key_states, cos, sin, layout="bhsd")
+
+        if cache is not None:
+            key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
+
+        attention_interface = self._posenc_attention_functions.get_interface(
+            self.config._attn_implementation, self._posenc_eager)
+        if self._posenc_sliding_window:
+            kwargs["sliding_window"] = self.sliding_window
+        attn_output, attn_weights = attention_interface(
+            self, query_states, key_states, value_states, attention_mask,
+            dropout=0.0 if not self.training else self.attention_dropout, scaling=self.scaling, **kwargs)
+        attn_output = attn_output.reshape(*input_shape, -1).contiguous()
+        attn_output = self.o_proj(attn_output)
+        return attn_output, attn_weights
+
+    def __reduce_ex__(self, protocol):
+        # pickle / torch.save name the transformers class; loading patches the instance again.
+        reduced = super().__reduce_ex__(protocol)
+        if (isinstance(reduced, tuple) and len(reduced) >= 2 and reduced[0] is copyreg.__newobj__
+                and reduced[1][:1] == (type(self),)):
+            key = (self._posenc_base, self._posenc_norm, self._posenc_weight_offset)
+            return (_new_qk_norm_attention, key + tuple(reduced[1][1:])) + tuple(reduced[2:])
+        return reduced
+
+
+def _new_qk_norm_attention(base: type, norm: str, weight_offset: float, *args: Any) -> Any:
+    cls = _qk_norm_class(base, norm, weight_offset)
+    return cls.__new__(cls, *args)
+
+
+def _qk_norm_class(base: type, norm: str, weight_offset: float) -> type:
+    """The posenc subclass of the attention class ``base`` (created once per key). Raises
+    RuntimeError when the installed transformers' forward is not the one it rewrites."""
+    key = (base, norm, weight_offset)
+    with _QK_NORM_CLASSES_LOCK:
+        cls = _QK_NORM_CLASSES.get(key)
+        if cls is not None:
+            return cls
+        forward = inspect.unwrap(base.forward)
+        module = importlib.import_module(base.__module__)
+        code = getattr(forward, "__code__", None)
+        names = tuple(inspect.signature(forward).parameters)[: len(_ATTENTION_PARAMETERS)]
+        missing = sorted(_ATTENTION_NAMES - set(code.co_names if code is not None else ()))
+        eager = getattr(module, "eager_attention_forward", None)
+        functions = getattr(module, "ALL_ATTENTION_FUNCTIONS", None)
+        if names != _ATTENTION_PARAMETERS or missing or eager is None or functions is None:
+            raise RuntimeError(
+                f"apply_posenc_rope(qk_norm=True): {base.__module__}.{base.__qualname__}.forward is not the "
+                f"attention forward posenc rewrites (transformers {transformers.__version__}: parameters "
+                f"{names}, expected {_ATTENTION_PARAMETERS}; missing names {missing}; eager_attention_forward "
+                f"{'found' if eager is not None else 'missing'})")
+        cls = type(base.__name__, (_PosencQKNormAttention, base), {
+            "__module__": __name__,
+            "__qualname__": f"posenc_qk_norm[{base.__qualname__}]",
+            "_posenc_base": base,
+            "_posenc_norm": norm,
+            "_posenc_weight_offset": weight_offset,
+            "_posenc_eager": staticmethod(eager),
+            "_posenc_attention_functions": functions,
+            "_posenc_sliding_window": "sliding_window" in code.co_names,
+        })
+        _QK_NORM_CLASSES[key] = cls
+        return cls
 
 
 def _apply_qk_norm(model: Any) -> None:
@@ -231,48 +398,33 @@ def _apply_qk_norm(model: Any) -> None:
     if model_type not in _QK_NORM_TYPES or not isinstance(model, torch.nn.Module):
         raise ValueError(f"apply_posenc_rope(qk_norm=True): expected a loaded model of type "
                          f"{', '.join(QK_NORM_MODEL_TYPES)}; got {model_type!r}")
-    found = False
-    for attn in model.modules():
-        if not (hasattr(attn, "q_norm") and hasattr(attn, "k_norm") and hasattr(attn, "q_proj")):
-            continue
-        if getattr(attn, "_posenc_qk_norm", None) is not None:
-            found = True
-            continue
-        module = importlib.import_module(type(attn).__module__)
-        current = module.apply_rotary_pos_emb
-        if not hasattr(current, "_posenc_original"):
-            module.apply_rotary_pos_emb = _fused_rotary(current)
-            _QK_ORIGINALS[module.__name__] = current
-        attn._posenc_qk_norm = _QK_NORM_TYPES[model_type]
-        # The norms run inside the fused op: the modules keep their weights (state_dict
-        # unchanged), their forward passes q and k through.
-        attn.q_norm.forward = _identity
-        attn.k_norm.forward = _identity
-
-        def pre(mod, args, kwargs):
-            _CURRENT["attn"], _CURRENT["position_ids"] = mod, kwargs.get("position_ids")
-
-        def post(mod, args, kwargs, output):
-            _CURRENT.clear()
-
-        attn._posenc_hooks = (attn.register_forward_pre_hook(pre, with_kwargs=True),
-                              attn.register_forward_hook(post, with_kwargs=True))
-        found = True
-    if not found:
+    norm, weight_offset = _QK_NORM_TYPES[model_type]
+    layers = [m for m in model.modules() if hasattr(m, "q_norm") and hasattr(m, "k_norm") and hasattr(m, "q_proj")]
+    if not layers:
         raise ValueError(f"apply_posenc_rope(qk_norm=True): no attention layer with q_norm and k_norm in "
                          f"{type(model).__name__}")
+    todo = []
+    for attn in layers:  # check every layer before changing any
+        if isinstance(attn, _PosencQKNormAttention):
+            continue
+        width = attn.head_dim * (attn.config.num_attention_heads if norm == "hidden" else 1)
+        kv_width = attn.head_dim * (attn.config.num_key_value_heads if norm == "hidden" else 1)
+        for name, want in (("q_norm", width), ("k_norm", kv_width)):
+            weight = getattr(getattr(attn, name), "weight", None)
+            if not isinstance(weight, Tensor) or tuple(weight.shape) != (want,):
+                raise ValueError(f"apply_posenc_rope(qk_norm=True): {type(attn).__name__}.{name} has no weight of "
+                                 f"shape ({want},) (norm {norm!r}); got {getattr(weight, 'shape', None)}")
+        todo.append((attn, _qk_norm_class(type(attn), norm, weight_offset)))
+    for attn, cls in todo:
+        attn.__class__ = cls  # weights, buffers, hooks and state_dict stay as they are
 
 
 def revert_posenc_qk_norm(model: Any) -> None:
     """Undo ``apply_posenc_rope(model, qk_norm=True)`` for ``model`` (its layers run
     transformers' own norms and RoPE again)."""
     for attn in model.modules():
-        if getattr(attn, "_posenc_qk_norm", None) is None:
-            continue
-        for handle in attn._posenc_hooks:
-            handle.remove()
-        del attn.q_norm.forward, attn.k_norm.forward
-        attn._posenc_qk_norm = None
+        if isinstance(attn, _PosencQKNormAttention):
+            attn.__class__ = attn._posenc_base
 
 
 def revert_posenc_rope(model: Optional[Union[Any, str]] = None) -> None:

@@ -1,0 +1,329 @@
+"""apply_posenc_rope(model, qk_norm=True) on every call path (issue 34, items 2 and 3).
+
+Tiny random float32 models built from configs (no downloads), with non-trivial norm weights:
+a patched attention layer called without position_ids (and with them) gives the unpatched
+layer's output; full forwards and greedy generations equal the unpatched model's; nothing a
+patched layer computes with leaks out of its call: not after an exception inside it, not into
+another model running in another thread, not after revert (revert leaves transformers' own
+module untouched, so the plain patch works afterwards, and each of the two routes can be
+reverted without breaking the other). Tolerance: rtol = atol = 1e-5 where posenc computes
+(the fused op rounds once in float32 where transformers rounds after each step), exact where
+transformers' own code runs on both sides. Models the installed transformers cannot build
+skip with the reason."""
+
+import copy
+import importlib
+import inspect
+import pickle
+import threading
+
+import pytest
+import torch
+
+import posenc
+
+transformers = pytest.importorskip("transformers")
+from posenc.integrations import transformers as integration  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256)
+CONFIGS = {
+    "qwen3": ("Qwen3Config", dict(head_dim=16)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
+    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention",
+                                                                                          "full_attention"])),
+    "olmo2": ("Olmo2Config", {}),
+}
+
+
+def tiny_model(model_type="qwen3", seed=0, **overrides):
+    name, extra = CONFIGS[model_type]
+    config_class = getattr(transformers, name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    torch.manual_seed(seed)
+    config = config_class(**{**COMMON, **extra, **overrides})
+    config.pad_token_id = 0
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # non-trivial norm weights (they start at 1, or at 0 for Gemma's 1 + w)
+        for n, p in model.named_parameters():
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(-0.5, 0.5) if model_type == "gemma3_text" else p.uniform_(0.5, 1.5)
+    return model
+
+
+def ids(batch, seq, seed=1):
+    return torch.randint(1, 128, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+@torch.no_grad()
+def logits(model, tokens, **kwargs):
+    return model(tokens, **kwargs).logits
+
+
+@pytest.fixture
+def fused_calls(monkeypatch):
+    """Counts posenc.functional.qk_norm_rope calls (the fused path)."""
+    calls = []
+    original = posenc.functional.qk_norm_rope
+    monkeypatch.setattr(posenc.functional, "qk_norm_rope", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    return calls
+
+
+@pytest.fixture(autouse=True)
+def unpatched_after():
+    yield
+    integration.revert_posenc_rope()
+
+
+def attention_inputs(model, seq, seed=2):
+    """Layer 0's attention, hidden states (2, seq, hidden), position_ids (1, seq) offset by 3
+    and the (cos, sin) the model computes from them."""
+    attn = model.model.layers[0].self_attn
+    hidden = torch.randn(2, seq, model.config.hidden_size, generator=torch.Generator().manual_seed(seed))
+    positions = (torch.arange(seq) + 3).unsqueeze(0)
+    rotary = model.model.rotary_emb
+    extra = (attn.layer_type,) if "layer_type" in inspect.signature(rotary.forward).parameters else ()
+    with torch.no_grad():
+        cos_sin = rotary(hidden, positions, *extra)
+    return attn, hidden, positions, cos_sin
+
+
+def grads(attn, hidden, cos_sin, **kwargs):
+    """The gradients of the layer's projections and norm weights for one call."""
+    attn.zero_grad(set_to_none=True)
+    out, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, **kwargs)
+    out.square().mean().backward()
+    return {n: p.grad.clone() for n, p in attn.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_layer_without_and_with_position_ids_matches_unpatched(model_type, fused_calls):
+    """On 32923aa the call without position_ids skipped both norms (Qwen3: 0.02 off)."""
+    model = tiny_model(model_type)
+    attn, hidden, positions, cos_sin = attention_inputs(model, 9)
+    with torch.no_grad():
+        want, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None)
+        want_with, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+    torch.testing.assert_close(want_with, want, rtol=0, atol=0)  # transformers ignores position_ids here
+    want_grads = grads(attn, hidden, cos_sin)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    try:
+        with torch.no_grad():
+            got, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None)
+            assert not fused_calls  # no positions: the layer's own norms, then posenc's rotation
+            got_with, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+            assert len(fused_calls) == 1
+        torch.testing.assert_close(got, want, **TOL)
+        torch.testing.assert_close(got_with, want, **TOL)
+        for kwargs in ({}, dict(position_ids=positions)):
+            got_grads = grads(attn, hidden, cos_sin, **kwargs)
+            assert got_grads.keys() == want_grads.keys() and len(want_grads) == 6  # q, k, v, o, q_norm, k_norm
+            for n in want_grads:
+                torch.testing.assert_close(got_grads[n], want_grads[n], **TOL, msg=lambda m, n=n: f"{n}: {m}")
+        assert len(fused_calls) == 2
+    finally:
+        integration.revert_posenc_qk_norm(model)
+    with torch.no_grad():
+        back, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None)
+    torch.testing.assert_close(back, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "gemma3_text"])
+def test_missing_position_embeddings_is_a_clear_error(model_type):
+    """On 32923aa: a TypeError from unpacking None (or a missing positional argument)."""
+    model = tiny_model(model_type)
+    attn, hidden, positions, _ = attention_inputs(model, 5)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    with pytest.raises(ValueError, match="missing argument position_embeddings"):
+        attn(hidden, position_embeddings=None, attention_mask=None, position_ids=positions)
+
+
+def test_model_forward_and_greedy_generate_match_unpatched(fused_calls):
+    """Forward with and without explicit position_ids, left-padded batch, and generate with
+    the KV cache. (A regression guard: 32923aa was right on these paths.)"""
+    model = tiny_model("qwen3")
+    tokens = ids(2, 11)
+    mask = torch.ones_like(tokens)
+    mask[1, :3] = 0  # left padding: position_ids from the mask, not the cache positions
+    explicit = (torch.arange(11) + 5).expand(2, 11)
+    want = logits(model, tokens)
+    want_explicit = logits(model, tokens, position_ids=explicit)
+    generate = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        want_tokens = model.generate(tokens, attention_mask=mask, **generate)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    got = logits(model, tokens)
+    assert len(fused_calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(logits(model, tokens, position_ids=explicit), want_explicit, **TOL)
+    del fused_calls[:]
+    with torch.no_grad():
+        got_tokens = model.generate(tokens, attention_mask=mask, **generate)
+    assert len(fused_calls) >= 6 * model.config.num_hidden_layers  # prefill + one call per new token
+    assert torch.equal(got_tokens, want_tokens)
+
+
+def test_an_exception_inside_a_patched_layer_leaks_nothing():
+    """On 32923aa the failed call left _CURRENT set: the second, unpatched model then ran
+    with the first model's norm weights and positions (its logits off by ~0.07)."""
+    first, second = tiny_model("qwen3", seed=0), tiny_model("qwen3", seed=1)
+    tokens = ids(1, 10)
+    want_first, want_second = logits(first, tokens), logits(second, tokens)
+    integration.apply_posenc_rope(first, qk_norm=True)
+
+    def fail(module, args, output):
+        raise RuntimeError("raised inside the patched attention")
+
+    handle = first.model.layers[0].self_attn.k_proj.register_forward_hook(fail)
+    with pytest.raises(RuntimeError, match="raised inside the patched attention"):
+        logits(first, tokens)
+    handle.remove()
+    torch.testing.assert_close(logits(second, tokens), want_second, rtol=0, atol=0)
+    torch.testing.assert_close(logits(first, tokens), want_first, **TOL)
+
+
+def test_two_patched_models_in_two_threads():
+    """Both threads meet inside their layer 0 attention (a barrier in a q_proj hook), after
+    the layer's pre-hooks ran and before its rotation. On 32923aa each read the positions and
+    norms the other thread had put in _CURRENT: a shape error (7 vs 12 tokens) or wrong numbers."""
+    models = [tiny_model("qwen3", seed=0), tiny_model("qwen3", seed=1)]
+    inputs = [ids(2, 7, seed=3), ids(1, 12, seed=4)]
+    wants = [logits(m, x) for m, x in zip(models, inputs)]
+    for model in models:
+        integration.apply_posenc_rope(model, qk_norm=True)
+    rounds = 4
+    barrier = threading.Barrier(2, timeout=60)
+
+    def meet(module, args, output):
+        barrier.wait()
+
+    for model in models:
+        model.model.layers[0].self_attn.q_proj.register_forward_hook(meet)
+    results = [[], []]
+    errors = []
+
+    def run(i):
+        try:
+            for _ in range(rounds):
+                results[i].append(logits(models[i], inputs[i]))
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            errors.append(error)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "the threads did not finish in 120 s"
+    assert not errors, errors
+    for i in range(2):
+        assert len(results[i]) == rounds
+        for got in results[i]:
+            torch.testing.assert_close(got, wants[i], **TOL)
+
+
+def test_revert_then_the_plain_patch(monkeypatch):
+    """On 32923aa revert_posenc_qk_norm left the modeling module's wrapper installed, and
+    apply_posenc_rope(model) then raised RuntimeError ("routed through qk_norm_rope")."""
+    model = tiny_model("qwen3")
+    attn = model.model.layers[0].self_attn
+    module = importlib.import_module(type(attn).__module__)
+    original_function, original_class = module.apply_rotary_pos_emb, type(attn)
+    tokens = ids(2, 9)
+    want = logits(model, tokens)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    assert isinstance(attn, original_class)
+    integration.revert_posenc_qk_norm(model)
+    calls = []
+    original = posenc.functional.apply_rope_cos_sin
+    monkeypatch.setattr(posenc.functional, "apply_rope_cos_sin", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    assert integration.apply_posenc_rope(model) is model and integration.is_patched(model)
+    got = logits(model, tokens)
+    assert len(calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(got, want, **TOL)
+    integration.revert_posenc_rope(model)
+    assert module.apply_rotary_pos_emb is original_function and type(attn) is original_class
+    torch.testing.assert_close(logits(model, tokens), want, rtol=0, atol=0)
+
+
+def test_revert_then_qk_norm_again(fused_calls):
+    model = tiny_model("qwen3")
+    module = importlib.import_module(type(model.model.layers[0].self_attn).__module__)
+    original_function = module.apply_rotary_pos_emb
+    tokens = ids(2, 9)
+    want = logits(model, tokens)
+    for _ in range(2):
+        integration.apply_posenc_rope(model, qk_norm=True)
+        integration.apply_posenc_rope(model, qk_norm=True)  # twice: a no-op
+        assert module.apply_rotary_pos_emb is original_function  # the qk-norm route leaves the module alone
+        del fused_calls[:]
+        torch.testing.assert_close(logits(model, tokens), want, **TOL)
+        assert len(fused_calls) == model.config.num_hidden_layers
+        integration.revert_posenc_qk_norm(model)
+        del fused_calls[:]
+        torch.testing.assert_close(logits(model, tokens), want, rtol=0, atol=0)
+        assert not fused_calls
+
+
+def test_the_plain_patch_reverted_under_a_qk_norm_model(fused_calls):
+    """The per-type patch, then the qk-norm patch of one model, then the per-type patch
+    reverted. On 32923aa that revert put transformers' function back over the qk-norm wrapper:
+    the qk-norm model then ran with identity norms (wrong logits, no error)."""
+    model, other = tiny_model("qwen3"), tiny_model("qwen3", seed=1)
+    tokens = ids(2, 9)
+    want, want_other = logits(model, tokens), logits(other, tokens)
+    integration.apply_posenc_rope("qwen3")
+    integration.apply_posenc_rope(model, qk_norm=True)
+    torch.testing.assert_close(logits(model, tokens), want, **TOL)
+    torch.testing.assert_close(logits(other, tokens), want_other, **TOL)  # through the per-type patch
+    integration.revert_posenc_rope("qwen3")
+    del fused_calls[:]
+    torch.testing.assert_close(logits(model, tokens), want, **TOL)
+    assert len(fused_calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(logits(other, tokens), want_other, rtol=0, atol=0)
+    integration.revert_posenc_qk_norm(model)
+    torch.testing.assert_close(logits(model, tokens), want, rtol=0, atol=0)
+
+
+def test_copies_and_pickles_stay_patched(fused_calls):
+    model = tiny_model("qwen3")
+    tokens = ids(1, 8)
+    want = logits(model, tokens)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+        del fused_calls[:]
+        torch.testing.assert_close(logits(twin, tokens), want, **TOL)
+        assert len(fused_calls) == model.config.num_hidden_layers
+        integration.revert_posenc_qk_norm(twin)
+        assert type(twin.model.layers[0].self_attn) is type(tiny_model("qwen3").model.layers[0].self_attn)
+        torch.testing.assert_close(logits(twin, tokens), want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="linear", factor=2.0),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+         original_max_position_embeddings=16),
+    dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=16),
+    dict(rope_type="yarn", factor=None, original_max_position_embeddings=8),  # factor from the config: 32 / 8
+    dict(rope_type="dynamic", factor=2.0),
+    dict(rope_type="longrope", short_factor=[1.0] * 8, long_factor=[2.0] * 8, original_max_position_embeddings=16),
+], ids=["linear", "llama3", "yarn", "yarn_factor_from_config", "dynamic", "longrope"])
+def test_rope_scaling_types(rope, fused_calls):
+    """The fused path for tables that depend on positions and config only; "dynamic" and
+    "longrope" (transformers' tables change with the call's length and the rotary module's
+    history) rotate with the model's own (cos, sin)."""
+    try:
+        model = tiny_model("qwen3", rope_parameters=dict(rope, rope_theta=10000.0), max_position_embeddings=32)
+    except (ValueError, KeyError, TypeError) as error:
+        pytest.skip(f"transformers {transformers.__version__} builds no Qwen3 with {rope}: {error}")
+    tokens = ids(2, 40)  # beyond max_position_embeddings
+    want_long, want_short = logits(model, tokens), logits(model, tokens[:, :6])
+    integration.apply_posenc_rope(model, qk_norm=True)
+    got_long, got_short = logits(model, tokens), logits(model, tokens[:, :6])
+    fused = rope["rope_type"] not in ("dynamic", "longrope")
+    assert len(fused_calls) == (2 * model.config.num_hidden_layers if fused else 0)
+    torch.testing.assert_close(got_long, want_long, **TOL)
+    torch.testing.assert_close(got_short, want_short, **TOL)
