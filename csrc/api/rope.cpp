@@ -15,17 +15,19 @@
 namespace posenc {
 
 std::vector<double> RopeScaling::values() const {
-  const auto value = [](const auto& key) -> double {  // a bool: 1 or 0
-    if (!key.has_value()) return math::kRopeKeyNotGiven;
-    const double v = static_cast<double>(*key);
-    // The op reads NaN as "not given": a NaN the caller set must not pass as that.
-    TORCH_CHECK_VALUE(std::isfinite(v), "RopeScaling: expected every key given to be finite, got ", v);
-    return v;
+  // The op's list: the bitmask of the keys given, every key (0 where not given), the lists.
+  std::vector<double> out{0.0};
+  uint64_t given = 0;
+  int index = 0;
+  const auto add = [&](const auto& key) {  // a bool key: 1 or 0
+    if (key.has_value()) given |= uint64_t{1} << index;
+    out.push_back(key.has_value() ? static_cast<double>(*key) : 0.0);
+    ++index;
   };
-  std::vector<double> out;
-#define POSENC_X(key) out.push_back(value(key));
+#define POSENC_X(key) add(key);
   POSENC_ROPE_SCALING_KEYS(POSENC_X)
 #undef POSENC_X
+  out[0] = static_cast<double>(given);
   TORCH_CHECK_VALUE(short_factor.size() == long_factor.size(),
                     "RopeScaling: expected short_factor and long_factor of equal lengths, got ",
                     short_factor.size(), " and ", long_factor.size());

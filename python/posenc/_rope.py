@@ -7,9 +7,7 @@ library (``posenc/math/rope.h``), the same code the kernels run.
 
 from __future__ import annotations
 
-import math
 import numbers
-import sys
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
@@ -44,10 +42,10 @@ FACTOR_FROM_MODEL_TYPES = _types_with("factor_from_model")
 PARTIAL_ROTARY_KEY_TYPES = _types_with("partial_rotary_key")
 
 
-# A scaling key that was not given, in the op's ``scaling`` list: the lowest float
-# (posenc::math::kRopeKeyNotGiven), not NaN, so that torch.export's JSON (which has no NaN)
-# carries the list to AOTInductor's C++ loader.
-KEY_NOT_GIVEN = -sys.float_info.max
+# The op's ``scaling`` list: [] for "default" with no key, else ``[given, *keys, *lists]``:
+# ``given`` is the bitmask of the keys the dict gave (bit i: SCALING_KEYS[i]; exact as a
+# float), then one value per key (0.0 where not given), then the list keys' values. Presence
+# travels in the mask, so no float value means "not given" (posenc/math/rope.h, RopeScalingParams).
 
 # Keys of a transformers 5 ``rope_parameters`` / ``rope_scaling`` dict (and of Qwen-VL
 # configs) that are not scaling keys but set other arguments: resolved by resolve_config_keys.
@@ -140,7 +138,8 @@ def scaling_arguments(
             f"rope: unknown rope scaling key(s) {unknown}; accepted keys are rope_type, "
             f"{', '.join(dict.fromkeys(SCALING_KEYS + SCALING_LIST_KEYS + CONFIG_KEYS))}"
         )
-    values = [KEY_NOT_GIVEN] * len(SCALING_KEYS)
+    values = [0.0] * len(SCALING_KEYS)
+    given = set()
     for i, key in enumerate(SCALING_KEYS):
         value = scaling.get(key)
         if value is None:
@@ -151,17 +150,18 @@ def scaling_arguments(
             value = 1.0 if value else 0.0
         elif isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
-        if not math.isfinite(value):  # the op reads NaN as "not given": never let one through
-            raise ValueError(f"rope: expected rope scaling key {key!r} to be finite, got {value}")
-        values[i] = float(value)
+        values[i] = float(value)  # the op checks the value (finite, in range)
+        given.add(i)
     orig = SCALING_KEYS.index("original_max_position_embeddings")
-    if (max_position_embeddings is not None and rope_type in ORIGINAL_FROM_MODEL_TYPES
-            and values[orig] == KEY_NOT_GIVEN):
+    if max_position_embeddings is not None and rope_type in ORIGINAL_FROM_MODEL_TYPES and orig not in given:
         values[orig] = float(max_position_embeddings)
+        given.add(orig)
     factor, attention = SCALING_KEYS.index("factor"), SCALING_KEYS.index("attention_factor")
     if (max_position_embeddings is not None and rope_type in FACTOR_FROM_MODEL_TYPES
-            and values[factor] == KEY_NOT_GIVEN and values[attention] == KEY_NOT_GIVEN and values[orig] > 0):
+            and factor not in given and attention not in given and orig in given and values[orig] > 0):
         values[factor] = max_position_embeddings / values[orig]
+        given.add(factor)
+    values.insert(0, float(sum(1 << i for i in given)))
     lists = [scaling.get(key) for key in SCALING_LIST_KEYS]
     if rope_type not in LIST_KEY_TYPES:
         given = [key for key, value in zip(SCALING_LIST_KEYS, lists) if value is not None]

@@ -418,3 +418,25 @@ TEST(RopeTypeFacts, ModuleFillsTheModelDefaultsOfTheFacts) {
 }
 
 }  // namespace
+
+// Presence is the std::optional's (issue 34): a value set to the lowest double (the former
+// in-band "not given" marker) or NaN is checked as a value, never read as absent.
+TEST(RopeScalingPresence, EveryValueSetIsCheckedAsAValue) {
+  for (double bad : {-std::numeric_limits<double>::max(), -1e308, std::nan("")}) {
+    posenc::RopeScaling s;
+    s.rope_type = "linear";
+    s.factor = bad;
+    EXPECT_THROW(posenc::rope_frequencies(8, 10000.0, s), c10::ValueError) << bad;
+  }
+  posenc::RopeScaling yarn;
+  yarn.rope_type = "yarn";
+  yarn.factor = 4.0;
+  yarn.original_max_position_embeddings = 64.0;
+  const auto [inv, factor] = posenc::rope_frequencies(8, 10000.0, yarn);
+  yarn.beta_fast = 32.0;  // the default, now given: the same frequencies
+  const auto [inv_given, factor_given] = posenc::rope_frequencies(8, 10000.0, yarn);
+  EXPECT_TRUE(torch::equal(inv, inv_given));
+  EXPECT_EQ(factor, factor_given);
+  yarn.beta_fast = -std::numeric_limits<double>::max();
+  EXPECT_THROW(posenc::rope_frequencies(8, 10000.0, yarn), c10::ValueError);
+}

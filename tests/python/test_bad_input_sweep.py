@@ -114,8 +114,11 @@ def rope_call(rng):
         cu = index(rng, (3,), 4) if rng.random() < 0.3 else torch.tensor(pick(rng, [[0, 1, 3]], [[0, 4], [1, 3], [0, 3, 1]]))
     rope_type = pick(rng, ["default", "linear", "dynamic", "yarn", "llama3"], ["", "ntk"])
     # A few unusual values per list (one in twenty keys): most lists still reach the kernels.
+    # The op's list: the bitmask of the keys given (all of them here), then the values.
     scaling = [pick(rng, [2.0, 4.0, 64.0], [NAN, 0.0, -1.0, 1e-310, math.inf], 0.05)
                for _ in range(rng.choice([0, N_KEYS, N_KEYS, 3]))]
+    if len(scaling) == N_KEYS:
+        scaling.insert(0, pick(rng, [float(2**N_KEYS - 1)], [0.5, -1.0, float(2**N_KEYS), NAN]))
     base = pick(rng, [10000.0], [1.0, -1.0, NAN, 1e300])
     seq_len = pick(rng, [0, -1], [2**62, -5])
     rotary_dim = pick(rng, [-1, 4], [0, 3, 2 * D + 2])
@@ -169,7 +172,7 @@ def other_call(rng):
     if kind == 0:
         return lambda: ops.rope_frequencies(pick(rng, [8, 64], [0, 3, 1026, 2**40]), pick(rng, [10000.0], [NAN, 0.5]),
                                             pick(rng, ["default", "dynamic"], ["x"]),
-                                            [pick(rng, [2.0, 64.0], [NAN, 1e-310]) for _ in range(N_KEYS)],
+                                            [float(2**N_KEYS - 1)] + [pick(rng, [2.0, 64.0], [NAN, 1e-310]) for _ in range(N_KEYS)],
                                             pick(rng, [0, 100], [2**62, -1]))
     if kind == 1:
         q = tensor(rng, (1, 3, 2, 8))

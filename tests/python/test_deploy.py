@@ -18,7 +18,7 @@ from torch import nn
 import posenc
 from posenc import functional
 from conftest import reference_table
-from posenc._rope import KEY_NOT_GIVEN, SCALING_KEYS
+from posenc._rope import SCALING_KEYS
 
 YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64}
 
@@ -57,21 +57,43 @@ def test_exported_graph_holds_no_nan(scaling):
         if scaling is None:
             assert list(values) == []  # the canonical "default": no list at all
         else:
-            assert len(values) == len(SCALING_KEYS) and KEY_NOT_GIVEN in values
+            given = {key for key, value in scaling.items() if key in SCALING_KEYS}
+            if scaling["rope_type"] == "yarn":
+                given.add("original_max_position_embeddings")  # the module's max_len
+            assert len(values) == 1 + len(SCALING_KEYS)
+            assert values[0] == sum(1 << SCALING_KEYS.index(key) for key in given)  # presence: the mask
 
 
-def test_op_reads_nan_and_the_marker_alike():
-    """Direct callers of the op may still mark a key not given with NaN."""
+def test_presence_travels_in_the_mask_not_in_a_value():
+    """The op's scaling list: [bitmask of the keys given, one value per key, ...]; a key not
+    given is 0 and its bit is clear. No value means "not given" (issue 34: an explicit
+    -sys.float_info.max was read as the in-band marker and silently replaced by the default)."""
     q = torch.randn(2, 6, 3, 32, dtype=torch.float64)
-    values = [KEY_NOT_GIVEN] * len(SCALING_KEYS)
-    values[SCALING_KEYS.index("factor")] = 4.0
-    values[SCALING_KEYS.index("original_max_position_embeddings")] = 16.0
-    with_nan = [math.nan if v == KEY_NOT_GIVEN else v for v in values]
+    values = [0.0] * (1 + len(SCALING_KEYS))
+    for key, value in (("factor", 4.0), ("original_max_position_embeddings", 16.0)):
+        values[0] += 1 << SCALING_KEYS.index(key)
+        values[1 + SCALING_KEYS.index(key)] = value
     a, _ = torch.ops.posenc.rope(q, rope_type="yarn", scaling=values)
-    b, _ = torch.ops.posenc.rope(q, rope_type="yarn", scaling=with_nan)
     c = functional.apply_rope(q, scaling={**YARN, "original_max_position_embeddings": 16})
-    assert torch.equal(a, b) and torch.equal(a, c)
+    assert torch.equal(a, c)
     assert not torch.equal(a, functional.apply_rope(q))  # the scaling did something
+    # A value without its bit is refused, not ignored.
+    values[1 + SCALING_KEYS.index("beta_fast")] = 8.0
+    with pytest.raises(ValueError, match=r"'beta_fast', which the bitmask says was not given, to be 0, got 8"):
+        torch.ops.posenc.rope(q, rope_type="yarn", scaling=values)
+
+
+@pytest.mark.parametrize("value", [-sys.float_info.max, -1e308, -2.0])
+def test_every_value_a_user_sets_is_checked_as_a_value(value):
+    """The former marker (-DBL_MAX) and its neighbour get the same error as any bad value."""
+    q = torch.randn(1, 4, 2, 8)
+    for key in ("beta_fast", "beta_slow"):
+        with pytest.raises(ValueError, match=rf"expected rope scaling key '{key}' to be a positive number"):
+            functional.apply_rope(q, scaling={**YARN, key: value})
+    with pytest.raises(ValueError, match=r"expected rope scaling key 'factor' to be a positive"):
+        functional.apply_rope(q, scaling={"rope_type": "linear", "factor": value})
+    with pytest.raises(ValueError, match=r"expected rope scaling key 'factor' to be a positive"):
+        posenc.RotaryPositionalEncoding(8, scaling={"rope_type": "linear", "factor": value})
 
 
 def test_a_nan_scaling_value_is_an_error_not_a_missing_key():

@@ -3,7 +3,14 @@ such a read is a device sync, which stalls the stream and breaks CUDA graph capt
 (test_cuda_streams.py captures the default calls on a GPU). Here, on the CPU, a dispatch
 mode records every aten._local_scalar_dense (.item(), int(t), bool(t), .tolist()) made while
 the call runs: on CPU tensors those are not syncs, so to reach the front ends' CUDA-only
-branches the index tensors are wrapped in a subclass that says it lives on CUDA."""
+branches the index tensors are wrapped in a subclass that says it lives on CUDA.
+
+What it covers, and what it cannot see: the mode sits at the Python dispatch key, so it sees
+the reads made by Python code (the front ends) and by ops that reach the dispatcher above the
+backend kernels; a read made inside a C++ kernel after dispatch (an .item() in a CPU or CUDA
+kernel, a cudaMemcpy or stream sync in CUDA code) is below it and invisible here. Those are
+covered by reading the code and, on a GPU, by test_cuda_streams.py's CUDA graph capture of
+the default calls (capture fails on any sync); no GPU has run it yet."""
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode

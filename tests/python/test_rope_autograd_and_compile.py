@@ -138,8 +138,7 @@ def opcheck_cases(device):
     q = torch.randn(2, 5, 3, 8, device=device)
     k = torch.randn(2, 5, 1, 8, device=device)
     t = torch.randn(9, 2, 8, device=device)
-    nan = float("nan")
-    yarn = [4.0, nan, nan, 16.0] + [nan] * (N_SCALING_KEYS - 4)
+    yarn = [0b1001, 4.0, 0.0, 0.0, 16.0] + [0.0] * (N_SCALING_KEYS - 4)  # keys 0 and 3 given
     return [
         (q, k),
         (q, None, torch.randint(0, 99, (2, 5), device=device), torch.tensor([1, 2], device=device), 3),
@@ -167,7 +166,7 @@ def test_opcheck_rope_frequencies():
     # No tensor inputs: a host-side helper (module construction), never traced; fake tensors
     # have no device to come from, so the schema check is the one that applies.
     opcheck(torch.ops.posenc.rope_frequencies.default, (16, 10000.0), test_utils=("test_schema",))
-    inv, factor = torch.ops.posenc.rope_frequencies(16, 10000.0, "linear", [2.0] + [float("nan")] * (N_SCALING_KEYS - 1))
+    inv, factor = torch.ops.posenc.rope_frequencies(16, 10000.0, "linear", [1.0, 2.0] + [0.0] * (N_SCALING_KEYS - 1))
     assert inv.shape == (8,) and factor == 1.0
 
 

@@ -201,7 +201,7 @@ def test_bad_longrope_dicts():
         apply_rope(torch.randn(1, 3, 1, 8), scaling=good, sections=[2, 2])
     # The op itself: a list cut short is caught from its length.
     with pytest.raises(ValueError, match="then the lists short_factor and long_factor"):
-        torch.ops.posenc.rope(q, rope_type="longrope", scaling=[math.nan] * len(SCALING_KEYS) + [1.0])
+        torch.ops.posenc.rope(q, rope_type="longrope", scaling=[0.0] * (1 + len(SCALING_KEYS)) + [1.0])
 
 
 def test_transformers_phi3_rotary_embedding():

@@ -5,8 +5,6 @@ end does with that type: ``apply_rope``, ``RotaryPositionalEncoding``, ``rope_co
 op itself. A new type gets these checks from the table; it only needs a sample below.
 (The C++ API and module: tests/cpp/test_rope.cpp, RopeTypeFacts.)"""
 
-import math
-
 import pytest
 import torch
 
@@ -159,7 +157,7 @@ def test_list_keys_follow_the_facts(rope_type):
     with pytest.raises(ValueError, match="belong to rope_type"):
         frequencies(scaling)
     _, values = _rope.scaling_arguments(SAMPLES[rope_type])
-    values = values or [math.nan] * len(_rope.SCALING_KEYS)  # NaN: a key not given
+    values = values or [0.0] * (1 + len(_rope.SCALING_KEYS))  # the mask: no key given
     with pytest.raises(ValueError, match="rope scaling values"):
         torch.ops.posenc.rope_frequencies(ROT, 10000.0, rope_type, values + [1.0] * ROT, 0, [], "axial")
 

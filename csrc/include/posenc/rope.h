@@ -41,8 +41,9 @@ struct RopeScaling {
   std::vector<double> short_factor;
   std::vector<double> long_factor;
 
-  // The values in the order of the op's `scaling` argument (NaN for unset keys, then the
-  // lists; ValueError when they differ in length).
+  // The op's `scaling` argument: the bitmask of the keys set (bit i: the i-th key above),
+  // every key's value (0 for an unset one), then the lists (ValueError when they differ in
+  // length). Whether a key is set is the std::optional's, never a value's.
   std::vector<double> values() const;
 };
 

@@ -12,10 +12,10 @@
 namespace posenc {
 namespace ops {
 
-// rope_type and scaling carry Hugging Face's rope_scaling dict (the keys of
-// POSENC_ROPE_SCALING_KEYS in posenc/math/rope.h, math::kRopeKeyNotGiven (-DBL_MAX; NaN is read
-// the same) where not given; [] for "default"; then
-// longrope's lists). seq_len (longest position + 1) matters for "dynamic" and "longrope";
+// rope_type and scaling carry Hugging Face's rope_scaling dict: [] for "default" with no
+// key, else [given, the keys of POSENC_ROPE_SCALING_KEYS in posenc/math/rope.h (0 where not
+// given), then longrope's lists], `given` the bitmask of the keys the dict gave (bit i: key
+// i; an integer, exact as a double). Presence is the mask's, never a value's. seq_len (longest position + 1) matters for "dynamic" and "longrope";
 // -1 derives it from the call (a device sync when index tensors are CUDA tensors).
 // rotary_dim=-1: head_dim. sections (pairs per axis) make positions (n_axes, ...)
 // coordinates, see RopeSectionsMode.
@@ -98,20 +98,30 @@ std::string scaling_key_list() {
 // the types with list keys) each list, all of one length (checked against rotary_dim later).
 void read_scaling_values(const std::vector<double>& fields, math::RopeScalingParams& out) {
   if (out.type == math::RopeType::kDefault && fields.empty()) return;
-  const int64_t extra = static_cast<int64_t>(fields.size()) - math::kRopeScalingFields;
+  const int64_t extra = static_cast<int64_t>(fields.size()) - 1 - math::kRopeScalingFields;
   const bool lists = (math::rope_type_facts(out.type) & math::kRopeListKeys) != 0;
   TORCH_CHECK_VALUE(lists ? extra > 0 && extra % kScalingLists == 0 &&
                                 extra / kScalingLists <= math::kRopeMaxPairs
                           : extra == 0,
-                    "posenc: expected ", math::kRopeScalingFields, " rope scaling values (",
-                    scaling_key_list(), "; -1.7976931348623157e+308 or NaN for a key not given)",
+                    "posenc: expected 1 + ", math::kRopeScalingFields, " rope scaling values (the "
+                    "bitmask of the keys given, then ", scaling_key_list(), ", 0 for a key not given)",
                     lists ? ", then the lists short_factor and long_factor of equal lengths (at "
                             "most 256 each)" : "",
                     " for rope_type '", rope_type_name(out.type), "', got ", fields.size());
+  const double mask = fields[0];
+  constexpr double kAllKeys = static_cast<double>((uint64_t{1} << math::kRopeScalingFields) - 1);
+  TORCH_CHECK_VALUE(mask >= 0.0 && mask <= kAllKeys && mask == std::floor(mask),
+                    "posenc: expected the first rope scaling value to be the bitmask of the keys "
+                    "given (an integer in [0, ", kAllKeys, "]), got ", mask);
+  out.given = static_cast<uint32_t>(mask);
   for (int i = 0; i < math::kRopeScalingFields; ++i) {
-    const double v = fields[i] == math::kRopeKeyNotGiven ? NAN : fields[i];
-    TORCH_CHECK_VALUE(math::rope_missing(v) || std::isfinite(v),
-                      "posenc: expected rope scaling key '", kScalingKeys[i],
+    const double v = fields[1 + i];
+    if (!math::rope_has(out, static_cast<math::RopeKey>(i))) {
+      TORCH_CHECK_VALUE(v == 0.0, "posenc: expected rope scaling key '", kScalingKeys[i],
+                        "', which the bitmask says was not given, to be 0, got ", v);
+      continue;
+    }
+    TORCH_CHECK_VALUE(std::isfinite(v), "posenc: expected rope scaling key '", kScalingKeys[i],
                       "' to be finite, got ", v);
     out.*kScalingFields[i] = v;
   }
@@ -119,7 +129,7 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
   out.list_length = extra / kScalingLists;
   for (int l = 0; l < kScalingLists; ++l) {
     for (int64_t i = 0; i < out.list_length; ++i) {
-      const double v = fields[math::kRopeScalingFields + l * out.list_length + i];
+      const double v = fields[1 + math::kRopeScalingFields + l * out.list_length + i];
       TORCH_CHECK_VALUE(std::isfinite(v), "posenc: expected rope scaling key '",
                         kScalingListKeys[l], "' to hold finite numbers, got ", v, " at index ", i);
       (out.*kScalingListFields[l])[i] = v;
@@ -167,15 +177,14 @@ c10::IValue write(const std::vector<int64_t>& v) { return v; }
 c10::IValue write(RopeLayout v) { return std::string(rope_layout_name(v)); }
 c10::IValue write(math::RopeType v) { return std::string(rope_type_name(v)); }
 c10::IValue write(math::RopeSectionsMode v) { return std::string(name_of(kSectionsModes, v)); }
-// The canonical list: [] for a "default" call with no key given; otherwise every key, the
-// ones not given as kRopeKeyNotGiven (never NaN: the list must survive torch.export's JSON).
+// The canonical list: [] for a "default" call with no key given; otherwise the bitmask of
+// the keys given, every key (0 where not given), then the lists.
 c10::IValue write(const math::RopeScalingParams& s) {
   std::vector<double> fields;
-  bool any_given = s.list_length > 0;
-  for (const auto field : kScalingFields) any_given = any_given || !math::rope_missing(s.*field);
-  if (s.type == math::RopeType::kDefault && !any_given) return fields;
-  for (const auto field : kScalingFields) {
-    fields.push_back(math::rope_missing(s.*field) ? math::kRopeKeyNotGiven : s.*field);
+  if (s.type == math::RopeType::kDefault && s.given == 0 && s.list_length == 0) return fields;
+  fields.push_back(static_cast<double>(s.given));
+  for (int i = 0; i < math::kRopeScalingFields; ++i) {
+    fields.push_back(math::rope_has(s, static_cast<math::RopeKey>(i)) ? s.*kScalingFields[i] : 0.0);
   }
   for (const auto list : kScalingListFields) {
     fields.insert(fields.end(), s.*list, s.*list + s.list_length);

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <tuple>
 
 namespace posenc {
 namespace ops {
@@ -23,15 +24,15 @@ const char* layout_shape(RopeLayout layout) {
   }
 }
 
-// A key the type needs: a NaN field (rope_missing) was not in the dict, so say so instead of
-// "got nan".
-void require_given(math::RopeType type, const char* key, double value) {
-  TORCH_CHECK_VALUE(!math::rope_missing(value), "posenc: rope scaling type '",
-                    rope_type_name(type), "' needs the key '", key, "', which was not given");
+// A key the type needs, which the dict did not give.
+void require_given(const math::RopeScalingParams& s, math::RopeKey k, const char* key) {
+  TORCH_CHECK_VALUE(math::rope_has(s, k), "posenc: rope scaling type '", rope_type_name(s.type),
+                    "' needs the key '", key, "', which was not given");
 }
 
-void require_positive(math::RopeType type, const char* key, double value) {
-  require_given(type, key, value);
+void require_positive(const math::RopeScalingParams& s, math::RopeKey k, const char* key,
+                      double value) {
+  require_given(s, k, key);
   TORCH_CHECK_VALUE(std::isfinite(value) && value > 0.0, "posenc: expected rope scaling key '",
                     key, "' to be a positive number, got ", value);
 }
@@ -93,46 +94,45 @@ void check_rope_position_value(const char* what, int64_t value) {
 void check_rope_scaling(const math::RopeScalingParams& s) {
   switch (s.type) {
     case math::RopeType::kLinear:
-      require_positive(s.type, "factor", s.factor);
+      require_positive(s, math::RopeKey::factor, "factor", s.factor);
       break;
     case math::RopeType::kDynamic:
     case math::RopeType::kYarn:
-      require_positive(s.type, "factor", s.factor);
-      require_positive(s.type, "original_max_position_embeddings",
-                       s.original_max_position_embeddings);
+      require_positive(s, math::RopeKey::factor, "factor", s.factor);
+      require_positive(s, math::RopeKey::original_max_position_embeddings, "original_max_position_embeddings", s.original_max_position_embeddings);
       if (s.type == math::RopeType::kYarn) {
         // Optional (defaults 32 and 1), but a given 0 would put a correction dimension at
         // infinity (Hugging Face reads a 0 as "not given"; here it is an error).
-        for (const auto& [key, value] : {std::pair<const char*, double>{"beta_fast", s.beta_fast},
-                                         {"beta_slow", s.beta_slow}}) {
-          TORCH_CHECK_VALUE(math::rope_missing(value) || (std::isfinite(value) && value > 0.0),
+        for (const auto& [k, key, value] :
+             {std::tuple<math::RopeKey, const char*, double>{math::RopeKey::beta_fast, "beta_fast",
+                                                             s.beta_fast},
+              {math::RopeKey::beta_slow, "beta_slow", s.beta_slow}}) {
+          TORCH_CHECK_VALUE(!math::rope_has(s, k) || (std::isfinite(value) && value > 0.0),
                             "posenc: expected rope scaling key '", key,
                             "' to be a positive number, got ", value);
         }
       }
       break;
     case math::RopeType::kLlama3:
-      require_positive(s.type, "factor", s.factor);
-      require_positive(s.type, "low_freq_factor", s.low_freq_factor);
-      require_positive(s.type, "high_freq_factor", s.high_freq_factor);
-      require_positive(s.type, "original_max_position_embeddings",
-                       s.original_max_position_embeddings);
+      require_positive(s, math::RopeKey::factor, "factor", s.factor);
+      require_positive(s, math::RopeKey::low_freq_factor, "low_freq_factor", s.low_freq_factor);
+      require_positive(s, math::RopeKey::high_freq_factor, "high_freq_factor", s.high_freq_factor);
+      require_positive(s, math::RopeKey::original_max_position_embeddings, "original_max_position_embeddings", s.original_max_position_embeddings);
       TORCH_CHECK_VALUE(s.high_freq_factor > s.low_freq_factor,
                         "posenc: expected rope scaling key 'high_freq_factor' (",
                         s.high_freq_factor, ") to be greater than 'low_freq_factor' (",
                         s.low_freq_factor, ")");
       break;
     case math::RopeType::kLongrope:
-      require_positive(s.type, "original_max_position_embeddings",
-                       s.original_max_position_embeddings);
+      require_positive(s, math::RopeKey::original_max_position_embeddings, "original_max_position_embeddings", s.original_max_position_embeddings);
       // transformers takes factor from the config (max_position_embeddings / original);
       // the dict alone may lack it: then attention_factor must be given.
-      TORCH_CHECK_VALUE(!math::rope_missing(s.factor) || !math::rope_missing(s.attention_factor),
+      TORCH_CHECK_VALUE(math::rope_has(s, math::RopeKey::factor) || math::rope_has(s, math::RopeKey::attention_factor),
                         "posenc: rope scaling type 'longrope' needs 'factor' (max_position_embeddings"
                         " / original_max_position_embeddings) or 'attention_factor', got neither");
-      if (!math::rope_missing(s.factor)) require_positive(s.type, "factor", s.factor);
-      if (!math::rope_missing(s.attention_factor)) {
-        require_positive(s.type, "attention_factor", s.attention_factor);
+      if (math::rope_has(s, math::RopeKey::factor)) require_positive(s, math::RopeKey::factor, "factor", s.factor);
+      if (math::rope_has(s, math::RopeKey::attention_factor)) {
+        require_positive(s, math::RopeKey::attention_factor, "attention_factor", s.attention_factor);
       }
       for (int64_t i = 0; i < s.list_length; ++i) {
         TORCH_CHECK_VALUE(s.short_factor[i] > 0.0 && s.long_factor[i] > 0.0,
@@ -142,11 +142,11 @@ void check_rope_scaling(const math::RopeScalingParams& s) {
       }
       break;
     case math::RopeType::kProportional:
-      require_given(s.type, "partial_rotary_factor", s.partial_rotary_factor);
+      require_given(s, math::RopeKey::partial_rotary_factor, "partial_rotary_factor");
       TORCH_CHECK_VALUE(s.partial_rotary_factor > 0.0 && s.partial_rotary_factor <= 1.0,
                         "posenc: expected rope scaling key 'partial_rotary_factor' in (0, 1] for "
                         "rope_type 'proportional', got ", s.partial_rotary_factor);
-      if (!math::rope_missing(s.factor)) require_positive(s.type, "factor", s.factor);
+      if (math::rope_has(s, math::RopeKey::factor)) require_positive(s, math::RopeKey::factor, "factor", s.factor);
       break;
     default:
       break;

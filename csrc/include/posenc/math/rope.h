@@ -106,11 +106,21 @@ enum class RopeType : int {
 // Most rotary pairs per head: rotary_dim <= 512.
 constexpr int kRopeMaxPairs = 256;
 
-// The parameters of a `rope_scaling` dict, one field per key. A NaN marks a key that was
-// not given (its default, where it has one, applies).
+// Each key of POSENC_ROPE_SCALING_KEYS by its index: bit i of RopeScalingParams::given.
+enum class RopeKey : int {
+#define POSENC_X(key) key,
+  POSENC_ROPE_SCALING_KEYS(POSENC_X)
+#undef POSENC_X
+};
+
+// The parameters of a `rope_scaling` dict, one field per key. Presence travels beside the
+// values: bit i of `given` says that key RopeKey(i) was in the dict (its field holds the
+// value); a key not given reads as 0 and its default, where it has one, applies. No value
+// means "not given", so any value a caller sets is checked as a value.
 struct RopeScalingParams {
   RopeType type = RopeType::kDefault;
-#define POSENC_X(key) double key = NAN;
+  uint32_t given = 0;
+#define POSENC_X(key) double key = 0.0;
   POSENC_ROPE_SCALING_KEYS(POSENC_X)
 #undef POSENC_X
   int64_t list_length = 0;  // values per list key (0: none given)
@@ -119,13 +129,6 @@ struct RopeScalingParams {
 #undef POSENC_X
 };
 
-// A key that was not given, as the op's float[] `scaling` argument carries it: the lowest
-// double, which no key can mean (each is checked finite, and all but mscale and truncate
-// positive). Not NaN: torch.export writes a graph's float lists as JSON, which has no NaN,
-// and AOTInductor's C++ loader rejects the string it writes instead (issue 22). The parser
-// also reads NaN as "not given" (direct callers of the op); in RopeScalingParams a missing
-// key is NaN.
-constexpr double kRopeKeyNotGiven = -1.7976931348623157e308;
 
 // Number of keys: the length of the op's float[] argument.
 constexpr int kRopeScalingFields = 0
@@ -136,8 +139,10 @@ constexpr int kRopeScalingFields = 0
 
 POSENC_ISA_NAMESPACE_BEGIN
 
-// True for a field that was not given (NaN); written out so that it needs no isnan overload.
-POSENC_HOST_DEVICE bool rope_missing(double v) { return v != v; }
+// True when the dict gave key k.
+POSENC_HOST_DEVICE bool rope_has(const RopeScalingParams& s, RopeKey k) {
+  return ((s.given >> static_cast<int>(k)) & 1u) != 0;
+}
 
 // The two features that pair p of a row rotates together: halves (p, p + half), as in
 // GPT-NeoX and Hugging Face's rotate_half, or adjacent (2p, 2p + 1), as in GPT-J and Meta's
@@ -255,9 +260,9 @@ POSENC_HOST_DEVICE double rope_inv_freq(int64_t i, int64_t rotary_dim, double ba
       return rope_default_inv_freq(i, rotary_dim, scaled_base);
     }
     case RopeType::kYarn: {
-      const double beta_fast = rope_missing(s.beta_fast) ? 32.0 : s.beta_fast;
-      const double beta_slow = rope_missing(s.beta_slow) ? 1.0 : s.beta_slow;
-      const bool truncate = rope_missing(s.truncate) || s.truncate != 0.0;
+      const double beta_fast = !rope_has(s, RopeKey::beta_fast) ? 32.0 : s.beta_fast;
+      const double beta_slow = !rope_has(s, RopeKey::beta_slow) ? 1.0 : s.beta_slow;
+      const bool truncate = !rope_has(s, RopeKey::truncate) || s.truncate != 0.0;
       const double orig = s.original_max_position_embeddings;
       double low = yarn_correction_dim(beta_fast, rotary_dim, base, orig);
       double high = yarn_correction_dim(beta_slow, rotary_dim, base, orig);
@@ -301,7 +306,7 @@ POSENC_HOST_DEVICE double rope_inv_freq(int64_t i, int64_t rotary_dim, double ba
       // int(partial_rotary_factor * head_dim // 2) pairs turn, the others keep angle 0 in
       // place (rotary_dim is the whole head_dim here); all divided by factor (default 1).
       const double angles = floor(s.partial_rotary_factor * static_cast<double>(rotary_dim) / 2.0);
-      const double factor = rope_missing(s.factor) ? 1.0 : s.factor;
+      const double factor = !rope_has(s, RopeKey::factor) ? 1.0 : s.factor;
       return static_cast<double>(i) < angles ? rope_default_inv_freq(i, rotary_dim, base) / factor : 0.0;
     }
     case RopeType::kDefault:
@@ -316,13 +321,13 @@ POSENC_HOST_DEVICE double rope_attention_factor(const RopeScalingParams& s) {
   if (s.type == RopeType::kLongrope) {
     // The given attention_factor, else sqrt(1 + ln(factor) / ln(original)) (the LongRoPE
     // paper's, as transformers computes it; 1 for factor <= 1).
-    if (!rope_missing(s.attention_factor)) return s.attention_factor;
+    if (rope_has(s, RopeKey::attention_factor)) return s.attention_factor;
     if (s.factor <= 1.0) return 1.0;
     return sqrt(1.0 + log(s.factor) / log(s.original_max_position_embeddings));
   }
   if (s.type != RopeType::kYarn) return 1.0;
-  if (!rope_missing(s.attention_factor)) return s.attention_factor;
-  if (!rope_missing(s.mscale) && !rope_missing(s.mscale_all_dim) && s.mscale != 0.0 && s.mscale_all_dim != 0.0) {
+  if (rope_has(s, RopeKey::attention_factor)) return s.attention_factor;
+  if (rope_has(s, RopeKey::mscale) && rope_has(s, RopeKey::mscale_all_dim) && s.mscale != 0.0 && s.mscale_all_dim != 0.0) {
     return yarn_get_mscale(s.factor, s.mscale) / yarn_get_mscale(s.factor, s.mscale_all_dim);
   }
   return yarn_get_mscale(s.factor, 1.0);
