@@ -31,3 +31,11 @@ def keep_mask(seed: int, offset: int, shape, p: float) -> torch.Tensor:
     threshold = min(int(p * 65536.0 + 0.5), 65536)
     n = int(np.prod(shape))
     return torch.from_numpy(philox_bits16(seed, offset, n) >= threshold).reshape(shape)
+
+
+def expected_masked(grad: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
+    """grad * (keep ? scale : 0) in the accumulation dtype, rounded once (the kernels' math)."""
+    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
+    scale = torch.tensor(0.0 if p >= 1 else 1.0 / (1.0 - p), dtype=acc)
+    factor = torch.where(keep, scale, torch.zeros((), dtype=acc))
+    return (grad.to(acc) * factor).to(grad.dtype)

@@ -11,15 +11,7 @@ row and a 1024-element chunk, and the other dtypes run the general path only.
 import pytest
 import torch
 
-from dropout_reference import keep_mask
-
-def expected_masked(grad: torch.Tensor, keep: torch.Tensor, p: float) -> torch.Tensor:
-    """grad * (keep ? scale : 0) in the accumulation dtype, rounded once (the kernels' math)."""
-    acc = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    scale = torch.tensor(0.0 if p >= 1 else 1.0 / (1.0 - p), dtype=acc)
-    factor = torch.where(keep, scale, torch.zeros((), dtype=acc))
-    return (grad.to(acc) * factor).to(grad.dtype)
-
+from dropout_reference import expected_masked, keep_mask
 
 # (shape, seed, offset): rows of 512 (whole groups), of 40 and 37 (rows that start inside a
 # block and groups cut by the 1024-element chunks), one long row with a tail of 5.

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import posenc
 from posenc.functional import make_positions, resample_position_table, sinusoidal_2d_table
 from conftest import DEVICES, DTYPES, reference_add
+from dropout_reference import expected_masked, keep_mask
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -364,7 +365,8 @@ def test_fused_backward_op_against_reference(device, batch_first, positions, p, 
     offset = 0 if pos is not None else 4
     op = torch.ops.posenc.add_position_backward_with_table
     gx, gt = op(grad, rng, pos, offset, batch_first, p, L, True)
-    masked = torch.ops.posenc.add_position_backward(grad, rng, p) if p > 0 else grad
+    # The mask from the independent Philox (dropout_reference), not from posenc's own op.
+    masked = expected_masked(grad.cpu(), keep_mask(987654321, 64, grad.shape, p), p).to(device) if p > 0 else grad
     assert torch.equal(gx, masked)
     rows = (masked if batch_first else masked.transpose(0, 1)).double()
     idx = (torch.arange(S, device=device) + offset).expand(B, S) if pos is None else pos.expand(B, S)
@@ -394,7 +396,7 @@ def test_fused_backward_op_vector_widths_and_alignment(device, dtype, positions,
     offset = 0 if pos is not None else 6
     op = torch.ops.posenc.add_position_backward_with_table
     gx, gt = op(grad, rng, pos, offset, True, p, L, True)
-    masked = torch.ops.posenc.add_position_backward(grad, rng, p) if p > 0 else grad
+    masked = expected_masked(grad.cpu(), keep_mask(123456789, 4, grad.shape, p), p).to(device) if p > 0 else grad
     assert gx.dtype == dtype and torch.equal(gx, masked)
     # Reference from the mask alone: kept entries contribute g * 1/(1-p) (float32, unrounded).
     kept = masked != 0
