@@ -98,3 +98,32 @@ def test_real_torchtune_rotary_positional_embeddings():
     input_pos = torch.randint(0, 128, (2, 10))
     torch.testing.assert_close(ours(x, input_pos=input_pos), theirs(x, input_pos=input_pos), rtol=2e-5, atol=2e-5)
     torch.testing.assert_close(ours(x), theirs(x), rtol=2e-5, atol=2e-5)
+
+
+def torchtune_rotary_positional_embeddings(x, input_pos, dim, base=10000, max_seq_len=128):
+    """torchtune's RotaryPositionalEmbeddings.forward (torchtune/modules/position_embeddings.py),
+    written out: a float32 cache of (cos, sin) per position and pair, adjacent pairs."""
+    theta = 1.0 / (base ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
+    idx_theta = torch.einsum("i, j -> ij", torch.arange(max_seq_len, dtype=theta.dtype), theta).float()
+    cache = torch.stack([torch.cos(idx_theta), torch.sin(idx_theta)], dim=-1)
+    rope_cache = cache[: x.size(1)] if input_pos is None else cache[input_pos]
+    xshaped = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope_cache = rope_cache.view(-1, xshaped.size(1), 1, xshaped.size(3), 2)
+    x_out = torch.stack([
+        xshaped[..., 0] * rope_cache[..., 0] - xshaped[..., 1] * rope_cache[..., 1],
+        xshaped[..., 1] * rope_cache[..., 0] + xshaped[..., 0] * rope_cache[..., 1],
+    ], -1)
+    return x_out.flatten(3).type_as(x)
+
+
+def test_torchtune_rotary_positional_embeddings_formula():
+    """The call form a torchtune attention makes (pos_embeddings(x, input_pos=...)), against
+    torchtune's forward written out, so it runs where torchtune does not import (the test
+    above skips here)."""
+    ours = posenc.RotaryPositionalEncoding(64, max_len=128, interleaved=True)
+    x = torch.randn(2, 10, 4, 64)
+    input_pos = torch.randint(0, 128, (2, 10))
+    want = torchtune_rotary_positional_embeddings(x, input_pos, 64)
+    torch.testing.assert_close(ours(x, input_pos=input_pos), want, rtol=2e-5, atol=2e-5)
+    torch.testing.assert_close(ours(x), torchtune_rotary_positional_embeddings(x, None, 64), rtol=2e-5, atol=2e-5)
+    assert not torch.allclose(ours(x, input_pos=input_pos), ours(x))  # the positions mattered
