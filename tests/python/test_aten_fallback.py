@@ -1,11 +1,12 @@
 """The ATen fallback (csrc/ops/common/aten_fallback.h): every op composed of ATen ops, for devices
 without a posenc kernel (CUDA in a build without the CUDA kernels, MPS, XPU, ...).
 
-POSENC_FORCE_ATEN_FALLBACK=1, read once per process, leaves the CPU kernels unregistered, so
-CPU calls take the fallback. Each test runs the same script in two processes, with the CPU
-kernels and with the fallback forced, and compares: every op, forward and backward (the
-C++ autograd kernels call the ops below autograd, so the gradients take the fallback too).
-The fallback adds in the kernels' accumulation dtype and draws the kernels' Philox mask from
+On CPU tensors the tests reach it through the dispatcher: aten_fallback_mode.ThroughTheFallback
+redispatches every posenc op to its CompositeExplicitAutograd kernel (the C++ autograd
+kernels call the ops below autograd, so the gradients take the fallback too) and counts the
+calls, so each comparison also asserts that the fallback ran. The same script runs twice in
+one process, with the CPU kernels and through the fallback, and the results are compared:
+the fallback adds in the kernels' accumulation dtype and draws the kernels' Philox mask from
 the same CPU generator, so add_position and its dropout agree bit for bit; table gradients
 (summed in another order), the sinusoidal table and the RoPE angles (the device's sin and
 cos instead of posenc's polynomials) agree to the dtype's rounding.
@@ -18,10 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from aten_fallback_mode import ThroughTheFallback
+
 ROOT = Path(__file__).resolve().parents[2]
 
 SCRIPT = r"""
-import sys
 import torch
 import posenc
 
@@ -126,29 +128,32 @@ out["errors"] = [
     error_of(lambda: F.apply_rope_cos_sin(torch.zeros(1, 2, 3, 8), None, torch.zeros(4, 6),
                                           torch.zeros(4, 6))),
 ]
-torch.save(out, sys.argv[1])
 """
 
 
-def run(tmp_path: Path, forced: bool) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
-    env.pop("POSENC_FORCE_ATEN_FALLBACK", None)
-    if forced:
-        env["POSENC_FORCE_ATEN_FALLBACK"] = "1"
-    path = tmp_path / ("fallback.pt" if forced else "kernels.pt")
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(path)], env=env, capture_output=True,
-                          text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    result = torch.load(path)
-    # The fallback's warning goes through c10's handler (torch.ops calls print it).
-    result["warnings"] = [line for line in proc.stderr.splitlines() if "composition of ATen ops" in line]
-    return result
+def run(through_fallback: bool) -> dict:
+    """The script's results, with the CPU kernels or through the fallback (with the calls
+    each op made into its composite)."""
+    scope = {}
+    if not through_fallback:
+        exec(SCRIPT, scope)
+        return scope["out"]
+    with ThroughTheFallback() as mode:
+        exec(SCRIPT, scope)
+    return {**scope["out"], "composite_calls": mode.calls}
 
 
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    tmp_path = tmp_path_factory.mktemp("aten_fallback")
-    return run(tmp_path, forced=False), run(tmp_path, forced=True)
+def results():
+    return run(through_fallback=False), run(through_fallback=True)
+
+
+def test_every_op_ran_its_composite(results):
+    _, fallback = results
+    calls = fallback["composite_calls"]
+    for op in ("add_position_forward", "add_position_backward", "add_position_backward_with_table",
+               "sinusoidal_table", "rope", "rope_", "apply_rope_cos_sin"):
+        assert calls.get(f"posenc::{op}", 0) > 0, (op, calls)
 
 
 def flatten(value):
@@ -180,13 +185,26 @@ def compare(kernels, fallback, prefix, exact):
                                            msg=lambda m, key=key, i=i: f"{key}[{i}]: {m}")
 
 
-def test_the_fallback_warns_once_naming_why_and_how(results):
-    kernels, fallback = results
-    assert kernels["warnings"] == []
-    assert len(fallback["warnings"]) == 1
-    message = fallback["warnings"][0]
+def test_the_fallback_warns_once_naming_why_and_how():
+    """In a process of its own (the warning is once per process)."""
+    code = ("import torch, posenc, sys\n"
+            "sys.path.insert(0, sys.argv[1])\n"
+            "from aten_fallback_mode import ThroughTheFallback\n"
+            "x, table = torch.randn(2, 3, 8), torch.randn(10, 8)\n"
+            "posenc.functional.add_position(x, table)\n"
+            "with ThroughTheFallback():\n"
+            "    for _ in range(3):\n"
+            "        posenc.functional.add_position(x, table)\n"
+            "        posenc.functional.apply_rope(torch.randn(1, 2, 1, 8))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "python"))
+    proc = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent)], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    warnings = [line for line in proc.stderr.splitlines() if "composition of ATen ops" in line]
+    assert len(warnings) == 1, proc.stderr
+    message = warnings[0]
     assert "posenc: add_position on cpu tensors runs as a composition of ATen ops" in message
-    assert "slower" in message and "POSENC_FORCE_ATEN_FALLBACK is set" in message
+    assert "slower" in message and "the call was sent to it" in message
 
 
 def test_add_position_forward_and_backward(results):

@@ -7,9 +7,9 @@
 // device's rounding, with the same checks and messages as the kernels; dropout draws the
 // same Philox bits as the kernels (posenc/math/philox.h, in int64 tensor ops).
 //
-// POSENC_FORCE_ATEN_FALLBACK=1 (read once) leaves the CPU kernels unregistered, so that CPU
-// calls take the fallback too: how the tests check it against the kernels
-// (tests/python/test_aten_fallback.py).
+// The tests reach it for CPU tensors through the dispatcher, by redispatching each posenc op
+// to its CompositeExplicitAutograd kernel (tests/python/aten_fallback_mode.py), and compare
+// it with the CPU kernels (tests/python/test_aten_fallback.py).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -18,9 +18,6 @@
 
 namespace posenc {
 namespace ops {
-
-// True when POSENC_FORCE_ATEN_FALLBACK is set to anything but "" or "0".
-bool force_aten_fallback();
 
 // The one-time warning of the fallback (the first op and device that take it).
 void warn_aten_fallback(const char* op, const at::Device& device);

@@ -1,7 +1,6 @@
 // qk_norm_rope and its backward composed of ATen ops and the rope op: the double backward
 // (autograd differentiates this form: every op in it has a derivative, rope's its own), and
-// the ATen fallback of devices without a qk_norm_rope kernel (aten_fallback.h; under
-// POSENC_FORCE_ATEN_FALLBACK on the CPU too). The norm's statistics in the compute dtype
+// the ATen fallback of devices without a qk_norm_rope kernel (aten_fallback.h). The norm's statistics in the compute dtype
 // (float32, float64 for float64) as in the kernels; outputs rounded once to the inputs'
 // dtypes.
 #include <ATen/ATen.h>

@@ -15,7 +15,6 @@
 #include <mutex>
 
 #include "ops/add_position/add_position_checks.h"
-#include "ops/common/aten_fallback.h"
 #include "ops/add_position/cpu/add_position_kernel.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "posenc/math/philox.h"
@@ -144,7 +143,6 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-  if (force_aten_fallback()) return;  // CPU calls take the ATen fallback (aten_fallback.h)
   m.impl("add_position_backward_with_table", &add_position_backward_with_table_cpu);
   m.impl("add_position_forward", &add_position_forward_cpu);
   m.impl("add_position_backward", &add_position_backward_cpu);

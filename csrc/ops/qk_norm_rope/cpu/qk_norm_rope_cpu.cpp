@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "ops/common/aten_fallback.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/qk_norm_rope/cpu/qk_norm_rope_kernel.h"
 #include "ops/qk_norm_rope/qk_norm_rope_call.h"
@@ -33,7 +32,6 @@ void run_qk_norm_rope_cpu(QkNormRopeLaunch& l, const at::Tensor& q, bool backwar
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-  if (force_aten_fallback()) return;  // CPU calls take the ATen composite (aten_fallback.h)
   m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<
                              &qk_norm_rope_kernel_boxed<&empty_output_like, &run_qk_norm_rope_cpu>>());
   m.impl("qk_norm_rope_", torch::CppFunction::makeFromBoxedFunction<

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "ops/common/aten_fallback.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/rope/cpu/rope_cos_sin_kernel.h"
 #include "ops/rope/rope_cos_sin.h"
@@ -31,7 +30,6 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cpu(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-  if (force_aten_fallback()) return;  // CPU calls take the ATen fallback (aten_fallback.h)
   m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_cpu);
 }
 

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "ops/common/aten_fallback.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/rope/cpu/rope_kernel.h"
 #include "ops/rope/rope_launch.h"
@@ -20,7 +19,6 @@ void run_rope_cpu(const RopeLaunch& launch, const at::Tensor& q) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-  if (force_aten_fallback()) return;  // CPU calls take the ATen fallback (aten_fallback.h)
   m.impl("rope", torch::CppFunction::makeFromBoxedFunction<
                      &rope_kernel_boxed<&empty_output_like, &run_rope_cpu>>());
   m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
-#include "ops/common/aten_fallback.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/rope_append_kv/cpu/rope_append_kv_kernel.h"
 #include "ops/rope_append_kv/rope_append_kv_call.h"
@@ -20,7 +19,6 @@ void run_rope_append_kv_cpu(const KvLaunch& launch, const at::Tensor& q) {
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-  if (force_aten_fallback()) return;  // CPU calls take the ATen fallback (aten_fallback.h)
   m.impl("rope_append_kv",
          torch::CppFunction::makeFromBoxedFunction<
              &rope_append_kv_kernel_boxed<&empty_output_like, &run_rope_append_kv_cpu, true>>());

@@ -8,7 +8,6 @@
 #include <cmath>
 
 #include "ops/add_position/add_position_checks.h"
-#include "ops/common/aten_fallback.h"
 #include "posenc/math/sinusoid.h"
 
 namespace posenc {
@@ -39,7 +38,6 @@ at::Tensor sinusoidal_table_cpu(const at::Tensor& positions, int64_t d_model, do
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-  if (force_aten_fallback()) return;  // CPU calls take the ATen fallback (aten_fallback.h)
   m.impl("sinusoidal_table", &sinusoidal_table_cpu);
 }
 
