@@ -327,3 +327,34 @@ def test_rope_scaling_types(rope, fused_calls):
     assert len(fused_calls) == (2 * model.config.num_hidden_layers if fused else 0)
     torch.testing.assert_close(got_long, want_long, **TOL)
     torch.testing.assert_close(got_short, want_short, **TOL)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2"])
+def test_training_mode_with_attention_dropout_matches_unpatched(model_type, fused_calls):
+    """A fine-tuning user's state: train mode, attention dropout on. The same seed gives the
+    same dropout masks on both sides, so logits and every gradient agree."""
+    model = tiny_model(model_type, attention_dropout=0.1)
+    model.train()
+    tokens = ids(2, 9)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        torch.manual_seed(7)
+        out = model(tokens, labels=tokens)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_logits, want_grads = step()
+    integration.apply_posenc_rope(model, qk_norm=True)
+    try:
+        got_logits, got_grads = step()
+    finally:
+        integration.revert_posenc_qk_norm(model)
+    assert len(fused_calls) == model.config.num_hidden_layers
+    torch.testing.assert_close(got_logits, want_logits, **TOL)
+    assert got_grads.keys() == want_grads.keys()
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+    # Dropout was on: the same seed again gives the same logits, another seed others.
+    torch.manual_seed(8)
+    assert not torch.equal(model(tokens).logits.detach(), want_logits)
