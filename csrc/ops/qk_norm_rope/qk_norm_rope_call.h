@@ -41,9 +41,9 @@ struct QkNormRopeCall {
 QkNorm parse_qk_norm(const std::string& name);
 const char* qk_norm_name(QkNorm norm);
 
-// The in-place call's own checks (qk_norm_rope_): q and k as rope_ takes them
-// (check_rope_inplace: no internal overlap, separate memory), and weights that share no
-// storage with them.
+// The in-place call's own checks (qk_norm_rope_): q and k are written, so neither may
+// overlap itself, the other, the weights or the index tensors (check_written_memory,
+// rope_checks.h).
 void check_qk_norm_rope_inplace(const QkNormRopeCall& call);
 
 // Every check of a call, on any device (Meta included: symbolic sizes): RoPE's, then eps,

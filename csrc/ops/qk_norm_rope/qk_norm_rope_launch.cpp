@@ -104,18 +104,13 @@ QkNormRopeLaunch prepare_qk_norm_rope_launch(const QkNormRopeCall& c, int64_t ro
 }  // namespace
 
 void check_qk_norm_rope_inplace(const QkNormRopeCall& c) {
-  check_rope_inplace(c.rope);  // q and k: no internal overlap, separate memory
-  const std::pair<const char*, const at::Tensor*> weights[] = {{"q_weight", &c.q_weight},
-                                                               {"k_weight", &c.k_weight}};
-  const std::pair<const char*, const at::Tensor*> operands[] = {{"q", &c.rope.q},
-                                                                {"k", &*c.rope.k}};
-  for (const auto& [wname, w] : weights) {
-    for (const auto& [xname, x] : operands) {
-      TORCH_CHECK(!(w->has_storage() && x->has_storage() && w->storage().is_alias_of(x->storage())),
-                  "posenc: qk_norm_rope: inplace=True needs ", wname, " in memory of its own, got ",
-                  wname, " sharing ", xname, "'s storage; pass a copy or use inplace=False");
-    }
-  }
+  const RopeCall& r = c.rope;
+  const auto optional = [](const std::optional<at::Tensor>& t) { return t ? &*t : nullptr; };
+  check_written_memory("qk_norm_rope_", {{"q", &r.q}, {"k", &*r.k}},
+                       {{"q_weight", &c.q_weight}, {"k_weight", &c.k_weight},
+                        {"positions", optional(r.positions)}, {"offset", optional(r.offsets)},
+                        {"cu_seqlens", optional(r.cu_seqlens)}},
+                       "pass copies or use inplace=False");
 }
 
 void run_qk_norm_rope_boxed(torch::jit::Stack* stack, bool backward,

@@ -5,6 +5,8 @@
 
 #include <ATen/ATen.h>
 
+#include <initializer_list>
+
 #include "ops/rope/rope_args.h"  // kMaxRopePairs
 #include "ops/rope/rope_call.h"
 
@@ -45,8 +47,38 @@ void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSection
 constexpr int64_t kRopeMaxPosition = int64_t{1} << 53;
 void check_rope_position_value(const char* what, int64_t value);
 
-// In place: q and k must not overlap themselves or each other (slices of one fused qkv
-// buffer are fine). rope_overlap.cpp.
+// Memory that a kernel writes while it reads other tensors (rope_overlap.cpp). A kernel
+// computes the right answer only when nothing it writes shares a byte with anything else it
+// reads or writes: the checks below refuse every call where that is not proven ("cannot
+// tell" is a refusal).
+//
+// Whether a and b provably share no byte: empty tensors do not; otherwise their byte spans
+// [lowest, highest element] are disjoint (over any storages: two storages can wrap one
+// buffer, from_blob, DLPack, numpy; storages without an address, Meta or wrapper subclasses,
+// are their own memory), at::get_overlap_status proves them apart, or their addresses
+// modulo one of their byte strides fall in disjoint intervals (slices of one buffer whose
+// rows or heads interleave: a fused qkv projection, k and v caches in one buffer).
+bool provably_disjoint(const at::Tensor& a, const at::Tensor& b);
+// Whether no two elements of t share a byte: at::has_internal_overlap, and for the views it
+// cannot decide, strides that, sorted, each pass every offset the smaller ones reach.
+bool provably_no_internal_overlap(const at::Tensor& t);
+
+// One tensor argument of a call, by name; a null tensor is an absent optional argument.
+struct MemoryOperand {
+  const char* name = nullptr;
+  const at::Tensor* tensor = nullptr;
+};
+// Refuses the call unless each `written` tensor provably has no internal overlap and is
+// provably disjoint from every other written and every `read` tensor: RuntimeError naming
+// both arguments ("<op>: expected <a> and <b> in separate memory ..."), ending in `remedy`.
+// The one check of every op that writes (rope_, qk_norm_rope_, rope_append_kv(_)), on every
+// backend and the ATen fallback.
+void check_written_memory(const char* op, std::initializer_list<MemoryOperand> written,
+                          std::initializer_list<MemoryOperand> read, const char* remedy);
+
+// In place (rope_): q and k are written, positions, offsets and cu_seqlens read; none may
+// share memory with another, nor q or k with itself (slices of one fused qkv buffer are
+// fine). rope_overlap.cpp.
 void check_rope_inplace(const RopeCall& call);
 
 }  // namespace ops

@@ -1,9 +1,15 @@
-// The in-place proof: rope_ may rotate q and k in their own storage only when no element
-// is shared (two threads would otherwise read what another already rotated).
+// The proof that an op may write where it writes: every tensor a kernel writes (rope_'s q
+// and k, qk_norm_rope_'s q and k, rope_append_kv's caches and, in place, its q and k) must
+// share no byte with anything else the call reads or writes, nor with itself. A kernel that
+// writes over what another thread still reads computes a wrong answer (rope_append_kv_ with
+// v aliasing k copied the rotated k into the v cache), so "cannot tell" is a refusal.
 #include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
-#include <limits>
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+#include <vector>
 
 #include "ops/rope/rope_checks.h"
 
@@ -11,64 +17,148 @@ namespace posenc {
 namespace ops {
 namespace {
 
-// True when q and k (canonical (B, S, H, D) views of one storage) provably share no element,
-// for the common case that at::get_overlap_status cannot decide: slices of one fused qkv
-// buffer, i.e. the same (batch, seq) strides, every (b, s) row starting at a multiple of the
-// seq stride, and the two rows' extents disjoint modulo that stride.
-bool rows_provably_disjoint(const at::Tensor& q, const at::Tensor& k) {
-  if (q.stride(0) != k.stride(0) || q.stride(1) != k.stride(1)) return false;
-  const int64_t row = q.stride(1);
-  if (row <= 0 || (q.size(0) > 1 && q.stride(0) % row != 0)) return false;
-  auto extent = [](const at::Tensor& t) {
-    int64_t e = 1;
-    for (int d = 2; d < 4; ++d) {
-      if (t.stride(d) < 0) return std::numeric_limits<int64_t>::max();
-      e += (t.size(d) - 1) * t.stride(d);
+int64_t item_bytes(const at::Tensor& t) { return static_cast<int64_t>(t.element_size()); }
+
+// The address of t's first element, as an integer: its storage's plus its offset (a Meta
+// tensor's storage starts at 0, so two views of one Meta storage compare as well).
+std::uintptr_t address(const at::Tensor& t) {
+  return reinterpret_cast<std::uintptr_t>(t.storage().data()) +
+         static_cast<std::uintptr_t>(t.storage_offset() * item_bytes(t));
+}
+
+// Whether t's storage has memory whose address can be compared with another storage's (not
+// a Meta tensor's or a wrapper subclass's, whose storages are their own identity).
+bool has_address(const at::Tensor& t) { return t.storage().data() != nullptr; }
+
+// The bytes [lo, hi) between t's lowest and highest element (t not empty).
+std::pair<std::uintptr_t, std::uintptr_t> byte_span(const at::Tensor& t) {
+  int64_t lo = 0, hi = item_bytes(t);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    const int64_t reach = (t.size(d) - 1) * t.stride(d) * item_bytes(t);
+    (reach < 0 ? lo : hi) += reach;
+  }
+  const std::uintptr_t base = address(t);
+  return {base + static_cast<std::uintptr_t>(lo), base + static_cast<std::uintptr_t>(hi)};
+}
+
+// The bytes of t modulo m, when they fit a circular interval [start, start + *extent) of the
+// circle of length m: each dimension whose byte stride is a multiple of m moves an element by
+// whole turns; the others add up to at most *extent - element size <= m - element size.
+bool extent_modulo(const at::Tensor& t, int64_t m, int64_t* extent) {
+  int64_t e = item_bytes(t);
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) <= 1) continue;
+    const int64_t stride = t.stride(d) * item_bytes(t);
+    if (stride % m == 0) continue;
+    if (stride < 0 || t.size(d) - 1 > (m - e) / stride) return false;  // past m (no overflow)
+    e += (t.size(d) - 1) * stride;
+  }
+  *extent = e;
+  return e <= m;
+}
+
+// True when a and b provably share no byte by their addresses modulo m, for m one of their
+// byte strides: both views' bytes fit circular intervals modulo m (extent_modulo), and those
+// intervals are disjoint. This decides what the spans and at::get_overlap_status cannot:
+// slices of one buffer whose rows or heads interleave (q, k, v of a fused qkv projection; k
+// and v caches in one (blocks, block_size, heads, 2, head_dim) buffer). Addresses, not
+// storage offsets: it holds over two storages of one buffer too.
+bool residues_provably_disjoint(const at::Tensor& a, const at::Tensor& b) {
+  std::vector<int64_t> moduli;
+  for (const at::Tensor* t : {&a, &b}) {
+    for (int64_t d = 0; d < t->dim(); ++d) {
+      if (t->size(d) > 1 && t->stride(d) > 0) moduli.push_back(t->stride(d) * item_bytes(*t));
     }
-    return e;
-  };
-  const int64_t eq = extent(q), ek = extent(k);
-  if (eq > row || ek > row) return false;
-  const int64_t oq = q.storage_offset() % row, ok = k.storage_offset() % row;
-  // Circular intervals [oq, oq + eq) and [ok, ok + ek) on a circle of length `row`.
-  const int64_t dq = ((ok - oq) % row + row) % row;  // where k starts, seen from q
-  return dq >= eq && dq + ek <= row;
+  }
+  std::sort(moduli.begin(), moduli.end());
+  moduli.erase(std::unique(moduli.begin(), moduli.end()), moduli.end());
+  for (const int64_t m : moduli) {
+    int64_t ea = 0, eb = 0;
+    if (!extent_modulo(a, m, &ea) || !extent_modulo(b, m, &eb)) continue;
+    const auto um = static_cast<std::uintptr_t>(m);
+    const auto oa = static_cast<int64_t>(address(a) % um);
+    const auto ob = static_cast<int64_t>(address(b) % um);
+    const int64_t d = ((ob - oa) % m + m) % m;  // where b starts, seen from a
+    if (d >= ea && d + eb <= m) return true;
+  }
+  return false;
+}
+
+// Why a and b were not proven apart, for the message.
+const char* overlap_detail(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.has_storage() || !b.has_storage()) return "tensors without storage, which cannot be checked";
+  if (!a.storage().is_alias_of(b.storage())) return "two storages over overlapping memory";
+  const auto s = at::get_overlap_status(a, b);
+  return s == at::MemOverlapStatus::TooHard ? "views whose separation cannot be proven"
+                                            : "overlapping tensors";
+}
+
+const at::Tensor* optional_tensor(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? &*t : nullptr;
 }
 
 }  // namespace
 
+bool provably_disjoint(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return true;
+  if (!a.has_storage() || !b.has_storage()) return false;
+  const bool one_storage = a.storage().is_alias_of(b.storage());
+  // Two storages share memory only when they wrap one buffer (from_blob, DLPack, numpy):
+  // their addresses tell, where they have any.
+  if (!one_storage && (!has_address(a) || !has_address(b))) return true;
+  const auto [a_lo, a_hi] = byte_span(a);
+  const auto [b_lo, b_hi] = byte_span(b);
+  if (a_hi <= b_lo || b_hi <= a_lo) return true;
+  // at::get_overlap_status answers for dense views of one storage (TooHard for any view
+  // that is not dense, before it looks at storages); for dense views the spans above
+  // already decided, so only its No can add anything.
+  if (one_storage && at::get_overlap_status(a, b) == at::MemOverlapStatus::No) return true;
+  return residues_provably_disjoint(a, b);
+}
+
+bool provably_no_internal_overlap(const at::Tensor& t) {
+  const at::MemOverlap m = at::has_internal_overlap(t);
+  if (m != at::MemOverlap::TooHard) return m == at::MemOverlap::No;
+  std::vector<std::pair<int64_t, int64_t>> dims;  // (stride, size) of the dims of size > 1
+  for (int64_t d = 0; d < t.dim(); ++d) {
+    if (t.size(d) == 0) return true;
+    if (t.size(d) > 1) dims.emplace_back(t.stride(d), t.size(d));
+  }
+  std::sort(dims.begin(), dims.end());
+  int64_t reach = 0;  // the largest offset the smaller strides reach
+  for (const auto& [stride, size] : dims) {
+    if (stride <= reach) return false;
+    reach += (size - 1) * stride;
+  }
+  return true;
+}
+
+void check_written_memory(const char* op, std::initializer_list<MemoryOperand> written,
+                          std::initializer_list<MemoryOperand> read, const char* remedy) {
+  for (auto w = written.begin(); w != written.end(); ++w) {
+    if (w->tensor == nullptr) continue;
+    TORCH_CHECK(provably_no_internal_overlap(*w->tensor), "posenc: ", op, ": expected ", w->name,
+                " without internal overlap (it is written, and an expanded tensor or a view "
+                "whose elements cannot be proven distinct cannot be), got ",
+                w->tensor->sizes(), " with strides ", w->tensor->strides(), "; ", remedy);
+    auto check = [&](const MemoryOperand& x, const char* role) {
+      if (x.tensor == nullptr) return;
+      TORCH_CHECK(provably_disjoint(*w->tensor, *x.tensor), "posenc: ", op, ": expected ",
+                  w->name, " and ", x.name, " in separate memory (", w->name, " is written, ",
+                  x.name, " ", role, "), got ", overlap_detail(*w->tensor, *x.tensor), "; ",
+                  remedy);
+    };
+    for (auto o = std::next(w); o != written.end(); ++o) check(*o, "too");
+    for (const MemoryOperand& r : read) check(r, "is read");
+  }
+}
+
 void check_rope_inplace(const RopeCall& c) {
-  const at::Tensor& q = c.q;
-  TORCH_CHECK(at::has_internal_overlap(q) != at::MemOverlap::Yes,
-              "posenc: inplace=True needs q without internal overlap (an expanded tensor ",
-              "cannot be rotated in place); pass a contiguous copy or use inplace=False");
-  if (!c.k.has_value()) return;
-  const at::Tensor& k = *c.k;
-  TORCH_CHECK(at::has_internal_overlap(k) != at::MemOverlap::Yes,
-              "posenc: inplace=True needs k without internal overlap (an expanded tensor ",
-              "cannot be rotated in place); pass a contiguous copy or use inplace=False");
-  // at::get_overlap_status answers TooHard for any tensor that is not dense before it looks
-  // at storages, so two strided views of separate allocations would be refused. Different
-  // storages are separate when their bytes are (two storages can wrap one buffer:
-  // from_blob, DLPack, numpy); the row-disjointness proof below needs one storage.
-  if (q.has_storage() && k.has_storage() && !q.storage().is_alias_of(k.storage())) {
-    const auto* q0 = static_cast<const char*>(q.storage().data());
-    const auto* k0 = static_cast<const char*>(k.storage().data());
-    const bool disjoint = q0 + q.storage().nbytes() <= k0 || k0 + k.storage().nbytes() <= q0;
-    TORCH_CHECK(disjoint, "posenc: inplace=True needs q and k in separate memory, got two ",
-                "storages over overlapping memory; use inplace=False");
-    return;
-  }
-  const auto overlap = at::get_overlap_status(q, k);
-  bool separate = overlap == at::MemOverlapStatus::No;
-  if (overlap == at::MemOverlapStatus::TooHard) {
-    separate = rows_provably_disjoint(rope_canonical_view(q, c.layout),
-                                      rope_canonical_view(k, c.layout));
-  }
-  TORCH_CHECK(separate, "posenc: inplace=True needs q and k in separate memory, got ",
-              overlap == at::MemOverlapStatus::TooHard ? "views whose separation cannot be proven"
-                                                       : "overlapping tensors",
-              "; use inplace=False");
+  check_written_memory("rope_", {{"q", &c.q}, {"k", optional_tensor(c.k)}},
+                       {{"positions", optional_tensor(c.positions)},
+                        {"offset", optional_tensor(c.offsets)},
+                        {"cu_seqlens", optional_tensor(c.cu_seqlens)}},
+                       "pass copies or use inplace=False");
 }
 
 }  // namespace ops

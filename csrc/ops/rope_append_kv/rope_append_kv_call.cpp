@@ -144,8 +144,7 @@ void run_rope_append_kv_boxed(torch::jit::Stack* stack, bool in_place, KvOutputA
                               KvKernelRunner run, bool check_rows) {
   const RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
   const int64_t rot = check_rope_append_kv(c);
-  check_rope_append_kv_overlap(c);
-  if (in_place) check_rope_inplace(c.rope);
+  check_rope_append_kv_overlap(c, in_place);
   const at::Tensor out_q = in_place ? c.rope.q : allocate(c.rope.q);
   std::optional<at::Tensor> out_k;
   if (c.return_k) out_k = in_place ? *c.rope.k : allocate(*c.rope.k);

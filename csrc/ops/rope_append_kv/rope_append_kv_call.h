@@ -53,10 +53,12 @@ at::Tensor kv_cache_view(const at::Tensor& cache, RopeLayout layout);
 // tensors. Returns the resolved rotary_dim. rope_append_kv_checks.cpp.
 int64_t check_rope_append_kv(const RopeAppendKvCall& call);
 // The values: every cache row or slot the call writes lies in the cache (IndexError naming
-// the batch row or token, before anything is written), for CPU index tensors; and the caches
-// overlap neither each other nor q, k, v. rope_append_kv_checks.cpp.
+// the batch row or token, before anything is written), for CPU index tensors; and the
+// memory: nothing the call writes (the caches; q, and k with return_k, in place) shares a
+// byte with itself or with any other tensor argument (check_written_memory, rope_checks.h).
+// rope_append_kv_checks.cpp.
 void check_rope_append_kv_rows(const KvCacheArgs& args);
-void check_rope_append_kv_overlap(const RopeAppendKvCall& call);
+void check_rope_append_kv_overlap(const RopeAppendKvCall& call, bool in_place);
 
 // The boxed op calls of the C++ API: rope_append_kv returns (q, k or an empty tensor),
 // rope_append_kv_ works in place.

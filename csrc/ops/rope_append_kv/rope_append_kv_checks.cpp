@@ -1,7 +1,6 @@
 // rope_append_kv's checks: the rotation's are RoPE's own (check_rope_structure and
 // check_rope_settings on RopeAppendKvCall::rotation); these add v, the caches,
 // slot_mapping, and the values of the rows written. Each message names the argument.
-#include <ATen/MemoryOverlap.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -117,24 +116,21 @@ int64_t check_rope_append_kv(const RopeAppendKvCall& c) {
   return rot;
 }
 
-void check_rope_append_kv_overlap(const RopeAppendKvCall& c) {
-  const std::pair<const char*, const at::Tensor*> caches[] = {{"k_cache", &c.k_cache},
-                                                             {"v_cache", &c.v_cache}};
-  for (const auto& [name, cache] : caches) {
-    TORCH_CHECK(at::has_internal_overlap(*cache) != at::MemOverlap::Yes, "posenc: rope_append_kv: ",
-                name, " has elements that share memory (an expanded tensor?): it cannot be written");
-  }
-  const std::pair<const char*, const at::Tensor*> others[] = {
-      {"q", &c.rope.q}, {"k", &*c.rope.k}, {"v", &c.v}, {"v_cache", &c.v_cache}};
-  for (const auto& [name, other] : others) {
-    for (const auto& [cname, cache] : caches) {
-      if (cache == other || cache->numel() == 0 || other->numel() == 0) continue;
-      const at::MemOverlapStatus s = at::get_overlap_status(*cache, *other);
-      TORCH_CHECK(s != at::MemOverlapStatus::Full && s != at::MemOverlapStatus::Partial,
-                  "posenc: rope_append_kv: ", cname, " and ", name, " share memory; the caches "
-                  "must not overlap each other nor q, k, v");
-    }
-  }
+void check_rope_append_kv_overlap(const RopeAppendKvCall& c, bool in_place) {
+  // Written: the caches, and in place q (and k with return_k). Read: q, k, v and the index
+  // tensors. With v aliasing q or k in place, the kernel would copy rotated values into the
+  // v cache; with a cache over an input, it would read rows it already wrote.
+  const RopeCall& r = c.rope;
+  const bool writes_k = in_place && c.return_k;
+  const MemoryOperand q{"q", &r.q}, k{"k", &*r.k}, none;
+  const auto optional = [](const std::optional<at::Tensor>& t) { return t ? &*t : nullptr; };
+  check_written_memory(
+      in_place ? "rope_append_kv_" : "rope_append_kv",
+      {{"k_cache", &c.k_cache}, {"v_cache", &c.v_cache}, in_place ? q : none, writes_k ? k : none},
+      {in_place ? none : q, writes_k ? none : k, {"v", &c.v}, {"positions", optional(r.positions)},
+       {"offset", optional(r.offsets)}, {"slot_mapping", optional(c.slot_mapping)}},
+      in_place ? "pass copies or use inplace=False"
+               : "the caches must be memory of their own (pass copies of the inputs)");
 }
 
 void check_rope_append_kv_rows(const KvCacheArgs& a) {

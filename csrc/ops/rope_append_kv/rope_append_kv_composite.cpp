@@ -17,8 +17,7 @@ namespace {
 void run_composite(torch::jit::Stack* stack, bool in_place) {
   const RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
   check_rope_append_kv(c);
-  check_rope_append_kv_overlap(c);
-  if (in_place) check_rope_inplace(c.rope);
+  check_rope_append_kv_overlap(c, in_place);
   const at::Tensor& q = c.rope.q;
   warn_aten_fallback("rope_append_kv", q.device());
   const RopeCall r = c.rotation();
