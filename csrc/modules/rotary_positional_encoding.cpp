@@ -3,6 +3,7 @@
 
 #include <c10/util/Exception.h>
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 
@@ -128,7 +129,14 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
     const int64_t seq = q.size(layout == "bshd" ? 1 : layout == "bhsd" ? 2 : 0);
     if (batch > 0 && seq > 0) {
       lo = where.offset();
-      hi = lo + seq - 1;
+      // lo + seq - 1 would overflow past INT64_MAX, and so past any max_len: the first
+      // position out of range is lo or max_len.
+      if (lo > std::numeric_limits<int64_t>::max() - (seq - 1)) {
+        ops::throw_position_out_of_range(
+            max_len, std::max(lo, max_len),
+            c10::str(" (positions range from ", lo, " to ", lo, " + ", seq - 1, ")"));
+      }
+      hi = lo + (seq - 1);
     }
     bounded = true;
   } else if (q.dim() == (layout == "thd" ? 3 : 4) &&

@@ -3,6 +3,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 #include <optional>
 #include <string>
 
@@ -144,6 +145,26 @@ TEST(RotaryModule, AnIntOffsetIsRangeCheckedOnEveryLayoutsSequenceAxis) {
   auto positions = torch::arange(30, 33, torch::kLong);
   auto want = posenc::apply_rope(q, posenc::ApplyRopeOptions().positions(positions).scaling(dynamic));
   EXPECT_TRUE(torch::allclose(at_offset, want, 1e-12, 1e-12));
+}
+
+TEST(RotaryModule, AnOffsetNearTheInt64LimitIsTheModulesIndexError) {
+  // offset .. offset + seq - 1 past INT64_MAX: the range check must not overflow (it wrapped,
+  // found no position out of range, and the op's ValueError about the offset followed).
+  constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
+  auto q = torch::randn({2, 3, 2, 8});
+  for (const int64_t max_len : {int64_t{10}, kMax}) {
+    posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8).max_len(max_len));
+    EXPECT_THROW(rope(q, q, std::nullopt, kMax - 1), c10::IndexError) << max_len;
+    EXPECT_THROW(rope(q, q, std::nullopt, kMax), c10::IndexError) << max_len;
+    EXPECT_THROW(rope(q, q, std::nullopt, kMax - 2), c10::IndexError) << max_len;  // last position kMax
+  }
+  try {
+    posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8).max_len(10));
+    rope(q, q, std::nullopt, kMax - 1);
+    ADD_FAILURE() << "no error";
+  } catch (const c10::IndexError& e) {
+    EXPECT_NE(std::string(e.what()).find("max_len=10"), std::string::npos) << e.what();
+  }
 }
 
 TEST(RotaryModule, GradientsAreTheInverseRotation) {
