@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include "ops/rope/cpu/rope_rows.h"  // row_streams, the CPU kernels' streaming rule
 #include "posenc/posenc.h"
 
 namespace {
@@ -66,3 +67,18 @@ TEST(RopeAppendKv, PagedCacheSkipsMinusOneAndRefusesOutOfRange) {
 }
 
 }  // namespace
+
+// Issue 34, item 9: rope_append_kv_ streamed its in-place q rows (non-temporal stores over
+// lines it had just loaded), which rope's kernel avoids. The rule now lives in one place,
+// row_streams (rope_rows.h), asked by rotate_row and copy_row for every row of both
+// kernels: a row streams only in a large call and only when written somewhere else than
+// where it was read. (Streaming changes no bit, so the kernels' outputs cannot show it; this
+// checks the rule the kernels ask.)
+TEST(RopeRows, RowsWrittenInPlaceNeverStream) {
+  namespace cpu = posenc::ops::cpu;
+  float row[8] = {}, other[8] = {};
+  EXPECT_FALSE(cpu::row_streams(true, row, row));     // in place: q's rows of rope_append_kv_
+  EXPECT_TRUE(cpu::row_streams(true, row, other));    // out of place: a cache row, q's output
+  EXPECT_FALSE(cpu::row_streams(false, row, other));  // a small call (below kStreamBytes)
+  EXPECT_FALSE(cpu::row_streams(false, row, row));
+}

@@ -134,6 +134,16 @@ inline void stream_fence() {
 #endif
 }
 
+// Whether a row's stores may stream: the call writes kStreamBytes or more (`large_call`) and
+// the row goes somewhere else than where it was read. A row written in place streams
+// never: its lines were just loaded (they sit in the cache, owned), so a streaming store
+// saves no read-for-ownership and only evicts them. Every CPU kernel that streams
+// (rope's, rope_append_kv's q rows and cache rows) asks this, through rotate_row and
+// rope_append_kv's copy_row.
+inline bool row_streams(bool large_call, const void* in, const void* out) {
+  return large_call && in != out;
+}
+
 // Whether every vector store of a row of `rotary_dim` features at `out` (contiguous) is
 // aligned to 32 bytes: the row's start and each half of it.
 template <typename scalar_t>
@@ -258,12 +268,14 @@ void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out
   rotate_row_strided<scalar_t, float>(a, in, 1, out, 1, t, p);
 }
 
-// One row; `stream` asks for streaming stores where the row allows them (contiguous and
-// aligned: rows_can_stream), plain stores elsewhere.
+// One row; `stream` (the call writes kStreamBytes or more) asks for streaming stores where
+// the row allows them (out of place: row_streams; contiguous and aligned: rows_can_stream),
+// plain stores elsewhere.
 template <typename scalar_t, typename acc_t>
 void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
                 const TokenAngles<acc_t>& t, bool stream = false) {
-  const bool nt = stream && si == 1 && so == 1 && rows_can_stream<scalar_t>(out, a.rotary_dim);
+  const bool nt = row_streams(stream, in, out) && si == 1 && so == 1 &&
+                  rows_can_stream<scalar_t>(out, a.rotary_dim);
   if (si != 1 || so != 1) {
     rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
   } else if constexpr (std::is_same_v<scalar_t, acc_t>) {

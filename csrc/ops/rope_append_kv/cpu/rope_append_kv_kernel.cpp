@@ -20,7 +20,7 @@ POSENC_ISA_NAMESPACE_BEGIN
 namespace {
 
 // v's row into its cache row; with `stream`, streaming stores where the rows allow them
-// (rope_rows.h).
+// (rope_rows.h: row_streams, rows_can_stream).
 template <typename scalar_t>
 void copy_row(const scalar_t* in, int64_t si, scalar_t* out, int64_t so, int64_t n, bool stream) {
   if (si != 1 || so != 1) {
@@ -29,7 +29,7 @@ void copy_row(const scalar_t* in, int64_t si, scalar_t* out, int64_t so, int64_t
   }
   // A row of n elements as a "rotary_dim" of 2n: its start aligned and n * sizeof a multiple
   // of 32 bytes, so the loop below covers the row in whole vectors.
-  if (stream && rows_can_stream<scalar_t>(out, 2 * n)) {
+  if (row_streams(stream, in, out) && rows_can_stream<scalar_t>(out, 2 * n)) {
     using Vec = Vectorized<scalar_t>;
     for (int64_t j = 0; j < n; j += Vec::size()) store_vec<true>(Vec::loadu(in + j), out + j);
     return;
@@ -57,6 +57,8 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
   const int64_t tokens = r.batch * r.seq;
   const int64_t written = tokens * static_cast<int64_t>(sizeof(scalar_t)) *
                           (r.q.heads * r.head_dim + r.k.heads * (r.head_dim + a.v_head_dim));
+  // A large call streams its cache rows; q's rows only out of place (rotate_row asks
+  // row_streams: in place, q's lines were just loaded).
   const bool stream = written >= kStreamBytes;
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     TokenAngles<acc_t> angles;
