@@ -242,6 +242,11 @@ void run_qk_norm_rope_cuda(QkNormRopeLaunch& l, const at::Tensor& q, bool backwa
       C10_CUDA_KERNEL_LAUNCH_CHECK();
       return;
     }
+    // No weight to differentiate (head_dim 0, or norm "hidden" without heads): then q and k
+    // have no element either, so dx is empty and the weight gradients are the empty zeros
+    // above, as on the CPU. (The reduction below would be a launch of 0 blocks: "invalid
+    // configuration argument".)
+    if (lq + lk == 0) return;
     // One partial row (q's weights then k's) per warp of a fixed grid, at most ~64 MiB of rows.
     auto kernel = qk_norm_rope_kernel<scalar_t, acc_t, true>;
     const int64_t len = lq + lk;

@@ -217,14 +217,24 @@ def test_only_q_used_gives_k_zero_gradient():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_empty(device):
-    for S in (0,):
-        q, k, wq, wk = make(2, S, 3, 1, 8, torch.float32, device, "head")
-        ins = [t.requires_grad_(True) for t in (q, k, wq, wk)]
-        oq, ok = qk_norm_rope(*ins)
-        assert oq.shape == q.shape and ok.shape == k.shape
-        (oq.sum() + ok.sum()).backward()
-        assert torch.equal(ins[2].grad, torch.zeros_like(wq))
+@pytest.mark.parametrize("case", ["no_tokens", "head_dim_0", "hidden_no_heads"])
+def test_empty(device, case):
+    # Tokens but nothing to normalise (head_dim 0, or norm "hidden" with 0 heads): empty
+    # outputs and gradients, as the CPU gives (the CUDA backward launched its weight-gradient
+    # reduction with 0 blocks there: "invalid configuration argument").
+    B, S, Hq, Hk, D, norm = {"no_tokens": (2, 0, 3, 1, 8, "head"), "head_dim_0": (2, 5, 3, 1, 0, "head"),
+                             "hidden_no_heads": (2, 5, 0, 0, 8, "hidden")}[case]
+    q, k, wq, wk = make(B, S, Hq, Hk, D, torch.float32, device, norm)
+    ins = [t.requires_grad_(True) for t in (q, k, wq, wk)]
+    oq, ok = qk_norm_rope(*ins, norm=norm)
+    assert oq.shape == q.shape and ok.shape == k.shape
+    (oq.sum() + ok.sum()).backward()
+    assert torch.equal(ins[2].grad, torch.zeros_like(wq))
+    # The backward op itself (autograd may skip it for outputs without elements).
+    grads = torch.ops.posenc.qk_norm_rope_backward(q.detach(), k.detach(), torch.ones_like(q), torch.ones_like(k),
+                                                   wq.detach(), wk.detach(), 1e-6, 0.0, norm)
+    assert [g.shape for g in grads] == [q.shape, k.shape, wq.shape, wk.shape]
+    assert [g.device.type for g in grads] == [device] * 4
 
 
 def _op_args(device, norm="head", dtype=torch.float32, requires_grad=False):
