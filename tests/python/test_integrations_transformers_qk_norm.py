@@ -358,3 +358,32 @@ def test_training_mode_with_attention_dropout_matches_unpatched(model_type, fuse
     # Dropout was on: the same seed again gives the same logits, another seed others.
     torch.manual_seed(8)
     assert not torch.equal(model(tokens).logits.detach(), want_logits)
+
+
+def test_gemma3_multimodal(fused_calls):
+    """model_type "gemma3" (Gemma3ForConditionalGeneration): the text model's attention is
+    patched (the vision tower's has no q_norm), text-only and with an image."""
+    if not hasattr(transformers, "Gemma3ForConditionalGeneration"):
+        pytest.skip(f"transformers {transformers.__version__} has no Gemma3ForConditionalGeneration")
+    text = dict(COMMON, vocab_size=300, **CONFIGS["gemma3_text"][1])
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=28,
+                  patch_size=14)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_index=299, boi_token_index=297, eoi_token_index=298)
+    torch.manual_seed(0)
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    assert model.config.model_type == "gemma3"
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if n.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(-0.5, 0.5)
+    text_ids = ids(2, 9)
+    image_ids = torch.tensor([[5, 297] + [299] * 4 + [298, 7, 8]])
+    pixels = torch.randn(1, 3, 28, 28, generator=torch.Generator().manual_seed(5))
+    want_text, want_image = logits(model, text_ids), logits(model, image_ids, pixel_values=pixels)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    torch.testing.assert_close(logits(model, text_ids), want_text, **TOL)
+    torch.testing.assert_close(logits(model, image_ids, pixel_values=pixels), want_image, **TOL)
+    assert len(fused_calls) == 2 * config.text_config.num_hidden_layers
+    integration.revert_posenc_qk_norm(model)
+    torch.testing.assert_close(logits(model, text_ids), want_text, rtol=0, atol=0)
