@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <limits>
+#include <variant>
 #include <optional>
 #include <string>
 
@@ -197,7 +198,30 @@ TEST(ApplyRope, ScalingLayoutsAndInPlace) {
   EXPECT_TRUE(torch::equal(copy, out));
   auto [inv, factor] = posenc::rope_frequencies(8, 10000.0, llama3);
   EXPECT_EQ(factor, 1.0);
-  EXPECT_LT(inv[3].item<double>(), std::pow(10000.0, -6.0 / 8.0));  // low frequency scaled down
+  // llama3's rule written out (transformers' _compute_llama3_parameters): wavelengths above
+  // original / low_freq_factor are divided by factor, below original / high_freq_factor kept,
+  // in between blended.
+  auto want_inv = torch::empty({4}, torch::kDouble);
+  for (int i = 0; i < 4; ++i) {
+    const double f = std::pow(10000.0, -2.0 * i / 8.0), wavelen = 2 * M_PI / f;
+    const double low_wavelen = 16.0 / 1.0, high_wavelen = 16.0 / 4.0;
+    double v = f;
+    if (wavelen > low_wavelen) {
+      v = f / 8.0;
+    } else if (wavelen >= high_wavelen) {
+      const double smooth = (16.0 / wavelen - 1.0) / (4.0 - 1.0);
+      v = (1 - smooth) * f / 8.0 + smooth * f;
+    }
+    want_inv[i] = v;
+  }
+  EXPECT_TRUE(torch::allclose(inv, want_inv, 1e-12, 0)) << inv << want_inv;
+  // The rotation at positions 100 .. 105 (bhsd) with those frequencies, halves convention.
+  auto angle = (torch::arange(100, 106, torch::kDouble).unsqueeze(-1) * want_inv);
+  auto emb = torch::cat({angle, angle}, -1);  // (6, 8)
+  auto qd = q.to(torch::kDouble);
+  auto rotated = torch::cat({-qd.slice(-1, 4), qd.slice(-1, 0, 4)}, -1);
+  auto want = qd * emb.cos() + rotated * emb.sin();
+  EXPECT_TRUE(torch::allclose(out.to(torch::kDouble), want, 1e-5, 1e-5));
   posenc::RopeScaling bad;
   bad.rope_type = "ntk";
   EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().scaling(bad)), c10::ValueError);
@@ -379,16 +403,24 @@ TEST(RopeTypeFacts, FunctionAndModulePassTheLengthOfLengthScaledTypes) {
 
 // A call's output, or nullopt when it is refused; and the two compared.
 template <typename F>
-std::optional<torch::Tensor> attempt(F&& fn) {
+std::variant<torch::Tensor, std::string> attempt(F&& fn) {
   try {
     return fn();
-  } catch (const c10::Error&) {
-    return std::nullopt;
+  } catch (const c10::Error& e) {
+    return std::string(e.what_without_backtrace());
   }
 }
 
-bool same(const std::optional<torch::Tensor>& a, const std::optional<torch::Tensor>& b) {
-  return a.has_value() == b.has_value() && (!a.has_value() || torch::equal(*a, *b));
+bool succeeded(const std::variant<torch::Tensor, std::string>& r) {
+  return std::holds_alternative<torch::Tensor>(r);
+}
+
+// The same tensor, or the same refusal (its message: two refusals for different reasons
+// are not agreement).
+bool same(const std::variant<torch::Tensor, std::string>& a, const std::variant<torch::Tensor, std::string>& b) {
+  if (succeeded(a) != succeeded(b)) return false;
+  if (succeeded(a)) return torch::equal(std::get<torch::Tensor>(a), std::get<torch::Tensor>(b));
+  return std::get<std::string>(a) == std::get<std::string>(b);
 }
 
 TEST(RopeTypeFacts, ModuleFillsTheModelDefaultsOfTheFacts) {
@@ -420,7 +452,7 @@ TEST(RopeTypeFacts, ModuleFillsTheModelDefaultsOfTheFacts) {
           c10::ValueError)
           << type;
     } else if (facts & posenc::math::kRopeOriginalFromModel) {
-      EXPECT_TRUE(module_output(no_orig).has_value()) << type;
+      EXPECT_TRUE(succeeded(module_output(no_orig))) << type;
       EXPECT_TRUE(same(module_output(no_orig), op_output(filled))) << type;
     } else {
       EXPECT_TRUE(same(module_output(no_orig), op_output(no_orig))) << type;
@@ -432,9 +464,11 @@ TEST(RopeTypeFacts, ModuleFillsTheModelDefaultsOfTheFacts) {
     posenc::RopeScaling with_factor = no_factor;
     if (facts & posenc::math::kRopeFactorFromModel) {
       with_factor.factor = static_cast<double>(max_len) / *no_factor.original_max_position_embeddings;
-      EXPECT_TRUE(module_output(no_factor).has_value()) << type;
+      EXPECT_TRUE(succeeded(module_output(no_factor))) << type;
     }
-    EXPECT_TRUE(same(module_output(no_factor), op_output(with_factor))) << type;
+    const auto got = module_output(no_factor), want = op_output(with_factor);
+    EXPECT_TRUE(same(got, want)) << type << ": " << (succeeded(got) ? "" : std::get<std::string>(got)) << " / "
+                                 << (succeeded(want) ? "" : std::get<std::string>(want));
   }
 }
 

@@ -12,32 +12,8 @@ import posenc
 transformers = pytest.importorskip("transformers")
 from posenc.integrations import transformers as integration  # noqa: E402
 
-COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256)
-CONFIGS = {
-    "qwen3": ("Qwen3Config", dict(head_dim=16)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(head_dim=16, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)),
-    "gemma3_text": ("Gemma3TextConfig", dict(head_dim=16, sliding_window=4, layer_types=["sliding_attention",
-                                                                                          "full_attention"])),
-    "olmo2": ("Olmo2Config", {}),
-}
-
-
-def tiny_model(model_type):
-    name, extra = CONFIGS[model_type]
-    config_class = getattr(transformers, name, None)
-    if config_class is None:
-        pytest.skip(f"transformers {transformers.__version__} has no {name}")
-    torch.manual_seed(0)
-    config = config_class(**COMMON, **extra)
-    config.pad_token_id = 0
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    # Non-trivial norm weights (they start at 1, or 0 for Gemma's 1 + w).
-    with torch.no_grad():
-        for n, p in model.named_parameters():
-            if n.endswith(("q_norm.weight", "k_norm.weight")):
-                p.uniform_(-0.5, 0.5) if model_type == "gemma3_text" else p.uniform_(0.5, 1.5)
-    return model
+# The tiny models (configs, non-trivial norm weights) are the other qk-norm file's.
+from test_integrations_transformers_qk_norm import COMMON, CONFIGS, tiny_model  # noqa: E402
 
 
 def logits_and_grads(model, ids):

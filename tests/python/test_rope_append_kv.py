@@ -209,6 +209,10 @@ def test_prefill_large_enough_to_stream(dtype, interleaved, rotary_dim, aligned,
     torch.testing.assert_close(out_q.to(F64), q_ref, **TOL[dtype])
     torch.testing.assert_close(kc.to(F64), kc_ref, **TOL[dtype])
     assert torch.equal(vc.to(F64), vc_ref)
+    if torch.ops.posenc.cpu_capability() == "default":
+        # The baseline kernels have no streaming stores: the comparison below would set plain
+        # stores against plain stores (make test-python-baseline runs this file).
+        pytest.skip("the baseline CPU kernels (POSENC_CPU_CAPABILITY=default) have no streaming stores")
     seq_dim = 2 if layout == "bhsd" else 1
     chunk = S // 8
     parts = []
@@ -379,9 +383,7 @@ def test_compile_inductor_decode_step():
 PYTHON_DIR = str(__import__("pathlib").Path(__file__).resolve().parents[2] / "python")
 
 FALLBACK_SCRIPT = r"""
-import sys
 import torch
-import posenc
 from posenc.functional import rope_append_kv
 
 g = torch.Generator().manual_seed(5)
@@ -414,24 +416,25 @@ try:
     out["error"] = None
 except IndexError as e:
     out["error"] = (type(e).__name__, str(e).split("\n")[0], torch.equal(kc, before))
-torch.save(out, sys.argv[1])
 """
 
 
-def test_aten_fallback_matches_the_kernel(tmp_path):
-    """POSENC_FORCE_ATEN_FALLBACK=1: the ATen composite (rope_append_kv_composite.cpp) writes
-    the same rows, rotates as the kernel to float32 rounding, and refuses the same rows."""
-    import os
-    import subprocess
-    import sys
+def test_aten_fallback_matches_the_kernel():
+    """The ATen composite (rope_append_kv_composite.cpp, reached through the dispatcher:
+    aten_fallback_mode) writes the same rows, rotates as the kernel to float32 rounding, and
+    refuses the same rows; the composite calls are counted, so it did run."""
+    from aten_fallback_mode import ThroughTheFallback
 
     results = {}
     for forced in ("0", "1"):
-        path = tmp_path / f"out{forced}.pt"
-        env = dict(os.environ, POSENC_FORCE_ATEN_FALLBACK=forced,
-                   PYTHONPATH=os.pathsep.join([PYTHON_DIR, os.environ.get("PYTHONPATH", "")]))
-        subprocess.run([sys.executable, "-c", FALLBACK_SCRIPT, str(path)], env=env, check=True, timeout=300)
-        results[forced] = torch.load(path)
+        scope = {}
+        if forced == "1":
+            with ThroughTheFallback() as mode:
+                exec(FALLBACK_SCRIPT, scope)
+        else:
+            exec(FALLBACK_SCRIPT, scope)
+        results[forced] = scope["out"]
+    assert mode.calls.get("posenc::rope_append_kv", 0) > 0 and mode.calls.get("posenc::rope_append_kv_", 0) > 0
     kernel, fallback = results["0"], results["1"]
     assert kernel.keys() == fallback.keys()
     for key in kernel:
