@@ -120,13 +120,14 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   const ApplyRopeOptions o = call_options(where);
   int64_t lo = 0, hi = -1;
   bool bounded = false;
-  const std::string& layout = options.layout();
+  const ops::RopeLayoutAxes axes = ops::rope_layout_axes(ops::parse_rope_layout(options.layout()));
+  const int64_t rank = axes.batch < 0 ? 3 : 4;  // packed tokens have no batch dim
   if (!where.positions() && !where.offsets() && !where.cu_seqlens() && options.sections().empty() &&
-      q.dim() == 4 && layout != "thd") {
+      q.dim() == 4 && axes.batch >= 0) {
     // Positions offset .. offset + seq - 1 (the decode step): the range is arithmetic, as
     // the bounds op would compute it (no token, no bound), without a dispatcher round trip.
-    const int64_t batch = q.size(layout == "sbhd" ? 1 : 0);
-    const int64_t seq = q.size(layout == "bshd" ? 1 : layout == "bhsd" ? 2 : 0);
+    const int64_t batch = q.size(axes.batch);
+    const int64_t seq = q.size(axes.seq);
     if (batch > 0 && seq > 0) {
       lo = where.offset();
       // lo + seq - 1 would overflow past INT64_MAX, and so past any max_len: the first
@@ -139,7 +140,7 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
       hi = lo + (seq - 1);
     }
     bounded = true;
-  } else if (q.dim() == (layout == "thd" ? 3 : 4) &&
+  } else if (q.dim() == rank &&
              (options.check_positions() || !reads_device)) {
     std::tie(lo, hi) = ops::call_rope_position_bounds(detail::make_rope_call(q, k, o, 0));
     bounded = true;

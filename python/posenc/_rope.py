@@ -18,10 +18,17 @@ from posenc._dtensor import place_beside
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts, the
 # multi-axis sections modes and the list-valued keys; then the facts of the types
-# (POSENC_ROPE_TYPE_FACTS: their names, and per type an int whose bit i is fact i).
-ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES, SCALING_LIST_KEYS, _FACTS, _TYPE_FACTS = (
+# (POSENC_ROPE_TYPE_FACTS: their names, and per type an int whose bit i is fact i), and the
+# layouts' geometry (ops::rope_layout_axes: 3 dims per layout).
+ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES, SCALING_LIST_KEYS, _FACTS, _TYPE_FACTS, _AXES = (
     tuple(names) for names in torch.ops.posenc.rope_scaling_spec()
 )
+# layout -> (batch, seq, heads) dims of q and k (head_dim is last); batch None: none ("thd"
+# packs its sequences into one token dim).
+LAYOUT_AXES = {
+    name: (None if _AXES[3 * i] < 0 else _AXES[3 * i], _AXES[3 * i + 1], _AXES[3 * i + 2])
+    for i, name in enumerate(LAYOUTS)
+}
 
 
 def _types_with(fact: str) -> Tuple[str, ...]:
@@ -234,14 +241,9 @@ def grid_positions(
 
 
 def _canonical(x: Tensor, layout: str) -> Tensor:
-    """x as (batch, seq, heads, head_dim)."""
-    if layout == "bhsd":
-        return x.transpose(1, 2)
-    if layout == "sbhd":
-        return x.transpose(0, 1)
-    if layout == "thd":
-        return x.unsqueeze(0)
-    return x
+    """x as (batch, seq, heads, head_dim) (LAYOUT_AXES)."""
+    batch, seq, heads = LAYOUT_AXES[layout]
+    return x.unsqueeze(0) if batch is None else x.permute(batch, seq, heads, 3)
 
 
 def check_cu_seqlens(cu_seqlens: Tensor, tokens: int) -> None:

@@ -71,7 +71,7 @@ import torch
 from torch import Tensor
 
 import posenc  # noqa: F401  (loads the ops)
-from posenc._rope import LENGTH_SCALED_TYPES
+from posenc._rope import LAYOUT_AXES, LENGTH_SCALED_TYPES
 
 __all__ = [
     "register_sharding_rules",
@@ -101,8 +101,10 @@ P = Partial()
 
 
 def _rope_dims(layout: str) -> Tuple[Optional[int], Optional[int], int]:
-    """(batch, seq, heads) dims of q/k for a layout; "thd" has no batch and no sharded seq."""
-    return {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2), "thd": (None, None, 1)}[layout]
+    """(batch, seq, heads) dims of q/k for a layout (_rope.LAYOUT_AXES); packed tokens (no
+    batch dim: "thd") are not sharded by sequence either."""
+    batch, seq, heads = LAYOUT_AXES[layout]
+    return batch, None if batch is None else seq, heads
 
 
 def _add_batch_and_sequence_shardings(a: dict, b_dim: Optional[int], s_dim: Optional[int], add) -> None:
@@ -131,7 +133,7 @@ def _rope_rule(a: dict, outputs: str) -> list:
     """Strategies for rope (outputs "qk"), rope_ (outputs "") and their arguments ``a``
     (name -> DTensorSpec, None or value, defaults filled in)."""
     q, k = a["q"], a["k"]
-    layout = a["layout"] if a["layout"] in ("bshd", "bhsd", "sbhd", "thd") else "bshd"
+    layout = a["layout"] if a["layout"] in LAYOUT_AXES else "bshd"
     b_dim, s_dim, h_dim = _rope_dims(layout)
     strategies = []
 
@@ -156,7 +158,7 @@ def _qk_norm_rope_rule(a: dict, backward: bool, in_place: bool = False) -> list:
     has no heads-sharded strategy: DTensor redistributes heads-sharded q and k (to
     replicated, or to a batch or sequence sharding the call allows) before the op."""
     q = a["q"]
-    layout = a["layout"] if a["layout"] in ("bshd", "bhsd", "sbhd", "thd") else "bshd"
+    layout = a["layout"] if a["layout"] in LAYOUT_AXES else "bshd"
     b_dim, s_dim, h_dim = _rope_dims(layout)
     strategies = []
 
@@ -224,7 +226,7 @@ def _rope_cos_sin_rule(a: dict) -> list:
     """apply_rope_cos_sin: linear in q and k, so heads-sharded, Partial, batch-sharded (with
     per-row tables sharded alike) and sequence-sharded (tables sharded on their seq dim)."""
     q, k, cos = a["q"], a["k"], a["cos"]
-    s_dim, h_dim = (2, 1) if a["layout"] == "bhsd" else (1, 2)
+    _, s_dim, h_dim = LAYOUT_AXES["bhsd" if a["layout"] == "bhsd" else "bshd"]
     strategies = []
 
     def add(qk, tables=R):

@@ -55,7 +55,7 @@ def same(a, b):
 
 def test_spec_exports_the_facts_of_every_type():
     spec = torch.ops.posenc.rope_scaling_spec()
-    assert len(spec) == 7
+    assert len(spec) == 8
     types, facts, per_type = spec[0], spec[5], spec[6]
     assert facts == ["scales_by_length", "list_keys", "original_from_model", "factor_from_model",
                      "partial_rotary_key"]
@@ -67,6 +67,26 @@ def test_spec_exports_the_facts_of_every_type():
     assert _rope.ORIGINAL_FROM_MODEL_TYPES == ("dynamic", "yarn")
     assert _rope.FACTOR_FROM_MODEL_TYPES == ("longrope",)
     assert _rope.PARTIAL_ROTARY_KEY_TYPES == ("proportional",)
+
+
+def test_the_layouts_geometry_is_the_ops():
+    """The layouts' (batch, seq, heads) dims come from the library (one table,
+    ops::rope_layout_axes) and say what the op does: a q built in each layout from one
+    (batch, seq, heads, head_dim) tensor rotates to that tensor's rotation, placed back by
+    the same axes."""
+    assert _rope.LAYOUT_AXES == {"bshd": (0, 1, 2), "bhsd": (0, 2, 1), "sbhd": (1, 0, 2), "thd": (None, 0, 1)}
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 5, 3, 8, generator=g, dtype=F64)  # (batch, seq, heads, head_dim)
+    positions = torch.randint(0, 50, (2, 5), generator=g)
+    want = apply_rope(x, positions=positions)
+    for layout, (b, s, h) in _rope.LAYOUT_AXES.items():
+        if b is None:
+            continue
+        order = [0, 0, 0, 3]
+        order[b], order[s], order[h] = 0, 1, 2
+        q = x.permute(order)  # x in the layout
+        got = apply_rope(q, positions=positions, layout=layout)
+        assert torch.equal(_rope._canonical(got, layout), want), layout
 
 
 @pytest.mark.parametrize("rope_type", _rope.ROPE_TYPES)

@@ -17,17 +17,6 @@ at::ScalarType compute_dtype(const at::Tensor& q) {
   return q.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
-// The inverse of rope_canonical_view: a (batch, seq, heads, head_dim) tensor in `layout`.
-at::Tensor from_canonical(const at::Tensor& x, RopeLayout layout) {
-  switch (layout) {
-    case RopeLayout::kBHSD: return x.transpose(1, 2);
-    case RopeLayout::kSBHD: return x.transpose(0, 1);
-    case RopeLayout::kTHD: return x.squeeze(0);
-    case RopeLayout::kBSHD:
-    default: return x;
-  }
-}
-
 // The norm's pieces of one operand, canonical (batch, seq, heads, head_dim), compute dtype.
 struct Normed {
   at::Tensor r, xhat, w;  // w: effective weights broadcastable to x
@@ -60,8 +49,8 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_composite(const QkNormRopeCall& 
   const Normed nq = normalize(c, c.rope.q, c.q_weight);
   const Normed nk = normalize(c, *c.rope.k, c.k_weight);
   const RopeLayout layout = c.rope.layout;
-  auto [yq, yk] = call_rope(rope_of(c, from_canonical(nq.xhat * nq.w, layout),
-                                    from_canonical(nk.xhat * nk.w, layout), false));
+  auto [yq, yk] = call_rope(rope_of(c, rope_from_canonical(nq.xhat * nq.w, layout),
+                                    rope_from_canonical(nk.xhat * nk.w, layout), false));
   return {yq.to(c.rope.q.scalar_type()), yk.to(c.rope.k->scalar_type())};
 }
 
@@ -80,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward
     const at::Tensor mean_gx = (g * n.xhat).mean(dims, /*keepdim=*/true);
     const at::Tensor dx = n.r * (g - n.xhat * mean_gx);
     const at::Tensor dw = head ? (gu * n.xhat).sum(at::IntArrayRef{0, 1, 2}) : (gu * n.xhat).sum(at::IntArrayRef{0, 1}).flatten();
-    return std::make_pair(from_canonical(dx, layout).to(x.scalar_type()),
+    return std::make_pair(rope_from_canonical(dx, layout).to(x.scalar_type()),
                           dw.to(weight.scalar_type()));
   };
   auto [dq, dwq] = one(c.rope.q, c.q_weight, guq);

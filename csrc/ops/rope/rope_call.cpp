@@ -30,6 +30,8 @@ namespace {
 constexpr std::pair<RopeLayout, const char*> kLayouts[] = {
     {RopeLayout::kBSHD, "bshd"}, {RopeLayout::kBHSD, "bhsd"}, {RopeLayout::kSBHD, "sbhd"},
     {RopeLayout::kTHD, "thd"}};
+// (batch, seq, heads) dims per layout, indexed by RopeLayout (kLayouts' order).
+constexpr RopeLayoutAxes kLayoutAxes[] = {{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {-1, 0, 1}};
 constexpr std::pair<math::RopeType, const char*> kRopeTypes[] = {
 #define POSENC_X(e, name, facts) {math::RopeType::e, name},
     POSENC_ROPE_TYPES(POSENC_X)
@@ -263,14 +265,24 @@ std::vector<std::string> rope_scaling_list_keys() {
   return std::vector<std::string>(std::begin(kScalingListKeys), std::end(kScalingListKeys));
 }
 
+RopeLayoutAxes rope_layout_axes(RopeLayout layout) {
+  return kLayoutAxes[static_cast<int>(layout)];
+}
+
 at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout) {
-  switch (layout) {
-    case RopeLayout::kBHSD: return x.transpose(1, 2);
-    case RopeLayout::kSBHD: return x.transpose(0, 1);
-    case RopeLayout::kTHD: return x.unsqueeze(0);
-    case RopeLayout::kBSHD:
-    default: return x;
-  }
+  const RopeLayoutAxes a = rope_layout_axes(layout);
+  if (a.batch < 0) return x.unsqueeze(0);  // (tokens, heads, d) -> (1, tokens, heads, d)
+  return x.permute({a.batch, a.seq, a.heads, 3});
+}
+
+at::Tensor rope_from_canonical(const at::Tensor& x, RopeLayout layout) {
+  const RopeLayoutAxes a = rope_layout_axes(layout);
+  if (a.batch < 0) return x.squeeze(0);
+  int64_t inverse[4] = {0, 0, 0, 3};
+  inverse[a.batch] = 0;
+  inverse[a.seq] = 1;
+  inverse[a.heads] = 2;
+  return x.permute(inverse);
 }
 
 std::tuple<at::Tensor, at::Tensor> call_rope(const RopeCall& call) {
@@ -316,10 +328,15 @@ namespace {
 // and type lists and its per-type behaviour come from here).
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
            std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<int64_t>>
+           std::vector<int64_t>, std::vector<int64_t>>
 rope_scaling_spec() {
   std::vector<std::string> layouts, modes, fact_names;
-  for (const auto& [v, n] : kLayouts) layouts.emplace_back(n);
+  std::vector<int64_t> axes;
+  for (const auto& [v, n] : kLayouts) {
+    layouts.emplace_back(n);
+    const RopeLayoutAxes a = rope_layout_axes(v);
+    axes.insert(axes.end(), {a.batch, a.seq, a.heads});
+  }
   for (const auto& [v, n] : kSectionsModes) modes.emplace_back(n);
 #define POSENC_X(flag, name) fact_names.emplace_back(name);
   POSENC_ROPE_TYPE_FACTS(POSENC_X)
@@ -327,7 +344,7 @@ rope_scaling_spec() {
   std::vector<int64_t> facts;
   for (const auto& [v, n] : kRopeTypes) facts.push_back(math::rope_type_facts(v));
   return {rope_type_names(), rope_scaling_keys(), layouts, modes, rope_scaling_list_keys(),
-          fact_names, facts};
+          fact_names, facts, axes};
 }
 
 }  // namespace
@@ -342,7 +359,9 @@ rope_scaling_spec() {
 //   rope_scaling_spec     the names the ops accept: (rope types, scaling keys, layouts,
 //                         sections modes, list-valued scaling keys), then the facts of the
 //                         types: (fact names, one int per type whose bit i is fact i), from
-//                         POSENC_ROPE_TYPE_FACTS and POSENC_ROPE_TYPES (posenc/math/rope.h).
+//                         POSENC_ROPE_TYPE_FACTS and POSENC_ROPE_TYPES (posenc/math/rope.h),
+//                         then the layouts' (batch, seq, heads) dims, 3 per layout
+//                         (rope_layout_axes).
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   const std::string tail = kRopeSchemaArguments;
   m.def(("rope(Tensor q, Tensor? k=None, " + tail + ") -> (Tensor, Tensor)").c_str());
@@ -352,7 +371,7 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
       "rope_frequencies(int rotary_dim, float base=10000.0, str rope_type=\"default\", "
       "float[] scaling=[], int seq_len=0, int[] sections=[], str sections_mode=\"axial\") "
       "-> (Tensor, float)");
-  m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[], str[], int[])",
+  m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[], str[], int[], int[])",
         &rope_scaling_spec);
 }
 

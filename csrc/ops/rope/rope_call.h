@@ -98,8 +98,18 @@ std::vector<std::string> rope_type_names();
 std::vector<std::string> rope_scaling_keys();
 std::vector<std::string> rope_scaling_list_keys();
 
-// (batch, seq, heads, head_dim) view of q or k, whatever the layout: no copy.
+// Where a layout keeps batch, sequence and heads: their dims in q or k (head_dim is last).
+// batch -1: none ('thd' packs its sequences into one token dim). The one statement of the
+// layouts' geometry: the canonical views below, the C++ module and Python (through
+// posenc::rope_scaling_spec: _rope.LAYOUT_AXES, posenc.distributed) read it.
+struct RopeLayoutAxes {
+  int64_t batch, seq, heads;
+};
+RopeLayoutAxes rope_layout_axes(RopeLayout layout);
+
+// (batch, seq, heads, head_dim) view of q or k, whatever the layout: no copy; and back.
 at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout);
+at::Tensor rope_from_canonical(const at::Tensor& x, RopeLayout layout);
 
 // The boxed op calls every C++ caller goes through (C++ API, autograd): rope returns
 // (q, k or an empty tensor), rope_ rotates in place, rope_position_bounds reads bounds.
