@@ -11,19 +11,8 @@ namespace {
 ops::RopeAppendKvCall make_call(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const torch::Tensor& k_cache,
                                 const torch::Tensor& v_cache, const RopeAppendKvOptions& o) {
-  const ApplyRopeOptions rope = ApplyRopeOptions()
-                                    .positions(o.positions())
-                                    .offset(o.offset())
-                                    .offsets(o.offsets())
-                                    .base(o.base())
-                                    .interleaved(o.interleaved())
-                                    .rotary_dim(o.rotary_dim())
-                                    .scaling(o.scaling())
-                                    .layout(o.layout())
-                                    .sections(o.sections())
-                                    .sections_mode(o.sections_mode());
   ops::RopeAppendKvCall c;
-  c.rope = detail::make_rope_call(q, k, rope, detail::rope_seq_len_argument(o.scaling()));
+  c.rope = detail::make_rope_call(q, k, o.rope(), detail::rope_seq_len_argument(o.rope().scaling()));
   c.v = v;
   c.k_cache = k_cache;
   c.v_cache = v_cache;

@@ -78,7 +78,7 @@ struct Decoder {
       const auto k = x.matmul(w.wk).view({n, s, kKvHeads, kHeadDim});
       const auto v = x.matmul(w.wv).view({n, s, kKvHeads, kHeadDim});
       const auto rotated = std::get<0>(posenc::rope_append_kv(
-          q, k, v, k_cache[l], v_cache[l], posenc::RopeAppendKvOptions().offset(length)));
+          q, k, v, k_cache[l], v_cache[l], posenc::RopeAppendKvOptions().rope(posenc::ApplyRopeOptions().offset(length))));
       const auto keys = k_cache[l].slice(1, 0, length + s);
       const auto values = v_cache[l].slice(1, 0, length + s);
       x = x + attend(rotated, keys, values, length).reshape({n, s, -1}).matmul(w.wo);

@@ -17,7 +17,7 @@ TEST(RopeAppendKv, ContiguousCacheMatchesApplyRopeAndCopies) {
   const auto kc0 = kc.clone(), vc0 = vc.clone();
   const auto offsets = torch::tensor({1, 6}, torch::kLong);
   auto [out_q, out_k] = posenc::rope_append_kv(
-      q, k, v, kc, vc, posenc::RopeAppendKvOptions().offsets(offsets).return_k(true).base(500.0));
+      q, k, v, kc, vc, posenc::RopeAppendKvOptions().rope(posenc::ApplyRopeOptions().offsets(offsets).base(500.0)).return_k(true));
   auto [ref_q, ref_k] = posenc::apply_rope(q, k, posenc::ApplyRopeOptions().offsets(offsets).base(500.0));
   EXPECT_TRUE(torch::equal(out_q, ref_q));
   EXPECT_TRUE(torch::equal(out_k, ref_k));
@@ -38,7 +38,7 @@ TEST(RopeAppendKv, HuggingFaceStaticCacheInPlace) {
   const auto ref_q = posenc::apply_rope(q, posenc::ApplyRopeOptions().layout("bhsd").offset(3));
   const auto rotated = q.clone();
   posenc::rope_append_kv_(rotated, k, v, kc, vc,
-                          posenc::RopeAppendKvOptions().layout("bhsd").offset(3));
+                          posenc::RopeAppendKvOptions().rope(posenc::ApplyRopeOptions().layout("bhsd").offset(3)));
   EXPECT_TRUE(torch::equal(rotated, ref_q));
   EXPECT_TRUE(torch::equal(vc.select(2, 3), v.select(2, 0)));
   EXPECT_EQ(kc.ne(0).sum().item<int64_t>(), kc.select(2, 3).ne(0).sum().item<int64_t>());
@@ -51,8 +51,7 @@ TEST(RopeAppendKv, PagedCacheSkipsMinusOneAndRefusesOutOfRange) {
   const auto positions = torch::tensor({5, 9, 2}, torch::kLong);
   posenc::rope_append_kv(q, k, v, kc, vc,
                          posenc::RopeAppendKvOptions()
-                             .layout("thd")
-                             .positions(positions)
+                             .rope(posenc::ApplyRopeOptions().layout("thd").positions(positions))
                              .slot_mapping(torch::tensor({6, -1, 0}, torch::kLong)));
   EXPECT_TRUE(torch::equal(vc[1][2], v[0]));
   EXPECT_TRUE(torch::equal(vc[0][0], v[2]));
@@ -60,7 +59,7 @@ TEST(RopeAppendKv, PagedCacheSkipsMinusOneAndRefusesOutOfRange) {
   const auto before = kc.clone();
   EXPECT_THROW(posenc::rope_append_kv(q, k, v, kc, vc,
                                       posenc::RopeAppendKvOptions()
-                                          .layout("thd")
+                                          .rope(posenc::ApplyRopeOptions().layout("thd"))
                                           .slot_mapping(torch::tensor({1, 8, 0}, torch::kLong))),
                c10::IndexError);
   EXPECT_TRUE(torch::equal(kc, before));

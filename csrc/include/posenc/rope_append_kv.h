@@ -18,27 +18,18 @@
 namespace posenc {
 
 struct RopeAppendKvOptions {
-  // The cache lengths so far: token s of batch row b goes to cache row offset + offsets[b] + s
-  // ("bshd", "bhsd") and turns at that position unless positions are given. For "thd", the
-  // int offset is added to the default positions (0 .. tokens-1).
-  TORCH_ARG(int64_t, offset) = 0;
-  TORCH_ARG(std::optional<torch::Tensor>, offsets) = std::nullopt;
-  // The positions the new tokens turn at (as ApplyRopeOptions'); default: their cache rows.
-  TORCH_ARG(std::optional<torch::Tensor>, positions) = std::nullopt;
-  // "thd" (paged cache) only: int64 (tokens,), slot = block * block_size + index; -1: rotate
-  // but write nothing.
-  TORCH_ARG(std::optional<torch::Tensor>, slot_mapping) = std::nullopt;
-  // "bshd": q, k, v (batch, seq, heads, head_dim), caches (batch, max_len, kv_heads,
+  // Every RoPE option, as apply_rope takes them (one declaration: ApplyRopeOptions). Here
+  // offset and offsets are the cache lengths so far: token s of batch row b goes to cache
+  // row offset + offsets[b] + s ("bshd", "bhsd") and turns at that position unless positions
+  // are given; for "thd" the int offset is added to the default positions (0 .. tokens-1).
+  // Layouts: "bshd": q, k, v (batch, seq, heads, head_dim), caches (batch, max_len, kv_heads,
   // head_dim); "bhsd": (batch, heads, seq, head_dim), caches (batch, kv_heads, max_len,
   // head_dim) (Hugging Face's static cache); "thd": (tokens, heads, head_dim), caches
   // (num_blocks, block_size, kv_heads, head_dim).
-  TORCH_ARG(std::string, layout) = "bshd";
-  TORCH_ARG(double, base) = 10000.0;
-  TORCH_ARG(bool, interleaved) = false;
-  TORCH_ARG(std::optional<int64_t>, rotary_dim) = std::nullopt;
-  TORCH_ARG(RopeScaling, scaling) = {};
-  TORCH_ARG(std::vector<int64_t>, sections) = {};
-  TORCH_ARG(std::string, sections_mode) = "axial";
+  TORCH_ARG(ApplyRopeOptions, rope) = {};
+  // "thd" (paged cache) only: int64 (tokens,), slot = block * block_size + index; -1: rotate
+  // but write nothing.
+  TORCH_ARG(std::optional<torch::Tensor>, slot_mapping) = std::nullopt;
   // Also return the rotated k.
   TORCH_ARG(bool, return_k) = false;
 };
