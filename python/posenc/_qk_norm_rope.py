@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from posenc._dtensor import place_beside
-from posenc._rope import rope_op_arguments
+from posenc._rope import RopeConfig, config_of, rope_op_arguments
 
 NORMS = ("head", "hidden")
 
@@ -35,6 +35,7 @@ def qk_norm_rope(
     seq_len: Optional[int] = None,
     inplace: bool = False,
     check_inputs: bool = False,
+    config: Optional[RopeConfig] = None,
 ) -> Tuple[Tensor, Tensor]:
     """RMSNorm of q and k, then RoPE, in one pass (forward and backward): Qwen3 / Qwen3-MoE
     (``norm="head"``), Gemma 3 (``weight_offset=1.0``: its ``1 + w``), OLMo 2
@@ -50,7 +51,8 @@ def qk_norm_rope(
     (one fused backward); double backward goes through a composite of ATen ops.
 
     ``inplace=True`` writes the results into q and k (inference: no autograd) and returns
-    them. Returns ``(q, k)``.
+    them. ``config``: a parsed :class:`~posenc.functional.RopeConfig` instead of RoPE's
+    keywords (as :func:`apply_rope`). Returns ``(q, k)``.
     """
     fn = "qk_norm_rope"
     for name, t in (("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
@@ -64,10 +66,10 @@ def qk_norm_rope(
             raise TypeError(f"{fn}: expected {name} to be a float, got {value!r}")
     if not eps > 0:
         raise ValueError(f"{fn}: expected eps > 0 (added to the mean square), got {eps}")
-    arguments = rope_op_arguments(
-        q, positions=positions, offset=offset, cu_seqlens=cu_seqlens, base=base, interleaved=interleaved,
-        rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode,
-        check_inputs=check_inputs, seq_len=seq_len, fn=fn)
+    config = config_of(q, config, fn, base=base, interleaved=interleaved, rotary_dim=rotary_dim, scaling=scaling,
+                       layout=layout, sections=sections, sections_mode=sections_mode)
+    arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
+                                  check_inputs=check_inputs, seq_len=seq_len, fn=fn)
     q_weight, k_weight = place_beside(q, q_weight, k_weight)
     if inplace:  # the op refuses a call that would record a graph (its autograd kernel)
         torch.ops.posenc.qk_norm_rope_(
@@ -134,14 +136,16 @@ class QKNormRotary(torch.nn.Module):
         self.q_norm = _NormWeight(lq, init, device, dtype)
         self.k_norm = _NormWeight(lk, init, device, dtype)
         self.head_dim, self.eps, self.weight_offset, self.norm = head_dim, eps, weight_offset, norm
-        self.rope_options = dict(base=base, interleaved=interleaved, rotary_dim=rotary_dim, scaling=scaling,
-                                 layout=layout, sections=sections, sections_mode=sections_mode)
+        # RoPE's configuration, parsed once (RopeConfig) and passed on at each call.
+        self.rope_config = RopeConfig.parse(head_dim=head_dim, base=base, interleaved=interleaved,
+                                            rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections,
+                                            sections_mode=sections_mode, fn="QKNormRotary")
 
     def forward(self, q: Tensor, k: Tensor, *, positions: Optional[Tensor] = None, offset: Union[int, Tensor] = 0,
                 cu_seqlens: Optional[Tensor] = None, seq_len: Optional[int] = None) -> Tuple[Tensor, Tensor]:
         return qk_norm_rope(q, k, self.q_norm.weight, self.k_norm.weight, eps=self.eps,
                             weight_offset=self.weight_offset, norm=self.norm, positions=positions, offset=offset,
-                            cu_seqlens=cu_seqlens, seq_len=seq_len, **self.rope_options)
+                            cu_seqlens=cu_seqlens, seq_len=seq_len, config=self.rope_config)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, eps={self.eps}, weight_offset={self.weight_offset}, norm={self.norm!r}"

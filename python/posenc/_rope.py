@@ -7,6 +7,7 @@ library (``posenc/math/rope.h``), the same code the kernels run.
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
@@ -260,49 +261,107 @@ def check_cu_seqlens(cu_seqlens: Tensor, tokens: int) -> None:
         )
 
 
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """A RoPE configuration, parsed once: the settings the RoPE ops take beside the tensors
+    and their positions (``rope``'s schema tail from ``base`` on, without ``seq_len``).
+
+    Build it with :meth:`parse` from :func:`apply_rope`'s keywords (a Hugging Face dict's
+    ``rope_theta``, ``partial_rotary_factor`` and ``mrope_section`` resolved, the scaling
+    dict flattened to the op's list); the modules build theirs in ``__init__`` and pass it on
+    (``apply_rope(q, k, config=...)``), so a call does not parse it again. The op checks the
+    values on every call (cheap, in C++); ``RotaryPositionalEncoding`` also checks them once
+    when it is built."""
+
+    base: float
+    rope_type: str
+    scaling: Tuple[float, ...]
+    rotary_dim: int  # -1: head_dim (or 2 * sum(sections))
+    interleaved: bool
+    layout: str
+    sections: Tuple[int, ...]
+    sections_mode: str
+
+    @classmethod
+    def parse(
+        cls,
+        *,
+        head_dim: int,
+        base: Optional[float] = None,
+        interleaved: bool = False,
+        rotary_dim: Optional[int] = None,
+        scaling: Optional[Mapping] = None,
+        layout: str = "bshd",
+        sections: Optional[Sequence[int]] = None,
+        sections_mode: str = "axial",
+        max_position_embeddings: Optional[int] = None,
+        fn: str = "apply_rope",
+    ) -> "RopeConfig":
+        """The configuration of :func:`apply_rope`'s keywords for heads of ``head_dim``
+        features. ``max_position_embeddings``: the model's (the module's max_len), for the
+        keys transformers fills from the config (``scaling_arguments``)."""
+        if not isinstance(layout, str) or layout not in LAYOUTS:
+            raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+        if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
+            raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
+        scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
+            scaling, base=base, rotary_dim=rotary_dim, head_dim=head_dim, sections=sections,
+            sections_mode=sections_mode, fn=fn)
+        rope_type, values = scaling_arguments(scaling, max_position_embeddings)
+        return cls(base=float(10000.0 if base is None else base), rope_type=rope_type, scaling=tuple(values),
+                   rotary_dim=-1 if rotary_dim is None else rotary_dim, interleaved=bool(interleaved),
+                   layout=layout, sections=tuple(_sections(sections)), sections_mode=sections_mode)
+
+
+# apply_rope's configuration keywords and their defaults (RopeConfig.parse's): given beside
+# config=, they would be a second statement of the configuration.
+_CONFIG_DEFAULTS = dict(base=None, interleaved=False, rotary_dim=None, scaling=None, layout="bshd", sections=None,
+                        sections_mode="axial")
+
+
+def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any) -> RopeConfig:
+    """``config`` when given (then every configuration keyword must be at its default),
+    else the configuration parsed from the keywords for q's head_dim."""
+    if config is None:
+        if not isinstance(q, Tensor):
+            raise TypeError(f"{fn}: expected q to be a Tensor, got {type(q).__name__}")
+        return RopeConfig.parse(head_dim=q.shape[-1] if q.dim() else 0, fn=fn, **keywords)
+    if not isinstance(config, RopeConfig):
+        raise TypeError(f"{fn}: expected config to be a posenc RopeConfig or None, got {type(config).__name__}")
+    given = [name for name, default in _CONFIG_DEFAULTS.items() if keywords.get(name, default) != default]
+    if given:
+        raise ValueError(f"{fn}: got config and {', '.join(given)}; pass the configuration once (in config, "
+                         f"or as keywords)")
+    return config
+
+
 def rope_op_arguments(
     q: Tensor,
+    config: RopeConfig,
     *,
     positions: Optional[Tensor],
     offset: Union[int, Tensor],
     cu_seqlens: Optional[Tensor],
-    base: Optional[float],
-    interleaved: bool,
-    rotary_dim: Optional[int],
-    scaling: Optional[Mapping],
-    layout: str,
-    sections: Optional[Sequence[int]],
-    sections_mode: str,
     check_inputs: bool,
     seq_len: Optional[int],
-    _original_max: Optional[int] = None,
     fn: str = "apply_rope",
 ) -> dict:
     """The RoPE arguments of the ops (rope's schema tail, shared by the fused ops that rotate
-    as rope does: qk_norm_rope) from :func:`apply_rope`'s, as keyword arguments; ``fn`` names
-    the function in messages."""
+    as rope does: qk_norm_rope, rope_append_kv): the call's positions beside the parsed
+    configuration, as keyword arguments; ``fn`` names the function in messages."""
     if not isinstance(q, Tensor):
         raise TypeError(f"{fn}: expected q to be a Tensor, got {type(q).__name__}")
-    if not isinstance(layout, str) or layout not in LAYOUTS:
-        raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
-    if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
-        raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
     offsets = None
     if isinstance(offset, Tensor):
         offsets, offset = offset, 0
     elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
         raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
-    scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
-        scaling, base=base, rotary_dim=rotary_dim, head_dim=q.shape[-1] if q.dim() else 0, sections=sections,
-        sections_mode=sections_mode, fn=fn)
-    base = 10000.0 if base is None else base
-    rope_type, values = scaling_arguments(scaling, _original_max)
     if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))):
         raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}")
     if seq_len is not None and seq_len < 0:
         raise ValueError(f"{fn}: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
     # -1: the op reads the longest position from the call.
-    seq_len = (-1 if seq_len is None else seq_len) if rope_type in LENGTH_SCALED_TYPES else 0
+    seq_len = (-1 if seq_len is None else seq_len) if config.rope_type in LENGTH_SCALED_TYPES else 0
     if (
         check_inputs
         and cu_seqlens is not None
@@ -313,12 +372,12 @@ def rope_op_arguments(
         check_cu_seqlens(cu_seqlens, q.shape[0])
     # A DTensor q with plain index tensors beside it: those are replicated on its mesh.
     positions, offsets, cu_seqlens = place_beside(q, positions, offsets, cu_seqlens)
-    arguments = dict(
-        positions=positions, offsets=offsets, offset=offset, cu_seqlens=cu_seqlens, base=float(base),
-        rope_type=rope_type, scaling=values, seq_len=seq_len, rotary_dim=-1 if rotary_dim is None else rotary_dim,
-        interleaved=bool(interleaved), layout=layout, sections=_sections(sections), sections_mode=sections_mode,
+    return dict(
+        positions=positions, offsets=offsets, offset=offset, cu_seqlens=cu_seqlens, base=config.base,
+        rope_type=config.rope_type, scaling=list(config.scaling), seq_len=seq_len, rotary_dim=config.rotary_dim,
+        interleaved=config.interleaved, layout=config.layout, sections=list(config.sections),
+        sections_mode=config.sections_mode,
     )
-    return arguments
 
 
 def apply_rope(
@@ -338,7 +397,7 @@ def apply_rope(
     inplace: bool = False,
     check_inputs: bool = False,
     seq_len: Optional[int] = None,
-    _original_max: Optional[int] = None,
+    config: Optional[RopeConfig] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Rotary position embedding of q (and k), fused in one kernel launch.
 
@@ -391,6 +450,9 @@ def apply_rope(
             default: read from the call. Pass the global length when the call sees a shard
             of the sequence (context parallel; see the README's "Distributed training"), or
             to avoid the device sync of reading it. Ignored by the other scaling types.
+        config: a :class:`RopeConfig` parsed once (``RopeConfig.parse`` takes the keywords
+            above, from ``base`` to ``sections_mode``), instead of those keywords: what the
+            modules pass, so a call does not parse the configuration again.
 
     Returns the rotated q, or (q, k) when k is given. Positions have no table and no max_len;
     positions, offsets and ``offset`` must each lie in [-2**53, 2**53] (so their sum cannot
@@ -399,10 +461,10 @@ def apply_rope(
     int ``offset`` and CPU index tensors are checked by the op; CUDA index tensors by the
     kernel, on the device (see ``check_inputs``).
     """
-    arguments = rope_op_arguments(
-        q, positions=positions, offset=offset, cu_seqlens=cu_seqlens, base=base, interleaved=interleaved,
-        rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode,
-        check_inputs=check_inputs, seq_len=seq_len, _original_max=_original_max)
+    config = config_of(q, config, "apply_rope", base=base, interleaved=interleaved, rotary_dim=rotary_dim,
+                       scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode)
+    arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
+                                  check_inputs=check_inputs, seq_len=seq_len)
     if inplace:
         torch.ops.posenc.rope_(q, k, **arguments)
         return q if k is None else (q, k)

@@ -7,7 +7,7 @@ from typing import Mapping, Optional, Sequence, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._rope import rope_op_arguments
+from posenc._rope import RopeConfig, config_of, rope_op_arguments
 
 _LAYOUTS = ("bshd", "bhsd", "thd")
 
@@ -32,6 +32,7 @@ def rope_append_kv(
     seq_len: Optional[int] = None,
     inplace: bool = False,
     return_k: bool = False,
+    config: Optional[RopeConfig] = None,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Rotates q and k (RoPE, as :func:`apply_rope`) and writes the rotated k and v into a KV
     cache, in one pass over q, k and v (one kernel launch): a decoding step's RoPE and cache
@@ -58,6 +59,8 @@ def rope_append_kv(
             settings of :func:`apply_rope`.
         inplace: rotate q (and k, with ``return_k``) in their own storage.
         return_k: also return the rotated k.
+        config: a parsed :class:`~posenc.functional.RopeConfig` instead of RoPE's keywords
+            (as :func:`apply_rope`).
 
     Every row or slot written must lie in the cache: on the CPU an ``IndexError`` is raised
     before anything is written (the caches unchanged); CUDA kernels never write outside the
@@ -68,13 +71,13 @@ def rope_append_kv(
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
-    if not isinstance(layout, str) or layout not in _LAYOUTS:
-        raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(_LAYOUTS)}")
+    config = config_of(q, config, fn, base=base, interleaved=interleaved, rotary_dim=rotary_dim, scaling=scaling,
+                       layout=layout, sections=sections, sections_mode=sections_mode)
+    if config.layout not in _LAYOUTS:
+        raise ValueError(f"{fn}: unknown layout {config.layout!r}; expected one of {', '.join(_LAYOUTS)}")
     # RoPE's arguments exactly as apply_rope normalises them (no packed sequences here).
-    arguments = rope_op_arguments(
-        q, positions=positions, offset=offset, cu_seqlens=None, base=base, interleaved=interleaved,
-        rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode,
-        check_inputs=False, seq_len=seq_len, fn=fn)
+    arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=None,
+                                  check_inputs=False, seq_len=seq_len, fn=fn)
     arguments.update(slot_mapping=slot_mapping, return_k=bool(return_k))
     if inplace:
         torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, **arguments)

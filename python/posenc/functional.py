@@ -9,12 +9,13 @@ import torch
 from torch import Tensor
 
 from posenc._dtensor import place_beside
-from posenc._rope import apply_rope, grid_positions, rope_frequencies
+from posenc._rope import RopeConfig, apply_rope, grid_positions, rope_frequencies
 from posenc._rope_append_kv import rope_append_kv
 from posenc._rope_cos_sin import apply_rope_cos_sin, rope_cos_sin
 from posenc._qk_norm_rope import qk_norm_rope
 
 __all__ = [
+    "RopeConfig",
     "add_position",
     "apply_rope",
     "apply_rope_cos_sin",

@@ -11,7 +11,7 @@ annotations`` here: TorchScript reads the annotations as types.
 
 import math
 import numbers
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -304,26 +304,28 @@ class RotaryPositionalEncoding(nn.Module):
         base = 10000.0 if base is None else base
         if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
             raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
-        self.base = float(base)
-        self.interleaved = bool(interleaved)
-        self.sections = None if sections is None else _rope._sections(sections)
-        self.sections_mode = sections_mode
+        sections = None if sections is None else _rope._sections(sections)
         if rotary_dim is None:  # all of dim, or what the sections rotate
-            rotary_dim = self.dim if self.sections is None else 2 * sum(max(s, 0) for s in self.sections)
-        self.rotary_dim = _check_positive_int("rotary_dim", rotary_dim)
-        if self.rotary_dim % 2 != 0 or self.rotary_dim > self.dim:
-            raise ValueError(
-                f"expected rotary_dim to be even and at most dim={self.dim}, got {self.rotary_dim}"
-            )
+            rotary_dim = self.dim if sections is None else 2 * sum(max(s, 0) for s in sections)
+        rotary_dim = _check_positive_int("rotary_dim", rotary_dim)
+        if rotary_dim % 2 != 0 or rotary_dim > self.dim:
+            raise ValueError(f"expected rotary_dim to be even and at most dim={self.dim}, got {rotary_dim}")
         if layout not in _rope.LAYOUTS:
             raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(_rope.LAYOUTS)}")
-        self.layout = layout
-        self.scaling = None if scaling is None else dict(scaling)
-        rope_type, values = _rope.scaling_arguments(self.scaling, self.max_len)  # validates now
-        if rope_type in _rope.LENGTH_SCALED_TYPES and rope_type in _rope.ORIGINAL_FROM_MODEL_TYPES:
-            _check_length_baseline(self.scaling, rope_type, self.max_len)
+        self._scaling = None if scaling is None else dict(scaling)
+        # The configuration, parsed once (with the model defaults max_len gives the scaling
+        # keys) and passed on at every call; the settings below read it (read-only: a
+        # changed setting would have to be parsed again: build a new module).
+        self.rope_config = _rope.RopeConfig.parse(
+            head_dim=self.dim, base=float(base), interleaved=interleaved, rotary_dim=rotary_dim,
+            scaling=self._scaling, layout=layout, sections=sections, sections_mode=sections_mode,
+            max_position_embeddings=self.max_len, fn="RotaryPositionalEncoding")
+        c = self.rope_config
+        if c.rope_type in _rope.LENGTH_SCALED_TYPES and c.rope_type in _rope.ORIGINAL_FROM_MODEL_TYPES:
+            _check_length_baseline(self._scaling, c.rope_type, self.max_len)
+        # Checks every value once (the op's own checks) and gives the frequencies.
         inv_freq, factor = torch.ops.posenc.rope_frequencies(
-            self.rotary_dim, self.base, rope_type, values, 0, self.sections or [], sections_mode
+            c.rotary_dim, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode
         )
         self.attention_scaling = float(factor)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -353,12 +355,38 @@ class RotaryPositionalEncoding(nn.Module):
             raise ValueError(f"expected q with head_dim {self.dim} (the module's dim), got shape {tuple(q.shape)}")
         longest = self._check_range(q, positions, offset, cu_seqlens)
         return _rope.apply_rope(
-            q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, base=self.base,
-            interleaved=self.interleaved, rotary_dim=self.rotary_dim, scaling=self.scaling,
-            layout=self.layout, sections=self.sections, sections_mode=self.sections_mode,
-            _original_max=self.max_len,
+            q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, config=self.rope_config,
             seq_len=seq_len if seq_len is not None or longest is None else max(longest + 1, 0),
         )
+
+    # The settings, read from the parsed configuration.
+    @property
+    def base(self) -> float:
+        return self.rope_config.base
+
+    @property
+    def interleaved(self) -> bool:
+        return self.rope_config.interleaved
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_config.rotary_dim
+
+    @property
+    def layout(self) -> str:
+        return self.rope_config.layout
+
+    @property
+    def sections(self) -> Optional[List[int]]:
+        return list(self.rope_config.sections) or None
+
+    @property
+    def sections_mode(self) -> str:
+        return self.rope_config.sections_mode
+
+    @property
+    def scaling(self) -> Optional[dict]:
+        return None if self._scaling is None else dict(self._scaling)
 
     def _check_range(
         self, q: Tensor, positions: Optional[Tensor], offset: Union[int, Tensor], cu_seqlens: Optional[Tensor]
@@ -374,7 +402,8 @@ class RotaryPositionalEncoding(nn.Module):
             return  # apply_rope raises a TypeError naming offset
         if positions is None and offsets is None and cu_seqlens is None:
             # Positions offset .. offset + seq - 1: no tensor to read, traceable.
-            batch, seq = _rope._canonical(q, self.layout).shape[:2]  # the op's rule: no token, no bound
+            b, s, _ = _rope.LAYOUT_AXES[self.layout]
+            batch, seq = (1 if b is None else q.shape[b]), q.shape[s]  # the op's rule: no token, no bound
             lo, hi = (offset, offset + seq - 1) if batch > 0 and seq > 0 else (0, -1)
         else:
             tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
@@ -387,7 +416,7 @@ class RotaryPositionalEncoding(nn.Module):
             lo, hi = torch.ops.posenc.rope_position_bounds(
                 q, positions=positions, offsets=offsets, offset=0 if offsets is not None else offset,
                 cu_seqlens=cu_seqlens, rotary_dim=self.rotary_dim, layout=self.layout,
-                sections=self.sections or [], sections_mode=self.sections_mode,
+                sections=list(self.rope_config.sections), sections_mode=self.sections_mode,
             )
         if hi >= lo and (lo < 0 or hi >= self.max_len):
             torch.ops.posenc.position_range_check(lo, hi, self.max_len)  # raises the one IndexError

@@ -325,3 +325,49 @@ def test_module_traces_show_the_module(cls, tmp_path):
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}
     assert f"nn.Module: {cls.__name__}_0" in names, sorted(n for n in names if n and "Module" in n)
     assert "posenc::add_position" in names
+
+
+# ---- Parse once (issue 35): a RoPE configuration is parsed into one immutable RopeConfig,
+# which the modules build in __init__ and pass on.
+
+def test_rope_modules_parse_their_configuration_once(monkeypatch):
+    scaling = {"rope_type": "yarn", "factor": 4.0, "rope_theta": 500000.0, "partial_rotary_factor": 0.5,
+               "original_max_position_embeddings": 64}
+    rope = posenc.RotaryPositionalEncoding(32, max_len=256, scaling=scaling)
+    qkn = posenc.QKNormRotary(32, scaling=scaling, dtype=torch.float64)
+    q, k = torch.randn(2, 5, 4, 32, dtype=torch.float64), torch.randn(2, 5, 2, 32, dtype=torch.float64)
+    want = rope(q, k, offset=7)
+    want_qkn = qkn(q, k, offset=7)
+
+    def no_parsing(*args, **kwargs):
+        raise AssertionError("parsed again at call time")
+
+    from posenc import _rope
+    monkeypatch.setattr(_rope, "resolve_config_keys", no_parsing)
+    monkeypatch.setattr(_rope, "scaling_arguments", no_parsing)
+    got = rope(q, k, offset=7)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    got_qkn = qkn(q, k, offset=7)
+    assert torch.equal(got_qkn[0], want_qkn[0])
+    monkeypatch.undo()
+    # The same numbers as the keywords, parsed per call by the function.
+    keywords = functional.apply_rope(q, k, offset=7, scaling=scaling)
+    assert torch.equal(want[0], keywords[0]) and torch.equal(want[1], keywords[1])
+    c = rope.rope_config
+    assert (c.base, c.rotary_dim, c.rope_type) == (500000.0, 16, "yarn")
+    assert (rope.base, rope.rotary_dim, rope.layout) == (500000.0, 16, "bshd")
+
+
+def test_a_parsed_configuration_is_immutable_and_given_once():
+    rope = posenc.RotaryPositionalEncoding(16)
+    with pytest.raises(AttributeError):
+        rope.base = 500.0  # a setting is the parsed configuration's: build a new module
+    with pytest.raises(Exception, match="cannot assign|frozen"):
+        rope.rope_config.base = 500.0
+    config = functional.RopeConfig.parse(head_dim=16, base=500.0, interleaved=True)
+    q = torch.randn(1, 3, 2, 16, dtype=torch.float64)
+    assert torch.equal(functional.apply_rope(q, config=config), functional.apply_rope(q, base=500.0, interleaved=True))
+    with pytest.raises(ValueError, match="got config and base, interleaved; pass the configuration once"):
+        functional.apply_rope(q, config=config, base=500.0, interleaved=True)
+    with pytest.raises(TypeError, match="expected config to be a posenc RopeConfig"):
+        functional.apply_rope(q, config={"base": 500.0})
