@@ -267,6 +267,12 @@ _SCHEMA_DEFAULTS = dict(base=10000.0, rope_type="default", scaling=[], rotary_di
                         layout="bshd", sections=[], sections_mode="axial")
 
 
+# apply_rope's configuration keywords and their defaults (RopeConfig.parse's): given beside
+# config=, they would be a second statement of the configuration.
+_CONFIG_DEFAULTS = dict(base=None, interleaved=False, rotary_dim=None, scaling=None, layout="bshd", sections=None,
+                        sections_mode="axial")
+
+
 @dataclasses.dataclass(frozen=True)
 class RopeConfig:
     """A RoPE configuration, parsed once: the settings the RoPE ops take beside the tensors
@@ -303,19 +309,21 @@ class RopeConfig:
         cls,
         *,
         head_dim: int,
-        base: Optional[float] = None,
-        interleaved: bool = False,
-        rotary_dim: Optional[int] = None,
-        scaling: Optional[Mapping] = None,
-        layout: str = "bshd",
-        sections: Optional[Sequence[int]] = None,
-        sections_mode: str = "axial",
         max_position_embeddings: Optional[int] = None,
         fn: str = "apply_rope",
+        **settings: Any,
     ) -> "RopeConfig":
-        """The configuration of :func:`apply_rope`'s keywords for heads of ``head_dim``
-        features. ``max_position_embeddings``: the model's (the module's max_len), for the
-        keys transformers fills from the config (``scaling_arguments``)."""
+        """The configuration of :func:`apply_rope`'s configuration keywords (``base``,
+        ``interleaved``, ``rotary_dim``, ``scaling``, ``layout``, ``sections``,
+        ``sections_mode``: the keys of ``_CONFIG_DEFAULTS``, stated once) for heads of
+        ``head_dim`` features. ``max_position_embeddings``: the model's (the module's
+        max_len), for the keys transformers fills from the config (``scaling_arguments``)."""
+        unknown = sorted(set(settings) - set(_CONFIG_DEFAULTS))
+        if unknown:
+            raise TypeError(f"{fn}: unknown RoPE setting(s) {unknown}; expected {', '.join(_CONFIG_DEFAULTS)}")
+        settings = {**_CONFIG_DEFAULTS, **settings}
+        base, interleaved, rotary_dim, scaling, layout, sections, sections_mode = (
+            settings[name] for name in _CONFIG_DEFAULTS)
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
@@ -327,12 +335,6 @@ class RopeConfig:
         return cls(base=float(10000.0 if base is None else base), rope_type=rope_type, scaling=tuple(values),
                    rotary_dim=-1 if rotary_dim is None else rotary_dim, interleaved=bool(interleaved),
                    layout=layout, sections=tuple(_sections(sections)), sections_mode=sections_mode)
-
-
-# apply_rope's configuration keywords and their defaults (RopeConfig.parse's): given beside
-# config=, they would be a second statement of the configuration.
-_CONFIG_DEFAULTS = dict(base=None, interleaved=False, rotary_dim=None, scaling=None, layout="bshd", sections=None,
-                        sections_mode="axial")
 
 
 def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any) -> RopeConfig:
