@@ -26,12 +26,12 @@ def qk_norm_rope(
     offset: Union[int, Tensor] = 0,
     cu_seqlens: Optional[Tensor] = None,
     base: Optional[float] = None,
-    interleaved: bool = False,
+    interleaved: Optional[bool] = None,
     rotary_dim: Optional[int] = None,
     scaling: Optional[Mapping] = None,
-    layout: str = "bshd",
+    layout: Optional[str] = None,
     sections: Optional[Sequence[int]] = None,
-    sections_mode: str = "axial",
+    sections_mode: Optional[str] = None,
     seq_len: Optional[int] = None,
     inplace: bool = False,
     check_inputs: bool = False,
@@ -140,6 +140,15 @@ class QKNormRotary(torch.nn.Module):
         self.rope_config = RopeConfig.parse(head_dim=head_dim, base=base, interleaved=interleaved,
                                             rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections,
                                             sections_mode=sections_mode, fn="QKNormRotary")
+
+    def __setstate__(self, state: dict) -> None:
+        """A module pickled before its configuration was parsed once (posenc before
+        2026-12-03: a rope_options dict) gets its RopeConfig."""
+        if "rope_config" not in state and "rope_options" in state:
+            state = dict(state)
+            state["rope_config"] = RopeConfig.parse(head_dim=state["head_dim"], fn="QKNormRotary",
+                                                    **state.pop("rope_options"))
+        super().__setstate__(state)
 
     def forward(self, q: Tensor, k: Tensor, *, positions: Optional[Tensor] = None, offset: Union[int, Tensor] = 0,
                 cu_seqlens: Optional[Tensor] = None, seq_len: Optional[int] = None) -> Tuple[Tensor, Tensor]:

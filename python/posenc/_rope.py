@@ -261,16 +261,17 @@ def check_cu_seqlens(cu_seqlens: Tensor, tokens: int) -> None:
         )
 
 
-# The defaults of rope's schema (kRopeSchemaArguments in csrc/ops/rope/rope_call.cpp) for
-# the settings a RopeConfig holds: arguments equal to them need not be passed.
-_SCHEMA_DEFAULTS = dict(base=10000.0, rope_type="default", scaling=[], rotary_dim=-1, interleaved=False,
-                        layout="bshd", sections=[], sections_mode="axial")
+# The defaults of rope's schema (kRopeSchemaArguments, shared by every RoPE op), read from
+# the schema itself: arguments equal to them need not be passed.
+_SCHEMA_DEFAULTS = {a.name: a.default_value for a in torch.ops.posenc.rope.default._schema.arguments
+                    if a.default_value is not None or a.name in ("positions", "offsets", "cu_seqlens")}
 
-
-# apply_rope's configuration keywords and their defaults (RopeConfig.parse's): given beside
-# config=, they would be a second statement of the configuration.
-_CONFIG_DEFAULTS = dict(base=None, interleaved=False, rotary_dim=None, scaling=None, layout="bshd", sections=None,
-                        sections_mode="axial")
+# apply_rope's configuration keywords (RopeConfig.parse's), stated once. Their default is
+# None (not given), so that any keyword passed beside config= is seen and refused; None
+# means: base 10000 (or the dict's rope_theta), interleaved False, rotary_dim head_dim,
+# no scaling, layout "bshd", no sections, sections_mode "axial".
+_CONFIG_DEFAULTS = dict(base=None, interleaved=None, rotary_dim=None, scaling=None, layout=None, sections=None,
+                        sections_mode=None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -293,6 +294,7 @@ class RopeConfig:
     layout: str
     sections: Tuple[int, ...]
     sections_mode: str
+    head_dim: int  # the heads it was parsed for (partial_rotary_factor gave rotary_dim from it)
     # The op's keyword arguments for these settings, those that differ from the schema's
     # defaults only (each keyword torch.ops parses costs about half a microsecond).
     op_kwargs: Tuple[Tuple[str, Any], ...] = dataclasses.field(init=False, repr=False, compare=False)
@@ -324,6 +326,9 @@ class RopeConfig:
         settings = {**_CONFIG_DEFAULTS, **settings}
         base, interleaved, rotary_dim, scaling, layout, sections, sections_mode = (
             settings[name] for name in _CONFIG_DEFAULTS)
+        interleaved = bool(interleaved)
+        layout = "bshd" if layout is None else layout
+        sections_mode = "axial" if sections_mode is None else sections_mode
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
@@ -334,7 +339,8 @@ class RopeConfig:
         rope_type, values = scaling_arguments(scaling, max_position_embeddings)
         return cls(base=float(10000.0 if base is None else base), rope_type=rope_type, scaling=tuple(values),
                    rotary_dim=-1 if rotary_dim is None else rotary_dim, interleaved=bool(interleaved),
-                   layout=layout, sections=tuple(_sections(sections)), sections_mode=sections_mode)
+                   layout=layout, sections=tuple(_sections(sections)), sections_mode=sections_mode,
+                   head_dim=head_dim)
 
 
 def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any) -> RopeConfig:
@@ -346,12 +352,13 @@ def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any)
         return RopeConfig.parse(head_dim=q.shape[-1] if q.dim() else 0, fn=fn, **keywords)
     if not isinstance(config, RopeConfig):
         raise TypeError(f"{fn}: expected config to be a posenc RopeConfig or None, got {type(config).__name__}")
-    if keywords == _CONFIG_DEFAULTS:
-        return config
-    given = [name for name, default in _CONFIG_DEFAULTS.items() if keywords.get(name, default) != default]
+    given = [name for name, value in keywords.items() if value is not None]
     if given:
         raise ValueError(f"{fn}: got config and {', '.join(given)}; pass the configuration once (in config, "
                          f"or as keywords)")
+    if isinstance(q, Tensor) and q.dim() and q.shape[-1] != config.head_dim:
+        raise ValueError(f"{fn}: expected q with head_dim {config.head_dim} (the config's), got shape "
+                         f"{tuple(q.shape)}")
     return config
 
 
@@ -392,11 +399,14 @@ def rope_op_arguments(
         check_cu_seqlens(cu_seqlens, q.shape[0])
     # A DTensor q with plain index tensors beside it: those are replicated on its mesh.
     positions, offsets, cu_seqlens = place_beside(q, positions, offsets, cu_seqlens)
-    arguments = dict(config.op_kwargs)
-    for name, value, default in (("positions", positions, None), ("offsets", offsets, None), ("offset", offset, 0),
-                                 ("cu_seqlens", cu_seqlens, None), ("seq_len", seq_len, 0)):
-        if value is not default and (default is None or not isinstance(value, int) or value != default):
-            arguments[name] = value  # the schema's default otherwise
+    arguments = dict(config.op_kwargs)  # the call's arguments at the schema's defaults are left out
+    for name, value in (("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)):
+        if value is not None:
+            arguments[name] = value
+    if not (type(offset) is int and offset == 0):
+        arguments["offset"] = offset
+    if not (type(seq_len) is int and seq_len == 0):
+        arguments["seq_len"] = seq_len
     return arguments
 
 
@@ -408,12 +418,12 @@ def apply_rope(
     offset: Union[int, Tensor] = 0,
     cu_seqlens: Optional[Tensor] = None,
     base: Optional[float] = None,
-    interleaved: bool = False,
+    interleaved: Optional[bool] = None,
     rotary_dim: Optional[int] = None,
     scaling: Optional[Mapping] = None,
-    layout: str = "bshd",
+    layout: Optional[str] = None,
     sections: Optional[Sequence[int]] = None,
-    sections_mode: str = "axial",
+    sections_mode: Optional[str] = None,
     inplace: bool = False,
     check_inputs: bool = False,
     seq_len: Optional[int] = None,

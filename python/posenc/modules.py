@@ -11,7 +11,8 @@ annotations`` here: TorchScript reads the annotations as types.
 
 import math
 import numbers
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
+import types
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor, nn
@@ -359,6 +360,19 @@ class RotaryPositionalEncoding(nn.Module):
             seq_len=seq_len if seq_len is not None or longest is None else max(longest + 1, 0),
         )
 
+    def __setstate__(self, state: dict) -> None:
+        """A module pickled before its configuration was parsed once (posenc before
+        2026-12-03: the settings as attributes) is rebuilt into a RopeConfig."""
+        if "rope_config" not in state and "base" in state:
+            state = dict(state)
+            settings = {name: state.pop(name, None) for name in
+                        ("base", "interleaved", "rotary_dim", "layout", "sections", "sections_mode")}
+            state["_scaling"] = state.pop("scaling", None)
+            state["rope_config"] = _rope.RopeConfig.parse(
+                head_dim=state["dim"], scaling=state["_scaling"], max_position_embeddings=state["max_len"],
+                fn="RotaryPositionalEncoding", **settings)
+        super().__setstate__(state)
+
     # The settings, read from the parsed configuration.
     @property
     def base(self) -> float:
@@ -377,16 +391,17 @@ class RotaryPositionalEncoding(nn.Module):
         return self.rope_config.layout
 
     @property
-    def sections(self) -> Optional[List[int]]:
-        return list(self.rope_config.sections) or None
+    def sections(self) -> Optional[Tuple[int, ...]]:
+        return self.rope_config.sections or None  # a tuple: the setting cannot be edited in place
 
     @property
     def sections_mode(self) -> str:
         return self.rope_config.sections_mode
 
     @property
-    def scaling(self) -> Optional[dict]:
-        return None if self._scaling is None else dict(self._scaling)
+    def scaling(self) -> Optional[Mapping[str, Any]]:
+        # A read-only view: an edit in place would not reach the parsed configuration.
+        return None if self._scaling is None else types.MappingProxyType(self._scaling)
 
     def _check_range(
         self, q: Tensor, positions: Optional[Tensor], offset: Union[int, Tensor], cu_seqlens: Optional[Tensor]
@@ -438,9 +453,9 @@ class RotaryPositionalEncoding(nn.Module):
         if self.rotary_dim != self.dim:
             extra += f", rotary_dim={self.rotary_dim}"
         if self.scaling is not None:
-            extra += f", scaling={self.scaling}"
+            extra += f", scaling={self._scaling}"
         if self.sections is not None:
-            extra += f", sections={self.sections}, sections_mode={self.sections_mode!r}"
+            extra += f", sections={list(self.sections)}, sections_mode={self.sections_mode!r}"
         return extra + f", layout={self.layout!r}"
 
 

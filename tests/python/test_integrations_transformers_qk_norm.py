@@ -387,3 +387,17 @@ def test_gemma3_multimodal(fused_calls):
     assert len(fused_calls) == 2 * config.text_config.num_hidden_layers
     integration.revert_posenc_qk_norm(model)
     torch.testing.assert_close(logits(model, text_ids), want_text, rtol=0, atol=0)
+
+
+def test_int32_position_ids_fall_back_to_the_layers_own_path(fused_calls):
+    """transformers' attention takes position_ids of any integer dtype; the fused op takes
+    int64, so int32 ones take the layer's norms and posenc's rotation of the given (cos, sin)."""
+    model = tiny_model("qwen3")
+    attn, hidden, positions, cos_sin = attention_inputs(model, 6)
+    with torch.no_grad():
+        want, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    with torch.no_grad():
+        got, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions.int())
+    assert not fused_calls
+    torch.testing.assert_close(got, want, **TOL)

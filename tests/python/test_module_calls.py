@@ -371,3 +371,45 @@ def test_a_parsed_configuration_is_immutable_and_given_once():
         functional.apply_rope(q, config=config, base=500.0, interleaved=True)
     with pytest.raises(TypeError, match="expected config to be a posenc RopeConfig"):
         functional.apply_rope(q, config={"base": 500.0})
+
+
+def test_modules_pickled_before_the_parsed_configuration_still_load():
+    """The state a RotaryPositionalEncoding / QKNormRotary pickled by the previous posenc
+    had (its settings as attributes, or a rope_options dict) loads into a RopeConfig, with
+    the same numbers."""
+    import pickle
+
+    scaling = {"rope_type": "linear", "factor": 2.0}
+    rope = posenc.RotaryPositionalEncoding(16, max_len=64, scaling=scaling, interleaved=True, rotary_dim=8)
+    state = dict(rope.__dict__)
+    del state["rope_config"], state["_scaling"]
+    state.update(base=10000.0, interleaved=True, rotary_dim=8, layout="bshd", sections=None, sections_mode="axial",
+                 scaling=dict(scaling))
+    old = posenc.RotaryPositionalEncoding.__new__(posenc.RotaryPositionalEncoding)
+    old.__setstate__(state)
+    q = torch.randn(1, 4, 2, 16, dtype=torch.float64)
+    assert torch.equal(old(q, offset=3), rope(q, offset=3))
+    assert old.rope_config == rope.rope_config
+    qkn = posenc.QKNormRotary(16, interleaved=True, dtype=torch.float64)
+    state = dict(qkn.__dict__)
+    del state["rope_config"]
+    state["rope_options"] = dict(base=None, interleaved=True, rotary_dim=None, scaling=None, layout="bshd",
+                                 sections=None, sections_mode="axial")
+    old = posenc.QKNormRotary.__new__(posenc.QKNormRotary)
+    old.__setstate__(state)
+    assert torch.equal(old(q, q)[0], qkn(q, q)[0])
+    again = pickle.loads(pickle.dumps(rope))  # today's pickles round-trip
+    assert again.rope_config == rope.rope_config and torch.equal(again(q), rope(q))
+    with pytest.raises(TypeError):
+        rope.scaling["factor"] = 8.0  # a read-only view: the edit cannot be silently dropped
+    assert rope.sections is None and posenc.RotaryPositionalEncoding(16, sections=[2, 2]).sections == (2, 2)
+
+
+def test_a_config_belongs_to_its_head_dim_and_is_given_once():
+    config = functional.RopeConfig.parse(head_dim=64, scaling={"rope_type": "default", "partial_rotary_factor": 0.5})
+    assert config.rotary_dim == 32
+    with pytest.raises(ValueError, match=r"expected q with head_dim 64 \(the config's\)"):
+        functional.apply_rope(torch.randn(1, 2, 1, 128), config=config)
+    bhsd = functional.RopeConfig.parse(head_dim=64, layout="bhsd")
+    with pytest.raises(ValueError, match="got config and layout"):  # even the default value is a second statement
+        functional.apply_rope(torch.randn(1, 2, 1, 64), config=bhsd, layout="bshd")

@@ -58,7 +58,7 @@ def test_readme_python_examples_run():
     got = posenc.functional.apply_rope(third["q_hf"], positions=third["position_ids"], sections=[16, 24, 24],
                                        sections_mode="mrope", base=1e6, layout="bhsd")
     torch.testing.assert_close(got, want)
-    assert third["rope"].sections == [16, 24, 24]
+    assert list(third["rope"].sections) == [16, 24, 24]
     # Block 4: RoPE into the KV cache (rope_append_kv), a decode loop and a paged call.
     Hq, Hkv, hd, new = 4, 2, 32, 1
     g = torch.Generator().manual_seed(0)

@@ -59,7 +59,7 @@ def test_qwen_vl_dicts_set_sections():
     torch.testing.assert_close(oq, rq)
     torch.testing.assert_close(ok, rk)
     rope = posenc.RotaryPositionalEncoding(128, max_len=1000, scaling=v5, layout="bhsd")
-    assert rope.sections == [24, 20, 20] and rope.sections_mode == "mrope_interleaved"
+    assert list(rope.sections) == [24, 20, 20] and rope.sections_mode == "mrope_interleaved"
     assert all(torch.equal(a, b) for a, b in zip(rope(q, k, positions=pos), (oq, ok)))
     with pytest.raises(ValueError, match=r"sections=\[16, 24, 24\] disagrees with the scaling dict's mrope_section"):
         apply_rope(q, positions=pos, scaling=v5, sections=[16, 24, 24], layout="bhsd")

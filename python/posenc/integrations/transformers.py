@@ -265,7 +265,7 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     or "longrope", whose transformers tables change with the call's length and the rotary
     module's history). None otherwise: the layer then runs its own norms and rotates with
     the given (cos, sin)."""
-    if not isinstance(positions, Tensor) or positions.is_floating_point() or positions.is_complex():
+    if not isinstance(positions, Tensor) or positions.dtype != torch.int64:  # the op's dtype (int32 falls back)
         return None
     if positions.dim() not in (1, 2) or len(input_shape) != 2 or positions.shape[-1] != input_shape[1]:
         return None
