@@ -10,7 +10,7 @@
 
 #include "api/rope_call_from_options.h"
 #include "ops/common/op_handles.h"
-#include "ops/rope/rope_call.h"
+#include "ops/common/rope_call.h"
 
 namespace posenc {
 

@@ -6,7 +6,7 @@
 
 #include <optional>
 
-#include "ops/rope/rope_call.h"
+#include "ops/common/rope_call.h"
 #include "posenc/rope.h"
 
 namespace posenc {

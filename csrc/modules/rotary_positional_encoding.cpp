@@ -9,7 +9,7 @@
 
 #include "api/rope_call_from_options.h"
 #include "ops/add_position/position_bounds.h"
-#include "ops/rope/rope_call.h"
+#include "ops/common/rope_call.h"
 
 namespace posenc {
 

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import operator
-from typing import Any, Optional, Sequence, Union
+from typing import Optional, Sequence, Union
 
 import torch
 from torch import Tensor
@@ -32,52 +31,7 @@ __all__ = [
 ]
 
 
-_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
-
-
-def _int_arg(fn: str, name: str, value: Any) -> int:
-    """value as an int64 (Python or numpy integer, not bool), or ValueError naming it. Only
-    the type is normalised here: the op checks the value."""
-    if not isinstance(value, bool):
-        try:
-            number = operator.index(value)
-        except TypeError:
-            pass
-        else:
-            if _INT64_MIN <= number <= _INT64_MAX:
-                return number
-            raise ValueError(f"{fn}: expected {name} to fit in int64, got {number}")
-    raise ValueError(f"{fn}: expected {name} to be an int, got {value!r}")
-
-
-def _float_arg(fn: str, name: str, value: Any) -> float:
-    """value (a real number: Python, numpy or a one-element tensor; not bool or str) as a
-    float, or ValueError naming it. Only the type is normalised here: the op checks the
-    value (finite, positive, ...)."""
-    if not isinstance(value, (bool, str, bytes)):
-        try:
-            return float(value)
-        except (TypeError, ValueError, RuntimeError, OverflowError):
-            pass
-    raise ValueError(f"{fn}: expected {name} to be a real number, got {value!r}")
-
-
-def _tensor_arg(fn: str, name: str, value: Any) -> Tensor:
-    if not isinstance(value, Tensor):
-        raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(value).__name__}")
-    return value
-
-
-_TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
-def _table_dtype(fn: str, dtype: Any) -> torch.dtype:
-    """The table ops compute and return float64, which this rounds once to ``dtype`` with an
-    ATen cast: no ScalarType argument of a custom op travels through an exported graph
-    (torch 2.11's AOTInductor proxy executor misread them and returned None)."""
-    if dtype not in _TABLE_DTYPES:
-        raise TypeError(f"{fn}: expected dtype to be float16, bfloat16, float32 or float64, got {dtype!r}")
-    return dtype
+from posenc._common import _float_arg, _int_arg, _table_dtype, _tensor_arg  # noqa: E402,F401
 
 
 def sinusoidal_table(

@@ -18,21 +18,10 @@ import torch
 from torch import Tensor, nn
 
 from posenc import _rope, functional
+from posenc._common import _check_positive_int, _check_probability
 from posenc._dtensor import is_dtensor, place_beside
 
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
-
-
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"expected {name} to be a positive integer, got {value!r}")
-    return int(value)
-
-
-def _check_probability(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"expected {name} to be a probability in [0, 1], got {value!r}")
-    return float(value)
 
 
 def _check_positions_on_host(positions: Tensor, max_len: int) -> None:

@@ -15,7 +15,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/helpers/py_format.h"
+#include "ops/common/py_format.h"
 #include "posenc/posenc.h"
 
 namespace {

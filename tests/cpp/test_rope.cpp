@@ -234,7 +234,7 @@ TEST(ApplyRope, ScalingLayoutsAndInPlace) {
 
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include "ops/rope/rope_call.h"
+#include "ops/common/rope_call.h"
 
 namespace {
 

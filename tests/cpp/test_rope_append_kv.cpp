@@ -3,7 +3,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
-#include "ops/rope/cpu/rope_rows.h"  // row_streams, the CPU kernels' streaming rule
+#include "ops/common/cpu/rope_rows.h"  // row_streams, the CPU kernels' streaming rule
 #include "posenc/posenc.h"
 
 namespace {

@@ -61,7 +61,7 @@ CASES = {
     "rope_positions": (
         "F.apply_rope(q.unsqueeze(0), positions=torch.tensor([0, 1, 2, 3, 4, 5, 6, 7, 2**60], device='cuda'))",
         re.escape("posenc: rope: expected positions within [-2**53, 2**53]")),
-    # qk_norm_rope's kernel shares rope's checks (cuda/rope/rope_device_checks.cuh).
+    # qk_norm_rope's kernel shares rope's checks (cuda/common/rope_device_checks.cuh).
     "qk_norm_rope_cu_seqlens_short": (
         "w = torch.ones(8, device='cuda')\n"
         "F.qk_norm_rope(q, q[:, :1].contiguous(), w, w, cu_seqlens=torch.tensor([0, 4, 6], device='cuda'), layout='thd')",

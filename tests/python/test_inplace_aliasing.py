@@ -2,7 +2,7 @@
 rope_append_kv (the caches) and rope_append_kv_ (the caches, q, and k with return_k). Each
 computes the right answer for the aliasing it accepts and refuses the rest with an error
 naming both arguments: nothing written may share a byte with itself or with any other
-argument unless that is proven ("cannot tell" is a refusal; rope_overlap.cpp). Every case
+argument unless that is proven ("cannot tell" is a refusal; written_memory.cpp). Every case
 runs through the CPU kernel and through the ATen fallback (the op's CompositeExplicitAutograd
 kernel, reached with redispatch), which must refuse the same calls."""
 

@@ -193,7 +193,7 @@ def misaligned(x):
 ])
 def test_prefill_large_enough_to_stream(dtype, interleaved, rotary_dim, aligned, layout):
     """A prefill that writes 16 MiB (float32; 8 MiB in bfloat16) takes the CPU kernel's
-    streaming stores (kStreamBytes, rope_append_kv_kernel.cpp) wherever a row is 32-byte
+    streaming stores (kStreamBytes, cpu/kernel.cpp) wherever a row is 32-byte
     aligned (rotary_dim 40's halves are not; nor are the misaligned caches' rows): the same
     bits as the same tokens written by eight calls small enough for plain stores, and the
     float64 reference's values."""

@@ -12,7 +12,7 @@
 #include <optional>
 #include <tuple>
 
-#include "ops/helpers/py_format.h"
+#include "ops/common/py_format.h"
 
 namespace posenc {
 namespace ops {

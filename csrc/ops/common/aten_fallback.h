@@ -33,7 +33,7 @@ at::Tensor dropout_keep_composite(uint64_t seed, uint64_t offset, uint32_t thres
                                   at::IntArrayRef sizes, const at::Device& device);
 
 // The saved keep mask of the CPU kernels (1 bit per element, rows of (d + 7) / 8 bytes:
-// ops/add_position/cpu/add_position_kernel.h, DropoutArgs) from a (B0, B1, d) bool tensor, and back.
+// ops/add_position/cpu/kernel.h, DropoutArgs) from a (B0, B1, d) bool tensor, and back.
 at::Tensor pack_keep_bits_composite(const at::Tensor& keep);
 at::Tensor unpack_keep_bits_composite(const at::Tensor& bits, int64_t d);
 

@@ -12,7 +12,7 @@
 namespace posenc {
 namespace ops {
 
-// ---- Learned-table backward, positions per s (cuda/add_position/add_position_backward_with_table_cuda.cu).
+// ---- Learned-table backward, positions per s (cuda/add_position/add_position_backward_with_table.cu).
 // A block per (s, tile of `width` groups of 8 columns); its threads are (x < width, y <
 // slices), slice y summing batch rows [begin, end) of column group tile * width + x.
 struct TableTiles {
@@ -34,7 +34,7 @@ POSENC_HOST_DEVICE void table_batch_slice(int64_t batch, int slices, int y, int6
   *end = *begin + per_slice < batch ? *begin + per_slice : batch;
 }
 
-// ---- RoPE (cuda/rope/rope_cuda.cu, cuda/rope/rope_cos_sin_cuda.cu). A block holds `slots` tokens;
+// ---- RoPE (cuda/rope/rope.cu, cuda/rope_cos_sin/rope_cos_sin.cu). A block holds `slots` tokens;
 // within a slot, thread (lane, chunk) owns pairs [chunk * P, chunk * P + P) of heads lane,
 // lane + head_lanes, ...
 struct RopeBlockShape {

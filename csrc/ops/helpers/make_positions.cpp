@@ -5,7 +5,7 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
-#include "ops/helpers/py_format.h"
+#include "ops/common/py_format.h"
 
 namespace posenc {
 namespace ops {

@@ -11,7 +11,7 @@
 #include <cmath>
 #include <vector>
 
-#include "ops/helpers/py_format.h"
+#include "ops/common/py_format.h"
 
 namespace posenc {
 namespace ops {

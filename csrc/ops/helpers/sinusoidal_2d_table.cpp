@@ -13,7 +13,7 @@
 #include <string>
 #include <utility>
 
-#include "ops/helpers/py_format.h"
+#include "ops/common/py_format.h"
 
 namespace posenc {
 namespace ops {

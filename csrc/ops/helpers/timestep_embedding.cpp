@@ -8,7 +8,7 @@
 
 #include <cmath>
 
-#include "ops/helpers/py_format.h"
+#include "ops/common/py_format.h"
 
 namespace posenc {
 namespace ops {

@@ -19,8 +19,8 @@
 #include <tuple>
 
 #include "ops/qk_norm_rope/qk_norm_rope_args.h"
-#include "ops/rope/rope_call.h"
-#include "ops/rope/rope_launch.h"
+#include "ops/common/rope_call.h"
+#include "ops/common/rope_launch.h"
 
 namespace posenc {
 namespace ops {

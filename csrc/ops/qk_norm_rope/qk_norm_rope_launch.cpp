@@ -5,7 +5,7 @@
 #include <cmath>
 
 #include "ops/qk_norm_rope/qk_norm_rope_call.h"
-#include "ops/rope/rope_checks.h"
+#include "ops/common/rope_checks.h"
 
 namespace posenc {
 namespace ops {

@@ -14,7 +14,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "ops/rope/rope_call.h"
+#include "ops/common/rope_call.h"
 
 namespace posenc {
 namespace ops {

@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "ops/common/aten_fallback.h"
-#include "ops/rope/rope_cos_sin.h"
-#include "ops/rope/rope_launch.h"
+#include "ops/rope_cos_sin/rope_cos_sin.h"
+#include "ops/common/rope_launch.h"
 
 namespace posenc {
 namespace ops {

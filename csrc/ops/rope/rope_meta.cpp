@@ -5,7 +5,7 @@
 #include <torch/library.h>
 
 #include "ops/common/meta_support.h"
-#include "ops/rope/rope_checks.h"
+#include "ops/common/rope_checks.h"
 
 namespace posenc {
 namespace ops {

@@ -10,8 +10,8 @@
 #include <limits>
 #include <vector>
 
-#include "ops/rope/rope_checks.h"
-#include "ops/rope/rope_launch.h"
+#include "ops/common/rope_checks.h"
+#include "ops/common/rope_launch.h"
 
 namespace posenc {
 namespace ops {

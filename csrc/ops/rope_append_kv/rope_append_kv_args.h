@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "ops/rope/rope_args.h"
+#include "ops/common/rope_args.h"
 #include "posenc/math/host_device.h"
 
 namespace posenc {

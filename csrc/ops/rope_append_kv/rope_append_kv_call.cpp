@@ -9,7 +9,7 @@
 
 #include <string>
 
-#include "ops/rope/rope_checks.h"
+#include "ops/common/rope_checks.h"
 
 namespace posenc {
 namespace ops {

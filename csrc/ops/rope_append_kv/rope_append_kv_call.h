@@ -23,8 +23,8 @@
 #include <optional>
 #include <tuple>
 
-#include "ops/rope/rope_call.h"
-#include "ops/rope/rope_launch.h"
+#include "ops/common/rope_call.h"
+#include "ops/common/rope_launch.h"
 #include "ops/rope_append_kv/rope_append_kv_args.h"
 
 namespace posenc {

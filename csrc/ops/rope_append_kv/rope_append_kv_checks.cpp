@@ -7,7 +7,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/rope/rope_checks.h"
+#include "ops/common/rope_checks.h"
 #include "ops/rope_append_kv/rope_append_kv_call.h"
 
 namespace posenc {

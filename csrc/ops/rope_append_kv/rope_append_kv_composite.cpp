@@ -16,7 +16,7 @@
 #include <torch/library.h>
 
 #include "ops/common/aten_fallback.h"
-#include "ops/rope/rope_checks.h"
+#include "ops/common/rope_checks.h"
 #include "ops/rope_append_kv/rope_append_kv_call.h"
 
 namespace posenc {

@@ -1,6 +1,6 @@
 // CPU backend of add_position_forward / add_position_backward: argument checks, the
 // dropout draw from the default CPU generator, and the call of the vectorised kernels in
-// add_position_kernel.cpp (built once per vector ISA, chosen at run time: cpu_capability.h).
+// cpu/kernel.cpp (built once per vector ISA, chosen at run time: cpu_capability.h).
 //
 // save_mask (set by autograd for CPU training): the forward returns the keep mask, one bit
 // per element (cpu::DropoutArgs), in place of the (seed, offset) key, and the backward ops
@@ -15,7 +15,7 @@
 #include <mutex>
 
 #include "ops/add_position/add_position_checks.h"
-#include "ops/add_position/cpu/add_position_kernel.h"
+#include "ops/add_position/cpu/kernel.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "posenc/math/philox.h"
 

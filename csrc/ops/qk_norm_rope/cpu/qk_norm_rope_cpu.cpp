@@ -1,11 +1,11 @@
 // CPU backend of qk_norm_rope and its backward: the shared boxed body
 // (qk_norm_rope_call.h) with outputs from empty_output_like (cpu_support.h), and the
-// vectorised kernel of qk_norm_rope_kernel.cpp (one build per vector ISA, chosen at run time).
+// vectorised kernel of cpu/kernel.cpp (one build per vector ISA, chosen at run time).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "ops/common/cpu/cpu_support.h"
-#include "ops/qk_norm_rope/cpu/qk_norm_rope_kernel.h"
+#include "ops/qk_norm_rope/cpu/kernel.h"
 #include "ops/qk_norm_rope/qk_norm_rope_call.h"
 
 namespace posenc {

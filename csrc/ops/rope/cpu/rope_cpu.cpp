@@ -1,12 +1,12 @@
 // CPU backend of the rope ops: the shared boxed body (rope/rope_launch.h) with outputs
-// from empty_output_like (cpu_support.h: reused blocks of freed outputs), and the call of the vectorised kernel in rope_kernel.cpp (built
+// from empty_output_like (cpu_support.h: reused blocks of freed outputs), and the call of the vectorised kernel in cpu/kernel.cpp (built
 // once per vector ISA, chosen at run time: cpu_capability.h).
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "ops/common/cpu/cpu_support.h"
-#include "ops/rope/cpu/rope_kernel.h"
-#include "ops/rope/rope_launch.h"
+#include "ops/rope/cpu/kernel.h"
+#include "ops/common/rope_launch.h"
 
 namespace posenc {
 namespace ops {

@@ -1,11 +1,11 @@
 // CPU backend of rope_append_kv / rope_append_kv_: the shared boxed body
 // (rope_append_kv_call.h) with every row or slot checked before the kernel writes anything
-// (IndexError, the caches unchanged), and the vectorised kernel of rope_append_kv_kernel.cpp.
+// (IndexError, the caches unchanged), and the vectorised kernel of cpu/kernel.cpp.
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "ops/common/cpu/cpu_support.h"
-#include "ops/rope_append_kv/cpu/rope_append_kv_kernel.h"
+#include "ops/rope_append_kv/cpu/kernel.h"
 #include "ops/rope_append_kv/rope_append_kv_call.h"
 
 namespace posenc {

@@ -6,14 +6,14 @@
 // loop. The rotation is done in float32 (float64 for float64) and rounded once. A call that
 // writes kStreamBytes or more out of place uses streaming stores (rope_rows.h); in place,
 // each line is in the cache already (it was just read), so plain stores.
-#include "ops/rope/cpu/rope_kernel.h"
+#include "ops/rope/cpu/kernel.h"
 
 #include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <type_traits>
 
-#include "ops/rope/cpu/rope_rows.h"  // the per-token and per-row pieces
+#include "ops/common/cpu/rope_rows.h"  // the per-token and per-row pieces
 
 namespace posenc {
 namespace ops {

@@ -1,5 +1,5 @@
 // CPU kernels of add_position, compiled in their own translation unit once per vector ISA
-// (add_position_kernel.cpp, POSENC_ISA_SOURCES in CMakeLists.txt); callers reach the build
+// (cpu/kernel.cpp, POSENC_ISA_SOURCES in CMakeLists.txt); callers reach the build
 // of the chosen capability through the stubs at the end (cpu_capability.h).
 #pragma once
 

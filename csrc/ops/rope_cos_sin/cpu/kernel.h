@@ -6,7 +6,7 @@
 #include <c10/core/ScalarType.h>
 
 #include "ops/common/cpu/cpu_capability.h"
-#include "ops/rope/rope_cos_sin_args.h"
+#include "ops/rope_cos_sin/rope_cos_sin_args.h"
 #include "posenc/math/host_device.h"
 
 namespace posenc {

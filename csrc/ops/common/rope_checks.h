@@ -7,8 +7,8 @@
 
 #include <initializer_list>
 
-#include "ops/rope/rope_args.h"  // kMaxRopePairs
-#include "ops/rope/rope_call.h"
+#include "ops/common/rope_args.h"  // kMaxRopePairs
+#include "ops/common/rope_call.h"
 
 namespace posenc {
 namespace ops {
@@ -47,7 +47,7 @@ void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSection
 constexpr int64_t kRopeMaxPosition = int64_t{1} << 53;
 void check_rope_position_value(const char* what, int64_t value);
 
-// Memory that a kernel writes while it reads other tensors (rope_overlap.cpp). A kernel
+// Memory that a kernel writes while it reads other tensors (written_memory.cpp). A kernel
 // computes the right answer only when nothing it writes shares a byte with anything else it
 // reads or writes: the checks below refuse every call where that is not proven ("cannot
 // tell" is a refusal).
@@ -78,7 +78,7 @@ void check_written_memory(const char* op, std::initializer_list<MemoryOperand> w
 
 // In place (rope_): q and k are written, positions, offsets and cu_seqlens read; none may
 // share memory with another, nor q or k with itself (slices of one fused qkv buffer are
-// fine). rope_overlap.cpp.
+// fine). written_memory.cpp.
 void check_rope_inplace(const RopeCall& call);
 
 }  // namespace ops

@@ -19,7 +19,7 @@
 
 #include <algorithm>
 
-#include "ops/rope/rope_checks.h"  // kRopeMaxPosition
+#include "ops/common/rope_checks.h"  // kRopeMaxPosition
 #include "ops/rope_append_kv/rope_append_kv_call.h"
 #include "posenc/math/rope.h"
 

@@ -1,4 +1,4 @@
-// The per-token pieces of the CPU RoPE kernel (rope_kernel.cpp), shared with the kernels that
+// The per-token pieces of the CPU RoPE kernel (cpu/kernel.cpp), shared with the kernels that
 // rotate on the way to somewhere else (rope_append_kv's cache write): a token's angles and
 // positions, and the rotation of one row (at::vec paths for contiguous rows, a scalar loop
 // for any strides). Only for the vector-ISA translation units (POSENC_ISA_SOURCES): every
@@ -19,7 +19,7 @@
 #include <immintrin.h>
 #endif
 
-#include "ops/rope/rope_args.h"
+#include "ops/common/rope_args.h"
 #include "posenc/math/host_device.h"
 #include "posenc/math/rope.h"
 

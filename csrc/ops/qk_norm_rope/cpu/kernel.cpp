@@ -8,7 +8,7 @@
 // back pair by pair, sums mean(g * xhat) of the vector and the weight gradient's terms, then
 // writes dx in a second pass over the (cached) row. Sums run in 8 independent lanes added in
 // a fixed order, so that the loops vectorise and the result does not depend on threads.
-#include "ops/qk_norm_rope/cpu/qk_norm_rope_kernel.h"
+#include "ops/qk_norm_rope/cpu/kernel.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -17,7 +17,7 @@
 #include <limits>
 #include <type_traits>
 
-#include "ops/rope/cpu/rope_rows.h"  // TokenAngles, token_positions, token_angles
+#include "ops/common/cpu/rope_rows.h"  // TokenAngles, token_positions, token_angles
 #include "posenc/math/qk_norm.h"
 #include "posenc/math/rope.h"
 

@@ -1,11 +1,11 @@
-// CPU kernel of the rope ops, compiled in the vector-ISA translation unit rope_kernel.cpp
+// CPU kernel of the rope ops, compiled in the vector-ISA translation unit cpu/kernel.cpp
 // once per capability (see CMakeLists.txt); callers go through rope_stub (cpu_capability.h).
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
 #include "ops/common/cpu/cpu_capability.h"
-#include "ops/rope/rope_args.h"
+#include "ops/common/rope_args.h"
 #include "posenc/math/host_device.h"
 
 namespace posenc {

@@ -25,7 +25,7 @@
 #include <limits>
 
 #include "../common/occupancy.cuh"
-#include "../rope/rope_device_checks.cuh"
+#include "../common/rope_device_checks.cuh"
 #include "ops/qk_norm_rope/qk_norm_rope_call.h"
 #include "posenc/math/qk_norm.h"
 #include "posenc/math/rope.h"

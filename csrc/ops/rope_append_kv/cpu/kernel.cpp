@@ -3,7 +3,7 @@
 // q and k: q rotated into its output, k rotated straight into its cache row (and into the
 // returned k when asked), v copied into its cache row. One read of q, k, v; one write of q and
 // of each cache row.
-#include "ops/rope_append_kv/cpu/rope_append_kv_kernel.h"
+#include "ops/rope_append_kv/cpu/kernel.h"
 
 #include <ATen/Parallel.h>
 
@@ -11,7 +11,7 @@
 #include <cstring>
 #include <type_traits>
 
-#include "ops/rope/cpu/rope_rows.h"
+#include "ops/common/cpu/rope_rows.h"
 
 namespace posenc {
 namespace ops {

@@ -9,8 +9,8 @@
 
 #include <cstdint>
 
-#include "ops/rope/rope_checks.h"  // kRopeMaxPosition
-#include "ops/rope/rope_launch.h"  // RopeArgs
+#include "ops/common/rope_checks.h"  // kRopeMaxPosition
+#include "ops/common/rope_launch.h"  // RopeArgs
 
 namespace posenc {
 namespace ops {

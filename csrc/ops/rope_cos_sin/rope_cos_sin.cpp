@@ -1,5 +1,5 @@
 // The op apply_rope_cos_sin: its schema, its checks and launch preparation (shared by the
-// CPU and CUDA kernels, cpu/rope_cos_sin_cpu.cpp and cuda/rope/rope_cos_sin_cuda.cu), its Meta
+// CPU and CUDA kernels, cpu/rope_cos_sin_cpu.cpp and cuda/rope_cos_sin/rope_cos_sin.cu), its Meta
 // kernel and its autograd.
 //
 // The map is linear in x: per pair (e1, e2), y1 = x1 c1 - x2 s1 and y2 = x2 c2 + x1 s2
@@ -8,17 +8,17 @@
 // of the tables (rarely wanted: transformers computes them from a buffer) are sums over
 // heads (and broadcast batch rows) of products of x and the gradient, composed of torch ops;
 // x is saved only when a table requires grad.
-#include "ops/rope/rope_cos_sin.h"
+#include "ops/rope_cos_sin/rope_cos_sin.h"
 
 #include <ATen/ATen.h>
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "ops/helpers/py_format.h"
+#include "ops/common/py_format.h"
 #include "ops/common/meta_support.h"
 #include "ops/common/op_handles.h"
-#include "ops/rope/rope_checks.h"
-#include "ops/rope/rope_launch.h"
+#include "ops/common/rope_checks.h"
+#include "ops/common/rope_launch.h"
 
 namespace posenc {
 namespace ops {

@@ -7,8 +7,8 @@
 
 #include <vector>
 
-#include "ops/rope/rope_args.h"
-#include "ops/rope/rope_call.h"
+#include "ops/common/rope_args.h"
+#include "ops/common/rope_call.h"
 
 namespace posenc {
 namespace ops {

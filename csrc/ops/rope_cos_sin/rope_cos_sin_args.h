@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "ops/rope/rope_args.h"
+#include "ops/common/rope_args.h"
 
 namespace posenc {
 namespace ops {

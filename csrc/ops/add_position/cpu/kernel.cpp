@@ -2,7 +2,7 @@
 // dropout mask. Rows are spread over threads with at::parallel_for; within a row, the
 // Philox rounds run over 8 counters at a time (SIMD lanes) and the add/scale uses at::vec.
 // The bits are those of the shared header posenc/math/philox.h, so CPU and CUDA agree.
-#include "ops/add_position/cpu/add_position_kernel.h"
+#include "ops/add_position/cpu/kernel.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>

@@ -1,5 +1,5 @@
 // CPU kernels of qk_norm_rope, compiled in the vector-ISA translation unit
-// qk_norm_rope_kernel.cpp once per capability (CMakeLists.txt); callers go through
+// cpu/kernel.cpp once per capability (CMakeLists.txt); callers go through
 // qk_norm_rope_stub (cpu_capability.h).
 #pragma once
 

@@ -1,5 +1,5 @@
 // CPU kernel of rope_append_kv, compiled in the vector-ISA translation unit
-// rope_append_kv_kernel.cpp once per capability; callers go through rope_append_kv_stub.
+// cpu/kernel.cpp once per capability; callers go through rope_append_kv_stub.
 #pragma once
 
 #include <c10/core/ScalarType.h>

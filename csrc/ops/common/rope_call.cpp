@@ -1,5 +1,5 @@
 // RopeCall: the schemas of the RoPE ops, and the one reader and writer of their arguments.
-#include "ops/rope/rope_call.h"
+#include "ops/common/rope_call.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>

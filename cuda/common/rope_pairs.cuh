@@ -1,4 +1,4 @@
-// What the RoPE kernels (cuda/rope/rope_cuda.cu, cuda/rope/rope_cos_sin_cuda.cu) share: on the
+// What the RoPE kernels (cuda/rope/rope.cu, cuda/rope_cos_sin/rope_cos_sin.cu) share: on the
 // device, P rotary pairs of a row loaded, unpacked, stored (16-byte accesses on the fast
 // path, elements with any stride otherwise), the row of a head of q or k, the
 // partial-rotary pass-through copy; on the host, the fast-path test and the launch with
@@ -14,10 +14,10 @@
 #include <limits>
 
 #include "ops/common/cuda_work_split.h"
-#include "ops/rope/rope_args.h"
+#include "ops/common/rope_args.h"
 #include "posenc/math/rope.h"
-#include "../common/occupancy.cuh"
-#include "../common/vector_access.cuh"
+#include "occupancy.cuh"
+#include "vector_access.cuh"
 
 namespace posenc {
 namespace ops {

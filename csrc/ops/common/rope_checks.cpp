@@ -1,4 +1,4 @@
-#include "ops/rope/rope_checks.h"
+#include "ops/common/rope_checks.h"
 
 #include <c10/util/Exception.h>
 

@@ -10,7 +10,7 @@
 // kStreamBytes or more computes each contiguous, aligned row into an L1 buffer and streams
 // it out (rope_rows.h): the same arithmetic, without the read of every output line that a
 // plain store makes first.
-#include "ops/rope/cpu/rope_cos_sin_kernel.h"
+#include "ops/rope_cos_sin/cpu/kernel.h"
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
@@ -20,7 +20,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "ops/rope/cpu/rope_rows.h"  // kStreamBytes, row_can_stream, stream_row, stream_fence
+#include "ops/common/cpu/rope_rows.h"  // kStreamBytes, row_can_stream, stream_row, stream_fence
 #include "posenc/math/rope.h"
 
 namespace posenc {

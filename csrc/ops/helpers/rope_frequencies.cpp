@@ -7,8 +7,8 @@
 
 #include <cmath>
 
-#include "ops/rope/rope_checks.h"
-#include "ops/rope/rope_launch.h"
+#include "ops/common/rope_checks.h"
+#include "ops/common/rope_launch.h"
 
 namespace posenc {
 namespace ops {

@@ -1,11 +1,11 @@
-#include "ops/rope/rope_launch.h"
+#include "ops/common/rope_launch.h"
 
 #include <c10/util/Exception.h>
 
 #include <algorithm>
 #include <sstream>
 
-#include "ops/rope/rope_checks.h"
+#include "ops/common/rope_checks.h"
 
 namespace posenc {
 namespace ops {

@@ -3,7 +3,7 @@
 // as on the CPU, in float32 (float64 for float64). The work split is the rope kernel's
 // (ops/common/cuda_work_split.h): a block holds one or more tokens, thread (lane, c) rotates chunk
 // c of P pairs of heads lane, lane + head_lanes, ... of q then k, with the pair helpers of
-// cuda/rope/rope_pairs.cuh. Per step the block stages its tokens' table values in shared memory
+// cuda/common/rope_pairs.cuh. Per step the block stages its tokens' table values in shared memory
 // (each value read once per block, not once per head), after issuing the first head's
 // loads; one barrier per step. On the fast path (16-byte aligned rows of q and k,
 // rotary_dim / 2 a multiple of P) x moves in 16-byte accesses; otherwise P = 1 with element
@@ -19,9 +19,9 @@
 #include <algorithm>
 
 #include "ops/common/cuda_work_split.h"
-#include "ops/rope/rope_cos_sin.h"
+#include "ops/rope_cos_sin/rope_cos_sin.h"
 #include "posenc/math/rope.h"
-#include "rope_pairs.cuh"
+#include "../common/rope_pairs.cuh"
 #include "../common/vector_access.cuh"
 
 namespace posenc {

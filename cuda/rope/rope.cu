@@ -30,12 +30,12 @@
 #include <algorithm>
 #include <limits>
 
-#include "rope_device_checks.cuh"
-#include "rope_pairs.cuh"
+#include "../common/rope_device_checks.cuh"
+#include "../common/rope_pairs.cuh"
 #include "../common/vector_access.cuh"
 #include "ops/common/cuda_work_split.h"
-#include "ops/rope/rope_checks.h"  // kRopeMaxPosition
-#include "ops/rope/rope_launch.h"
+#include "ops/common/rope_checks.h"  // kRopeMaxPosition
+#include "ops/common/rope_launch.h"
 #include "posenc/math/rope.h"
 
 namespace posenc {
@@ -58,7 +58,7 @@ struct TokenStart {
   int valid;
 };
 
-// A token's start: the packed-sequence search's result (ops/rope/rope_launch.h).
+// A token's start: the packed-sequence search's result (ops/common/rope_launch.h).
 __device__ __forceinline__ void assert_token_start(const RopeArgs& a, const TokenStart& t) {
   rope_cuda::assert_token_start(a, t.valid != 0, t.shift);
 }

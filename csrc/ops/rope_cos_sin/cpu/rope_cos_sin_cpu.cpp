@@ -5,8 +5,8 @@
 #include <torch/library.h>
 
 #include "ops/common/cpu/cpu_support.h"
-#include "ops/rope/cpu/rope_cos_sin_kernel.h"
-#include "ops/rope/rope_cos_sin.h"
+#include "ops/rope_cos_sin/cpu/kernel.h"
+#include "ops/rope_cos_sin/rope_cos_sin.h"
 
 namespace posenc {
 namespace ops {

@@ -8,7 +8,7 @@
 #include <optional>
 #include <string>
 
-#include "ops/rope/rope_cos_sin_args.h"
+#include "ops/rope_cos_sin/rope_cos_sin_args.h"
 
 namespace posenc {
 namespace ops {

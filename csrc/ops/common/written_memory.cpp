@@ -11,7 +11,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/rope/rope_checks.h"
+#include "ops/common/rope_checks.h"
 
 namespace posenc {
 namespace ops {

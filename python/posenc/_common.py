@@ -1,0 +1,70 @@
+"""Argument normalisation shared by the Python front ends: the type of a Python argument
+(int, real, tensor, dtype), which the op cannot see. Value checks belong to the ops."""
+
+from __future__ import annotations
+
+import numbers
+import operator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _int_arg(fn: str, name: str, value: Any) -> int:
+    """value as an int64 (Python or numpy integer, not bool), or ValueError naming it. Only
+    the type is normalised here: the op checks the value."""
+    if not isinstance(value, bool):
+        try:
+            number = operator.index(value)
+        except TypeError:
+            pass
+        else:
+            if _INT64_MIN <= number <= _INT64_MAX:
+                return number
+            raise ValueError(f"{fn}: expected {name} to fit in int64, got {number}")
+    raise ValueError(f"{fn}: expected {name} to be an int, got {value!r}")
+
+
+def _float_arg(fn: str, name: str, value: Any) -> float:
+    """value (a real number: Python, numpy or a one-element tensor; not bool or str) as a
+    float, or ValueError naming it. Only the type is normalised here: the op checks the
+    value (finite, positive, ...)."""
+    if not isinstance(value, (bool, str, bytes)):
+        try:
+            return float(value)
+        except (TypeError, ValueError, RuntimeError, OverflowError):
+            pass
+    raise ValueError(f"{fn}: expected {name} to be a real number, got {value!r}")
+
+
+def _tensor_arg(fn: str, name: str, value: Any) -> Tensor:
+    if not isinstance(value, Tensor):
+        raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(value).__name__}")
+    return value
+
+
+_TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def _table_dtype(fn: str, dtype: Any) -> torch.dtype:
+    """The table ops compute and return float64, which this rounds once to ``dtype`` with an
+    ATen cast: no ScalarType argument of a custom op travels through an exported graph
+    (torch 2.11's AOTInductor proxy executor misread them and returned None)."""
+    if dtype not in _TABLE_DTYPES:
+        raise TypeError(f"{fn}: expected dtype to be float16, bfloat16, float32 or float64, got {dtype!r}")
+    return dtype
+
+
+def _check_positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
+        raise ValueError(f"expected {name} to be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _check_probability(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
+        raise ValueError(f"expected {name} to be a probability in [0, 1], got {value!r}")
+    return float(value)
