@@ -7,7 +7,7 @@
 #include <ostream>
 
 #include "api/rope_call_from_options.h"
-#include "ops/qk_norm_rope/qk_norm_rope_call.h"
+#include "ops/qk_norm_rope/qk_norm_rope.h"
 
 namespace posenc {
 

@@ -26,7 +26,7 @@
 
 #include "../common/occupancy.cuh"
 #include "../common/rope_device_checks.cuh"
-#include "ops/qk_norm_rope/qk_norm_rope_call.h"
+#include "ops/qk_norm_rope/qk_norm_rope.h"
 #include "posenc/math/qk_norm.h"
 #include "posenc/math/rope.h"
 

@@ -429,7 +429,7 @@ def test_empty_tensors_and_unused_outputs():
 ])
 def test_large_call_streams_with_the_bits_of_small_calls(dtype, layout, interleaved, rot):
     """A call that writes >= 8 MiB computes each aligned row into an L1 buffer and streams it
-    (rope_cos_sin_kernel.cpp, kStreamBytes): the same bits as eight calls small enough for
+    (rope_cos_sin/cpu/kernel.cpp, kStreamBytes): the same bits as eight calls small enough for
     plain stores, forward and backward, and the float64 reference's values."""
     S = 2048 if dtype == torch.float32 else 4096
     q, k = make_qk(1, 8, 4, S, 128, layout, dtype, seed=3)

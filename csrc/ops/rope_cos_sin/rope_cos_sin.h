@@ -1,6 +1,7 @@
 // apply_rope_cos_sin: q (and k) rotated with given cos/sin tables (the calling convention of
 // transformers' apply_rotary_pos_emb, Liger, FlashInfer and vLLM's cos-sin caches). The
-// checks and the launch preparation shared by the CPU and CUDA kernels (rope_cos_sin.cpp).
+// checks and the launch preparation shared by the CPU and CUDA kernels (rope_cos_sin.cpp;
+// the autograd in autograd.cpp, the CUDA kernel in cuda/rope_cos_sin/rope_cos_sin.cu).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -8,7 +9,7 @@
 #include <optional>
 #include <string>
 
-#include "ops/rope_cos_sin/rope_cos_sin_args.h"
+#include "ops/rope_cos_sin/cpu/kernel.h"  // RopeCosSinArgs (plain data)
 
 namespace posenc {
 namespace ops {

@@ -2,7 +2,8 @@
 // the RoPE arguments as RopeCall reads them (every RoPE feature, the same schema tail
 // kRopeSchemaArguments), plus the norm's (weights, eps, weight_offset, norm), and in the
 // backward the incoming gradients. The checks, launch preparation and boxed kernel bodies
-// that every backend (CPU, CUDA, Meta, the ATen composite) shares.
+// that every backend (CPU, CUDA, Meta, the ATen composite) shares: defined in qk_norm_rope.cpp
+// (autograd in autograd.cpp, the CUDA kernels in cuda/qk_norm_rope/qk_norm_rope.cu).
 //
 // Schemas (the norm's arguments sit between k and the RoPE tail):
 //   qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps=1e-06,
@@ -18,9 +19,9 @@
 
 #include <tuple>
 
-#include "ops/qk_norm_rope/qk_norm_rope_args.h"
 #include "ops/common/rope_call.h"
 #include "ops/common/rope_launch.h"
+#include "ops/qk_norm_rope/cpu/kernel.h"  // QkNorm, QkNormRopeArgs (plain data)
 
 namespace posenc {
 namespace ops {
@@ -96,7 +97,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_qk_norm_rope_bac
 
 // The same two computations composed of ATen ops and the rope op (differentiable: the
 // double backward, and the ATen fallback of devices without a kernel). In the compute
-// dtype, outputs rounded once to the inputs' dtypes. qk_norm_rope_composite.cpp.
+// dtype, outputs rounded once to the inputs' dtypes. In qk_norm_rope.cpp.
 std::tuple<at::Tensor, at::Tensor> qk_norm_rope_composite(const QkNormRopeCall& call);
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward_composite(
     const QkNormRopeCall& call);

@@ -12,7 +12,7 @@
 #include <torch/custom_class.h>
 #include <torch/library.h>
 
-#include "ops/qk_norm_rope/qk_norm_rope_call.h"
+#include "ops/qk_norm_rope/qk_norm_rope.h"
 
 namespace posenc {
 namespace ops {
