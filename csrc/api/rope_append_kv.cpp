@@ -3,7 +3,7 @@
 #include "posenc/rope_append_kv.h"
 
 #include "api/rope_call_from_options.h"
-#include "ops/rope_append_kv/rope_append_kv_call.h"
+#include "ops/rope_append_kv/rope_append_kv.h"
 
 namespace posenc {
 namespace {

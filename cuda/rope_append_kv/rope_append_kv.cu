@@ -20,7 +20,7 @@
 #include <algorithm>
 
 #include "ops/common/rope_checks.h"  // kRopeMaxPosition
-#include "ops/rope_append_kv/rope_append_kv_call.h"
+#include "ops/rope_append_kv/rope_append_kv.h"
 #include "posenc/math/rope.h"
 
 namespace posenc {

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from posenc import _rope, functional
 from posenc._common import _check_positive_int, _check_probability
 from posenc._dtensor import is_dtensor, place_beside
+from posenc._helpers import Timesteps
 
 __all__ = ["PositionalEncoding", "LearnedPositionalEncoding", "RotaryPositionalEncoding", "Timesteps"]
 
@@ -446,50 +447,3 @@ class RotaryPositionalEncoding(nn.Module):
         if self.sections is not None:
             extra += f", sections={list(self.sections)}, sections_mode={self.sections_mode!r}"
         return extra + f", layout={self.layout!r}"
-
-
-class Timesteps(nn.Module):
-    """diffusers' ``Timesteps`` module: ``forward(timesteps)`` is
-    ``functional.timestep_embedding(timesteps, num_channels, max_period=max_period,
-    flip_sin_to_cos=flip_sin_to_cos, downscale_freq_shift=downscale_freq_shift, scale=scale)``,
-    (N, num_channels) float32 for a 1-D tensor of N timesteps, the same numbers as
-    diffusers' ``get_timestep_embedding``.
-
-    The constructor is diffusers' (``num_channels, flip_sin_to_cos, downscale_freq_shift,
-    scale=1``), plus ``max_period`` (diffusers always uses 10000); the attributes of the same
-    names are read at each call. No parameters or buffers: an empty ``state_dict``, as in
-    diffusers, so checkpoints load unchanged. The settings are checked when the module is
-    built (by the op, with its messages). C++: ``posenc::Timesteps``.
-    """
-
-    def __init__(
-        self,
-        num_channels: int,
-        flip_sin_to_cos: bool,
-        downscale_freq_shift: float,
-        scale: float = 1,
-        max_period: float = 10000,
-    ) -> None:
-        super().__init__()
-        self.num_channels = num_channels
-        self.flip_sin_to_cos = flip_sin_to_cos
-        self.downscale_freq_shift = downscale_freq_shift
-        self.scale = scale
-        self.max_period = max_period
-        self(torch.empty(0))  # the op checks the settings on no timesteps
-
-    def forward(self, timesteps: Tensor) -> Tensor:
-        return functional.timestep_embedding(
-            timesteps,
-            self.num_channels,
-            max_period=self.max_period,
-            flip_sin_to_cos=self.flip_sin_to_cos,
-            downscale_freq_shift=self.downscale_freq_shift,
-            scale=self.scale,
-        )
-
-    def extra_repr(self) -> str:
-        return (
-            f"num_channels={self.num_channels}, flip_sin_to_cos={self.flip_sin_to_cos}, "
-            f"downscale_freq_shift={self.downscale_freq_shift}, scale={self.scale}, max_period={self.max_period}"
-        )

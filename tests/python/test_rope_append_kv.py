@@ -420,7 +420,7 @@ except IndexError as e:
 
 
 def test_aten_fallback_matches_the_kernel():
-    """The ATen composite (rope_append_kv_composite.cpp, reached through the dispatcher:
+    """The ATen composite (in rope_append_kv.cpp, reached through the dispatcher:
     aten_fallback_mode) writes the same rows, rotates as the kernel to float32 rounding, and
     refuses the same rows; the composite calls are counted, so it did run."""
     from aten_fallback_mode import ThroughTheFallback

@@ -1,5 +1,5 @@
 """rope_append_kv's ATen fallback on a device (issue 34, item 7): one error contract on every
-path, and no host sync. The fallback (rope_append_kv_composite.cpp) skipped slots below -1
+path, and no host sync. The fallback (the composite in rope_append_kv.cpp) skipped slots below -1
 silently on a device (the CPU kernel raises IndexError, the CUDA kernel asserts), wrote a
 negative cache row at the cache's end, and read the slots back to the host (nonzero) on every
 call. Without a GPU, a tensor subclass stands for the device (OnDevice): the fallback sees

@@ -10,6 +10,8 @@
 #include <optional>
 #include <ostream>
 
+#include "posenc/helpers.h"  // the Timesteps module
+
 namespace posenc {
 
 struct PositionalEncodingOptions {
@@ -87,42 +89,5 @@ class LearnedPositionalEncodingImpl
 };
 
 TORCH_MODULE(LearnedPositionalEncoding);
-
-struct TimestepsOptions {
-  // diffusers' Timesteps(num_channels, flip_sin_to_cos, downscale_freq_shift).
-  TimestepsOptions(int64_t num_channels, bool flip_sin_to_cos, double downscale_freq_shift)
-      : num_channels_(num_channels),
-        flip_sin_to_cos_(flip_sin_to_cos),
-        downscale_freq_shift_(downscale_freq_shift) {}
-  // Width of the embedding (an odd width ends with a zero column).
-  TORCH_ARG(int64_t, num_channels);
-  // [cos | sin] halves when true, [sin | cos] when false.
-  TORCH_ARG(bool, flip_sin_to_cos);
-  // Frequencies exp(-ln(max_period) * i / (num_channels / 2 - downscale_freq_shift)).
-  TORCH_ARG(double, downscale_freq_shift);
-  // Factor applied to the angles.
-  TORCH_ARG(double, scale) = 1.0;
-  TORCH_ARG(double, max_period) = 10000.0;
-};
-
-// diffusers' Timesteps module: forward(t) is timestep_embedding(t, num_channels, max_period,
-// flip_sin_to_cos, downscale_freq_shift, scale) (posenc/functional.h, the same bits), (N,
-// num_channels) float32 for a 1-D t of N timesteps. No parameters or buffers, as in
-// diffusers; the options are checked (by the op) when the module is built.
-class TimestepsImpl : public torch::nn::Cloneable<TimestepsImpl> {
- public:
-  explicit TimestepsImpl(const TimestepsOptions& options);
-  TimestepsImpl(int64_t num_channels, bool flip_sin_to_cos, double downscale_freq_shift)
-      : TimestepsImpl(TimestepsOptions(num_channels, flip_sin_to_cos, downscale_freq_shift)) {}
-
-  void reset() override;
-  void pretty_print(std::ostream& stream) const override;
-
-  torch::Tensor forward(const torch::Tensor& timesteps);
-
-  TimestepsOptions options;
-};
-
-TORCH_MODULE(Timesteps);
 
 }  // namespace posenc

@@ -1,14 +1,69 @@
-// CPU kernel of rope_append_kv, compiled in the vector-ISA translation unit
-// cpu/kernel.cpp once per capability; callers go through rope_append_kv_stub.
+// The plain-data interface of rope_append_kv's kernels: what a kernel needs besides the
+// rotation (KvCacheArgs: v, the two caches and where each new token's row goes; the CUDA
+// kernel takes it by value), and the CPU kernel's entry point, compiled in the vector-ISA
+// translation unit cpu/kernel.cpp once per capability; callers go through rope_append_kv_stub.
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
+#include <cstdint>
+
 #include "ops/common/cpu/cpu_capability.h"
-#include "ops/rope_append_kv/rope_append_kv_args.h"
+#include "ops/common/rope_args.h"
+#include "posenc/math/host_device.h"
 
 namespace posenc {
 namespace ops {
+
+struct KvCacheArgs {
+  // The rotation of q and k, tokens as (batch, seq) ('thd': batch 1, seq = tokens); q.out
+  // is the rotated q, k.out the returned k (written only when write_k).
+  RopeArgs rope;
+  bool write_k = false;
+  // v as (batch, seq, kv_heads, v_head_dim), element strides.
+  const void* v = nullptr;
+  int64_t v_head_dim = 0;
+  int64_t v_stride[4] = {0, 0, 0, 0};
+  // The caches as (batch or block, row or index in the block, kv_heads, head_dim), element
+  // strides ("bhsd" is transposed into this view; the heads of k and v are the same).
+  void* k_cache = nullptr;
+  void* v_cache = nullptr;
+  int64_t k_cache_stride[4] = {0, 0, 0, 0};
+  int64_t v_cache_stride[4] = {0, 0, 0, 0};
+  // Contiguous cache: token (b, s) goes to row offset + offsets[b] + s of cache row b, rows
+  // < max_len. Paged cache (slot_mapping set): token s goes to slot slot_mapping[s] = block
+  // * block_size + index, slots < num_slots; -1: not written.
+  int64_t offset = 0;
+  const int64_t* offsets = nullptr;
+  int64_t max_len = 0;
+  const int64_t* slot_mapping = nullptr;
+  int64_t block_size = 0;
+  int64_t num_slots = 0;
+};
+
+POSENC_ISA_NAMESPACE_BEGIN
+
+// Where token (b, s) goes: (cache row or block, index) into *outer, *inner. False when it is
+// not written: slot -1, or out of range (the CPU op refuses those before its kernel; the CUDA
+// kernel asserts and skips them).
+POSENC_HOST_DEVICE bool kv_cache_row(const KvCacheArgs& a, int64_t b, int64_t s, int64_t* outer,
+                                     int64_t* inner) {
+  if (a.slot_mapping != nullptr) {
+    const int64_t slot = a.slot_mapping[s];
+    if (slot < 0 || slot >= a.num_slots) return false;
+    *outer = slot / a.block_size;
+    *inner = slot - *outer * a.block_size;
+    return true;
+  }
+  const int64_t row = a.offset + (a.offsets != nullptr ? a.offsets[b] : 0) + s;
+  if (row < 0 || row >= a.max_len) return false;
+  *outer = b;
+  *inner = row;
+  return true;
+}
+
+POSENC_ISA_NAMESPACE_END
+
 namespace cpu {
 
 // Rotates q (and k) of `a` and writes the rotated k and v into the caches, all tokens; every

@@ -1,8 +1,9 @@
 // rope_append_kv: rotate q and k (every RoPE feature, through RopeCall) and write k and v
 // into a KV cache in the same pass, for decoding. This header is the family's host side:
-// the parsed call, its checks, the launch preparation shared by the CPU and CUDA kernels.
+// the parsed call, its checks, the launch preparation shared by the CPU and CUDA kernels
+// (all in rope_append_kv.cpp); the kernels' plain data, KvCacheArgs, is in cpu/kernel.h.
 //
-// Schemas (rope_append_kv_call.cpp); the tail after slot_mapping/return_k is RoPE's
+// Schemas (rope_append_kv.cpp); the tail after slot_mapping/return_k is RoPE's
 // (kRopeSchemaArguments), read by RopeCall::pop:
 //   rope_append_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache,
 //                  Tensor? slot_mapping=None, bool return_k=False, <RoPE tail>)
@@ -25,7 +26,7 @@
 
 #include "ops/common/rope_call.h"
 #include "ops/common/rope_launch.h"
-#include "ops/rope_append_kv/rope_append_kv_args.h"
+#include "ops/rope_append_kv/cpu/kernel.h"
 
 namespace posenc {
 namespace ops {
@@ -50,13 +51,12 @@ at::Tensor kv_token_view(const at::Tensor& x, RopeLayout layout);
 at::Tensor kv_cache_view(const at::Tensor& cache, RopeLayout layout);
 
 // Every check that needs no tensor value (shapes, dtypes, devices, settings); works on Meta
-// tensors. Returns the resolved rotary_dim. rope_append_kv_checks.cpp.
+// tensors. Returns the resolved rotary_dim.
 int64_t check_rope_append_kv(const RopeAppendKvCall& call);
 // The values: every cache row or slot the call writes lies in the cache (IndexError naming
 // the batch row or token, before anything is written), for CPU index tensors; and the
 // memory: nothing the call writes (the caches; q, and k with return_k, in place) shares a
 // byte with itself or with any other tensor argument (check_written_memory, rope_checks.h).
-// rope_append_kv_checks.cpp.
 void check_rope_append_kv_rows(const KvCacheArgs& args);
 void check_rope_append_kv_overlap(const RopeAppendKvCall& call, bool in_place);
 

@@ -1,10 +1,13 @@
-// posenc/functional.h: the C++ entry points of the helper ops (ops/helpers/*.cpp), called
+// posenc/helpers.h: the C++ entry points of the helper ops (ops/helpers/*.cpp), called
 // through the dispatcher like posenc.functional in Python, so both get the same checks,
-// messages and bits.
-#include "posenc/functional.h"
+// messages and bits; and posenc::Timesteps, diffusers' Timesteps module over the
+// timestep_embedding op, the one definition behind posenc.Timesteps (Python) too.
+#include "posenc/helpers.h"
 
 #include <c10/util/Exception.h>
+#include <torch/nn/module.h>
 
+#include <ostream>
 #include <vector>
 
 #include "ops/common/op_handles.h"
@@ -43,6 +46,29 @@ at::Tensor timestep_embedding(const at::Tensor& t, int64_t dim, double max_perio
                               bool flip_sin_to_cos, double downscale_freq_shift, double scale) {
   return ops::timestep_embedding_op().call(t, dim, max_period, flip_sin_to_cos,
                                            downscale_freq_shift, scale);
+}
+
+// ---- Timesteps
+
+TimestepsImpl::TimestepsImpl(const TimestepsOptions& options_) : options(options_) { reset(); }
+
+void TimestepsImpl::reset() {
+  // The op checks the settings (with its messages): on no timesteps, so that bad options
+  // fail here rather than at the first forward.
+  forward(torch::empty({0}));
+}
+
+void TimestepsImpl::pretty_print(std::ostream& stream) const {
+  stream << "posenc::Timesteps(num_channels=" << options.num_channels()
+         << ", flip_sin_to_cos=" << (options.flip_sin_to_cos() ? "true" : "false")
+         << ", downscale_freq_shift=" << options.downscale_freq_shift()
+         << ", scale=" << options.scale() << ", max_period=" << options.max_period() << ")";
+}
+
+torch::Tensor TimestepsImpl::forward(const torch::Tensor& timesteps) {
+  return timestep_embedding(timesteps, options.num_channels(), options.max_period(),
+                            options.flip_sin_to_cos(), options.downscale_freq_shift(),
+                            options.scale());
 }
 
 }  // namespace posenc

@@ -1,0 +1,592 @@
+// rope_append_kv / rope_append_kv_, the whole op but its kernels (cpu/kernel.cpp,
+// cuda/rope_append_kv/rope_append_kv.cu): the schemas, the reader of a boxed call, the
+// argument checks, the launch preparation every backend shares, the Autograd kernel (which
+// refuses inputs that require grad), the Meta kernels, the ATen composite and the CPU
+// registration.
+#include "ops/rope_append_kv/rope_append_kv.h"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/grad_mode.h>
+#include <c10/core/TensorOptions.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "ops/common/aten_fallback.h"
+#include "ops/common/cpu/cpu_support.h"
+#include "ops/common/meta_support.h"
+#include "ops/common/rope_checks.h"
+#include "ops/rope_append_kv/cpu/kernel.h"
+
+namespace posenc {
+namespace ops {
+
+// ---- The call: its reader, its views, the boxed calls of the C++ API
+
+namespace {
+
+// The arguments between k and the RoPE tail: v, k_cache, v_cache, slot_mapping, return_k.
+constexpr size_t kExtraArguments = 5;
+
+size_t rope_argument_count() {
+  size_t n = 0;
+  RopeCall c;
+  RopeCall::for_each_argument(c, [&](const char*, auto&) { ++n; });
+  return n;
+}
+
+}  // namespace
+
+RopeAppendKvCall RopeAppendKvCall::pop(torch::jit::Stack& stack) {
+  static const size_t n = rope_argument_count() + kExtraArguments;
+  TORCH_INTERNAL_ASSERT(stack.size() >= n, "posenc: rope_append_kv call with ", stack.size(),
+                        " arguments on the stack, expected ", n);
+  RopeAppendKvCall c;
+  const size_t first = stack.size() - n + 2;  // after q, k
+  c.v = stack[first].toTensor();
+  c.k_cache = stack[first + 1].toTensor();
+  c.v_cache = stack[first + 2].toTensor();
+  if (!stack[first + 3].isNone()) c.slot_mapping = stack[first + 3].toTensor();
+  c.return_k = stack[first + 4].toBool();
+  stack.erase(stack.begin() + first, stack.begin() + first + kExtraArguments);
+  c.rope = RopeCall::pop(stack);
+  return c;
+}
+
+RopeCall RopeAppendKvCall::rotation() const {
+  RopeCall r = rope;
+  if (paged()) {
+    r.q = rope.q.unsqueeze(0);
+    r.k = rope.k->unsqueeze(0);
+    r.layout = RopeLayout::kBSHD;
+  }
+  if (rope.positions.has_value()) {  // rotated at positions; offsets only place the rows
+    r.offsets = std::nullopt;
+    r.offset = 0;
+  }
+  return r;
+}
+
+at::Tensor kv_token_view(const at::Tensor& x, RopeLayout layout) {
+  return rope_canonical_view(x, layout);  // "thd": unsqueeze(0)
+}
+
+at::Tensor kv_cache_view(const at::Tensor& cache, RopeLayout layout) {
+  return layout == RopeLayout::kBHSD ? cache.transpose(1, 2) : cache;
+}
+
+namespace {
+
+// q, k, then the five arguments of rope_append_kv, then the RoPE tail.
+torch::jit::Stack push_call(const RopeAppendKvCall& c) {
+  torch::jit::Stack stack;
+  c.rope.push(stack);
+  const c10::IValue extra[kExtraArguments] = {c.v, c.k_cache, c.v_cache, c.slot_mapping,
+                                              c.return_k};
+  stack.insert(stack.begin() + 2, std::begin(extra), std::end(extra));
+  return stack;
+}
+
+}  // namespace
+
+std::tuple<at::Tensor, at::Tensor> call_rope_append_kv(const RopeAppendKvCall& c) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope_append_kv", "");
+  torch::jit::Stack stack = push_call(c);
+  op.callBoxed(stack);
+  return {stack[0].toTensor(), stack[1].toTensor()};
+}
+
+void call_rope_append_kv_inplace(const RopeAppendKvCall& c) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope_append_kv_", "");
+  torch::jit::Stack stack = push_call(c);
+  op.callBoxed(stack);
+}
+
+// ---- Checks
+// The rotation's are RoPE's own (check_rope_structure and check_rope_settings on
+// RopeAppendKvCall::rotation); these add v, the caches, slot_mapping, and the values of the
+// rows written. Each message names the argument.
+
+namespace {
+
+const char* cache_shape(RopeLayout layout, bool v) {
+  switch (layout) {
+    case RopeLayout::kBHSD:
+      return v ? "(batch, kv_heads, max_len, v_head_dim)" : "(batch, kv_heads, max_len, head_dim)";
+    case RopeLayout::kTHD:
+      return v ? "(num_blocks, block_size, kv_heads, v_head_dim)"
+               : "(num_blocks, block_size, kv_heads, head_dim)";
+    default:
+      return v ? "(batch, max_len, kv_heads, v_head_dim)" : "(batch, max_len, kv_heads, head_dim)";
+  }
+}
+
+void check_same_device(const char* name, const at::Tensor& t, const at::Tensor& q) {
+  TORCH_CHECK(t.device() == q.device(), "posenc: rope_append_kv: expected ", name,
+              " on q's device ", q.device(), ", got ", name, " on ", t.device());
+}
+
+// One cache against the new tokens (x: k or v as (batch, seq, heads, head_dim)).
+void check_cache(const char* name, const char* of, const at::Tensor& cache, const at::Tensor& x,
+                 RopeLayout layout, bool v) {
+  TORCH_CHECK_TYPE(cache.scalar_type() == x.scalar_type(), "posenc: rope_append_kv: expected ",
+                   name, " to have ", of, "'s dtype ", x.scalar_type(), ", got ", cache.scalar_type(),
+                   " (the cache holds the new rows as they are; convert it or ", of, ")");
+  check_same_device(name, cache, x);
+  const bool ok = cache.dim() == 4 && [&] {
+    const at::Tensor cv = kv_cache_view(cache, layout);
+    return (layout == RopeLayout::kTHD || cv.sym_size(0) == x.sym_size(0)) &&
+           cv.sym_size(2) == x.sym_size(2) && cv.sym_size(3) == x.sym_size(3);
+  }();
+  TORCH_CHECK(ok, "posenc: rope_append_kv: expected ", name, " of shape ", cache_shape(layout, v),
+              " for layout '", rope_layout_name(layout), "' with ", of, " as (",
+              layout == RopeLayout::kTHD ? "1, tokens" : "batch, seq", ", kv_heads, head_dim) = ",
+              x.sym_sizes(), ", got shape ", cache.sym_sizes());
+}
+
+}  // namespace
+
+int64_t check_rope_append_kv(const RopeAppendKvCall& c) {
+  const RopeCall& r = c.rope;
+  const RopeLayout layout = r.layout;
+  TORCH_CHECK_VALUE(layout != RopeLayout::kSBHD, "posenc: rope_append_kv: expected layout 'bshd', "
+                    "'bhsd' (contiguous cache) or 'thd' (paged cache), got 'sbhd'");
+  TORCH_CHECK_VALUE(!r.cu_seqlens.has_value(), "posenc: rope_append_kv: cu_seqlens is not used; "
+                    "for packed tokens pass layout 'thd' with positions and slot_mapping");
+  TORCH_CHECK_VALUE(!r.inverse, "posenc: rope_append_kv: expected inverse=False");
+  if (c.paged()) {
+    TORCH_CHECK(r.q.dim() == 3 && r.k->dim() == 3, "posenc: rope_append_kv: expected q and k to "
+                "be 3-D tensors (tokens, heads, head_dim) for layout 'thd', got q of shape ",
+                r.q.sym_sizes(), " and k of shape ", r.k->sym_sizes());
+    TORCH_CHECK_VALUE(c.slot_mapping.has_value(), "posenc: rope_append_kv: layout 'thd' (paged "
+                      "cache) needs slot_mapping, the cache slot (block * block_size + index, or "
+                      "-1) of each token");
+    TORCH_CHECK_VALUE(!r.offsets.has_value(), "posenc: rope_append_kv: expected offset to be an "
+                      "int for layout 'thd' (the tokens' rows come from slot_mapping), got a tensor");
+  } else {
+    TORCH_CHECK_VALUE(!c.slot_mapping.has_value(), "posenc: rope_append_kv: slot_mapping is only "
+                      "used with layout 'thd' (paged cache), got layout '", rope_layout_name(layout),
+                      "'");
+  }
+  const RopeCall rot_call = c.rotation();
+  const int64_t rot = check_rope_structure(rot_call);
+  check_rope_settings(rot_call);
+  if (const auto v = r.offset.maybe_as_int()) check_rope_position_value("offset", *v);
+  if (r.offsets.has_value() && r.positions.has_value()) {  // not checked as the rotation's
+    TORCH_CHECK_TYPE(r.offsets->scalar_type() == at::kLong, "posenc: rope_append_kv: expected "
+                     "offset to be an int or an int64 tensor, got dtype ", r.offsets->scalar_type());
+    check_same_device("offset", *r.offsets, r.q);
+    TORCH_CHECK(r.offsets->dim() == 1 && r.offsets->sym_size(0) == rot_call.q.sym_size(0),
+                "posenc: rope_append_kv: expected offset of shape (batch,) = (",
+                kv_token_view(r.q, layout).sym_size(0), ",), got shape ", r.offsets->sym_sizes());
+  }
+
+  const at::Tensor k = kv_token_view(*r.k, layout);  // k's shape was checked with q's
+  TORCH_CHECK_TYPE(c.v.scalar_type() == r.k->scalar_type(), "posenc: rope_append_kv: expected v "
+                   "to have k's dtype ", r.k->scalar_type(), ", got ", c.v.scalar_type());
+  check_same_device("v", c.v, r.q);
+  const bool v_dims = c.v.dim() == r.k->dim();
+  const at::Tensor v = v_dims ? kv_token_view(c.v, layout) : k;
+  TORCH_CHECK(v_dims && v.sym_size(0) == k.sym_size(0) && v.sym_size(1) == k.sym_size(1) &&
+                  v.sym_size(2) == k.sym_size(2),
+              "posenc: rope_append_kv: expected v of k's shape but for head_dim, got v of shape ",
+              c.v.sym_sizes(), " and k of shape ", r.k->sym_sizes(), " for layout '",
+              rope_layout_name(layout), "'");
+  check_cache("k_cache", "k", c.k_cache, k, layout, false);
+  check_cache("v_cache", "v", c.v_cache, v, layout, true);
+  TORCH_CHECK(c.k_cache.sym_size(0) == c.v_cache.sym_size(0) &&
+                  kv_cache_view(c.k_cache, layout).sym_size(1) ==
+                      kv_cache_view(c.v_cache, layout).sym_size(1),
+              "posenc: rope_append_kv: expected k_cache and v_cache to hold as many rows, got "
+              "shapes ", c.k_cache.sym_sizes(), " and ", c.v_cache.sym_sizes());
+  if (c.slot_mapping.has_value()) {
+    const at::Tensor& s = *c.slot_mapping;
+    TORCH_CHECK_TYPE(s.scalar_type() == at::kLong, "posenc: rope_append_kv: expected slot_mapping "
+                     "to have dtype torch.int64, got ", s.scalar_type());
+    check_same_device("slot_mapping", s, r.q);
+    TORCH_CHECK(s.dim() == 1 && s.sym_size(0) == r.q.sym_size(0), "posenc: rope_append_kv: "
+                "expected slot_mapping of shape (tokens,) = (", r.q.sym_size(0), ",), got shape ",
+                s.sym_sizes());
+  }
+  return rot;
+}
+
+void check_rope_append_kv_overlap(const RopeAppendKvCall& c, bool in_place) {
+  // Written: the caches, and in place q (and k with return_k). Read: q, k, v and the index
+  // tensors. With v aliasing q or k in place, the kernel would copy rotated values into the
+  // v cache; with a cache over an input, it would read rows it already wrote.
+  const RopeCall& r = c.rope;
+  const bool writes_k = in_place && c.return_k;
+  const MemoryOperand q{"q", &r.q}, k{"k", &*r.k}, none;
+  const auto optional = [](const std::optional<at::Tensor>& t) { return t ? &*t : nullptr; };
+  check_written_memory(
+      in_place ? "rope_append_kv_" : "rope_append_kv",
+      {{"k_cache", &c.k_cache}, {"v_cache", &c.v_cache}, in_place ? q : none, writes_k ? k : none},
+      {in_place ? none : q, writes_k ? none : k, {"v", &c.v}, {"positions", optional(r.positions)},
+       {"offset", optional(r.offsets)}, {"slot_mapping", optional(c.slot_mapping)}},
+      in_place ? "pass copies or use inplace=False"
+               : "the caches must be memory of their own (pass copies of the inputs)");
+}
+
+void check_rope_append_kv_rows(const KvCacheArgs& a) {
+  const int64_t batch = a.rope.batch, seq = a.rope.seq;
+  if (batch * seq == 0) return;
+  if (a.slot_mapping != nullptr) {
+    for (int64_t s = 0; s < seq; ++s) {
+      const int64_t slot = a.slot_mapping[s];
+      TORCH_CHECK_INDEX(slot >= -1 && slot < a.num_slots, "posenc: rope_append_kv: slot_mapping[",
+                        s, "] = ", slot, " is out of range for a cache of ", a.num_slots,
+                        " slots (num_blocks * block_size; -1: not written); nothing was written");
+    }
+    // Two tokens for one slot: the tokens run on different threads, so the slot would hold
+    // either one (a data race). Refused, before anything is written.
+    std::vector<std::pair<int64_t, int64_t>> slots;  // (slot, token)
+    slots.reserve(static_cast<size_t>(seq));
+    for (int64_t s = 0; s < seq; ++s) {
+      if (a.slot_mapping[s] >= 0) slots.emplace_back(a.slot_mapping[s], s);
+    }
+    std::sort(slots.begin(), slots.end());
+    for (size_t i = 1; i < slots.size(); ++i) {
+      TORCH_CHECK_VALUE(slots[i].first != slots[i - 1].first, "posenc: rope_append_kv: slot_mapping[",
+                        slots[i - 1].second, "] and slot_mapping[", slots[i].second,
+                        "] are both ", slots[i].first,
+                        "; expected each written slot once (-1: not written); nothing was written");
+    }
+    return;
+  }
+  for (int64_t b = 0; b < batch; ++b) {
+    if (a.offsets != nullptr) check_rope_position_value("offset", a.offsets[b]);
+    const int64_t first = a.offset + (a.offsets != nullptr ? a.offsets[b] : 0);
+    TORCH_CHECK_INDEX(first >= 0 && first <= a.max_len - seq, "posenc: rope_append_kv: batch row ",
+                      b, " writes cache rows ", first, " .. ", first + seq - 1,
+                      " (offset + its cache length so far .. + seq - 1), out of range for max_len ",
+                      a.max_len, "; nothing was written");
+  }
+}
+
+// ---- The launch preparation and the boxed body every backend's kernel shares
+
+namespace {
+
+void fill_strides(int64_t (&out)[4], const at::Tensor& t) {
+  for (int d = 0; d < 4; ++d) out[d] = t.stride(d);
+}
+
+// The kernel parameters of a checked call.
+KvLaunch prepare_kv_launch(const RopeAppendKvCall& c, int64_t rot, const at::Tensor& out_q,
+                           const std::optional<at::Tensor>& out_k) {
+  const RopeCall r = c.rotation();
+  const auto as_rotated = [&](const at::Tensor& t) { return c.paged() ? t.unsqueeze(0) : t; };
+  KvLaunch launch;
+  // Without return_k the rotation's k output is k itself, never written (write_k false).
+  launch.rope = prepare_rope_launch(r, rot, as_rotated(out_q),
+                                    as_rotated(out_k.has_value() ? *out_k : *c.rope.k));
+  KvCacheArgs& a = launch.args;
+  a.rope = launch.rope.args;
+  a.write_k = out_k.has_value();
+  const at::Tensor v = kv_token_view(c.v, c.rope.layout);
+  a.v = v.const_data_ptr();
+  a.v_head_dim = v.size(3);
+  fill_strides(a.v_stride, v);
+  const at::Tensor kc = kv_cache_view(c.k_cache, c.rope.layout);
+  const at::Tensor vc = kv_cache_view(c.v_cache, c.rope.layout);
+  a.k_cache = kc.mutable_data_ptr();
+  a.v_cache = vc.mutable_data_ptr();
+  fill_strides(a.k_cache_stride, kc);
+  fill_strides(a.v_cache_stride, vc);
+  a.offset = c.rope.concrete_offset();
+  if (c.rope.offsets.has_value()) {
+    launch.offsets = c.rope.offsets->contiguous();
+    a.offsets = launch.offsets.const_data_ptr<int64_t>();
+  }
+  if (c.slot_mapping.has_value()) {
+    launch.slot_mapping = c.slot_mapping->contiguous();
+    a.slot_mapping = launch.slot_mapping.const_data_ptr<int64_t>();
+    a.block_size = kc.size(1);
+    a.num_slots = kc.size(0) * kc.size(1);
+  } else {
+    a.max_len = kc.size(1);
+  }
+  return launch;
+}
+
+}  // namespace
+
+void run_rope_append_kv_boxed(torch::jit::Stack* stack, bool in_place, KvOutputAllocator allocate,
+                              KvKernelRunner run, bool check_rows) {
+  const RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
+  const int64_t rot = check_rope_append_kv(c);
+  check_rope_append_kv_overlap(c, in_place);
+  const at::Tensor out_q = in_place ? c.rope.q : allocate(c.rope.q);
+  std::optional<at::Tensor> out_k;
+  if (c.return_k) out_k = in_place ? *c.rope.k : allocate(*c.rope.k);
+  const KvLaunch launch = prepare_kv_launch(c, rot, out_q, out_k);
+  if (check_rows) check_rope_append_kv_rows(launch.args);  // before anything is written
+  run(launch, c.rope.q);
+  if (in_place) return;
+  stack->emplace_back(out_q);
+  stack->emplace_back(out_k.has_value() ? *out_k : at::empty({0}, c.rope.q.options()));
+}
+
+// ---- Schemas and the Autograd kernel
+
+namespace {
+
+// No autograd: the op writes a cache (inference). Under grad mode, an input that requires
+// grad is an error naming it, rather than an output silently detached from the graph.
+void no_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack->size() - args.size();
+  // The tensors the op writes (the caches; q and k for rope_append_kv_): their version
+  // counters move, as an ATen in-place op's do, so that autograd refuses a graph that saved
+  // one of them before this write.
+  c10::SmallVector<at::Tensor, 4> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = (*stack)[first + i];
+    if (!v.isTensor()) continue;
+    TORCH_CHECK(!at::GradMode::is_enabled() || !v.toTensor().requires_grad(), "posenc: ",
+                op.schema().name(), " has no autograd (it writes a KV cache, for inference); got ",
+                args[i].name(), " that requires grad: call it under torch.no_grad() or "
+                "torch.inference_mode(), or pass ", args[i].name(), ".detach()");
+    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written.push_back(v.toTensor());
+  }
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(posenc, m) {
+  const std::string tail = kRopeSchemaArguments;
+  const std::string middle =
+      "Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? slot_mapping=None, "
+      "bool return_k=False, ";
+  m.def(("rope_append_kv(Tensor q, Tensor k, " + middle + tail + ") -> (Tensor, Tensor)").c_str());
+  m.def(("rope_append_kv_(Tensor(c!) q, Tensor(d!) k, " + middle + tail + ") -> ()").c_str());
+}
+
+TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
+  m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&no_autograd>());
+  m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&no_autograd>());
+}
+
+// ---- Meta kernels
+// The real kernels' checks and q's (and k's) shape, so torch.compile and torch.export trace
+// the op (the caches are mutated arguments of the schema: functionalization handles them).
+
+namespace {
+
+RopeAppendKvCall checked_meta_call(const char* op, torch::jit::Stack* stack) {
+  RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
+  check_rope_append_kv(c);
+  check_not_mixed_with_meta(op, {{"q", &c.rope.q}, {"k", optional_ptr(c.rope.k)}, {"v", &c.v},
+                                 {"k_cache", &c.k_cache}, {"v_cache", &c.v_cache},
+                                 {"slot_mapping", optional_ptr(c.slot_mapping)},
+                                 {"positions", optional_ptr(c.rope.positions)},
+                                 {"offset", optional_ptr(c.rope.offsets)}});
+  return c;
+}
+
+void rope_append_kv_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const RopeAppendKvCall c = checked_meta_call("rope_append_kv", stack);
+  stack->emplace_back(at::empty_like(c.rope.q));
+  stack->emplace_back(c.return_k ? at::empty_like(*c.rope.k) : at::empty({0}, c.rope.q.options()));
+}
+
+void rope_append_kv_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  checked_meta_call("rope_append_kv_", stack);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, Meta, m) {
+  m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_meta>());
+  m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_inplace_meta>());
+}
+
+// ---- The ATen composite
+// rope_append_kv and rope_append_kv_ composed from ATen ops, for backends without a kernel of
+// their own (the ATen fallback, ops/common/aten_fallback.h): the same checks, the rotation by
+// the rope op of q's device (its kernel or its own fallback), then the writes of k and v into
+// the cache rows. One error contract with the kernels, and no host sync:
+// - CPU index tensors are checked on the host before anything is written (IndexError, as the
+//   kernel's check_rope_append_kv_rows: reading them costs nothing);
+// - on a device the rows are not read back (nonzero or .item() would sync every call): a row
+//   outside the cache fails on the device (at::_assert_async where the device has it, as the
+//   CUDA kernel's assert, and an index outside the cache that makes index_put_ fail), and
+//   slots -1 write nothing without being left out of the index (see write_paged).
+// Two tokens for one slot: refused on the CPU; on a device the caller's error, the slot then
+// holds an unspecified mix of them (index_put_ stores element by element), as on CUDA.
+
+namespace {
+
+// Fails on the device, without a host sync, unless every element of `ok` is true: through
+// at::_assert_async where the device has a kernel for it (CPU, CUDA). Elsewhere the callers'
+// out-of-range index is what fails.
+void assert_all_on_device(const at::Tensor& ok, const char* message) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::_assert_async", "msg");
+  const c10::DispatchKey key = c10::computeDispatchKey(std::nullopt, std::nullopt, ok.device());
+  if (op.hasKernelForDispatchKey(key)) at::_assert_async(ok.all(), message);
+}
+
+// 0 .. n - 1 as int64 on like's device. Like every tensor made below, it comes from an op on
+// the call's own tensors (new_empty, masked_fill rather than at::arange or at::where with a
+// scalar, whose tensors a factory makes): a tensor subclass that stands for a device in the
+// tests then sees every op (tests/python/test_rope_append_kv.py, OnDevice).
+at::Tensor steps_like(const at::Tensor& like, int64_t n) {
+  at::Tensor out = like.new_empty({n}, at::TensorOptions(at::kLong));  // like's device
+  return at::arange_out(out, n);
+}
+
+// Tokens (tokens, heads, d) into the paged cache (num_blocks, block_size, heads, d) at
+// `slots` (int64 (tokens,), -1: not written; validity checked by the caller). Without a mask
+// and without reading a slot: every token writes, a -1 token into slot 0 the value slot 0
+// ends with (that of the token writing it, or its current value), so whichever store wins
+// slot 0 holds the same bits. A slot outside the cache gets block index num_blocks, which
+// index_put_ refuses.
+void write_paged(const at::Tensor& cache, const at::Tensor& tokens, const at::Tensor& slots,
+                 const at::Tensor& unwritten, const at::Tensor& block, const at::Tensor& index) {
+  const at::Tensor hits = slots.eq(0);
+  const at::Tensor first = hits.to(at::kInt).argmax().view({1});  // 0 when no token hits
+  const at::Tensor slot0 = at::where(hits.any(), tokens.index_select(0, first).squeeze(0),
+                                     cache.select(0, 0).select(0, 0));
+  const at::Tensor values = at::where(unwritten.view({-1, 1, 1}), slot0.unsqueeze(0), tokens);
+  cache.index_put_({block, index}, values);
+}
+
+void run_composite(torch::jit::Stack* stack, bool in_place) {
+  const RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
+  check_rope_append_kv(c);
+  check_rope_append_kv_overlap(c, in_place);
+  const at::Tensor& q = c.rope.q;
+  warn_aten_fallback("rope_append_kv", q.device());
+  const RopeCall r = c.rotation();
+  const auto [q_rot, k_rot] = call_rope(r);
+  const RopeLayout layout = c.rope.layout;
+  const at::Tensor k_tokens = rope_canonical_view(k_rot, r.layout);  // (batch, seq, heads, d)
+  const at::Tensor v_tokens = kv_token_view(c.v, layout);
+  const at::Tensor kc = kv_cache_view(c.k_cache, layout);
+  const at::Tensor vc = kv_cache_view(c.v_cache, layout);
+  const int64_t batch = k_tokens.size(0), seq = k_tokens.size(1);
+  // The rows' values on the host for the CPU's check (the kernel's own check).
+  KvCacheArgs host;
+  host.rope.batch = batch;
+  host.rope.seq = seq;
+  if (batch * seq == 0) {
+    // Nothing to write (any offset or slot passes, as in the kernels).
+  } else if (c.paged()) {
+    const at::Tensor slots = c.slot_mapping->contiguous();
+    const int64_t blocks = kc.size(0), block_size = kc.size(1);
+    const int64_t num_slots = blocks * block_size;
+    const at::Tensor unwritten = slots.eq(-1);
+    if (slots.is_cpu()) {
+      host.slot_mapping = slots.const_data_ptr<int64_t>();
+      host.num_slots = num_slots;
+      check_rope_append_kv_rows(host);
+    } else {
+      assert_all_on_device(unwritten.logical_or(slots.ge(0).logical_and(slots.lt(num_slots))),
+                           "posenc: rope_append_kv: a slot_mapping value is out of range for the "
+                           "cache (num_blocks * block_size slots; -1: not written)");
+    }
+    if (num_slots > 0) {  // else every slot is -1 (checked): nothing to write
+      const at::Tensor valid = slots.ge(-1).logical_and(slots.lt(num_slots));
+      const at::Tensor target = slots.masked_fill(unwritten, 0);
+      const at::Tensor block = target.div(block_size, "floor").masked_fill_(valid.logical_not(), blocks);
+      const at::Tensor index = target.remainder(block_size);
+      write_paged(kc, k_tokens.select(0, 0), slots, unwritten, block, index);
+      write_paged(vc, v_tokens.select(0, 0), slots, unwritten, block, index);
+    }
+  } else if (!c.rope.offsets.has_value()) {
+    // Rows offset .. offset + seq - 1 of every batch row: known on the host, on any device.
+    const int64_t offset = c.rope.concrete_offset();
+    host.offset = offset;
+    host.max_len = kc.size(1);
+    check_rope_append_kv_rows(host);
+    kc.narrow(1, offset, seq).copy_(k_tokens);
+    vc.narrow(1, offset, seq).copy_(v_tokens);
+  } else {
+    const at::Tensor offsets = c.rope.offsets->contiguous();
+    const int64_t offset = c.rope.concrete_offset(), max_len = kc.size(1);
+    if (offsets.is_cpu()) {  // before the sums below, which huge offsets would wrap
+      host.offset = offset;
+      host.offsets = offsets.const_data_ptr<int64_t>();
+      host.max_len = max_len;
+      check_rope_append_kv_rows(host);
+    }
+    at::Tensor rows = (offsets + offset).unsqueeze(1) + steps_like(offsets, seq).unsqueeze(0);
+    if (!offsets.is_cpu()) {
+      // The kernels' checks: offsets within [-2**53, 2**53] (their sums cannot wrap), rows
+      // within the cache. A row outside gets index max_len, which index_put_ refuses (a
+      // negative one would wrap around to the cache's end).
+      const at::Tensor ok = offsets.ge(-kRopeMaxPosition)
+                                .logical_and(offsets.le(kRopeMaxPosition))
+                                .unsqueeze(1)
+                                .logical_and(rows.ge(0))
+                                .logical_and(rows.lt(max_len));
+      assert_all_on_device(ok, "posenc: rope_append_kv: a batch row writes cache rows out of "
+                               "range for max_len (offset + its cache length so far .. + seq - 1), "
+                               "or its offset is outside [-2**53, 2**53]");
+      rows = rows.masked_fill(ok.logical_not(), max_len);
+    }
+    const at::Tensor rows_b = steps_like(offsets, batch).unsqueeze(1).expand({batch, seq});
+    kc.index_put_({rows_b, rows}, k_tokens);
+    vc.index_put_({rows_b, rows}, v_tokens);
+  }
+  if (in_place) {
+    c.rope.q.copy_(q_rot.view_as(q));
+    if (c.return_k) c.rope.k->copy_(k_rot.view_as(*c.rope.k));
+    return;
+  }
+  stack->emplace_back(q_rot.view_as(q));
+  stack->emplace_back(c.return_k ? k_rot.view_as(*c.rope.k) : at::empty({0}, q.options()));
+}
+
+void rope_append_kv_composite(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_composite(stack, /*in_place=*/false);
+}
+
+void rope_append_kv_inplace_composite(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  run_composite(stack, /*in_place=*/true);
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+  m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_composite>());
+  m.impl("rope_append_kv_",
+         torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_inplace_composite>());
+}
+
+// ---- CPU backend
+// The shared boxed body (run_rope_append_kv_boxed) with every row or slot checked before the
+// kernel writes anything (IndexError, the caches unchanged), and the vectorised kernel of
+// cpu/kernel.cpp.
+
+namespace {
+
+void run_rope_append_kv_cpu(const KvLaunch& launch, const at::Tensor& q) {
+  cpu::rope_append_kv_stub::get()(launch.args, q.scalar_type());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CPU, m) {
+  m.impl("rope_append_kv",
+         torch::CppFunction::makeFromBoxedFunction<
+             &rope_append_kv_kernel_boxed<&empty_output_like, &run_rope_append_kv_cpu, true>>());
+  m.impl("rope_append_kv_",
+         torch::CppFunction::makeFromBoxedFunction<
+             &rope_append_kv_inplace_kernel_boxed<&empty_output_like, &run_rope_append_kv_cpu, true>>());
+}
+
+}  // namespace ops
+}  // namespace posenc
