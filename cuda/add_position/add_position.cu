@@ -26,7 +26,7 @@
 
 #include "../common/occupancy.cuh"
 #include "../common/vector_access.cuh"
-#include "ops/add_position/add_position_checks.h"
+#include "ops/add_position/add_position.h"
 #include "posenc/math/philox.h"
 
 namespace posenc {

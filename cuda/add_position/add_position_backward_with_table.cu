@@ -22,8 +22,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <torch/library.h>
 
-#include "ops/add_position/add_position_checks.h"
-#include "ops/add_position/add_position_composite.h"
+#include "ops/add_position/add_position.h"
 #include "ops/common/cuda_work_split.h"
 #include "ops/common/sorted_runs.h"
 #include "posenc/math/philox.h"

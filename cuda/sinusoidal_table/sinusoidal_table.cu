@@ -9,11 +9,15 @@
 
 #include <cmath>
 
-#include "ops/add_position/add_position_checks.h"
 #include "posenc/math/sinusoid.h"
 
 namespace posenc {
 namespace ops {
+
+// The op's argument checks, shared by every backend: defined in
+// csrc/ops/sinusoidal_table/sinusoidal_table.cpp (the family has no header of its own).
+void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base);
+
 namespace {
 
 template <typename scalar_t>

@@ -284,7 +284,7 @@ def test_module_range_check_uses_the_bounds_op(module_cls, monkeypatch):
     with pytest.raises(IndexError, match=re.escape(message)):
         m(x, positions=torch.tensor([0, 1, 16, 3, 4]))
     calls = []
-    monkeypatch.setattr(posenc.modules.torch.ops.posenc, "position_bounds",
+    monkeypatch.setattr(torch.ops.posenc, "position_bounds",
                         lambda *a: calls.append(a) or (0, 0), raising=False)
     m(x, positions=torch.tensor([0, 1, 2, 3, 4]))
     assert calls == []  # CPU positions: no bounds read-back

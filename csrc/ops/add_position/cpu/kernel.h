@@ -1,18 +1,36 @@
-// CPU kernels of add_position, compiled in their own translation unit once per vector ISA
-// (cpu/kernel.cpp, POSENC_ISA_SOURCES in CMakeLists.txt); callers reach the build
-// of the chosen capability through the stubs at the end (cpu_capability.h).
+// The plain-data interface of add_position's kernels: the geometry of a call
+// (AddPositionArgs, which the CUDA kernels take too, through add_position.h) and the CPU
+// kernels, compiled in their own translation unit once per vector ISA (cpu/kernel.cpp,
+// POSENC_ISA_SOURCES in CMakeLists.txt); callers reach the build of the chosen capability
+// through the stubs at the end (cpu_capability.h). Plain data only (no ATen): the ISA
+// builds include it.
 #pragma once
 
 #include <c10/core/ScalarType.h>
 
 #include <cstdint>
 
-#include "ops/add_position/add_position_args.h"
 #include "ops/common/cpu/cpu_capability.h"
 #include "posenc/math/host_device.h"
 
 namespace posenc {
 namespace ops {
+
+// The geometry of an add_position call, as plain data for the CPU and CUDA kernels. Kernel
+// parameter structs are named <kernel>Args throughout (RopeArgs, AddPositionArgs, DropoutArgs).
+// x is (batch, seq, d) when batch_first, (seq, batch, d) otherwise; the kernels see x as
+// batch * seq contiguous rows of d elements in memory order.
+struct AddPositionArgs {
+  int64_t batch = 0;
+  int64_t seq = 0;
+  int64_t d = 0;
+  int64_t table_len = 0;
+  bool batch_first = true;
+  bool has_positions = false;
+  int64_t positions_batch_stride = 0;  // 0 for (S,) positions, seq for (B, S)
+  int64_t offset = 0;
+};
+
 namespace cpu {
 
 // Dropout of one call: the (seed, offset) key plus the keep threshold and scale.

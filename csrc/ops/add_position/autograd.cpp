@@ -16,7 +16,7 @@
 #include <torch/autograd.h>
 #include <torch/library.h>
 
-#include "ops/add_position/add_position_composite.h"
+#include "ops/add_position/add_position.h"
 #include "ops/common/op_handles.h"
 
 namespace posenc {

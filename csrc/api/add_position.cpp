@@ -1,17 +1,28 @@
+// posenc/add_position.h: posenc::add_position and the modules PositionalEncoding and
+// LearnedPositionalEncoding. They call the ops through the dispatcher.
+#include "posenc/add_position.h"
+
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
 #include <cmath>
 
-#include "modules/module_forward.h"
 #include "ops/common/op_handles.h"
-#include "posenc/modules.h"
-#include "posenc/ops.h"
+#include "posenc/sinusoidal_table.h"
 
 namespace posenc {
 
-namespace detail {
+at::Tensor add_position(const at::Tensor& x, const at::Tensor& table,
+                        const std::optional<at::Tensor>& positions, int64_t offset,
+                        bool batch_first, double p) {
+  return ops::add_position_op().call(x, table, positions, c10::SymInt(offset), batch_first, p);
+}
 
+namespace {
+
+// The forward shared by the add-position modules: dropout(x + pe[rows]) through the fused
+// op; checks CUDA positions on the host first when asked (one device sync), since the
+// kernel can only flag bad rows with NaN.
 torch::Tensor add_position_module_forward(const torch::Tensor& x, const torch::Tensor& pe,
                                           int64_t offset,
                                           const std::optional<torch::Tensor>& positions,
@@ -33,7 +44,7 @@ void check_module_options(const char* module, int64_t d_model, int64_t max_len, 
                     dropout);
 }
 
-}  // namespace detail
+}  // namespace
 
 PositionalEncodingImpl::PositionalEncodingImpl(const PositionalEncodingOptions& options_)
     : options(options_) {
@@ -41,8 +52,8 @@ PositionalEncodingImpl::PositionalEncodingImpl(const PositionalEncodingOptions& 
 }
 
 void PositionalEncodingImpl::reset() {
-  detail::check_module_options("PositionalEncoding", options.d_model(), options.max_len(),
-                               options.dropout());
+  check_module_options("PositionalEncoding", options.d_model(), options.max_len(),
+                       options.dropout());
   const torch::Tensor positions = torch::arange(options.max_len(), torch::kLong);
   pe = register_buffer(
       "pe", sinusoidal_table(positions, options.d_model(), options.base(), torch::kFloat)
@@ -58,9 +69,9 @@ void PositionalEncodingImpl::pretty_print(std::ostream& stream) const {
 
 torch::Tensor PositionalEncodingImpl::forward(const torch::Tensor& x, int64_t offset,
                                               const std::optional<torch::Tensor>& positions) {
-  return detail::add_position_module_forward(x, pe, offset, positions, options.batch_first(),
-                                             is_training() ? options.dropout() : 0.0,
-                                             options.check_positions());
+  return add_position_module_forward(x, pe, offset, positions, options.batch_first(),
+                                     is_training() ? options.dropout() : 0.0,
+                                     options.check_positions());
 }
 
 LearnedPositionalEncodingImpl::LearnedPositionalEncodingImpl(
@@ -70,8 +81,8 @@ LearnedPositionalEncodingImpl::LearnedPositionalEncodingImpl(
 }
 
 void LearnedPositionalEncodingImpl::reset() {
-  detail::check_module_options("LearnedPositionalEncoding", options.d_model(),
-                               options.max_len(), options.dropout());
+  check_module_options("LearnedPositionalEncoding", options.d_model(),
+                       options.max_len(), options.dropout());
   TORCH_CHECK_VALUE(options.init_std() >= 0.0 && std::isfinite(options.init_std()),
                     "LearnedPositionalEncoding: expected init_std to be finite and >= 0, got ",
                     options.init_std());
@@ -97,9 +108,9 @@ void LearnedPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
 
 torch::Tensor LearnedPositionalEncodingImpl::forward(
     const torch::Tensor& x, int64_t offset, const std::optional<torch::Tensor>& positions) {
-  return detail::add_position_module_forward(x, pe, offset, positions, options.batch_first(),
-                                             is_training() ? options.dropout() : 0.0,
-                                             options.check_positions());
+  return add_position_module_forward(x, pe, offset, positions, options.batch_first(),
+                                     is_training() ? options.dropout() : 0.0,
+                                     options.check_positions());
 }
 
 void LearnedPositionalEncodingImpl::load_table(const torch::Tensor& table) {

@@ -1,0 +1,104 @@
+// The add_position family's C++ API, for LibTorch applications: posenc::add_position (the
+// fused dropout(x + table[positions]) op through the dispatcher, as
+// posenc.functional.add_position from Python) and the modules built on it,
+// PositionalEncoding (the fixed sinusoidal table) and LearnedPositionalEncoding (a trained
+// table), torch::nn style: Options + Impl + TORCH_MODULE holder.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/arg.h>
+#include <torch/nn/cloneable.h>
+#include <torch/nn/pimpl.h>
+#include <torch/types.h>
+
+#include <cstdint>
+#include <optional>
+#include <ostream>
+
+namespace posenc {
+
+// dropout(x + table[positions], p), fused. x: (batch, seq, d) if batch_first, else
+// (seq, batch, d); table: (max_len, d) or (1, max_len, d). Without positions, rows
+// offset .. offset + seq - 1 are added; positions: int64 (seq,) or (batch, seq).
+// Differentiable in x and table; the dropout mask is regenerated in backward.
+at::Tensor add_position(const at::Tensor& x, const at::Tensor& table,
+                        const std::optional<at::Tensor>& positions = std::nullopt,
+                        int64_t offset = 0, bool batch_first = true, double p = 0.0);
+
+struct PositionalEncodingOptions {
+  /* implicit */ PositionalEncodingOptions(int64_t d_model) : d_model_(d_model) {}
+  // Width of the embeddings the encoding is added to.
+  TORCH_ARG(int64_t, d_model);
+  // Dropout probability applied after the addition, in training mode only.
+  TORCH_ARG(double, dropout) = 0.1;
+  // Number of positions in the table `pe`.
+  TORCH_ARG(int64_t, max_len) = 5000;
+  // x is (batch, seq, d_model) when true, (seq, batch, d_model) when false.
+  TORCH_ARG(bool, batch_first) = true;
+  // Wavelength base of the sinusoids.
+  TORCH_ARG(double, base) = 10000.0;
+  // Check CUDA position values against max_len before the kernel (one device sync).
+  // CPU positions are always checked; unchecked CUDA positions out of range stop the kernel
+  // with a device-side assert (an error at the next synchronisation).
+  TORCH_ARG(bool, check_positions) = true;
+};
+
+// The fixed sinusoidal encoding of Vaswani et al. with fused dropout. Holds the buffer
+// `pe` of shape (1, max_len, d_model) in float32, like the classic Python class.
+class PositionalEncodingImpl : public torch::nn::Cloneable<PositionalEncodingImpl> {
+ public:
+  explicit PositionalEncodingImpl(const PositionalEncodingOptions& options);
+
+  void reset() override;
+  void pretty_print(std::ostream& stream) const override;
+
+  // dropout(x + pe[offset : offset + seq]), or dropout(x + pe[positions]) when positions
+  // (int64, (seq,) or (batch, seq)) are given. One signature, as in Python, so that the
+  // TORCH_MODULE holder's operator() works: pe(x), pe(x, 128), pe(x, 0, positions).
+  torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0,
+                        const std::optional<torch::Tensor>& positions = std::nullopt);
+
+  PositionalEncodingOptions options;
+  torch::Tensor pe;
+};
+
+TORCH_MODULE(PositionalEncoding);
+
+struct LearnedPositionalEncodingOptions {
+  /* implicit */ LearnedPositionalEncodingOptions(int64_t d_model) : d_model_(d_model) {}
+  TORCH_ARG(int64_t, d_model);
+  TORCH_ARG(double, dropout) = 0.1;
+  TORCH_ARG(int64_t, max_len) = 5000;
+  TORCH_ARG(bool, batch_first) = true;
+  // Std of the truncated-normal initialisation (cut at +-2 std), the BERT/ViT convention.
+  TORCH_ARG(double, init_std) = 0.02;
+  TORCH_ARG(bool, check_positions) = true;
+};
+
+// Learned absolute position embeddings (BERT, GPT-2, ViT) with fused dropout: the
+// trainable parameter `pe` of shape (1, max_len, d_model). Its gradient is the batch sum
+// of the gradient reaching x, computed deterministically.
+class LearnedPositionalEncodingImpl
+    : public torch::nn::Cloneable<LearnedPositionalEncodingImpl> {
+ public:
+  explicit LearnedPositionalEncodingImpl(const LearnedPositionalEncodingOptions& options);
+
+  void reset() override;
+  void reset_parameters();
+  void pretty_print(std::ostream& stream) const override;
+
+  // As PositionalEncodingImpl::forward.
+  torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0,
+                        const std::optional<torch::Tensor>& positions = std::nullopt);
+
+  // Copies a (max_len, d_model) table (BERT/GPT-2 style) or a (1, max_len, d_model) one
+  // (ViT pos_embed) into `pe`.
+  void load_table(const torch::Tensor& table);
+
+  LearnedPositionalEncodingOptions options;
+  torch::Tensor pe;
+};
+
+TORCH_MODULE(LearnedPositionalEncoding);
+
+}  // namespace posenc

@@ -1,0 +1,34 @@
+// Positions outside a table of max_len rows: one message for every family. The add-position
+// kernels and modules (ops/add_position/add_position.cpp: the per-element CPU check and the
+// op position_bounds) and the RoPE modules (C++ in api/rope.cpp, Python through the op
+// position_range_check) all report through it.
+#pragma once
+
+#include <c10/util/Exception.h>
+#include <c10/util/StringUtil.h>
+
+#include <cstdint>
+#include <string>
+
+namespace posenc {
+namespace ops {
+
+// Throws the IndexError for a position outside [0, table_len): "posenc: expected positions
+// in [0, max_len=L), found V" followed by `where` (e.g. " at flat index 4").
+[[noreturn]] inline void throw_position_out_of_range(int64_t table_len, int64_t found,
+                                                     const std::string& where) {
+  C10_THROW_ERROR(IndexError, c10::str("posenc: expected positions in [0, max_len=", table_len,
+                                       "), found ", found, where));
+}
+
+// The modules' range check from the smallest and largest position of a call (hi < lo: no
+// position): the IndexError above, naming the offending end and the range, unless both lie
+// in [0, max_len).
+inline void check_position_range(int64_t lo, int64_t hi, int64_t max_len) {
+  if (hi < lo || (lo >= 0 && hi < max_len)) return;
+  throw_position_out_of_range(max_len, lo < 0 ? lo : hi,
+                              c10::str(" (positions range from ", lo, " to ", hi, ")"));
+}
+
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,237 @@
+"""The add_position family's Python front end: :func:`add_position`, ``dropout(x +
+table[positions], p)`` fused in one pass (op ``torch.ops.posenc.add_position``, autograd in
+C++), and the modules built on it, :class:`PositionalEncoding` (the fixed sinusoidal table)
+and :class:`LearnedPositionalEncoding` (a trained one). Re-exported by
+:mod:`posenc.functional` and :mod:`posenc.modules`.
+
+The modules' forward calls the function users call, ``posenc.functional.add_position``,
+which calls the op: one road, through ``nn.Module.__call__`` (hooks, profiler, module traces
+see every call). It is also what ``torch.jit.script`` compiles: under
+``torch.jit.is_scripting()`` it calls the op the function calls (the host-side checks and
+DTensor placement are eager-only), so a scripted module computes what the eager one does, in
+train and eval mode, and scripting leaves the Python model as it was (no twin). No ``from
+__future__ import annotations`` here: TorchScript reads the annotations as types.
+"""
+
+import math
+import numbers
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+from posenc._common import _check_positive_int, _check_probability
+from posenc._dtensor import is_dtensor, place_beside
+
+
+def add_position(
+    x: Tensor,
+    table: Tensor,
+    *,
+    positions: Optional[Tensor] = None,
+    offset: int = 0,
+    batch_first: bool = True,
+    p: float = 0.0,
+    training: bool = True,
+) -> Tensor:
+    """``dropout(x + table[positions], p)`` in one fused pass.
+
+    ``x`` is (batch, seq, d) when ``batch_first`` else (seq, batch, d); ``table`` is
+    (max_len, d) or (1, max_len, d). Without ``positions`` rows ``offset .. offset+seq-1``
+    are added. Dropout applies only when ``training``; its mask is regenerated in backward.
+    """
+    table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
+    return torch.ops.posenc.add_position(
+        x, table, positions, offset, batch_first, float(p) if training else 0.0
+    )
+
+
+# The modules call the functions through posenc.functional, the module users call (and
+# patch); imported once add_position, which it re-exports from here, is defined, so either
+# module may be imported first.
+from posenc import functional  # noqa: E402
+
+
+def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
+    """Range-check CUDA int64 positions (CPU ones are checked inside the kernel; other
+    dtypes get the op's TypeError).
+
+    Op ``position_bounds`` (shared with the C++ modules): one read-back of the smallest and
+    largest position, one device sync, IndexError outside [0, max_len). The CUDA kernel
+    checks on the device too, but a device-side assert is a RuntimeError at the next sync
+    that leaves the CUDA context unusable, so eager mode checks here first. Under
+    torch.compile the host check is left out (it would break the graph); the kernel's stays.
+    """
+    if (positions.is_cuda and positions.dtype == torch.int64 and not torch.compiler.is_compiling()
+            and not torch.jit.is_tracing()):
+        torch.ops.posenc.position_bounds(positions, max_len)
+
+
+class _AddPositionModule(nn.Module):
+    """Shared front end: ``forward(x, offset=0, positions=None) = dropout(x + pe[rows])``
+    through the fused op, with the classic ``nn.Dropout`` child and argument checks.
+
+    ``check_positions`` (attribute, default True): range-check CUDA ``positions`` on the
+    host in eager mode, which costs one device sync. Set it to False in a hot loop whose
+    positions are known to be valid (or under CUDA graph capture); an out-of-range position
+    then stops the kernel with a device-side assert (a RuntimeError at the next sync).
+    """
+
+    pe: Tensor
+    check_positions: bool = True
+
+    def __init__(self, d_model: int, dropout: float, max_len: int, batch_first: bool) -> None:
+        super().__init__()
+        self.d_model = _check_positive_int("d_model", d_model)
+        self.max_len = _check_positive_int("max_len", max_len)
+        self.batch_first = bool(batch_first)
+        # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
+        self.dropout = nn.Dropout(p=_check_probability("dropout", dropout))
+
+    def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
+        """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given:
+        :func:`posenc.functional.add_position` with the module's table and dropout."""
+        p = self.dropout.p if self.training else 0.0
+        if torch.jit.is_scripting():  # what TorchScript compiles: the op the function calls
+            return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
+        pe, positions = self._host_side(x, offset, positions)
+        return functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p)
+
+    def _host_side(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        """What eager mode checks on the host and places beside a DTensor x, for forward:
+        (pe, positions) to call the function with."""
+        if isinstance(offset, bool):  # the op's SymInt would take True as 1
+            raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
+        if positions is not None and self.check_positions:
+            _check_positions_on_host(positions, self.pe.shape[1])
+        if is_dtensor(x):
+            return self._beside_dtensor(x, positions)
+        return self.pe, positions
+
+    def _beside_dtensor(self, x: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+        """(pe, positions) for a DTensor x, as the functions place their plain tensors: a plain
+        buffer ``pe`` (PositionalEncoding's fixed table, the same on every rank) and plain
+        positions become Replicate() DTensors on x's mesh. A plain parameter ``pe``
+        (LearnedPositionalEncoding not distributed yet) is refused: each rank would train its
+        own copy."""
+        if isinstance(self.pe, nn.Parameter) and not is_dtensor(self.pe):
+            raise RuntimeError(
+                f"{type(self).__name__}: parameter 'pe' is a plain tensor but the input is a DTensor; "
+                f"distribute the module's parameters first (distribute_module, parallelize_module or "
+                f"fully_shard)"
+            )
+        pe, positions = place_beside(x, self.pe, positions)
+        return pe, positions
+
+    def extra_repr(self) -> str:
+        return f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}"
+
+
+class PositionalEncoding(_AddPositionModule):
+    r"""Fixed sinusoidal positional encoding with fused dropout.
+
+    A drop-in replacement for the classic ``PositionalEncoding(d_model, dropout,
+    max_len=5000)`` of the Annotated Transformer: same arguments, a persistent float32
+    buffer ``pe`` of shape (1, max_len, d_model) (so ``state_dict()`` holds exactly
+    ``pe``), and ``forward(x) = dropout(x + pe[:, :S])``, computed in one pass.
+
+    Args:
+        d_model: embedding width. Odd values work: the last column is a sine.
+        dropout: dropout probability applied in training mode.
+        max_len: number of positions in ``pe``.
+        batch_first: x is (batch, seq, d_model) if True (the classic layout), else
+            (seq, batch, d_model) (the PyTorch-tutorial layout).
+        base: wavelength base of the sinusoids (10000 in the paper).
+
+    ``pe`` is built in float64 and rounded once: every entry is within 2**-25 of the
+    exact value (the classic float32 construction is off by up to ~4e-4 at max_len 5000).
+    The forward adds rows of ``pe`` as it is, so a loaded or edited table is honoured.
+
+    A DTensor ``x`` needs no wrapper: ``pe`` (a buffer, the same on every rank) and plain
+    ``positions`` are used as ``Replicate()`` on x's mesh, as the functions place plain
+    tensors (:class:`LearnedPositionalEncoding`, whose ``pe`` is trained, needs its parameter
+    distributed first).
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        dropout: float = 0.1,
+        max_len: int = 5000,
+        *,
+        batch_first: bool = True,
+        base: float = 10000.0,
+    ) -> None:
+        super().__init__(d_model, dropout, max_len, batch_first)
+        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
+            raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
+        self.base = float(base)
+        positions = torch.arange(self.max_len, dtype=torch.int64)
+        table = functional.sinusoidal_table(positions, self.d_model, base=self.base)
+        self.register_buffer("pe", table.unsqueeze(0))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, base={self.base}"
+
+
+class LearnedPositionalEncoding(_AddPositionModule):
+    r"""Learned absolute position embeddings (BERT, GPT-2, ViT) with fused dropout.
+
+    Same arguments and forward as :class:`PositionalEncoding`, but ``pe`` is an
+    ``nn.Parameter`` of shape (1, max_len, d_model), initialised from a normal distribution
+    with std ``init_std`` truncated at +-2 std (TensorFlow BERT's truncated_normal
+    initializer; the resulting std is about 0.88 init_std. timm's ViT calls
+    ``trunc_normal_(std=.02)`` with bounds +-2 in absolute terms, in effect untruncated, and
+    Hugging Face BERT a plain normal: call ``nn.init`` on ``pe`` to match either). Its gradient is the
+    sum over the batch of the gradient reaching x, for exactly the positions used.
+
+    A ViT-style ``pos_embed`` of shape (1, N, d) loads directly through ``load_state_dict``
+    (key ``pe``); a BERT/GPT-2 table of shape (max_len, d) (``position_embeddings.weight``,
+    ``wpe.weight``) loads through :meth:`load_table`.
+    """
+
+    def __init__(
+        self,
+        d_model: int,
+        dropout: float = 0.1,
+        max_len: int = 5000,
+        *,
+        batch_first: bool = True,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__(d_model, dropout, max_len, batch_first)
+        if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not 0 <= init_std < math.inf:
+            raise ValueError(f"expected init_std to be a finite non-negative number, got {init_std!r}")
+        self.init_std = float(init_std)
+        self.pe = nn.Parameter(torch.empty(1, self.max_len, self.d_model))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        if self.init_std == 0:
+            nn.init.zeros_(self.pe)  # trunc_normal_ divides by its (zero) width
+        else:
+            nn.init.trunc_normal_(self.pe, std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
+
+    @torch.no_grad()
+    def load_table(self, table: Tensor) -> None:
+        """Copy a (max_len, d_model) or (1, max_len, d_model) table into ``pe``."""
+        if not isinstance(table, Tensor) or table.dim() not in (2, 3) or (
+            table.dim() == 3 and table.shape[0] != 1
+        ) or tuple(table.shape[-2:]) != tuple(self.pe.shape[1:]):
+            shape = tuple(table.shape) if isinstance(table, Tensor) else type(table).__name__
+            raise ValueError(
+                f"load_table: expected a table of shape ({self.max_len}, {self.d_model}) or "
+                f"(1, {self.max_len}, {self.d_model}), got {shape}"
+            )
+        with torch.no_grad():
+            if is_dtensor(self.pe) and not is_dtensor(table):
+                # FSDP2 / DTensor-sharded pe: the plain table is the whole (replicated) one and
+                # each rank copies its own shard of it.
+                from torch.distributed.tensor import distribute_tensor
+
+                table = distribute_tensor(table.reshape(self.pe.shape).to(self.pe.device), self.pe.device_mesh,
+                                          self.pe.placements)
+            self.pe.copy_(table.reshape(self.pe.shape))
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, init_std={self.init_std}"

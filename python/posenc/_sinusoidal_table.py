@@ -1,0 +1,26 @@
+"""The fixed sinusoidal encoding table: the Python front end of
+``torch.ops.posenc.sinusoidal_table`` (the C++ ``posenc::sinusoidal_table`` calls it too)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from posenc._common import _table_dtype
+
+
+def sinusoidal_table(
+    positions: Tensor, d_model: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """The fixed sinusoidal encoding of Vaswani et al. (2017) at ``positions``.
+
+    ``positions`` may be integer or floating point, of any shape; the result has shape
+    ``positions.shape + (d_model,)`` with interleaved columns
+    ``PE[..., 2i] = sin(pos * base**(-2i/d_model))`` and ``PE[..., 2i+1] = cos(...)``.
+    An odd ``d_model`` ends with a sine column. Values are computed in float64 and rounded
+    once to ``dtype``.
+    """
+    if not isinstance(positions, Tensor):
+        raise TypeError(f"sinusoidal_table: expected positions to be a Tensor, got {type(positions).__name__}")
+    dtype = _table_dtype("sinusoidal_table", dtype)
+    return torch.ops.posenc.sinusoidal_table(positions, d_model, float(base)).to(dtype)
