@@ -6,7 +6,6 @@
 #include <cmath>
 #include <ostream>
 
-#include "api/rope_call_from_options.h"
 #include "ops/qk_norm_rope/qk_norm_rope.h"
 
 namespace posenc {

@@ -2,7 +2,6 @@
 // the dispatcher, so CPU or CUDA by the inputs' device).
 #include "posenc/rope_append_kv.h"
 
-#include "api/rope_call_from_options.h"
 #include "ops/rope_append_kv/rope_append_kv.h"
 
 namespace posenc {

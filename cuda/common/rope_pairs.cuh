@@ -12,6 +12,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
+#include <utility>
 
 #include "ops/common/cuda_work_split.h"
 #include "ops/common/rope_args.h"
@@ -142,17 +144,35 @@ __device__ __forceinline__ void head_rows(const Args& a, int64_t b, int64_t s, i
   *out_sd = op.out_stride[3];
 }
 
-// Copies features rotary_dim + j, j = p0, p0 + step, ... < pass, of one row, P at a time
+// Where the rotary features of a head start (math::rope_rotary_begin): Args with plain
+// settings (RopeArgs) say so, others (RopeCosSinArgs) rotate from feature 0.
+template <typename Args, typename = void>
+struct HasRopeSettings : std::false_type {};
+template <typename Args>
+struct HasRopeSettings<Args, std::void_t<decltype(std::declval<Args>().settings)>> : std::true_type {};
+
+template <typename Args>
+__host__ __device__ __forceinline__ int64_t rotary_begin(const Args& a) {
+  if constexpr (HasRopeSettings<Args>::value) {
+    return math::rope_rotary_begin(a.settings);
+  } else {
+    return 0;
+  }
+}
+
+// Copies pass-through features math::rope_pass_feature(j), j = p0, p0 + step, ... < pass
+// (the features before the rotary part, then those after it), of one row, P at a time
 // (NaN instead when the token is invalid). On the 16-byte path rotary_dim is a multiple of
-// 2P and the rows are 16-byte aligned, so each whole chunk is one 16-byte load and store.
+// 2P, the rotary part starts at a multiple of P and the rows are 16-byte aligned, so each
+// whole chunk lies on one side of the rotary part and is one 16-byte load and store.
 template <typename scalar_t, int P, bool kVec>
 __device__ __forceinline__ void copy_pass_through(const scalar_t* in, scalar_t* out,
-                                                  int64_t in_sd, int64_t out_sd,
+                                                  int64_t in_sd, int64_t out_sd, int64_t begin,
                                                   int64_t rotary_dim, int64_t pass, int64_t p0,
                                                   int64_t step, bool valid) {
   const scalar_t nan = static_cast<scalar_t>(std::numeric_limits<float>::quiet_NaN());
   for (int64_t j = p0; j < pass; j += step) {
-    const int64_t e = rotary_dim + j;
+    const int64_t e = math::rope_pass_feature(j, begin, rotary_dim);
     if constexpr (kVec) {
       if (j + P <= pass) {
         Pack<scalar_t, P> v = cuda::load_pack<scalar_t, P>(in + e);
@@ -165,7 +185,8 @@ __device__ __forceinline__ void copy_pass_through(const scalar_t* in, scalar_t* 
       }
     }
     for (int64_t k = 0; k < P && j + k < pass; ++k) {
-      out[(e + k) * out_sd] = valid ? in[(e + k) * in_sd] : nan;
+      const int64_t f = math::rope_pass_feature(j + k, begin, rotary_dim);
+      out[f * out_sd] = valid ? in[f * in_sd] : nan;
     }
   }
 }
@@ -179,7 +200,8 @@ __device__ __forceinline__ RawPairs<scalar_t, P, kVec> load_first_head(const Arg
   scalar_t* out;
   int64_t in_sd, out_sd;
   head_rows<scalar_t>(a, b, s, lane, &in, &out, &in_sd, &out_sd);
-  return load_pairs<scalar_t, P, kVec>(in, in_sd, a.rotary_dim / 2, a.interleaved, p0);
+  return load_pairs<scalar_t, P, kVec>(in + rotary_begin(a) * in_sd, in_sd, a.rotary_dim / 2,
+                                       a.interleaved, p0);
 }
 
 // Rotates pairs p0 .. p0 + P - 1 of heads lane, lane + head_lanes, ... of token (b, s):
@@ -191,6 +213,7 @@ __device__ __forceinline__ void rotate_heads(const Args& a, int64_t b, int64_t s
                                              RawPairs<scalar_t, P, kVec> raw, Rotate rotate) {
   const int64_t half = a.rotary_dim / 2;
   const int64_t heads = a.q.heads + a.k.heads;
+  const int64_t begin = rotary_begin(a);
   for (int64_t h = lane;;) {
     const scalar_t* in;
     scalar_t* out;
@@ -200,11 +223,12 @@ __device__ __forceinline__ void rotate_heads(const Args& a, int64_t b, int64_t s
     unpack_pairs<scalar_t, acc_t, P, kVec>(raw, a.interleaved, x1, x2);
 #pragma unroll
     for (int k = 0; k < P; ++k) rotate(k, x1[k], x2[k], &y1[k], &y2[k]);
-    store_pairs<scalar_t, acc_t, P, kVec>(out, out_sd, half, a.interleaved, p0, y1, y2);
+    store_pairs<scalar_t, acc_t, P, kVec>(out + begin * out_sd, out_sd, half, a.interleaved, p0,
+                                          y1, y2);
     h += head_lanes;
     if (h >= heads) break;
     head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
-    raw = load_pairs<scalar_t, P, kVec>(in, in_sd, half, a.interleaved, p0);
+    raw = load_pairs<scalar_t, P, kVec>(in + begin * in_sd, in_sd, half, a.interleaved, p0);
   }
 }
 
@@ -220,7 +244,7 @@ __device__ __forceinline__ void pass_through_heads(const Args& a, int64_t b, int
     scalar_t* out;
     int64_t in_sd, out_sd;
     head_rows<scalar_t>(a, b, s, h, &in, &out, &in_sd, &out_sd);
-    copy_pass_through<scalar_t, P, kVec>(in, out, in_sd, out_sd, a.rotary_dim,
+    copy_pass_through<scalar_t, P, kVec>(in, out, in_sd, out_sd, rotary_begin(a), a.rotary_dim,
                                          a.head_dim - a.rotary_dim, p0,
                                          static_cast<int64_t>(chunks) * P, valid);
   }
@@ -230,7 +254,7 @@ __device__ __forceinline__ void pass_through_heads(const Args& a, int64_t b, int
 // and whole chunks of P pairs. Args: RopeArgs or RopeCosSinArgs.
 template <typename Args>
 bool rope_can_vectorize(const Args& a, int64_t P) {
-  if ((a.rotary_dim / 2) % P != 0) return false;
+  if ((a.rotary_dim / 2) % P != 0 || rotary_begin(a) % P != 0) return false;
   for (const RopeOperand* op : {&a.q, &a.k}) {
     if (op->heads == 0) continue;
     if (op->in_stride[3] != 1 || op->out_stride[3] != 1) return false;

@@ -72,9 +72,12 @@ __device__ acc_t sum_squares(const RopeOperand& op, int64_t b, int64_t s, int64_
   return warp_sum(ss);
 }
 
-// The features of pair p.
-__device__ __forceinline__ void pair_of(int64_t p, int64_t half, bool il, int64_t* e1, int64_t* e2) {
+// The features of pair p of a rotary part that starts at feature o.
+__device__ __forceinline__ void pair_of(int64_t p, int64_t half, bool il, int64_t o, int64_t* e1,
+                                        int64_t* e2) {
   math::rope_pair_features(p, half, il, e1, e2);
+  *e1 += o;
+  *e2 += o;
 }
 
 template <typename scalar_t, typename acc_t, bool kBackward>
@@ -91,6 +94,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t warps = static_cast<int64_t>(gridDim.x) * kWarps;
   const int64_t tokens = ra.batch * ra.seq;
   const int64_t half = ra.rotary_dim / 2, D = ra.head_dim;
+  const int64_t o = math::rope_rotary_begin(ra.settings);  // the rotary part's start
   const bool hidden = a.norm == QkNorm::kHidden;
   const acc_t eps = static_cast<acc_t>(a.eps);
   const acc_t factor = static_cast<acc_t>(ra.attention_factor);
@@ -149,7 +153,7 @@ __global__ void __launch_bounds__(kThreads)
           acc_t* dwr = dw + (hidden ? h * D : 0);
           for (int64_t p = lane; p < half; p += 32) {
             int64_t e1, e2;
-            pair_of(p, half, ra.interleaved, &e1, &e2);
+            pair_of(p, half, ra.interleaved, o, &e1, &e2);
             acc_t gu1, gu2;
             math::rope_rotate_pair(static_cast<acc_t>(g[e1 * sg]), static_cast<acc_t>(g[e2 * sg]),
                                    cs[p], sn[p], &gu1, &gu2);
@@ -159,7 +163,8 @@ __global__ void __launch_bounds__(kThreads)
             dwr[e2] += gu2 * xh2;
             part += gu1 * wr[e1] * xh1 + gu2 * wr[e2] * xh2;
           }
-          for (int64_t e = 2 * half + lane; e < D; e += 32) {
+          for (int64_t j = lane; j < D - 2 * half; j += 32) {
+            const int64_t e = math::rope_pass_feature(j, o, 2 * half);
             const acc_t gu = static_cast<acc_t>(g[e * sg]);
             const acc_t xh = static_cast<acc_t>(x[e * sx]) * r;
             dwr[e] += gu * xh;
@@ -178,7 +183,7 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t sg = gop.in_stride[3];
         for (int64_t p = lane; p < half; p += 32) {
           int64_t e1, e2;
-          pair_of(p, half, ra.interleaved, &e1, &e2);
+          pair_of(p, half, ra.interleaved, o, &e1, &e2);
           const acc_t x1 = static_cast<acc_t>(x[e1 * sx]), x2 = static_cast<acc_t>(x[e2 * sx]);
           acc_t y1, y2;
           if constexpr (kBackward) {
@@ -194,7 +199,8 @@ __global__ void __launch_bounds__(kThreads)
           y[e1 * sy] = static_cast<scalar_t>(y1);
           y[e2 * sy] = static_cast<scalar_t>(y2);
         }
-        for (int64_t e = 2 * half + lane; e < D; e += 32) {
+        for (int64_t j = lane; j < D - 2 * half; j += 32) {
+          const int64_t e = math::rope_pass_feature(j, o, 2 * half);
           const acc_t xv = static_cast<acc_t>(x[e * sx]);
           acc_t yv;
           if constexpr (kBackward) {

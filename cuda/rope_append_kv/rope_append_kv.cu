@@ -41,6 +41,7 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t tokens = r.batch * r.seq;
   const int64_t half = r.rotary_dim / 2;
   const int64_t pass = r.head_dim - r.rotary_dim;
+  const int64_t begin = math::rope_rotary_begin(r.settings);  // the rotary part's start
   const acc_t factor = static_cast<acc_t>(r.attention_factor);
   __shared__ acc_t s_cos[kMaxRopePairs];
   __shared__ acc_t s_sin[kMaxRopePairs];
@@ -111,6 +112,8 @@ __global__ void __launch_bounds__(kThreads)
         if (e < half) {
           int64_t e1, e2;
           math::rope_pair_features(e, half, r.interleaved, &e1, &e2);
+          e1 += begin;
+          e2 += begin;
           acc_t y1, y2;
           math::rope_rotate_pair(static_cast<acc_t>(in[e1 * sd]), static_cast<acc_t>(in[e2 * sd]),
                                  s_cos[e], s_sin[e], &y1, &y2);
@@ -120,7 +123,7 @@ __global__ void __launch_bounds__(kThreads)
             dst[d][e2 * dsd[d]] = static_cast<scalar_t>(y2);
           }
         } else {
-          const int64_t f = r.rotary_dim + (e - half);
+          const int64_t f = math::rope_pass_feature(e - half, begin, r.rotary_dim);
           const scalar_t x = in[f * sd];
           for (int d = 0; d < 2; ++d) {
             // In place, q's pass-through features are already where they belong.

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from posenc._dtensor import place_beside
-from posenc._rope import RopeConfig, config_of, rope_op_arguments
+from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
 NORMS = ("head", "hidden")
 
 
+@with_rope_settings
 def qk_norm_rope(
     q: Tensor,
     k: Tensor,
@@ -36,6 +37,7 @@ def qk_norm_rope(
     inplace: bool = False,
     check_inputs: bool = False,
     config: Optional[RopeConfig] = None,
+    **settings: Any,
 ) -> Tuple[Tensor, Tensor]:
     """RMSNorm of q and k, then RoPE, in one pass (forward and backward): Qwen3 / Qwen3-MoE
     (``norm="head"``), Gemma 3 (``weight_offset=1.0``: its ``1 + w``), OLMo 2
@@ -67,7 +69,7 @@ def qk_norm_rope(
     if not eps > 0:
         raise ValueError(f"{fn}: expected eps > 0 (added to the mean square), got {eps}")
     config = config_of(q, config, fn, base=base, interleaved=interleaved, rotary_dim=rotary_dim, scaling=scaling,
-                       layout=layout, sections=sections, sections_mode=sections_mode)
+                       layout=layout, sections=sections, sections_mode=sections_mode, **settings)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len, fn=fn)
     q_weight, k_weight = place_beside(q, q_weight, k_weight)
@@ -87,6 +89,7 @@ class _NormWeight(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.full((size,), float(init), device=device, dtype=dtype))
 
 
+@with_rope_settings
 class QKNormRotary(torch.nn.Module):
     r"""RMSNorm of q and k followed by RoPE, fused (:func:`posenc.functional.qk_norm_rope`),
     owning the two norm weights under Hugging Face's names, ``q_norm.weight`` and
@@ -122,6 +125,7 @@ class QKNormRotary(torch.nn.Module):
         sections_mode: str = "axial",
         device=None,
         dtype=None,
+        **settings: Any,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
@@ -139,7 +143,7 @@ class QKNormRotary(torch.nn.Module):
         # RoPE's configuration, parsed once (RopeConfig) and passed on at each call.
         self.rope_config = RopeConfig.parse(head_dim=head_dim, base=base, interleaved=interleaved,
                                             rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections,
-                                            sections_mode=sections_mode, fn="QKNormRotary")
+                                            sections_mode=sections_mode, fn="QKNormRotary", **settings)
 
     def __setstate__(self, state: dict) -> None:
         """A module pickled before its configuration was parsed once (posenc before

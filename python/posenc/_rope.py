@@ -8,12 +8,17 @@ library (``posenc/math/rope.h``), the same code the kernels run.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import numbers
 from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-from torch import Tensor
+import math
+import types
 
+from torch import Tensor, nn
+
+from posenc._common import _check_positive_int
 from posenc._dtensor import place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
@@ -272,6 +277,40 @@ _SCHEMA_DEFAULTS = {a.name: a.default_value for a in torch.ops.posenc.rope.defau
 # no scaling, layout "bshd", no sections, sections_mode "axial".
 _CONFIG_DEFAULTS = dict(base=None, interleaved=None, rotary_dim=None, scaling=None, layout=None, sections=None,
                         sections_mode=None)
+# The plain settings (POSENC_ROPE_SETTINGS in posenc/math/rope.h, each declared once there):
+# the schema's arguments after sections_mode, with their schema types. Every RoPE function
+# and module takes each as a keyword (``with_rope_settings``; default None: the schema's).
+_ROPE_ARGUMENTS = torch.ops.posenc.rope.default._schema.arguments
+PLAIN_SETTINGS = {a.name: a.type for a in
+                  _ROPE_ARGUMENTS[[a.name for a in _ROPE_ARGUMENTS].index("sections_mode") + 1:]}
+_CONFIG_DEFAULTS.update(dict.fromkeys(PLAIN_SETTINGS))
+
+
+def _plain_setting(fn: str, name: str, value: Any) -> Any:
+    """A plain setting's value by its schema type (int or float); the op checks the value."""
+    want = str(PLAIN_SETTINGS[name])
+    if want == "int" and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
+        raise TypeError(f"{fn}: expected {name} to be an int, got {value!r}")
+    if want == "float" and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
+        raise TypeError(f"{fn}: expected {name} to be a real number, got {value!r}")
+    return int(value) if want == "int" else float(value)
+
+
+def rotary_begin(settings: Tuple[Tuple[str, Any], ...]) -> int:
+    """Where the rotary features of a head start (math::rope_rotary_begin's rule)."""
+    return 0
+
+
+def with_rope_settings(fn: Any) -> Any:
+    """Shows the plain settings (PLAIN_SETTINGS) as keyword-only parameters of ``fn``, which
+    takes them as ``**settings`` (help(), inspect and IDEs list them by name)."""
+    signature = inspect.signature(fn)
+    params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    where = next((i for i, p in enumerate(params) if p.name == "config"), len(params))
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Optional[int])
+             for name in PLAIN_SETTINGS]
+    fn.__signature__ = signature.replace(parameters=params[:where] + extra + params[where:])
+    return fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -295,6 +334,8 @@ class RopeConfig:
     sections: Tuple[int, ...]
     sections_mode: str
     head_dim: int  # the heads it was parsed for (partial_rotary_factor gave rotary_dim from it)
+    # The plain settings given, (name, value) in schema order (PLAIN_SETTINGS).
+    settings: Tuple[Tuple[str, Any], ...] = ()
     # The op's keyword arguments for these settings, those that differ from the schema's
     # defaults only (each keyword torch.ops parses costs about half a microsecond).
     op_kwargs: Tuple[Tuple[str, Any], ...] = dataclasses.field(init=False, repr=False, compare=False)
@@ -302,7 +343,7 @@ class RopeConfig:
     def __post_init__(self) -> None:
         settings = dict(base=self.base, rope_type=self.rope_type, scaling=list(self.scaling),
                         rotary_dim=self.rotary_dim, interleaved=self.interleaved, layout=self.layout,
-                        sections=list(self.sections), sections_mode=self.sections_mode)
+                        sections=list(self.sections), sections_mode=self.sections_mode, **dict(self.settings))
         kwargs = tuple((k, v) for k, v in settings.items() if v != _SCHEMA_DEFAULTS[k])
         object.__setattr__(self, "op_kwargs", kwargs)
 
@@ -325,7 +366,7 @@ class RopeConfig:
             raise TypeError(f"{fn}: unknown RoPE setting(s) {unknown}; expected {', '.join(_CONFIG_DEFAULTS)}")
         settings = {**_CONFIG_DEFAULTS, **settings}
         base, interleaved, rotary_dim, scaling, layout, sections, sections_mode = (
-            settings[name] for name in _CONFIG_DEFAULTS)
+            settings[name] for name in _CONFIG_DEFAULTS if name not in PLAIN_SETTINGS)
         interleaved = bool(interleaved)
         layout = "bshd" if layout is None else layout
         sections_mode = "axial" if sections_mode is None else sections_mode
@@ -337,10 +378,12 @@ class RopeConfig:
             scaling, base=base, rotary_dim=rotary_dim, head_dim=head_dim, sections=sections,
             sections_mode=sections_mode, fn=fn)
         rope_type, values = scaling_arguments(scaling, max_position_embeddings)
+        plain = tuple((name, _plain_setting(fn, name, settings[name])) for name in PLAIN_SETTINGS
+                      if settings[name] is not None)
         return cls(base=float(10000.0 if base is None else base), rope_type=rope_type, scaling=tuple(values),
                    rotary_dim=-1 if rotary_dim is None else rotary_dim, interleaved=bool(interleaved),
                    layout=layout, sections=tuple(_sections(sections)), sections_mode=sections_mode,
-                   head_dim=head_dim)
+                   head_dim=head_dim, settings=plain)
 
 
 def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any) -> RopeConfig:
@@ -410,6 +453,7 @@ def rope_op_arguments(
     return arguments
 
 
+@with_rope_settings
 def apply_rope(
     q: Tensor,
     k: Optional[Tensor] = None,
@@ -428,6 +472,7 @@ def apply_rope(
     check_inputs: bool = False,
     seq_len: Optional[int] = None,
     config: Optional[RopeConfig] = None,
+    **settings: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Rotary position embedding of q (and k), fused in one kernel launch.
 
@@ -492,7 +537,7 @@ def apply_rope(
     kernel, on the device (see ``check_inputs``).
     """
     config = config_of(q, config, "apply_rope", base=base, interleaved=interleaved, rotary_dim=rotary_dim,
-                       scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode)
+                       scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode, **settings)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len)
     if inplace:
@@ -500,3 +545,250 @@ def apply_rope(
         return q if k is None else (q, k)
     out_q, out_k = torch.ops.posenc.rope(q, k, **arguments)
     return out_q if k is None else (out_q, out_k)
+
+
+def _check_length_baseline(scaling: dict, rope_type: str, max_len: int) -> None:
+    """A type that scales by length with original_max_position_embeddings defaulting to the
+    model's ("dynamic") rescales only when a call's positions pass that baseline, and the
+    module refuses positions at or beyond max_len: a baseline at or above max_len (or the
+    default, max_len) would make the scaling a silent no-op."""
+    orig = scaling.get("original_max_position_embeddings")
+    if orig is None:
+        raise ValueError(
+            f"RotaryPositionalEncoding: {rope_type!r} scaling needs 'original_max_position_embeddings' "
+            f"(the context length the model was trained on, Hugging Face's max_position_embeddings), "
+            f"below max_len={max_len}: positions beyond it are what it rescales"
+        )
+    if orig >= max_len:
+        raise ValueError(
+            f"RotaryPositionalEncoding: {rope_type!r} scaling with original_max_position_embeddings={orig} "
+            f">= max_len={max_len} would never apply (positions stop below max_len); expected it below max_len"
+        )
+
+
+@with_rope_settings
+class RotaryPositionalEncoding(nn.Module):
+    r"""Rotary position embedding (RoPE, Su et al.) of queries and keys, fused for q and k.
+
+    ``q, k = rope(q, k)`` returns rotated copies (one kernel launch for both); ``x =
+    rope(x)`` rotates one tensor (torchtune's ``RotaryPositionalEmbeddings`` call form).
+    Positions are ``0 .. seq-1`` plus ``offset`` (an int, or an int64 (batch,) tensor of
+    per-sequence KV-cache lengths), or ``positions`` (int64 (seq,) or (batch, seq)).
+
+    Args:
+        dim: head_dim of q and k.
+        max_len: positions must lie in ``[0, max_len)``; a clear error is raised otherwise
+            (the functional :func:`posenc.functional.apply_rope` has no limit).
+        base: RoPE base ("rope_theta"; default 10000, or the scaling dict's ``rope_theta``).
+        interleaved: rotate adjacent pairs (GPT-J, Meta LLaMA, torchtune) instead of halves
+            (GPT-NeoX, Hugging Face ``rotate_half``).
+        rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary);
+            default ``dim`` (``2 * sum(sections)`` with sections).
+        scaling: None or a Hugging Face ``rope_scaling`` dict ("linear", "dynamic", "yarn",
+            "llama3", "longrope" or "proportional"). "dynamic" needs
+            ``original_max_position_embeddings`` below ``max_len`` (the trained context,
+            Hugging Face's ``max_position_embeddings``: positions beyond it are what it
+            rescales); for "yarn" it defaults to ``max_len``, and "longrope"'s ``factor`` to
+            ``max_len / original_max_position_embeddings``.
+        layout: "bshd" (default), "bhsd", "sbhd" or "thd" (packed, with ``cu_seqlens``).
+        sections, sections_mode: multi-axis RoPE (Qwen2-VL M-RoPE, axial 2-D/3-D RoPE), as
+            in :func:`posenc.functional.apply_rope`; positions are then (n_axes, ...) and
+            every coordinate must lie in ``[0, max_len)``.
+
+    ``inv_freq`` is a non-persistent float32 buffer (Hugging Face's name and convention, so
+    state_dicts stay clean) holding the frequencies for inspection; the kernel evaluates them
+    itself in float64 from the configuration, so a dtype cast of the module does not change
+    the numbers. ``attention_scaling`` is yarn's factor on cos and sin (1 otherwise).
+
+    ``check_positions`` (attribute, default True): positions given as CUDA tensors are
+    range-checked on the host in eager mode, one device sync; set it to False in a hot loop
+    whose positions are known to be valid.
+    """
+
+    inv_freq: Tensor
+    check_positions: bool = True
+
+    def __init__(
+        self,
+        dim: int,
+        max_len: int = 4096,
+        base: Optional[float] = None,
+        *,
+        interleaved: bool = False,
+        rotary_dim: Optional[int] = None,
+        scaling: Optional[Mapping[str, Any]] = None,
+        layout: str = "bshd",
+        sections: Optional[Sequence[int]] = None,
+        sections_mode: str = "axial",
+        **settings: Any,
+    ) -> None:
+        super().__init__()
+        self.dim = _check_positive_int("dim", dim)
+        self.max_len = _check_positive_int("max_len", max_len)
+        # A transformers 4/5 dict's rope_theta, partial_rotary_factor and mrope_section set
+        # base, rotary_dim and sections (an explicit argument that disagrees is an error).
+        scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
+            scaling, base=base, rotary_dim=rotary_dim, head_dim=self.dim, sections=sections,
+            sections_mode=sections_mode, fn="RotaryPositionalEncoding")
+        base = 10000.0 if base is None else base
+        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
+            raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
+        sections = None if sections is None else _sections(sections)
+        if rotary_dim is None:  # all of dim, or what the sections rotate
+            plain = RopeConfig.parse(head_dim=self.dim, fn="RotaryPositionalEncoding", **settings).settings
+            rotary_dim = self.dim - rotary_begin(plain) if sections is None else 2 * sum(max(s, 0) for s in sections)
+        rotary_dim = _check_positive_int("rotary_dim", rotary_dim)
+        if rotary_dim % 2 != 0 or rotary_dim > self.dim:
+            raise ValueError(f"expected rotary_dim to be even and at most dim={self.dim}, got {rotary_dim}")
+        if layout not in LAYOUTS:
+            raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+        self._scaling = None if scaling is None else dict(scaling)
+        # The configuration, parsed once (with the model defaults max_len gives the scaling
+        # keys) and passed on at every call; the settings below read it (read-only: a
+        # changed setting would have to be parsed again: build a new module).
+        self.rope_config = RopeConfig.parse(
+            head_dim=self.dim, base=float(base), interleaved=interleaved, rotary_dim=rotary_dim,
+            scaling=self._scaling, layout=layout, sections=sections, sections_mode=sections_mode,
+            max_position_embeddings=self.max_len, fn="RotaryPositionalEncoding", **settings)
+        c = self.rope_config
+        # The op checks the values (rotary width, sections, scaling) for heads of dim
+        # features, now rather than at the first call: on an empty q.
+        if c.layout == "thd":
+            apply_rope(torch.empty(0, 1, self.dim), config=c, cu_seqlens=torch.zeros(1, dtype=torch.int64))
+        else:
+            apply_rope(torch.empty(0, 0, 1, self.dim), config=c)
+        if c.rope_type in LENGTH_SCALED_TYPES and c.rope_type in ORIGINAL_FROM_MODEL_TYPES:
+            _check_length_baseline(self._scaling, c.rope_type, self.max_len)
+        # Checks every value once (the op's own checks) and gives the frequencies.
+        inv_freq, factor = torch.ops.posenc.rope_frequencies(
+            c.rotary_dim, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode
+        )
+        self.attention_scaling = float(factor)
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Optional[Tensor] = None,
+        *,
+        positions: Optional[Tensor] = None,
+        offset: Union[int, Tensor] = 0,
+        cu_seqlens: Optional[Tensor] = None,
+        input_pos: Optional[Tensor] = None,
+        seq_len: Optional[int] = None,
+    ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
+        """Rotated q, or (q, k) when k is given. ``input_pos`` is torchtune's name for
+        ``positions`` ((batch, seq) or (seq,)), so the module can serve as a torchtune
+        attention's ``pos_embeddings``. ``seq_len``: as in :func:`posenc.functional.apply_rope`
+        ("dynamic" scaling's length; the global one for a shard of the sequence), default the
+        longest position of the call."""
+        if input_pos is not None:
+            if positions is not None:
+                raise ValueError("RotaryPositionalEncoding: got both positions and input_pos (torchtune's name "
+                                 "for positions); pass one")
+            positions = input_pos
+        if q.dim() >= 1 and q.shape[-1] != self.dim:
+            raise ValueError(f"expected q with head_dim {self.dim} (the module's dim), got shape {tuple(q.shape)}")
+        longest = self._check_range(q, positions, offset, cu_seqlens)
+        return apply_rope(
+            q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, config=self.rope_config,
+            seq_len=seq_len if seq_len is not None or longest is None else max(longest + 1, 0),
+        )
+
+    def __setstate__(self, state: dict) -> None:
+        """A module pickled before its configuration was parsed once (posenc before
+        2026-12-03: the settings as attributes) is rebuilt into a RopeConfig."""
+        if "rope_config" not in state and "base" in state:
+            state = dict(state)
+            settings = {name: state.pop(name, None) for name in
+                        ("base", "interleaved", "rotary_dim", "layout", "sections", "sections_mode")}
+            state["_scaling"] = state.pop("scaling", None)
+            state["rope_config"] = RopeConfig.parse(
+                head_dim=state["dim"], scaling=state["_scaling"], max_position_embeddings=state["max_len"],
+                fn="RotaryPositionalEncoding", **settings)
+        super().__setstate__(state)
+
+    # The settings, read from the parsed configuration.
+    @property
+    def base(self) -> float:
+        return self.rope_config.base
+
+    @property
+    def interleaved(self) -> bool:
+        return self.rope_config.interleaved
+
+    @property
+    def rotary_dim(self) -> int:
+        return self.rope_config.rotary_dim
+
+    @property
+    def layout(self) -> str:
+        return self.rope_config.layout
+
+    @property
+    def sections(self) -> Optional[Tuple[int, ...]]:
+        return self.rope_config.sections or None  # a tuple: the setting cannot be edited in place
+
+    @property
+    def sections_mode(self) -> str:
+        return self.rope_config.sections_mode
+
+    @property
+    def scaling(self) -> Optional[Mapping[str, Any]]:
+        # A read-only view: an edit in place would not reach the parsed configuration.
+        return None if self._scaling is None else types.MappingProxyType(self._scaling)
+
+    def _check_range(
+        self, q: Tensor, positions: Optional[Tensor], offset: Union[int, Tensor], cu_seqlens: Optional[Tensor]
+    ) -> Optional[int]:
+        """Positions must lie in [0, max_len). Free for an int offset; with index tensors
+        the op posenc::rope_position_bounds reads them back (a sync on CUDA), only when
+        check_positions is set (CUDA) and not under torch.compile. Returns the longest
+        position when it was read from tensors (so "dynamic" need not read it again)."""
+        if q.dim() != (3 if self.layout == "thd" else 4):
+            return  # the rope op raises for a wrong rank, with its own message
+        offsets = offset if isinstance(offset, Tensor) else None
+        if offsets is None and (isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt))):
+            return  # apply_rope raises a TypeError naming offset
+        if positions is None and offsets is None and cu_seqlens is None:
+            # Positions offset .. offset + seq - 1: no tensor to read, traceable.
+            b, s, _ = LAYOUT_AXES[self.layout]
+            batch, seq = (1 if b is None else q.shape[b]), q.shape[s]  # the op's rule: no token, no bound
+            lo, hi = (offset, offset + seq - 1) if batch > 0 and seq > 0 else (0, -1)
+        else:
+            tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
+            on_cuda = any(t.is_cuda for t in tensors)
+            # torch.jit.trace cannot record an op that returns ints: a traced module, like a
+            # compiled one, keeps the kernels' own checks.
+            if (torch.compiler.is_compiling() or torch.jit.is_tracing() or (on_cuda and not self.check_positions)
+                    or q.is_meta or any(t.is_meta for t in tensors)):
+                return None  # nothing to read: traced, unchecked, or shapes only (meta)
+            lo, hi = torch.ops.posenc.rope_position_bounds(
+                q, positions=positions, offsets=offsets, offset=0 if offsets is not None else offset,
+                cu_seqlens=cu_seqlens, rotary_dim=self.rotary_dim, layout=self.layout,
+                sections=list(self.rope_config.sections), sections_mode=self.sections_mode,
+            )
+        if hi >= lo and (lo < 0 or hi >= self.max_len):
+            torch.ops.posenc.position_range_check(lo, hi, self.max_len)  # raises the one IndexError
+        return hi if positions is not None or offsets is not None or cu_seqlens is not None else None
+
+    def __prepare_scriptable__(self) -> nn.Module:
+        """Its forward returns q alone or (q, k) depending on its arguments, a type
+        TorchScript cannot give a caller: say what works instead."""
+        raise RuntimeError(
+            f"posenc: {type(self).__name__} cannot be compiled by torch.jit.script (its forward returns q "
+            "or (q, k) depending on whether k is given, which TorchScript cannot type). Export the model "
+            "instead: torch.jit.trace(model, example_inputs) for TorchScript, or torch.export.export + "
+            "torch._inductor.aoti_compile_and_package for AOTInductor (README, 'Deploy to C++'); or call "
+            "torch.ops.posenc.rope from scripted code"
+        )
+
+    def extra_repr(self) -> str:
+        extra = f"dim={self.dim}, max_len={self.max_len}, base={self.base}, interleaved={self.interleaved}"
+        if self.rotary_dim != self.dim:
+            extra += f", rotary_dim={self.rotary_dim}"
+        if self.scaling is not None:
+            extra += f", scaling={self._scaling}"
+        if self.sections is not None:
+            extra += f", sections={list(self.sections)}, sections_mode={self.sections_mode!r}"
+        return extra + f", layout={self.layout!r}"

@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
 
-from posenc._rope import RopeConfig, config_of, rope_op_arguments
+from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
 _LAYOUTS = ("bshd", "bhsd", "thd")
 
 
+@with_rope_settings
 def rope_append_kv(
     q: Tensor,
     k: Tensor,
@@ -33,6 +34,7 @@ def rope_append_kv(
     inplace: bool = False,
     return_k: bool = False,
     config: Optional[RopeConfig] = None,
+    **settings: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Rotates q and k (RoPE, as :func:`apply_rope`) and writes the rotated k and v into a KV
     cache, in one pass over q, k and v (one kernel launch): a decoding step's RoPE and cache
@@ -72,7 +74,7 @@ def rope_append_kv(
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
     config = config_of(q, config, fn, base=base, interleaved=interleaved, rotary_dim=rotary_dim, scaling=scaling,
-                       layout=layout, sections=sections, sections_mode=sections_mode)
+                       layout=layout, sections=sections, sections_mode=sections_mode, **settings)
     if config.layout not in _LAYOUTS:
         raise ValueError(f"{fn}: unknown layout {config.layout!r}; expected one of {', '.join(_LAYOUTS)}")
     # RoPE's arguments exactly as apply_rope normalises them (no packed sequences here).

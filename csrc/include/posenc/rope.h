@@ -10,11 +10,14 @@
 #include <torch/types.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <ostream>
 #include <string>
 #include <tuple>
 #include <vector>
+
+#include "posenc/math/rope.h"
 
 namespace posenc {
 
@@ -72,6 +75,10 @@ struct ApplyRopeOptions {
   // list, contiguous sections: Qwen2-VL) or "mrope_interleaved" (Qwen3-VL).
   TORCH_ARG(std::vector<int64_t>, sections) = {};
   TORCH_ARG(std::string, sections_mode) = "axial";
+  // The plain settings (posenc/math/rope.h, POSENC_ROPE_SETTINGS).
+#define POSENC_X(type, name, default_value, schema_type) TORCH_ARG(type, name) = default_value;
+  POSENC_ROPE_SETTINGS(POSENC_X)
+#undef POSENC_X
 };
 
 // Rotated copies of q and k (one fused launch); k may have fewer heads (GQA/MQA).
@@ -141,12 +148,22 @@ struct RotaryPositionalEncodingOptions {
   // Multi-axis RoPE (see ApplyRopeOptions); every coordinate must lie in [0, max_len).
   TORCH_ARG(std::vector<int64_t>, sections) = {};
   TORCH_ARG(std::string, sections_mode) = "axial";
+  // The plain settings (posenc/math/rope.h, POSENC_ROPE_SETTINGS), as in ApplyRopeOptions.
+#define POSENC_X(type, name, default_value, schema_type) TORCH_ARG(type, name) = default_value;
+  POSENC_ROPE_SETTINGS(POSENC_X)
+#undef POSENC_X
   // Range-check CUDA position tensors on the host (one device sync).
   TORCH_ARG(bool, check_positions) = true;
 };
 
+namespace detail {
+struct ParsedRope;  // the options as the op reads them (api/rope.cpp)
+}  // namespace detail
+
 // RoPE as a module. It holds no parameters or buffers (the kernel evaluates the frequencies
-// from the options), so it saves nothing; inv_freq() returns them for inspection.
+// from the options), so it saves nothing; inv_freq() returns them for inspection. reset()
+// (run by the constructor) parses and checks the options once, into the call every forward
+// starts from: after changing `options`, call reset(), as for torch::nn's modules.
 class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositionalEncodingImpl> {
  public:
   explicit RotaryPositionalEncodingImpl(const RotaryPositionalEncodingOptions& options);
@@ -173,9 +190,10 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
   RotaryPositionalEncodingOptions options;
 
  private:
-  ApplyRopeOptions call_options(const RopePositions& where) const;
   // rotary_dim, or 2 * sum(sections), or dim.
   int64_t rotary_width() const;
+  // Set by reset(); immutable, so clones share it.
+  std::shared_ptr<const detail::ParsedRope> parsed_;
 };
 
 TORCH_MODULE(RotaryPositionalEncoding);

@@ -33,6 +33,7 @@ struct RopeArgs {
   int64_t rotary_dim = 0;  // even, <= head_dim; features beyond it pass through
   bool interleaved = false;
   bool inverse = false;  // rotate by -angle (the backward)
+  math::RopeSettings settings;  // the call's plain settings (where the rotary part starts)
   RopeOperand q, k;
   // Positions: coordinate `axis` of token (b, s) is
   //   positions[axis * positions_axis_stride + b * positions_batch_stride + s]

@@ -23,7 +23,12 @@ const char* const kRopeSchemaArguments =
     "Tensor? positions=None, Tensor? offsets=None, SymInt offset=0, Tensor? cu_seqlens=None, "
     "float base=10000.0, str rope_type=\"default\", float[] scaling=[], int seq_len=0, "
     "int rotary_dim=-1, bool interleaved=False, str layout=\"bshd\", bool inverse=False, "
-    "int[] sections=[], str sections_mode=\"axial\"";
+    "int[] sections=[], str sections_mode=\"axial\""
+#define POSENC_X(type, name, default_value, schema_type) \
+  ", " schema_type " " #name "=" #default_value
+    POSENC_ROPE_SETTINGS(POSENC_X)
+#undef POSENC_X
+    ;
 
 namespace {
 
@@ -322,8 +327,6 @@ void check_rope_schema_matches(const c10::FunctionSchema& schema) {
                         " arguments, RopeCall ", i);
 }
 
-namespace {
-
 // Every name list of the RoPE ops and the facts of each scaling type, for Python (its key
 // and type lists and its per-type behaviour come from here).
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
@@ -347,33 +350,6 @@ rope_scaling_spec() {
           fact_names, facts, axes};
 }
 
-}  // namespace
-
-// The RoPE ops (the library's other ops are defined in ops/registration.cpp):
-//   rope                  q (and k) rotated, out of place: (q, k or an empty tensor); its
-//                         backward is the same op with inverse=True.
-//   rope_                 the same rotation in place (inference).
-//   rope_position_bounds  (smallest, largest) position a call rotates ((0, -1): none),
-//                         read back to the host; the modules' range check.
-//   rope_frequencies      inverse frequencies (per pair) and attention factor.
-//   rope_scaling_spec     the names the ops accept: (rope types, scaling keys, layouts,
-//                         sections modes, list-valued scaling keys), then the facts of the
-//                         types: (fact names, one int per type whose bit i is fact i), from
-//                         POSENC_ROPE_TYPE_FACTS and POSENC_ROPE_TYPES (posenc/math/rope.h),
-//                         then the layouts' (batch, seq, heads) dims, 3 per layout
-//                         (rope_layout_axes).
-TORCH_LIBRARY_FRAGMENT(posenc, m) {
-  const std::string tail = kRopeSchemaArguments;
-  m.def(("rope(Tensor q, Tensor? k=None, " + tail + ") -> (Tensor, Tensor)").c_str());
-  m.def(("rope_(Tensor(a!) q, Tensor(b!)? k=None, " + tail + ") -> ()").c_str());
-  m.def(("rope_position_bounds(Tensor q, Tensor? k=None, " + tail + ") -> (int, int)").c_str());
-  m.def(
-      "rope_frequencies(int rotary_dim, float base=10000.0, str rope_type=\"default\", "
-      "float[] scaling=[], int seq_len=0, int[] sections=[], str sections_mode=\"axial\") "
-      "-> (Tensor, float)");
-  m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[], str[], int[], int[])",
-        &rope_scaling_spec);
-}
 
 }  // namespace ops
 }  // namespace posenc

@@ -19,6 +19,10 @@
 #include "posenc/math/rope.h"
 
 namespace posenc {
+
+struct ApplyRopeOptions;  // posenc/rope.h
+struct RopeScaling;
+
 namespace ops {
 
 enum class RopeLayout { kBSHD, kBHSD, kSBHD, kTHD };
@@ -44,6 +48,7 @@ struct RopeCall {
   bool inverse = false;  // rotate by -angle (the backward)
   std::vector<int64_t> sections;  // pairs per axis; empty: one axis
   math::RopeSectionsMode sections_mode = math::RopeSectionsMode::kAxial;
+  math::RopeSettings settings;  // the plain settings (POSENC_ROPE_SETTINGS), last in the schema
 
   // f(name, field) for every schema argument, in schema order. `scaling` is visited twice:
   // as "rope_type" (its type) and as "scaling" (its values).
@@ -65,6 +70,9 @@ struct RopeCall {
     f("inverse", c.inverse);
     f("sections", c.sections);
     f("sections_mode", c.sections_mode);
+#define POSENC_X(type, name, default_value, schema_type) f(#name, c.settings.name);
+    POSENC_ROPE_SETTINGS(POSENC_X)
+#undef POSENC_X
   }
 
   // Pops the arguments of a boxed call (the whole schema) off the stack. Strings and the
@@ -117,8 +125,32 @@ std::tuple<at::Tensor, at::Tensor> call_rope(const RopeCall& call);
 void call_rope_inplace(const RopeCall& call);
 std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call);
 
+// The names the RoPE ops accept and the facts of each scaling type, for Python (the op
+// rope_scaling_spec, defined with rope's schemas in rope/rope.cpp): (rope types, scaling
+// keys, layouts, sections modes, list-valued scaling keys), then (fact names, one int per
+// type whose bit i is fact i), from POSENC_ROPE_TYPE_FACTS and POSENC_ROPE_TYPES
+// (posenc/math/rope.h), then the layouts' (batch, seq, heads) dims, 3 per layout.
+std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+           std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
+           std::vector<int64_t>, std::vector<int64_t>>
+rope_scaling_spec();
+
 // Fails when the schema of `op` and RopeCall::for_each_argument disagree (registration).
 void check_rope_schema_matches(const c10::FunctionSchema& schema);
 
 }  // namespace ops
+
+// The C++ API's options as the op's parsed call: one translation, shared by the C++
+// functions and modules of rope, qk_norm_rope and rope_append_kv (defined in api/rope.cpp).
+namespace detail {
+
+// The op's view of a C++ API call (positions, offsets, scaling... from the options).
+ops::RopeCall make_rope_call(const at::Tensor& q, const std::optional<at::Tensor>& k,
+                             const ApplyRopeOptions& o, int64_t seq_len);
+
+// -1 lets the op read the longest position of the call for a type that scales by length
+// (math::rope_scales_by_length), else 0.
+int64_t rope_seq_len_argument(const RopeScaling& s);
+
+}  // namespace detail
 }  // namespace posenc

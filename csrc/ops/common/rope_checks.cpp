@@ -260,7 +260,13 @@ int64_t check_rope_structure(const RopeCall& c) {
   const int64_t hd = qv.sym_size(3).guard_int(__FILE__, __LINE__);
   // The default rotary width: head_dim, or what the sections rotate (features beyond pass
   // through, as with partial rotary).
-  int64_t rot = c.rotary_dim < 0 ? hd : c.rotary_dim;
+  // Where the rotary part starts (math::rope_rotary_begin): by default it runs to the end
+  // of the head.
+  const int64_t begin = math::rope_rotary_begin(c.settings);
+  TORCH_CHECK_VALUE(begin == 0 || (begin > 0 && begin < hd),
+                    "posenc: expected the rotary part to start inside the head, at a feature in "
+                    "[0, head_dim = ", hd, "), got ", begin);
+  int64_t rot = c.rotary_dim < 0 ? hd - begin : c.rotary_dim;
   if (c.rotary_dim < 0 && c.multi_axis()) rot = rope_sections_width(c.sections);
   TORCH_CHECK_VALUE(c.rotary_dim == -1 || c.rotary_dim > 0,
                     "posenc: expected rotary_dim to be a positive even number or None, got ",
@@ -273,6 +279,9 @@ int64_t check_rope_structure(const RopeCall& c) {
                     " rotary pairs, got sections=", c10::IntArrayRef(c.sections), " (", rot / 2,
                     " pairs)");
   TORCH_CHECK_VALUE(rot <= hd, "posenc: expected rotary_dim <= head_dim = ", hd, ", got ", rot);
+  TORCH_CHECK_VALUE(begin + rot <= hd, "posenc: expected the rotary features [", begin, ", ",
+                    begin + rot, ") (rotary_dim ", rot, " from feature ", begin,
+                    ") within head_dim = ", hd);
   check_rope_rotary_dim_supported(rot);
   check_rope_sections(c.sections, c.sections_mode, rot);
   check_rope_scaling_lists(c.scaling, rot, c.multi_axis());

@@ -70,6 +70,7 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
   a.rotary_dim = rot;
   a.interleaved = c.interleaved;
   a.inverse = c.inverse;
+  a.settings = c.settings;
   a.offset = offset;
   a.attention_factor = f.attention_factor;
   std::copy(f.inv_freq.begin(), f.inv_freq.end(), a.inv_freq);

@@ -71,6 +71,13 @@ std::tuple<at::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,
 
 }  // namespace
 
+TORCH_LIBRARY_FRAGMENT(posenc, m) {
+  m.def(
+      "rope_frequencies(int rotary_dim, float base=10000.0, str rope_type=\"default\", "
+      "float[] scaling=[], int seq_len=0, int[] sections=[], str sections_mode=\"axial\") "
+      "-> (Tensor, float)");
+}
+
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
   m.impl("rope_frequencies", &rope_frequencies);
 }

@@ -7,9 +7,11 @@
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
+#include "ops/common/aten_fallback.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/common/meta_support.h"
 #include "ops/common/py_format.h"
+#include "ops/common/rope_composite.h"
 #include "ops/common/rope_checks.h"
 #include "ops/common/rope_launch.h"
 #include "ops/rope_cos_sin/cpu/kernel.h"
@@ -147,6 +149,40 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cpu(
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
   m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_cpu);
+}
+
+// ---- The ATen composite (devices without a kernel, aten_fallback.h): the tables split like
+// the features, rotated in the compute dtype, rounded once.
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_composite(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
+    const at::Tensor& sin, c10::string_view layout, bool interleaved, bool transpose) {
+  const bool bhsd = check_rope_cos_sin(q, k, cos, sin, std::string(layout));
+  warn_aten_fallback("apply_rope_cos_sin", q.device());
+  const at::ScalarType acc = composite::compute_dtype(q);
+  const int64_t rot = cos.size(-1);
+  // The tables as (1 or batch, seq, 1, rot) in the compute dtype, split like the features.
+  const auto table = [&](const at::Tensor& t) {
+    const at::Tensor v = t.to(acc);
+    return (v.dim() == 2 ? v.unsqueeze(0) : v).unsqueeze(2);
+  };
+  const auto [c1, c2] = composite::split_pairs(table(cos), rot, interleaved);
+  const auto [s1, s2] = composite::split_pairs(table(sin), rot, interleaved);
+  const auto rotate = [&](const at::Tensor& x) {
+    const auto canonical = [bhsd](const at::Tensor& t) { return bhsd ? t.transpose(1, 2) : t; };
+    at::Tensor out = composite::empty_output(x);
+    canonical(out).copy_(
+        composite::rotate_composite(canonical(x), c1, s1, c2, s2, rot, interleaved, transpose, acc));
+    return out;
+  };
+  return {rotate(q), k.has_value() ? rotate(*k) : at::empty({0}, q.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+  m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_composite);
 }
 
 }  // namespace ops

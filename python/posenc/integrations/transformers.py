@@ -74,7 +74,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
     ) from error
 
 import posenc.functional
-from posenc._rope import LENGTH_SCALED_TYPES
+from posenc._rope import LENGTH_SCALED_TYPES, RopeConfig
 
 __all__ = [
     "SUPPORTED_MODEL_TYPES",
@@ -257,20 +257,14 @@ def _norm_eps(norm: Any) -> Optional[float]:
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
 
-def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Optional[dict]:
-    """qk_norm_rope's keyword arguments when the fused op provably computes what the layer's
-    own norms and (cos, sin) would: the call has position_ids for every token (the decoder
-    layer passes the ones its model computed position_embeddings from), both norms share one
-    eps, and the model's tables depend on the positions and the config only (not "dynamic"
-    or "longrope", whose transformers tables change with the call's length and the rotary
-    module's history). None otherwise: the layer then runs its own norms and rotates with
-    the given (cos, sin)."""
-    if not isinstance(positions, Tensor) or positions.dtype != torch.int64:  # the op's dtype (int32 falls back)
-        return None
-    if positions.dim() not in (1, 2) or len(input_shape) != 2 or positions.shape[-1] != input_shape[1]:
-        return None
-    if positions.dim() == 2 and positions.shape[0] not in (1, input_shape[0]):
-        return None
+def _fused_settings(attn: Any) -> Optional[Tuple[float, RopeConfig]]:
+    """(eps, the parsed RoPE configuration) of a layer whose norms and RoPE the fused op
+    provably computes as transformers does, computed once when the layer is patched (the
+    model's rotary embedding reads its config once too, when it is built): both norms share
+    one eps, and the model's tables depend on the positions and the config only (not
+    "dynamic" or "longrope", whose transformers tables change with the call's length and
+    the rotary module's history). None otherwise: the layer then runs its own norms and
+    rotates with the given (cos, sin)."""
     eps = _norm_eps(attn.q_norm)
     if eps is None or eps != _norm_eps(attn.k_norm):
         return None
@@ -282,7 +276,24 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     max_positions = getattr(attn.config, "max_position_embeddings", None)
     if rope_type == "yarn" and params.get("factor") is None and original and max_positions:
         params["factor"] = max_positions / original  # as transformers' _compute_yarn_parameters
-    return dict(eps=eps, positions=positions, layout="bhsd", scaling=params)
+    return eps, RopeConfig.parse(head_dim=attn.head_dim, fn="qk_norm_rope", layout="bhsd", scaling=params)
+
+
+def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Optional[dict]:
+    """qk_norm_rope's keyword arguments when the layer is fusable (_fused_settings) and the
+    call has position_ids for every token (the decoder layer passes the ones its model
+    computed position_embeddings from); None otherwise."""
+    settings = attn.__dict__.get("_posenc_fused")
+    if settings is None:
+        return None
+    if not isinstance(positions, Tensor) or positions.dtype != torch.int64:  # the op's dtype (int32 falls back)
+        return None
+    if positions.dim() not in (1, 2) or len(input_shape) != 2 or positions.shape[-1] != input_shape[1]:
+        return None
+    if positions.dim() == 2 and positions.shape[0] not in (1, input_shape[0]):
+        return None
+    eps, config = settings
+    return dict(eps=eps, positions=positions, config=config)
 
 
 class _PosencQKNormAttention:
@@ -417,6 +428,7 @@ def _apply_qk_norm(model: Any) -> None:
         todo.append((attn, _qk_norm_class(type(attn), norm, weight_offset)))
     for attn, cls in todo:
         attn.__class__ = cls  # weights, buffers, hooks and state_dict stay as they are
+        attn._posenc_fused = _fused_settings(attn)  # parsed once (revert removes it)
 
 
 def revert_posenc_qk_norm(model: Any) -> None:
@@ -425,6 +437,7 @@ def revert_posenc_qk_norm(model: Any) -> None:
     for attn in model.modules():
         if isinstance(attn, _PosencQKNormAttention):
             attn.__class__ = attn._posenc_base
+            attn.__dict__.pop("_posenc_fused", None)
 
 
 def revert_posenc_rope(model: Optional[Union[Any, str]] = None) -> None:

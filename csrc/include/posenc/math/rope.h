@@ -130,6 +130,22 @@ struct RopeScalingParams {
 };
 
 
+// The plain settings of a RoPE call, each declared once, here: X(C++ type, name, default,
+// schema type). From this line follow the op's schema argument (appended to the RoPE ops'
+// shared schema tail, ops/common/rope_call.cpp), the field of RopeSettings (read by the
+// checks, the kernels and the ATen composites through the functions below), the field of
+// the C++ options (ApplyRopeOptions and RotaryPositionalEncodingOptions, posenc/rope.h)
+// and Python's keyword (python/posenc/_rope.py reads the schema). Integers and floats
+// only (a schema default is the C++ default spelled as is).
+#define POSENC_ROPE_SETTINGS(X)
+
+// The values of POSENC_ROPE_SETTINGS for one call.
+struct RopeSettings {
+#define POSENC_X(type, name, default_value, schema_type) type name = default_value;
+  POSENC_ROPE_SETTINGS(POSENC_X)
+#undef POSENC_X
+};
+
 // Number of keys: the length of the op's float[] argument.
 constexpr int kRopeScalingFields = 0
 #define POSENC_X(key) +1
@@ -151,6 +167,16 @@ POSENC_HOST_DEVICE void rope_pair_features(int64_t p, int64_t half, bool interle
                                            int64_t* e1, int64_t* e2) {
   *e1 = interleaved ? 2 * p : p;
   *e2 = interleaved ? 2 * p + 1 : p + half;
+}
+
+// Where a head's rotary features start: features [begin, begin + rotary_dim) rotate, the
+// others pass through. Every kernel and composite places its rotation with these.
+POSENC_HOST_DEVICE int64_t rope_rotary_begin(const RopeSettings&) { return 0; }
+
+// The feature of pass-through index j (0 <= j < head_dim - rotary_dim): the features before
+// the rotary part, then those after it.
+POSENC_HOST_DEVICE int64_t rope_pass_feature(int64_t j, int64_t begin, int64_t rotary_dim) {
+  return j < begin ? j : j + rotary_dim;
 }
 
 // The rotation of one pair, (x1, x2) -> (x1 c - x2 s, x2 c + x1 s), rounded the same way on

@@ -274,18 +274,26 @@ void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out
 template <typename scalar_t, typename acc_t>
 void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
                 const TokenAngles<acc_t>& t, bool stream = false) {
+  // The rotary features [begin, begin + rotary_dim) rotate (math::rope_rotary_begin).
+  const int64_t begin = math::rope_rotary_begin(a.settings);
+  const scalar_t* rin = in + begin * si;
+  scalar_t* rout = out + begin * so;
   const bool nt = row_streams(stream, in, out) && si == 1 && so == 1 &&
-                  rows_can_stream<scalar_t>(out, a.rotary_dim);
+                  rows_can_stream<scalar_t>(rout, a.rotary_dim);
   if (si != 1 || so != 1) {
-    rotate_row_strided<scalar_t, acc_t>(a, in, si, out, so, t, 0);
+    rotate_row_strided<scalar_t, acc_t>(a, rin, si, rout, so, t, 0);
   } else if constexpr (std::is_same_v<scalar_t, acc_t>) {
-    nt ? rotate_row_vec<scalar_t, true>(a, in, out, t) : rotate_row_vec<scalar_t>(a, in, out, t);
+    nt ? rotate_row_vec<scalar_t, true>(a, rin, rout, t)
+       : rotate_row_vec<scalar_t>(a, rin, rout, t);
   } else {
-    nt ? rotate_row_vec_reduced<scalar_t, true>(a, in, out, t)
-       : rotate_row_vec_reduced<scalar_t>(a, in, out, t);
+    nt ? rotate_row_vec_reduced<scalar_t, true>(a, rin, rout, t)
+       : rotate_row_vec_reduced<scalar_t>(a, rin, rout, t);
   }
-  if (in != out) {  // the features beyond rotary_dim pass through
-    for (int64_t j = a.rotary_dim; j < a.head_dim; ++j) out[j * so] = in[j * si];
+  if (in != out) {  // the other features pass through
+    for (int64_t j = 0; j < a.head_dim - a.rotary_dim; ++j) {
+      const int64_t e = math::rope_pass_feature(j, begin, a.rotary_dim);
+      out[e * so] = in[e * si];
+    }
   }
 }
 

@@ -87,28 +87,30 @@ template <typename scalar_t, typename acc_t, bool kC>
 void forward_row(const QkNormRopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
                  int64_t so, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t) {
   const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
+  const int64_t o = math::rope_rotary_begin(a.rope.settings);  // the rotary part's start
   if (!a.rope.interleaved) {
     for (int64_t p = 0; p < half; ++p) {
-      const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(p, si)]), r, w[p]);
+      const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + p, si)]), r, w[o + p]);
       const acc_t x2 =
-          math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(p + half, si)]), r, w[p + half]);
+          math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + p + half, si)]), r, w[o + p + half]);
       acc_t y1, y2;
       math::rope_rotate_pair(x1, x2, t.cs[p], t.sn[p], &y1, &y2);
-      out[at_<kC>(p, so)] = static_cast<scalar_t>(y1);
-      out[at_<kC>(p + half, so)] = static_cast<scalar_t>(y2);
+      out[at_<kC>(o + p, so)] = static_cast<scalar_t>(y1);
+      out[at_<kC>(o + p + half, so)] = static_cast<scalar_t>(y2);
     }
   } else {
     for (int64_t p = 0; p < half; ++p) {
-      const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(2 * p, si)]), r, w[2 * p]);
+      const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + 2 * p, si)]), r, w[o + 2 * p]);
       const acc_t x2 =
-          math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(2 * p + 1, si)]), r, w[2 * p + 1]);
+          math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + 2 * p + 1, si)]), r, w[o + 2 * p + 1]);
       acc_t y1, y2;
       math::rope_rotate_pair(x1, x2, t.cs[p], t.sn[p], &y1, &y2);
-      out[at_<kC>(2 * p, so)] = static_cast<scalar_t>(y1);
-      out[at_<kC>(2 * p + 1, so)] = static_cast<scalar_t>(y2);
+      out[at_<kC>(o + 2 * p, so)] = static_cast<scalar_t>(y1);
+      out[at_<kC>(o + 2 * p + 1, so)] = static_cast<scalar_t>(y2);
     }
   }
-  for (int64_t e = 2 * half; e < D; ++e) {  // beyond rotary_dim: normalised only
+  for (int64_t j = 0; j < D - 2 * half; ++j) {  // outside the rotary part: normalised only
+    const int64_t e = math::rope_pass_feature(j, o, 2 * half);
     out[at_<kC>(e, so)] =
         static_cast<scalar_t>(math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(e, si)]), r, w[e]));
   }
@@ -145,9 +147,10 @@ void backward_row_sums(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, c
                        int64_t sg, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t,
                        acc_t* dw, acc_t (&part)[kLanes]) {
   const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
+  const int64_t o = math::rope_rotary_begin(a.rope.settings);
   int64_t p = 0;
   auto pair = [&](int64_t p, int l) {
-    const int64_t e1 = kIl ? 2 * p : p, e2 = kIl ? 2 * p + 1 : p + half;
+    const int64_t e1 = o + (kIl ? 2 * p : p), e2 = o + (kIl ? 2 * p + 1 : p + half);
     acc_t gu1, gu2;
     math::rope_rotate_pair(static_cast<acc_t>(g[at_<kC>(e1, sg)]), static_cast<acc_t>(g[at_<kC>(e2, sg)]),
                            t.cs[p], t.sn[p], &gu1, &gu2);
@@ -161,7 +164,8 @@ void backward_row_sums(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, c
     for (int l = 0; l < kLanes; ++l) pair(p + l, l);
   }
   for (; p < half; ++p) pair(p, 0);
-  for (int64_t e = 2 * half; e < D; ++e) {
+  for (int64_t j = 0; j < D - 2 * half; ++j) {
+    const int64_t e = math::rope_pass_feature(j, o, 2 * half);
     const acc_t gu = static_cast<acc_t>(g[at_<kC>(e, sg)]);
     const acc_t xh = static_cast<acc_t>(x[at_<kC>(e, sx)]) * r;
     dw[e] += gu * xh;
@@ -175,8 +179,9 @@ void backward_row_dx(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, con
                      int64_t sg, scalar_t* dx, int64_t sd, const acc_t* w, acc_t r, acc_t mean_gx,
                      const TokenAngles<acc_t>& t) {
   const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
+  const int64_t o = math::rope_rotary_begin(a.rope.settings);
   for (int64_t p = 0; p < half; ++p) {
-    const int64_t e1 = kIl ? 2 * p : p, e2 = kIl ? 2 * p + 1 : p + half;
+    const int64_t e1 = o + (kIl ? 2 * p : p), e2 = o + (kIl ? 2 * p + 1 : p + half);
     acc_t gu1, gu2;
     math::rope_rotate_pair(static_cast<acc_t>(g[at_<kC>(e1, sg)]), static_cast<acc_t>(g[at_<kC>(e2, sg)]),
                            t.cs[p], t.sn[p], &gu1, &gu2);
@@ -185,7 +190,8 @@ void backward_row_dx(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, con
     dx[at_<kC>(e1, sd)] = static_cast<scalar_t>(math::qk_norm_grad_input(gu1, w[e1], xh1, mean_gx, r));
     dx[at_<kC>(e2, sd)] = static_cast<scalar_t>(math::qk_norm_grad_input(gu2, w[e2], xh2, mean_gx, r));
   }
-  for (int64_t e = 2 * half; e < D; ++e) {
+  for (int64_t j = 0; j < D - 2 * half; ++j) {
+    const int64_t e = math::rope_pass_feature(j, o, 2 * half);
     const acc_t gu = static_cast<acc_t>(g[at_<kC>(e, sg)]);
     const acc_t xh = static_cast<acc_t>(x[at_<kC>(e, sx)]) * r;
     dx[at_<kC>(e, sd)] = static_cast<scalar_t>(math::qk_norm_grad_input(gu, w[e], xh, mean_gx, r));
@@ -224,6 +230,7 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
     // into the compute type on the stack, and the passes run there (no re-reading, no
     // second turn of the gradient).
     const int64_t half = a.rope.rotary_dim / 2;
+    const int64_t o = math::rope_rotary_begin(a.rope.settings);
     acc_t xs[kStagedRow], gs[kStagedRow];
     for (int64_t h = 0; h < op.heads; ++h) {
       const scalar_t* x = row_in<scalar_t>(op, b, s, h);
@@ -237,7 +244,7 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
       add_squares<acc_t, acc_t, true>(xs, 1, D, sq);
       const acc_t r = math::qk_norm_inv_rms<acc_t>(lanes_sum(sq), D, static_cast<acc_t>(a.eps));
       for (int64_t p = 0; p < half; ++p) {  // the gradient turned back
-        const int64_t e1 = kIl ? 2 * p : p, e2 = kIl ? 2 * p + 1 : p + half;
+        const int64_t e1 = o + (kIl ? 2 * p : p), e2 = o + (kIl ? 2 * p + 1 : p + half);
         acc_t gu1, gu2;
         math::rope_rotate_pair(gs[e1], gs[e2], t.cs[p], t.sn[p], &gu1, &gu2);
         gs[e1] = gu1;
