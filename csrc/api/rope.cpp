@@ -131,6 +131,18 @@ RotaryPositionalEncodingImpl::RotaryPositionalEncodingImpl(
   reset();
 }
 
+namespace {
+
+math::RopeSettings settings_of(const RotaryPositionalEncodingOptions& o) {
+  math::RopeSettings s;
+#define POSENC_X(type, name, default_value, schema_type) s.name = o.name();
+  POSENC_ROPE_SETTINGS(POSENC_X)
+#undef POSENC_X
+  return s;
+}
+
+}  // namespace
+
 void RotaryPositionalEncodingImpl::reset() {
   TORCH_CHECK_VALUE(options.dim() > 0, "RotaryPositionalEncoding: expected dim > 0, got ",
                     options.dim());
@@ -186,17 +198,6 @@ void RotaryPositionalEncodingImpl::reset() {
                          seq_len_argument});
 }
 
-namespace {
-
-math::RopeSettings settings_of(const RotaryPositionalEncodingOptions& o) {
-  math::RopeSettings s;
-#define POSENC_X(type, name, default_value, schema_type) s.name = o.name();
-  POSENC_ROPE_SETTINGS(POSENC_X)
-#undef POSENC_X
-  return s;
-}
-
-}  // namespace
 
 int64_t RotaryPositionalEncodingImpl::rotary_width() const {
   if (options.rotary_dim().has_value()) return *options.rotary_dim();
