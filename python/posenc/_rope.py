@@ -298,7 +298,7 @@ def _plain_setting(fn: str, name: str, value: Any) -> Any:
 
 def rotary_begin(settings: Tuple[Tuple[str, Any], ...]) -> int:
     """Where the rotary features of a head start (math::rope_rotary_begin's rule)."""
-    return 0
+    return dict(settings).get("rotary_offset", 0)
 
 
 def with_rope_settings(fn: Any) -> Any:

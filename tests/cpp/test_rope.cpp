@@ -228,6 +228,26 @@ TEST(ApplyRope, ScalingLayoutsAndInPlace) {
   EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().layout("hsd")), c10::ValueError);
 }
 
+TEST(ApplyRope, RotaryOffsetRotatesTheFeaturesItNames) {
+  // DeepSeek's [nope | rope] heads: the last 4 of 12 features rotate, the rest pass through.
+  auto q = torch::randn({2, 5, 3, 12});
+  auto k = torch::randn({2, 5, 1, 12});
+  auto [oq, ok] = posenc::apply_rope(q, k, posenc::ApplyRopeOptions().rotary_offset(8).offset(3));
+  auto [wq, wk] = posenc::apply_rope(q.slice(-1, 8).contiguous(), k.slice(-1, 8).contiguous(),
+                                     posenc::ApplyRopeOptions().offset(3));
+  EXPECT_TRUE(torch::equal(oq.slice(-1, 0, 8), q.slice(-1, 0, 8)));
+  EXPECT_TRUE(torch::equal(oq.slice(-1, 8), wq));
+  EXPECT_TRUE(torch::equal(ok.slice(-1, 8), wk));
+  posenc::RotaryPositionalEncoding m(
+      posenc::RotaryPositionalEncodingOptions(12).rotary_offset(8).max_len(64));
+  auto [mq, mk] = m->forward(q, k, std::nullopt, 3);
+  EXPECT_TRUE(torch::equal(mq, oq));
+  EXPECT_TRUE(torch::equal(mk, ok));
+  EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().rotary_offset(12)), c10::ValueError);
+  EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().rotary_offset(8).rotary_dim(6)),
+               c10::ValueError);
+}
+
 }  // namespace
 
 // ---- One description of a RoPE call, and multi-axis RoPE.

@@ -137,7 +137,11 @@ struct RopeScalingParams {
 // the C++ options (ApplyRopeOptions and RotaryPositionalEncodingOptions, posenc/rope.h)
 // and Python's keyword (python/posenc/_rope.py reads the schema). Integers and floats
 // only (a schema default is the C++ default spelled as is).
-#define POSENC_ROPE_SETTINGS(X)
+#define POSENC_ROPE_SETTINGS(X)                                                           \
+  /* The first rotated feature: features [rotary_offset, rotary_offset + rotary_dim)     */ \
+  /* rotate, the others pass through (DeepSeek's [nope | rope] heads); rotary_dim then   */ \
+  /* defaults to head_dim - rotary_offset.                                                */ \
+  X(int64_t, rotary_offset, 0, "int")
 
 // The values of POSENC_ROPE_SETTINGS for one call.
 struct RopeSettings {
@@ -171,7 +175,7 @@ POSENC_HOST_DEVICE void rope_pair_features(int64_t p, int64_t half, bool interle
 
 // Where a head's rotary features start: features [begin, begin + rotary_dim) rotate, the
 // others pass through. Every kernel and composite places its rotation with these.
-POSENC_HOST_DEVICE int64_t rope_rotary_begin(const RopeSettings&) { return 0; }
+POSENC_HOST_DEVICE int64_t rope_rotary_begin(const RopeSettings& s) { return s.rotary_offset; }
 
 // The feature of pass-through index j (0 <= j < head_dim - rotary_dim): the features before
 // the rotary part, then those after it.
