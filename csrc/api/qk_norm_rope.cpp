@@ -10,6 +10,12 @@
 
 namespace posenc {
 
+namespace detail {
+struct ParsedQkNormRope {
+  ops::QkNormRopeCall call;  // every setting; the tensors and positions unset
+};
+}  // namespace detail
+
 namespace {
 
 ops::QkNormRopeCall make_call(const torch::Tensor& q, const torch::Tensor& k,
@@ -63,6 +69,22 @@ void QKNormRotaryImpl::reset() {
   const double init = 1.0 - o.weight_offset();  // effective weights start at 1
   q_norm = register_module("q_norm", QkNormWeight(lq, init));
   k_norm = register_module("k_norm", QkNormWeight(lk, init));
+  QkNormRopeOptions parsed;
+  parsed.eps(o.eps()).weight_offset(o.weight_offset()).norm(o.norm()).rope(o.rope());
+  ops::QkNormRopeCall call = make_call(torch::Tensor(), torch::Tensor(), torch::Tensor(),
+                                       torch::Tensor(), parsed);
+  call.rope.k = std::nullopt;
+  // The op checks the RoPE settings now, for heads of head_dim features (an empty q).
+  ops::RopeCall probe = call.rope;
+  probe.positions = probe.offsets = std::nullopt;
+  if (probe.layout == ops::RopeLayout::kTHD) {
+    probe.q = at::empty({0, 1, o.head_dim()});
+    probe.cu_seqlens = at::zeros({1}, at::kLong);
+  } else {
+    probe.q = at::empty({0, 0, 1, o.head_dim()});
+  }
+  ops::call_rope_rotary_width(probe);
+  parsed_ = std::make_shared<const detail::ParsedQkNormRope>(detail::ParsedQkNormRope{std::move(call)});
 }
 
 void QKNormRotaryImpl::pretty_print(std::ostream& stream) const {
@@ -73,11 +95,16 @@ void QKNormRotaryImpl::pretty_print(std::ostream& stream) const {
 std::tuple<torch::Tensor, torch::Tensor> QKNormRotaryImpl::forward(const torch::Tensor& q,
                                                                    const torch::Tensor& k,
                                                                    const RopePositions& where) {
-  QkNormRopeOptions o;
-  o.eps(options.eps()).weight_offset(options.weight_offset()).norm(options.norm()).rope(options.rope());
-  o.rope().positions(where.positions()).offset(where.offset()).offsets(where.offsets()).cu_seqlens(
-      where.cu_seqlens());
-  return qk_norm_rope(q, k, q_norm->weight, k_norm->weight, o);
+  ops::QkNormRopeCall call = parsed_->call;  // the options, parsed once by reset()
+  call.rope.q = q;
+  call.rope.k = k;
+  call.rope.positions = where.positions();
+  call.rope.offsets = where.offsets();
+  call.rope.offset = where.offset();
+  call.rope.cu_seqlens = where.cu_seqlens();
+  call.q_weight = q_norm->weight;
+  call.k_weight = k_norm->weight;
+  return ops::call_qk_norm_rope(call);
 }
 
 }  // namespace posenc

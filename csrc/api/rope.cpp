@@ -118,6 +118,7 @@ namespace detail {
 struct ParsedRope {
   ops::RopeCall call;        // every setting; q, k and the positions unset
   int64_t seq_len_argument;  // rope_seq_len_argument of the scaling
+  int64_t rotary_width;      // the op's (rope_rotary_width)
 };
 
 }  // namespace detail
@@ -131,31 +132,11 @@ RotaryPositionalEncodingImpl::RotaryPositionalEncodingImpl(
   reset();
 }
 
-namespace {
-
-math::RopeSettings settings_of(const RotaryPositionalEncodingOptions& o) {
-  math::RopeSettings s;
-#define POSENC_X(type, name, default_value, schema_type) s.name = o.name();
-  POSENC_ROPE_SETTINGS(POSENC_X)
-#undef POSENC_X
-  return s;
-}
-
-}  // namespace
-
 void RotaryPositionalEncodingImpl::reset() {
   TORCH_CHECK_VALUE(options.dim() > 0, "RotaryPositionalEncoding: expected dim > 0, got ",
                     options.dim());
   TORCH_CHECK_VALUE(options.max_len() > 0, "RotaryPositionalEncoding: expected max_len > 0, got ",
                     options.max_len());
-  const int64_t rot = rotary_width();
-  const int64_t begin = math::rope_rotary_begin(settings_of(options));
-  TORCH_CHECK_VALUE(rot > 0 && rot % 2 == 0 && rot <= options.dim(),
-                    "RotaryPositionalEncoding: expected rotary_dim to be even and at most dim=",
-                    options.dim(), ", got ", rot);
-  TORCH_CHECK_VALUE(begin >= 0 && begin + rot <= options.dim(),
-                    "RotaryPositionalEncoding: expected the rotary features [", begin, ", ",
-                    begin + rot, ") within dim=", options.dim());
   // The model's defaults, as transformers fills them from the config, max_len standing for
   // max_position_embeddings: which type takes which is in its facts (POSENC_ROPE_TYPES).
   RopeScaling& s = options.scaling();
@@ -178,32 +159,32 @@ void RotaryPositionalEncodingImpl::reset() {
       !s.attention_factor.has_value() && orig.has_value()) {
     s.factor = static_cast<double>(options.max_len()) / *orig;
   }
-  inv_freq();  // validates base, scaling and layout-independent arguments now
   // The options as the op reads them, parsed once (names, the scaling dict); every forward
   // copies this call and sets its tensors and positions.
-  ApplyRopeOptions o = ApplyRopeOptions()
-                           .base(options.base())
-                           .interleaved(options.interleaved())
-                           .rotary_dim(options.rotary_dim())
-                           .scaling(options.scaling())
-                           .layout(options.layout())
-                           .sections(options.sections())
-                           .sections_mode(options.sections_mode());
-#define POSENC_X(type, name, default_value, schema_type) o.name(options.name());
+  ApplyRopeOptions o;
+#define POSENC_X(type, name, ...) o.name(options.name());
+  POSENC_ROPE_CONFIG_OPTIONS(POSENC_X)
   POSENC_ROPE_SETTINGS(POSENC_X)
 #undef POSENC_X
   const int64_t seq_len_argument = detail::rope_seq_len_argument(o.scaling());
+  ops::RopeCall call = detail::make_rope_call(at::Tensor(), std::nullopt, o, seq_len_argument);
+  // The op checks every value now, for heads of dim features (an empty q), and resolves the
+  // rotary width (its rule is stated once, in the op).
+  ops::RopeCall probe = call;
+  if (call.layout == ops::RopeLayout::kTHD) {
+    probe.q = at::empty({0, 1, options.dim()});
+    probe.cu_seqlens = at::zeros({1}, at::kLong);
+  } else {
+    probe.q = at::empty({0, 0, 1, options.dim()});
+  }
+  const int64_t width = ops::call_rope_rotary_width(probe);
   parsed_ = std::make_shared<const detail::ParsedRope>(
-      detail::ParsedRope{detail::make_rope_call(at::Tensor(), std::nullopt, o, seq_len_argument),
-                         seq_len_argument});
+      detail::ParsedRope{std::move(call), seq_len_argument, width});
+  inv_freq();  // checks what the op's empty call could not (rope_frequencies' own checks)
 }
 
 
-int64_t RotaryPositionalEncodingImpl::rotary_width() const {
-  if (options.rotary_dim().has_value()) return *options.rotary_dim();
-  if (options.sections().empty()) return options.dim() - math::rope_rotary_begin(settings_of(options));
-  return ops::rope_sections_width(options.sections());
-}
+int64_t RotaryPositionalEncodingImpl::rotary_width() const { return parsed_->rotary_width; }
 
 torch::Tensor RotaryPositionalEncodingImpl::inv_freq() const {
   return std::get<0>(rope_frequencies(rotary_width(),

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
 
 from posenc._dtensor import place_beside
-from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
+from posenc._rope import RopeConfig, config_of, rope_op_arguments, rotary_width, with_rope_settings
 
 NORMS = ("head", "hidden")
 
@@ -26,18 +26,11 @@ def qk_norm_rope(
     positions: Optional[Tensor] = None,
     offset: Union[int, Tensor] = 0,
     cu_seqlens: Optional[Tensor] = None,
-    base: Optional[float] = None,
-    interleaved: Optional[bool] = None,
-    rotary_dim: Optional[int] = None,
-    scaling: Optional[Mapping] = None,
-    layout: Optional[str] = None,
-    sections: Optional[Sequence[int]] = None,
-    sections_mode: Optional[str] = None,
     seq_len: Optional[int] = None,
     inplace: bool = False,
     check_inputs: bool = False,
     config: Optional[RopeConfig] = None,
-    **settings: Any,
+    **rope: Any,
 ) -> Tuple[Tensor, Tensor]:
     """RMSNorm of q and k, then RoPE, in one pass (forward and backward): Qwen3 / Qwen3-MoE
     (``norm="head"``), Gemma 3 (``weight_offset=1.0``: its ``1 + w``), OLMo 2
@@ -68,8 +61,7 @@ def qk_norm_rope(
             raise TypeError(f"{fn}: expected {name} to be a float, got {value!r}")
     if not eps > 0:
         raise ValueError(f"{fn}: expected eps > 0 (added to the mean square), got {eps}")
-    config = config_of(q, config, fn, base=base, interleaved=interleaved, rotary_dim=rotary_dim, scaling=scaling,
-                       layout=layout, sections=sections, sections_mode=sections_mode, **settings)
+    config = config_of(q, config, fn, **rope)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len, fn=fn)
     q_weight, k_weight = place_beside(q, q_weight, k_weight)
@@ -116,16 +108,9 @@ class QKNormRotary(torch.nn.Module):
         norm: str = "head",
         num_heads: Optional[int] = None,
         num_kv_heads: Optional[int] = None,
-        base: Optional[float] = None,
-        interleaved: bool = False,
-        rotary_dim: Optional[int] = None,
-        scaling: Optional[Mapping] = None,
-        layout: str = "bshd",
-        sections: Optional[Sequence[int]] = None,
-        sections_mode: str = "axial",
         device=None,
         dtype=None,
-        **settings: Any,
+        **rope: Any,
     ) -> None:
         super().__init__()
         if norm not in NORMS:
@@ -141,9 +126,8 @@ class QKNormRotary(torch.nn.Module):
         self.k_norm = _NormWeight(lk, init, device, dtype)
         self.head_dim, self.eps, self.weight_offset, self.norm = head_dim, eps, weight_offset, norm
         # RoPE's configuration, parsed once (RopeConfig) and passed on at each call.
-        self.rope_config = RopeConfig.parse(head_dim=head_dim, base=base, interleaved=interleaved,
-                                            rotary_dim=rotary_dim, scaling=scaling, layout=layout, sections=sections,
-                                            sections_mode=sections_mode, fn="QKNormRotary", **settings)
+        self.rope_config = RopeConfig.parse(head_dim=head_dim, fn="QKNormRotary", **rope)
+        rotary_width(self.rope_config)  # the op checks the values now, for heads of head_dim features
 
     def __setstate__(self, state: dict) -> None:
         """A module pickled before its configuration was parsed once (posenc before

@@ -10,10 +10,9 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import numbers
-from typing import Any, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
-import math
 import types
 
 from torch import Tensor, nn
@@ -275,14 +274,20 @@ _SCHEMA_DEFAULTS = {a.name: a.default_value for a in torch.ops.posenc.rope.defau
 # None (not given), so that any keyword passed beside config= is seen and refused; None
 # means: base 10000 (or the dict's rope_theta), interleaved False, rotary_dim head_dim,
 # no scaling, layout "bshd", no sections, sections_mode "axial".
-_CONFIG_DEFAULTS = dict(base=None, interleaved=None, rotary_dim=None, scaling=None, layout=None, sections=None,
-                        sections_mode=None)
+# The table holds each keyword's annotation; every RoPE function and module takes them
+# through ``with_rope_settings`` (its signature lists them), none spells them out again.
+_CONFIG_KEYWORDS: Dict[str, Any] = dict(
+    base=Optional[float], interleaved=Optional[bool], rotary_dim=Optional[int], scaling=Optional[Mapping[str, Any]],
+    layout=Optional[str], sections=Optional[Sequence[int]], sections_mode=Optional[str])
+_CONFIG_DEFAULTS = dict.fromkeys(_CONFIG_KEYWORDS)
 # The plain settings (POSENC_ROPE_SETTINGS in posenc/math/rope.h, each declared once there):
 # the schema's arguments after sections_mode, with their schema types. Every RoPE function
 # and module takes each as a keyword (``with_rope_settings``; default None: the schema's).
 _ROPE_ARGUMENTS = torch.ops.posenc.rope.default._schema.arguments
 PLAIN_SETTINGS = {a.name: a.type for a in
                   _ROPE_ARGUMENTS[[a.name for a in _ROPE_ARGUMENTS].index("sections_mode") + 1:]}
+_CONFIG_KEYWORDS.update({name: Optional[int] if str(t) == "int" else Optional[float]
+                         for name, t in PLAIN_SETTINGS.items()})
 _CONFIG_DEFAULTS.update(dict.fromkeys(PLAIN_SETTINGS))
 
 
@@ -302,14 +307,20 @@ def rotary_begin(settings: Tuple[Tuple[str, Any], ...]) -> int:
 
 
 def with_rope_settings(fn: Any) -> Any:
-    """Shows the plain settings (PLAIN_SETTINGS) as keyword-only parameters of ``fn``, which
-    takes them as ``**settings`` (help(), inspect and IDEs list them by name)."""
-    signature = inspect.signature(fn)
+    """Lists RoPE's configuration keywords (``_CONFIG_KEYWORDS``: base, interleaved,
+    rotary_dim, scaling, layout, sections, sections_mode and the plain settings) as
+    keyword-only parameters of ``fn`` (a function, or a module class: its ``__init__``),
+    which takes them as ``**rope`` and hands them to :meth:`RopeConfig.parse` (help(),
+    inspect and IDEs list them by name). A keyword ``fn`` names itself (the module's
+    positional ``base``) stays where it is."""
+    target = fn.__init__ if isinstance(fn, type) else fn
+    signature = inspect.signature(target)
     params = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
-    where = next((i for i, p in enumerate(params) if p.name == "config"), len(params))
-    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=Optional[int])
-             for name in PLAIN_SETTINGS]
-    fn.__signature__ = signature.replace(parameters=params[:where] + extra + params[where:])
+    where = next((i for i, p in enumerate(params) if p.name in ("config", "seq_len")), len(params))
+    own = {p.name for p in params}
+    extra = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=None, annotation=annotation)
+             for name, annotation in _CONFIG_KEYWORDS.items() if name not in own]
+    target.__signature__ = signature.replace(parameters=params[:where] + extra + params[where:])
     return fn
 
 
@@ -358,7 +369,7 @@ class RopeConfig:
     ) -> "RopeConfig":
         """The configuration of :func:`apply_rope`'s configuration keywords (``base``,
         ``interleaved``, ``rotary_dim``, ``scaling``, ``layout``, ``sections``,
-        ``sections_mode``: the keys of ``_CONFIG_DEFAULTS``, stated once) for heads of
+        ``sections_mode`` and the plain settings: the keys of ``_CONFIG_KEYWORDS``, stated once) for heads of
         ``head_dim`` features. ``max_position_embeddings``: the model's (the module's
         max_len), for the keys transformers fills from the config (``scaling_arguments``)."""
         unknown = sorted(set(settings) - set(_CONFIG_DEFAULTS))
@@ -461,18 +472,11 @@ def apply_rope(
     positions: Optional[Tensor] = None,
     offset: Union[int, Tensor] = 0,
     cu_seqlens: Optional[Tensor] = None,
-    base: Optional[float] = None,
-    interleaved: Optional[bool] = None,
-    rotary_dim: Optional[int] = None,
-    scaling: Optional[Mapping] = None,
-    layout: Optional[str] = None,
-    sections: Optional[Sequence[int]] = None,
-    sections_mode: Optional[str] = None,
     inplace: bool = False,
     check_inputs: bool = False,
     seq_len: Optional[int] = None,
     config: Optional[RopeConfig] = None,
-    **settings: Any,
+    **rope: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Rotary position embedding of q (and k), fused in one kernel launch.
 
@@ -536,8 +540,7 @@ def apply_rope(
     int ``offset`` and CPU index tensors are checked by the op; CUDA index tensors by the
     kernel, on the device (see ``check_inputs``).
     """
-    config = config_of(q, config, "apply_rope", base=base, interleaved=interleaved, rotary_dim=rotary_dim,
-                       scaling=scaling, layout=layout, sections=sections, sections_mode=sections_mode, **settings)
+    config = config_of(q, config, "apply_rope", **rope)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len)
     if inplace:
@@ -545,6 +548,18 @@ def apply_rope(
         return q if k is None else (q, k)
     out_q, out_k = torch.ops.posenc.rope(q, k, **arguments)
     return out_q if k is None else (out_q, out_k)
+
+
+def rotary_width(config: RopeConfig) -> int:
+    """How many features of a head ``config`` rotates (``rotary_dim``, by default the rest of
+    the head from ``rotary_offset``, or ``2 * sum(sections)``), after the op's checks of every
+    value for heads of ``config.head_dim`` features: the op's rule (rope_rotary_width), asked
+    on an empty q."""
+    if config.layout == "thd":
+        q, extra = torch.empty(0, 1, config.head_dim), dict(cu_seqlens=torch.zeros(1, dtype=torch.int64))
+    else:
+        q, extra = torch.empty(0, 0, 1, config.head_dim), {}
+    return torch.ops.posenc.rope_rotary_width(q, **dict(config.op_kwargs), **extra)
 
 
 def _check_length_baseline(scaling: dict, rope_type: str, max_len: int) -> None:
@@ -613,55 +628,27 @@ class RotaryPositionalEncoding(nn.Module):
         dim: int,
         max_len: int = 4096,
         base: Optional[float] = None,
-        *,
-        interleaved: bool = False,
-        rotary_dim: Optional[int] = None,
-        scaling: Optional[Mapping[str, Any]] = None,
-        layout: str = "bshd",
-        sections: Optional[Sequence[int]] = None,
-        sections_mode: str = "axial",
-        **settings: Any,
+        **rope: Any,
     ) -> None:
         super().__init__()
         self.dim = _check_positive_int("dim", dim)
         self.max_len = _check_positive_int("max_len", max_len)
-        # A transformers 4/5 dict's rope_theta, partial_rotary_factor and mrope_section set
-        # base, rotary_dim and sections (an explicit argument that disagrees is an error).
-        scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
-            scaling, base=base, rotary_dim=rotary_dim, head_dim=self.dim, sections=sections,
-            sections_mode=sections_mode, fn="RotaryPositionalEncoding")
-        base = 10000.0 if base is None else base
-        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
-            raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
-        sections = None if sections is None else _sections(sections)
-        if rotary_dim is None:  # all of dim, or what the sections rotate
-            plain = RopeConfig.parse(head_dim=self.dim, fn="RotaryPositionalEncoding", **settings).settings
-            rotary_dim = self.dim - rotary_begin(plain) if sections is None else 2 * sum(max(s, 0) for s in sections)
-        rotary_dim = _check_positive_int("rotary_dim", rotary_dim)
-        if rotary_dim % 2 != 0 or rotary_dim > self.dim:
-            raise ValueError(f"expected rotary_dim to be even and at most dim={self.dim}, got {rotary_dim}")
-        if layout not in LAYOUTS:
-            raise ValueError(f"unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
+        scaling = rope.get("scaling")
         self._scaling = None if scaling is None else dict(scaling)
-        # The configuration, parsed once (with the model defaults max_len gives the scaling
-        # keys) and passed on at every call; the settings below read it (read-only: a
-        # changed setting would have to be parsed again: build a new module).
+        # The configuration, parsed once (a transformers dict's rope_theta,
+        # partial_rotary_factor and mrope_section resolved; the model defaults max_len gives
+        # the scaling keys) and passed on at every call; the settings below read it
+        # (read-only: a changed setting would have to be parsed again: build a new module).
         self.rope_config = RopeConfig.parse(
-            head_dim=self.dim, base=float(base), interleaved=interleaved, rotary_dim=rotary_dim,
-            scaling=self._scaling, layout=layout, sections=sections, sections_mode=sections_mode,
-            max_position_embeddings=self.max_len, fn="RotaryPositionalEncoding", **settings)
+            head_dim=self.dim, base=base, max_position_embeddings=self.max_len, fn="RotaryPositionalEncoding",
+            **rope)
         c = self.rope_config
-        # The op checks the values (rotary width, sections, scaling) for heads of dim
-        # features, now rather than at the first call: on an empty q.
-        if c.layout == "thd":
-            apply_rope(torch.empty(0, 1, self.dim), config=c, cu_seqlens=torch.zeros(1, dtype=torch.int64))
-        else:
-            apply_rope(torch.empty(0, 0, 1, self.dim), config=c)
+        self._rotary_width = rotary_width(c)
         if c.rope_type in LENGTH_SCALED_TYPES and c.rope_type in ORIGINAL_FROM_MODEL_TYPES:
             _check_length_baseline(self._scaling, c.rope_type, self.max_len)
-        # Checks every value once (the op's own checks) and gives the frequencies.
+        # The frequencies (rope_frequencies checks what an empty call does not reach).
         inv_freq, factor = torch.ops.posenc.rope_frequencies(
-            c.rotary_dim, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode
+            self._rotary_width, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode
         )
         self.attention_scaling = float(factor)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
@@ -706,6 +693,7 @@ class RotaryPositionalEncoding(nn.Module):
             state["rope_config"] = RopeConfig.parse(
                 head_dim=state["dim"], scaling=state["_scaling"], max_position_embeddings=state["max_len"],
                 fn="RotaryPositionalEncoding", **settings)
+        state.setdefault("_rotary_width", rotary_width(state["rope_config"]))
         super().__setstate__(state)
 
     # The settings, read from the parsed configuration.
@@ -719,7 +707,7 @@ class RotaryPositionalEncoding(nn.Module):
 
     @property
     def rotary_dim(self) -> int:
-        return self.rope_config.rotary_dim
+        return self._rotary_width  # resolved by the op (rope_rotary_width)
 
     @property
     def layout(self) -> str:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -23,18 +23,11 @@ def rope_append_kv(
     offset: Union[int, Tensor] = 0,
     positions: Optional[Tensor] = None,
     slot_mapping: Optional[Tensor] = None,
-    layout: Optional[str] = None,
-    base: Optional[float] = None,
-    interleaved: Optional[bool] = None,
-    rotary_dim: Optional[int] = None,
-    scaling: Optional[Mapping] = None,
-    sections: Optional[Sequence[int]] = None,
-    sections_mode: Optional[str] = None,
     seq_len: Optional[int] = None,
     inplace: bool = False,
     return_k: bool = False,
     config: Optional[RopeConfig] = None,
-    **settings: Any,
+    **rope: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
     """Rotates q and k (RoPE, as :func:`apply_rope`) and writes the rotated k and v into a KV
     cache, in one pass over q, k and v (one kernel launch): a decoding step's RoPE and cache
@@ -73,8 +66,7 @@ def rope_append_kv(
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
-    config = config_of(q, config, fn, base=base, interleaved=interleaved, rotary_dim=rotary_dim, scaling=scaling,
-                       layout=layout, sections=sections, sections_mode=sections_mode, **settings)
+    config = config_of(q, config, fn, **rope)
     if config.layout not in _LAYOUTS:
         raise ValueError(f"{fn}: unknown layout {config.layout!r}; expected one of {', '.join(_LAYOUTS)}")
     # RoPE's arguments exactly as apply_rope normalises them (no packed sequences here).

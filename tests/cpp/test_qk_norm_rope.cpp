@@ -127,3 +127,38 @@ TEST(QKNormRotaryModule, GemmaOffsetHiddenNormAndGradients) {
 }
 
 }  // namespace
+
+// Both modules parse their RoPE options once, at construction, and the op checks them then
+// (rope_rotary_width: the one statement of the rotary-width rule).
+TEST(QKNormRotaryModule, TheOpChecksTheRopeOptionsAtConstruction) {
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).rope(
+                   posenc::ApplyRopeOptions().rotary_dim(7))),
+               c10::ValueError);
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).rope(
+                   posenc::ApplyRopeOptions().rotary_offset(4).rotary_dim(6))),
+               c10::ValueError);
+  EXPECT_THROW(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).sections({3, 3})),
+               c10::ValueError);
+  EXPECT_THROW(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).base(1.0)),
+               c10::ValueError);
+  // The width: the rest of the head from rotary_offset, or 2 * sum(sections).
+  EXPECT_EQ(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(16).rotary_offset(6))
+                ->inv_freq()
+                .size(0),
+            5);
+  EXPECT_EQ(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(24).sections({2, 3, 3}))
+                ->inv_freq()
+                .size(0),
+            8);
+  // The module's forward starts from the call parsed then: same bits as the function.
+  torch::manual_seed(3);
+  const auto q = torch::randn({2, 5, 3, 16});
+  const auto k = torch::randn({2, 5, 1, 16});
+  posenc::QKNormRotary m(posenc::QKNormRotaryOptions(16).rope(posenc::ApplyRopeOptions().rotary_offset(8)));
+  auto [a, b] = m->forward(q, k, posenc::RopePositions().offset(3));
+  auto [c, d] = posenc::qk_norm_rope(q, k, m->q_norm->weight, m->k_norm->weight,
+                                     posenc::QkNormRopeOptions().rope(
+                                         posenc::ApplyRopeOptions().rotary_offset(8).offset(3)));
+  EXPECT_TRUE(torch::equal(a, c));
+  EXPECT_TRUE(torch::equal(b, d));
+}

@@ -70,6 +70,12 @@ struct QKNormRotaryOptions {
 // Fused QK-norm + RoPE as a module owning the two norm weights (the twin of Python's
 // posenc.QKNormRotary): forward(q, k, where) = qk_norm_rope(q, k, q_norm->weight,
 // k_norm->weight, options with where's positions).
+namespace detail {
+struct ParsedQkNormRope;  // the options as the op reads them (api/qk_norm_rope.cpp)
+}  // namespace detail
+
+// reset() (run by the constructor) parses and checks the options once, into the call every
+// forward starts from: after changing `options`, call reset().
 class QKNormRotaryImpl : public torch::nn::Cloneable<QKNormRotaryImpl> {
  public:
   explicit QKNormRotaryImpl(const QKNormRotaryOptions& options);
@@ -81,6 +87,10 @@ class QKNormRotaryImpl : public torch::nn::Cloneable<QKNormRotaryImpl> {
   QKNormRotaryOptions options;
   QkNormWeight q_norm{nullptr};
   QkNormWeight k_norm{nullptr};
+
+ private:
+  // Set by reset(); immutable, so clones share it.
+  std::shared_ptr<const detail::ParsedQkNormRope> parsed_;
 };
 TORCH_MODULE(QKNormRotary);
 

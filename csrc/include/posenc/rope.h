@@ -50,6 +50,32 @@ struct RopeScaling {
   std::vector<double> values() const;
 };
 
+// The options that configure RoPE (beside where the tokens sit), declared once:
+// ApplyRopeOptions and RotaryPositionalEncodingOptions both expand this list, with the plain
+// settings of POSENC_ROPE_SETTINGS (posenc/math/rope.h). X(type, name, default):
+//   base           the frequencies' base (rope_theta).
+//   interleaved    adjacent pairs (GPT-J, Meta LLaMA) instead of halves (GPT-NeoX, HF
+//                  rotate_half).
+//   rotary_dim     rotate only rotary_dim features; default the rest of the head (from
+//                  rotary_offset), or 2 * sum(sections) with sections.
+//   scaling        Hugging Face's rope_scaling (RopeScaling).
+//   layout         "bshd", "bhsd", "sbhd" or "thd".
+//   sections       multi-axis RoPE: rotary pairs per position axis (summing to
+//                  rotary_dim / 2); positions are then int64 (n_axes, seq) or (n_axes,
+//                  batch, seq) ((n_axes, tokens) for "thd"), default 0 .. seq-1 on every
+//                  axis.
+//   sections_mode  "axial" (each section its own 1-D RoPE of width 2 * sections[a]: FLUX,
+//                  EVA-02 / timm, torchtune vision), "mrope" (one frequency list, contiguous
+//                  sections: Qwen2-VL) or "mrope_interleaved" (Qwen3-VL).
+#define POSENC_ROPE_CONFIG_OPTIONS(X)                    \
+  X(double, base, 10000.0)                               \
+  X(bool, interleaved, false)                            \
+  X(std::optional<int64_t>, rotary_dim, std::nullopt)    \
+  X(RopeScaling, scaling, {})                            \
+  X(std::string, layout, "bshd")                         \
+  X(std::vector<int64_t>, sections, {})                  \
+  X(std::string, sections_mode, "axial")
+
 struct ApplyRopeOptions {
   // int64 (seq,) or (batch, seq); default 0 .. seq-1.
   TORCH_ARG(std::optional<torch::Tensor>, positions) = std::nullopt;
@@ -59,24 +85,10 @@ struct ApplyRopeOptions {
   TORCH_ARG(std::optional<torch::Tensor>, offsets) = std::nullopt;
   // Cumulative sequence lengths for layout "thd" (int32 or int64).
   TORCH_ARG(std::optional<torch::Tensor>, cu_seqlens) = std::nullopt;
-  TORCH_ARG(double, base) = 10000.0;
-  // Adjacent pairs (GPT-J, Meta LLaMA) instead of halves (GPT-NeoX, HF rotate_half).
-  TORCH_ARG(bool, interleaved) = false;
-  // Rotate only the first rotary_dim features; default head_dim (2 * sum(sections) with
-  // sections).
-  TORCH_ARG(std::optional<int64_t>, rotary_dim) = std::nullopt;
-  TORCH_ARG(RopeScaling, scaling) = {};
-  // "bshd", "bhsd", "sbhd" or "thd".
-  TORCH_ARG(std::string, layout) = "bshd";
-  // Multi-axis RoPE: rotary pairs per position axis (summing to rotary_dim / 2); positions
-  // are then int64 (n_axes, seq) or (n_axes, batch, seq) ((n_axes, tokens) for "thd"),
-  // default 0 .. seq-1 on every axis. sections_mode: "axial" (each section its own 1-D RoPE
-  // of width 2 * sections[a]: FLUX, EVA-02 / timm, torchtune vision), "mrope" (one frequency
-  // list, contiguous sections: Qwen2-VL) or "mrope_interleaved" (Qwen3-VL).
-  TORCH_ARG(std::vector<int64_t>, sections) = {};
-  TORCH_ARG(std::string, sections_mode) = "axial";
-  // The plain settings (posenc/math/rope.h, POSENC_ROPE_SETTINGS).
-#define POSENC_X(type, name, default_value, schema_type) TORCH_ARG(type, name) = default_value;
+  // The configuration (POSENC_ROPE_CONFIG_OPTIONS below) and the plain settings
+  // (posenc/math/rope.h, POSENC_ROPE_SETTINGS).
+#define POSENC_X(type, name, default_value, ...) TORCH_ARG(type, name) = default_value;
+  POSENC_ROPE_CONFIG_OPTIONS(POSENC_X)
   POSENC_ROPE_SETTINGS(POSENC_X)
 #undef POSENC_X
 };
@@ -137,19 +149,13 @@ struct RotaryPositionalEncodingOptions {
   TORCH_ARG(int64_t, dim);
   // Positions must lie in [0, max_len).
   TORCH_ARG(int64_t, max_len) = 4096;
-  TORCH_ARG(double, base) = 10000.0;
-  TORCH_ARG(bool, interleaved) = false;
-  TORCH_ARG(std::optional<int64_t>, rotary_dim) = std::nullopt;
-  // "yarn": original_max_position_embeddings defaults to max_len. "dynamic" needs it given
-  // and below max_len (it rescales only positions beyond it). "longrope": factor defaults to
-  // max_len / original_max_position_embeddings (transformers' max_position_embeddings).
-  TORCH_ARG(RopeScaling, scaling) = {};
-  TORCH_ARG(std::string, layout) = "bshd";
-  // Multi-axis RoPE (see ApplyRopeOptions); every coordinate must lie in [0, max_len).
-  TORCH_ARG(std::vector<int64_t>, sections) = {};
-  TORCH_ARG(std::string, sections_mode) = "axial";
-  // The plain settings (posenc/math/rope.h, POSENC_ROPE_SETTINGS), as in ApplyRopeOptions.
-#define POSENC_X(type, name, default_value, schema_type) TORCH_ARG(type, name) = default_value;
+  // As ApplyRopeOptions' (POSENC_ROPE_CONFIG_OPTIONS, POSENC_ROPE_SETTINGS). Scaling: "yarn"'s
+  // original_max_position_embeddings defaults to max_len; "dynamic" needs it given and below
+  // max_len (it rescales only positions beyond it); "longrope"'s factor defaults to max_len /
+  // original_max_position_embeddings (transformers' max_position_embeddings). Multi-axis
+  // RoPE: every coordinate must lie in [0, max_len).
+#define POSENC_X(type, name, default_value, ...) TORCH_ARG(type, name) = default_value;
+  POSENC_ROPE_CONFIG_OPTIONS(POSENC_X)
   POSENC_ROPE_SETTINGS(POSENC_X)
 #undef POSENC_X
   // Range-check CUDA position tensors on the host (one device sync).

@@ -247,12 +247,6 @@ void RopeCall::push(torch::jit::Stack& stack) const {
   for_each_argument(*this, [&](const char*, const auto& field) { stack.push_back(write(field)); });
 }
 
-int64_t rope_sections_width(const std::vector<int64_t>& sections) {
-  int64_t width = 0;
-  for (const int64_t s : sections) width += 2 * std::max<int64_t>(s, 0);  // bad ones: checked later
-  return width;
-}
-
 const char* rope_layout_name(RopeLayout layout) { return name_of(kLayouts, layout); }
 const char* rope_type_name(math::RopeType type) { return name_of(kRopeTypes, type); }
 
@@ -311,6 +305,14 @@ std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call) {
   call.push(stack);
   op.callBoxed(stack);
   return {stack[0].toInt(), stack[1].toInt()};
+}
+
+int64_t call_rope_rotary_width(const RopeCall& call) {
+  static const c10::OperatorHandle op = find_handle("posenc::rope_rotary_width");
+  torch::jit::Stack stack;
+  call.push(stack);
+  op.callBoxed(stack);
+  return stack[0].toInt();
 }
 
 void check_rope_schema_matches(const c10::FunctionSchema& schema) {

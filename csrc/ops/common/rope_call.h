@@ -96,9 +96,6 @@ math::RopeSectionsMode parse_rope_sections_mode(const std::string& name);
 math::RopeType parse_rope_type(const std::string& name);
 RopeLayout parse_rope_layout(const std::string& name);
 
-// The rotary width sections rotate when rotary_dim is not given: 2 * sum(sections).
-int64_t rope_sections_width(const std::vector<int64_t>& sections);
-
 // Names, for messages and for Python (posenc::rope_scaling_spec).
 const char* rope_layout_name(RopeLayout layout);
 const char* rope_type_name(math::RopeType type);
@@ -120,10 +117,13 @@ at::Tensor rope_canonical_view(const at::Tensor& x, RopeLayout layout);
 at::Tensor rope_from_canonical(const at::Tensor& x, RopeLayout layout);
 
 // The boxed op calls every C++ caller goes through (C++ API, autograd): rope returns
-// (q, k or an empty tensor), rope_ rotates in place, rope_position_bounds reads bounds.
+// (q, k or an empty tensor), rope_ rotates in place, rope_position_bounds reads bounds,
+// rope_rotary_width checks the settings and resolves the rotary width.
 std::tuple<at::Tensor, at::Tensor> call_rope(const RopeCall& call);
 void call_rope_inplace(const RopeCall& call);
 std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call);
+// The features the call rotates (rotary_dim resolved), after its checks: rope_rotary_width.
+int64_t call_rope_rotary_width(const RopeCall& call);
 
 // The names the RoPE ops accept and the facts of each scaling type, for Python (the op
 // rope_scaling_spec, defined with rope's schemas in rope/rope.cpp): (rope types, scaling

@@ -258,16 +258,20 @@ int64_t check_rope_structure(const RopeCall& c) {
                 q.sym_sizes(), " and k of shape ", k.sym_sizes(), " for layout '", layout, "'");
   }
   const int64_t hd = qv.sym_size(3).guard_int(__FILE__, __LINE__);
-  // The default rotary width: head_dim, or what the sections rotate (features beyond pass
-  // through, as with partial rotary).
   // Where the rotary part starts (math::rope_rotary_begin): by default it runs to the end
   // of the head.
   const int64_t begin = math::rope_rotary_begin(c.settings);
   TORCH_CHECK_VALUE(begin == 0 || (begin > 0 && begin < hd),
                     "posenc: expected the rotary part to start inside the head, at a feature in "
                     "[0, head_dim = ", hd, "), got ", begin);
+  // The rotary width (the one statement of its rule; the modules ask the op
+  // rope_rotary_width): rotary_dim; by default the rest of the head from begin, or with
+  // sections what they rotate, 2 * sum(sections).
   int64_t rot = c.rotary_dim < 0 ? hd - begin : c.rotary_dim;
-  if (c.rotary_dim < 0 && c.multi_axis()) rot = rope_sections_width(c.sections);
+  if (c.rotary_dim < 0 && c.multi_axis()) {
+    rot = 0;
+    for (const int64_t s : c.sections) rot += 2 * std::max<int64_t>(s, 0);  // bad ones: below
+  }
   TORCH_CHECK_VALUE(c.rotary_dim == -1 || c.rotary_dim > 0,
                     "posenc: expected rotary_dim to be a positive even number or None, got ",
                     c.rotary_dim);

@@ -29,6 +29,10 @@ namespace ops {
 //   rope_                 the same rotation in place (inference).
 //   rope_position_bounds  (smallest, largest) position a call rotates ((0, -1): none),
 //                         read back to the host; the modules' range check.
+//   rope_rotary_width     how many features of a head the call rotates (rotary_dim
+//                         resolved: head_dim - rotary_offset, or 2 * sum(sections)), after
+//                         the call's checks: the one statement of that rule, which the
+//                         modules ask for at construction (an empty q suffices).
 //   rope_scaling_spec     the names the ops accept and the facts of the scaling types,
 //                         for Python (rope_call.h).
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
@@ -36,6 +40,7 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
   m.def(("rope(Tensor q, Tensor? k=None, " + tail + ") -> (Tensor, Tensor)").c_str());
   m.def(("rope_(Tensor(a!) q, Tensor(b!)? k=None, " + tail + ") -> ()").c_str());
   m.def(("rope_position_bounds(Tensor q, Tensor? k=None, " + tail + ") -> (int, int)").c_str());
+  m.def(("rope_rotary_width(Tensor q, Tensor? k=None, " + tail + ") -> int").c_str());
   m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[], str[], int[], int[])",
         &rope_scaling_spec);
 }
@@ -160,9 +165,17 @@ void run_rope_composite(const RopeLaunch& launch, const at::Tensor& q) {
 
 at::Tensor empty_output_composite(const at::Tensor& like) { return composite::empty_output(like); }
 
+void rope_rotary_width_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const RopeCall c = RopeCall::pop(*stack);
+  check_rope_settings(c);
+  stack->emplace_back(check_rope_structure(c));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
+  // Shapes and settings only: one kernel for every backend, Meta included.
+  m.impl("rope_rotary_width", torch::CppFunction::makeFromBoxedFunction<&rope_rotary_width_boxed>());
   m.impl("rope", torch::CppFunction::makeFromBoxedFunction<
                      &rope_kernel_boxed<&empty_output_composite, &run_rope_composite>>());
   m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<
