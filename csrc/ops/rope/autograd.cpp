@@ -1,78 +1,66 @@
-// Autograd of the rope ops, in C++ so that LibTorch apps get gradients too.
+// Autograd of the rope ops, in C++ so that LibTorch apps get gradients too, written as
+// PyTorch's own ops write theirs (common/autograd_node.h), so torch.func's transforms and
+// forward-mode AD take it as well.
 //
-// rope is linear in q and k: out = f * R(angle) x per pair, so the gradient is the
-// transpose f * R(-angle) applied to the incoming gradient, i.e. the same call with
-// inverse flipped, fused for q and k in one launch. Saved for backward: the call's settings
-// and its index tensors (positions, offsets, cu_seqlens), no activation.
+// rope is linear in q and k: out = f * R(angle) x per pair. Its derivatives are the op itself:
+// - backward: the transpose f * R(-angle) applied to the incoming gradient, i.e. the same
+//   call with inverse flipped, fused for q and k in one launch;
+// - forward (jvp): the tangent of rope(x) is rope(tangent), the same call.
+// Saved for backward: the call's settings and its index tensors (positions, offsets,
+// cu_seqlens), no activation.
 //
-// rope_ (in place) is for inference: under grad mode with inputs that require grad it
-// raises, since overwriting q would destroy what autograd needs; otherwise it bumps the
-// version counters of q and k, as every in-place op must.
+// rope_ (in place) is for inference: inputs that require grad under grad mode, or carry a
+// tangent, are refused, since overwriting q would destroy what autograd needs; otherwise it
+// bumps the version counters of q and k, as every in-place op must.
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
-#include <torch/csrc/autograd/variable.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "ops/common/autograd_node.h"
 #include "ops/common/rope_call.h"
 
 namespace posenc {
 namespace ops {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+namespace ag = autograd;
 
-std::optional<at::Tensor> maybe(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+// call applied to (a, b), either of which may be undefined (a zero gradient or tangent): the
+// rotated pair, undefined where the input was. One fused launch when both are defined; a
+// lone b is rotated as the call's q (q and k share batch, sequence and positions).
+std::pair<at::Tensor, at::Tensor> rotate_pair(RopeCall call, const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() && !b.defined()) return {};
+  if (!a.defined()) {
+    call.q = b;
+    call.k = std::nullopt;
+    return {at::Tensor(), std::get<0>(call_rope(call))};
+  }
+  call.q = a;
+  call.k = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+  auto [ra, rb] = call_rope(call);
+  return {ra, b.defined() ? rb : at::Tensor()};
 }
 
-// The call's settings, kept in the autograd context (its tensors are saved apart, as
-// saved variables, so that autograd checks their versions).
-struct SavedRopeSettings : torch::CustomClassHolder {
-  explicit SavedRopeSettings(RopeCall c) : call(std::move(c)) {}
-  RopeCall call;
-};
+struct RopeBackward : ag::Node {
+  RopeCall call;  // the settings; q, k and the index tensors unset (saved below)
+  ag::SavedVariable positions, offsets, cu_seqlens;
+  bool has_k = false;
 
-class RopeFunction : public torch::autograd::Function<RopeFunction> {
- public:
-  // q and k are passed apart from the call so that autograd sees them as the inputs.
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q,
-                               const std::optional<at::Tensor>& k, RopeCall call) {
-    at::Tensor out_q, out_k;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(out_q, out_k) = call_rope(call);
-    }
-    ctx->save_for_backward({call.positions.value_or(at::Tensor()),
-                            call.offsets.value_or(at::Tensor()),
-                            call.cu_seqlens.value_or(at::Tensor())});
-    ctx->saved_data["has_k"] = k.has_value();
-    call.q = at::Tensor();
-    call.k = call.positions = call.offsets = call.cu_seqlens = std::nullopt;
-    ctx->saved_data["settings"] =
-        c10::IValue::make_capsule(c10::make_intrusive<SavedRopeSettings>(std::move(call)));
-    if (!k.has_value()) ctx->mark_non_differentiable({out_k});
-    return {out_q, out_k};
+  std::string name() const override { return "posenc::RopeBackward"; }
+  void release_variables() override {
+    positions.reset_data();
+    offsets.reset_data();
+    cu_seqlens.reset_data();
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const bool has_k = ctx->saved_data["has_k"].toBool();
-    RopeCall call = c10::static_intrusive_pointer_cast<SavedRopeSettings>(
-                        ctx->saved_data["settings"].toCapsule())
-                        ->call;
-    call.q = grads[0];
-    call.k = has_k ? std::optional<at::Tensor>(grads[1]) : std::nullopt;
-    call.positions = maybe(saved[0]);
-    call.offsets = maybe(saved[1]);
-    call.cu_seqlens = maybe(saved[2]);
-    call.inverse = !call.inverse;
-    auto [grad_q, grad_k] = call_rope(call);
-    variable_list result(3);  // q, k, the call
-    if (ctx->needs_input_grad(0)) result[0] = grad_q;
-    if (has_k && ctx->needs_input_grad(1)) result[1] = grad_k;
-    return result;
+  ag::variable_list apply(ag::variable_list&& grads) override {
+    RopeCall c = call;
+    c.positions = ag::unpack(positions);
+    c.offsets = ag::unpack(offsets);
+    c.cu_seqlens = ag::unpack(cu_seqlens);
+    c.inverse = !c.inverse;  // the transpose of a rotation
+    const at::Tensor gq = should_compute_output(0) ? grads[0] : at::Tensor();
+    const at::Tensor gk = has_k && should_compute_output(1) ? grads[1] : at::Tensor();
+    auto [dq, dk] = rotate_pair(std::move(c), gq, gk);
+    return {dq, dk};  // one per input edge (k's is empty when k is None)
   }
 };
 
@@ -80,24 +68,46 @@ void rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   RopeCall call = RopeCall::pop(*stack);
   const at::Tensor q = call.q;
   const std::optional<at::Tensor> k = call.k;
-  variable_list out = RopeFunction::apply(q, k, std::move(call));
-  stack->emplace_back(std::move(out[0]));
-  stack->emplace_back(std::move(out[1]));
+  std::shared_ptr<RopeBackward> node = ag::make_node<RopeBackward>(q, k);
+  at::Tensor out_q, out_k;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out_q, out_k) = call_rope(call);
+  }
+  if (node) {
+    node->positions = ag::save(call.positions);
+    node->offsets = ag::save(call.offsets);
+    node->cu_seqlens = ag::save(call.cu_seqlens);
+    node->has_k = k.has_value();
+    node->call = call;
+    node->call.q = at::Tensor();
+    node->call.k = node->call.positions = node->call.offsets = node->call.cu_seqlens = std::nullopt;
+    if (k.has_value()) {
+      ag::record(node, out_q, out_k);
+    } else {
+      ag::record(node, out_q);  // the empty k placeholder is not differentiable
+    }
+  }
+  if (ag::has_tangent(q, k)) {
+    auto [tq, tk] = rotate_pair(call, ag::tangent(q), ag::tangent(k));
+    ag::set_tangent(out_q, tq);
+    ag::set_tangent(out_k, tk);
+  }
+  stack->emplace_back(std::move(out_q));
+  stack->emplace_back(std::move(out_k));
 }
 
 void rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const RopeCall call = RopeCall::pop(*stack);
-  const bool needs_grad = at::GradMode::is_enabled() &&
-                          (call.q.requires_grad() || (call.k.has_value() && call.k->requires_grad()));
-  TORCH_CHECK(!needs_grad,
+  TORCH_CHECK(!torch::autograd::compute_requires_grad(call.q, call.k) && !ag::has_tangent(call.q, call.k),
               "posenc: inplace=True rotates q and k in their own storage, which autograd cannot "
               "differentiate; use inplace=False for training, or run under torch.no_grad()");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     call_rope_inplace(call);
   }
-  torch::autograd::impl::bump_version(call.q);
-  if (call.k.has_value()) torch::autograd::impl::bump_version(*call.k);
+  torch::autograd::increment_version(call.q);
+  if (call.k.has_value()) torch::autograd::increment_version(*call.k);
 }
 
 }  // namespace

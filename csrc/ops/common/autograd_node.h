@@ -1,0 +1,82 @@
+// The pieces every autograd kernel of posenc shares. They are written as PyTorch writes its
+// own ops' autograd kernels (the generated VariableType code): a torch::autograd::Node per op
+// holds the backward formula, recorded with collect_next_edges / set_history, and the forward
+// formula (forward-mode AD) sets the outputs' tangents at level 0. Unlike
+// torch::autograd::Function, such a kernel composes with torch.func (grad, vjp, jvp, jacrev,
+// jacfwd, hessian, vmap of each: functorch runs it once per transform level) and with
+// torch.autograd.forward_ad, and it serves LibTorch's C++ autograd unchanged: one definition
+// of each derivative for every front end.
+//
+// Rules every kernel keeps (each breaks a transform when forgotten):
+// - the forward runs below autograd (AutoDispatchBelowADInplaceOrView);
+// - a Node's apply calls ops through the dispatcher, with grad mode as it finds it, so that a
+//   backward is itself differentiable (double backward, hessian, jacrev of jacrev);
+// - a tangent is computed through the dispatcher too, grad mode as it is, never below
+//   autograd or under no_grad (jacrev of jacfwd, grad of jvp and autograd.grad over
+//   forward AD would silently get wrong numbers);
+// - an in-place kernel refuses inputs that require grad or carry a tangent, and bumps the
+//   versions of what it wrote (ADInplaceOrView is a fallthrough for custom ops).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/functions/utils.h>
+#include <torch/csrc/autograd/saved_variable.h>
+
+#include <memory>
+#include <optional>
+
+namespace posenc {
+namespace ops {
+namespace autograd {
+
+using torch::autograd::Node;
+using torch::autograd::SavedVariable;
+using torch::autograd::variable_list;
+
+// The node of an op whose differentiable inputs are `inputs` (one edge each, in order: the
+// gradients Node::apply returns), or nullptr when none requires grad under grad mode.
+template <class T, class... Inputs>
+std::shared_ptr<T> make_node(const Inputs&... inputs) {
+  if (!torch::autograd::compute_requires_grad(inputs...)) return nullptr;
+  std::shared_ptr<T> node(new T(), torch::autograd::deleteNode);
+  node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
+  return node;
+}
+
+// Records `outputs` as the node's outputs (output i gets the gradient apply reads at i).
+template <class... Outputs>
+void record(const std::shared_ptr<Node>& node, const Outputs&... outputs) {
+  if (node) torch::autograd::set_history(torch::autograd::flatten_tensor_args(outputs...), node);
+}
+
+// A tensor's tangent (forward AD, level 0: torch.func.jvp's too), undefined when it has none.
+inline at::Tensor tangent(const at::Tensor& t) {
+  return t.defined() ? t._fw_grad(/*level=*/0) : at::Tensor();
+}
+inline at::Tensor tangent(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? tangent(*t) : at::Tensor();
+}
+// Whether any of the tensors carries a tangent.
+template <class... Tensors>
+bool has_tangent(const Tensors&... tensors) {
+  return (tangent(tensors).defined() || ...);
+}
+// Sets out's tangent (an undefined one: none).
+inline void set_tangent(const at::Tensor& out, const at::Tensor& t) {
+  if (out.defined() && t.defined()) out._set_fw_grad(t, /*level=*/0, /*is_inplace_op=*/false);
+}
+
+// A saved optional tensor (an index tensor of the call), for the version check at backward.
+inline SavedVariable save(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? SavedVariable(*t, /*is_output=*/false) : SavedVariable();
+}
+inline std::optional<at::Tensor> unpack(const SavedVariable& v) {
+  at::Tensor t = v.unpack();
+  return t.defined() ? std::optional<at::Tensor>(std::move(t)) : std::nullopt;
+}
+
+}  // namespace autograd
+}  // namespace ops
+}  // namespace posenc

@@ -1,0 +1,227 @@
+"""torch.func transforms and forward-mode AD through the rope op (apply_rope in every form,
+the module), against the same transforms of the float64 references written from the
+formulas (rope_reference.py, multi_axis_reference.py). The derivatives are the op's own
+(csrc/ops/rope/autograd.cpp): one C++ definition for autograd, torch.func and forward AD."""
+
+import pytest
+import torch
+from torch.autograd import forward_ad
+from torch.func import functional_call, grad, jvp, vmap
+
+import posenc
+from posenc.functional import apply_rope
+from func_transforms import check_transforms, gradcheck_all
+from multi_axis_reference import generic_inv_freq_and_axis, generic_multi_axis_rope
+from rope_reference import reference_inv_freq, reference_rope, rotate_half, thd_positions
+
+F64 = torch.float64
+
+
+def joined(*outs):
+    return torch.cat([o.reshape(-1) for o in outs])
+
+
+def grid(b, s, offset=0):
+    return (torch.arange(s) + offset).expand(b, s)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd"])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_layouts_q_and_gqa_k(layout, interleaved):
+    torch.manual_seed(0)
+    b, s, hq, hk, d = 2, 3, 2, 1, 6
+    shape = {"bshd": lambda h: (b, s, h, d), "bhsd": lambda h: (b, h, s, d), "sbhd": lambda h: (s, b, h, d)}[layout]
+    q, k = torch.randn(shape(hq), dtype=F64), torch.randn(shape(hk), dtype=F64)
+    inv, _ = reference_inv_freq(d)
+    pos = grid(b, s, offset=2)
+
+    def f(q, k):
+        return joined(*apply_rope(q, k, layout=layout, interleaved=interleaved, offset=2))
+
+    def ref(q, k):
+        return joined(reference_rope(q, layout, pos, inv, d, interleaved), reference_rope(k, layout, pos, inv, d,
+                                                                                           interleaved))
+
+    check_transforms(f, ref, (q, k), batch_inputs=(torch.randn(3, *q.shape, dtype=F64), k))
+
+
+@pytest.mark.parametrize("kwargs,ref_kwargs", [
+    (dict(rotary_dim=4), dict(rotary_dim=4)),
+    (dict(scaling={"rope_type": "linear", "factor": 2.0}), dict(scaling={"rope_type": "linear", "factor": 2.0})),
+    (dict(scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}),
+     dict(scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8})),
+])
+def test_partial_rotary_and_scaling_q_alone(kwargs, ref_kwargs):
+    torch.manual_seed(1)
+    b, s, h, d = 2, 4, 2, 8
+    q = torch.randn(b, s, h, d, dtype=F64)
+    positions = torch.tensor([[0, 5, 9, 3], [1, 1, 7, 2]])
+    rot = ref_kwargs.get("rotary_dim", d)
+    inv, attn = reference_inv_freq(rot, scaling=ref_kwargs.get("scaling"))
+
+    def f(q):
+        return apply_rope(q, positions=positions, **kwargs)
+
+    def ref(q):
+        return reference_rope(q, "bshd", positions, inv, rot, False, attn)
+
+    check_transforms(f, ref, (q,))
+
+
+def test_rotary_offset_and_packed_thd():
+    torch.manual_seed(2)
+    cu = torch.tensor([0, 2, 5])
+    q, k = torch.randn(5, 2, 10, dtype=F64), torch.randn(5, 1, 10, dtype=F64)
+    pos = thd_positions(cu)
+    inv, _ = reference_inv_freq(6)
+
+    def ref_one(x):  # rotary features [4, 10): the first 4 pass through
+        rotated = reference_rope(x[..., 4:], "thd", pos, inv, 6, False)
+        return torch.cat([x[..., :4], rotated], -1)
+
+    def f(q, k):
+        return joined(*apply_rope(q, k, layout="thd", cu_seqlens=cu, rotary_offset=4))
+
+    check_transforms(f, lambda q, k: joined(ref_one(q), ref_one(k)), (q, k),
+                     batch_inputs=(torch.randn(2, *q.shape, dtype=F64), k))
+
+
+def test_multi_axis():
+    torch.manual_seed(3)
+    b, s, h, d = 1, 6, 2, 12
+    q = torch.randn(b, s, h, d, dtype=F64)
+    positions = torch.stack([torch.arange(s) // 3, torch.arange(s) % 3, torch.arange(s)])  # (3, seq)
+    sections = [1, 2, 3]
+
+    def f(q):
+        return apply_rope(q, positions=positions, sections=sections, sections_mode="mrope")
+
+    inv, axis = generic_inv_freq_and_axis(sections, "mrope", 10000.0)
+    angle = positions.to(F64)[axis].T * inv  # (seq, pairs): each pair turns with its axis' position
+    emb = torch.cat([angle, angle], -1)[None, :, None, :]
+
+    def ref(q):  # rotate_half form (the shared reference writes with index_put_, which vmap refuses)
+        xr, xp = q[..., :12], q[..., 12:]
+        return torch.cat([xr * emb.cos() + rotate_half(xr) * emb.sin(), xp], -1)
+
+    torch.testing.assert_close(ref(q), generic_multi_axis_rope(q, positions, sections, "mrope", 10000.0, False))
+    check_transforms(f, ref, (q,))
+
+
+def test_gradcheck_with_forward_ad_and_batched_grads():
+    torch.manual_seed(4)
+    q, k = torch.randn(1, 3, 2, 4, dtype=F64), torch.randn(1, 3, 1, 4, dtype=F64)
+    gradcheck_all(lambda q, k: apply_rope(q, k, offset=1, interleaved=True), (q, k))
+    gradcheck_all(lambda q: apply_rope(q, positions=torch.tensor([[4, 0, 2]]), rotary_dim=2), (q,))
+
+
+def test_the_module_under_grad_vmap_and_jvp():
+    torch.manual_seed(5)
+    rope = posenc.RotaryPositionalEncoding(8, max_len=32)
+    q = torch.randn(3, 2, 5, 2, 8, dtype=F64)  # a batch of 3 samples of (2, 5, 2, 8)
+    inv, _ = reference_inv_freq(8)
+    pos = grid(2, 5)
+    w = torch.randn(2, 5, 2, 8, dtype=F64)
+    per_sample = vmap(grad(lambda x: (rope(x) * w).sum()))(q)
+    want = torch.stack([grad(lambda x: (reference_rope(x, "bshd", pos, inv, 8, False) * w).sum())(x) for x in q])
+    torch.testing.assert_close(per_sample, want, rtol=1e-12, atol=1e-12)
+    t = torch.randn_like(q[0])
+    out, tangent = jvp(rope, (q[0],), (t,))
+    torch.testing.assert_close(tangent, rope(t), rtol=0, atol=0)  # the tangent is the op itself
+
+
+def test_inplace_refuses_gradients_and_tangents():
+    q = torch.randn(1, 2, 1, 4, dtype=F64)
+    with pytest.raises(RuntimeError, match="inplace=True rotates q and k in their own storage"):
+        grad(lambda x: apply_rope(x.clone(), inplace=True).sum())(q)
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(q.clone(), torch.ones_like(q))
+        with pytest.raises(RuntimeError, match="inplace=True rotates q and k in their own storage"):
+            apply_rope(dual, inplace=True)
+    with torch.no_grad():  # inference: allowed, and the version counter moves
+        x = q.clone()
+        v = x._version
+        apply_rope(x, inplace=True)
+        assert x._version > v
+
+
+def test_a_missing_output_gradient_is_zero():
+    """Only k's output used: q's gradient is zero (an undefined gradient, not an error)."""
+    q = torch.randn(1, 3, 2, 4, dtype=F64, requires_grad=True)
+    k = torch.randn(1, 3, 1, 4, dtype=F64, requires_grad=True)
+    _, ok = apply_rope(q, k)
+    gq, gk = torch.autograd.grad(ok.sum(), (q, k), allow_unused=True)
+    assert gq is None or torch.count_nonzero(gq) == 0
+    inv, _ = reference_inv_freq(4)
+    want = torch.autograd.grad(reference_rope(k, "bshd", grid(1, 3), inv, 4, False).sum(), k)[0]
+    torch.testing.assert_close(gk, want, rtol=1e-12, atol=1e-12)
+
+
+def test_compile_vmap_grad_fullgraph():
+    torch._dynamo.reset()
+    rope = posenc.RotaryPositionalEncoding(8, max_len=16)
+    w = torch.randn(4, 2, 8)
+
+    def loss(x):
+        return (rope(x) * w).square().sum()
+
+    f = torch.compile(vmap(grad(loss)), fullgraph=True, backend="aot_eager")
+    x = torch.randn(3, 1, 4, 2, 8)
+    torch.testing.assert_close(f(x), vmap(grad(loss))(x))
+
+
+def test_per_sample_gradients_of_a_tiny_transformer_with_functional_call():
+    """Opacus-style per-sample gradients: vmap(grad) over a model holding a learned table
+    and RoPE, against a loop of ordinary backward passes."""
+    torch.manual_seed(6)
+
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.pe = posenc.LearnedPositionalEncoding(8, max_len=16, dropout=0.0)
+            self.qk = torch.nn.Linear(8, 16, dtype=F64)
+            self.rope = posenc.RotaryPositionalEncoding(4, max_len=16)
+
+        def forward(self, x):  # x: (seq, 8) one sample
+            h = self.pe(x[None])  # (1, seq, 8)
+            q, k = self.qk(h).view(1, -1, 4, 4).chunk(2, dim=2)
+            q, k = self.rope(q, k)
+            return torch.einsum("bshd,bthd->bhst", q, k).softmax(-1).sum()
+
+    model = Tiny().double()
+    params = {n: p.detach() for n, p in model.named_parameters()}
+    x = torch.randn(3, 5, 8, dtype=F64)
+    per_sample = vmap(grad(lambda p, xi: functional_call(model, p, (xi,))), in_dims=(None, 0))(params, x)
+    for i in range(3):
+        model.zero_grad()
+        model(x[i]).backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(per_sample[name][i], p.grad, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "sbhd", "thd"])
+def test_vmap_batch_rule_one_fused_call(layout, recwarn):
+    """vmap folds the samples into the heads: one call, no per-sample fallback loop (which
+    warns "There is a performance drop ..."), same numbers as a loop of calls."""
+    torch.manual_seed(7)
+    shape = {"bshd": (2, 3, 2, 6), "bhsd": (2, 2, 3, 6), "sbhd": (3, 2, 2, 6), "thd": (5, 2, 6)}[layout]
+    kw = dict(layout=layout, cu_seqlens=torch.tensor([0, 2, 5])) if layout == "thd" else dict(layout=layout)
+    q = torch.randn(4, *shape, dtype=F64)
+    k = torch.randn(*shape, dtype=F64)  # not batched: expanded inside
+    out_q, out_k = vmap(lambda q: apply_rope(q, k, offset=1, **kw))(q)
+    for i in range(4):
+        want_q, want_k = apply_rope(q[i], k, offset=1, **kw)
+        assert torch.equal(out_q[i], want_q) and torch.equal(out_k[i], want_k)
+    out = vmap(lambda x: apply_rope(x, **kw), in_dims=1)(q.movedim(0, 1))
+    for i in range(4):
+        assert torch.equal(out[i], apply_rope(q[i], **kw))
+    assert not [w for w in recwarn if "performance drop" in str(w.message)]
+
+
+def test_vmap_with_batched_positions_loops_over_samples():
+    torch.manual_seed(8)
+    q = torch.randn(3, 1, 4, 2, 6, dtype=F64)
+    positions = torch.randint(0, 50, (3, 1, 4))
+    out = vmap(lambda x, p: apply_rope(x, positions=p))(q, positions)
+    for i in range(3):
+        assert torch.equal(out[i], apply_rope(q[i], positions=positions[i]))
