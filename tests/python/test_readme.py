@@ -19,7 +19,7 @@ def python_blocks():
 
 def test_readme_python_examples_run():
     blocks = python_blocks()
-    assert len(blocks) == 5, "update the stand-ins below when README examples are added"
+    assert len(blocks) == 6, "update the stand-ins below when README examples are added"
     # Block 1: the additive encodings and helpers.
     d, B, S = 512, 2, 9
     first = dict(
@@ -94,3 +94,12 @@ def test_readme_python_examples_run():
         torch.testing.assert_close(fifth["k"], want[1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fifth["q2"], posenc.functional.apply_rope(rms(q, 1.0), base=1e6,
                                    positions=fifth["position_ids"]), atol=1e-5, rtol=1e-5)
+    # Block 6: torch.func (per-sample gradients, jvp), against plain autograd per sample.
+    sixth: dict = {}
+    exec(compile(blocks[5], "README.md (block 6)", "exec"), sixth)
+    rope, q = sixth["rope"], sixth["q"]
+    for i in (0, 7):
+        x = q[i].clone().requires_grad_(True)
+        rope(x).square().sum().backward()
+        torch.testing.assert_close(sixth["per_sample"][i], x.grad)
+    assert torch.equal(sixth["tangent"], rope(torch.ones_like(q[0])))
