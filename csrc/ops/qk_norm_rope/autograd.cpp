@@ -1,109 +1,150 @@
-// Autograd of qk_norm_rope, in C++ so that LibTorch apps get gradients too.
+// Autograd of qk_norm_rope, in C++ so that LibTorch apps get gradients too, written as
+// PyTorch's own ops write theirs (common/autograd_node.h), so torch.func's transforms and
+// forward-mode AD take it as well.
 //
-// Saved for backward: the inputs q, k and both weights (the norm is recomputed from them:
-// no activation beyond what the caller already holds), the call's index tensors, and its
-// settings. The backward is one fused op, qk_norm_rope_backward (the gradient turned back,
-// then RMSNorm's backward, the weight gradients summed in the same pass); under
-// create_graph it is the composite of ATen ops and rope instead
-// (qk_norm_rope_backward_composite), which autograd differentiates again.
+// y = rope(n(x) * w') with n(x) = x * rsqrt(mean(x^2) + eps) (over the head, or the token's
+// whole projection) and w' = w + weight_offset, for x = q and x = k.
+// - backward: one fused op, qk_norm_rope_backward (the gradient turned back, then RMSNorm's
+//   backward, the weight gradients summed in the same pass). When the backward must itself
+//   be differentiable (grad mode on: create_graph, every torch.func transform, or a tangent
+//   on what it reads: forward-over-reverse) it is the composite of ATen ops and rope instead
+//   (qk_norm_rope_backward_composite), which autograd differentiates again.
+// - forward (jvp): dy = rope(J(x) dx * w' + n(x) dw), J RMSNorm's Jacobian. The part before
+//   the rotation is qk_norm_tangent (qk_norm_rope.cpp), which shares the norm and its
+//   Jacobian with the backward composite (J is symmetric: one product serves both); the
+//   rotation is one call of the rope op with the call's RoPE settings, fused for q and k.
+// Saved for backward: the inputs q, k and both weights (the norm is recomputed from them: no
+// activation beyond what the caller already holds), the call's index tensors and settings.
+//
+// qk_norm_rope_ (in place) is for inference: inputs that require grad under grad mode, or
+// carry a tangent, are refused; otherwise it bumps the version counters of q and k.
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
-#include <torch/csrc/autograd/variable.h>
-#include <torch/custom_class.h>
 #include <torch/library.h>
 
+#include "ops/common/autograd_node.h"
 #include "ops/qk_norm_rope/qk_norm_rope.h"
 
 namespace posenc {
 namespace ops {
 namespace {
 
-using torch::autograd::AutogradContext;
-using torch::autograd::variable_list;
+namespace ag = autograd;
 
-std::optional<at::Tensor> maybe(const at::Tensor& t) {
-  return t.defined() ? std::optional<at::Tensor>(t) : std::nullopt;
+// call applied to (a, b), either of which may be undefined (a zero tangent): the rotated
+// pair, undefined where the input was. One fused launch when both are defined; a lone b is
+// rotated as the call's q (q and k share batch, sequence and positions).
+std::pair<at::Tensor, at::Tensor> rotate_pair(RopeCall call, const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() && !b.defined()) return {};
+  if (!a.defined()) {
+    call.q = b;
+    call.k = std::nullopt;
+    return {at::Tensor(), std::get<0>(call_rope(call))};
+  }
+  call.q = a;
+  call.k = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+  auto [ra, rb] = call_rope(call);
+  return {ra, b.defined() ? rb : at::Tensor()};
 }
 
-struct SavedQkNormRopeSettings : torch::CustomClassHolder {
-  explicit SavedQkNormRopeSettings(QkNormRopeCall c) : call(std::move(c)) {}
-  QkNormRopeCall call;
-};
+// A tensor's primal at level 0 (itself when it has no tangent): the forward formula reads the
+// primals, as PyTorch's generated kernels do, or the tangent it sets would carry a tangent of
+// its own at the same level (which forward AD refuses). A view: backward still flows through.
+at::Tensor primal(const at::Tensor& t) { return ag::tangent(t).defined() ? t._fw_primal(/*level=*/0) : t; }
 
-class QkNormRopeFunction : public torch::autograd::Function<QkNormRopeFunction> {
- public:
-  static variable_list forward(AutogradContext* ctx, const at::Tensor& q, const at::Tensor& k,
-                               const at::Tensor& q_weight, const at::Tensor& k_weight,
-                               QkNormRopeCall call) {
-    at::Tensor out_q, out_k;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(out_q, out_k) = call_qk_norm_rope(call);
+// Edges: q, k, q_weight, k_weight.
+struct QkNormRopeBackward : ag::Node {
+  QkNormRopeCall call;  // the settings; every tensor unset (saved below)
+  ag::SavedVariable q, k, q_weight, k_weight, positions, offsets, cu_seqlens;
+
+  std::string name() const override { return "posenc::QkNormRopeBackward"; }
+  void release_variables() override {
+    for (ag::SavedVariable* v : {&q, &k, &q_weight, &k_weight, &positions, &offsets, &cu_seqlens}) {
+      v->reset_data();
     }
-    ctx->save_for_backward({q, k, q_weight, k_weight, call.rope.positions.value_or(at::Tensor()),
-                            call.rope.offsets.value_or(at::Tensor()),
-                            call.rope.cu_seqlens.value_or(at::Tensor())});
-    call.rope.q = call.q_weight = call.k_weight = at::Tensor();
-    call.rope.k = call.rope.positions = call.rope.offsets = call.rope.cu_seqlens = std::nullopt;
-    ctx->saved_data["settings"] = c10::IValue::make_capsule(
-        c10::make_intrusive<SavedQkNormRopeSettings>(std::move(call)));
-    return {out_q, out_k};
   }
-
-  static variable_list backward(AutogradContext* ctx, variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    QkNormRopeCall call = c10::static_intrusive_pointer_cast<SavedQkNormRopeSettings>(
-                              ctx->saved_data["settings"].toCapsule())
-                              ->call;
-    call.rope.q = saved[0];
-    call.rope.k = saved[1];
-    call.q_weight = saved[2];
-    call.k_weight = saved[3];
-    call.rope.positions = maybe(saved[4]);
-    call.rope.offsets = maybe(saved[5]);
-    call.rope.cu_seqlens = maybe(saved[6]);
+  ag::variable_list apply(ag::variable_list&& grads) override {
+    QkNormRopeCall c = call;
+    c.rope.q = q.unpack();
+    c.rope.k = k.unpack();
+    c.q_weight = q_weight.unpack();
+    c.k_weight = k_weight.unpack();
+    c.rope.positions = ag::unpack(positions);
+    c.rope.offsets = ag::unpack(offsets);
+    c.rope.cu_seqlens = ag::unpack(cu_seqlens);
     // An output that took no part in the loss has no gradient: zeros.
-    call.grad_q = grads[0].defined() ? grads[0] : at::zeros_like(saved[0]);
-    call.grad_k = grads[1].defined() ? grads[1] : at::zeros_like(saved[1]);
+    c.grad_q = grads[0].defined() ? grads[0] : at::zeros_like(c.rope.q);
+    c.grad_k = grads[1].defined() ? grads[1] : at::zeros_like(*c.rope.k);
     at::Tensor dq, dk, dwq, dwk;
-    if (at::GradMode::is_enabled()) {
-      std::tie(dq, dk, dwq, dwk) = qk_norm_rope_backward_composite(call);  // create_graph
+    if (at::GradMode::is_enabled() ||
+        ag::has_tangent(c.rope.q, c.rope.k, c.q_weight, c.k_weight, c.grad_q, c.grad_k)) {
+      std::tie(dq, dk, dwq, dwk) = qk_norm_rope_backward_composite(c);  // differentiable
     } else {
-      std::tie(dq, dk, dwq, dwk) = call_qk_norm_rope_backward(call);
+      std::tie(dq, dk, dwq, dwk) = call_qk_norm_rope_backward(c);  // one fused pass
     }
-    variable_list result(5);  // q, k, q_weight, k_weight, the call
-    const at::Tensor* all[] = {&dq, &dk, &dwq, &dwk};
-    for (int i = 0; i < 4; ++i) {
-      if (ctx->needs_input_grad(i)) result[i] = *all[i];
+    ag::variable_list out{dq, dk, dwq, dwk};
+    for (size_t i = 0; i < out.size(); ++i) {
+      if (!should_compute_output(i)) out[i] = at::Tensor();
     }
-    return result;
+    return out;
   }
 };
 
 void qk_norm_rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   QkNormRopeCall call = QkNormRopeCall::pop(*stack, /*backward=*/false);
   const at::Tensor q = call.rope.q, k = *call.rope.k, wq = call.q_weight, wk = call.k_weight;
-  variable_list out = QkNormRopeFunction::apply(q, k, wq, wk, std::move(call));
-  stack->emplace_back(std::move(out[0]));
-  stack->emplace_back(std::move(out[1]));
+  std::shared_ptr<QkNormRopeBackward> node = ag::make_node<QkNormRopeBackward>(q, k, wq, wk);
+  at::Tensor out_q, out_k;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out_q, out_k) = call_qk_norm_rope(call);
+  }
+  if (node) {
+    node->q = ag::SavedVariable(q, /*is_output=*/false);
+    node->k = ag::SavedVariable(k, /*is_output=*/false);
+    node->q_weight = ag::SavedVariable(wq, /*is_output=*/false);
+    node->k_weight = ag::SavedVariable(wk, /*is_output=*/false);
+    node->positions = ag::save(call.rope.positions);
+    node->offsets = ag::save(call.rope.offsets);
+    node->cu_seqlens = ag::save(call.rope.cu_seqlens);
+    node->call = call;
+    QkNormRopeCall& s = node->call;
+    s.rope.q = s.q_weight = s.k_weight = at::Tensor();
+    s.rope.k = s.rope.positions = s.rope.offsets = s.rope.cu_seqlens = std::nullopt;
+    ag::record(node, out_q, out_k);
+  }
+  if (ag::has_tangent(q, k, wq, wk)) {
+    QkNormRopeCall p = call;  // the formula reads the primals
+    p.rope.q = primal(q);
+    p.rope.k = primal(k);
+    p.q_weight = primal(wq);
+    p.k_weight = primal(wk);
+    const at::Tensor uq = qk_norm_tangent(p, p.rope.q, p.q_weight, ag::tangent(q), ag::tangent(wq));
+    const at::Tensor uk = qk_norm_tangent(p, *p.rope.k, p.k_weight, ag::tangent(k), ag::tangent(wk));
+    auto [tq, tk] = rotate_pair(p.rope, uq, uk);
+    if (tq.defined()) ag::set_tangent(out_q, tq.to(out_q.scalar_type()));
+    if (tk.defined()) ag::set_tangent(out_k, tk.to(out_k.scalar_type()));
+  }
+  stack->emplace_back(std::move(out_q));
+  stack->emplace_back(std::move(out_k));
 }
 
-// qk_norm_rope_ overwrites q and k: refused when a graph would be recorded (as rope_), else
-// the kernel below autograd, then the version counters bumped (a saved q or k is stale).
+// qk_norm_rope_ overwrites q and k: refused when a graph would be recorded or a tangent
+// carried (as rope_), else the kernel below autograd, then the version counters bumped (a
+// saved q or k is stale).
 void qk_norm_rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const QkNormRopeCall call = QkNormRopeCall::pop(*stack, /*backward=*/false);
-  const bool needs_grad =
-      at::GradMode::is_enabled() && (call.rope.q.requires_grad() || call.rope.k->requires_grad() ||
-                                     call.q_weight.requires_grad() || call.k_weight.requires_grad());
-  TORCH_CHECK(!needs_grad,
+  const at::Tensor& q = call.rope.q;
+  const at::Tensor& k = *call.rope.k;
+  TORCH_CHECK(!torch::autograd::compute_requires_grad(q, k, call.q_weight, call.k_weight) &&
+                  !ag::has_tangent(q, k, call.q_weight, call.k_weight),
               "posenc: qk_norm_rope: inplace=True overwrites q and k, which autograd cannot "
               "differentiate; use inplace=False for training, or run under torch.no_grad()");
   {
     at::AutoDispatchBelowADInplaceOrView guard;
     call_qk_norm_rope_inplace(call);
   }
-  torch::autograd::impl::bump_version(call.rope.q);
-  torch::autograd::impl::bump_version(*call.rope.k);
+  torch::autograd::increment_version(q);
+  torch::autograd::increment_version(k);
 }
 
 }  // namespace

@@ -363,6 +363,16 @@ Normed normalize(const QkNormRopeCall& c, const at::Tensor& x_in, const at::Tens
   return n;
 }
 
+// RMSNorm's Jacobian applied to v (canonical, compute dtype): d(xhat)/dx = r (I - xhat xhat^T / D)
+// with D the normalised features (the head's, or the token's whole projection). It is
+// symmetric, so this one product both turns a gradient back (the backward composite) and
+// carries a tangent forward (qk_norm_tangent): dxhat = r dx - x r^3 mean(x dx).
+at::Tensor norm_jacobian(const QkNormRopeCall& c, const Normed& n, const at::Tensor& v) {
+  const bool head = c.norm == QkNorm::kHead;
+  const std::vector<int64_t> dims = head ? std::vector<int64_t>{-1} : std::vector<int64_t>{-2, -1};
+  return n.r * (v - n.xhat * (v * n.xhat).mean(dims, /*keepdim=*/true));
+}
+
 RopeCall rope_of(const QkNormRopeCall& c, const at::Tensor& q, const at::Tensor& k, bool inverse) {
   RopeCall r = c.rope;
   r.q = q;
@@ -389,13 +399,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward
   // The incoming gradients turned back (the transpose rotation).
   auto [guq, guk] = call_rope(rope_of(c, c.grad_q.to(acc), c.grad_k.to(acc), true));
   const bool head = c.norm == QkNorm::kHead;
-  const std::vector<int64_t> dims = head ? std::vector<int64_t>{-1} : std::vector<int64_t>{-2, -1};
   auto one = [&](const at::Tensor& x, const at::Tensor& weight, const at::Tensor& gu_in) {
     const Normed n = normalize(c, x, weight);
     const at::Tensor gu = rope_canonical_view(gu_in, layout);
-    const at::Tensor g = gu * n.w;
-    const at::Tensor mean_gx = (g * n.xhat).mean(dims, /*keepdim=*/true);
-    const at::Tensor dx = n.r * (g - n.xhat * mean_gx);
+    const at::Tensor dx = norm_jacobian(c, n, gu * n.w);
     const at::Tensor dw = head ? (gu * n.xhat).sum(at::IntArrayRef{0, 1, 2}) : (gu * n.xhat).sum(at::IntArrayRef{0, 1}).flatten();
     return std::make_pair(rope_from_canonical(dx, layout).to(x.scalar_type()),
                           dw.to(weight.scalar_type()));
@@ -403,6 +410,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward
   auto [dq, dwq] = one(c.rope.q, c.q_weight, guq);
   auto [dk, dwk] = one(*c.rope.k, c.k_weight, guk);
   return {dq, dk, dwq, dwk};
+}
+
+at::Tensor qk_norm_tangent(const QkNormRopeCall& c, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& tx, const at::Tensor& tw) {
+  if (!tx.defined() && !tw.defined()) return at::Tensor();
+  const at::ScalarType acc = compute_dtype(c.rope.q);
+  const RopeLayout layout = c.rope.layout;
+  const Normed n = normalize(c, x, weight);
+  at::Tensor u;
+  if (tx.defined()) u = norm_jacobian(c, n, rope_canonical_view(tx, layout).to(acc)) * n.w;
+  if (tw.defined()) {
+    at::Tensor dw = tw.to(acc);
+    if (c.norm != QkNorm::kHead) dw = dw.view_symint({n.xhat.sym_size(2), n.xhat.sym_size(3)});
+    u = u.defined() ? u + n.xhat * dw : n.xhat * dw;
+  }
+  return rope_from_canonical(u, layout);
 }
 
 namespace {

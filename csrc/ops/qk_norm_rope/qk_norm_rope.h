@@ -102,5 +102,13 @@ std::tuple<at::Tensor, at::Tensor> qk_norm_rope_composite(const QkNormRopeCall& 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_backward_composite(
     const QkNormRopeCall& call);
 
+// The forward-mode derivative of one operand's norm, before the rotation: the tangent of
+// RMSNorm(x) * (w + weight_offset) given x's tangent tx and w's tangent tw (either undefined:
+// none; both: an undefined result), i.e. J(x) tx * w' + RMSNorm(x) tw, with the backward
+// composite's own norm Jacobian J. In x's layout and the compute dtype; the caller rotates
+// it with the call's RoPE (the op is rope of this).
+at::Tensor qk_norm_tangent(const QkNormRopeCall& call, const at::Tensor& x, const at::Tensor& weight,
+                           const at::Tensor& tx, const at::Tensor& tw);
+
 }  // namespace ops
 }  // namespace posenc

@@ -1,31 +1,41 @@
-// Autograd of apply_rope_cos_sin, in C++ so that LibTorch apps get gradients too.
+// Autograd of apply_rope_cos_sin, in C++ so that LibTorch apps get gradients too, written as
+// PyTorch's own ops write theirs (common/autograd_node.h), so torch.func's transforms and
+// forward-mode AD take it as well.
 //
-// The map is linear in x: per pair (e1, e2), y1 = x1 c1 - x2 s1 and y2 = x2 c2 + x1 s2
-// (math::rope_rotate_pair_tables). The gradient of x is the transposed map applied to the
-// incoming gradient: the same op with transpose flipped, fused for q and k. The gradients
-// of the tables (rarely wanted: transformers computes them from a buffer) are sums over
-// heads (and broadcast batch rows) of products of x and the gradient, composed of torch ops;
-// x is saved only when a table requires grad.
+// The map is bilinear in x and the tables (cos, sin) on the first rotary_dim features: per
+// pair (e1, e2), y1 = x1 c1 - x2 s1 and y2 = x2 c2 + x1 s2 (math::rope_rotate_pair_tables);
+// the features past rotary_dim pass through (linear in x alone).
+// - backward: the gradient of x is the transposed map applied to the incoming gradient, the
+//   same op with transpose flipped, fused for q and k; the gradients of the tables (rarely
+//   wanted: transformers computes them from a buffer) are sums over heads (and broadcast
+//   batch rows) of products of x and the gradient, composed of torch ops (table_gradients);
+// - forward (jvp): bilinear, so the tangent is op(x_t, cos, sin) + op(x, cos_t, sin_t), two
+//   calls of the op itself (the second only when a table carries a tangent, its pass-through
+//   features dropped). The formula reads the primals (_fw_primal), as PyTorch's kernels do.
+// Saved for backward: the tables; x only when a table requires grad.
 #include <ATen/ATen.h>
-#include <torch/autograd.h>
 #include <torch/library.h>
 
 #include <optional>
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
+#include "ops/common/autograd_node.h"
 #include "ops/common/op_handles.h"
 
 namespace posenc {
 namespace ops {
 namespace {
 
+namespace ag = autograd;
+
 at::Tensor sum_to_table(const at::Tensor& per_head, const at::Tensor& table) {
   // per_head: (batch, seq, heads, rotary_dim); table: (seq, rot), (1, seq, rot) or (batch, ...).
   at::Tensor g = per_head.sum(2);
   if (table.dim() == 2) return g.sum(0);
-  return table.size(0) == 1 && g.size(0) != 1 ? g.sum(0, /*keepdim=*/true) : g;
+  return table.sym_size(0) == 1 && g.sym_size(0) != 1 ? g.sum(0, /*keepdim=*/true) : g;
 }
 
 // d(out)/d(cos) and d(out)/d(sin) contracted with the gradient, for one of q and k (as
@@ -40,76 +50,91 @@ std::pair<at::Tensor, at::Tensor> table_gradients(const at::Tensor& x, const at:
   const at::Tensor ds1 = transpose ? -(g2 * x1) : -(g1 * x2);
   const at::Tensor ds2 = transpose ? g1 * x2 : g2 * x1;
   const auto join = [&](const at::Tensor& a, const at::Tensor& b) {
-    return interleaved ? at::stack({a, b}, -1).flatten(-2) : at::cat({a, b}, -1);
+    if (!interleaved) return at::cat({a, b}, -1);
+    // (..., rot/2, 2) -> (..., rot): reshape, not flatten (which gradcheck's batched
+    // gradients, the legacy vmap, cannot batch).
+    std::vector<c10::SymInt> sizes = a.sym_sizes().vec();
+    sizes.back() = sizes.back() * 2;
+    return at::stack({a, b}, -1).reshape_symint(sizes);
   };
   return {join(dc1, dc2), join(ds1, ds2)};
 }
 
-class RopeCosSinFunction : public torch::autograd::Function<RopeCosSinFunction> {
- public:
-  // k: an empty placeholder when has_k is false (autograd inputs must be defined tensors).
-  static torch::autograd::variable_list forward(torch::autograd::AutogradContext* ctx,
-                                                const at::Tensor& q, const at::Tensor& k, bool has_k,
-                                                const at::Tensor& cos, const at::Tensor& sin,
-                                                std::string layout, bool interleaved, bool transpose) {
-    const std::optional<at::Tensor> maybe_k = has_k ? std::optional<at::Tensor>(k) : std::nullopt;
-    at::Tensor out_q, out_k;
-    {
-      at::AutoDispatchBelowADInplaceOrView guard;
-      std::tie(out_q, out_k) =
-          apply_rope_cos_sin_op().call(q, maybe_k, cos, sin, layout, interleaved, transpose);
-    }
-    const bool tables = cos.requires_grad() || sin.requires_grad();
-    ctx->save_for_backward({cos, sin, tables ? q : at::Tensor(), tables && has_k ? k : at::Tensor()});
-    ctx->saved_data["layout"] = layout;
-    ctx->saved_data["interleaved"] = interleaved;
-    ctx->saved_data["transpose"] = transpose;
-    ctx->saved_data["has_k"] = has_k;
-    // Symbolic: concrete sizes would specialise a dynamic batch or sequence under export.
-    ctx->saved_data["q_sizes"] = c10::IValue(q.sym_sizes());
-    if (!has_k) ctx->mark_non_differentiable({out_k});
-    return {out_q, out_k};
-  }
+// The settings of a call (everything but the tensors).
+struct CosSinSettings {
+  std::string layout;
+  bool interleaved = false;
+  bool transpose = false;
+};
 
-  static torch::autograd::variable_list backward(torch::autograd::AutogradContext* ctx,
-                                                 torch::autograd::variable_list grads) {
-    const auto saved = ctx->get_saved_variables();
-    const at::Tensor &cos = saved[0], &sin = saved[1], &q = saved[2], &k = saved[3];
-    const std::string layout = ctx->saved_data["layout"].toStringRef();
-    const bool interleaved = ctx->saved_data["interleaved"].toBool();
-    const bool transpose = ctx->saved_data["transpose"].toBool();
-    const bool has_k = ctx->saved_data["has_k"].toBool();
-    const bool bhsd = layout == "bhsd";
+// The op on (a, b) with the given tables, either of a and b undefined (a zero gradient or
+// tangent): the rotated pair, undefined where the input was. One fused launch when both are
+// defined; a lone b is rotated as the op's q (q and k share batch, seq and head_dim, which is
+// all the tables are checked against).
+std::pair<at::Tensor, at::Tensor> rotate_pair(const at::Tensor& a, const at::Tensor& b,
+                                              const at::Tensor& cos, const at::Tensor& sin,
+                                              const CosSinSettings& s) {
+  if (!a.defined() && !b.defined()) return {};
+  const auto op = [&](const at::Tensor& x, const std::optional<at::Tensor>& y) {
+    return apply_rope_cos_sin_op().call(x, y, cos, sin, s.layout, s.interleaved, s.transpose);
+  };
+  if (!a.defined()) return {at::Tensor(), std::get<0>(op(b, std::nullopt))};
+  auto [ra, rb] = op(a, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
+  return {ra, b.defined() ? rb : at::Tensor()};
+}
+
+// A tensor's primal at level 0 (itself when it has no tangent): the forward formula reads the
+// primals, as PyTorch's generated kernels do, or the tangent it sets would carry a tangent of
+// its own at the same level (which forward AD refuses). A view: backward still flows through.
+at::Tensor primal(const at::Tensor& t) { return ag::tangent(t).defined() ? t._fw_primal(/*level=*/0) : t; }
+
+at::Tensor add_defined(const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined()) return b;
+  if (!b.defined()) return a;
+  return a + b;
+}
+
+// Edges: q, k (an empty edge when the call has none), cos, sin.
+struct RopeCosSinBackward : ag::Node {
+  CosSinSettings settings;
+  ag::SavedVariable cos, sin, q, k;  // q and k: only when a table requires grad
+  bool has_k = false;
+
+  std::string name() const override { return "posenc::RopeCosSinBackward"; }
+  void release_variables() override {
+    cos.reset_data();
+    sin.reset_data();
+    q.reset_data();
+    k.reset_data();
+  }
+  ag::variable_list apply(ag::variable_list&& grads) override {
+    const at::Tensor c = cos.unpack(), s = sin.unpack();
     const at::Tensor g_q = grads[0];  // undefined when that output was not used
     const at::Tensor g_k = has_k ? grads[1] : at::Tensor();
-    torch::autograd::variable_list out(8);  // one per forward argument
-    if ((ctx->needs_input_grad(0) || ctx->needs_input_grad(1)) && (g_q.defined() || g_k.defined())) {
-      // The op rotates a q and an optional k: an unused q output has a zero gradient.
-      const at::Tensor a = g_q.defined()
-                               ? g_q
-                               : at::zeros_symint(ctx->saved_data["q_sizes"].toSymIntVector(), g_k.options());
-      auto [rq, rk] = apply_rope_cos_sin_op().call(
-          a, g_k.defined() ? std::optional<at::Tensor>(g_k) : std::nullopt, cos, sin, layout,
-          interleaved, !transpose);
-      out[0] = rq;
-      if (g_k.defined()) out[1] = rk;
+    ag::variable_list out(4);
+    if (should_compute_output(0) || (has_k && should_compute_output(1))) {
+      CosSinSettings back = settings;
+      back.transpose = !back.transpose;  // the transpose of the map
+      auto [dq, dk] = rotate_pair(should_compute_output(0) ? g_q : at::Tensor(),
+                                  has_k && should_compute_output(1) ? g_k : at::Tensor(), c, s, back);
+      out[0] = dq;
+      out[1] = dk;
     }
-    // needs_input_grad counts tensor inputs only: q, k, cos, sin.
-    if ((ctx->needs_input_grad(2) || ctx->needs_input_grad(3)) && q.defined()) {
-      const int64_t rot = cos.size(-1);
+    if (should_compute_output(2) || should_compute_output(3)) {
+      const int64_t rot = c.sym_size(-1).guard_int(__FILE__, __LINE__);
+      const bool bhsd = settings.layout == "bhsd";
       const auto canonical = [bhsd](const at::Tensor& x) { return bhsd ? x.transpose(1, 2) : x; };
       at::Tensor dcos, dsin;
-      for (const auto& [x, g] : {std::pair<at::Tensor, at::Tensor>{q, g_q}, {k, g_k}}) {
+      for (const auto& [x, g] : {std::pair<at::Tensor, at::Tensor>{q.unpack(), g_q}, {k.unpack(), g_k}}) {
         if (!x.defined() || !g.defined()) continue;
-        auto [dc, ds] = table_gradients(canonical(x), canonical(g), rot, interleaved, transpose);
-        dc = sum_to_table(dc, cos);
-        ds = sum_to_table(ds, sin);
-        dcos = dcos.defined() ? dcos + dc : dc;
-        dsin = dsin.defined() ? dsin + ds : ds;
+        auto [dc, ds] = table_gradients(canonical(x), canonical(g), rot, settings.interleaved,
+                                        settings.transpose);
+        dcos = add_defined(dcos, sum_to_table(dc, c));
+        dsin = add_defined(dsin, sum_to_table(ds, s));
       }
       if (dcos.defined()) {
-        out[3] = dcos.to(cos.scalar_type());
-        out[4] = dsin.to(sin.scalar_type());
+        if (should_compute_output(2)) out[2] = dcos.to(c.scalar_type());
+        if (should_compute_output(3)) out[3] = dsin.to(s.scalar_type());
       }
     }
     return out;
@@ -119,10 +144,52 @@ class RopeCosSinFunction : public torch::autograd::Function<RopeCosSinFunction> 
 std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_autograd(
     const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
     const at::Tensor& sin, c10::string_view layout, bool interleaved, bool transpose) {
-  const at::Tensor k_or_placeholder = k.has_value() ? *k : at::empty({0}, q.options());
-  auto out = RopeCosSinFunction::apply(q, k_or_placeholder, k.has_value(), cos, sin,
-                                       std::string(layout), interleaved, transpose);
-  return {out[0], out[1]};
+  const CosSinSettings settings{std::string(layout), interleaved, transpose};
+  std::shared_ptr<RopeCosSinBackward> node = ag::make_node<RopeCosSinBackward>(q, k, cos, sin);
+  at::Tensor out_q, out_k;
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    std::tie(out_q, out_k) =
+        apply_rope_cos_sin_op().call(q, k, cos, sin, layout, interleaved, transpose);
+  }
+  if (node) {
+    node->settings = settings;
+    node->has_k = k.has_value();
+    node->cos = ag::SavedVariable(cos, /*is_output=*/false);
+    node->sin = ag::SavedVariable(sin, /*is_output=*/false);
+    if (torch::autograd::compute_requires_grad(cos, sin)) {
+      node->q = ag::SavedVariable(q, /*is_output=*/false);
+      node->k = ag::save(k);
+    }
+    if (k.has_value()) {
+      ag::record(node, out_q, out_k);
+    } else {
+      ag::record(node, out_q);  // the empty k placeholder is not differentiable
+    }
+  }
+  if (ag::has_tangent(q, k, cos, sin)) {
+    // Bilinear: d(op(x, c, s)) = op(dx, c, s) + op(x, dc, ds).
+    const at::Tensor pc = primal(cos), ps = primal(sin);
+    auto [tq, tk] = rotate_pair(ag::tangent(q), ag::tangent(k), pc, ps, settings);
+    if (ag::has_tangent(cos, sin)) {
+      const at::Tensor tc = ag::tangent(cos), ts = ag::tangent(sin);
+      auto [uq, uk] = rotate_pair(primal(q), k.has_value() ? primal(*k) : at::Tensor(),
+                                  tc.defined() ? tc : at::zeros_like(pc),
+                                  ts.defined() ? ts : at::zeros_like(ps), settings);
+      // The features past rotary_dim pass through: linear in x alone, so op(x, dc, ds)'s copy
+      // of them is no part of the derivative.
+      const int64_t rot = cos.sym_size(-1).guard_int(__FILE__, __LINE__);
+      const int64_t head_dim = q.sym_size(-1).guard_int(__FILE__, __LINE__);
+      const auto rotated_part = [&](const at::Tensor& u) {
+        return rot == head_dim || !u.defined() ? u : at::constant_pad_nd(u.narrow(-1, 0, rot), {0, head_dim - rot});
+      };
+      tq = add_defined(tq, rotated_part(uq));
+      tk = add_defined(tk, rotated_part(uk));
+    }
+    ag::set_tangent(out_q, tq);
+    if (k.has_value()) ag::set_tangent(out_k, tk);
+  }
+  return {out_q, out_k};
 }
 
 }  // namespace
