@@ -400,14 +400,15 @@ at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor
   // Out-of-range positions go to a spare last row, dropped by the narrow: no sync, no assert.
   const at::Tensor inside = positions.ge(0).logical_and(positions.lt(c10::Scalar(table_len)));
   const at::Tensor safe = at::where(inside, positions, c10::Scalar(table_len));
-  at::Tensor table = at::zeros_symint({table_len + 1, rows.sym_size(1)}, rows.options());
-  if (rows.is_cpu()) {
-    // CPU index_put_ accumulates in parallel, in no fixed order; index_add_ walks the rows in
-    // order (the ATen fallback's table gradient is then bitwise repeatable, as the kernels').
-    table.index_add_(0, safe, rows);
-  } else {
-    table.index_put_({safe}, rows, /*accumulate=*/true);
-  }
+  // rows.new_zeros and out of place: under torch.func.vmap (per-sample gradients, jacrev)
+  // rows are batched, and so is the zero table new_zeros makes of them (at::zeros would not
+  // be: in-place index_add_ refuses an unbatched self, and the out-of-place rule expands it,
+  // which inductor in torch 2.11 then sums over the samples).
+  const at::Tensor zero = rows.new_zeros_symint({table_len + 1, rows.sym_size(1)});
+  // CPU index_put accumulates in parallel, in no fixed order; index_add walks the rows in
+  // order (the ATen fallback's table gradient is then bitwise repeatable, as the kernels').
+  const at::Tensor table = rows.is_cpu() ? zero.index_add(0, safe, rows)
+                                         : zero.index_put({safe}, rows, /*accumulate=*/true);
   return table.narrow_symint(0, 0, table_len);
 }
 
