@@ -235,3 +235,47 @@ class LearnedPositionalEncoding(_AddPositionModule):
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, init_std={self.init_std}"
+
+
+def _dropout_batch_rule(op: "torch._ops.OpOverload", rng_output: bool):
+    """vmap of an add_position op: one call per sample (as torch's fallback), but keeping
+    vmap's ``randomness`` contract for the dropout draw, as torch's own dropout does: "error"
+    raises, "same" gives every sample one mask (the generator's state restored before each
+    call), "different" (and p == 0) draws per sample. ``rng_output``: the op also returns
+    its rng state (add_position_forward), shared by the samples under "same"."""
+    schema = op._schema.arguments
+    names = [a.name for a in schema]
+    defaults = [a.default_value for a in schema]
+
+    def rule(info, in_dims, *args, **kwargs):
+        n = len(args)
+        args = tuple(args) + tuple(kwargs.get(nm, d) for nm, d in zip(names[n:], defaults[n:]))
+        in_dims = tuple(in_dims) + (None,) * (len(args) - n)
+        x, p = args[0], args[names.index("p")]
+        random = p > 0
+        if random and info.randomness == "error":
+            raise RuntimeError(
+                f"vmap: called random operation while in randomness error mode ({op._schema.name} with "
+                f"p={p}). Please either use the 'same' or 'different' randomness flags on vmap or perform the "
+                "randomness operation out of vmap")
+        same = random and info.randomness == "same"
+        cuda = x.device.type == "cuda"
+        state = (torch.cuda.get_rng_state(x.device) if cuda else torch.get_rng_state()) if same else None
+        results = []
+        for i in range(info.batch_size):
+            if state is not None:
+                torch.cuda.set_rng_state(state, x.device) if cuda else torch.set_rng_state(state)
+            results.append(op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)]))
+        if not rng_output:
+            return torch.stack(results), 0
+        out = torch.stack([r[0] for r in results])
+        if same or not random:
+            return (out, results[0][1]), (0, None)
+        return (out, torch.stack([r[1] for r in results])), (0, 0)
+
+    return rule
+
+
+torch.library.register_vmap("posenc::add_position", _dropout_batch_rule(torch.ops.posenc.add_position.default, False))
+torch.library.register_vmap(
+    "posenc::add_position_forward", _dropout_batch_rule(torch.ops.posenc.add_position_forward.default, True))

@@ -8,6 +8,23 @@ import pytest
 import torch
 
 import posenc  # noqa: F401  (loads the ops)
+from posenc._library import LIBRARY_PATH
+
+
+def _inductor_cache_of_this_build() -> None:
+    """torch.compile's caches key a graph on its Python and ATen, not on the C++ kernels and
+    autograd of libposenc: a graph compiled against another build could be reused, and a
+    test would check old code. One cache per build of the library (its size and mtime), so
+    a rerun of the same build stays warm. An explicit TORCHINDUCTOR_CACHE_DIR wins."""
+    import os
+    import tempfile
+
+    st = os.stat(LIBRARY_PATH)
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+        tempfile.gettempdir(), f"posenc-inductor-{st.st_size}-{st.st_mtime_ns}"))
+
+
+_inductor_cache_of_this_build()
 
 CUDA = torch.cuda.is_available()
 

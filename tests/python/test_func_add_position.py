@@ -189,9 +189,6 @@ def test_dropout_vmap_per_sample_gradients_and_jvp():
     torch.testing.assert_close(tangents, tx * mask_of(outs))
 
 
-@pytest.mark.xfail(strict=True, reason="no batching rule: the vmap fallback loops over the samples, each call "
-                   "drawing its own mask whatever vmap's randomness (torch's dropout raises under 'error' and "
-                   "draws one mask under 'same')")
 @pytest.mark.parametrize("randomness", ["error", "same"])
 def test_vmap_randomness_modes(randomness):
     xs = torch.randn(3, B, S, D, dtype=F64)

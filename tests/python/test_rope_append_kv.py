@@ -314,6 +314,20 @@ def test_requires_grad_is_an_error_under_grad_mode():
         rope_append_kv(q.requires_grad_(), k.detach(), v, kc, vc, offset=1)
 
 
+def test_a_tangent_is_an_error_not_dropped():
+    """Forward AD (torch.func.jvp, forward_ad): the op has no forward formula (it writes a
+    cache), so a tangent on any input is refused rather than silently lost."""
+    from torch.autograd import forward_ad
+
+    q, k, v, kc, vc = make("bshd")
+    with forward_ad.dual_level():
+        dual = forward_ad.make_dual(q, torch.ones_like(q))
+        with pytest.raises(RuntimeError, match="no forward-mode AD.*got q that carries a tangent"):
+            rope_append_kv(dual, k, v, kc, vc)
+    with pytest.raises(RuntimeError, match="got v that"):  # functorch's jvp: the same refusal
+        torch.func.jvp(lambda v: rope_append_kv(q, k, v, kc, vc), (v,), (torch.ones_like(v),))
+
+
 def test_written_tensors_move_their_version_counters():
     # As an ATen in-place op: autograd must see that a saved cache (or q, k in place) changed.
     q, k, v, kc, vc = make("bshd")

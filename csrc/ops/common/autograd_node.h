@@ -13,7 +13,7 @@
 //   backward is itself differentiable (double backward, hessian, jacrev of jacrev);
 // - a tangent is computed through the dispatcher too, grad mode as it is, never below
 //   autograd or under no_grad (jacrev of jacfwd, grad of jvp and autograd.grad over
-//   forward AD would silently get wrong numbers);
+//   forward AD would silently get wrong numbers), from the primals (primal() below);
 // - an in-place kernel refuses inputs that require grad or carry a tangent, and bumps the
 //   versions of what it wrote (ADInplaceOrView is a fallthrough for custom ops).
 #pragma once
@@ -63,6 +63,14 @@ template <class... Tensors>
 bool has_tangent(const Tensors&... tensors) {
   return (tangent(tensors).defined() || ...);
 }
+// A tensor's primal at level 0 (itself when it has no tangent). A forward formula reads the
+// primals, as PyTorch's generated kernels do: a tangent computed from the dual tensors would
+// carry a tangent of its own at the same level, which forward AD refuses. A view: backward
+// still flows through it.
+inline at::Tensor primal(const at::Tensor& t) {
+  return tangent(t).defined() ? t._fw_primal(/*level=*/0) : t;
+}
+
 // Sets out's tangent (an undefined one: none).
 inline void set_tangent(const at::Tensor& out, const at::Tensor& t) {
   if (out.defined() && t.defined()) out._set_fw_grad(t, /*level=*/0, /*is_inplace_op=*/false);

@@ -307,6 +307,19 @@ std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call) {
   return {stack[0].toInt(), stack[1].toInt()};
 }
 
+std::pair<at::Tensor, at::Tensor> call_rope_pair(RopeCall call, const at::Tensor& a, const at::Tensor& b) {
+  if (!a.defined() && !b.defined()) return {};
+  if (!a.defined()) {
+    call.q = b;
+    call.k = std::nullopt;
+    return {at::Tensor(), std::get<0>(call_rope(call))};
+  }
+  call.q = a;
+  call.k = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
+  auto [ra, rb] = call_rope(call);
+  return {ra, b.defined() ? rb : at::Tensor()};
+}
+
 int64_t call_rope_rotary_width(const RopeCall& call) {
   static const c10::OperatorHandle op = find_handle("posenc::rope_rotary_width");
   torch::jit::Stack stack;

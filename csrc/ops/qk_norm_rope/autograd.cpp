@@ -30,27 +30,6 @@ namespace {
 
 namespace ag = autograd;
 
-// call applied to (a, b), either of which may be undefined (a zero tangent): the rotated
-// pair, undefined where the input was. One fused launch when both are defined; a lone b is
-// rotated as the call's q (q and k share batch, sequence and positions).
-std::pair<at::Tensor, at::Tensor> rotate_pair(RopeCall call, const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() && !b.defined()) return {};
-  if (!a.defined()) {
-    call.q = b;
-    call.k = std::nullopt;
-    return {at::Tensor(), std::get<0>(call_rope(call))};
-  }
-  call.q = a;
-  call.k = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
-  auto [ra, rb] = call_rope(call);
-  return {ra, b.defined() ? rb : at::Tensor()};
-}
-
-// A tensor's primal at level 0 (itself when it has no tangent): the forward formula reads the
-// primals, as PyTorch's generated kernels do, or the tangent it sets would carry a tangent of
-// its own at the same level (which forward AD refuses). A view: backward still flows through.
-at::Tensor primal(const at::Tensor& t) { return ag::tangent(t).defined() ? t._fw_primal(/*level=*/0) : t; }
-
 // Edges: q, k, q_weight, k_weight.
 struct QkNormRopeBackward : ag::Node {
   QkNormRopeCall call;  // the settings; every tensor unset (saved below)
@@ -114,13 +93,13 @@ void qk_norm_rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack)
   }
   if (ag::has_tangent(q, k, wq, wk)) {
     QkNormRopeCall p = call;  // the formula reads the primals
-    p.rope.q = primal(q);
-    p.rope.k = primal(k);
-    p.q_weight = primal(wq);
-    p.k_weight = primal(wk);
+    p.rope.q = ag::primal(q);
+    p.rope.k = ag::primal(k);
+    p.q_weight = ag::primal(wq);
+    p.k_weight = ag::primal(wk);
     const at::Tensor uq = qk_norm_tangent(p, p.rope.q, p.q_weight, ag::tangent(q), ag::tangent(wq));
     const at::Tensor uk = qk_norm_tangent(p, *p.rope.k, p.k_weight, ag::tangent(k), ag::tangent(wk));
-    auto [tq, tk] = rotate_pair(p.rope, uq, uk);
+    auto [tq, tk] = call_rope_pair(p.rope, uq, uk);
     if (tq.defined()) ag::set_tangent(out_q, tq.to(out_q.scalar_type()));
     if (tk.defined()) ag::set_tangent(out_k, tk.to(out_k.scalar_type()));
   }

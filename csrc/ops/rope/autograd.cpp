@@ -24,22 +24,6 @@ namespace {
 
 namespace ag = autograd;
 
-// call applied to (a, b), either of which may be undefined (a zero gradient or tangent): the
-// rotated pair, undefined where the input was. One fused launch when both are defined; a
-// lone b is rotated as the call's q (q and k share batch, sequence and positions).
-std::pair<at::Tensor, at::Tensor> rotate_pair(RopeCall call, const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() && !b.defined()) return {};
-  if (!a.defined()) {
-    call.q = b;
-    call.k = std::nullopt;
-    return {at::Tensor(), std::get<0>(call_rope(call))};
-  }
-  call.q = a;
-  call.k = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
-  auto [ra, rb] = call_rope(call);
-  return {ra, b.defined() ? rb : at::Tensor()};
-}
-
 struct RopeBackward : ag::Node {
   RopeCall call;  // the settings; q, k and the index tensors unset (saved below)
   ag::SavedVariable positions, offsets, cu_seqlens;
@@ -59,7 +43,7 @@ struct RopeBackward : ag::Node {
     c.inverse = !c.inverse;  // the transpose of a rotation
     const at::Tensor gq = should_compute_output(0) ? grads[0] : at::Tensor();
     const at::Tensor gk = has_k && should_compute_output(1) ? grads[1] : at::Tensor();
-    auto [dq, dk] = rotate_pair(std::move(c), gq, gk);
+    auto [dq, dk] = call_rope_pair(std::move(c), gq, gk);
     return {dq, dk};  // one per input edge (k's is empty when k is None)
   }
 };
@@ -89,7 +73,7 @@ void rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
     }
   }
   if (ag::has_tangent(q, k)) {
-    auto [tq, tk] = rotate_pair(call, ag::tangent(q), ag::tangent(k));
+    auto [tq, tk] = call_rope_pair(call, ag::tangent(q), ag::tangent(k));
     ag::set_tangent(out_q, tq);
     ag::set_tangent(out_k, tk);
   }

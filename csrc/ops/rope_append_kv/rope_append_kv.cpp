@@ -356,6 +356,11 @@ void no_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch:
                 op.schema().name(), " has no autograd (it writes a KV cache, for inference); got ",
                 args[i].name(), " that requires grad: call it under torch.no_grad() or "
                 "torch.inference_mode(), or pass ", args[i].name(), ".detach()");
+    // Nor forward AD: a tangent would be dropped from the outputs, silently.
+    TORCH_CHECK(!v.toTensor()._fw_grad(/*level=*/0).defined(), "posenc: ", op.schema().name(),
+                " has no forward-mode AD (it writes a KV cache, for inference); got ", args[i].name(),
+                " that carries a tangent (forward_ad / torch.func.jvp): pass its primal, ",
+                "forward_ad.unpack_dual(", args[i].name(), ").primal");
     if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written.push_back(v.toTensor());
   }
   op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);

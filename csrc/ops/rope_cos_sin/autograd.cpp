@@ -83,11 +83,6 @@ std::pair<at::Tensor, at::Tensor> rotate_pair(const at::Tensor& a, const at::Ten
   return {ra, b.defined() ? rb : at::Tensor()};
 }
 
-// A tensor's primal at level 0 (itself when it has no tangent): the forward formula reads the
-// primals, as PyTorch's generated kernels do, or the tangent it sets would carry a tangent of
-// its own at the same level (which forward AD refuses). A view: backward still flows through.
-at::Tensor primal(const at::Tensor& t) { return ag::tangent(t).defined() ? t._fw_primal(/*level=*/0) : t; }
-
 at::Tensor add_defined(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined()) return b;
   if (!b.defined()) return a;
@@ -169,11 +164,11 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_autograd(
   }
   if (ag::has_tangent(q, k, cos, sin)) {
     // Bilinear: d(op(x, c, s)) = op(dx, c, s) + op(x, dc, ds).
-    const at::Tensor pc = primal(cos), ps = primal(sin);
+    const at::Tensor pc = ag::primal(cos), ps = ag::primal(sin);
     auto [tq, tk] = rotate_pair(ag::tangent(q), ag::tangent(k), pc, ps, settings);
     if (ag::has_tangent(cos, sin)) {
       const at::Tensor tc = ag::tangent(cos), ts = ag::tangent(sin);
-      auto [uq, uk] = rotate_pair(primal(q), k.has_value() ? primal(*k) : at::Tensor(),
+      auto [uq, uk] = rotate_pair(ag::primal(q), k.has_value() ? ag::primal(*k) : at::Tensor(),
                                   tc.defined() ? tc : at::zeros_like(pc),
                                   ts.defined() ? ts : at::zeros_like(ps), settings);
       // The features past rotary_dim pass through: linear in x alone, so op(x, dc, ds)'s copy
