@@ -65,9 +65,12 @@ test-install:
 test-sanitize: setup
 	bash scripts/sanitize.sh $(CURDIR)/$(PY)
 
+# Issue 37's whole table in one run (benchmarks/bench_table.py): every CPU op against its memory
+# floor (clone of the same bytes), eager PyTorch and torch.compile, under the allocator the process
+# has (tcmalloc: LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 make bench).
+# BENCH_ARGS passes options, e.g. BENCH_ARGS="--json bench.json" or "--no-compile --only rope".
 bench: build
-	$(PY) benchmarks/bench_add_position.py
-	$(PY) benchmarks/bench_rope.py --device all
+	$(PY) benchmarks/bench_table.py $(BENCH_ARGS)
 
 clean:
 	rm -rf $(BUILD) build-sanitize python/posenc/lib
