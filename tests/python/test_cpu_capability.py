@@ -89,6 +89,16 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         long_q = rand(1, 4096, 1, head_dim, dtype=dtype)
         out[(name, "rope_long", head_dim, interleaved)] = F.apply_rope(
             long_q, positions=torch.arange(4096) * 37 + 1000, interleaved=interleaved)
+        # Positions anywhere in [-2**53, 2**53] (the vectorised angles' double reduction),
+        # the heads-outer walk of "bhsd", multi-axis positions.
+        out[(name, "rope_huge", head_dim, interleaved)] = F.apply_rope(
+            long_q, positions=torch.randint(-2**53, 2**53, (4096,), generator=g), interleaved=interleaved)
+        out[(name, "rope_bhsd", head_dim, interleaved)] = F.apply_rope(
+            q.detach().transpose(1, 2).contiguous(), k.detach().transpose(1, 2).contiguous(), layout="bhsd",
+            offset=5, interleaved=interleaved)
+        out[(name, "rope_mrope", head_dim, interleaved)] = F.apply_rope(
+            q.detach(), positions=torch.randint(0, 5000, (3, 7), generator=g), interleaved=interleaved,
+            sections=[head_dim // 8, head_dim // 8, head_dim // 4], sections_mode="mrope")
         q2 = q.detach().clone()
         F.apply_rope(q2, positions=torch.arange(7).flip(0), inplace=True, interleaved=interleaved)
         out[(name, "rope_", head_dim, interleaved)] = q2

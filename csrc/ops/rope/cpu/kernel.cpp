@@ -11,6 +11,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <memory>
 #include <type_traits>
 
 #include "ops/common/cpu/rope_rows.h"  // the per-token and per-row pieces
@@ -54,6 +55,52 @@ void rope_tokens(const RopeArgs& a) {
       }
     }
   };
+
+  // Layouts whose heads lie further apart than their tokens ("bhsd": each head's rows are one
+  // contiguous run over the sequence): token by token, every head's row is a stream of its
+  // own, dozens of streams 256 KiB apart that the prefetchers cannot follow. There, a task
+  // takes a block of tokens, computes their angles once, then walks each head's rows of the
+  // block in memory order. Same angles, same rotation per row: the same bits.
+  const bool heads_outer = a.q.in_stride[1] < a.q.in_stride[2] && a.q.heads + a.k.heads > 1 && a.seq > 1;
+  if (heads_outer) {
+    constexpr int64_t kBlock = 32;
+    const int64_t blocks = (a.seq + kBlock - 1) / kBlock;
+    const int64_t units = shared ? blocks : a.batch * blocks;
+    at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
+      std::unique_ptr<TokenAngles<acc_t>[]> angles(new TokenAngles<acc_t>[kBlock]);
+      bool valid[kBlock];
+      int64_t pos[math::kRopeMaxAxes];
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t b0 = shared ? 0 : unit / blocks;
+        const int64_t s0 = (unit % blocks) * kBlock, s1 = std::min(a.seq, s0 + kBlock);
+        for (int64_t s = s0; s < s1; ++s) {
+          valid[s - s0] = token_positions(a, b0, s, pos) || shared;
+          if (valid[s - s0]) token_angles<acc_t>(a, pos, angles[s - s0]);
+        }
+        const int64_t b_end = shared ? a.batch : b0 + 1;
+        for (int64_t b = b0; b < b_end; ++b) {
+          for (const RopeOperand* op : {&a.q, &a.k}) {
+            const auto* in = static_cast<const scalar_t*>(op->in);
+            auto* out = static_cast<scalar_t*>(op->out);
+            for (int64_t h = 0; h < op->heads; ++h) {
+              for (int64_t s = s0; s < s1; ++s) {
+                const scalar_t* in_row = in + b * op->in_stride[0] + s * op->in_stride[1] + h * op->in_stride[2];
+                scalar_t* out_row = out + b * op->out_stride[0] + s * op->out_stride[1] + h * op->out_stride[2];
+                if (valid[s - s0]) {
+                  rotate_row<scalar_t, acc_t>(a, in_row, op->in_stride[3], out_row, op->out_stride[3],
+                                              angles[s - s0], stream);
+                } else {
+                  nan_row(a, out_row, op->out_stride[3]);
+                }
+              }
+            }
+          }
+        }
+      }
+      if (stream) stream_fence();
+    });
+    return;
+  }
 
   at::parallel_for(0, items, grain, [&](int64_t begin, int64_t end) {
     TokenAngles<acc_t> angles;
