@@ -14,6 +14,8 @@
 
 #include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
@@ -32,30 +34,83 @@ namespace {
 // Rows of at most this many features are staged for streaming.
 constexpr int64_t kStagedRow = 512;
 
+// n half-precision values widened to float32 (exact), vector by vector (ATen's convert()
+// from Half is a scalar loop).
+template <typename scalar_t>
+inline void widen(const scalar_t* x, float* xf, int64_t n) {
+  using VecH = at::vec::Vectorized<scalar_t>;
+  using VecF = at::vec::Vectorized<float>;
+  int64_t i = 0;
+  for (; i + VecH::size() <= n; i += VecH::size()) {
+    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(VecH::loadu(x + i));
+    lo.store(xf + i);
+    hi.store(xf + i + VecF::size());
+  }
+  for (; i < n; ++i) xf[i] = static_cast<float>(x[i]);
+}
+
+// The rotated features [0, rot) of one row, x and y of unit stride, in acc_t.
+template <typename acc_t, bool kTranspose>
+inline void rotate_unit(const RopeCosSinArgs& a, const acc_t* x, acc_t* y, const acc_t* cs,
+                        const acc_t* sn) {
+  const int64_t half = a.rotary_dim / 2;
+  if (!a.interleaved) {
+    // Vectors (the compiler left the scalar loop scalar: y might alias x or the tables):
+    // math::rope_rotate_pair_tables lane by lane, one product and one fma per output.
+    using Vec = at::vec::Vectorized<acc_t>;
+    int64_t p = 0;
+    for (; p + Vec::size() <= half; p += Vec::size()) {
+      const Vec x1 = Vec::loadu(x + p), x2 = Vec::loadu(x + half + p);
+      const Vec c1 = Vec::loadu(cs + p), s1 = Vec::loadu(sn + p);
+      const Vec c2 = Vec::loadu(cs + half + p), s2 = Vec::loadu(sn + half + p);
+      if constexpr (kTranspose) {
+        fma_vec(x1, c1, x2 * s2).store(y + p);
+        fma_vec(x2, c2, (x1 * s1).neg()).store(y + half + p);
+      } else {
+        fma_vec(x1, c1, (x2 * s1).neg()).store(y + p);
+        fma_vec(x2, c2, x1 * s2).store(y + half + p);
+      }
+    }
+    for (; p < half; ++p) {
+      math::rope_rotate_pair_tables<acc_t>(x[p], x[p + half], cs[p], sn[p], cs[p + half], sn[p + half],
+                                           kTranspose, &y[p], &y[p + half]);
+    }
+  } else {
+    for (int64_t p = 0; p < half; ++p) {
+      math::rope_rotate_pair_tables<acc_t>(x[2 * p], x[2 * p + 1], cs[2 * p], sn[2 * p], cs[2 * p + 1],
+                                           sn[2 * p + 1], kTranspose, &y[2 * p], &y[2 * p + 1]);
+    }
+  }
+}
+
+// Heads [h0, h1) of token (b, s) of one operand.
 template <typename scalar_t, typename acc_t, bool kTranspose>
-void rotate_rows(const RopeCosSinArgs& a, const RopeOperand& op, int64_t b, int64_t s,
-                 const acc_t* cs, const acc_t* sn, bool stream) {
+void rotate_rows(const RopeCosSinArgs& a, const RopeOperand& op, int64_t b, int64_t s, int64_t h0,
+                 int64_t h1, const acc_t* cs, const acc_t* sn, bool stream) {
   const int64_t rot = a.rotary_dim, half = rot / 2;
   const auto* in = static_cast<const scalar_t*>(op.in);
   auto* out = static_cast<scalar_t*>(op.out);
   alignas(32) scalar_t staged[kStagedRow];
-  for (int64_t h = 0; h < op.heads; ++h) {
+  for (int64_t h = h0; h < h1; ++h) {
     const scalar_t* x = in + b * op.in_stride[0] + s * op.in_stride[1] + h * op.in_stride[2];
     scalar_t* const row = out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
     const bool nt = stream && op.out_stride[3] == 1 && a.head_dim <= kStagedRow &&
                     row_can_stream<scalar_t>(row, a.head_dim);
     scalar_t* y = nt ? staged : row;  // where the row is computed
     const int64_t xs = op.in_stride[3], ys = nt ? 1 : op.out_stride[3];
-    if (xs == 1 && ys == 1 && !a.interleaved) {
-      // Unit strides: a loop the compiler vectorises. x and y may be the same row only in
-      // place, which this op never is (its outputs are fresh tensors).
-      for (int64_t p = 0; p < half; ++p) {
-        acc_t y1, y2;
-        math::rope_rotate_pair_tables<acc_t>(
-            static_cast<acc_t>(x[p]), static_cast<acc_t>(x[p + half]), cs[p], sn[p], cs[p + half],
-            sn[p + half], kTranspose, &y1, &y2);
-        y[p] = static_cast<scalar_t>(y1);
-        y[p + half] = static_cast<scalar_t>(y2);
+    if (xs == 1 && ys == 1) {
+      // x and y may be the same row only in place, which this op never is (its outputs are
+      // fresh tensors).
+      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+        rotate_unit<acc_t, kTranspose>(a, x, y, cs, sn);
+      } else {
+        // Half precision: widened (exact) and narrowed by at::vec::convert (rounding to
+        // nearest even, as the scalar casts do) with vector conversions, rotated in float32.
+        alignas(32) acc_t xf[kStagedRow];
+        alignas(32) acc_t yf[kStagedRow];
+        widen(x, xf, rot);
+        rotate_unit<acc_t, kTranspose>(a, xf, yf, cs, sn);
+        at::vec::convert(yf, y, rot);
       }
     } else {
       for (int64_t p = 0; p < half; ++p) {
@@ -83,13 +138,35 @@ void tokens(const RopeCosSinArgs& a) {
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(1, heads * a.head_dim));
   const bool stream = a.batch * a.seq * heads * a.head_dim * static_cast<int64_t>(sizeof(scalar_t)) >=
                       kStreamBytes;
+  // "bhsd" (Hugging Face's layout, heads further apart than tokens): token by token, every
+  // head's row is a stream of its own that the prefetchers cannot follow; there a task walks
+  // each head's rows over a block of tokens, in memory order (the same arithmetic per row).
+  if (a.q.in_stride[1] < a.q.in_stride[2] && heads > 1 && a.seq > 1) {
+    constexpr int64_t kBlock = 32;
+    const int64_t blocks = (a.seq + kBlock - 1) / kBlock;
+    at::parallel_for(0, a.batch * blocks, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t unit = begin; unit < end; ++unit) {
+        const int64_t b = unit / blocks, s0 = (unit % blocks) * kBlock, s1 = std::min(a.seq, s0 + kBlock);
+        for (const RopeOperand* op : {&a.q, &a.k}) {
+          for (int64_t h = 0; h < op->heads; ++h) {
+            for (int64_t s = s0; s < s1; ++s) {
+              const int64_t row = b * a.table_batch_stride + s * a.rotary_dim;
+              rotate_rows<scalar_t, acc_t, kTranspose>(a, *op, b, s, h, h + 1, cos + row, sin + row, stream);
+            }
+          }
+        }
+      }
+      if (stream) stream_fence();
+    });
+    return;
+  }
   at::parallel_for(0, a.batch * a.seq, grain, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t b = t / a.seq, s = t % a.seq;
       const int64_t row = b * a.table_batch_stride + s * a.rotary_dim;
-      rotate_rows<scalar_t, acc_t, kTranspose>(a, a.q, b, s, cos + row, sin + row, stream);
+      rotate_rows<scalar_t, acc_t, kTranspose>(a, a.q, b, s, 0, a.q.heads, cos + row, sin + row, stream);
       if (a.k.heads > 0) {
-        rotate_rows<scalar_t, acc_t, kTranspose>(a, a.k, b, s, cos + row, sin + row, stream);
+        rotate_rows<scalar_t, acc_t, kTranspose>(a, a.k, b, s, 0, a.k.heads, cos + row, sin + row, stream);
       }
     }
     if (stream) stream_fence();  // before this thread's part is handed back
