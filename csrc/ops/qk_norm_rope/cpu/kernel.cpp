@@ -47,6 +47,30 @@ inline int64_t at_(int64_t e, int64_t stride) {
 template <typename scalar_t, typename acc_t, bool kC>
 inline void add_squares(const scalar_t* in, int64_t si, int64_t n, acc_t (&part)[kLanes]) {
   int64_t e = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  // The lanes as one vector: lane l still sums elements l, l + 8, ... in order, and the
+  // AVX2 build contracts the scalar part[l] += x * x into an fma, as fmadd does: the same
+  // bits (and half precision widened by vector conversions).
+  if constexpr (kC && std::is_same_v<acc_t, float>) {
+    using VecF = Vectorized<float>;
+    static_assert(VecF::size() == kLanes, "one float vector of lanes");
+    VecF acc = VecF::loadu(part);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      for (; e + kLanes <= n; e += kLanes) {
+        const VecF x = VecF::loadu(in + e);
+        acc = at::vec::fmadd(x, x, acc);
+      }
+    } else {
+      using VecH = Vectorized<scalar_t>;
+      for (; e + 2 * kLanes <= n; e += 2 * kLanes) {
+        auto [xa, xb] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + e));
+        acc = at::vec::fmadd(xa, xa, acc);
+        acc = at::vec::fmadd(xb, xb, acc);
+      }
+    }
+    acc.store(part);
+  }
+#endif
   for (; e + kLanes <= n; e += kLanes) {
     for (int l = 0; l < kLanes; ++l) {
       const acc_t x = static_cast<acc_t>(in[at_<kC>(e + l, si)]);
@@ -82,6 +106,44 @@ acc_t inv_rms_of(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int6
                                       static_cast<acc_t>(a.eps));
 }
 
+// The first pairs of a contiguous row in half-split ("rotate_half") layout, in vectors:
+// qk_norm_apply's (x * r) * w and math::rope_rotate_pair lane by lane (the same roundings;
+// half precision widened and narrowed with vector conversions). Returns the pairs done.
+template <typename scalar_t, typename acc_t>
+int64_t forward_pairs_vec(const scalar_t* in, scalar_t* out, const acc_t* w, acc_t r,
+                          const TokenAngles<acc_t>& t, int64_t half) {
+  using VecA = Vectorized<acc_t>;
+  const VecA vr(r);
+  int64_t p = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    for (; p + VecA::size() <= half; p += VecA::size()) {
+      const VecA x1 = VecA::loadu(in + p) * vr * VecA::loadu(w + p);
+      const VecA x2 = VecA::loadu(in + half + p) * vr * VecA::loadu(w + half + p);
+      VecA y1, y2;
+      rotate_vec(x1, x2, VecA::loadu(t.cs + p), VecA::loadu(t.sn + p), y1, y2);
+      y1.store(out + p);
+      y2.store(out + half + p);
+    }
+  } else {
+    using VecH = Vectorized<scalar_t>;
+    constexpr int64_t F = VecA::size();
+    for (; p + VecH::size() <= half; p += VecH::size()) {
+      auto [x1a, x1b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + p));
+      auto [x2a, x2b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + half + p));
+      x1a = x1a * vr * VecA::loadu(w + p);
+      x1b = x1b * vr * VecA::loadu(w + p + F);
+      x2a = x2a * vr * VecA::loadu(w + half + p);
+      x2b = x2b * vr * VecA::loadu(w + half + p + F);
+      VecA y1a, y2a, y1b, y2b;
+      rotate_vec(x1a, x2a, VecA::loadu(t.cs + p), VecA::loadu(t.sn + p), y1a, y2a);
+      rotate_vec(x1b, x2b, VecA::loadu(t.cs + p + F), VecA::loadu(t.sn + p + F), y1b, y2b);
+      at::vec::convert_from_float<scalar_t>(y1a, y1b).store(out + p);
+      at::vec::convert_from_float<scalar_t>(y2a, y2b).store(out + half + p);
+    }
+  }
+  return p;
+}
+
 // Forward of one head row: normalise, weight (w: the row's effective weights), rotate.
 template <typename scalar_t, typename acc_t, bool kC>
 void forward_row(const QkNormRopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
@@ -89,7 +151,9 @@ void forward_row(const QkNormRopeArgs& a, const scalar_t* in, int64_t si, scalar
   const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
   const int64_t o = math::rope_rotary_begin(a.rope.settings);  // the rotary part's start
   if (!a.rope.interleaved) {
-    for (int64_t p = 0; p < half; ++p) {
+    int64_t first = 0;
+    if constexpr (kC) first = forward_pairs_vec<scalar_t, acc_t>(in + o, out + o, w + o, r, t, half);
+    for (int64_t p = first; p < half; ++p) {
       const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + p, si)]), r, w[o + p]);
       const acc_t x2 =
           math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + p + half, si)]), r, w[o + p + half]);
