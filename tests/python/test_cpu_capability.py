@@ -183,3 +183,36 @@ def test_every_level_gives_the_same_bits(tmp_path):
     y, _, _ = base[("torch.float32", 512, "offset", 0.3)]
     assert 0.2 < (y == 0).double().mean() < 0.4
 
+
+
+QK_NORM_SCRIPT = r"""
+import sys
+import torch
+import posenc
+
+g = torch.Generator().manual_seed(5)
+q = torch.randn(2, 37, 4, 128, generator=g)
+k = torch.randn(2, 37, 2, 128, generator=g)
+w = torch.rand(128, generator=g) + 0.5
+torch.save(posenc.functional.qk_norm_rope(q, k, w, w, offset=3), sys.argv[1])
+"""
+
+
+@pytest.mark.xfail(strict=True, reason="known: qk_norm_rope's float32 kernel differs between the AVX2 build (which "
+                   "contracts its sums of squares and some backward products into FMAs) and the baseline build "
+                   "(which rounds twice); making them agree changes one level's bits (benchmarks/NOTES.md, "
+                   "2026-12-03 (later))")
+def test_qk_norm_rope_gives_the_same_bits_at_every_level(tmp_path):
+    levels = host_levels()
+    if len(levels) < 2:
+        pytest.skip("this CPU runs only the baseline kernels (no AVX2 + FMA + F16C)")
+    outs = {}
+    for level in levels[:2]:
+        env = dict(os.environ, POSENC_CPU_CAPABILITY=level, PYTHONPATH=str(ROOT / "python"))
+        path = tmp_path / f"qk_{level}.pt"
+        proc = subprocess.run([sys.executable, "-c", QK_NORM_SCRIPT, str(path)], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        outs[level] = torch.load(path)
+    for a, b in zip(outs["default"], outs["avx2"]):
+        assert torch.equal(a, b)

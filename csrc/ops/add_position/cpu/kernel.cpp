@@ -469,7 +469,14 @@ void store_as(const Vectorized<acc_t>& v, T* dst, int64_t n) {
   if constexpr (std::is_same_v<T, acc_t>) {
     if (n == W) v.store(dst); else v.store(dst, n);
   } else if constexpr (kReducedToFloat<T, acc_t>) {
-    at::vec::convert_from_float<T>(v, v).store(dst, n);  // the first n of 2 W narrowed
+    const Vectorized<T> narrowed = at::vec::convert_from_float<T>(v, v);  // the first W of 2 W
+#if defined(CPU_CAPABILITY_AVX2)
+    if (n == W) {  // a whole vector: one 128-bit store (store(dst, n) goes through memcpy)
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(narrowed));
+      return;
+    }
+#endif
+    narrowed.store(dst, n);
   } else {
     alignas(64) acc_t buf[W];
     v.store(buf);
