@@ -185,23 +185,30 @@ def test_every_level_gives_the_same_bits(tmp_path):
 
 
 
+# qk_norm_rope forward and backward (float32 and float64, norm "head" and "hidden"): its sums
+# of squares and backward products were contracted into FMAs by the AVX2 build and not by the
+# baseline until the ISA units were compiled with -ffp-contract=off (CMakeLists.txt).
 QK_NORM_SCRIPT = r"""
 import sys
 import torch
 import posenc
 
 g = torch.Generator().manual_seed(5)
-q = torch.randn(2, 37, 4, 128, generator=g)
-k = torch.randn(2, 37, 2, 128, generator=g)
-w = torch.rand(128, generator=g) + 0.5
-torch.save(posenc.functional.qk_norm_rope(q, k, w, w, offset=3), sys.argv[1])
+out = []
+for dtype in (torch.float32, torch.float64):
+    q = torch.randn(2, 37, 4, 128, generator=g, dtype=dtype).requires_grad_()
+    k = torch.randn(2, 37, 2, 128, generator=g, dtype=dtype).requires_grad_()
+    w = (torch.rand(128, generator=g, dtype=dtype) + 0.5).requires_grad_()
+    wh = (torch.rand(4 * 128, generator=g, dtype=dtype) + 0.5).requires_grad_()
+    wkh = (torch.rand(2 * 128, generator=g, dtype=dtype) + 0.5).requires_grad_()
+    for args, kw in (((w, w), {}), ((wh, wkh), {"norm": "hidden"})):
+        a, b = posenc.functional.qk_norm_rope(q, k, *args, offset=3, **kw)
+        grads = torch.autograd.grad((a, b), (q, k) + args, (torch.ones_like(a), torch.ones_like(b)))
+        out += [a.detach(), b.detach(), *grads]
+torch.save(out, sys.argv[1])
 """
 
 
-@pytest.mark.xfail(strict=True, reason="known: qk_norm_rope's float32 kernel differs between the AVX2 build (which "
-                   "contracts its sums of squares and some backward products into FMAs) and the baseline build "
-                   "(which rounds twice); making them agree changes one level's bits (benchmarks/NOTES.md, "
-                   "2026-12-03 (later))")
 def test_qk_norm_rope_gives_the_same_bits_at_every_level(tmp_path):
     levels = host_levels()
     if len(levels) < 2:

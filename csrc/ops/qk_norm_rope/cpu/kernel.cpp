@@ -48,9 +48,9 @@ template <typename scalar_t, typename acc_t, bool kC>
 inline void add_squares(const scalar_t* in, int64_t si, int64_t n, acc_t (&part)[kLanes]) {
   int64_t e = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-  // The lanes as one vector: lane l still sums elements l, l + 8, ... in order, and the
-  // AVX2 build contracts the scalar part[l] += x * x into an fma, as fmadd does: the same
-  // bits (and half precision widened by vector conversions).
+  // The lanes as one vector: lane l still sums elements l, l + 8, ... in order, each
+  // step part[l] + x * x rounded twice as the scalar loop's (no contraction: CMakeLists.txt):
+  // the same bits (and half precision widened by vector conversions).
   if constexpr (kC && std::is_same_v<acc_t, float>) {
     using VecF = Vectorized<float>;
     static_assert(VecF::size() == kLanes, "one float vector of lanes");
@@ -58,14 +58,14 @@ inline void add_squares(const scalar_t* in, int64_t si, int64_t n, acc_t (&part)
     if constexpr (std::is_same_v<scalar_t, float>) {
       for (; e + kLanes <= n; e += kLanes) {
         const VecF x = VecF::loadu(in + e);
-        acc = at::vec::fmadd(x, x, acc);
+        acc = acc + x * x;
       }
     } else {
       using VecH = Vectorized<scalar_t>;
       for (; e + 2 * kLanes <= n; e += 2 * kLanes) {
         auto [xa, xb] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + e));
-        acc = at::vec::fmadd(xa, xa, acc);
-        acc = at::vec::fmadd(xb, xb, acc);
+        acc = acc + xa * xa;
+        acc = acc + xb * xb;
       }
     }
     acc.store(part);
