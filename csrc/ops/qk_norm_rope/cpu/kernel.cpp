@@ -53,7 +53,7 @@ inline void add_squares(const scalar_t* in, int64_t si, int64_t n, acc_t (&part)
   // the same bits (and half precision widened by vector conversions).
   if constexpr (kC && std::is_same_v<acc_t, float>) {
     using VecF = Vectorized<float>;
-    static_assert(VecF::size() == kLanes, "one float vector of lanes");
+    static_assert(VecF::size() == kLanes, "one AVX2 float vector of lanes");
     VecF acc = VecF::loadu(part);
     if constexpr (std::is_same_v<scalar_t, float>) {
       for (; e + kLanes <= n; e += kLanes) {
@@ -262,6 +262,22 @@ void backward_row_dx(const QkNormRopeArgs& a, const scalar_t* x, int64_t sx, con
   }
 }
 
+// A contiguous row of n values widened to float32 (exact), with vector conversions for half
+// precision.
+template <typename scalar_t>
+inline void widen_row(const scalar_t* x, float* out, int64_t n) {
+  int64_t i = 0;
+  if constexpr (!std::is_same_v<scalar_t, float>) {
+    using VecH = Vectorized<scalar_t>;
+    for (; i + VecH::size() <= n; i += VecH::size()) {
+      auto [lo, hi] = at::vec::convert_to_float<scalar_t>(VecH::loadu(x + i));
+      lo.store(out + i);
+      hi.store(out + i + Vectorized<float>::size());
+    }
+  }
+  for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
+}
+
 template <typename scalar_t, typename acc_t, bool kC, bool kIl>
 void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const RopeOperand& gop,
                       const acc_t* w, acc_t* dw, int64_t b, int64_t s, const TokenAngles<acc_t>& t) {
@@ -295,7 +311,61 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
     // second turn of the gradient).
     const int64_t half = a.rope.rotary_dim / 2;
     const int64_t o = math::rope_rotary_begin(a.rope.settings);
-    acc_t xs[kStagedRow], gs[kStagedRow];
+    alignas(64) acc_t xs[kStagedRow], gs[kStagedRow];
+    if constexpr (kC && !kIl && std::is_same_v<acc_t, float> && Vectorized<float>::size() == kLanes) {
+      // Contiguous half-split rows in float32 arithmetic: the same passes in explicit
+      // vectors (gcc left them scalar), each operation as the scalar loop below rounds it
+      // (no contraction: CMakeLists.txt), so the same bits.
+      using Vec = Vectorized<float>;
+      constexpr int64_t W = Vec::size();
+      alignas(64) float dxs[kStagedRow];
+      for (int64_t h = 0; h < op.heads; ++h) {
+        widen_row(row_in<scalar_t>(op, b, s, h), xs, D);
+        widen_row(row_in<scalar_t>(gop, b, s, h), gs, D);
+        acc_t sq[kLanes] = {};
+        add_squares<acc_t, acc_t, true>(xs, 1, D, sq);
+        const acc_t r = math::qk_norm_inv_rms<acc_t>(lanes_sum(sq), D, static_cast<acc_t>(a.eps));
+        const Vec rv(r);
+        int64_t p = 0;
+        for (; p + W <= half; p += W) {  // the gradient turned back
+          Vec gu1, gu2;
+          rotate_vec(Vec::loadu(gs + o + p), Vec::loadu(gs + o + half + p), Vec::loadu(t.cs + p),
+                     Vec::loadu(t.sn + p), gu1, gu2);
+          gu1.store(gs + o + p);
+          gu2.store(gs + o + half + p);
+        }
+        for (; p < half; ++p) {
+          acc_t gu1, gu2;
+          math::rope_rotate_pair(gs[o + p], gs[o + p + half], t.cs[p], t.sn[p], &gu1, &gu2);
+          gs[o + p] = gu1;
+          gs[o + p + half] = gu2;
+        }
+        Vec part = Vec(0.0f);
+        int64_t e = 0;
+        for (; e + W <= D; e += W) {
+          const Vec g = Vec::loadu(gs + e), xh = Vec::loadu(xs + e) * rv;
+          (Vec::loadu(dw + e) + g * xh).store(dw + e);
+          part = part + g * Vec::loadu(w + e) * xh;
+        }
+        acc_t lanes[kLanes];
+        part.store(lanes);
+        for (; e < D; ++e) {
+          const acc_t xh = xs[e] * r;
+          dw[e] += gs[e] * xh;
+          lanes[0] += gs[e] * w[e] * xh;
+        }
+        const acc_t mean_gx = lanes_sum(lanes) / static_cast<acc_t>(D);
+        const Vec mv(mean_gx);
+        int64_t j = 0;
+        for (; j + W <= D; j += W) {  // math::qk_norm_grad_input: r * (gu * w - xhat * mean)
+          const Vec xh = Vec::loadu(xs + j) * rv;
+          (rv * (Vec::loadu(gs + j) * Vec::loadu(w + j) - xh * mv)).store(dxs + j);
+        }
+        for (; j < D; ++j) dxs[j] = math::qk_norm_grad_input(gs[j], w[j], xs[j] * r, mean_gx, r);
+        at::vec::convert(dxs, row_out<scalar_t>(op, b, s, h), D);
+      }
+      return;
+    }
     for (int64_t h = 0; h < op.heads; ++h) {
       const scalar_t* x = row_in<scalar_t>(op, b, s, h);
       const scalar_t* g = row_in<scalar_t>(gop, b, s, h);
