@@ -8,7 +8,8 @@ import torch
 from torch import Tensor
 
 from posenc._dtensor import place_beside
-from posenc._rope import RopeConfig, config_of, rope_op_arguments, rotary_width, with_rope_settings
+from posenc._rope import (LAYOUT_AXES, RopeConfig, config_of, heads_batch_rule, rope_op_arguments, rotary_width,
+                          with_rope_settings)
 
 NORMS = ("head", "hidden")
 
@@ -146,3 +147,10 @@ class QKNormRotary(torch.nn.Module):
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, eps={self.eps}, weight_offset={self.weight_offset}, norm={self.norm!r}"
+
+
+# vmap: the samples join the heads when each head is normalised alone (norm "head", weights
+# and positions shared); norm "hidden" spans a token's heads: one call per sample.
+torch.library.register_vmap("posenc::qk_norm_rope", heads_batch_rule(
+    torch.ops.posenc.qk_norm_rope.default, ("q", "k"), lambda a: LAYOUT_AXES[a["layout"]][2],
+    foldable=lambda a: a["norm"] == "head"))

@@ -782,51 +782,61 @@ class RotaryPositionalEncoding(nn.Module):
         return extra + f", layout={self.layout!r}"
 
 
-_ROPE_ARGUMENT_NAMES = [a.name for a in _ROPE_ARGUMENTS]
-_ROPE_ARGUMENT_DEFAULTS = [a.default_value for a in _ROPE_ARGUMENTS]
+def heads_batch_rule(op: Any, folded: Tuple[str, ...], heads_axis: Any, foldable: Any = None) -> Any:
+    """A vmap rule for an op that treats every head of ``folded`` (q, k) alike: the vmapped
+    dimension joins the heads, so a batch of samples (per-sample gradients: vmap(grad(...)),
+    jacrev, hessian) is one fused call rather than one call per sample. Any other batched
+    tensor (positions, tables, weights), or ``foldable(arguments)`` false, makes the samples
+    differ beyond their heads: one call each. ``heads_axis(arguments)``: the heads dim of
+    q and k. Outputs: one per folded input, in order (an empty tensor for an absent one)."""
+    schema = op._schema.arguments
+    names = [a.name for a in schema]
+    defaults = [a.default_value for a in schema]
+
+    def rule(info: Any, in_dims: Tuple[Optional[int], ...], *args: Any, **kwargs: Any) -> Any:
+        # The dispatcher passes the arguments up to the last one not at its default.
+        n = len(args)
+        args = tuple(args) + tuple(kwargs.get(name, d) for name, d in zip(names[n:], defaults[n:]))
+        # A list argument (float[] scaling, int[] sections) comes with a list of Nones.
+        in_dims = tuple(d if isinstance(d, int) else None for d in in_dims) + (None,) * (len(args) - n)
+        a = dict(zip(names, args))
+        dims = dict(zip(names, in_dims))
+        size = info.batch_size
+        others = [name for name, d in dims.items() if d is not None and name not in folded]
+        if others or (foldable is not None and not foldable(a)):
+            outs = [op(*[x.select(d, i) if d is not None else x for x, d in zip(args, in_dims)])
+                    for i in range(size)]
+            results, out_dims = [], []
+            for j, name in enumerate(folded):
+                present = a[name] is not None
+                results.append(torch.stack([o[j] for o in outs]) if present else outs[0][j])
+                out_dims.append(0 if present else None)
+            return tuple(results), tuple(out_dims)
+        heads = heads_axis(a)
+
+        def fold(x: Tensor, d: Optional[int]) -> Tensor:  # (..., size * heads, ...), sample-major
+            x = x.movedim(d, heads) if d is not None else x.unsqueeze(heads).expand(
+                *x.shape[:heads], size, *x.shape[heads:])
+            return x.flatten(heads, heads + 1)
+
+        call = list(args)
+        for name in folded:
+            if a[name] is not None:
+                call[names.index(name)] = fold(a[name], dims[name])
+        outs = op(*call)
+        results, out_dims = [], []
+        for j, name in enumerate(folded):
+            if a[name] is None:
+                results.append(outs[j])
+                out_dims.append(None)
+            else:
+                results.append(outs[j].unflatten(heads, (size, -1)).movedim(heads, 0))
+                out_dims.append(0)
+        return tuple(results), tuple(out_dims)
+
+    return rule
 
 
-def _rope_batch_rule(info: Any, in_dims: Tuple[Optional[int], ...], *args: Any,
-                     **kwargs: Any) -> Tuple[Tuple[Tensor, Tensor], Any]:
-    """vmap of posenc::rope (per-sample gradients: vmap(grad(...)), jacrev, hessian): the
-    vmapped dimension joins the heads (each head turns by the same angles), so a batch of
-    samples is one fused call rather than one call per sample. With batched index tensors
-    (positions, offsets, cu_seqlens) the samples differ in their angles: one call each."""
-    # The dispatcher passes the arguments up to the last one not at its default.
-    n = len(args)
-    args = tuple(args) + tuple(kwargs.get(name, default) for name, default in
-                               zip(_ROPE_ARGUMENT_NAMES[n:], _ROPE_ARGUMENT_DEFAULTS[n:]))
-    in_dims = tuple(in_dims) + (None,) * (len(args) - n)
-    a = dict(zip(_ROPE_ARGUMENT_NAMES, args))
-    dims = dict(zip(_ROPE_ARGUMENT_NAMES, in_dims))
-    size = info.batch_size
-    if any(dims[name] is not None for name in ("positions", "offsets", "cu_seqlens")):
-        outs = []
-        for i in range(size):
-            sample = [x.select(d, i) if d is not None else x for x, d in zip(args, in_dims)]
-            outs.append(torch.ops.posenc.rope(*sample))
-        k_out = torch.stack([o[1] for o in outs]) if a["k"] is not None else outs[0][1]
-        return (torch.stack([o[0] for o in outs]), k_out), (0, 0 if a["k"] is not None else None)
-    layout = a["layout"]
-    heads = LAYOUT_AXES[layout][2]  # the heads dim of q and k in this layout
-
-    def fold(x: Tensor, d: Optional[int]) -> Tensor:  # (..., size * heads, ...), sample-major
-        x = x.movedim(d, heads) if d is not None else x.unsqueeze(heads).expand(
-            *x.shape[:heads], size, *x.shape[heads:])
-        return x.flatten(heads, heads + 1)
-
-    def unfold(x: Tensor) -> Tensor:
-        return x.unflatten(heads, (size, -1)).movedim(heads, 0)
-
-    q, k = a["q"], a["k"]
-    folded = list(args)
-    folded[0] = fold(q, dims["q"])
-    if k is not None:
-        folded[1] = fold(k, dims["k"])
-    out_q, out_k = torch.ops.posenc.rope(*folded)
-    if k is None:
-        return (unfold(out_q), out_k), (0, None)
-    return (unfold(out_q), unfold(out_k)), (0, 0)
-
-
-torch.library.register_vmap("posenc::rope", _rope_batch_rule)
+# posenc::rope: the heads dim of the layout (every layout's, "thd" included).
+torch.library.register_vmap("posenc::rope", heads_batch_rule(
+    torch.ops.posenc.rope.default, ("q", "k"), lambda a: LAYOUT_AXES[a["layout"]][2]))

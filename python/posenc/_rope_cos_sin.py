@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._dtensor import place_beside
-from posenc._rope import LENGTH_SCALED_TYPES, resolve_config_keys, scaling_arguments
+from posenc._rope import LENGTH_SCALED_TYPES, heads_batch_rule, resolve_config_keys, scaling_arguments
 
 
 def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
@@ -179,3 +179,7 @@ def apply_rope_cos_sin(
     out_q, out_k = torch.ops.posenc.apply_rope_cos_sin(q, k, cos, sin, layout=layout, interleaved=interleaved)
     return out_q if k is None else (out_q, out_k)
 
+
+# vmap: the samples join the heads (tables shared; batched tables: one call per sample).
+torch.library.register_vmap("posenc::apply_rope_cos_sin", heads_batch_rule(
+    torch.ops.posenc.apply_rope_cos_sin.default, ("q", "k"), lambda a: 1 if a["layout"] == "bhsd" else 2))

@@ -225,3 +225,33 @@ def test_vmap_with_batched_positions_loops_over_samples():
     out = vmap(lambda x, p: apply_rope(x, positions=p))(q, positions)
     for i in range(3):
         assert torch.equal(out[i], apply_rope(q[i], positions=positions[i]))
+
+
+def test_vmap_rules_of_the_other_rope_ops_fold_into_the_heads(recwarn):
+    """apply_rope_cos_sin and qk_norm_rope (norm "head") under vmap: one fused call, no
+    per-sample fallback, the same numbers as a loop; norm "hidden" (spanning a token's
+    heads) and batched tables or weights take one call per sample."""
+    from posenc.functional import apply_rope_cos_sin, qk_norm_rope, rope_cos_sin
+
+    torch.manual_seed(9)
+    q = torch.randn(3, 2, 4, 5, 8, dtype=F64)  # 3 samples of bhsd (2, 4, 5, 8)
+    k = torch.randn(2, 2, 5, 8, dtype=F64)
+    cos, sin = rope_cos_sin(torch.arange(5), 8, dtype=F64)
+    out_q, out_k = vmap(lambda x: apply_rope_cos_sin(x, k, cos, sin))(q)
+    for i in range(3):
+        want_q, want_k = apply_rope_cos_sin(q[i], k, cos, sin)
+        assert torch.equal(out_q[i], want_q) and torch.equal(out_k[i], want_k)
+    qs = q.transpose(2, 3)  # bshd samples
+    w, wk = torch.rand(8, dtype=F64) + 0.5, torch.rand(8, dtype=F64) + 0.5
+    ks = k.transpose(1, 2)
+    hidden = (torch.rand(32, dtype=F64) + 0.5, torch.rand(16, dtype=F64) + 0.5)
+    for norm, wq_, wk_ in (("head", w, wk), ("hidden", *hidden)):
+        a, b = vmap(lambda x, wq_=wq_, wk_=wk_, norm=norm: qk_norm_rope(x, ks, wq_, wk_, norm=norm, offset=2))(qs)
+        for i in range(3):
+            want_a, want_b = qk_norm_rope(qs[i], ks, wq_, wk_, norm=norm, offset=2)
+            assert torch.equal(a[i], want_a) and torch.equal(b[i], want_b)
+    ws = torch.rand(3, 8, dtype=F64) + 0.5  # batched weights (an ensemble): one call per sample
+    a, _ = vmap(lambda x, wq: qk_norm_rope(x, ks, wq, wk))(qs, ws)
+    for i in range(3):
+        assert torch.equal(a[i], qk_norm_rope(qs[i], ks, ws[i], wk)[0])
+    assert not [w_ for w_ in recwarn if "performance drop" in str(w_.message)]
