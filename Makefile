@@ -6,7 +6,7 @@ INSTALL   := $(BUILD)/install
 MAX_JOBS  ?= 2
 export PYTHONPATH := $(CURDIR)/python
 
-.PHONY: all setup build demo lint test test-cpp test-example test-python test-python-baseline test-install test-sanitize bench clean
+.PHONY: all setup build demo docs lint test test-cpp test-example test-python test-python-baseline test-install test-sanitize bench clean
 
 all: build
 
@@ -25,10 +25,16 @@ build: setup $(BUILD)/build.ninja
 demo: build
 	$(PY) -m posenc demo
 
+# The reference site (docs/: Sphinx, MyST Markdown pages, autodoc, the C++ headers' comments,
+# pictures drawn by docs/figures.py) as HTML in build/docs, with warnings as errors. Needs the
+# built library (autodoc imports posenc). Open build/docs/index.html.
+docs: setup
+	$(PY) -m sphinx -W --keep-going -q -b html docs $(BUILD)/docs
+
 # Python style and errors (ruff, configured in pyproject.toml). .clang-format describes the
 # C++ style for editors; it is not enforced here.
 lint: setup
-	$(PY) -m ruff check python tests benchmarks scripts
+	$(PY) -m ruff check python tests benchmarks scripts docs
 
 test: build test-cpp test-example test-python test-python-baseline test-install
 
@@ -47,7 +53,7 @@ test-python:
 # opcheck tests are left out (tracing, not the kernels' arithmetic: 80 of 120 s).
 BASELINE_TESTS := test_add_position_dropout test_add_position_dropout_bits \
   test_add_position_saved_mask test_positional_encoding test_rope test_rope_cos_sin \
-  test_rope_append_kv
+  test_rope_append_kv test_rope_append_kv_fp8
 test-python-baseline:
 	POSENC_CPU_CAPABILITY=default $(PY) -c "import torch, posenc; \
 	  c = torch.ops.posenc.cpu_capability(); assert c == 'default', c"

@@ -42,6 +42,46 @@ def fused(q, k, v, k_cache, v_cache, lengths):
     return rope_append_kv(q, k, v, k_cache, v_cache, offset=lengths)
 
 
+K_SCALE, V_SCALE = 0.05, 0.02
+
+
+def composition_fp8(q, k, v, k_cache, v_cache, lengths):
+    """The FP8-cache contract written out: rotate float32 copies, quantise (divide by the
+    scale, saturate, round), copy the bits into the rows."""
+    q, k32 = apply_rope(q, offset=lengths), apply_rope(k.float(), offset=lengths)
+    B, S = k.shape[:2]
+    rows = lengths[:, None] + torch.arange(S, device=k.device)
+    batch = torch.arange(B, device=k.device)[:, None]
+    k_cache.view(torch.uint8)[batch, rows] = (k32 / K_SCALE).clamp(-448, 448).to(k_cache.dtype).view(torch.uint8)
+    v_cache.view(torch.uint8)[batch, rows] = (v.float() / V_SCALE).clamp(-448, 448).to(v_cache.dtype).view(torch.uint8)
+    return q
+
+
+def fused_fp8(q, k, v, k_cache, v_cache, lengths):
+    return rope_append_kv(q, k, v, k_cache, v_cache, offset=lengths, k_scale=K_SCALE, v_scale=V_SCALE)
+
+
+MLA_NOPE, MLA_ROPE, MLA_LORA = 128, 64, 512  # DeepSeek-V3
+
+
+def composition_mla(q, kv_c, k_pe, latent, lengths):
+    """MLA's cache write without the fused op: rotate q_pe and k_pe (adjacent pairs), copy
+    [kv_c | k_pe] into the latent rows."""
+    q = torch.cat([q[..., :MLA_NOPE], apply_rope(q[..., MLA_NOPE:], offset=lengths, interleaved=True)], -1)
+    k_pe = apply_rope(k_pe, offset=lengths, interleaved=True)
+    B, S = k_pe.shape[:2]
+    rows = lengths[:, None] + torch.arange(S, device=k_pe.device)
+    batch = torch.arange(B, device=k_pe.device)[:, None]
+    latent[batch, rows] = torch.cat([kv_c, k_pe], -1)
+    return q
+
+
+def fused_mla(q, kv_c, k_pe, latent, lengths):
+    rope_append_kv(q[..., MLA_NOPE:], k_pe, kv_c, latent[..., MLA_LORA:], latent[..., :MLA_LORA], offset=lengths,
+                   interleaved=True, inplace=True)
+    return q
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--device", default="cpu")

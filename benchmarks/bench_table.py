@@ -36,6 +36,11 @@ import torch  # noqa: E402
 import posenc  # noqa: E402
 from bench_rope_append_kv import composition as append_kv_composition  # noqa: E402
 from bench_rope_append_kv import fused as append_kv_fused  # noqa: E402
+from bench_rope_append_kv import composition_fp8 as append_kv_composition_fp8  # noqa: E402
+from bench_rope_append_kv import fused_fp8 as append_kv_fused_fp8  # noqa: E402
+from rope_harness import rotate_half  # noqa: E402
+from bench_rope_append_kv import composition_mla as append_kv_composition_mla  # noqa: E402
+from bench_rope_append_kv import fused_mla as append_kv_fused_mla  # noqa: E402
 from bench_rope_cos_sin import hf_apply  # noqa: E402
 from bench_rope_multi_axis import SECTIONS, mrope_tables, rotate  # noqa: E402
 from harness import _reference as add_position_reference  # noqa: E402
@@ -357,22 +362,80 @@ def rows(small: bool) -> List[Spec]:
     add("qk_norm_rope", "bshd, backward", rope_shape, qk_norm("backward"))
 
     # rope_append_kv ------------------------------------------------------------------------
-    def append_kv(batch, seq, cache, launch_bound):
+    def append_kv(batch, seq, cache, launch_bound, fp8=False):
         def build(dtype):
             torch.manual_seed(0)
             q = torch.randn(batch, seq, 32, D, dtype=dtype)
             k, v = torch.randn(batch, seq, 8, D, dtype=dtype), torch.randn(batch, seq, 8, D, dtype=dtype)
-            k_cache = torch.zeros(batch, cache, 8, D, dtype=dtype)
-            v_cache = torch.zeros(batch, cache, 8, D, dtype=dtype)
+            cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+            k_cache = torch.zeros(batch, cache, 8, D, dtype=cache_dtype)
+            v_cache = torch.zeros(batch, cache, 8, D, dtype=cache_dtype)
             lengths_ = torch.randint(0, cache - seq + 1, (batch,))
-            return Bench(2 * _nbytes(q, k, v), append_kv_fused, append_kv_composition,
-                         (q, k, v, k_cache, v_cache, lengths_), launch_bound=launch_bound)
+            args = (q, k, v, k_cache, v_cache, lengths_)
+            if fp8:  # q read and written; k and v read; one byte per cache element written
+                return Bench(2 * _nbytes(q) + _nbytes(k, v) + k.numel() + v.numel(), append_kv_fused_fp8,
+                             append_kv_composition_fp8, args, launch_bound=launch_bound)
+            return Bench(2 * _nbytes(q, k, v), append_kv_fused, append_kv_composition, args,
+                         launch_bound=launch_bound)
         return build
 
     prefill_seq, cache = (128, 256) if small else (2048, 4096)
     add("rope_append_kv", "prefill", f"(1, {prefill_seq}, 32, 8, {D}), cache {cache}",
         append_kv(1, prefill_seq, cache, False))
     add("rope_append_kv", "decode", f"(8, 1, 32, 8, {D}), cache {cache // 2}", append_kv(8, 1, cache // 2, True))
+    add("rope_append_kv", "prefill, FP8 e4m3 caches", f"(1, {prefill_seq}, 32, 8, {D}), cache {cache}",
+        append_kv(1, prefill_seq, cache, False, fp8=True))
+    add("rope_append_kv", "decode, FP8 e4m3 caches", f"(8, 1, 32, 8, {D}), cache {cache // 2}",
+        append_kv(8, 1, cache // 2, True, fp8=True))
+
+    def append_mla(batch, seq, cache, launch_bound):
+        def build(dtype):
+            torch.manual_seed(0)
+            q = torch.randn(batch, seq, 16, 192, dtype=dtype)
+            kv_c, k_pe = torch.randn(batch, seq, 1, 512, dtype=dtype), torch.randn(batch, seq, 1, 64, dtype=dtype)
+            latent = torch.zeros(batch, cache, 1, 576, dtype=dtype)
+            lengths_ = torch.randint(0, cache - seq + 1, (batch,))
+            # q_pe read and written in place; kv_c and k_pe read; the latent rows written.
+            nbytes = 2 * q[..., 128:].numel() * q.element_size() + 2 * _nbytes(kv_c, k_pe)
+            return Bench(nbytes, append_kv_fused_mla, append_kv_composition_mla, (q, kv_c, k_pe, latent, lengths_),
+                         launch_bound=launch_bound)
+        return build
+
+    # rope_shift_kv: a context shift of half the cache (rows cache/2 .. cache-1 move down by
+    # cache/4 positions), in place; eager: Hugging Face's rotate_half twice (back by the old
+    # angle, on by the new one) on the gathered rows, written back.
+    def shift_kv(batch, cache):
+        def build(dtype):
+            torch.manual_seed(0)
+            k_cache = torch.randn(batch, cache, 8, D, dtype=dtype)
+            rows = torch.arange(cache // 2, cache)
+            old, new = rows, rows - cache // 4
+            inv_freq = 1.0 / (10000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+            tables = []
+            for p in (old, new):
+                angle = torch.cat([p[:, None] * inv_freq] * 2, -1)
+                tables.append((angle.cos().to(dtype)[:, None], angle.sin().to(dtype)[:, None]))
+
+            def ours(kc):
+                return F.rope_shift_kv(kc, old, new, rows=rows)
+
+            def eager(kc):
+                x = kc[:, rows]
+                (co, so), (cn, sn) = tables
+                x = x * co - rotate_half(x) * so  # back by the old angle
+                kc[:, rows] = x * cn + rotate_half(x) * sn
+                return kc
+
+            # rows read and written in place
+            return Bench(2 * k_cache[:, rows].numel() * k_cache.element_size(), ours, eager, (k_cache,))
+        return build
+
+    add("rope_shift_kv", "shift half the cache", f"cache (1, {cache}, 8, {D})", shift_kv(1, cache))
+
+    add("rope_append_kv", "MLA prefill (DeepSeek-V3 512 + 64)", f"q (1, {prefill_seq}, 16, 192), latent {cache}",
+        append_mla(1, prefill_seq, cache, False))
+    add("rope_append_kv", "MLA decode (DeepSeek-V3 512 + 64)", f"q (8, 1, 16, 192), latent {cache // 2}",
+        append_mla(8, 1, cache // 2, True))
     return specs
 
 

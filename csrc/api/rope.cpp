@@ -52,6 +52,7 @@ ops::RopeCall make_rope_call(const torch::Tensor& q, const std::optional<torch::
   c.offsets = o.offsets();
   c.offset = o.offset();
   c.cu_seqlens = o.cu_seqlens();
+  c.inverse = o.inverse();
   c.base = o.base();
   c.scaling = ops::parse_rope_scaling(o.scaling().rope_type, o.scaling().values());
   c.seq_len = seq_len;

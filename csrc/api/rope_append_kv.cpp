@@ -17,10 +17,22 @@ ops::RopeAppendKvCall make_call(const torch::Tensor& q, const torch::Tensor& k,
   c.v_cache = v_cache;
   c.slot_mapping = o.slot_mapping();
   c.return_k = o.return_k();
+  c.k_scale = o.k_scale();
+  c.v_scale = o.v_scale();
   return c;
 }
 
 }  // namespace
+
+RopeAppendKvOptions& RopeAppendKvOptions::k_scale(double scale) {
+  k_scale_ = torch::tensor(static_cast<float>(scale), torch::kFloat);
+  return *this;
+}
+
+RopeAppendKvOptions& RopeAppendKvOptions::v_scale(double scale) {
+  v_scale_ = torch::tensor(static_cast<float>(scale), torch::kFloat);
+  return *this;
+}
 
 std::tuple<torch::Tensor, torch::Tensor> rope_append_kv(const torch::Tensor& q,
                                                         const torch::Tensor& k,

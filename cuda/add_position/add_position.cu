@@ -92,7 +92,7 @@ __device__ __forceinline__ void dropout_factors(uint64_t seed, uint64_t offset, 
 // Register budget: kMinBlocksPerSm = 4 blocks of 256 threads (64 registers a thread). At 40
 // (6 blocks) ptxas spilled the second group; 1024 threads x 32 bytes of x is 32 KiB of HBM
 // loads in flight per SM, above the ~26 KiB Little's law asks at 4.3 TB/s, where one bf16
-// group at 6 blocks gave 24 KiB (benchmarks/NOTES.md, GPU).
+// group at 6 blocks gives 24 KiB.
 template <typename T>
 constexpr int kUnroll = sizeof(T) == 2 ? 2 : 1;
 constexpr int kMinBlocksPerSm = 4;

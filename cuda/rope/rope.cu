@@ -48,7 +48,7 @@ using namespace rope_cuda;  // load_pairs, store_pairs, head_rows, copy_pass_thr
 // Register budget: 3 blocks of 256 threads per SM (80 registers a thread). At 64 (4
 // blocks) ptxas spilled the loop state of the 16-byte paths once a step's first loads were
 // hoisted above the sin/cos evaluation; 768 threads, each with its head's two 16-byte loads
-// in flight, keep 24 KiB of loads in flight per SM (benchmarks/NOTES.md, GPU). tests/cpp/
+// in flight, keep 24 KiB of loads in flight per SM (Little's law at HBM3 rates). tests/cpp/
 // check_cuda_kernels.py checks the budget and that nothing spills.
 constexpr int kMinBlocksPerSm = 3;
 

@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cfloat>
 
 #include "ops/common/rope_checks.h"  // kRopeMaxPosition
 #include "ops/rope_append_kv/rope_append_kv.h"
@@ -57,6 +58,20 @@ __global__ void __launch_bounds__(kThreads)
   const auto* v_in = static_cast<const scalar_t*>(a.v);
   auto* kc = static_cast<scalar_t*>(a.k_cache);
   auto* vc = static_cast<scalar_t*>(a.v_cache);
+  // FP8 caches: values quantised with the cache's scale (kv_quantize: the float32 rotation,
+  // divided, saturated, rounded to nearest even), stored as their bits.
+  auto* kc8 = static_cast<uint8_t*>(a.k_cache);
+  auto* vc8 = static_cast<uint8_t*>(a.v_cache);
+  const bool k_fp8 = a.k_format != KvCacheFormat::kSame;
+  const bool v_fp8 = a.v_format != KvCacheFormat::kSame;
+  const float k_scale = a.k_scale_ptr != nullptr ? *a.k_scale_ptr : a.k_scale;
+  const float v_scale = a.v_scale_ptr != nullptr ? *a.v_scale_ptr : a.v_scale;
+  if (threadIdx.x == 0 && blockIdx.x == 0) {
+    CUDA_KERNEL_ASSERT_MSG(!k_fp8 || (k_scale > 0.0f && k_scale <= FLT_MAX),
+                           "posenc: rope_append_kv: expected k_scale to be a finite positive number");
+    CUDA_KERNEL_ASSERT_MSG(!v_fp8 || (v_scale > 0.0f && v_scale <= FLT_MAX),
+                           "posenc: rope_append_kv: expected v_scale to be a finite positive number");
+  }
 
   for (int64_t token = blockIdx.x; token < tokens; token += gridDim.x) {
     const int64_t b = token / r.seq;
@@ -92,16 +107,23 @@ __global__ void __launch_bounds__(kThreads)
         const scalar_t* in = (is_q ? q_in : k_in) + b * op.in_stride[0] + s * op.in_stride[1] +
                              h * op.in_stride[2];
         const int64_t sd = op.in_stride[3];
-        // Up to two destinations: q's output; k's cache row and the returned k.
+        // Up to two destinations: q's output; k's cache row and the returned k. An FP8 k
+        // cache is dst8 instead of dst[0].
         scalar_t* dst[2] = {nullptr, nullptr};
         int64_t dsd[2] = {0, 0};
+        uint8_t* dst8 = nullptr;
         if (is_q) {
           dst[0] = q_out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
           dsd[0] = op.out_stride[3];
         } else {
           if (cached) {
-            dst[0] = kc + outer * a.k_cache_stride[0] + inner * a.k_cache_stride[1] +
-                     h * a.k_cache_stride[2];
+            const int64_t at = outer * a.k_cache_stride[0] + inner * a.k_cache_stride[1] +
+                               h * a.k_cache_stride[2];
+            if (k_fp8) {
+              dst8 = kc8 + at;
+            } else {
+              dst[0] = kc + at;
+            }
             dsd[0] = a.k_cache_stride[3];
           }
           if (a.write_k) {
@@ -122,6 +144,10 @@ __global__ void __launch_bounds__(kThreads)
             dst[d][e1 * dsd[d]] = static_cast<scalar_t>(y1);
             dst[d][e2 * dsd[d]] = static_cast<scalar_t>(y2);
           }
+          if (dst8 != nullptr) {
+            dst8[e1 * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y1), k_scale);
+            dst8[e2 * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y2), k_scale);
+          }
         } else {
           const int64_t f = math::rope_pass_feature(e - half, begin, r.rotary_dim);
           const scalar_t x = in[f * sd];
@@ -129,14 +155,21 @@ __global__ void __launch_bounds__(kThreads)
             // In place, q's pass-through features are already where they belong.
             if (dst[d] != nullptr && !(is_q && dst[d] == in && dsd[d] == sd)) dst[d][f * dsd[d]] = x;
           }
+          if (dst8 != nullptr) dst8[f * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(x), k_scale);
         }
       } else if (cached) {
         const int64_t j = i - q_items - k_items;
         const int64_t h = j / a.v_head_dim;
         const int64_t e = j - h * a.v_head_dim;
-        vc[outer * a.v_cache_stride[0] + inner * a.v_cache_stride[1] + h * a.v_cache_stride[2] +
-           e * a.v_cache_stride[3]] =
+        const int64_t at = outer * a.v_cache_stride[0] + inner * a.v_cache_stride[1] +
+                           h * a.v_cache_stride[2] + e * a.v_cache_stride[3];
+        const scalar_t x =
             v_in[b * a.v_stride[0] + s * a.v_stride[1] + h * a.v_stride[2] + e * a.v_stride[3]];
+        if (v_fp8) {
+          vc8[at] = kv_quantize(a.v_format, static_cast<float>(x), v_scale);
+        } else {
+          vc[at] = x;
+        }
       }
     }
     __syncthreads();  // the next token's cos/sin overwrite this one's

@@ -473,6 +473,7 @@ def apply_rope(
     offset: Union[int, Tensor] = 0,
     cu_seqlens: Optional[Tensor] = None,
     inplace: bool = False,
+    inverse: bool = False,
     check_inputs: bool = False,
     seq_len: Optional[int] = None,
     config: Optional[RopeConfig] = None,
@@ -519,6 +520,13 @@ def apply_rope(
             "mrope_interleaved": the same frequencies, pair p on axis ``p % n_axes`` within
             the first ``n_axes * sections[a]`` pairs, else axis 0 (Qwen3-VL).
         inplace: rotate q and k in their own storage (inference; no autograd) and return them.
+        inverse: rotate by minus each angle (the transpose of the rotation), undoing the
+            same call without it: ``apply_rope(apply_rope(x, ...), ..., inverse=True)`` is x
+            to rounding (times the attention factor squared for yarn / longrope, which both
+            calls apply, as transformers' cos and -sin tables carry it). DeepSeek V4 turns its
+            attention output back so before the output projection (transformers'
+            ``apply_rotary_pos_emb(attn_output, cos, -sin)``). Differentiable: its gradient is
+            the forward rotation.
         check_inputs: also check CUDA ``cu_seqlens`` values on the host in eager mode, for a
             ``ValueError`` naming them (one device sync, so no CUDA graph capture). By
             default the kernel checks them on the device, as ATen's indexing checks its
@@ -543,6 +551,8 @@ def apply_rope(
     config = config_of(q, config, "apply_rope", **rope)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len)
+    if inverse:
+        arguments["inverse"] = True
     if inplace:
         torch.ops.posenc.rope_(q, k, **arguments)
         return q if k is None else (q, k)

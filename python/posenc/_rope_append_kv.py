@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Tuple, Union
 
 import torch
@@ -10,6 +11,16 @@ from torch import Tensor
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
 _LAYOUTS = ("bshd", "bhsd", "thd")
+
+
+def _scale_arg(scale: Union[float, Tensor, None], name: str, fn: str) -> Optional[Tensor]:
+    """A cache scale as the op takes it: None, or a float32 tensor (a number becomes a 0-d
+    CPU tensor: no copy to a device, no sync; the op checks its value)."""
+    if scale is None or isinstance(scale, Tensor):
+        return scale
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
+        raise TypeError(f"{fn}: expected {name} to be a float or a float32 tensor, got {type(scale).__name__}")
+    return torch.tensor(float(scale), dtype=torch.float32)
 
 
 @with_rope_settings
@@ -26,6 +37,8 @@ def rope_append_kv(
     seq_len: Optional[int] = None,
     inplace: bool = False,
     return_k: bool = False,
+    k_scale: Union[float, Tensor, None] = None,
+    v_scale: Union[float, Tensor, None] = None,
     config: Optional[RopeConfig] = None,
     **rope: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -39,9 +52,11 @@ def rope_append_kv(
             (Hugging Face): (batch, heads, seq, head_dim); "thd" (paged cache):
             (tokens, heads, head_dim). k and v have the cache's kv_heads (GQA/MQA: q may have
             more); v may have its own head_dim. float16, bfloat16, float32 or float64.
-        k_cache, v_cache: of k's (v's) dtype and device. "bshd": (batch, max_len, kv_heads,
-            head_dim); "bhsd": (batch, kv_heads, max_len, head_dim) (Hugging Face's static
-            cache); "thd": paged, (num_blocks, block_size, kv_heads, head_dim).
+        k_cache, v_cache: of k's (v's) dtype, or FP8 (``torch.float8_e4m3fn`` or
+            ``torch.float8_e5m2``, for k and v of float32, bfloat16 or float16), on their
+            device. "bshd": (batch, max_len, kv_heads, head_dim); "bhsd": (batch, kv_heads,
+            max_len, head_dim) (Hugging Face's static cache); "thd": paged, (num_blocks,
+            block_size, kv_heads, head_dim).
         offset: the cache lengths so far, an int or an int64 (batch,) tensor: token s of row
             b goes to cache row ``offset[b] + s`` (contiguous caches), rotated at that
             position unless ``positions`` are given. For "thd" an int added to the default
@@ -54,6 +69,15 @@ def rope_append_kv(
             settings of :func:`apply_rope`.
         inplace: rotate q (and k, with ``return_k``) in their own storage.
         return_k: also return the rotated k.
+        k_scale, v_scale: FP8 caches only (default 1.0): the per-tensor scale of each cache, a
+            Python float or a 0-d / 1-element float32 tensor on the CPU or on the cache's
+            device (a CUDA graph can hold the latter; its value is then checked by the
+            kernel). An FP8 cache holds, bit for bit, what the same call on float32 copies of k
+            and v writes into a float32 cache, divided by the scale in float32, saturated to
+            the format's largest finite value (448 for e4m3fn, 57344 for e5m2: a finite value
+            never becomes NaN or inf) and rounded to nearest even: ``(x32 /
+            scale).clamp(-max, max).to(cache.dtype)``. k is rotated once, in float32, before
+            it is scaled.
         config: a parsed :class:`~posenc.functional.RopeConfig` instead of RoPE's keywords
             (as :func:`apply_rope`).
 
@@ -72,7 +96,8 @@ def rope_append_kv(
     # RoPE's arguments exactly as apply_rope normalises them (no packed sequences here).
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=None,
                                   check_inputs=False, seq_len=seq_len, fn=fn)
-    arguments.update(slot_mapping=slot_mapping, return_k=bool(return_k))
+    arguments.update(slot_mapping=slot_mapping, return_k=bool(return_k),
+                     k_scale=_scale_arg(k_scale, "k_scale", fn), v_scale=_scale_arg(v_scale, "v_scale", fn))
     if inplace:
         torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, **arguments)
         return (q, k) if return_k else q

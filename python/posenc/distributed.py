@@ -21,8 +21,10 @@ worst to R, so no placement gives a silently wrong answer):
     * "thd" is never token-sharded: ``cu_seqlens`` describe the whole pack. For packed
       context parallelism call the op on local tensors with :func:`packed_shard`'s
       per-shard ``cu_seqlens`` and offsets.
+
     ``rope_`` (in place) runs only on the placements q and k already have (a redistributed
     copy would be rotated instead of the caller's tensor): otherwise it raises.
+
 ``qk_norm_rope`` / ``qk_norm_rope_backward`` (the norm is not linear: never P):
     * all R; q, k S(b) and S(s) as ``rope`` (positions, offsets alike), the weights R;
     * q, k S(h) for ``norm="head"`` only. ``norm="hidden"`` (OLMo 2) normalises over all of a
@@ -31,10 +33,11 @@ worst to R, so no placement gives a silently wrong answer):
       outputs come back R (correct; call it before sharding heads to avoid the gather).
     * the backward's weight gradients (sums over tokens, and heads for "head") are P when q
       and k are sharded, R when replicated.
+
     ``qk_norm_rope_`` (in place) has the same strategies and, as ``rope_``, runs only on
     the placements q and k already have: otherwise it raises.
-``add_position_forward`` / ``add_position`` (x: batch b, seq s, hidden 2; table ``(L, d)`` or
-``(1, L, d)``):
+
+``add_position_forward`` / ``add_position`` (x: batch b, seq s, hidden 2; table ``(L, d)`` or ``(1, L, d)``):
     * all R;
     * without dropout (p == 0): x S(b) with (batch, seq) positions S(0) ((seq,) positions R);
       x S(2) with the table S(-1) (hidden sharding, tensor parallel); x S(s) only with
@@ -45,16 +48,20 @@ worst to R, so no placement gives a silently wrong answer):
       tensor. Replicated, every rank draws the full tensor's mask, identical on all ranks and
       equal to a single-process run when every rank's generator is seeded alike (as DTensor's
       own random ops require).
+
 ``add_position_backward`` (the dropout mask applied to a gradient; its ``rng``, the key or
     the CPU's saved mask bits, always R): R -> R, P -> P; S only for p == 0.
     ``add_position_backward_with_table``: R; P -> (P, P); for p == 0 also grad S(b) / S(s)
     (positions alike) -> grad_table P (a sum over the shards' rows) and grad S(2) ->
     grad_table S(1).
+
 ``sinusoidal_table``: positions R or S(d) -> the table S(d) (never on the d_model dimension).
+
 ``position_bounds`` / ``rope_position_bounds`` read values (a host-side check): for DTensor
     arguments they gather the index tensors (small, int64) and compute the global bounds on
     every rank, so a range error is raised on every rank alike and "dynamic" scaling sees the
     global longest position. q and k are not gathered (only their global shape matters).
+
 ``make_positions``, ``resample_position_table``, ``timestep_embedding`` are compositions of
     ATen ops, which DTensor shards by ATen's own rules (``timestep_embedding`` makes a plain
     frequency tensor inside: run it under ``implicit_replication()``; DTensor has no rule for

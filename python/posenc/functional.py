@@ -8,6 +8,7 @@ from posenc._helpers import GridLike  # noqa: F401  (resample_position_table's g
 from posenc._rope import RopeConfig, apply_rope, grid_positions, rope_frequencies
 from posenc._rope_append_kv import rope_append_kv
 from posenc._rope_cos_sin import apply_rope_cos_sin, rope_cos_sin
+from posenc._rope_shift_kv import rope_shift_kv
 from posenc._sinusoidal_table import sinusoidal_table
 from posenc._qk_norm_rope import qk_norm_rope
 
@@ -23,6 +24,7 @@ __all__ = [
     "rope_append_kv",
     "rope_cos_sin",
     "rope_frequencies",
+    "rope_shift_kv",
     "sinusoidal_2d_table",
     "sinusoidal_table",
     "timestep_embedding",

@@ -13,6 +13,8 @@ cmake -S "$root/examples/cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -Dposenc_DIR="$prefix/lib/cmake/posenc" -DTorch_DIR="$torch_dir" > "$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }
 cmake --build "$build" -j "${MAX_JOBS:-2}"
+"$build/quickstart" | grep -qx '\[2, 100, 512\] \[2, 100, 32, 128\] \[2, 100, 8, 128\]' ||
+  { echo "quickstart (the README's C++ example) printed:"; "$build/quickstart"; exit 1; }
 "$build/train_order"
 "$build/rope_order"
 "$build/kv_cache_decode"

@@ -515,3 +515,18 @@ TEST(RopeScalingPresence, EveryValueSetIsCheckedAsAValue) {
   yarn.beta_fast = -std::numeric_limits<double>::max();
   EXPECT_THROW(posenc::rope_frequencies(8, 10000.0, yarn), c10::ValueError);
 }
+
+// ApplyRopeOptions().inverse(true): the rotation by minus the angle, undoing the rotation
+// (DeepSeek V4's attention output), with the forward rotation as its gradient.
+TEST(Rope, InverseUndoesTheRotationAndItsGradientIsTheRotation) {
+  torch::manual_seed(11);
+  const auto x = torch::randn({2, 5, 3, 16}, torch::kDouble).requires_grad_(true);
+  const auto opts = posenc::ApplyRopeOptions().offset(7).interleaved(true);
+  auto inv = opts;
+  inv.inverse(true);
+  const auto y = posenc::apply_rope(x, inv);
+  EXPECT_TRUE(torch::allclose(posenc::apply_rope(y, opts), x, 1e-12, 1e-12));
+  const auto g = torch::randn_like(x);
+  y.backward(g);
+  EXPECT_TRUE(torch::allclose(x.grad(), posenc::apply_rope(g, opts), 1e-12, 1e-12));
+}

@@ -30,6 +30,31 @@ TEST(RopeAppendKv, ContiguousCacheMatchesApplyRopeAndCopies) {
   EXPECT_TRUE(torch::equal(vc, want_v));
 }
 
+// FP8 caches: the float32 call's cache rows divided by the scale, saturated, rounded to
+// nearest even (torch's conversion), bit for bit; a scale given as a double or as a tensor.
+TEST(RopeAppendKv, Float8CachesHoldTheQuantisedFloat32Rows) {
+  torch::manual_seed(3);
+  const int64_t B = 2, S = 3, Hq = 4, Hkv = 2, D = 16, L = 6;
+  const auto q = torch::randn({B, Hq, S, D}, torch::kBFloat16),
+             k = (torch::randn({B, Hkv, S, D}) * 200).to(torch::kBFloat16),
+             v = torch::randn({B, Hkv, S, D}, torch::kBFloat16);
+  auto kc = torch::zeros({B, Hkv, L, D}, torch::kFloat8_e4m3fn);
+  auto vc = torch::zeros({B, Hkv, L, D}, torch::kFloat8_e5m2);
+  auto kc32 = torch::zeros({B, Hkv, L, D}), vc32 = torch::zeros({B, Hkv, L, D});
+  const auto rope = posenc::ApplyRopeOptions().layout("bhsd").offset(2).interleaved(true);
+  posenc::rope_append_kv(q, k, v, kc, vc,
+                         posenc::RopeAppendKvOptions().rope(rope).k_scale(0.5).v_scale(torch::tensor({0.25f})));
+  posenc::rope_append_kv(q.to(torch::kFloat), k.to(torch::kFloat), v.to(torch::kFloat), kc32, vc32,
+                         posenc::RopeAppendKvOptions().rope(rope));
+  const auto want_k = (kc32 / torch::tensor(0.5f)).clamp(-448, 448).to(torch::kFloat8_e4m3fn);
+  const auto want_v = (vc32 / torch::tensor(0.25f)).clamp(-57344, 57344).to(torch::kFloat8_e5m2);
+  EXPECT_TRUE(torch::equal(kc.view(torch::kByte), want_k.view(torch::kByte)));
+  EXPECT_TRUE(torch::equal(vc.view(torch::kByte), want_v.view(torch::kByte)));
+  EXPECT_EQ(kc.to(torch::kFloat).abs().max().item<float>(), 448.0f);  // saturated, not NaN
+  EXPECT_THROW(posenc::rope_append_kv(q, k, v, kc, vc, posenc::RopeAppendKvOptions().rope(rope).k_scale(0.0)),
+               c10::ValueError);
+}
+
 TEST(RopeAppendKv, HuggingFaceStaticCacheInPlace) {
   torch::manual_seed(1);
   const auto q = torch::randn({2, 4, 1, 8}), k = torch::randn({2, 2, 1, 8}),

@@ -21,6 +21,23 @@ class DecodeStep(nn.Module):
         return scores.softmax(-1).matmul(v_cache.repeat_interleave(2, 1))
 
 
+class DecodeStepFp8(DecodeStep):
+    """The same step, also writing its k and v into FP8 caches (issue 39: float8 caches with
+    per-tensor scales, one a float, one a tensor input)."""
+
+    def forward(self, q, k, v, k_cache, v_cache, lengths, k_cache8, v_cache8, v_scale):
+        rope_append_kv(q, k, v, k_cache8, v_cache8, offset=lengths, layout="bhsd", k_scale=0.5, v_scale=v_scale)
+        return super().forward(q, k, v, k_cache, v_cache, lengths)
+
+
+def inputs_fp8(seed):
+    g = torch.Generator().manual_seed(seed + 100)
+    shape = inputs(seed)[3].shape
+    k_cache8 = torch.randint(0, 100, shape, dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn)
+    v_cache8 = torch.randint(0, 100, shape, dtype=torch.uint8, generator=g).view(torch.float8_e5m2)
+    return (*inputs(seed), k_cache8, v_cache8, torch.tensor([0.25 + seed]))
+
+
 def inputs(seed):
     g = torch.Generator().manual_seed(seed)
     B, H, KV, D, L = 2, 4, 2, 16, 8
@@ -46,18 +63,34 @@ def test_export_keeps_the_cache_writes():
         assert torch.equal(g, w)
 
 
+def test_export_writes_fp8_caches():
+    args = inputs_fp8(0)
+    program = torch.export.export(DecodeStepFp8(), tuple(a.clone() for a in args))
+    functional = program.run_decompositions({})
+    assert set(functional.graph_signature.user_inputs_to_mutate.values()) == {
+        "k_cache", "v_cache", "k_cache8", "v_cache8"}
+    want_args, got_args = [a.clone() for a in args], [a.clone() for a in args]
+    torch.testing.assert_close(program.module()(*got_args), DecodeStepFp8()(*want_args), rtol=0, atol=0)
+    for g, w in zip(got_args[6:8], want_args[6:8]):
+        assert torch.equal(g.view(torch.uint8), w.view(torch.uint8))
+
+
 @pytest.mark.skipif(sys.platform != "linux", reason="AOTInductor's CPU compile is tested on Linux")
 def test_aoti_package_writes_the_caches(tmp_path):
-    program = torch.export.export(DecodeStep(), inputs(0))
+    """One package of the step that writes float32 and FP8 caches (one compile for both)."""
+    program = torch.export.export(DecodeStepFp8(), inputs_fp8(0))
     path = torch._inductor.aoti_compile_and_package(program, package_path=str(tmp_path / "decode.pt2"))
     loaded = torch._inductor.aoti_load_package(path)
     for seed in (1, 2):
-        args = inputs(seed)
+        args = inputs_fp8(seed)
         want_args, got_args = [a.clone() for a in args], [a.clone() for a in args]
-        want = DecodeStep()(*want_args)
+        want = DecodeStepFp8()(*want_args)
         got = loaded(*got_args)
         got = got[0] if isinstance(got, (list, tuple)) else got
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         assert not torch.equal(got_args[3], args[3])  # the package wrote the caller's cache
         torch.testing.assert_close(got_args[3], want_args[3], rtol=0, atol=0)
         torch.testing.assert_close(got_args[4], want_args[4], rtol=0, atol=0)
+        for i in (6, 7):  # the FP8 caches, bit for bit (the tensor scale is an input: seed-dependent)
+            assert not torch.equal(got_args[i].view(torch.uint8), args[i].view(torch.uint8))
+            assert torch.equal(got_args[i].view(torch.uint8), want_args[i].view(torch.uint8))

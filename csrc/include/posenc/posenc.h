@@ -7,3 +7,4 @@
 #include "posenc/qk_norm_rope.h"
 #include "posenc/rope.h"
 #include "posenc/rope_append_kv.h"
+#include "posenc/rope_shift_kv.h"

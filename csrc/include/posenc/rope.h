@@ -85,6 +85,9 @@ struct ApplyRopeOptions {
   TORCH_ARG(std::optional<torch::Tensor>, offsets) = std::nullopt;
   // Cumulative sequence lengths for layout "thd" (int32 or int64).
   TORCH_ARG(std::optional<torch::Tensor>, cu_seqlens) = std::nullopt;
+  // Rotate by minus each angle: the inverse rotation (RoPE's backward; DeepSeek V4 turns its
+  // attention output back before the output projection). Its gradient is the forward rotation.
+  TORCH_ARG(bool, inverse) = false;
   // The configuration (POSENC_ROPE_CONFIG_OPTIONS below) and the plain settings
   // (posenc/math/rope.h, POSENC_ROPE_SETTINGS).
 #define POSENC_X(type, name, default_value, ...) TORCH_ARG(type, name) = default_value;

@@ -32,6 +32,16 @@ struct RopeAppendKvOptions {
   TORCH_ARG(std::optional<torch::Tensor>, slot_mapping) = std::nullopt;
   // Also return the rotated k.
   TORCH_ARG(bool, return_k) = false;
+  // FP8 caches (torch::kFloat8_e4m3fn, torch::kFloat8_e5m2) only: each cache's per-tensor
+  // scale, a 0-d or 1-element float32 tensor on the CPU or on the cache's device (default 1).
+  // The cache holds the float32 rotation divided by the scale, saturated to the format's
+  // largest finite value and rounded to nearest even. k_scale(0.5) makes the tensor.
+  TORCH_ARG(std::optional<torch::Tensor>, k_scale) = std::nullopt;
+  TORCH_ARG(std::optional<torch::Tensor>, v_scale) = std::nullopt;
+
+ public:
+  RopeAppendKvOptions& k_scale(double scale);
+  RopeAppendKvOptions& v_scale(double scale);
 };
 
 // Rotated q (a new tensor) and, with return_k, rotated k (else an empty tensor); k_cache and

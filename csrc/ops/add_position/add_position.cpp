@@ -8,7 +8,7 @@
 // time: cpu_capability.h). save_mask (set by autograd for CPU training): the forward returns
 // the keep mask, one bit per element (cpu::DropoutArgs), in place of the (seed, offset) key,
 // and the backward ops read it instead of regenerating it. Reading 1 bit per element is
-// cheaper on a CPU than running Philox again (benchmarks/NOTES.md); CUDA keeps regenerating
+// cheaper on a CPU than running Philox again (its 10 rounds cost more than the bits' read); CUDA keeps regenerating
 // (its Philox is free beside the memory traffic), so no tensor of x's size is saved there.
 #include "ops/add_position/add_position.h"
 

@@ -19,7 +19,7 @@
 // Saved: the dropout state and the positions. The state is the (seed, offset) pair on CUDA,
 // where the backward regenerates the mask, so no tensor of x's size is saved; on the CPU it is
 // the keep mask, 1 bit per element (1/32 of float32 x), because reading it is cheaper there
-// than running Philox again (benchmarks/NOTES.md, "CPU backward"). The state is kept whenever
+// than running Philox again (a CPU core computes Philox slower than it reads 1 bit per element). The state is kept whenever
 // a backward or a tangent reads it: a graph recorded, or a tangent (forward AD alone too).
 //
 // add_position_backward (grad * mask * scale) is linear in grad with a fixed mask: its own
@@ -139,7 +139,7 @@ at::Tensor add_position_autograd(const at::Tensor& x, const at::Tensor& table,
   if (!torch::autograd::compute_requires_grad(x, table) && !ag::has_tangent(x, table)) {
     // No graph to record (eval with a buffer table, no_grad) and no tangent: the forward
     // alone, without the autograd node and its saved state, which cost a small call as much
-    // as the kernel (benchmarks/NOTES.md, "The cost of one small call").
+    // as the kernel for the small calls of decoding.
     at::AutoDispatchBelowADInplaceOrView guard;
     return std::get<0>(add_position_forward_op().call(x, table, positions, std::move(offset),
                                                       batch_first, p, /*save_mask=*/false));

@@ -2,6 +2,7 @@
 // posenc's dropout mask in tensor ops.
 #include "ops/common/aten_fallback.h"
 
+#include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/util/Exception.h>
 
 #include <string>
@@ -99,6 +100,27 @@ at::Tensor unpack_keep_bits_composite(const at::Tensor& bits, int64_t d) {
   const at::Tensor lane = at::arange(8, bits.options());
   const at::Tensor unpacked = at::bitwise_right_shift(bits.unsqueeze(-1), lane).bitwise_and(1);
   return unpacked.reshape({bits.size(0), bits.size(1), -1}).narrow(2, 0, d).ne(0);
+}
+
+void assert_all_on_device(const at::Tensor& ok, const char* message) {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("aten::_assert_async", "msg");
+  const c10::DispatchKey key = c10::computeDispatchKey(std::nullopt, std::nullopt, ok.device());
+  if (op.hasKernelForDispatchKey(key)) at::_assert_async(ok.all(), message);
+}
+
+at::Tensor steps_like(const at::Tensor& like, int64_t n) {
+  at::Tensor out = like.new_empty({n}, at::TensorOptions(at::kLong));  // like's device
+  return at::arange_out(out, n);
+}
+
+void write_paged_rows(const at::Tensor& cache, const at::Tensor& values, const at::Tensor& slots,
+                      const at::Tensor& unwritten, const at::Tensor& block, const at::Tensor& index) {
+  const at::Tensor hits = slots.eq(0);
+  const at::Tensor first = hits.to(at::kInt).argmax().view({1});  // 0 when no item hits
+  const at::Tensor slot0 = at::where(hits.any(), values.index_select(0, first).squeeze(0),
+                                     cache.select(0, 0).select(0, 0));
+  cache.index_put_({block, index}, at::where(unwritten.view({-1, 1, 1}), slot0.unsqueeze(0), values));
 }
 
 }  // namespace ops

@@ -37,5 +37,23 @@ at::Tensor dropout_keep_composite(uint64_t seed, uint64_t offset, uint32_t thres
 at::Tensor pack_keep_bits_composite(const at::Tensor& keep);
 at::Tensor unpack_keep_bits_composite(const at::Tensor& bits, int64_t d);
 
+// The KV-cache ops' composites (rope_append_kv, rope_shift_kv_), which must neither read a
+// device tensor back nor leave a row out:
+// - fails on the device, without a host sync, unless every element of `ok` is true, through
+//   at::_assert_async where the device has a kernel for it (CPU, CUDA); elsewhere the callers'
+//   out-of-range index is what fails;
+void assert_all_on_device(const at::Tensor& ok, const char* message);
+// - 0 .. n - 1 as int64 on like's device, made by an op on `like` (new_empty, arange_out) rather
+//   than a factory, so that a tensor subclass standing for a device sees every op (the tests'
+//   OnDevice);
+at::Tensor steps_like(const at::Tensor& like, int64_t n);
+// - rows `values` (n, heads, d) into the paged cache (num_blocks, block_size, heads, d) at
+//   (block, index); the items of `unwritten` (slot -1) write into slot 0 the value slot 0 ends
+//   with (that of the item writing it, or its current value), so whichever store wins slot 0
+//   holds the same bits: no mask, no slot read. A block index of num_blocks makes index_put_
+//   refuse an out-of-range slot.
+void write_paged_rows(const at::Tensor& cache, const at::Tensor& values, const at::Tensor& slots,
+                      const at::Tensor& unwritten, const at::Tensor& block, const at::Tensor& index);
+
 }  // namespace ops
 }  // namespace posenc

@@ -14,12 +14,14 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <cmath>
 #include <string>
 #include <utility>
 #include <vector>
 
 #include "ops/common/aten_fallback.h"
 #include "ops/common/cpu/cpu_support.h"
+#include "ops/common/inference_only.h"
 #include "ops/common/meta_support.h"
 #include "ops/common/rope_checks.h"
 #include "ops/rope_append_kv/cpu/kernel.h"
@@ -31,8 +33,9 @@ namespace ops {
 
 namespace {
 
-// The arguments between k and the RoPE tail: v, k_cache, v_cache, slot_mapping, return_k.
-constexpr size_t kExtraArguments = 5;
+// The arguments between k and the RoPE tail: v, k_cache, v_cache, slot_mapping, return_k,
+// k_scale, v_scale.
+constexpr size_t kExtraArguments = 7;
 
 size_t rope_argument_count() {
   size_t n = 0;
@@ -54,6 +57,8 @@ RopeAppendKvCall RopeAppendKvCall::pop(torch::jit::Stack& stack) {
   c.v_cache = stack[first + 2].toTensor();
   if (!stack[first + 3].isNone()) c.slot_mapping = stack[first + 3].toTensor();
   c.return_k = stack[first + 4].toBool();
+  if (!stack[first + 5].isNone()) c.k_scale = stack[first + 5].toTensor();
+  if (!stack[first + 6].isNone()) c.v_scale = stack[first + 6].toTensor();
   stack.erase(stack.begin() + first, stack.begin() + first + kExtraArguments);
   c.rope = RopeCall::pop(stack);
   return c;
@@ -83,12 +88,12 @@ at::Tensor kv_cache_view(const at::Tensor& cache, RopeLayout layout) {
 
 namespace {
 
-// q, k, then the five arguments of rope_append_kv, then the RoPE tail.
+// q, k, then the seven arguments of rope_append_kv, then the RoPE tail.
 torch::jit::Stack push_call(const RopeAppendKvCall& c) {
   torch::jit::Stack stack;
   c.rope.push(stack);
-  const c10::IValue extra[kExtraArguments] = {c.v, c.k_cache, c.v_cache, c.slot_mapping,
-                                              c.return_k};
+  const c10::IValue extra[kExtraArguments] = {c.v,        c.k_cache, c.v_cache, c.slot_mapping,
+                                              c.return_k, c.k_scale, c.v_scale};
   stack.insert(stack.begin() + 2, std::begin(extra), std::end(extra));
   return stack;
 }
@@ -134,12 +139,19 @@ void check_same_device(const char* name, const at::Tensor& t, const at::Tensor& 
               " on q's device ", q.device(), ", got ", name, " on ", t.device());
 }
 
-// One cache against the new tokens (x: k or v as (batch, seq, heads, head_dim)).
+// One cache against the new tokens (x: k or v as (batch, seq, heads, head_dim)): of x's dtype,
+// or FP8 (then x is float32, bfloat16 or float16: its values are rotated in float32).
 void check_cache(const char* name, const char* of, const at::Tensor& cache, const at::Tensor& x,
                  RopeLayout layout, bool v) {
-  TORCH_CHECK_TYPE(cache.scalar_type() == x.scalar_type(), "posenc: rope_append_kv: expected ",
-                   name, " to have ", of, "'s dtype ", x.scalar_type(), ", got ", cache.scalar_type(),
-                   " (the cache holds the new rows as they are; convert it or ", of, ")");
+  TORCH_CHECK_TYPE(cache.scalar_type() == x.scalar_type() || kv_cache_format(cache) != KvCacheFormat::kSame,
+                   "posenc: rope_append_kv: expected ", name, " to have ", of, "'s dtype ",
+                   x.scalar_type(), " or a float8 dtype (torch.float8_e4m3fn, torch.float8_e5m2), got ",
+                   cache.scalar_type(), " (the cache holds the new rows as they are, or quantised to "
+                   "float8; convert it or ", of, ")");
+  TORCH_CHECK_TYPE(kv_cache_format(cache) == KvCacheFormat::kSame || x.scalar_type() != at::kDouble,
+                   "posenc: rope_append_kv: a float8 ", name, " takes ", of, " of dtype float32, "
+                   "bfloat16 or float16 (its values are rotated in float32, then quantised), got ",
+                   of, " of dtype ", x.scalar_type());
   check_same_device(name, cache, x);
   const bool ok = cache.dim() == 4 && [&] {
     const at::Tensor cv = kv_cache_view(cache, layout);
@@ -152,7 +164,42 @@ void check_cache(const char* name, const char* of, const at::Tensor& cache, cons
               x.sym_sizes(), ", got shape ", cache.sym_sizes());
 }
 
+// A cache's scale: only with an FP8 cache; one float32 element on the CPU or on q's device.
+// Its value is checked where it is read (kv_scale_value; on a device, by the kernel).
+void check_scale(const char* name, const char* cache_name, const std::optional<at::Tensor>& scale,
+                 const at::Tensor& cache, const at::Tensor& q) {
+  if (!scale.has_value()) return;
+  TORCH_CHECK_VALUE(kv_cache_format(cache) != KvCacheFormat::kSame, "posenc: rope_append_kv: ", name,
+                    " is only used with a float8 ", cache_name, " (it divides the values before "
+                    "they are quantised), got ", cache_name, " of dtype ", cache.scalar_type());
+  TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat, "posenc: rope_append_kv: expected ", name,
+                   " to be a Python float or a float32 tensor, got a tensor of dtype ",
+                   scale->scalar_type());
+  TORCH_CHECK_VALUE(scale->dim() <= 1 && scale->sym_numel() == 1, "posenc: rope_append_kv: expected ",
+                    name, " to hold one value (shape () or (1,)), got shape ", scale->sym_sizes());
+  TORCH_CHECK_VALUE(scale->is_cpu() || scale->device() == q.device(), "posenc: rope_append_kv: "
+                    "expected ", name, " on the CPU or on q's device ", q.device(), ", got ", name,
+                    " on ", scale->device());
+}
+
 }  // namespace
+
+KvCacheFormat kv_cache_format(const at::Tensor& cache) {
+  switch (cache.scalar_type()) {
+    case at::kFloat8_e4m3fn: return KvCacheFormat::kFloat8E4M3;
+    case at::kFloat8_e5m2: return KvCacheFormat::kFloat8E5M2;
+    default: return KvCacheFormat::kSame;
+  }
+}
+
+float kv_scale_value(const char* name, const std::optional<at::Tensor>& scale) {
+  if (!scale.has_value()) return 1.0f;
+  TORCH_INTERNAL_ASSERT(scale->is_cpu());
+  const float v = *scale->const_data_ptr<float>();
+  TORCH_CHECK_VALUE(std::isfinite(v) && v > 0.0f, "posenc: rope_append_kv: expected ", name,
+                    " to be a finite positive number (the values are divided by it), got ", v);
+  return v;
+}
 
 int64_t check_rope_append_kv(const RopeAppendKvCall& c) {
   const RopeCall& r = c.rope;
@@ -202,6 +249,8 @@ int64_t check_rope_append_kv(const RopeAppendKvCall& c) {
               rope_layout_name(layout), "'");
   check_cache("k_cache", "k", c.k_cache, k, layout, false);
   check_cache("v_cache", "v", c.v_cache, v, layout, true);
+  check_scale("k_scale", "k_cache", c.k_scale, c.k_cache, r.q);
+  check_scale("v_scale", "v_cache", c.v_scale, c.v_cache, r.q);
   TORCH_CHECK(c.k_cache.sym_size(0) == c.v_cache.sym_size(0) &&
                   kv_cache_view(c.k_cache, layout).sym_size(1) ==
                       kv_cache_view(c.v_cache, layout).sym_size(1),
@@ -231,7 +280,8 @@ void check_rope_append_kv_overlap(const RopeAppendKvCall& c, bool in_place) {
       in_place ? "rope_append_kv_" : "rope_append_kv",
       {{"k_cache", &c.k_cache}, {"v_cache", &c.v_cache}, in_place ? q : none, writes_k ? k : none},
       {in_place ? none : q, writes_k ? none : k, {"v", &c.v}, {"positions", optional(r.positions)},
-       {"offset", optional(r.offsets)}, {"slot_mapping", optional(c.slot_mapping)}},
+       {"offset", optional(r.offsets)}, {"slot_mapping", optional(c.slot_mapping)},
+       {"k_scale", optional(c.k_scale)}, {"v_scale", optional(c.v_scale)}},
       in_place ? "pass copies or use inplace=False"
                : "the caches must be memory of their own (pass copies of the inputs)");
 }
@@ -302,6 +352,20 @@ KvLaunch prepare_kv_launch(const RopeAppendKvCall& c, int64_t rot, const at::Ten
   a.v_cache = vc.mutable_data_ptr();
   fill_strides(a.k_cache_stride, kc);
   fill_strides(a.v_cache_stride, vc);
+  a.k_format = kv_cache_format(c.k_cache);
+  a.v_format = kv_cache_format(c.v_cache);
+  // A scale on the CPU is read here (and checked: ValueError); one on the kernel's device is
+  // read by the kernel (no host sync; a bad value stops it with a device-side assert).
+  const auto scale = [](const char* name, const std::optional<at::Tensor>& s, float* value,
+                        const float* *ptr) {
+    if (s.has_value() && !s->is_cpu()) {
+      *ptr = s->const_data_ptr<float>();
+    } else {
+      *value = kv_scale_value(name, s);
+    }
+  };
+  scale("k_scale", c.k_scale, &a.k_scale, &a.k_scale_ptr);
+  scale("v_scale", c.v_scale, &a.v_scale, &a.v_scale_ptr);
   a.offset = c.rope.concrete_offset();
   if (c.rope.offsets.has_value()) {
     launch.offsets = c.rope.offsets->contiguous();
@@ -338,49 +402,18 @@ void run_rope_append_kv_boxed(torch::jit::Stack* stack, bool in_place, KvOutputA
 
 // ---- Schemas and the Autograd kernel
 
-namespace {
-
-// No autograd: the op writes a cache (inference). Under grad mode, an input that requires
-// grad is an error naming it, rather than an output silently detached from the graph.
-void no_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys, torch::jit::Stack* stack) {
-  const auto& args = op.schema().arguments();
-  const size_t first = stack->size() - args.size();
-  // The tensors the op writes (the caches; q and k for rope_append_kv_): their version
-  // counters move, as an ATen in-place op's do, so that autograd refuses a graph that saved
-  // one of them before this write.
-  c10::SmallVector<at::Tensor, 4> written;
-  for (size_t i = 0; i < args.size(); ++i) {
-    const c10::IValue& v = (*stack)[first + i];
-    if (!v.isTensor()) continue;
-    TORCH_CHECK(!at::GradMode::is_enabled() || !v.toTensor().requires_grad(), "posenc: ",
-                op.schema().name(), " has no autograd (it writes a KV cache, for inference); got ",
-                args[i].name(), " that requires grad: call it under torch.no_grad() or "
-                "torch.inference_mode(), or pass ", args[i].name(), ".detach()");
-    // Nor forward AD: a tangent would be dropped from the outputs, silently.
-    TORCH_CHECK(!v.toTensor()._fw_grad(/*level=*/0).defined(), "posenc: ", op.schema().name(),
-                " has no forward-mode AD (it writes a KV cache, for inference); got ", args[i].name(),
-                " that carries a tangent (forward_ad / torch.func.jvp): pass its primal, ",
-                "forward_ad.unpack_dual(", args[i].name(), ").primal");
-    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written.push_back(v.toTensor());
-  }
-  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
-  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
-}
-
-}  // namespace
-
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   const std::string tail = kRopeSchemaArguments;
   const std::string middle =
       "Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? slot_mapping=None, "
-      "bool return_k=False, ";
+      "bool return_k=False, Tensor? k_scale=None, Tensor? v_scale=None, ";
   m.def(("rope_append_kv(Tensor q, Tensor k, " + middle + tail + ") -> (Tensor, Tensor)").c_str());
   m.def(("rope_append_kv_(Tensor(c!) q, Tensor(d!) k, " + middle + tail + ") -> ()").c_str());
 }
 
 TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&no_autograd>());
-  m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&no_autograd>());
+  m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
+  m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
 }
 
 // ---- Meta kernels
@@ -427,46 +460,11 @@ TORCH_LIBRARY_IMPL(posenc, Meta, m) {
 // - on a device the rows are not read back (nonzero or .item() would sync every call): a row
 //   outside the cache fails on the device (at::_assert_async where the device has it, as the
 //   CUDA kernel's assert, and an index outside the cache that makes index_put_ fail), and
-//   slots -1 write nothing without being left out of the index (see write_paged).
+//   slots -1 write nothing without being left out of the index (write_paged_rows, aten_fallback.h).
 // Two tokens for one slot: refused on the CPU; on a device the caller's error, the slot then
 // holds an unspecified mix of them (index_put_ stores element by element), as on CUDA.
 
 namespace {
-
-// Fails on the device, without a host sync, unless every element of `ok` is true: through
-// at::_assert_async where the device has a kernel for it (CPU, CUDA). Elsewhere the callers'
-// out-of-range index is what fails.
-void assert_all_on_device(const at::Tensor& ok, const char* message) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("aten::_assert_async", "msg");
-  const c10::DispatchKey key = c10::computeDispatchKey(std::nullopt, std::nullopt, ok.device());
-  if (op.hasKernelForDispatchKey(key)) at::_assert_async(ok.all(), message);
-}
-
-// 0 .. n - 1 as int64 on like's device. Like every tensor made below, it comes from an op on
-// the call's own tensors (new_empty, masked_fill rather than at::arange or at::where with a
-// scalar, whose tensors a factory makes): a tensor subclass that stands for a device in the
-// tests then sees every op (tests/python/test_rope_append_kv.py, OnDevice).
-at::Tensor steps_like(const at::Tensor& like, int64_t n) {
-  at::Tensor out = like.new_empty({n}, at::TensorOptions(at::kLong));  // like's device
-  return at::arange_out(out, n);
-}
-
-// Tokens (tokens, heads, d) into the paged cache (num_blocks, block_size, heads, d) at
-// `slots` (int64 (tokens,), -1: not written; validity checked by the caller). Without a mask
-// and without reading a slot: every token writes, a -1 token into slot 0 the value slot 0
-// ends with (that of the token writing it, or its current value), so whichever store wins
-// slot 0 holds the same bits. A slot outside the cache gets block index num_blocks, which
-// index_put_ refuses.
-void write_paged(const at::Tensor& cache, const at::Tensor& tokens, const at::Tensor& slots,
-                 const at::Tensor& unwritten, const at::Tensor& block, const at::Tensor& index) {
-  const at::Tensor hits = slots.eq(0);
-  const at::Tensor first = hits.to(at::kInt).argmax().view({1});  // 0 when no token hits
-  const at::Tensor slot0 = at::where(hits.any(), tokens.index_select(0, first).squeeze(0),
-                                     cache.select(0, 0).select(0, 0));
-  const at::Tensor values = at::where(unwritten.view({-1, 1, 1}), slot0.unsqueeze(0), tokens);
-  cache.index_put_({block, index}, values);
-}
 
 void run_composite(torch::jit::Stack* stack, bool in_place) {
   const RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
@@ -477,10 +475,42 @@ void run_composite(torch::jit::Stack* stack, bool in_place) {
   const RopeCall r = c.rotation();
   const auto [q_rot, k_rot] = call_rope(r);
   const RopeLayout layout = c.rope.layout;
-  const at::Tensor k_tokens = rope_canonical_view(k_rot, r.layout);  // (batch, seq, heads, d)
-  const at::Tensor v_tokens = kv_token_view(c.v, layout);
-  const at::Tensor kc = kv_cache_view(c.k_cache, layout);
-  const at::Tensor vc = kv_cache_view(c.v_cache, layout);
+  at::Tensor k_tokens = rope_canonical_view(k_rot, r.layout);  // (batch, seq, heads, d)
+  at::Tensor v_tokens = kv_token_view(c.v, layout);
+  at::Tensor kc = kv_cache_view(c.k_cache, layout);
+  at::Tensor vc = kv_cache_view(c.v_cache, layout);
+  // FP8 caches: the kernels' values (kv_quantize): k rotated in float32 (a float32 copy's
+  // rotation, not k's rounded one), divided by the scale, saturated, rounded to nearest even;
+  // written as their bits (uint8 views, which every indexing op below takes).
+  const auto quantised = [&](const at::Tensor& x32, const at::Tensor& cache,
+                             const std::optional<at::Tensor>& scale, const char* name) {
+    at::Tensor y = x32;
+    if (scale.has_value()) {
+      const at::Tensor s = scale->reshape({});
+      if (s.is_cpu()) {
+        kv_scale_value(name, s);
+      } else {
+        assert_all_on_device(s.gt(0).logical_and(s.isfinite()),
+                             "posenc: rope_append_kv: expected k_scale and v_scale to be finite "
+                             "positive numbers");
+      }
+      y = y.div(s);
+    }
+    const double m = kv_cache_format(cache) == KvCacheFormat::kFloat8E4M3 ? 448.0 : 57344.0;
+    return y.clamp(-m, m).to(cache.scalar_type()).view(at::kByte);
+  };
+  if (kv_cache_format(c.k_cache) != KvCacheFormat::kSame) {
+    RopeCall r32 = r;
+    r32.q = r.k->to(at::kFloat);
+    r32.k = std::nullopt;
+    k_tokens = quantised(rope_canonical_view(std::get<0>(call_rope(r32)), r.layout), kc,
+                         c.k_scale, "k_scale");
+    kc = kc.view(at::kByte);
+  }
+  if (kv_cache_format(c.v_cache) != KvCacheFormat::kSame) {
+    v_tokens = quantised(v_tokens.to(at::kFloat), vc, c.v_scale, "v_scale");
+    vc = vc.view(at::kByte);
+  }
   const int64_t batch = k_tokens.size(0), seq = k_tokens.size(1);
   // The rows' values on the host for the CPU's check (the kernel's own check).
   KvCacheArgs host;
@@ -507,8 +537,8 @@ void run_composite(torch::jit::Stack* stack, bool in_place) {
       const at::Tensor target = slots.masked_fill(unwritten, 0);
       const at::Tensor block = target.div(block_size, "floor").masked_fill_(valid.logical_not(), blocks);
       const at::Tensor index = target.remainder(block_size);
-      write_paged(kc, k_tokens.select(0, 0), slots, unwritten, block, index);
-      write_paged(vc, v_tokens.select(0, 0), slots, unwritten, block, index);
+      write_paged_rows(kc, k_tokens.select(0, 0), slots, unwritten, block, index);
+      write_paged_rows(vc, v_tokens.select(0, 0), slots, unwritten, block, index);
     }
   } else if (!c.rope.offsets.has_value()) {
     // Rows offset .. offset + seq - 1 of every batch row: known on the host, on any device.

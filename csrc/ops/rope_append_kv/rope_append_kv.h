@@ -6,7 +6,8 @@
 // Schemas (rope_append_kv.cpp); the tail after slot_mapping/return_k is RoPE's
 // (kRopeSchemaArguments), read by RopeCall::pop:
 //   rope_append_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache,
-//                  Tensor? slot_mapping=None, bool return_k=False, <RoPE tail>)
+//                  Tensor? slot_mapping=None, bool return_k=False, Tensor? k_scale=None,
+//                  Tensor? v_scale=None, <RoPE tail>)
 //       -> (Tensor q_rotated, Tensor k_rotated or an empty tensor)
 //   rope_append_kv_(Tensor(c!) q, Tensor(d!) k, ...same...) -> ()   q (and k with return_k)
 //                                                                    rotated in place
@@ -16,6 +17,10 @@
 // head_dim) addressed by slot_mapping, -1: rotate, write nothing). The tail's offset /
 // offsets are the cache lengths so far: token s of batch row b goes to row offset +
 // offsets[b] + s, and is rotated there unless positions are given (then at positions).
+// FP8 caches: a cache of dtype float8_e4m3fn or float8_e5m2 (k of float32, bfloat16 or
+// float16) holds each value quantised with its scale (k_scale / v_scale: 0-d or 1-element
+// float32 tensors, on the CPU or on q's device; default 1): the rotation in float32, divided by
+// the scale, saturated, rounded to nearest even (kv_quantize, cpu/kernel.h).
 #pragma once
 
 #include <ATen/ATen.h>
@@ -36,6 +41,7 @@ struct RopeAppendKvCall {
   at::Tensor v, k_cache, v_cache;
   std::optional<at::Tensor> slot_mapping;
   bool return_k = false;
+  std::optional<at::Tensor> k_scale, v_scale;  // FP8 caches only
 
   // Pops a boxed call of rope_append_kv / rope_append_kv_ (the whole schema).
   static RopeAppendKvCall pop(torch::jit::Stack& stack);
@@ -44,6 +50,11 @@ struct RopeAppendKvCall {
   RopeCall rotation() const;
   bool paged() const { return rope.layout == RopeLayout::kTHD; }
 };
+
+// What a cache holds: kSame for a cache of the tokens' dtype, the FP8 format otherwise.
+KvCacheFormat kv_cache_format(const at::Tensor& cache);
+// The value of a scale held on the CPU (1 without one): ValueError unless finite and > 0.
+float kv_scale_value(const char* name, const std::optional<at::Tensor>& scale);
 
 // (batch, seq, heads, head_dim) view of q, k or v ("thd": batch 1), and the cache as
 // (batch or block, row or index, kv_heads, head_dim): no copies.

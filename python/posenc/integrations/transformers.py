@@ -15,8 +15,11 @@ Supported model types: see ``SUPPORTED_MODEL_TYPES``. Llama, Mistral, Qwen2, Qwe
 GPT-NeoX share transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (halves
 convention; GPT-NeoX's partial rotary included); GPT-J has its own
 ``apply_rotary_pos_emb(tensor, sin, cos)`` over adjacent pairs (``rotate_every_two``), routed
-with ``interleaved=True``. Other model types raise ValueError rather than being patched with a
-function whose convention was not checked.
+with ``interleaved=True``. DeepSeek V3 (MLA) also has ``apply_rotary_pos_emb_interleave``
+(adjacent pairs of the rotary part, returned de-interleaved), DeepSeek V4 a single-tensor
+``apply_rotary_pos_emb(x, cos, sin)`` on the trailing rope slice (called with ``-sin`` to turn the
+attention output back): each has its replacement. Other model types raise ValueError rather
+than being patched with a function whose convention was not checked.
 
 ``apply_posenc_rope(model, qk_norm=True)`` (Qwen3, Qwen3-MoE, Gemma 3, OLMo 2) is per
 instance instead: each attention layer of ``model`` runs its q_norm / k_norm and RoPE as one
@@ -83,6 +86,8 @@ __all__ = [
     "is_patched",
     "posenc_rope",
     "posenc_apply_rotary_pos_emb",
+    "posenc_deepseek_apply_rotary_pos_emb_interleave",
+    "posenc_deepseek_v4_apply_rotary_pos_emb",
     "posenc_gptj_apply_rotary_pos_emb",
     "revert_posenc_rope",
     "revert_posenc_qk_norm",
@@ -127,21 +132,63 @@ def posenc_gptj_apply_rotary_pos_emb(tensor: Tensor, sin: Tensor, cos: Tensor) -
     return posenc.functional.apply_rope_cos_sin(tensor, None, cos, sin, layout="bshd", interleaved=True)
 
 
-# model_type -> (the replacement, the parameter names transformers' function must start with).
-_LLAMA_STYLE = (posenc_apply_rotary_pos_emb, ("q", "k", "cos", "sin"))
-_PATCHES: Dict[str, Tuple[Callable, Tuple[str, ...]]] = {
-    "llama": _LLAMA_STYLE,
-    "mistral": _LLAMA_STYLE,
-    "qwen2": _LLAMA_STYLE,
-    "qwen3": _LLAMA_STYLE,
-    "gemma": _LLAMA_STYLE,
-    "gpt_neox": _LLAMA_STYLE,
-    "gptj": (posenc_gptj_apply_rotary_pos_emb, ("tensor", "sin", "cos")),
+def _layout(unsqueeze_dim: int, fn: str) -> str:
+    if unsqueeze_dim == 1:
+        return "bhsd"
+    if unsqueeze_dim == 2:
+        return "bshd"
+    raise ValueError(f"posenc {fn}: expected unsqueeze_dim 1 (tensors as (batch, heads, seq, head_dim)) or 2 "
+                     f"((batch, seq, heads, head_dim)), got {unsqueeze_dim!r}")
+
+
+def posenc_deepseek_apply_rotary_pos_emb_interleave(
+    q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Optional[Tensor] = None, unsqueeze_dim: int = 1,
+) -> Tuple[Tensor, Tensor]:
+    """DeepSeek V3's ``apply_rotary_pos_emb_interleave`` through posenc: adjacent pairs
+    ``(2i, 2i+1)`` turned by pair i's angle (the tables are transformers' ``cat(freqs,
+    freqs)``), returned as transformers lays them out, the pairs' first elements then their
+    second ones (``cat([x1', x2'])``)."""
+    layout = _layout(unsqueeze_dim, "apply_rotary_pos_emb_interleave")
+    half = cos.shape[-1] // 2
+    cos2, sin2 = (t[..., :half].repeat_interleave(2, dim=-1) for t in (cos, sin))
+    q, k = posenc.functional.apply_rope_cos_sin(q, k, cos2, sin2, layout=layout, interleaved=True)
+    return (torch.cat([q[..., 0::2], q[..., 1::2]], dim=-1), torch.cat([k[..., 0::2], k[..., 1::2]], dim=-1))
+
+
+def posenc_deepseek_v4_apply_rotary_pos_emb(x: Tensor, cos: Tensor, sin: Tensor, unsqueeze_dim: int = 1) -> Tensor:
+    """DeepSeek V4's ``apply_rotary_pos_emb(x, cos, sin)`` through posenc: the trailing
+    ``2 * cos.shape[-1]`` features of each head (``[nope | rope]``) turned in adjacent pairs,
+    one table entry per pair. V4 also calls it with ``-sin`` to turn its attention output back
+    (the inverse rotation): the same call."""
+    layout = _layout(unsqueeze_dim, "apply_rotary_pos_emb")
+    rope_dim = 2 * cos.shape[-1]
+    cos2, sin2 = (t.repeat_interleave(2, dim=-1) for t in (cos, sin))
+    rotated = posenc.functional.apply_rope_cos_sin(x[..., -rope_dim:], None, cos2, sin2, layout=layout,
+                                                   interleaved=True)
+    return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
+
+
+# model_type -> the functions of its modeling module that posenc replaces: (name, the
+# replacement, the parameter names transformers' function must start with).
+_LLAMA_STYLE = ("apply_rotary_pos_emb", posenc_apply_rotary_pos_emb, ("q", "k", "cos", "sin"))
+_PATCHES: Dict[str, Tuple[Tuple[str, Callable, Tuple[str, ...]], ...]] = {
+    "llama": (_LLAMA_STYLE,),
+    "mistral": (_LLAMA_STYLE,),
+    "qwen2": (_LLAMA_STYLE,),
+    "qwen3": (_LLAMA_STYLE,),
+    "gemma": (_LLAMA_STYLE,),
+    "gpt_neox": (_LLAMA_STYLE,),
+    "gptj": (("apply_rotary_pos_emb", posenc_gptj_apply_rotary_pos_emb, ("tensor", "sin", "cos")),),
+    # MLA: the rotary part q_rot / k_rot of each head; rope_interleave (the default) takes the
+    # second function.
+    "deepseek_v3": (_LLAMA_STYLE, ("apply_rotary_pos_emb_interleave", posenc_deepseek_apply_rotary_pos_emb_interleave,
+                                   ("q", "k", "cos", "sin"))),
+    "deepseek_v4": (("apply_rotary_pos_emb", posenc_deepseek_v4_apply_rotary_pos_emb, ("x", "cos", "sin")),),
 }
 SUPPORTED_MODEL_TYPES: Tuple[str, ...] = tuple(_PATCHES)
 
-# modeling module name -> transformers' own apply_rotary_pos_emb, while patched.
-_ORIGINALS: Dict[str, Callable] = {}
+# (modeling module name, function name) -> transformers' own function, while patched.
+_ORIGINALS: Dict[Tuple[str, str], Callable] = {}
 
 
 def _model_type(model_or_type: Any) -> str:
@@ -169,23 +216,27 @@ def _modeling_module(model_type: str):
 
 def apply_posenc_rope_to(model_type: str) -> None:
     """Patch the modeling module of ``model_type`` (e.g. "llama", "gptj"): its
-    ``apply_rotary_pos_emb`` becomes posenc's. Patching twice is a no-op. Raises ValueError for
-    unsupported types, RuntimeError if the installed transformers' function does not have the
-    signature the replacement was written for."""
+    ``apply_rotary_pos_emb`` (DeepSeek V3: also ``apply_rotary_pos_emb_interleave``) becomes
+    posenc's. Patching twice is a no-op. Raises ValueError for unsupported types, RuntimeError
+    if the installed transformers' function does not have the signature the replacement was
+    written for (nothing is patched then)."""
     module = _modeling_module(model_type)
-    replacement, expected = _PATCHES[model_type]
-    current = getattr(module, "apply_rotary_pos_emb", None)
-    if current is replacement:
-        return
-    if current is None:
-        raise RuntimeError(f"apply_posenc_rope: {module.__name__} has no apply_rotary_pos_emb to patch "
-                           f"(transformers {transformers.__version__})")
-    names = tuple(inspect.signature(current).parameters)[: len(expected)]
-    if names != expected:
-        raise RuntimeError(f"apply_posenc_rope: {module.__name__}.apply_rotary_pos_emb takes {names}, not "
-                           f"{expected} as the posenc replacement expects (transformers {transformers.__version__})")
-    _ORIGINALS[module.__name__] = current
-    module.apply_rotary_pos_emb = replacement
+    todo = []
+    for name, replacement, expected in _PATCHES[model_type]:
+        current = getattr(module, name, None)
+        if current is replacement:
+            continue
+        if current is None:
+            raise RuntimeError(f"apply_posenc_rope: {module.__name__} has no {name} to patch "
+                               f"(transformers {transformers.__version__})")
+        names = tuple(inspect.signature(current).parameters)[: len(expected)]
+        if names != expected:
+            raise RuntimeError(f"apply_posenc_rope: {module.__name__}.{name} takes {names}, not {expected} as the "
+                               f"posenc replacement expects (transformers {transformers.__version__})")
+        todo.append((name, replacement, current))
+    for name, replacement, current in todo:
+        _ORIGINALS[(module.__name__, name)] = current
+        setattr(module, name, replacement)
 
 
 def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
@@ -444,20 +495,19 @@ def revert_posenc_rope(model: Optional[Union[Any, str]] = None) -> None:
     """Restore transformers' own ``apply_rotary_pos_emb`` for ``model``'s type (a model,
     config or model-type string), or for every patched type when None."""
     if model is None:
-        names = list(_ORIGINALS)
+        keys = list(_ORIGINALS)
     else:
-        model_type = _model_type(model)
-        names = [_modeling_module(model_type).__name__]
-    for name in names:
-        original = _ORIGINALS.pop(name, None)
-        if original is not None:
-            importlib.import_module(name).apply_rotary_pos_emb = original
+        module = _modeling_module(_model_type(model)).__name__
+        keys = [key for key in _ORIGINALS if key[0] == module]
+    for module_name, name in keys:
+        setattr(importlib.import_module(module_name), name, _ORIGINALS.pop((module_name, name)))
 
 
 def is_patched(model: Union[Any, str]) -> bool:
     """Whether ``model``'s type (a model, config or model-type string) currently uses posenc."""
     model_type = _model_type(model)
-    return getattr(_modeling_module(model_type), "apply_rotary_pos_emb", None) is _PATCHES[model_type][0]
+    module = _modeling_module(model_type)
+    return all(getattr(module, name, None) is replacement for name, replacement, _ in _PATCHES[model_type])
 
 
 @contextlib.contextmanager

@@ -225,6 +225,80 @@ int64_t masked_bits_f32_avx2(const uint8_t* bits, float scale_f, int64_t n, cons
   }
   return done;
 }
+
+// The keep masks of all 256 bytes of the saved mask: entry b, lane i all ones where bit i
+// of b is set. A factor vector is then one load and one AND with the scale (keep_byte_factors
+// builds the same vector from the byte in five vector instructions; the half-precision loops
+// below are short of vector issue slots, not of memory, with one thread: measured, issue 37).
+struct KeepMaskTable {
+  alignas(64) int32_t lanes[256][8];
+  KeepMaskTable() {
+    for (int b = 0; b < 256; ++b)
+      for (int i = 0; i < 8; ++i) lanes[b][i] = (b >> i) & 1 ? -1 : 0;
+  }
+};
+
+inline __m256 keep_factors_of(const KeepMaskTable& table, unsigned index, __m256 scale) {
+  return _mm256_and_ps(_mm256_load_ps(reinterpret_cast<const float*>(table.lanes[index])), scale);
+}
+
+// bfloat16 rounding of the 8 float32 lanes of v, as ATen's cvtfp32_bf16 rounds (to nearest
+// even; NaN to 0xFFFF), each result in the low 16 bits of its 32-bit lane.
+inline __m256i bf16_round_lanes(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  __m256i t = _mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)), bits);
+  t = _mm256_srli_epi32(t, 16);
+  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
+  return _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), t, ordered);
+}
+
+// The same for bfloat16/float16 src and dst (float32 acc): 16 elements (two mask bytes) at a
+// time, widened to float32 and narrowed back with one rounding of the float32 product, as
+// the general path's load_as/store_as (ATen's conversions) round; one 256-bit load and
+// store each. bfloat16 without acc widens within 128-bit lanes (unpack with zero: elements
+// 0-3 and 8-11 in the first vector, 4-7 and 12-15 in the second, their factors permuted
+// alike) and narrows back the same way, so no cross-lane shuffle either way. The general
+// path took 15-20 instructions of loop and lambda overhead per 8 elements around the same
+// arithmetic (benchmarks/NOTES.md, issue 37).
+template <bool kStore, bool kAcc, typename scalar_t>
+int64_t masked_bits_half_avx2(const uint8_t* bits, float scale_f, int64_t n, const scalar_t* src,
+                              scalar_t* dst, float* acc) {
+  using VecH = Vectorized<scalar_t>;
+  static const KeepMaskTable table;
+  const __m256 scale = _mm256_set1_ps(scale_f);
+  int64_t done = 0;
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && kStore && !kAcc) {
+    const __m256i zero = _mm256_setzero_si256();
+    for (; done + 16 <= n; done += 16) {
+      const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(src + done));
+      const unsigned w = bits[done / 8] | (unsigned{bits[done / 8 + 1]} << 8);
+      const __m256 v0 = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, x)),
+                                      keep_factors_of(table, (w & 0x0Fu) | ((w >> 4) & 0xF0u), scale));
+      const __m256 v1 = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)),
+                                      keep_factors_of(table, ((w >> 4) & 0x0Fu) | ((w >> 8) & 0xF0u), scale));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + done),
+                          _mm256_packus_epi32(bf16_round_lanes(v0), bf16_round_lanes(v1)));
+    }
+    return done;
+  }
+  for (; done + 16 <= n; done += 16) {
+    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(VecH::loadu(src + done));
+    __m256 v0 = _mm256_mul_ps(lo, keep_factors_of(table, bits[done / 8], scale));
+    __m256 v1 = _mm256_mul_ps(hi, keep_factors_of(table, bits[done / 8 + 1], scale));
+#if defined(__GNUC__)
+    __asm__("" : "+x"(v0), "+x"(v1));  // rounded before the sum, as in masked_f32_avx2
+#endif
+    if constexpr (kStore) {
+      at::vec::convert_from_float<scalar_t>(Vectorized<float>(v0), Vectorized<float>(v1)).store(dst + done);
+    }
+    if constexpr (kAcc) {
+      _mm256_storeu_ps(acc + done, _mm256_add_ps(_mm256_loadu_ps(acc + done), v0));
+      _mm256_storeu_ps(acc + done + 8, _mm256_add_ps(_mm256_loadu_ps(acc + done + 8), v1));
+    }
+  }
+  return done;
+}
 #else
 void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
                   uint16_t* bits) {
@@ -335,8 +409,9 @@ int64_t masked_fast(const DropoutArgs& draw, int64_t first, int64_t n, const sca
   return 0;
 }
 
-// masked_bits_f32_avx2 where it applies (float32, saved mask, AVX2 build): elements
-// [j, j + n) of row r; returns the count of leading elements done, 0 elsewhere.
+// masked_bits_f32_avx2 / masked_bits_half_avx2 where they apply (float32, bfloat16 or
+// float16 with float32 accumulators, saved mask, AVX2 build): elements [j, j + n) of row
+// r; returns the count of leading elements done, 0 elsewhere.
 template <bool kStore, bool kAcc, typename scalar_t, typename acc_t>
 int64_t masked_saved_fast(const DropoutArgs& draw, int64_t d, int64_t r, int64_t j, int64_t n,
                           const scalar_t* src, scalar_t* dst, acc_t* acc) {
@@ -345,6 +420,12 @@ int64_t masked_saved_fast(const DropoutArgs& draw, int64_t d, int64_t r, int64_t
     if (draw.keep_bits != nullptr) {
       return masked_bits_f32_avx2<kStore, kAcc>(draw.keep_bits + r * keep_row_bytes(d) + j / 8,
                                                 static_cast<float>(draw.scale), n, src, dst, acc);
+    }
+  } else if constexpr (std::is_same_v<acc_t, float> && (std::is_same_v<scalar_t, c10::BFloat16> ||
+                                                        std::is_same_v<scalar_t, c10::Half>)) {
+    if (draw.keep_bits != nullptr) {
+      return masked_bits_half_avx2<kStore, kAcc>(draw.keep_bits + r * keep_row_bytes(d) + j / 8,
+                                                 static_cast<float>(draw.scale), n, src, dst, acc);
     }
   }
 #endif
@@ -500,6 +581,26 @@ void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scala
     return v;
   };
   int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kTable && !kScale && std::is_same_v<scalar_t, c10::BFloat16> &&
+                std::is_same_v<table_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    // bfloat16 x and table (the eval forward): 16 elements widened within 128-bit lanes
+    // (unpack with zero), added, rounded as ATen's cvtfp32_bf16 and packed back without a
+    // cross-lane permute: the same sums and roundings as the loop below in fewer vector
+    // instructions, which bound it (issue 37: perf, one thread).
+    const __m256i zero = _mm256_setzero_si256();
+    for (; j + 16 <= n; j += 16) {
+      const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
+      const __m256i tv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + j));
+      const __m256 s0 = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, xv)),
+                                      _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, tv)));
+      const __m256 s1 = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, xv)),
+                                      _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, tv)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
+                          _mm256_packus_epi32(bf16_round_lanes(s0), bf16_round_lanes(s1)));
+    }
+  }
+#endif
   for (; j + kUnroll * W <= n; j += kUnroll * W) {
     Vec v[kUnroll];
     for (int64_t u = 0; u < kUnroll; ++u) v[u] = value(j + u * W, W);

@@ -179,8 +179,8 @@ inline void store_vec(const Vec& v, T* out) {
 // Streaming stores pay off once the rows written are well beyond what the caches keep: the
 // data would be evicted before anyone reads it, and a plain store first reads every line it
 // overwrites. A prefill of 2048 tokens (48 MiB written in float32) streams; a decode step
-// (a few hundred KiB, read back at once by attention) does not. Measured in
-// benchmarks/NOTES.md (issue 25, and apply_rope's outputs after it).
+// (a few hundred KiB, read back at once by attention) does not: its rows are best left in the
+// caches for the reader.
 constexpr int64_t kStreamBytes = int64_t{8} << 20;
 
 inline void stream_fence() {
@@ -361,6 +361,21 @@ void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out
       out[e * so] = in[e * si];
     }
   }
+}
+
+// n half-precision values widened to float32 (exact), vector by vector (ATen's convert()
+// from Half is a scalar loop).
+template <typename scalar_t>
+inline void widen(const scalar_t* x, float* xf, int64_t n) {
+  using VecH = at::vec::Vectorized<scalar_t>;
+  using VecF = at::vec::Vectorized<float>;
+  int64_t i = 0;
+  for (; i + VecH::size() <= n; i += VecH::size()) {
+    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(VecH::loadu(x + i));
+    lo.store(xf + i);
+    hi.store(xf + i + VecF::size());
+  }
+  for (; i < n; ++i) xf[i] = static_cast<float>(x[i]);
 }
 
 template <typename scalar_t>

@@ -43,6 +43,21 @@ inline int64_t at_(int64_t e, int64_t stride) {
   return kC ? e : e * stride;
 }
 
+// add_squares past its vector part: features e.. n-1, in groups of kLanes, then one by one.
+template <typename scalar_t, typename acc_t, bool kC>
+inline void add_squares_tail(const scalar_t* in, int64_t si, int64_t e, int64_t n, acc_t (&part)[kLanes]) {
+  for (; e + kLanes <= n; e += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const acc_t x = static_cast<acc_t>(in[at_<kC>(e + l, si)]);
+      part[l] += x * x;
+    }
+  }
+  for (; e < n; ++e) {
+    const acc_t x = static_cast<acc_t>(in[at_<kC>(e, si)]);
+    part[0] += x * x;
+  }
+}
+
 // Sum of squares of n features, into the lanes.
 template <typename scalar_t, typename acc_t, bool kC>
 inline void add_squares(const scalar_t* in, int64_t si, int64_t n, acc_t (&part)[kLanes]) {
@@ -71,17 +86,44 @@ inline void add_squares(const scalar_t* in, int64_t si, int64_t n, acc_t (&part)
     acc.store(part);
   }
 #endif
-  for (; e + kLanes <= n; e += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      const acc_t x = static_cast<acc_t>(in[at_<kC>(e + l, si)]);
-      part[l] += x * x;
+  add_squares_tail<scalar_t, acc_t, kC>(in, si, e, n, part);
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// add_squares of N contiguous rows at once, float32 arithmetic: each row's lanes summed in
+// add_squares's order with add_squares's roundings (the same bits), the N chains of
+// dependent additions interleaved so that their latencies overlap (one row's chain alone
+// is latency-bound: perf showed the first pass over each head carrying the call).
+template <typename scalar_t, int N>
+inline void add_squares_rows(const scalar_t* const (&in)[N], int64_t n, float (&part)[N][kLanes]) {
+  using VecF = Vectorized<float>;
+  static_assert(VecF::size() == kLanes, "one AVX2 float vector of lanes");
+  VecF acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = VecF::loadu(part[i]);
+  int64_t e = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; e + kLanes <= n; e += kLanes) {
+      for (int i = 0; i < N; ++i) {
+        const VecF x = VecF::loadu(in[i] + e);
+        acc[i] = acc[i] + x * x;
+      }
+    }
+  } else {
+    using VecH = Vectorized<scalar_t>;
+    for (; e + 2 * kLanes <= n; e += 2 * kLanes) {
+      for (int i = 0; i < N; ++i) {
+        auto [xa, xb] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in[i] + e));
+        acc[i] = acc[i] + xa * xa;
+        acc[i] = acc[i] + xb * xb;
+      }
     }
   }
-  for (; e < n; ++e) {
-    const acc_t x = static_cast<acc_t>(in[at_<kC>(e, si)]);
-    part[0] += x * x;
+  for (int i = 0; i < N; ++i) {
+    acc[i].store(part[i]);
+    add_squares_tail<scalar_t, float, true>(in[i], 1, e, n, part[i]);
   }
 }
+#endif
 
 template <typename scalar_t>
 const scalar_t* row_in(const RopeOperand& op, int64_t b, int64_t s, int64_t h) {
@@ -144,6 +186,22 @@ int64_t forward_pairs_vec(const scalar_t* in, scalar_t* out, const acc_t* w, acc
   return p;
 }
 
+// Software prefetch of n rows of d features from head h of token (b, s) on: rows past the
+// token's last head are the next token's in "bshd" (elsewhere a harmless hint: a prefetch
+// never faults). The first pass over a group of heads otherwise waits for each line in turn.
+constexpr int64_t kPrefetchHeads = 4;  // how far ahead (measured with rows of 128 features)
+template <typename scalar_t>
+inline void prefetch_rows(const RopeOperand& op, int64_t b, int64_t s, int64_t h, int64_t n, int64_t d) {
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(op.in) +
+                              (b * op.in_stride[0] + s * op.in_stride[1]) * sizeof(scalar_t);
+  for (int64_t i = 0; i < n; ++i) {
+    const std::uintptr_t row = base + (h + i) * op.in_stride[2] * sizeof(scalar_t);
+    for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(row + byte));
+    }
+  }
+}
+
 // Forward of one head row: normalise, weight (w: the row's effective weights), rotate.
 template <typename scalar_t, typename acc_t, bool kC>
 void forward_row(const QkNormRopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
@@ -196,7 +254,28 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
   const int64_t D = a.rope.head_dim;
   const bool hidden = a.norm == QkNorm::kHidden;
   const acc_t r_all = hidden ? inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, 0, op.heads) : acc_t(0);
-  for (int64_t h = 0; h < op.heads; ++h) {
+  int64_t h = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kC && std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, float>) {
+    // Norm "head", half precision: the inverse RMS of kGroup heads at once
+    // (add_squares_rows: their chains interleaved; the next group's lines prefetched), then
+    // their rows, re-read from L1. (float32 stays head by head: the same grouping measured
+    // 3.2 -> 3.5 ms there, a memory-bound pass that the hardware prefetchers already follow.)
+    constexpr int kGroup = 4;
+    for (; !hidden && h + kGroup <= op.heads; h += kGroup) {
+      const scalar_t* rows[kGroup];
+      for (int i = 0; i < kGroup; ++i) rows[i] = row_in<scalar_t>(op, b, s, h + i);
+      prefetch_rows<scalar_t>(op, b, s, h + kPrefetchHeads, kGroup, D);
+      float part[kGroup][kLanes] = {};
+      add_squares_rows<scalar_t, kGroup>(rows, D, part);
+      for (int i = 0; i < kGroup; ++i) {
+        const acc_t r = math::qk_norm_inv_rms<acc_t>(lanes_sum(part[i]), D, static_cast<acc_t>(a.eps));
+        forward_row<scalar_t, acc_t, kC>(a, rows[i], 1, row_out<scalar_t>(op, b, s, h + i), 1, w, r, t);
+      }
+    }
+  }
+#endif
+  for (; h < op.heads; ++h) {
     const acc_t r = hidden ? r_all : inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, h, h + 1);
     forward_row<scalar_t, acc_t, kC>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
                                      row_out<scalar_t>(op, b, s, h), op.out_stride[3],
@@ -278,6 +357,142 @@ inline void widen_row(const scalar_t* x, float* out, int64_t n) {
   for (; i < n; ++i) out[i] = static_cast<float>(x[i]);
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// 8 contiguous values widened to float32 (exact).
+template <typename scalar_t>
+inline Vectorized<float> load_float8(const scalar_t* p) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return Vectorized<float>::loadu(p);
+  } else {
+    __m256 o;
+    at::vec::cvt_to_fp32<scalar_t>(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), o);
+    return o;
+  }
+}
+
+// The backward of kG head rows of one token (norm "head", contiguous half-split rows of at
+// most kStagedRow features, float32 arithmetic), each operation rounded as the scalar loop
+// of backward_operand rounds it (no contraction: CMakeLists.txt), so the same bits:
+//  - x is read from its row (widened on the fly: no staged copy), the gradient turned back
+//    once into gs;
+//  - the kG sums of squares and the kG sums of gu * w * xhat run as interleaved chains
+//    (one head's chain alone is latency-bound), the weight gradient's row gets the kG
+//    heads' terms in head order in registers (one load and store of dw per kG heads);
+//  - dx is narrowed and stored straight from the vectors (was a staged row and a copy:
+//    memmove, carrying the stores' misses, was a quarter of the float32 backward in perf).
+template <typename scalar_t, int kG>
+void backward_heads_vec(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
+                        const scalar_t* const (&g)[kG], scalar_t* const (&dx)[kG], const float* w,
+                        float* dw, const TokenAngles<float>& t) {
+  using Vec = Vectorized<float>;
+  constexpr int64_t W = Vec::size();
+  const int64_t D = a.rope.head_dim, half = a.rope.rotary_dim / 2;
+  const int64_t o = math::rope_rotary_begin(a.rope.settings);
+  const float eps = static_cast<float>(a.eps);
+  alignas(64) float gs[kG][kStagedRow];
+  // The gradient turned back (the features outside the rotary part as they are).
+  for (int i = 0; i < kG; ++i) {
+    int64_t e = 0;
+    for (; e + W <= D; e += W) load_float8(g[i] + e).store(gs[i] + e);
+    for (; e < D; ++e) gs[i][e] = static_cast<float>(g[i][e]);
+    int64_t p = 0;
+    for (; p + W <= half; p += W) {
+      Vec gu1, gu2;
+      rotate_vec(Vec::loadu(gs[i] + o + p), Vec::loadu(gs[i] + o + half + p), Vec::loadu(t.cs + p),
+                 Vec::loadu(t.sn + p), gu1, gu2);
+      gu1.store(gs[i] + o + p);
+      gu2.store(gs[i] + o + half + p);
+    }
+    for (; p < half; ++p) {
+      float gu1, gu2;
+      math::rope_rotate_pair(gs[i][o + p], gs[i][o + p + half], t.cs[p], t.sn[p], &gu1, &gu2);
+      gs[i][o + p] = gu1;
+      gs[i][o + p + half] = gu2;
+    }
+  }
+  // The inverse RMS of each row.
+  float r[kG];
+  {
+    Vec acc[kG];
+    for (int i = 0; i < kG; ++i) acc[i] = Vec(0.0f);
+    int64_t e = 0;
+    for (; e + W <= D; e += W) {
+      for (int i = 0; i < kG; ++i) {
+        const Vec xv = load_float8(x[i] + e);
+        acc[i] = acc[i] + xv * xv;
+      }
+    }
+    for (int i = 0; i < kG; ++i) {
+      float sq[kLanes];
+      acc[i].store(sq);
+      for (int64_t j = e; j < D; ++j) {
+        const float xv = static_cast<float>(x[i][j]);
+        sq[0] += xv * xv;
+      }
+      r[i] = math::qk_norm_inv_rms<float>(lanes_sum(sq), D, eps);
+    }
+  }
+  // The weight gradient's terms and mean(gu * w * xhat) of each row.
+  float mean[kG];
+  {
+    Vec rv[kG], part[kG];
+    for (int i = 0; i < kG; ++i) {
+      rv[i] = Vec(r[i]);
+      part[i] = Vec(0.0f);
+    }
+    int64_t e = 0;
+    for (; e + W <= D; e += W) {
+      Vec d = Vec::loadu(dw + e);
+      const Vec wv = Vec::loadu(w + e);
+      for (int i = 0; i < kG; ++i) {
+        const Vec gv = Vec::loadu(gs[i] + e), xh = load_float8(x[i] + e) * rv[i];
+        d = d + gv * xh;
+        part[i] = part[i] + gv * wv * xh;
+      }
+      d.store(dw + e);
+    }
+    for (int i = 0; i < kG; ++i) {
+      float lanes[kLanes];
+      part[i].store(lanes);
+      for (int64_t j = e; j < D; ++j) {
+        const float xh = static_cast<float>(x[i][j]) * r[i];
+        dw[j] += gs[i][j] * xh;
+        lanes[0] += gs[i][j] * w[j] * xh;
+      }
+      mean[i] = lanes_sum(lanes) / static_cast<float>(D);
+    }
+  }
+  // dx = r * (gu * w - xhat * mean), math::qk_norm_grad_input.
+  for (int i = 0; i < kG; ++i) {
+    const Vec rv(r[i]), mv(mean[i]);
+    auto dx_vec = [&](int64_t j) {
+      const Vec xh = load_float8(x[i] + j) * rv;
+      return rv * (Vec::loadu(gs[i] + j) * Vec::loadu(w + j) - xh * mv);
+    };
+    int64_t j = 0;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      for (; j + W <= D; j += W) dx_vec(j).store(dx[i] + j);
+    } else {
+      // As at::vec::convert(float -> scalar_t): 16 values per vector conversion, then one
+      // by one.
+      for (; j + 2 * W <= D; j += 2 * W) {
+        at::vec::convert_from_float<scalar_t>(dx_vec(j), dx_vec(j + W)).store(dx[i] + j);
+      }
+    }
+    const int64_t jv = D / W * W;  // the scalar loop's first feature
+    for (; j < jv; j += W) {
+      alignas(32) float tmp[W];
+      dx_vec(j).store(tmp);
+      for (int64_t l = 0; l < W; ++l) dx[i][j + l] = static_cast<scalar_t>(tmp[l]);
+    }
+    for (; j < D; ++j) {
+      dx[i][j] = static_cast<scalar_t>(
+          math::qk_norm_grad_input(gs[i][j], w[j], static_cast<float>(x[i][j]) * r[i], mean[i], r[i]));
+    }
+  }
+}
+#endif
+
 template <typename scalar_t, typename acc_t, bool kC, bool kIl>
 void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const RopeOperand& gop,
                       const acc_t* w, acc_t* dw, int64_t b, int64_t s, const TokenAngles<acc_t>& t) {
@@ -311,6 +526,34 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
     // second turn of the gradient).
     const int64_t half = a.rope.rotary_dim / 2;
     const int64_t o = math::rope_rotary_begin(a.rope.settings);
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (kC && !kIl && std::is_same_v<acc_t, float>) {
+      int64_t h = 0;
+      auto group = [&](auto kG_tag) {
+        constexpr int kG = decltype(kG_tag)::value;
+        const scalar_t* x[kG];
+        const scalar_t* g[kG];
+        scalar_t* dx[kG];
+        for (int i = 0; i < kG; ++i) {
+          x[i] = row_in<scalar_t>(op, b, s, h + i);
+          g[i] = row_in<scalar_t>(gop, b, s, h + i);
+          dx[i] = row_out<scalar_t>(op, b, s, h + i);
+        }
+        prefetch_rows<scalar_t>(op, b, s, h + kPrefetchHeads, kG, D);
+        prefetch_rows<scalar_t>(gop, b, s, h + kPrefetchHeads, kG, D);
+        backward_heads_vec<scalar_t, kG>(a, x, g, dx, w, dw, t);
+        h += kG;
+      };
+      while (h + 4 <= op.heads) group(std::integral_constant<int, 4>{});
+      switch (op.heads - h) {
+        case 3: group(std::integral_constant<int, 3>{}); break;
+        case 2: group(std::integral_constant<int, 2>{}); break;
+        case 1: group(std::integral_constant<int, 1>{}); break;
+        default: break;
+      }
+      return;
+    }
+#endif
     alignas(64) acc_t xs[kStagedRow], gs[kStagedRow];
     if constexpr (kC && !kIl && std::is_same_v<acc_t, float> && Vectorized<float>::size() == kLanes) {
       // Contiguous half-split rows in float32 arithmetic: the same passes in explicit

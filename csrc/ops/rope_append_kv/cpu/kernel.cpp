@@ -6,6 +6,7 @@
 #include "ops/rope_append_kv/cpu/kernel.h"
 
 #include <ATen/Parallel.h>
+#include <c10/core/impl/alloc_cpu.h>
 
 #include <algorithm>
 #include <cstring>
@@ -37,6 +38,87 @@ void copy_row(const scalar_t* in, int64_t si, scalar_t* out, int64_t so, int64_t
   std::memcpy(out, in, n * sizeof(scalar_t));
 }
 
+// A float32 staging row of n elements (the FP8 path), from c10's CPU allocator: a
+// std::vector's out-of-line members would be weak symbols this ISA build shares with the
+// baseline one (tests/cpp/check_isa_symbols.sh).
+struct StagingRow {
+  explicit StagingRow(int64_t n)
+      : p(n > 0 ? static_cast<float*>(c10::alloc_cpu(static_cast<size_t>(n) * sizeof(float))) : nullptr) {}
+  ~StagingRow() { c10::free_cpu(p); }
+  StagingRow(const StagingRow&) = delete;
+  StagingRow& operator=(const StagingRow&) = delete;
+  float* data() const { return p; }
+  float* p;
+};
+
+#if defined(CPU_CAPABILITY_AVX2)
+// kv_quantize on 8 lanes, c10's conversion step by step: the division and the saturation as
+// IEEE vector operations, the rounding as exact integer arithmetic on the bits (one float
+// addition for subnormals, as c10's), so the same bits as the scalar form. NaN lanes give
+// c10's NaN (0x7F) with their sign.
+template <bool kE4M3>
+inline void quantize8(const float* in, uint8_t* out, __m256 scale) {
+  constexpr int kShift = kE4M3 ? 20 : 21;
+  constexpr uint32_t kNormalMin = (kE4M3 ? 121u : 113u) << 23;  // below: FP8 subnormals
+  constexpr uint32_t kDenormMask = (kE4M3 ? 141u : 134u) << 23;
+  constexpr uint32_t kBias = (kE4M3 ? (uint32_t)(7 - 127) << 23 : (uint32_t)(15 - 127) << 23) +
+                             (kE4M3 ? 0x7FFFFu : 0xFFFFFu);
+  const __m256 y = _mm256_div_ps(_mm256_loadu_ps(in), scale);
+  const __m256i bits = _mm256_castps_si256(y);
+  const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
+  const __m256 mag = _mm256_min_ps(_mm256_castsi256_ps(_mm256_xor_si256(bits, sign)),
+                                   _mm256_set1_ps(kE4M3 ? 448.0f : 57344.0f));  // saturate
+  const __m256i a = _mm256_castps_si256(mag);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, kShift), _mm256_set1_epi32(1));
+  const __m256i normal = _mm256_srli_epi32(
+      _mm256_add_epi32(_mm256_add_epi32(a, _mm256_set1_epi32(static_cast<int>(kBias))), odd), kShift);
+  const __m256i denorm_mask = _mm256_set1_epi32(static_cast<int>(kDenormMask));
+  const __m256i subnormal = _mm256_sub_epi32(
+      _mm256_castps_si256(_mm256_add_ps(mag, _mm256_castsi256_ps(denorm_mask))), denorm_mask);
+  __m256i r = _mm256_blendv_epi8(
+      normal, subnormal, _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(kNormalMin)), a));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7F), _mm256_castps_si256(_mm256_cmp_ps(y, y, _CMP_UNORD_Q)));
+  r = _mm256_or_si256(_mm256_and_si256(r, _mm256_set1_epi32(0xFF)), _mm256_srli_epi32(sign, 24));
+  // The low byte of each lane: bytes 0, 4, 8, 12 of each 128-bit half, then the halves' words.
+  const __m256i low = _mm256_shuffle_epi8(
+      r, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1,
+                          -1, -1, -1, -1, -1, -1, -1, -1, -1));
+  const __m256i packed = _mm256_permutevar8x32_epi32(low, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+}
+#endif
+
+// FP8 caches: n float32 values quantised into a cache row (element stride so).
+void quantize_row(const float* in, uint8_t* out, int64_t so, int64_t n, KvCacheFormat f, float scale) {
+  int64_t j = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if (so == 1) {
+    const __m256 s = _mm256_set1_ps(scale);
+    if (f == KvCacheFormat::kFloat8E4M3) {
+      for (; j + 8 <= n; j += 8) quantize8<true>(in + j, out + j, s);
+    } else {
+      for (; j + 8 <= n; j += 8) quantize8<false>(in + j, out + j, s);
+    }
+  }
+#endif
+  for (; j < n; ++j) out[j * so] = kv_quantize(f, in[j], scale);
+}
+
+// A row widened to float32 (exact), for the FP8 path.
+template <typename scalar_t>
+const float* widen_row(const scalar_t* in, int64_t si, float* out, int64_t n) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    if (si == 1) return in;
+  } else {
+    if (si == 1) {
+      widen(in, out, n);
+      return out;
+    }
+  }
+  for (int64_t j = 0; j < n; ++j) out[j] = static_cast<float>(in[j * si]);
+  return out;
+}
+
 template <typename scalar_t>
 void rope_append_kv_tokens(const KvCacheArgs& a) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -53,6 +135,11 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
   const auto* v_in = static_cast<const scalar_t*>(a.v);
   auto* kc = static_cast<scalar_t*>(a.k_cache);
   auto* vc = static_cast<scalar_t*>(a.v_cache);
+  // FP8 caches (k of float32, bfloat16 or float16, so acc_t is float): a row is rotated in
+  // float32 into a staging row, as a float32 k's row would be, then quantised into the cache.
+  constexpr bool kCanQuantize = std::is_same_v<acc_t, float>;
+  const bool k_fp8 = a.k_format != KvCacheFormat::kSame;
+  const bool v_fp8 = a.v_format != KvCacheFormat::kSame;
 
   const int64_t tokens = r.batch * r.seq;
   const int64_t written = tokens * static_cast<int64_t>(sizeof(scalar_t)) *
@@ -63,6 +150,10 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     TokenAngles<acc_t> angles;
     int64_t pos[math::kRopeMaxAxes];
+    // Staging rows of the FP8 path: the widened input, the rotated row.
+    const bool fp8 = k_fp8 || v_fp8;
+    const StagingRow stage_in(fp8 ? std::max(r.head_dim, a.v_head_dim) : 0);
+    const StagingRow stage_out(fp8 ? r.head_dim : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / r.seq, s = item % r.seq;
       token_positions(r, b, s, pos);  // no packed sequences here: always a position
@@ -79,10 +170,17 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
       for (int64_t h = 0; h < r.k.heads; ++h) {
         const int64_t* si = r.k.in_stride;
         const scalar_t* k_row = k_in + b * si[0] + s * si[1] + h * si[2];
-        if (cached) {
-          const int64_t* sc = a.k_cache_stride;
-          rotate_row<scalar_t, acc_t>(r, k_row, si[3], kc + outer * sc[0] + inner * sc[1] + h * sc[2],
-                                      sc[3], angles, stream);
+        const int64_t* sc = a.k_cache_stride;
+        const int64_t k_at = outer * sc[0] + inner * sc[1] + h * sc[2];
+        if (cached && k_fp8) {
+          if constexpr (kCanQuantize) {
+            const float* wide = widen_row(k_row, si[3], stage_in.data(), r.head_dim);
+            rotate_row<float, float>(r, wide, 1, stage_out.data(), 1, angles);
+            quantize_row(stage_out.data(), static_cast<uint8_t*>(a.k_cache) + k_at, sc[3],
+                         r.head_dim, a.k_format, a.k_scale);
+          }
+        } else if (cached) {
+          rotate_row<scalar_t, acc_t>(r, k_row, si[3], kc + k_at, sc[3], angles, stream);
         }
         if (a.write_k) {
           const int64_t* so = r.k.out_stride;
@@ -91,9 +189,18 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
         }
         if (cached) {
           const int64_t* sv = a.v_stride;
-          const int64_t* sc = a.v_cache_stride;
-          copy_row(v_in + b * sv[0] + s * sv[1] + h * sv[2], sv[3],
-                   vc + outer * sc[0] + inner * sc[1] + h * sc[2], sc[3], a.v_head_dim, stream);
+          const int64_t* svc = a.v_cache_stride;
+          const scalar_t* v_row = v_in + b * sv[0] + s * sv[1] + h * sv[2];
+          const int64_t v_at = outer * svc[0] + inner * svc[1] + h * svc[2];
+          if (v_fp8) {
+            if constexpr (kCanQuantize) {
+              quantize_row(widen_row(v_row, sv[3], stage_in.data(), a.v_head_dim),
+                           static_cast<uint8_t*>(a.v_cache) + v_at, svc[3], a.v_head_dim, a.v_format,
+                           a.v_scale);
+            }
+          } else {
+            copy_row(v_row, sv[3], vc + v_at, svc[3], a.v_head_dim, stream);
+          }
         }
       }
     }

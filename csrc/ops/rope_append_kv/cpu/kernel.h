@@ -5,6 +5,8 @@
 #pragma once
 
 #include <c10/core/ScalarType.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 
 #include <cstdint>
 
@@ -14,6 +16,10 @@
 
 namespace posenc {
 namespace ops {
+
+// What a cache holds: the new rows as they are (the cache has k's, or v's, dtype), or FP8
+// values quantised from them (kv_quantize).
+enum class KvCacheFormat : uint8_t { kSame = 0, kFloat8E4M3 = 1, kFloat8E5M2 = 2 };
 
 struct KvCacheArgs {
   // The rotation of q and k, tokens as (batch, seq) ('thd': batch 1, seq = tokens); q.out
@@ -39,6 +45,15 @@ struct KvCacheArgs {
   const int64_t* slot_mapping = nullptr;
   int64_t block_size = 0;
   int64_t num_slots = 0;
+  // FP8 caches: each value written is quantised with its cache's scale (kv_quantize). The
+  // scale is k_scale / v_scale, or, when the scale tensor lives on the kernel's device (CUDA:
+  // a CUDA graph can hold it), read from *_scale_ptr by the kernel.
+  KvCacheFormat k_format = KvCacheFormat::kSame;
+  KvCacheFormat v_format = KvCacheFormat::kSame;
+  float k_scale = 1.0f;
+  float v_scale = 1.0f;
+  const float* k_scale_ptr = nullptr;
+  const float* v_scale_ptr = nullptr;
 };
 
 POSENC_ISA_NAMESPACE_BEGIN
@@ -60,6 +75,24 @@ POSENC_HOST_DEVICE bool kv_cache_row(const KvCacheArgs& a, int64_t b, int64_t s,
   *outer = b;
   *inner = row;
   return true;
+}
+
+// The FP8 value of x in a cache of format f (not kSame) with scale `scale`, as its bits: x / scale
+// in float32 (a true division, as torch's x / scale), saturated to the format's largest finite
+// value (448 for e4m3fn, 57344 for e5m2: a finite x never becomes NaN or inf, as vLLM's and
+// FlashInfer's SATFINITE conversions; NaN stays NaN), then rounded to nearest even by c10's
+// conversion (torch's .to(float8)). So a cache holds bit for bit
+// (x / scale).clamp(-max, max).to(float8) of the float32 value the cache would hold.
+POSENC_HOST_DEVICE uint8_t kv_quantize(KvCacheFormat f, float x, float scale) {
+  const float m = f == KvCacheFormat::kFloat8E4M3 ? 448.0f : 57344.0f;
+  float y = x / scale;
+  if (y > m) {
+    y = m;
+  } else if (y < -m) {
+    y = -m;
+  }  // NaN fails both comparisons and stays NaN
+  return f == KvCacheFormat::kFloat8E4M3 ? c10::detail::fp8e4m3fn_from_fp32_value(y)
+                                         : c10::detail::fp8e5m2_from_fp32_value(y);
 }
 
 POSENC_ISA_NAMESPACE_END

@@ -34,21 +34,6 @@ namespace {
 // Rows of at most this many features are staged for streaming.
 constexpr int64_t kStagedRow = 512;
 
-// n half-precision values widened to float32 (exact), vector by vector (ATen's convert()
-// from Half is a scalar loop).
-template <typename scalar_t>
-inline void widen(const scalar_t* x, float* xf, int64_t n) {
-  using VecH = at::vec::Vectorized<scalar_t>;
-  using VecF = at::vec::Vectorized<float>;
-  int64_t i = 0;
-  for (; i + VecH::size() <= n; i += VecH::size()) {
-    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(VecH::loadu(x + i));
-    lo.store(xf + i);
-    hi.store(xf + i + VecF::size());
-  }
-  for (; i < n; ++i) xf[i] = static_cast<float>(x[i]);
-}
-
 // The rotated features [0, rot) of one row, x and y of unit stride, in acc_t.
 template <typename acc_t, bool kTranspose>
 inline void rotate_unit(const RopeCosSinArgs& a, const acc_t* x, acc_t* y, const acc_t* cs,

@@ -1,0 +1,519 @@
+"""rope_shift_kv (issue 39, item 3): cached keys re-rotated in place from the positions they
+were written at to new ones.
+
+The contract: for random k and every scaling type, rope_shift_kv(rope(k at old positions, old
+configuration), ...) equals rope(k at new positions, new configuration) within float32
+rounding, where a configuration is the RoPE settings with the seq_len its length-scaled type
+scales for (dynamic NTK, longrope's short -> long switch). Then every layout (contiguous with
+rows, paged with -1 slots), dtype, FP8 caches (against dequantise - rotate - requantise in
+plain PyTorch, bit for bit), RoPE features, rows not listed keep their bits, errors naming
+the argument, opcheck, torch.compile, the ATen fallback, CUDA against the CPU."""
+
+import pytest
+import torch
+from torch.library import opcheck
+
+import posenc  # noqa: F401
+from posenc.functional import apply_rope, rope_append_kv, rope_frequencies, rope_shift_kv
+
+F64 = torch.float64
+D = 16
+SCALINGS = {
+    "default": None,
+    "linear": {"rope_type": "linear", "factor": 4.0},
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
+    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 16},
+    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+                 "short_factor": [1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0],
+                 "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]},
+    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
+}
+TOL = {
+    torch.float64: dict(atol=1e-12, rtol=1e-12),
+    torch.float32: dict(atol=3e-6, rtol=3e-6),
+    torch.float16: dict(atol=6e-3, rtol=4e-3),
+    torch.bfloat16: dict(atol=5e-2, rtol=3e-2),
+}
+
+
+def rand(*shape, dtype=F64, seed=None):
+    g = torch.Generator().manual_seed(seed) if seed is not None else None
+    return (torch.rand(*shape, dtype=F64, generator=g) * 4 - 2).to(dtype)
+
+
+# ---- The contract
+
+
+# (old positions, old seq_len, new positions, new seq_len): a shift down (StreamingLLM), a shift
+# up past original_max_position_embeddings (dynamic rescales, longrope switches short -> long),
+# and back (long -> short).
+MOVES = {
+    "down": (torch.arange(8, 20), 20, torch.arange(4, 16), 16),
+    "short_to_long": (torch.arange(0, 12), 12, torch.arange(30, 42), 42),
+    "long_to_short": (torch.arange(30, 42), 42, torch.arange(0, 12), 12),
+    "far": (torch.arange(5, 17) * 1000 + 7, 17000, torch.arange(0, 12) * 3, 40),
+}
+
+
+@pytest.mark.parametrize("name", list(SCALINGS))
+@pytest.mark.parametrize("move", list(MOVES))
+def test_the_contract_every_scaling_type(name, move):
+    """rope_shift_kv(rope(k, old), old -> new) == rope(k, new), for the cache written by
+    apply_rope and by rope_append_kv (what a decoder's cache holds)."""
+    old, old_len, new, new_len = MOVES[move]
+    scaling = SCALINGS[name]
+    k = rand(2, 12, 3, D, dtype=torch.float32, seed=1)
+    want = apply_rope(k, positions=new, seq_len=new_len, scaling=scaling)
+    cache = apply_rope(k, positions=old, seq_len=old_len, scaling=scaling)
+    out = rope_shift_kv(cache, old, new, from_seq_len=old_len, to_seq_len=new_len, scaling=scaling)
+    assert out is cache
+    torch.testing.assert_close(cache, want, atol=3e-6, rtol=3e-6)
+    # The same cache written by rope_append_kv at rows 3 .. 14 of a longer cache.
+    kc, vc = torch.zeros(2, 20, 3, D), torch.zeros(2, 20, 3, D)
+    q = torch.zeros(2, 12, 3, D)
+    rope_append_kv(q, k, k, kc, vc, offset=3, positions=old, seq_len=old_len, scaling=scaling)
+    before = kc.clone()
+    rope_shift_kv(kc, old, new, rows=torch.arange(3, 15), from_seq_len=old_len, to_seq_len=new_len,
+                  scaling=scaling)
+    torch.testing.assert_close(kc[:, 3:15], want, atol=3e-6, rtol=3e-6)
+    assert torch.equal(kc[:, :3], before[:, :3]) and torch.equal(kc[:, 15:], before[:, 15:])
+
+
+def test_a_length_scaled_type_is_not_a_rotation_by_the_delta():
+    """For dynamic NTK the delta rotation is wrong by far more than rounding; the op is exact."""
+    scaling = SCALINGS["dynamic"]
+    old, old_len, new, new_len = MOVES["short_to_long"]
+    k = rand(1, 12, 1, D, dtype=F64, seed=2)
+    want = apply_rope(k, positions=new, seq_len=new_len, scaling=scaling)
+    cache = apply_rope(k, positions=old, seq_len=old_len, scaling=scaling)
+    delta = apply_rope(cache, positions=new - old, seq_len=new_len, scaling=scaling)
+    assert (delta - want).abs().max() > 1e-2
+    rope_shift_kv(cache, old, new, from_seq_len=old_len, to_seq_len=new_len, scaling=scaling)
+    torch.testing.assert_close(cache, want, atol=1e-12, rtol=1e-12)
+
+
+def test_seq_len_defaults_to_the_longest_position():
+    scaling = SCALINGS["longrope"]
+    old, new = torch.arange(0, 12), torch.arange(30, 42)
+    k = rand(1, 12, 2, D, dtype=F64, seed=3)
+    cache = apply_rope(k, positions=old, scaling=scaling)  # seq_len 12: short factors
+    rope_shift_kv(cache, old, new, scaling=scaling)  # from 12, to 42: long factors
+    torch.testing.assert_close(cache, apply_rope(k, positions=new, scaling=scaling), atol=1e-12, rtol=1e-12)
+
+
+# ---- Layouts, rows, dtypes, RoPE features
+
+
+def reference(cache, layout, old, new, *, rows=None, slot_mapping=None, from_seq_len=None,
+              to_seq_len=None, **cfg):
+    """The cache after the shift, in float64: the rows gathered, turned back by the old angle
+    and forward by the new one (apply_rope in float64; the attention factor of each direction
+    divided out once more), scattered back."""
+    c = cache.to(F64).clone()
+    cv = c.transpose(1, 2) if layout == "bhsd" else c
+    rot = cfg.get("rotary_dim") or (D - cfg.get("rotary_offset", 0))
+    _, attn = rope_frequencies(rot, scaling=cfg.get("scaling"))
+
+    def turn(x, o, n):  # x (batch, n, heads, D)
+        back = apply_rope(x, positions=o, seq_len=from_seq_len, inverse=True, **cfg)
+        return apply_rope(back, positions=n, seq_len=to_seq_len, **cfg) / attn**2
+
+    if layout == "thd":
+        keep = slot_mapping >= 0
+        slots = slot_mapping[keep]
+        flat = cv.reshape(-1, *cv.shape[2:])
+        x = flat[slots].unsqueeze(0)
+        flat[slots] = turn(x, old[keep], new[keep])[0]
+        return c
+    B, n = cv.shape[0], old.shape[-1]
+    r = torch.arange(n) if rows is None else rows
+    r = r.reshape(-1, n).expand(B, n)
+    b = torch.arange(B)[:, None].expand(B, n)
+    cv[b, r] = turn(cv[b, r], old, new)
+    return c
+
+
+def make_cache(layout, dtype, B=3, max_len=10, H=2, blocks=5, block=4, seed=0):
+    if layout == "thd":
+        return rand(blocks, block, H, D, dtype=dtype, seed=seed)
+    if layout == "bhsd":
+        return rand(B, H, max_len, D, dtype=dtype, seed=seed)
+    return rand(B, max_len, H, D, dtype=dtype, seed=seed)
+
+
+def check(cache, layout, old, new, **kw):
+    dtype = cache.dtype
+    before = cache.clone()
+    want = reference(cache, layout, old, new, **kw)
+    rope_shift_kv(cache, old, new, layout=layout, **kw)
+    torch.testing.assert_close(cache.to(F64), want, **TOL[dtype])
+    untouched = want == before.to(F64)
+    assert torch.equal(cache[untouched], before[untouched])  # rows not listed keep their bits
+    return before
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd"])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_contiguous_cache(dtype, layout, per_row):
+    cache = make_cache(layout, dtype)
+    if per_row:
+        rows = torch.tensor([[0, 4, 7, 9], [9, 8, 1, 2], [3, 5, 6, 0]])
+        old = torch.tensor([[10, 14, 17, 19], [5, 4, 100, 3], [0, 1, 2, 3]])
+        new = old - torch.tensor([[4], [2], [1]])
+    else:
+        rows, old = torch.tensor([2, 5, 6, 8]), torch.tensor([20, 30, 31, 40])
+        new = old - 17
+    before = check(cache, layout, old, new, rows=rows, scaling=SCALINGS["yarn"])
+    cv, bv = (t.transpose(1, 2) if layout == "bhsd" else t for t in (cache, before))
+    listed = torch.zeros(cv.shape[:2], dtype=torch.bool)
+    listed[torch.arange(3)[:, None], rows.reshape(-1, 4).expand(3, 4)] = True
+    assert torch.equal(cv[~listed], bv[~listed])
+
+
+def test_default_rows_are_the_first_n():
+    cache = make_cache("bshd", torch.float32)
+    check(cache, "bshd", torch.arange(4) + 8, torch.arange(4))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_cache_with_skipped_slots(dtype):
+    cache = make_cache("thd", dtype)
+    slots = torch.tensor([3, -1, 9, 0, 17, -1])
+    old = torch.tensor([40, 41, 42, 43, 44, 45])
+    new = torch.tensor([4, 5, 6, 7, 8, 9])
+    check(cache, "thd", old, new, slot_mapping=slots, scaling=SCALINGS["llama3"])
+
+
+@pytest.mark.parametrize("kw", [
+    dict(rotary_dim=8), dict(interleaved=True), dict(rotary_offset=4, rotary_dim=8),
+    dict(rotary_offset=6, interleaved=True), dict(base=500000.0),
+    dict(scaling=SCALINGS["proportional"], interleaved=True),
+])
+def test_rope_features(kw):
+    cache = make_cache("bhsd", torch.float32)
+    check(cache, "bhsd", torch.tensor([11, 12, 13]), torch.tensor([1, 2, 3]), rows=torch.tensor([7, 8, 9]), **kw)
+
+
+def test_multi_axis_sections():
+    """Multi-axis RoPE: positions (n_axes, n) per end."""
+    cache = make_cache("bshd", torch.float64)
+    old = torch.tensor([[3, 4, 5], [0, 1, 2], [7, 7, 7]])
+    new = torch.tensor([[0, 1, 2], [9, 9, 9], [1, 2, 3]])
+    for mode in ("axial", "mrope", "mrope_interleaved"):
+        check(cache, "bshd", old, new, rows=torch.tensor([1, 2, 3]), sections=[2, 3, 3] if mode == "axial"
+              else [4, 2, 2], sections_mode=mode)
+
+
+def test_strided_cache():
+    base = make_cache("bshd", torch.float32, H=4)
+    cache = base[:, :, ::2]  # every other head
+    check(cache, "bshd", torch.tensor([9, 8]), torch.tensor([0, 1]), rows=torch.tensor([5, 6]))
+
+
+def test_empty():
+    cache = make_cache("bshd", torch.float32)
+    before = cache.clone()
+    rope_shift_kv(cache, torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long))
+    assert torch.equal(cache, before)
+
+
+# ---- FP8 caches
+
+
+def quantise(x32, scale, dtype):
+    m = torch.finfo(dtype).max
+    return (x32 / scale).clamp(-m, m).to(dtype)
+
+
+@pytest.mark.parametrize("fp8", [torch.float8_e4m3fn, torch.float8_e5m2])
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+@pytest.mark.parametrize("scale", [None, 0.03, "tensor"])
+def test_fp8_cache_is_dequantise_rotate_requantise(fp8, layout, scale):
+    """Bit for bit: dequantise in plain PyTorch (value * scale in float32), the shift of that
+    float32 cache by the op, requantise in plain PyTorch (divide, saturate, round to nearest
+    even): the FP8 path rotates exactly as the float32 one."""
+    s = 1.0 if scale is None else 0.03
+    k_scale = torch.tensor([s]) if scale == "tensor" else scale
+    cache = quantise(make_cache(layout, torch.float32, seed=4) * 20, s, fp8)
+    cfg = dict(scaling=SCALINGS["yarn"], rotary_dim=12, rotary_offset=2, layout=layout)
+    if layout == "thd":
+        idx = dict(slot_mapping=torch.tensor([3, -1, 9, 0, 17]))
+    else:
+        idx = dict(rows=torch.tensor([[1, 2, 3, 4, 5], [0, 9, 8, 7, 6], [5, 4, 3, 2, 1]]))
+    old, new = torch.tensor([30, 31, 32, 33, 34]), torch.tensor([2, 3, 4, 5, 6])
+    f32 = cache.to(torch.float32) * torch.tensor(s, dtype=torch.float32)
+    rope_shift_kv(f32, old, new, **idx, **cfg)
+    want = quantise(f32, s, fp8)
+    before = cache.clone()
+    rope_shift_kv(cache, old, new, k_scale=k_scale, **idx, **cfg)
+    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    assert not torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
+def test_fp8_against_the_contract():
+    """An FP8 cache written by rope_append_kv, shifted, against the keys rotated at the new
+    positions: two roundings to FP8 (at the write, at the shift) against none, and the
+    rotation mixes a pair's two values, so each value is within an FP8 ulp (2**-3 relative for
+    e4m3) of its pair's magnitude."""
+    k = rand(1, 12, 2, D, dtype=torch.float32, seed=5)
+    kc = torch.zeros(1, 12, 2, D, dtype=torch.float8_e4m3fn)
+    rope_append_kv(torch.zeros(1, 12, 2, D), k, k, kc, kc.clone(), positions=torch.arange(12) + 20,
+                   k_scale=0.01, v_scale=0.01)
+    rope_shift_kv(kc, torch.arange(12) + 20, torch.arange(12), k_scale=0.01)
+    want = apply_rope(k, positions=torch.arange(12))
+    norm = want[..., :D // 2].hypot(want[..., D // 2:]).repeat(1, 1, 1, 2)
+    err = (kc.to(torch.float32) * 0.01 - want).abs()
+    assert (err <= norm * 2**-3 + 0.01 * 2**-9).all(), (err / norm).max()
+
+
+# ---- Errors
+
+
+def error(fn, exc=Exception):
+    with pytest.raises(exc) as info:
+        fn()
+    return info.type, str(info.value)
+
+
+def test_out_of_range_and_repeated_rows_write_nothing():
+    cache = make_cache("bshd", torch.float32)
+    before = cache.clone()
+    old, new = torch.tensor([5, 6]), torch.tensor([0, 1])
+    t, m = error(lambda: rope_shift_kv(cache, old, new, rows=torch.tensor([3, 10])), IndexError)
+    assert "rows[1] = 10" in m and "max_len = 10" in m and "nothing was written" in m
+    t, m = error(lambda: rope_shift_kv(cache, old, new, rows=torch.tensor([[0, 1], [2, 2], [0, 1]])), ValueError)
+    assert "rows[0] and rows[1] are both 2 of batch row 1" in m
+    t, m = error(lambda: rope_shift_kv(cache, torch.arange(11), torch.arange(11)), IndexError)
+    assert "max_len" in m
+    paged = make_cache("thd", torch.float32)
+    before_paged = paged.clone()
+    t, m = error(lambda: rope_shift_kv(paged, old, new, layout="thd", slot_mapping=torch.tensor([20, 0])),
+                 IndexError)
+    assert "slot_mapping[0] = 20" in m
+    t, m = error(lambda: rope_shift_kv(paged, old, new, layout="thd", slot_mapping=torch.tensor([4, 4])),
+                 ValueError)
+    assert "slot_mapping[0] and slot_mapping[1] are both 4" in m
+    assert torch.equal(cache, before) and torch.equal(paged, before_paged)
+
+
+@pytest.mark.parametrize("call, exc, words", [
+    (lambda c, p: rope_shift_kv(c, p.int(), p), TypeError, "from_positions to have dtype torch.int64"),
+    (lambda c, p: rope_shift_kv(c, p, p[:2]), RuntimeError, "to_positions of shape (n,) = (3,)"),
+    (lambda c, p: rope_shift_kv(c, p, p, rows=torch.tensor([1, 2])), RuntimeError, "rows of shape (n,) = (3,)"),
+    (lambda c, p: rope_shift_kv(c, p, p, rows=torch.tensor([1, 2, 3]).float()), TypeError, "rows to have dtype"),
+    (lambda c, p: rope_shift_kv(c, p, p, slot_mapping=p), ValueError, "slot_mapping is for paged caches"),
+    (lambda c, p: rope_shift_kv(c, p, p, layout="thd"), ValueError, "needs slot_mapping"),
+    (lambda c, p: rope_shift_kv(c, p, p, layout="thd", slot_mapping=p, rows=p), ValueError, "rows is for"),
+    (lambda c, p: rope_shift_kv(c, p, p, layout="sbhd"), ValueError, "unknown layout 'sbhd'"),
+    (lambda c, p: torch.ops.posenc.rope_shift_kv_(c, p, p, layout="sbhd"), ValueError, "layout 'bshd'"),
+    (lambda c, p: rope_shift_kv(c, p, p, k_scale=0.5), ValueError, "k_scale is only used with a float8"),
+    (lambda c, p: rope_shift_kv(c.to(torch.float8_e4m3fn), p, p, k_scale=-1.0), ValueError,
+     "k_scale to be a finite positive"),
+    (lambda c, p: rope_shift_kv(c.to(torch.float8_e4m3fn), p, p, k_scale=torch.ones(2)), ValueError,
+     "k_scale to hold one value"),
+    (lambda c, p: rope_shift_kv(c.int(), p, p), TypeError, "k_cache of dtype"),
+    (lambda c, p: rope_shift_kv(c[0], p, p), RuntimeError, "k_cache of shape"),
+    (lambda c, p: rope_shift_kv(c, p, p, from_seq_len=-2), ValueError, "from_seq_len >= 0"),
+    (lambda c, p: rope_shift_kv(c, p, p + 2**60), ValueError, "to_positions within"),
+    (lambda c, p: rope_shift_kv(c, p, p, rotary_dim=18), ValueError, "rotary_dim"),
+])
+def test_bad_arguments_name_them(call, exc, words):
+    cache = make_cache("bshd", torch.float32)
+    before = cache.clone()
+    _, m = error(lambda: call(cache, torch.tensor([1, 2, 3])), exc)
+    assert words in m, m
+    assert torch.equal(cache, before)
+
+
+def test_index_tensors_may_not_alias_the_cache():
+    cache = torch.zeros(1, 8, 1, 4, dtype=torch.float64)
+    pos = cache.view(torch.int64).view(-1)[:3]
+    _, m = error(lambda: rope_shift_kv(cache, pos, torch.tensor([0, 1, 2])), RuntimeError)
+    assert "k_cache" in m and "from_positions" in m
+
+
+def test_requires_grad_is_an_error_and_the_version_moves():
+    cache = make_cache("bshd", torch.float32).requires_grad_()
+    _, m = error(lambda: rope_shift_kv(cache, torch.tensor([1]), torch.tensor([0])), RuntimeError)
+    assert "k_cache" in m and "no autograd" in m
+    cache = make_cache("bshd", torch.float32)
+    v = cache._version
+    with torch.no_grad():
+        rope_shift_kv(cache, torch.tensor([1]), torch.tensor([0]))
+    assert cache._version > v
+
+
+# ---- opcheck, compile, the ATen fallback
+
+
+def test_opcheck():
+    op = torch.ops.posenc.rope_shift_kv_
+    cache = make_cache("bshd", torch.float32)
+    opcheck(op, (cache, torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2])), dict(rows=torch.tensor([2, 3, 4])))
+    opcheck(op, (make_cache("bhsd", torch.float32), torch.tensor([5, 6]), torch.tensor([0, 1])),
+            dict(layout="bhsd", rope_type="dynamic", scaling=[9.0, 4.0, 0, 0, 16.0, 0, 0, 0, 0, 0, 0, 0],
+                 from_seq_len=40, to_seq_len=8))
+    opcheck(op, (make_cache("thd", torch.float32), torch.tensor([5, 6, 7]), torch.tensor([0, 1, 2])),
+            dict(layout="thd", slot_mapping=torch.tensor([3, -1, 0])))
+    fp8 = make_cache("bshd", torch.float32).to(torch.float8_e4m3fn)
+    # opcheck's test_schema compares values with ops float8 has no CPU kernel for (mul); the
+    # schema's aliases are those of plain caches, checked above.
+    opcheck(op, (fp8, torch.tensor([5]), torch.tensor([0])), dict(k_scale=torch.tensor(0.5)),
+            test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    meta = make_cache("bshd", torch.float32).to("meta")
+    op(meta, torch.tensor([5], device="meta"), torch.tensor([0], device="meta"))
+    with pytest.raises(RuntimeError, match="from_positions on the meta device"):
+        op(make_cache("bshd", torch.float32), torch.tensor([5], device="meta"), torch.tensor([0]))
+
+
+@pytest.mark.parametrize("layout, backend", [("bshd", "aot_eager"), ("thd", "aot_eager"), ("bshd", "inductor")])
+def test_compile_fullgraph_mutates_the_cache(layout, backend):
+    torch._dynamo.reset()
+    kw = dict(layout="thd", slot_mapping=torch.tensor([3, -1, 9])) if layout == "thd" else \
+        dict(rows=torch.tensor([[1, 2, 3], [4, 5, 6], [7, 8, 9]]))
+    scaling = SCALINGS["longrope"]
+
+    def step(cache, old, new):
+        rope_shift_kv(cache, old, new, from_seq_len=40, to_seq_len=12, scaling=scaling, **kw)
+        return cache.sum()
+
+    old, new = torch.tensor([30, 31, 32]), torch.tensor([0, 1, 2])
+    cache = make_cache(layout, torch.float32)
+    eager = cache.clone()
+    want = step(eager, old, new)
+    got = torch.compile(step, fullgraph=True, backend=backend)(cache, old, new)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(cache, eager)
+
+
+FALLBACK_SCRIPT = r"""
+import torch
+from posenc.functional import rope_shift_kv
+
+g = torch.Generator().manual_seed(5)
+out = {}
+old, new = torch.tensor([30, 31, 32, 33]), torch.tensor([2, 3, 4, 5])
+scaling = {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16}
+for name, shape, kw in (
+    ("bshd", (3, 10, 2, 16), dict(rows=torch.tensor([[0, 1, 2, 3], [9, 8, 7, 6], [4, 6, 8, 1]]), scaling=scaling)),
+    ("bhsd", (3, 2, 10, 16), dict(layout="bhsd", interleaved=True, rotary_dim=8, rotary_offset=4)),
+    ("thd", (5, 4, 2, 16), dict(layout="thd", slot_mapping=torch.tensor([5, -1, 0, 19]), scaling=scaling)),
+    ("bf16", (3, 10, 2, 16), dict(rows=torch.tensor([2, 4, 6, 8]))),
+    ("fp8", (3, 10, 2, 16), dict(rows=torch.tensor([2, 4, 6, 8]), k_scale=0.05)),
+):
+    cache = torch.randn(*shape, generator=g)
+    if name == "bf16":
+        cache = cache.bfloat16()
+    if name == "fp8":
+        cache = (cache / 0.05).to(torch.float8_e4m3fn)
+    rope_shift_kv(cache, old, new, **kw)
+    out[name] = cache
+cache = torch.randn(3, 10, 2, 16, generator=g)
+before = cache.clone()
+try:
+    rope_shift_kv(cache, old, new, rows=torch.tensor([0, 1, 2, 10]))
+    out["error"] = None
+except IndexError as e:
+    out["error"] = (type(e).__name__, str(e), torch.equal(cache, before))
+"""
+
+
+def test_aten_fallback_matches_the_kernel():
+    from aten_fallback_mode import ThroughTheFallback
+
+    results = {}
+    for forced in (False, True):
+        scope = {}
+        if forced:
+            with ThroughTheFallback() as mode:
+                exec(FALLBACK_SCRIPT, scope)
+        else:
+            exec(FALLBACK_SCRIPT, scope)
+        results[forced] = scope["out"]
+    assert mode.calls.get("posenc::rope_shift_kv_", 0) > 0
+    kernel, fallback = results[False], results[True]
+    for key in kernel:
+        if key == "error":
+            assert kernel[key] == fallback[key] and kernel[key][2], (kernel[key], fallback[key])
+        elif key == "fp8":  # one FP8 ulp where the float32 rotations differ in their last bit
+            a, b = kernel[key].float(), fallback[key].float()
+            assert ((a - b).abs() <= a.abs().clamp(min=2**-6) * 2**-3 + 1e-9).all()
+        elif key == "bf16":
+            torch.testing.assert_close(kernel[key], fallback[key], atol=1.6e-2, rtol=1.6e-2)
+        else:
+            torch.testing.assert_close(kernel[key], fallback[key], atol=2e-6, rtol=2e-6)
+
+
+# ---- CUDA
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+def test_cuda_kernel_matches_the_cpu_kernel(dtype, layout):
+    cache = make_cache(layout, torch.float32, seed=7)
+    cache = (cache * 20).to(dtype) if dtype.is_floating_point and dtype.itemsize == 1 else cache.to(dtype)
+    kw = dict(layout=layout, scaling=SCALINGS["longrope"], from_seq_len=50, to_seq_len=10, interleaved=True)
+    if dtype.itemsize == 1:
+        kw["k_scale"] = 0.05
+    if layout == "thd":
+        kw["slot_mapping"] = torch.tensor([3, -1, 9, 0])
+    else:
+        kw["rows"] = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8], [9, 0, 1, 2]])
+    old, new = torch.tensor([40, 41, 42, 43]), torch.tensor([0, 1, 2, 3])
+    on_gpu = cache.cuda()
+    rope_shift_kv(cache, old, new, **kw)
+    rope_shift_kv(on_gpu, old.cuda(), new.cuda(), **{k: v.cuda() if isinstance(v, torch.Tensor) else v
+                                                      for k, v in kw.items()})
+    assert torch.equal(on_gpu.cpu().view(torch.uint8), cache.view(torch.uint8))
+
+
+# ---- Every CPU ISA level gives the same bits
+
+ISA_SCRIPT = r"""
+import sys
+import torch
+from posenc.functional import rope_shift_kv
+
+g = torch.Generator().manual_seed(9)
+out = {}
+rows = torch.tensor([[1, 2, 3, 4, 5, 6], [9, 8, 7, 6, 5, 4]])
+old, new = torch.arange(6) * 977 + 13, torch.arange(6)
+for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+    for interleaved in (False, True):
+        for head_dim, rotary_dim in ((64, None), (40, 24)):
+            cache = torch.randn(2, 10, 3, head_dim, generator=g) * 4
+            cache = cache.to(dtype)
+            kw = dict(k_scale=0.05) if dtype == torch.float8_e4m3fn else {}
+            rope_shift_kv(cache, old, new, rows=rows, interleaved=interleaved, rotary_dim=rotary_dim,
+                          scaling={"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
+                          **kw)
+            out[(str(dtype), interleaved, head_dim)] = cache.view(torch.uint8) if dtype.itemsize == 1 else cache
+torch.save(out, sys.argv[1])
+"""
+
+
+def test_every_cpu_level_gives_the_same_bits(tmp_path):
+    import os
+    import pathlib
+    import subprocess
+    import sys
+
+    flags = pathlib.Path("/proc/cpuinfo").read_text() if pathlib.Path("/proc/cpuinfo").exists() else ""
+    levels = ["default"] + (["avx2"] if all(f in flags.split() for f in ("avx2", "fma", "f16c")) else [])
+    if len(levels) < 2:
+        pytest.skip("one CPU level on this host")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    results = []
+    for level in levels:
+        env = dict(os.environ, POSENC_CPU_CAPABILITY=level, PYTHONPATH=str(root / "python"))
+        path = tmp_path / f"{level}.pt"
+        proc = subprocess.run([sys.executable, "-c", ISA_SCRIPT, str(path)], env=env, capture_output=True,
+                              text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-4000:]
+        results.append(torch.load(path))
+    for key, value in results[0].items():
+        assert torch.equal(value, results[1][key]), key
