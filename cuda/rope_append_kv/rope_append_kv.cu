@@ -9,6 +9,16 @@
 // The rows are never written outside the cache: a row or slot out of range (which the CPU op
 // refuses with an IndexError before writing) is skipped and stops the kernel with a
 // device-side assert, as ATen's indexing does (a RuntimeError at the next synchronisation).
+//
+// QK-norm (q_weight set: a second instantiation, kNorm, so the plain path's code is the same):
+// q and k are RMS-normalised before they are rotated, as qk_norm_rope's CUDA forward does and
+// with its reduction order. The block's warps take the token's normalised vectors in turn (a
+// head of q or k, norm "head"; q's and k's whole projection, norm "hidden"): lane l sums the
+// squares of features l, l + 32, ... (heads in order), a fixed butterfly of shuffles adds the
+// lanes (deterministic, no shared memory: any number of heads), then each lane normalises,
+// weights and rotates its pairs and pass-through features (posenc/math/qk_norm.h) into the
+// same destinations as the plain path. In place, each lane writes only features it read
+// itself, after the whole warp's reads (the butterfly). v is copied first, as before.
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
@@ -22,6 +32,7 @@
 
 #include "ops/common/rope_checks.h"  // kRopeMaxPosition
 #include "ops/rope_append_kv/rope_append_kv.h"
+#include "posenc/math/qk_norm.h"
 #include "posenc/math/rope.h"
 
 namespace posenc {
@@ -29,12 +40,114 @@ namespace ops {
 namespace {
 
 constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
 
 __device__ __forceinline__ bool in_position_domain(int64_t v) {
   return v >= -kRopeMaxPosition && v <= kRopeMaxPosition;
 }
 
-template <typename scalar_t>
+// The sum of v over the warp (the butterfly of qk_norm_rope's kernel: the same order).
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// QK-norm: token (b, s)'s q and k normalised, weighted and rotated (cos/sin in cs, sn) by the
+// block's warps, one normalised vector per warp at a time; k into its cache row (FP8: the
+// float32 value quantised) when cached, and into the returned k when write_k.
+template <typename scalar_t, typename acc_t>
+__device__ __forceinline__ void norm_rotate_token(const KvCacheArgs& a, int64_t b, int64_t s,
+                                                  bool cached, int64_t outer, int64_t inner,
+                                                  float k_scale, const acc_t* cs, const acc_t* sn) {
+  const RopeArgs& r = a.rope;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t D = r.head_dim, half = r.rotary_dim / 2, pass = D - r.rotary_dim;
+  const int64_t begin = math::rope_rotary_begin(r.settings);
+  const bool hidden = a.norm == QkNorm::kHidden;
+  const bool k_fp8 = a.k_format != KvCacheFormat::kSame;
+  const acc_t eps = static_cast<acc_t>(a.eps);
+  const int64_t q_groups = hidden ? 1 : r.q.heads;
+  const int64_t groups = q_groups + (hidden ? 1 : r.k.heads);
+  for (int64_t g = warp; g < groups; g += kWarps) {  // uniform over the warp
+    const bool is_q = g < q_groups;
+    const RopeOperand& op = is_q ? r.q : r.k;
+    const int64_t h0 = hidden ? 0 : (is_q ? g : g - q_groups);
+    const int64_t h1 = hidden ? op.heads : h0 + 1;
+    const auto* base = static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] + s * op.in_stride[1];
+    const int64_t sd = op.in_stride[3];
+    acc_t ss = 0;
+    for (int64_t h = h0; h < h1; ++h) {
+      const scalar_t* x = base + h * op.in_stride[2];
+      for (int64_t e = lane; e < D; e += 32) {
+        const acc_t v = static_cast<acc_t>(x[e * sd]);
+        ss += v * v;
+      }
+    }
+    const acc_t rr = math::qk_norm_inv_rms<acc_t>(warp_sum(ss), (h1 - h0) * D, eps);
+    const acc_t* w = static_cast<const acc_t*>(is_q ? a.q_weight : a.k_weight);
+    for (int64_t h = h0; h < h1; ++h) {
+      const scalar_t* x = base + h * op.in_stride[2];
+      const acc_t* wr = w + (hidden ? h * D : 0);
+      // The destinations, as the plain path's: q's output; k's cache row (dst8 for an FP8
+      // cache) and the returned k.
+      scalar_t* dst[2] = {nullptr, nullptr};
+      int64_t dsd[2] = {0, 0};
+      uint8_t* dst8 = nullptr;
+      if (is_q) {
+        dst[0] = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
+                 h * op.out_stride[2];
+        dsd[0] = op.out_stride[3];
+      } else {
+        if (cached) {
+          const int64_t at = outer * a.k_cache_stride[0] + inner * a.k_cache_stride[1] +
+                             h * a.k_cache_stride[2];
+          if (k_fp8) {
+            dst8 = static_cast<uint8_t*>(a.k_cache) + at;
+          } else {
+            dst[0] = static_cast<scalar_t*>(a.k_cache) + at;
+          }
+          dsd[0] = a.k_cache_stride[3];
+        }
+        if (a.write_k) {
+          dst[1] = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
+                   h * op.out_stride[2];
+          dsd[1] = op.out_stride[3];
+        }
+      }
+      for (int64_t p = lane; p < half; p += 32) {
+        int64_t e1, e2;
+        math::rope_pair_features(p, half, r.interleaved, &e1, &e2);
+        e1 += begin;
+        e2 += begin;
+        const acc_t x1 = static_cast<acc_t>(x[e1 * sd]), x2 = static_cast<acc_t>(x[e2 * sd]);
+        acc_t y1, y2;
+        math::rope_rotate_pair(math::qk_norm_apply(x1, rr, wr[e1]), math::qk_norm_apply(x2, rr, wr[e2]),
+                               cs[p], sn[p], &y1, &y2);
+        for (int d = 0; d < 2; ++d) {
+          if (dst[d] == nullptr) continue;
+          dst[d][e1 * dsd[d]] = static_cast<scalar_t>(y1);
+          dst[d][e2 * dsd[d]] = static_cast<scalar_t>(y2);
+        }
+        if (dst8 != nullptr) {
+          dst8[e1 * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y1), k_scale);
+          dst8[e2 * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y2), k_scale);
+        }
+      }
+      for (int64_t j = lane; j < pass; j += 32) {
+        const int64_t f = math::rope_pass_feature(j, begin, r.rotary_dim);
+        const acc_t y = math::qk_norm_apply(static_cast<acc_t>(x[f * sd]), rr, wr[f]);
+        for (int d = 0; d < 2; ++d) {
+          if (dst[d] != nullptr) dst[d][f * dsd[d]] = static_cast<scalar_t>(y);
+        }
+        if (dst8 != nullptr) dst8[f * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y), k_scale);
+      }
+    }
+  }
+}
+
+template <typename scalar_t, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     rope_append_kv_kernel(const __grid_constant__ KvCacheArgs a) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -97,8 +210,8 @@ __global__ void __launch_bounds__(kThreads)
       s_sin[i] = sv * factor;
     }
     __syncthreads();
-    for (int64_t i = threadIdx.x; i < items; i += blockDim.x) {
-      if (i < q_items + k_items) {
+    for (int64_t i = threadIdx.x + (kNorm ? q_items + k_items : 0); i < items; i += blockDim.x) {
+      if (!kNorm && i < q_items + k_items) {
         const bool is_q = i < q_items;
         const int64_t j = is_q ? i : i - q_items;
         const int64_t h = j / per_head;
@@ -172,6 +285,9 @@ __global__ void __launch_bounds__(kThreads)
         }
       }
     }
+    if constexpr (kNorm) {  // q and k, after v (the loop above): fewer values live across it
+      norm_rotate_token<scalar_t, acc_t>(a, b, s, cached, outer, inner, k_scale, s_cos, s_sin);
+    }
     __syncthreads();  // the next token's cos/sin overwrite this one's
   }
 }
@@ -184,8 +300,9 @@ void run_rope_append_kv_cuda(const KvLaunch& l, const at::Tensor& q) {
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
                                   "posenc_rope_append_kv_cuda", [&] {
     const int64_t blocks = std::min<int64_t>(tokens, 65535);
-    rope_append_kv_kernel<scalar_t>
-        <<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
+    auto kernel = a.q_weight != nullptr ? rope_append_kv_kernel<scalar_t, true>
+                                        : rope_append_kv_kernel<scalar_t, false>;
+    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   });
 }
