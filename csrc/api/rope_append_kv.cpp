@@ -19,6 +19,11 @@ ops::RopeAppendKvCall make_call(const torch::Tensor& q, const torch::Tensor& k,
   c.return_k = o.return_k();
   c.k_scale = o.k_scale();
   c.v_scale = o.v_scale();
+  c.q_weight = o.q_weight();
+  c.k_weight = o.k_weight();
+  c.eps = o.eps();
+  c.weight_offset = o.weight_offset();
+  c.norm = ops::parse_qk_norm(o.norm());
   return c;
 }
 

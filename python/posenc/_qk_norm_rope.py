@@ -14,6 +14,18 @@ from posenc._rope import (LAYOUT_AXES, RopeConfig, config_of, heads_batch_rule, 
 NORMS = ("head", "hidden")
 
 
+def check_norm_settings(fn: str, eps: Any, weight_offset: Any, norm: Any) -> None:
+    """The norm's settings as the ops take them (qk_norm_rope, rope_append_kv's QK-norm)."""
+    if not isinstance(norm, str) or norm not in NORMS:
+        raise ValueError(f"{fn}: unknown norm {norm!r}; expected 'head' (each head's vector: Qwen3, Gemma 3) "
+                         f"or 'hidden' (each token's whole projection: OLMo 2)")
+    for name, value in (("eps", eps), ("weight_offset", weight_offset)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{fn}: expected {name} to be a float, got {value!r}")
+    if not eps > 0:
+        raise ValueError(f"{fn}: expected eps > 0 (added to the mean square), got {eps}")
+
+
 @with_rope_settings
 def qk_norm_rope(
     q: Tensor,
@@ -54,14 +66,7 @@ def qk_norm_rope(
     for name, t in (("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
-    if not isinstance(norm, str) or norm not in NORMS:
-        raise ValueError(f"{fn}: unknown norm {norm!r}; expected 'head' (each head's vector: Qwen3, Gemma 3) "
-                         f"or 'hidden' (each token's whole projection: OLMo 2)")
-    for name, value in (("eps", eps), ("weight_offset", weight_offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise TypeError(f"{fn}: expected {name} to be a float, got {value!r}")
-    if not eps > 0:
-        raise ValueError(f"{fn}: expected eps > 0 (added to the mean square), got {eps}")
+    check_norm_settings(fn, eps, weight_offset, norm)
     config = config_of(q, config, fn, **rope)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len, fn=fn)

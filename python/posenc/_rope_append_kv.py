@@ -8,6 +8,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from posenc._qk_norm_rope import check_norm_settings
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
 _LAYOUTS = ("bshd", "bhsd", "thd")
@@ -39,6 +40,11 @@ def rope_append_kv(
     return_k: bool = False,
     k_scale: Union[float, Tensor, None] = None,
     v_scale: Union[float, Tensor, None] = None,
+    q_weight: Optional[Tensor] = None,
+    k_weight: Optional[Tensor] = None,
+    eps: float = 1e-6,
+    weight_offset: float = 0.0,
+    norm: str = "head",
     config: Optional[RopeConfig] = None,
     **rope: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:
@@ -78,6 +84,12 @@ def rope_append_kv(
             never becomes NaN or inf) and rounded to nearest even: ``(x32 /
             scale).clamp(-max, max).to(cache.dtype)``. k is rotated once, in float32, before
             it is scaled.
+        q_weight, k_weight, eps, weight_offset, norm: QK-norm (Qwen3, Gemma 3, OLMo 2
+            decoding): with both weights, q and k are normalised exactly as
+            :func:`qk_norm_rope` normalises them with these arguments, then rotated and
+            written, in the same one pass: q and the returned k are ``qk_norm_rope``'s
+            outputs, the cache holds its k (an FP8 cache: ``qk_norm_rope``'s k of a float32
+            copy of k and ``k_weight``, quantised as above).
         config: a parsed :class:`~posenc.functional.RopeConfig` instead of RoPE's keywords
             (as :func:`apply_rope`).
 
@@ -90,6 +102,10 @@ def rope_append_kv(
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError(f"{fn}: expected q_weight and k_weight together (QK-norm) or neither, got "
+                         f"{'q_weight' if k_weight is None else 'k_weight'} alone")
+    check_norm_settings(fn, eps, weight_offset, norm)
     config = config_of(q, config, fn, **rope)
     if config.layout not in _LAYOUTS:
         raise ValueError(f"{fn}: unknown layout {config.layout!r}; expected one of {', '.join(_LAYOUTS)}")
@@ -97,7 +113,9 @@ def rope_append_kv(
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=None,
                                   check_inputs=False, seq_len=seq_len, fn=fn)
     arguments.update(slot_mapping=slot_mapping, return_k=bool(return_k),
-                     k_scale=_scale_arg(k_scale, "k_scale", fn), v_scale=_scale_arg(v_scale, "v_scale", fn))
+                     k_scale=_scale_arg(k_scale, "k_scale", fn), v_scale=_scale_arg(v_scale, "v_scale", fn),
+                     q_weight=q_weight, k_weight=k_weight, eps=float(eps), weight_offset=float(weight_offset),
+                     norm=norm)
     if inplace:
         torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, **arguments)
         return (q, k) if return_k else q

@@ -13,6 +13,7 @@
 #include <tuple>
 #include <vector>
 
+#include "posenc/qk_norm_rope.h"
 #include "posenc/rope.h"
 
 namespace posenc {
@@ -38,6 +39,14 @@ struct RopeAppendKvOptions {
   // largest finite value and rounded to nearest even. k_scale(0.5) makes the tensor.
   TORCH_ARG(std::optional<torch::Tensor>, k_scale) = std::nullopt;
   TORCH_ARG(std::optional<torch::Tensor>, v_scale) = std::nullopt;
+  // QK-norm before the rotation (Qwen3-style decoding): with q_weight and k_weight (as
+  // qk_norm_rope takes them), q and k are normalised as qk_norm_rope does with eps,
+  // weight_offset and norm (its defaults), then rotated; the cache holds qk_norm_rope's k.
+  TORCH_ARG(std::optional<torch::Tensor>, q_weight) = std::nullopt;
+  TORCH_ARG(std::optional<torch::Tensor>, k_weight) = std::nullopt;
+  TORCH_ARG(double, eps) = QkNormRopeOptions().eps();
+  TORCH_ARG(double, weight_offset) = QkNormRopeOptions().weight_offset();
+  TORCH_ARG(std::string, norm) = QkNormRopeOptions().norm();
 
  public:
   RopeAppendKvOptions& k_scale(double scale);

@@ -153,11 +153,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_qk_norm_rope_bac
 //                          backward); the weight gradients in the weights' dtype.
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   const std::string tail = kRopeSchemaArguments;
-  m.def(("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, float eps=1e-06, "
-         "float weight_offset=0.0, str norm=\"head\", " + tail + ") -> (Tensor, Tensor)")
+  const std::string settings = kQkNormSchemaSettings;
+  m.def(("qk_norm_rope(Tensor q, Tensor k, Tensor q_weight, Tensor k_weight, " + settings + ", " +
+         tail + ") -> (Tensor, Tensor)")
             .c_str());
-  m.def(("qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, "
-         "float eps=1e-06, float weight_offset=0.0, str norm=\"head\", " + tail + ") -> ()")
+  m.def(("qk_norm_rope_(Tensor(a!) q, Tensor(b!) k, Tensor q_weight, Tensor k_weight, " + settings +
+         ", " + tail + ") -> ()")
             .c_str());
   m.def(("qk_norm_rope_backward(Tensor q, Tensor k, Tensor grad_q, Tensor grad_k, "
          "Tensor q_weight, Tensor k_weight, float eps, float weight_offset, str norm, " + tail +
@@ -222,13 +223,13 @@ int64_t check_qk_norm_rope(const QkNormRopeCall& c, bool backward) {
   return rot;
 }
 
-namespace {
-
-at::Tensor effective_weight(const at::Tensor& w, double offset, at::ScalarType acc) {
-  at::Tensor out = w.to(acc);
+at::Tensor qk_norm_effective_weight(const at::Tensor& w, double offset, const at::Tensor& q) {
+  at::Tensor out = w.to(compute_dtype(q));
   if (offset != 0.0) out = out.add(offset);
   return out.contiguous();
 }
+
+namespace {
 
 QkNormRopeLaunch prepare_qk_norm_rope_launch(const QkNormRopeCall& c, int64_t rot,
                                              const at::Tensor& out_q, const at::Tensor& out_k,
@@ -239,9 +240,8 @@ QkNormRopeLaunch prepare_qk_norm_rope_launch(const QkNormRopeCall& c, int64_t ro
   a.rope = l.rope.args;
   // The backward turns the incoming gradient back: the transpose rotation.
   if (backward) a.rope.inverse = !a.rope.inverse;
-  const at::ScalarType acc = compute_dtype(c.rope.q);
-  l.q_weight = effective_weight(c.q_weight, c.weight_offset, acc);
-  l.k_weight = effective_weight(c.k_weight, c.weight_offset, acc);
+  l.q_weight = qk_norm_effective_weight(c.q_weight, c.weight_offset, c.rope.q);
+  l.k_weight = qk_norm_effective_weight(c.k_weight, c.weight_offset, c.rope.q);
   a.q_weight = l.q_weight.const_data_ptr();
   a.k_weight = l.k_weight.const_data_ptr();
   a.eps = c.eps;

@@ -39,7 +39,15 @@ struct QkNormRopeCall {
   void push(torch::jit::Stack& stack, bool backward) const;
 };
 
+// The norm's settings with their defaults, as the schemas of qk_norm_rope and of
+// rope_append_kv (its QK-norm) declare them.
+constexpr const char* kQkNormSchemaSettings =
+    "float eps=1e-06, float weight_offset=0.0, str norm=\"head\"";
+
 QkNorm parse_qk_norm(const std::string& name);
+// The weights a kernel reads: weight + weight_offset in the norm's compute dtype (float32,
+// float64 for float64 q), contiguous.
+at::Tensor qk_norm_effective_weight(const at::Tensor& weight, double weight_offset, const at::Tensor& q);
 const char* qk_norm_name(QkNorm norm);
 
 // The in-place call's own checks (qk_norm_rope_): q and k are written, so neither may

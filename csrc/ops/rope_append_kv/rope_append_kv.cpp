@@ -34,8 +34,8 @@ namespace ops {
 namespace {
 
 // The arguments between k and the RoPE tail: v, k_cache, v_cache, slot_mapping, return_k,
-// k_scale, v_scale.
-constexpr size_t kExtraArguments = 7;
+// k_scale, v_scale, q_weight, k_weight, eps, weight_offset, norm.
+constexpr size_t kExtraArguments = 12;
 
 size_t rope_argument_count() {
   size_t n = 0;
@@ -59,6 +59,11 @@ RopeAppendKvCall RopeAppendKvCall::pop(torch::jit::Stack& stack) {
   c.return_k = stack[first + 4].toBool();
   if (!stack[first + 5].isNone()) c.k_scale = stack[first + 5].toTensor();
   if (!stack[first + 6].isNone()) c.v_scale = stack[first + 6].toTensor();
+  if (!stack[first + 7].isNone()) c.q_weight = stack[first + 7].toTensor();
+  if (!stack[first + 8].isNone()) c.k_weight = stack[first + 8].toTensor();
+  c.eps = stack[first + 9].toDouble();
+  c.weight_offset = stack[first + 10].toDouble();
+  c.norm = parse_qk_norm(stack[first + 11].toStringRef());
   stack.erase(stack.begin() + first, stack.begin() + first + kExtraArguments);
   c.rope = RopeCall::pop(stack);
   return c;
@@ -78,6 +83,17 @@ RopeCall RopeAppendKvCall::rotation() const {
   return r;
 }
 
+QkNormRopeCall RopeAppendKvCall::normed_rotation() const {
+  QkNormRopeCall n;
+  n.rope = rotation();
+  n.q_weight = *q_weight;
+  n.k_weight = *k_weight;
+  n.eps = eps;
+  n.weight_offset = weight_offset;
+  n.norm = norm;
+  return n;
+}
+
 at::Tensor kv_token_view(const at::Tensor& x, RopeLayout layout) {
   return rope_canonical_view(x, layout);  // "thd": unsqueeze(0)
 }
@@ -92,8 +108,10 @@ namespace {
 torch::jit::Stack push_call(const RopeAppendKvCall& c) {
   torch::jit::Stack stack;
   c.rope.push(stack);
-  const c10::IValue extra[kExtraArguments] = {c.v,        c.k_cache, c.v_cache, c.slot_mapping,
-                                              c.return_k, c.k_scale, c.v_scale};
+  const c10::IValue extra[kExtraArguments] = {
+      c.v,        c.k_cache,  c.v_cache, c.slot_mapping,    c.return_k,
+      c.k_scale,  c.v_scale,  c.q_weight, c.k_weight,       c.eps,
+      c.weight_offset, std::string(qk_norm_name(c.norm))};
   stack.insert(stack.begin() + 2, std::begin(extra), std::end(extra));
   return stack;
 }
@@ -226,6 +244,17 @@ int64_t check_rope_append_kv(const RopeAppendKvCall& c) {
   const RopeCall rot_call = c.rotation();
   const int64_t rot = check_rope_structure(rot_call);
   check_rope_settings(rot_call);
+  TORCH_CHECK_VALUE(c.q_weight.has_value() == c.k_weight.has_value(), "posenc: rope_append_kv: "
+                    "expected q_weight and k_weight together (QK-norm) or neither, got ",
+                    c.q_weight.has_value() ? "q_weight alone" : "k_weight alone");
+  if (c.normed()) {
+    check_qk_norm_rope(c.normed_rotation(), /*backward=*/false);
+  } else {
+    TORCH_CHECK_VALUE(c.weight_offset == 0.0 && c.norm == QkNorm::kHead, "posenc: rope_append_kv: "
+                      "weight_offset and norm set QK-norm, which needs q_weight and k_weight; got "
+                      "weight_offset=", c.weight_offset, ", norm='", qk_norm_name(c.norm),
+                      "' without weights");
+  }
   if (const auto v = r.offset.maybe_as_int()) check_rope_position_value("offset", *v);
   if (r.offsets.has_value() && r.positions.has_value()) {  // not checked as the rotation's
     TORCH_CHECK_TYPE(r.offsets->scalar_type() == at::kLong, "posenc: rope_append_kv: expected "
@@ -281,7 +310,8 @@ void check_rope_append_kv_overlap(const RopeAppendKvCall& c, bool in_place) {
       {{"k_cache", &c.k_cache}, {"v_cache", &c.v_cache}, in_place ? q : none, writes_k ? k : none},
       {in_place ? none : q, writes_k ? none : k, {"v", &c.v}, {"positions", optional(r.positions)},
        {"offset", optional(r.offsets)}, {"slot_mapping", optional(c.slot_mapping)},
-       {"k_scale", optional(c.k_scale)}, {"v_scale", optional(c.v_scale)}},
+       {"k_scale", optional(c.k_scale)}, {"v_scale", optional(c.v_scale)},
+       {"q_weight", optional(c.q_weight)}, {"k_weight", optional(c.k_weight)}},
       in_place ? "pass copies or use inplace=False"
                : "the caches must be memory of their own (pass copies of the inputs)");
 }
@@ -366,6 +396,14 @@ KvLaunch prepare_kv_launch(const RopeAppendKvCall& c, int64_t rot, const at::Ten
   };
   scale("k_scale", c.k_scale, &a.k_scale, &a.k_scale_ptr);
   scale("v_scale", c.v_scale, &a.v_scale, &a.v_scale_ptr);
+  if (c.normed()) {
+    launch.q_weight = qk_norm_effective_weight(*c.q_weight, c.weight_offset, c.rope.q);
+    launch.k_weight = qk_norm_effective_weight(*c.k_weight, c.weight_offset, c.rope.q);
+    a.q_weight = launch.q_weight.const_data_ptr();
+    a.k_weight = launch.k_weight.const_data_ptr();
+    a.eps = c.eps;
+    a.norm = c.norm;
+  }
   a.offset = c.rope.concrete_offset();
   if (c.rope.offsets.has_value()) {
     launch.offsets = c.rope.offsets->contiguous();
@@ -406,7 +444,8 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
   const std::string tail = kRopeSchemaArguments;
   const std::string middle =
       "Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor? slot_mapping=None, "
-      "bool return_k=False, Tensor? k_scale=None, Tensor? v_scale=None, ";
+      "bool return_k=False, Tensor? k_scale=None, Tensor? v_scale=None, Tensor? q_weight=None, "
+      "Tensor? k_weight=None, " + std::string(kQkNormSchemaSettings) + ", ";
   m.def(("rope_append_kv(Tensor q, Tensor k, " + middle + tail + ") -> (Tensor, Tensor)").c_str());
   m.def(("rope_append_kv_(Tensor(c!) q, Tensor(d!) k, " + middle + tail + ") -> ()").c_str());
 }
@@ -429,7 +468,9 @@ RopeAppendKvCall checked_meta_call(const char* op, torch::jit::Stack* stack) {
                                  {"k_cache", &c.k_cache}, {"v_cache", &c.v_cache},
                                  {"slot_mapping", optional_ptr(c.slot_mapping)},
                                  {"positions", optional_ptr(c.rope.positions)},
-                                 {"offset", optional_ptr(c.rope.offsets)}});
+                                 {"offset", optional_ptr(c.rope.offsets)},
+                                 {"q_weight", optional_ptr(c.q_weight)},
+                                 {"k_weight", optional_ptr(c.k_weight)}});
   return c;
 }
 
@@ -473,7 +514,8 @@ void run_composite(torch::jit::Stack* stack, bool in_place) {
   const at::Tensor& q = c.rope.q;
   warn_aten_fallback("rope_append_kv", q.device());
   const RopeCall r = c.rotation();
-  const auto [q_rot, k_rot] = call_rope(r);
+  // With QK-norm the rotation is qk_norm_rope's (q and k normalised, then rotated).
+  const auto [q_rot, k_rot] = c.normed() ? call_qk_norm_rope(c.normed_rotation()) : call_rope(r);
   const RopeLayout layout = c.rope.layout;
   at::Tensor k_tokens = rope_canonical_view(k_rot, r.layout);  // (batch, seq, heads, d)
   at::Tensor v_tokens = kv_token_view(c.v, layout);
@@ -500,11 +542,21 @@ void run_composite(torch::jit::Stack* stack, bool in_place) {
     return y.clamp(-m, m).to(cache.scalar_type()).view(at::kByte);
   };
   if (kv_cache_format(c.k_cache) != KvCacheFormat::kSame) {
-    RopeCall r32 = r;
-    r32.q = r.k->to(at::kFloat);
-    r32.k = std::nullopt;
-    k_tokens = quantised(rope_canonical_view(std::get<0>(call_rope(r32)), r.layout), kc,
-                         c.k_scale, "k_scale");
+    // k's rotation on a float32 copy (with QK-norm: qk_norm_rope's, k as both operands).
+    at::Tensor k32;
+    if (c.normed()) {
+      QkNormRopeCall n = c.normed_rotation();
+      n.rope.q = r.k->to(at::kFloat);
+      n.rope.k = n.rope.q;
+      n.q_weight = n.k_weight = c.k_weight->to(at::kFloat);
+      k32 = std::get<1>(call_qk_norm_rope(n));
+    } else {
+      RopeCall r32 = r;
+      r32.q = r.k->to(at::kFloat);
+      r32.k = std::nullopt;
+      k32 = std::get<0>(call_rope(r32));
+    }
+    k_tokens = quantised(rope_canonical_view(k32, r.layout), kc, c.k_scale, "k_scale");
     kc = kc.view(at::kByte);
   }
   if (kv_cache_format(c.v_cache) != KvCacheFormat::kSame) {

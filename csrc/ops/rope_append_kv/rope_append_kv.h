@@ -7,7 +7,8 @@
 // (kRopeSchemaArguments), read by RopeCall::pop:
 //   rope_append_kv(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache,
 //                  Tensor? slot_mapping=None, bool return_k=False, Tensor? k_scale=None,
-//                  Tensor? v_scale=None, <RoPE tail>)
+//                  Tensor? v_scale=None, Tensor? q_weight=None, Tensor? k_weight=None,
+//                  float eps=1e-06, float weight_offset=0.0, str norm="head", <RoPE tail>)
 //       -> (Tensor q_rotated, Tensor k_rotated or an empty tensor)
 //   rope_append_kv_(Tensor(c!) q, Tensor(d!) k, ...same...) -> ()   q (and k with return_k)
 //                                                                    rotated in place
@@ -21,6 +22,9 @@
 // float16) holds each value quantised with its scale (k_scale / v_scale: 0-d or 1-element
 // float32 tensors, on the CPU or on q's device; default 1): the rotation in float32, divided by
 // the scale, saturated, rounded to nearest even (kv_quantize, cpu/kernel.h).
+// QK-norm (q_weight and k_weight given): q and k normalised as qk_norm_rope normalises them
+// (its norm settings), then rotated and written: the cache holds qk_norm_rope's k (an FP8
+// cache: qk_norm_rope's k of a float32 copy of k, quantised). Inference only, as the rest.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -31,6 +35,7 @@
 
 #include "ops/common/rope_call.h"
 #include "ops/common/rope_launch.h"
+#include "ops/qk_norm_rope/qk_norm_rope.h"
 #include "ops/rope_append_kv/cpu/kernel.h"
 
 namespace posenc {
@@ -42,6 +47,10 @@ struct RopeAppendKvCall {
   std::optional<at::Tensor> slot_mapping;
   bool return_k = false;
   std::optional<at::Tensor> k_scale, v_scale;  // FP8 caches only
+  std::optional<at::Tensor> q_weight, k_weight;  // QK-norm (both or neither)
+  double eps = 1e-6;
+  double weight_offset = 0.0;
+  QkNorm norm = QkNorm::kHead;
 
   // Pops a boxed call of rope_append_kv / rope_append_kv_ (the whole schema).
   static RopeAppendKvCall pop(torch::jit::Stack& stack);
@@ -49,6 +58,9 @@ struct RopeAppendKvCall {
   // tokens turn at their rows (offset + offsets[b] + s), with positions at those alone.
   RopeCall rotation() const;
   bool paged() const { return rope.layout == RopeLayout::kTHD; }
+  bool normed() const { return q_weight.has_value(); }
+  // With QK-norm: the rotation as a qk_norm_rope call (its weights and settings).
+  QkNormRopeCall normed_rotation() const;
 };
 
 // What a cache holds: kSame for a cache of the tokens' dtype, the FP8 format otherwise.
@@ -80,6 +92,7 @@ struct KvLaunch {
   KvCacheArgs args;
   RopeLaunch rope;  // keeps the rotation's index tensors alive
   at::Tensor offsets, slot_mapping;
+  at::Tensor q_weight, k_weight;  // QK-norm: the effective weights
 };
 
 using KvOutputAllocator = at::Tensor (*)(const at::Tensor& like);

@@ -13,6 +13,7 @@
 #include <type_traits>
 
 #include "ops/common/cpu/rope_rows.h"
+#include "ops/common/cpu/qk_norm_rows.h"
 
 namespace posenc {
 namespace ops {
@@ -119,6 +120,85 @@ const float* widen_row(const scalar_t* in, int64_t si, float* out, int64_t n) {
   return out;
 }
 
+// qk_norm_rope's parameters for the norm rows (qk_norm_rows.h) of a call with QK-norm.
+inline QkNormRopeArgs qk_norm_args(const KvCacheArgs& a) {
+  QkNormRopeArgs na;
+  na.rope = a.rope;
+  na.q_weight = a.q_weight;
+  na.k_weight = a.k_weight;
+  na.eps = a.eps;
+  na.norm = a.norm;
+  return na;
+}
+
+// forward_operand (qk_norm_rows.h) over one token's heads of `op`, its rows at in / out with the
+// heads' and features' strides of `op` (b and s already applied): contiguous rows take the
+// vector paths.
+template <typename scalar_t, typename acc_t>
+void norm_rotate_heads(const QkNormRopeArgs& na, const RopeOperand& op, const void* in,
+                       const int64_t* in_stride, void* out, const int64_t* out_stride,
+                       const acc_t* w, const TokenAngles<acc_t>& angles) {
+  RopeOperand t;
+  t.heads = op.heads;
+  t.in = in;
+  t.out = out;
+  t.in_stride[2] = in_stride[2];
+  t.in_stride[3] = in_stride[3];
+  t.out_stride[2] = out_stride[2];
+  t.out_stride[3] = out_stride[3];
+  if (t.in_stride[3] == 1 && t.out_stride[3] == 1) {
+    qk_norm_rows::forward_operand<scalar_t, acc_t, true>(na, t, w, 0, 0, angles);
+  } else {
+    qk_norm_rows::forward_operand<scalar_t, acc_t, false>(na, t, w, 0, 0, angles);
+  }
+}
+
+// One token of a call with QK-norm: q normalised and rotated into its output; k normalised
+// and rotated into its cache row (an FP8 cache: from a float32 copy of the token's k heads,
+// as qk_norm_rope on float32 k, then quantised) and into the returned k when asked.
+template <typename scalar_t, typename acc_t>
+void normed_token(const KvCacheArgs& a, const QkNormRopeArgs& na, int64_t b, int64_t s, bool cached,
+                  int64_t outer, int64_t inner, const TokenAngles<acc_t>& angles, float* stage_in,
+                  float* stage_out) {
+  const RopeArgs& r = a.rope;
+  const auto* wq = static_cast<const acc_t*>(a.q_weight);
+  const auto* wk = static_cast<const acc_t*>(a.k_weight);
+  const auto token = [b, s](const void* base, const int64_t* st) {
+    return static_cast<const scalar_t*>(base) + b * st[0] + s * st[1];
+  };
+  const auto token_out = [b, s](void* base, const int64_t* st) {
+    return static_cast<scalar_t*>(base) + b * st[0] + s * st[1];
+  };
+  norm_rotate_heads<scalar_t, acc_t>(na, r.q, token(r.q.in, r.q.in_stride), r.q.in_stride,
+                                     token_out(r.q.out, r.q.out_stride), r.q.out_stride, wq, angles);
+  const scalar_t* k_token = token(r.k.in, r.k.in_stride);
+  const int64_t* sc = a.k_cache_stride;
+  if (cached && a.k_format != KvCacheFormat::kSame) {
+    if constexpr (std::is_same_v<acc_t, float>) {
+      const int64_t D = r.head_dim;
+      for (int64_t h = 0; h < r.k.heads; ++h) {
+        const float* wide = widen_row(k_token + h * r.k.in_stride[2], r.k.in_stride[3], stage_in + h * D, D);
+        if (wide != stage_in + h * D) std::memcpy(stage_in + h * D, wide, D * sizeof(float));
+      }
+      const int64_t dense[4] = {0, 0, D, 1};
+      norm_rotate_heads<float, float>(na, r.k, stage_in, dense, stage_out, dense, wk, angles);
+      for (int64_t h = 0; h < r.k.heads; ++h) {
+        quantize_row(stage_out + h * D,
+                     static_cast<uint8_t*>(a.k_cache) + outer * sc[0] + inner * sc[1] + h * sc[2], sc[3], D,
+                     a.k_format, a.k_scale);
+      }
+    }
+  } else if (cached) {
+    norm_rotate_heads<scalar_t, acc_t>(na, r.k, k_token, r.k.in_stride,
+                                       static_cast<scalar_t*>(a.k_cache) + outer * sc[0] + inner * sc[1],
+                                       sc, wk, angles);
+  }
+  if (a.write_k) {
+    norm_rotate_heads<scalar_t, acc_t>(na, r.k, k_token, r.k.in_stride,
+                                       token_out(r.k.out, r.k.out_stride), r.k.out_stride, wk, angles);
+  }
+}
+
 template <typename scalar_t>
 void rope_append_kv_tokens(const KvCacheArgs& a) {
   using acc_t = at::opmath_type<scalar_t>;
@@ -140,6 +220,9 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
   constexpr bool kCanQuantize = std::is_same_v<acc_t, float>;
   const bool k_fp8 = a.k_format != KvCacheFormat::kSame;
   const bool v_fp8 = a.v_format != KvCacheFormat::kSame;
+  // QK-norm: qk_norm_rope's forward rows (qk_norm_rows.h) on q, and on k into its cache row.
+  const bool normed = a.q_weight != nullptr;
+  const QkNormRopeArgs na = qk_norm_args(a);
 
   const int64_t tokens = r.batch * r.seq;
   const int64_t written = tokens * static_cast<int64_t>(sizeof(scalar_t)) *
@@ -150,57 +233,64 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
   at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
     TokenAngles<acc_t> angles;
     int64_t pos[math::kRopeMaxAxes];
-    // Staging rows of the FP8 path: the widened input, the rotated row.
+    // Staging of the FP8 path: the widened input, the rotated row (with QK-norm: all of the
+    // token's k heads, which norm "hidden" normalises together).
     const bool fp8 = k_fp8 || v_fp8;
-    const StagingRow stage_in(fp8 ? std::max(r.head_dim, a.v_head_dim) : 0);
-    const StagingRow stage_out(fp8 ? r.head_dim : 0);
+    const int64_t k_row_elems = normed ? r.k.heads * r.head_dim : r.head_dim;
+    const StagingRow stage_in(fp8 ? std::max(k_row_elems, a.v_head_dim) : 0);
+    const StagingRow stage_out(k_fp8 ? k_row_elems : 0);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / r.seq, s = item % r.seq;
       token_positions(r, b, s, pos);  // no packed sequences here: always a position
       token_angles<acc_t>(r, pos, angles);
-      for (int64_t h = 0; h < r.q.heads; ++h) {
-        const int64_t* si = r.q.in_stride;
-        const int64_t* so = r.q.out_stride;
-        rotate_row<scalar_t, acc_t>(r, q_in + b * si[0] + s * si[1] + h * si[2], si[3],
-                                    q_out + b * so[0] + s * so[1] + h * so[2], so[3], angles,
-                                    stream);
-      }
       int64_t outer = 0, inner = 0;
       const bool cached = kv_cache_row(a, b, s, &outer, &inner);
-      for (int64_t h = 0; h < r.k.heads; ++h) {
-        const int64_t* si = r.k.in_stride;
-        const scalar_t* k_row = k_in + b * si[0] + s * si[1] + h * si[2];
-        const int64_t* sc = a.k_cache_stride;
-        const int64_t k_at = outer * sc[0] + inner * sc[1] + h * sc[2];
-        if (cached && k_fp8) {
-          if constexpr (kCanQuantize) {
-            const float* wide = widen_row(k_row, si[3], stage_in.data(), r.head_dim);
-            rotate_row<float, float>(r, wide, 1, stage_out.data(), 1, angles);
-            quantize_row(stage_out.data(), static_cast<uint8_t*>(a.k_cache) + k_at, sc[3],
-                         r.head_dim, a.k_format, a.k_scale);
-          }
-        } else if (cached) {
-          rotate_row<scalar_t, acc_t>(r, k_row, si[3], kc + k_at, sc[3], angles, stream);
+      if (normed) {
+        normed_token<scalar_t, acc_t>(a, na, b, s, cached, outer, inner, angles, stage_in.data(),
+                                      stage_out.data());
+      } else {
+        for (int64_t h = 0; h < r.q.heads; ++h) {
+          const int64_t* si = r.q.in_stride;
+          const int64_t* so = r.q.out_stride;
+          rotate_row<scalar_t, acc_t>(r, q_in + b * si[0] + s * si[1] + h * si[2], si[3],
+                                      q_out + b * so[0] + s * so[1] + h * so[2], so[3], angles,
+                                      stream);
         }
-        if (a.write_k) {
-          const int64_t* so = r.k.out_stride;
-          rotate_row<scalar_t, acc_t>(r, k_row, si[3], k_out + b * so[0] + s * so[1] + h * so[2],
-                                      so[3], angles);
-        }
-        if (cached) {
-          const int64_t* sv = a.v_stride;
-          const int64_t* svc = a.v_cache_stride;
-          const scalar_t* v_row = v_in + b * sv[0] + s * sv[1] + h * sv[2];
-          const int64_t v_at = outer * svc[0] + inner * svc[1] + h * svc[2];
-          if (v_fp8) {
+        for (int64_t h = 0; h < r.k.heads; ++h) {
+          const int64_t* si = r.k.in_stride;
+          const scalar_t* k_row = k_in + b * si[0] + s * si[1] + h * si[2];
+          const int64_t* sc = a.k_cache_stride;
+          const int64_t k_at = outer * sc[0] + inner * sc[1] + h * sc[2];
+          if (cached && k_fp8) {
             if constexpr (kCanQuantize) {
-              quantize_row(widen_row(v_row, sv[3], stage_in.data(), a.v_head_dim),
-                           static_cast<uint8_t*>(a.v_cache) + v_at, svc[3], a.v_head_dim, a.v_format,
-                           a.v_scale);
+              const float* wide = widen_row(k_row, si[3], stage_in.data(), r.head_dim);
+              rotate_row<float, float>(r, wide, 1, stage_out.data(), 1, angles);
+              quantize_row(stage_out.data(), static_cast<uint8_t*>(a.k_cache) + k_at, sc[3],
+                           r.head_dim, a.k_format, a.k_scale);
             }
-          } else {
-            copy_row(v_row, sv[3], vc + v_at, svc[3], a.v_head_dim, stream);
+          } else if (cached) {
+            rotate_row<scalar_t, acc_t>(r, k_row, si[3], kc + k_at, sc[3], angles, stream);
           }
+          if (a.write_k) {
+            const int64_t* so = r.k.out_stride;
+            rotate_row<scalar_t, acc_t>(r, k_row, si[3], k_out + b * so[0] + s * so[1] + h * so[2],
+                                        so[3], angles);
+          }
+        }
+      }
+      for (int64_t h = 0; cached && h < r.k.heads; ++h) {
+        const int64_t* sv = a.v_stride;
+        const int64_t* svc = a.v_cache_stride;
+        const scalar_t* v_row = v_in + b * sv[0] + s * sv[1] + h * sv[2];
+        const int64_t v_at = outer * svc[0] + inner * svc[1] + h * svc[2];
+        if (v_fp8) {
+          if constexpr (kCanQuantize) {
+            quantize_row(widen_row(v_row, sv[3], stage_in.data(), a.v_head_dim),
+                         static_cast<uint8_t*>(a.v_cache) + v_at, svc[3], a.v_head_dim, a.v_format,
+                         a.v_scale);
+          }
+        } else {
+          copy_row(v_row, sv[3], vc + v_at, svc[3], a.v_head_dim, stream);
         }
       }
     }

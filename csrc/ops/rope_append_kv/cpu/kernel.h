@@ -12,6 +12,7 @@
 
 #include "ops/common/cpu/cpu_capability.h"
 #include "ops/common/rope_args.h"
+#include "ops/qk_norm_rope/cpu/kernel.h"  // QkNorm
 #include "posenc/math/host_device.h"
 
 namespace posenc {
@@ -54,6 +55,16 @@ struct KvCacheArgs {
   float v_scale = 1.0f;
   const float* k_scale_ptr = nullptr;
   const float* v_scale_ptr = nullptr;
+  // QK-norm (set: q_weight != nullptr): q and k are normalised before they are rotated, as
+  // qk_norm_rope's forward does (QkNormRopeArgs: RMSNorm of each head's row, or of the
+  // token's whole projection, norm kHidden, with eps), weighted by the effective weights
+  // (weight + weight_offset in the compute type, contiguous: head_dim or heads * head_dim
+  // values). The cache and the returned k hold qk_norm_rope's k; an FP8 cache what
+  // qk_norm_rope gives a float32 copy of k, quantised.
+  const void* q_weight = nullptr;
+  const void* k_weight = nullptr;
+  double eps = 1e-6;
+  QkNorm norm = QkNorm::kHead;
 };
 
 POSENC_ISA_NAMESPACE_BEGIN

@@ -1,0 +1,286 @@
+// The forward rows of qk_norm_rope's CPU kernel (cpu/kernel.cpp), shared with the kernel
+// that normalises on the way into a KV cache (rope_append_kv's, with q_weight): sums of
+// squares in 8 lanes added in a fixed order (vectorised, the scalar loop's roundings: the
+// same bits at every ISA level), each token's inverse RMS per head or per projection, and
+// each row normalised, weighted and rotated (posenc/math/qk_norm.h, posenc/math/rope.h),
+// rounded once. Only for the vector-ISA translation units: every function lives in the ISA
+// namespace (posenc/math/host_device.h).
+#pragma once
+
+#include <ATen/OpMathType.h>
+#include <ATen/cpu/vec/vec.h>
+
+#include <cstdint>
+#include <limits>
+#include <type_traits>
+
+#include "ops/common/cpu/rope_rows.h"  // TokenAngles, rotate_vec
+#include "ops/qk_norm_rope/cpu/kernel.h"  // QkNormRopeArgs
+#include "posenc/math/qk_norm.h"
+#include "posenc/math/rope.h"
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
+namespace qk_norm_rows {
+
+constexpr int kLanes = 8;
+
+template <typename acc_t>
+inline acc_t lanes_sum(const acc_t (&part)[kLanes]) {
+  acc_t s = 0;
+  for (int i = 0; i < kLanes; ++i) s += part[i];
+  return s;
+}
+
+template <bool kC>
+inline int64_t at_(int64_t e, int64_t stride) {
+  return kC ? e : e * stride;
+}
+
+// add_squares past its vector part: features e.. n-1, in groups of kLanes, then one by one.
+template <typename scalar_t, typename acc_t, bool kC>
+inline void add_squares_tail(const scalar_t* in, int64_t si, int64_t e, int64_t n, acc_t (&part)[kLanes]) {
+  for (; e + kLanes <= n; e += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      const acc_t x = static_cast<acc_t>(in[at_<kC>(e + l, si)]);
+      part[l] += x * x;
+    }
+  }
+  for (; e < n; ++e) {
+    const acc_t x = static_cast<acc_t>(in[at_<kC>(e, si)]);
+    part[0] += x * x;
+  }
+}
+
+// Sum of squares of n features, into the lanes.
+template <typename scalar_t, typename acc_t, bool kC>
+inline void add_squares(const scalar_t* in, int64_t si, int64_t n, acc_t (&part)[kLanes]) {
+  int64_t e = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  // The lanes as one vector: lane l still sums elements l, l + 8, ... in order, each
+  // step part[l] + x * x rounded twice as the scalar loop's (no contraction: CMakeLists.txt):
+  // the same bits (and half precision widened by vector conversions).
+  if constexpr (kC && std::is_same_v<acc_t, float>) {
+    using VecF = Vectorized<float>;
+    static_assert(VecF::size() == kLanes, "one AVX2 float vector of lanes");
+    VecF acc = VecF::loadu(part);
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      for (; e + kLanes <= n; e += kLanes) {
+        const VecF x = VecF::loadu(in + e);
+        acc = acc + x * x;
+      }
+    } else {
+      using VecH = Vectorized<scalar_t>;
+      for (; e + 2 * kLanes <= n; e += 2 * kLanes) {
+        auto [xa, xb] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + e));
+        acc = acc + xa * xa;
+        acc = acc + xb * xb;
+      }
+    }
+    acc.store(part);
+  }
+#endif
+  add_squares_tail<scalar_t, acc_t, kC>(in, si, e, n, part);
+}
+
+#if defined(CPU_CAPABILITY_AVX2)
+// add_squares of N contiguous rows at once, float32 arithmetic: each row's lanes summed in
+// add_squares's order with add_squares's roundings (the same bits), the N chains of
+// dependent additions interleaved so that their latencies overlap (one row's chain alone
+// is latency-bound: perf showed the first pass over each head carrying the call).
+template <typename scalar_t, int N>
+inline void add_squares_rows(const scalar_t* const (&in)[N], int64_t n, float (&part)[N][kLanes]) {
+  using VecF = Vectorized<float>;
+  static_assert(VecF::size() == kLanes, "one AVX2 float vector of lanes");
+  VecF acc[N];
+  for (int i = 0; i < N; ++i) acc[i] = VecF::loadu(part[i]);
+  int64_t e = 0;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    for (; e + kLanes <= n; e += kLanes) {
+      for (int i = 0; i < N; ++i) {
+        const VecF x = VecF::loadu(in[i] + e);
+        acc[i] = acc[i] + x * x;
+      }
+    }
+  } else {
+    using VecH = Vectorized<scalar_t>;
+    for (; e + 2 * kLanes <= n; e += 2 * kLanes) {
+      for (int i = 0; i < N; ++i) {
+        auto [xa, xb] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in[i] + e));
+        acc[i] = acc[i] + xa * xa;
+        acc[i] = acc[i] + xb * xb;
+      }
+    }
+  }
+  for (int i = 0; i < N; ++i) {
+    acc[i].store(part[i]);
+    add_squares_tail<scalar_t, float, true>(in[i], 1, e, n, part[i]);
+  }
+}
+#endif
+
+template <typename scalar_t>
+const scalar_t* row_in(const RopeOperand& op, int64_t b, int64_t s, int64_t h) {
+  return static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] + s * op.in_stride[1] +
+         h * op.in_stride[2];
+}
+template <typename scalar_t>
+scalar_t* row_out(const RopeOperand& op, int64_t b, int64_t s, int64_t h) {
+  return static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
+         h * op.out_stride[2];
+}
+
+template <typename scalar_t, typename acc_t, bool kC>
+acc_t inv_rms_of(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int64_t s,
+                 int64_t h_begin, int64_t h_end) {
+  const int64_t D = a.rope.head_dim;
+  acc_t part[kLanes] = {};
+  for (int64_t h = h_begin; h < h_end; ++h) {
+    add_squares<scalar_t, acc_t, kC>(row_in<scalar_t>(op, b, s, h), op.in_stride[3], D, part);
+  }
+  return math::qk_norm_inv_rms<acc_t>(lanes_sum(part), (h_end - h_begin) * D,
+                                      static_cast<acc_t>(a.eps));
+}
+
+// The first pairs of a contiguous row in half-split ("rotate_half") layout, in vectors:
+// qk_norm_apply's (x * r) * w and math::rope_rotate_pair lane by lane (the same roundings;
+// half precision widened and narrowed with vector conversions). Returns the pairs done.
+template <typename scalar_t, typename acc_t>
+int64_t forward_pairs_vec(const scalar_t* in, scalar_t* out, const acc_t* w, acc_t r,
+                          const TokenAngles<acc_t>& t, int64_t half) {
+  using VecA = Vectorized<acc_t>;
+  const VecA vr(r);
+  int64_t p = 0;
+  if constexpr (std::is_same_v<scalar_t, acc_t>) {
+    for (; p + VecA::size() <= half; p += VecA::size()) {
+      const VecA x1 = VecA::loadu(in + p) * vr * VecA::loadu(w + p);
+      const VecA x2 = VecA::loadu(in + half + p) * vr * VecA::loadu(w + half + p);
+      VecA y1, y2;
+      rotate_vec(x1, x2, VecA::loadu(t.cs + p), VecA::loadu(t.sn + p), y1, y2);
+      y1.store(out + p);
+      y2.store(out + half + p);
+    }
+  } else {
+    using VecH = Vectorized<scalar_t>;
+    constexpr int64_t F = VecA::size();
+    for (; p + VecH::size() <= half; p += VecH::size()) {
+      auto [x1a, x1b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + p));
+      auto [x2a, x2b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + half + p));
+      x1a = x1a * vr * VecA::loadu(w + p);
+      x1b = x1b * vr * VecA::loadu(w + p + F);
+      x2a = x2a * vr * VecA::loadu(w + half + p);
+      x2b = x2b * vr * VecA::loadu(w + half + p + F);
+      VecA y1a, y2a, y1b, y2b;
+      rotate_vec(x1a, x2a, VecA::loadu(t.cs + p), VecA::loadu(t.sn + p), y1a, y2a);
+      rotate_vec(x1b, x2b, VecA::loadu(t.cs + p + F), VecA::loadu(t.sn + p + F), y1b, y2b);
+      at::vec::convert_from_float<scalar_t>(y1a, y1b).store(out + p);
+      at::vec::convert_from_float<scalar_t>(y2a, y2b).store(out + half + p);
+    }
+  }
+  return p;
+}
+
+// Software prefetch of n rows of d features from head h of token (b, s) on: rows past the
+// token's last head are the next token's in "bshd" (elsewhere a harmless hint: a prefetch
+// never faults). The first pass over a group of heads otherwise waits for each line in turn.
+constexpr int64_t kPrefetchHeads = 4;  // how far ahead (measured with rows of 128 features)
+template <typename scalar_t>
+inline void prefetch_rows(const RopeOperand& op, int64_t b, int64_t s, int64_t h, int64_t n, int64_t d) {
+  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(op.in) +
+                              (b * op.in_stride[0] + s * op.in_stride[1]) * sizeof(scalar_t);
+  for (int64_t i = 0; i < n; ++i) {
+    const std::uintptr_t row = base + (h + i) * op.in_stride[2] * sizeof(scalar_t);
+    for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
+      __builtin_prefetch(reinterpret_cast<const void*>(row + byte));
+    }
+  }
+}
+
+// Forward of one head row: normalise, weight (w: the row's effective weights), rotate.
+template <typename scalar_t, typename acc_t, bool kC>
+void forward_row(const QkNormRopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
+                 int64_t so, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t) {
+  const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
+  const int64_t o = math::rope_rotary_begin(a.rope.settings);  // the rotary part's start
+  if (!a.rope.interleaved) {
+    int64_t first = 0;
+    if constexpr (kC) first = forward_pairs_vec<scalar_t, acc_t>(in + o, out + o, w + o, r, t, half);
+    for (int64_t p = first; p < half; ++p) {
+      const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + p, si)]), r, w[o + p]);
+      const acc_t x2 =
+          math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + p + half, si)]), r, w[o + p + half]);
+      acc_t y1, y2;
+      math::rope_rotate_pair(x1, x2, t.cs[p], t.sn[p], &y1, &y2);
+      out[at_<kC>(o + p, so)] = static_cast<scalar_t>(y1);
+      out[at_<kC>(o + p + half, so)] = static_cast<scalar_t>(y2);
+    }
+  } else {
+    for (int64_t p = 0; p < half; ++p) {
+      const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + 2 * p, si)]), r, w[o + 2 * p]);
+      const acc_t x2 =
+          math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + 2 * p + 1, si)]), r, w[o + 2 * p + 1]);
+      acc_t y1, y2;
+      math::rope_rotate_pair(x1, x2, t.cs[p], t.sn[p], &y1, &y2);
+      out[at_<kC>(o + 2 * p, so)] = static_cast<scalar_t>(y1);
+      out[at_<kC>(o + 2 * p + 1, so)] = static_cast<scalar_t>(y2);
+    }
+  }
+  for (int64_t j = 0; j < D - 2 * half; ++j) {  // outside the rotary part: normalised only
+    const int64_t e = math::rope_pass_feature(j, o, 2 * half);
+    out[at_<kC>(e, so)] =
+        static_cast<scalar_t>(math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(e, si)]), r, w[e]));
+  }
+}
+
+template <typename scalar_t>
+void nan_rows(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int64_t s) {
+  for (int64_t h = 0; h < op.heads; ++h) {
+    scalar_t* out = row_out<scalar_t>(op, b, s, h);
+    for (int64_t e = 0; e < a.rope.head_dim; ++e) {
+      out[e * op.out_stride[3]] = std::numeric_limits<scalar_t>::quiet_NaN();
+    }
+  }
+}
+
+template <typename scalar_t, typename acc_t, bool kC>
+void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t* w, int64_t b,
+                     int64_t s, const TokenAngles<acc_t>& t) {
+  const int64_t D = a.rope.head_dim;
+  const bool hidden = a.norm == QkNorm::kHidden;
+  const acc_t r_all = hidden ? inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, 0, op.heads) : acc_t(0);
+  int64_t h = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (kC && std::is_same_v<acc_t, float> && !std::is_same_v<scalar_t, float>) {
+    // Norm "head", half precision: the inverse RMS of kGroup heads at once
+    // (add_squares_rows: their chains interleaved; the next group's lines prefetched), then
+    // their rows, re-read from L1. (float32 stays head by head: the same grouping measured
+    // 3.2 -> 3.5 ms there, a memory-bound pass that the hardware prefetchers already follow.)
+    constexpr int kGroup = 4;
+    for (; !hidden && h + kGroup <= op.heads; h += kGroup) {
+      const scalar_t* rows[kGroup];
+      for (int i = 0; i < kGroup; ++i) rows[i] = row_in<scalar_t>(op, b, s, h + i);
+      prefetch_rows<scalar_t>(op, b, s, h + kPrefetchHeads, kGroup, D);
+      float part[kGroup][kLanes] = {};
+      add_squares_rows<scalar_t, kGroup>(rows, D, part);
+      for (int i = 0; i < kGroup; ++i) {
+        const acc_t r = math::qk_norm_inv_rms<acc_t>(lanes_sum(part[i]), D, static_cast<acc_t>(a.eps));
+        forward_row<scalar_t, acc_t, kC>(a, rows[i], 1, row_out<scalar_t>(op, b, s, h + i), 1, w, r, t);
+      }
+    }
+  }
+#endif
+  for (; h < op.heads; ++h) {
+    const acc_t r = hidden ? r_all : inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, h, h + 1);
+    forward_row<scalar_t, acc_t, kC>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
+                                     row_out<scalar_t>(op, b, s, h), op.out_stride[3],
+                                     w + (hidden ? h * D : 0), r, t);
+  }
+}
+
+}  // namespace qk_norm_rows
+POSENC_ISA_NAMESPACE_END
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc
