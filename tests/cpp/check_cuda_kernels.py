@@ -153,14 +153,24 @@ def ptxas_resources(lib: str, cuobjdump: str, ptxas: str) -> dict[str, Kernel]:
         for ptx, opts in jobs:
             text = run([ptxas] + opts + ["-v", os.path.join(tmp, ptx), "-o", os.devnull])
             current = None
+            # ptxas prints "Function properties for <name>" before each function's stack and
+            # spill line, the kernel's and those of device functions it calls (e.g.
+            # __internal_trig_reduction_slowpathd, after the kernel's): only the kernel's own
+            # line is the kernel's.
+            props_of_current = False
             for line in text.splitlines():
                 m = re.search(r"Compiling entry function '(\S+)'", line)
                 if m:
                     current = kernels.setdefault(m.group(1), Kernel(m.group(1)))
+                    props_of_current = False
+                    continue
+                m = re.search(r"Function properties for (\S+)", line)
+                if m:
+                    props_of_current = current is not None and m.group(1) == current.name
                     continue
                 m = re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, "
                               r"(\d+) bytes spill loads", line)
-                if m and current is not None:
+                if m and current is not None and props_of_current:
                     current.stack, current.spill_stores, current.spill_loads = map(int, m.groups())
                     continue
                 m = re.search(r"Used (\d+) registers", line)
