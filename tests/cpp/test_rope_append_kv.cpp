@@ -69,6 +69,28 @@ TEST(RopeAppendKv, HuggingFaceStaticCacheInPlace) {
   EXPECT_EQ(kc.ne(0).sum().item<int64_t>(), kc.select(2, 3).ne(0).sum().item<int64_t>());
 }
 
+// QK-norm into the cache (Qwen3-style decoding, Gemma 3's weight_offset): q, the returned k
+// and the cache rows are qk_norm_rope's, bit for bit.
+TEST(RopeAppendKv, QkNormIntoTheCacheIsQkNormRopes) {
+  torch::manual_seed(4);
+  const int64_t B = 2, S = 3, Hq = 4, Hkv = 2, D = 16, L = 8;
+  const auto q = torch::randn({B, Hq, S, D}, torch::kBFloat16), k = torch::randn({B, Hkv, S, D}, torch::kBFloat16),
+             v = torch::randn({B, Hkv, S, D}, torch::kBFloat16);
+  const auto wq = torch::rand({D}) + 0.5, wk = torch::rand({D}) + 0.5;  // float32 master weights
+  auto kc = torch::zeros({B, Hkv, L, D}, torch::kBFloat16), vc = torch::zeros({B, Hkv, L, D}, torch::kBFloat16);
+  const auto rope = posenc::ApplyRopeOptions().layout("bhsd").offset(4);
+  auto [out_q, out_k] = posenc::rope_append_kv(
+      q, k, v, kc, vc,
+      posenc::RopeAppendKvOptions().rope(rope).q_weight(wq).k_weight(wk).weight_offset(1.0).return_k(true));
+  auto [ref_q, ref_k] = posenc::qk_norm_rope(q, k, wq, wk, posenc::QkNormRopeOptions().rope(rope).weight_offset(1.0));
+  EXPECT_TRUE(torch::equal(out_q, ref_q));
+  EXPECT_TRUE(torch::equal(out_k, ref_k));
+  EXPECT_TRUE(torch::equal(kc.slice(2, 4, 4 + S), ref_k));
+  EXPECT_TRUE(torch::equal(vc.slice(2, 4, 4 + S), v));
+  EXPECT_THROW(posenc::rope_append_kv(q, k, v, kc, vc, posenc::RopeAppendKvOptions().rope(rope).q_weight(wq)),
+               c10::ValueError);
+}
+
 TEST(RopeAppendKv, PagedCacheSkipsMinusOneAndRefusesOutOfRange) {
   torch::manual_seed(2);
   const auto q = torch::randn({3, 2, 8}), k = torch::randn({3, 1, 8}), v = torch::randn({3, 1, 8});
