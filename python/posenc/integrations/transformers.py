@@ -34,10 +34,17 @@ on its own, any caller that passes only ``position_embeddings``), or for RoPE ty
 transformers tables depend on the call ("dynamic", "longrope"), the layer's own norms and
 then :func:`posenc.functional.apply_rope_cos_sin` on the given (cos, sin), so every call path
 computes what the unpatched layer computes; no ``position_embeddings`` is a ValueError naming
-it. Nothing is stored between calls and no module-level function is replaced, so threads,
-exceptions and revert (which restores the class) cannot carry one call's state into another,
-and the per-type patch above works independently of it. The weights, hooks and state_dict
-stay where they are; copies and pickles keep the patch.
+it. With a ``transformers.StaticCache`` (``generate(..., cache_implementation="static")``), a
+fused layer whose cache layer is a plain ``StaticLayer`` also writes its keys and values there
+in the same call, :func:`posenc.functional.rope_append_kv` with ``q_weight`` / ``k_weight``, at
+the rows the layer's ``update`` would (its ``cumulative_length`` onwards, read on the device:
+no sync), and attends over the layer's keys and values as ``update`` returns them; other
+caches and layers (DynamicCache, sliding-window or quantized layers, offloading) and calls
+that record gradients go through the cache's ``update``. Nothing is stored between calls and
+no module-level function is replaced, so threads, exceptions and revert (which restores the
+class) cannot carry one call's state into another, and the per-type patch above works
+independently of it. The weights, hooks and state_dict stay where they are; copies and
+pickles keep the patch.
 
 Extension point: the class swap, per instance. transformers 5's ``register_patch_mapping``
 (transformers.monkey_patching) also replaces classes, but through a process-wide registry
@@ -75,6 +82,8 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
         "posenc.integrations.transformers needs Hugging Face transformers, which is not installed: "
         "pip install transformers"
     ) from error
+
+import transformers.cache_utils
 
 import posenc.functional
 from posenc._rope import LENGTH_SCALED_TYPES, RopeConfig
@@ -251,9 +260,10 @@ def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
     :func:`posenc.functional.qk_norm_rope` at the positions the layer receives
     (``position_ids``) with the config's RoPE parameters; a call without them runs the
     layer's norms, then posenc's rotation with the given tables (the module docstring has
-    the rules). The weights stay where they are (``q_norm.weight``, ``k_norm.weight``). Per
-    instance (the model type's modeling module is not touched), until
-    :func:`revert_posenc_qk_norm`; patching twice is a no-op.
+    the rules). With a ``transformers.StaticCache``, the fused call also writes the layer's
+    cache rows (:func:`posenc.functional.rope_append_kv`). The weights stay where they are
+    (``q_norm.weight``, ``k_norm.weight``). Per instance (the model type's modeling module is
+    not touched), until :func:`revert_posenc_qk_norm`; patching twice is a no-op.
     """
     if qk_norm:
         _apply_qk_norm(model)
@@ -347,6 +357,23 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     return dict(eps=eps, positions=positions, config=config)
 
 
+def _static_layer(attn: Any, cache: Any, tensors: Tuple[Tensor, ...]) -> Any:
+    """The layer of a ``transformers.StaticCache`` whose rows the fused call writes through
+    :func:`posenc.functional.rope_append_kv` (initialised as its ``update`` does), or None:
+    another cache (DynamicCache, offloading) or layer kind (sliding window, quantized: their
+    own ``update``), or autograd (rope_append_kv has none)."""
+    if type(cache) is not getattr(transformers.cache_utils, "StaticCache", None) or cache.offloading:
+        return None
+    layer = cache.layers[attn.layer_idx]
+    if type(layer) is not getattr(transformers.cache_utils, "StaticLayer", None):  # exact: subclasses update otherwise
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return None
+    if not layer.is_initialized:
+        layer.lazy_initialization(tensors[1], tensors[2])  # k, v of the call: the shapes, dtype, device update uses
+    return layer
+
+
 class _PosencQKNormAttention:
     """Mixin placed before a transformers attention class (see _qk_norm_class): its forward
     is that class's forward (transformers 5) with the norms and RoPE through posenc."""
@@ -374,12 +401,23 @@ class _PosencQKNormAttention:
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         fused = _fused_arguments(self, kwargs.get("position_ids"), input_shape)
+        layer = None
         if fused is not None:
             query_states = query_states.view(hidden_shape).transpose(1, 2)
             key_states = key_states.view(hidden_shape).transpose(1, 2)
-            query_states, key_states = posenc.functional.qk_norm_rope(
-                query_states, key_states, self.q_norm.weight, self.k_norm.weight, norm=self._posenc_norm,
-                weight_offset=self._posenc_weight_offset, **fused)
+            norm = dict(norm=self._posenc_norm, weight_offset=self._posenc_weight_offset, **fused)
+            layer = _static_layer(self, cache, (query_states, key_states, value_states, self.q_norm.weight,
+                                                self.k_norm.weight))
+            if layer is not None:  # StaticLayer.update's rows (cumulative_length + s), written by the fused op
+                query_states = posenc.functional.rope_append_kv(
+                    query_states, key_states, value_states, layer.keys, layer.values,
+                    offset=layer.cumulative_length.expand(input_shape[0]), q_weight=self.q_norm.weight,
+                    k_weight=self.k_norm.weight, **norm)
+                layer.cumulative_length.add_(input_shape[1])
+                key_states, value_states = layer.keys, layer.values  # what update returns
+            else:
+                query_states, key_states = posenc.functional.qk_norm_rope(
+                    query_states, key_states, self.q_norm.weight, self.k_norm.weight, **norm)
         else:  # the layer's own norms, then the given tables: transformers' numbers on every path
             if self._posenc_norm == "hidden":  # OLMo 2: each token's whole projection
                 query_states = self.q_norm(query_states).view(hidden_shape).transpose(1, 2)
@@ -391,7 +429,7 @@ class _PosencQKNormAttention:
             query_states, key_states = posenc.functional.apply_rope_cos_sin(
                 query_states, key_states, cos, sin, layout="bhsd")
 
-        if cache is not None:
+        if cache is not None and layer is None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
         attention_interface = self._posenc_attention_functions.get_interface(
