@@ -61,6 +61,22 @@ def fused_fp8(q, k, v, k_cache, v_cache, lengths):
     return rope_append_kv(q, k, v, k_cache, v_cache, offset=lengths, k_scale=K_SCALE, v_scale=V_SCALE)
 
 
+def rms_norm(x, w, eps=1e-6):
+    """Qwen3's RMSNorm of each head's vector (float32 statistics, as Qwen3RMSNorm)."""
+    x32 = x.float()
+    return (w.float() * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps))).to(x.dtype)
+
+
+def composition_qk_norm(q, k, v, k_cache, v_cache, lengths, q_weight, k_weight):
+    """A Qwen3 decoding step without the fused op: q_norm and k_norm, rotate, copy k and v
+    into the rows."""
+    return composition(rms_norm(q, q_weight), rms_norm(k, k_weight), v, k_cache, v_cache, lengths)
+
+
+def fused_qk_norm(q, k, v, k_cache, v_cache, lengths, q_weight, k_weight):
+    return rope_append_kv(q, k, v, k_cache, v_cache, offset=lengths, q_weight=q_weight, k_weight=k_weight)
+
+
 MLA_NOPE, MLA_ROPE, MLA_LORA = 128, 64, 512  # DeepSeek-V3
 
 

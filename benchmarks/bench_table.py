@@ -38,6 +38,8 @@ from bench_rope_append_kv import composition as append_kv_composition  # noqa: E
 from bench_rope_append_kv import fused as append_kv_fused  # noqa: E402
 from bench_rope_append_kv import composition_fp8 as append_kv_composition_fp8  # noqa: E402
 from bench_rope_append_kv import fused_fp8 as append_kv_fused_fp8  # noqa: E402
+from bench_rope_append_kv import composition_qk_norm as append_kv_composition_qk_norm  # noqa: E402
+from bench_rope_append_kv import fused_qk_norm as append_kv_fused_qk_norm  # noqa: E402
 from rope_harness import rotate_half  # noqa: E402
 from bench_rope_append_kv import composition_mla as append_kv_composition_mla  # noqa: E402
 from bench_rope_append_kv import fused_mla as append_kv_fused_mla  # noqa: E402
@@ -362,7 +364,7 @@ def rows(small: bool) -> List[Spec]:
     add("qk_norm_rope", "bshd, backward", rope_shape, qk_norm("backward"))
 
     # rope_append_kv ------------------------------------------------------------------------
-    def append_kv(batch, seq, cache, launch_bound, fp8=False):
+    def append_kv(batch, seq, cache, launch_bound, fp8=False, qk_norm=False):
         def build(dtype):
             torch.manual_seed(0)
             q = torch.randn(batch, seq, 32, D, dtype=dtype)
@@ -375,6 +377,10 @@ def rows(small: bool) -> List[Spec]:
             if fp8:  # q read and written; k and v read; one byte per cache element written
                 return Bench(2 * _nbytes(q) + _nbytes(k, v) + k.numel() + v.numel(), append_kv_fused_fp8,
                              append_kv_composition_fp8, args, launch_bound=launch_bound)
+            if qk_norm:  # Qwen3: float32 norm weights of head_dim values (read once: negligible)
+                weights = (torch.rand(D) + 0.5, torch.rand(D) + 0.5)
+                return Bench(2 * _nbytes(q, k, v), append_kv_fused_qk_norm, append_kv_composition_qk_norm,
+                             args + weights, launch_bound=launch_bound)
             return Bench(2 * _nbytes(q, k, v), append_kv_fused, append_kv_composition, args,
                          launch_bound=launch_bound)
         return build
@@ -387,6 +393,10 @@ def rows(small: bool) -> List[Spec]:
         append_kv(1, prefill_seq, cache, False, fp8=True))
     add("rope_append_kv", "decode, FP8 e4m3 caches", f"(8, 1, 32, 8, {D}), cache {cache // 2}",
         append_kv(8, 1, cache // 2, True, fp8=True))
+    add("rope_append_kv", "prefill, QK-norm", f"(1, {prefill_seq}, 32, 8, {D}), cache {cache}",
+        append_kv(1, prefill_seq, cache, False, qk_norm=True))
+    add("rope_append_kv", "decode, QK-norm", f"(8, 1, 32, 8, {D}), cache {cache // 2}",
+        append_kv(8, 1, cache // 2, True, qk_norm=True))
 
     def append_mla(batch, seq, cache, launch_bound):
         def build(dtype):

@@ -45,10 +45,15 @@ def _thp_setting(name: str) -> str:
 
 
 def allocator() -> str:
-    """The CPU allocator of this process: tcmalloc or jemalloc when preloaded, else glibc's."""
-    preload = os.environ.get("LD_PRELOAD", "")
+    """The CPU allocator of this process: tcmalloc or jemalloc when loaded (read from the
+    process's own mappings: an LD_PRELOAD naming a missing library loads nothing), else glibc's."""
+    try:
+        with open("/proc/self/maps") as f:
+            maps = f.read()
+    except OSError:
+        maps = os.environ.get("LD_PRELOAD", "")
     for name in ("tcmalloc", "jemalloc"):
-        if name in preload:
+        if f"lib{name}" in maps:
             return name
     return "glibc malloc"
 
