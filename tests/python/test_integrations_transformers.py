@@ -75,7 +75,10 @@ def tiny_model(model_type):
     torch.manual_seed(0)
     config = CONFIGS[model_type]()
     config.pad_token_id = 0
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    # Left in the training mode from_config gives (a user fine-tuning; the configs' dropouts
+    # are 0, so generate's greedy tokens are deterministic too).
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    assert model.training
     assert model.config.model_type == model_type
     return model
 

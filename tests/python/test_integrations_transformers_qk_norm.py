@@ -45,6 +45,8 @@ def tiny_model(model_type="qwen3", seed=0, **overrides):
     torch.manual_seed(seed)
     config = config_class(**{**COMMON, **extra, **overrides})
     config.pad_token_id = 0
+    # .eval(): the state from_pretrained leaves a model in (these random models stand in for
+    # loaded ones, which no test can download); the training-mode runs are separate tests.
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # non-trivial norm weights (they start at 1, or at 0 for Gemma's 1 + w)
         for n, p in model.named_parameters():
@@ -371,7 +373,7 @@ def test_gemma3_multimodal(fused_calls):
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                        image_token_index=299, boi_token_index=297, eoi_token_index=298)
     torch.manual_seed(0)
-    model = transformers.Gemma3ForConditionalGeneration(config).eval()
+    model = transformers.Gemma3ForConditionalGeneration(config).eval()  # as from_pretrained leaves it
     assert model.config.model_type == "gemma3"
     with torch.no_grad():
         for n, p in model.named_parameters():
