@@ -54,6 +54,51 @@ __device__ __forceinline__ T warp_sum(T v) {
   return v;
 }
 
+// Where one head's rotated row goes: q's output; or k's cache row (dst8 instead of dst[0]
+// for an FP8 cache: the float32 value quantised with k_scale) and the returned k.
+template <typename scalar_t>
+struct RowDestinations {
+  scalar_t* dst[2] = {nullptr, nullptr};
+  int64_t dsd[2] = {0, 0};
+  uint8_t* dst8 = nullptr;
+
+  template <typename T>
+  __device__ __forceinline__ void store(int64_t f, T y, KvCacheFormat k_format, float k_scale) const {
+    for (int d = 0; d < 2; ++d) {
+      if (dst[d] != nullptr) dst[d][f * dsd[d]] = static_cast<scalar_t>(y);
+    }
+    if (dst8 != nullptr) dst8[f * dsd[0]] = kv_quantize(k_format, static_cast<float>(y), k_scale);
+  }
+};
+
+template <typename scalar_t>
+__device__ __forceinline__ RowDestinations<scalar_t> row_destinations(const KvCacheArgs& a, bool is_q, int64_t b,
+                                                                      int64_t s, int64_t h, bool cached,
+                                                                      int64_t outer, int64_t inner) {
+  const RopeOperand& op = is_q ? a.rope.q : a.rope.k;
+  RowDestinations<scalar_t> r;
+  auto* out = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
+  if (is_q) {
+    r.dst[0] = out;
+    r.dsd[0] = op.out_stride[3];
+    return r;
+  }
+  if (cached) {
+    const int64_t at = outer * a.k_cache_stride[0] + inner * a.k_cache_stride[1] + h * a.k_cache_stride[2];
+    if (a.k_format != KvCacheFormat::kSame) {
+      r.dst8 = static_cast<uint8_t*>(a.k_cache) + at;
+    } else {
+      r.dst[0] = static_cast<scalar_t*>(a.k_cache) + at;
+    }
+    r.dsd[0] = a.k_cache_stride[3];
+  }
+  if (a.write_k) {
+    r.dst[1] = out;
+    r.dsd[1] = op.out_stride[3];
+  }
+  return r;
+}
+
 // QK-norm: token (b, s)'s q and k normalised, weighted and rotated (cos/sin in cs, sn) by the
 // block's warps, one normalised vector per warp at a time; k into its cache row (FP8: the
 // float32 value quantised) when cached, and into the returned k when write_k.
@@ -66,7 +111,6 @@ __device__ __forceinline__ void norm_rotate_token(const KvCacheArgs& a, int64_t 
   const int64_t D = r.head_dim, half = r.rotary_dim / 2, pass = D - r.rotary_dim;
   const int64_t begin = math::rope_rotary_begin(r.settings);
   const bool hidden = a.norm == QkNorm::kHidden;
-  const bool k_fp8 = a.k_format != KvCacheFormat::kSame;
   const acc_t eps = static_cast<acc_t>(a.eps);
   const int64_t q_groups = hidden ? 1 : r.q.heads;
   const int64_t groups = q_groups + (hidden ? 1 : r.k.heads);
@@ -90,32 +134,7 @@ __device__ __forceinline__ void norm_rotate_token(const KvCacheArgs& a, int64_t 
     for (int64_t h = h0; h < h1; ++h) {
       const scalar_t* x = base + h * op.in_stride[2];
       const acc_t* wr = w + (hidden ? h * D : 0);
-      // The destinations, as the plain path's: q's output; k's cache row (dst8 for an FP8
-      // cache) and the returned k.
-      scalar_t* dst[2] = {nullptr, nullptr};
-      int64_t dsd[2] = {0, 0};
-      uint8_t* dst8 = nullptr;
-      if (is_q) {
-        dst[0] = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
-                 h * op.out_stride[2];
-        dsd[0] = op.out_stride[3];
-      } else {
-        if (cached) {
-          const int64_t at = outer * a.k_cache_stride[0] + inner * a.k_cache_stride[1] +
-                             h * a.k_cache_stride[2];
-          if (k_fp8) {
-            dst8 = static_cast<uint8_t*>(a.k_cache) + at;
-          } else {
-            dst[0] = static_cast<scalar_t*>(a.k_cache) + at;
-          }
-          dsd[0] = a.k_cache_stride[3];
-        }
-        if (a.write_k) {
-          dst[1] = static_cast<scalar_t*>(op.out) + b * op.out_stride[0] + s * op.out_stride[1] +
-                   h * op.out_stride[2];
-          dsd[1] = op.out_stride[3];
-        }
-      }
+      const RowDestinations<scalar_t> out = row_destinations<scalar_t>(a, is_q, b, s, h, cached, outer, inner);
       for (int64_t p = lane; p < half; p += 32) {
         int64_t e1, e2;
         math::rope_pair_features(p, half, r.interleaved, &e1, &e2);
@@ -125,23 +144,13 @@ __device__ __forceinline__ void norm_rotate_token(const KvCacheArgs& a, int64_t 
         acc_t y1, y2;
         math::rope_rotate_pair(math::qk_norm_apply(x1, rr, wr[e1]), math::qk_norm_apply(x2, rr, wr[e2]),
                                cs[p], sn[p], &y1, &y2);
-        for (int d = 0; d < 2; ++d) {
-          if (dst[d] == nullptr) continue;
-          dst[d][e1 * dsd[d]] = static_cast<scalar_t>(y1);
-          dst[d][e2 * dsd[d]] = static_cast<scalar_t>(y2);
-        }
-        if (dst8 != nullptr) {
-          dst8[e1 * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y1), k_scale);
-          dst8[e2 * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y2), k_scale);
-        }
+        out.store(e1, y1, a.k_format, k_scale);
+        out.store(e2, y2, a.k_format, k_scale);
       }
       for (int64_t j = lane; j < pass; j += 32) {
         const int64_t f = math::rope_pass_feature(j, begin, r.rotary_dim);
         const acc_t y = math::qk_norm_apply(static_cast<acc_t>(x[f * sd]), rr, wr[f]);
-        for (int d = 0; d < 2; ++d) {
-          if (dst[d] != nullptr) dst[d][f * dsd[d]] = static_cast<scalar_t>(y);
-        }
-        if (dst8 != nullptr) dst8[f * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y), k_scale);
+        out.store(f, y, a.k_format, k_scale);
       }
     }
   }
@@ -165,15 +174,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t k_items = r.k.heads * per_head;
   const int64_t items = q_items + k_items + r.k.heads * a.v_head_dim;
   const auto* q_in = static_cast<const scalar_t*>(r.q.in);
-  auto* q_out = static_cast<scalar_t*>(r.q.out);
   const auto* k_in = static_cast<const scalar_t*>(r.k.in);
-  auto* k_out = static_cast<scalar_t*>(r.k.out);
   const auto* v_in = static_cast<const scalar_t*>(a.v);
-  auto* kc = static_cast<scalar_t*>(a.k_cache);
   auto* vc = static_cast<scalar_t*>(a.v_cache);
   // FP8 caches: values quantised with the cache's scale (kv_quantize: the float32 rotation,
   // divided, saturated, rounded to nearest even), stored as their bits.
-  auto* kc8 = static_cast<uint8_t*>(a.k_cache);
   auto* vc8 = static_cast<uint8_t*>(a.v_cache);
   const bool k_fp8 = a.k_format != KvCacheFormat::kSame;
   const bool v_fp8 = a.v_format != KvCacheFormat::kSame;
@@ -220,30 +225,7 @@ __global__ void __launch_bounds__(kThreads)
         const scalar_t* in = (is_q ? q_in : k_in) + b * op.in_stride[0] + s * op.in_stride[1] +
                              h * op.in_stride[2];
         const int64_t sd = op.in_stride[3];
-        // Up to two destinations: q's output; k's cache row and the returned k. An FP8 k
-        // cache is dst8 instead of dst[0].
-        scalar_t* dst[2] = {nullptr, nullptr};
-        int64_t dsd[2] = {0, 0};
-        uint8_t* dst8 = nullptr;
-        if (is_q) {
-          dst[0] = q_out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
-          dsd[0] = op.out_stride[3];
-        } else {
-          if (cached) {
-            const int64_t at = outer * a.k_cache_stride[0] + inner * a.k_cache_stride[1] +
-                               h * a.k_cache_stride[2];
-            if (k_fp8) {
-              dst8 = kc8 + at;
-            } else {
-              dst[0] = kc + at;
-            }
-            dsd[0] = a.k_cache_stride[3];
-          }
-          if (a.write_k) {
-            dst[1] = k_out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
-            dsd[1] = op.out_stride[3];
-          }
-        }
+        const RowDestinations<scalar_t> out = row_destinations<scalar_t>(a, is_q, b, s, h, cached, outer, inner);
         if (e < half) {
           int64_t e1, e2;
           math::rope_pair_features(e, half, r.interleaved, &e1, &e2);
@@ -252,23 +234,13 @@ __global__ void __launch_bounds__(kThreads)
           acc_t y1, y2;
           math::rope_rotate_pair(static_cast<acc_t>(in[e1 * sd]), static_cast<acc_t>(in[e2 * sd]),
                                  s_cos[e], s_sin[e], &y1, &y2);
-          for (int d = 0; d < 2; ++d) {
-            if (dst[d] == nullptr) continue;
-            dst[d][e1 * dsd[d]] = static_cast<scalar_t>(y1);
-            dst[d][e2 * dsd[d]] = static_cast<scalar_t>(y2);
-          }
-          if (dst8 != nullptr) {
-            dst8[e1 * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y1), k_scale);
-            dst8[e2 * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(y2), k_scale);
-          }
+          out.store(e1, y1, a.k_format, k_scale);
+          out.store(e2, y2, a.k_format, k_scale);
         } else {
           const int64_t f = math::rope_pass_feature(e - half, begin, r.rotary_dim);
           const scalar_t x = in[f * sd];
-          for (int d = 0; d < 2; ++d) {
-            // In place, q's pass-through features are already where they belong.
-            if (dst[d] != nullptr && !(is_q && dst[d] == in && dsd[d] == sd)) dst[d][f * dsd[d]] = x;
-          }
-          if (dst8 != nullptr) dst8[f * dsd[0]] = kv_quantize(a.k_format, static_cast<float>(x), k_scale);
+          // In place, q's pass-through features are already where they belong.
+          if (!(is_q && out.dst[0] == in && out.dsd[0] == sd)) out.store(f, x, a.k_format, k_scale);
         }
       } else if (cached) {
         const int64_t j = i - q_items - k_items;
