@@ -134,3 +134,21 @@ def thd_positions(cu_seqlens, offsets=None):
         shift = int(offsets[j]) if offsets is not None else 0
         pos.extend(range(shift, shift + cu[j + 1] - cu[j]))
     return torch.tensor(pos, dtype=torch.int64).reshape(1, -1)
+
+
+def scaling_samples(rotary_dim):
+    """A valid configuration of every scaling type (Hugging Face's keys) for rotary_dim; the
+    per-pair factor lists (longrope) have rotary_dim / 2 values."""
+    half = rotary_dim // 2
+    return {
+        "default": {"rope_type": "default"},
+        "linear": {"rope_type": "linear", "factor": 4.0},
+        "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
+        "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
+        "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                   "original_max_position_embeddings": 16},
+        "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
+                     "short_factor": [1.0 + 2.0 * i / half for i in range(half)],
+                     "long_factor": [2.0 + 8.0 * i / half for i in range(half)]},
+        "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
+    }

@@ -15,21 +15,11 @@ from torch.library import opcheck
 
 import posenc  # noqa: F401
 from posenc.functional import apply_rope, rope_append_kv, rope_frequencies, rope_shift_kv
+from rope_reference import scaling_samples
 
 F64 = torch.float64
 D = 16
-SCALINGS = {
-    "default": None,
-    "linear": {"rope_type": "linear", "factor": 4.0},
-    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16},
-    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
-                 "short_factor": [1.0, 1.1, 1.25, 1.5, 1.75, 2.0, 2.5, 3.0],
-                 "long_factor": [2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0]},
-    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
-}
+SCALINGS = scaling_samples(D)  # a valid configuration of every type
 TOL = {
     torch.float64: dict(atol=1e-12, rtol=1e-12),
     torch.float32: dict(atol=3e-6, rtol=3e-6),

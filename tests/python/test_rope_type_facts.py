@@ -11,23 +11,14 @@ import torch
 from posenc import RotaryPositionalEncoding
 from posenc import _rope
 from posenc.functional import apply_rope, apply_rope_cos_sin, rope_cos_sin
+from rope_reference import scaling_samples
 
 F64 = torch.float64
 ROT = 8
 MAX_LEN = 64
 
 # A valid configuration of every type for rotary_dim 8.
-SAMPLES = {
-    "default": {"rope_type": "default"},
-    "linear": {"rope_type": "linear", "factor": 4.0},
-    "dynamic": {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 16},
-    "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16},
-    "llama3": {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 16},
-    "longrope": {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 16,
-                 "short_factor": [1.0, 1.25, 1.5, 2.0], "long_factor": [2.0, 3.0, 5.0, 9.0]},
-    "proportional": {"rope_type": "proportional", "partial_rotary_factor": 0.5},
-}
+SAMPLES = scaling_samples(ROT)  # a valid configuration of every type
 
 
 def frequencies(scaling, seq_len=0):
