@@ -72,15 +72,19 @@ POSENC_ISA_NAMESPACE_BEGIN
 // Where token (b, s) goes: (cache row or block, index) into *outer, *inner. False when it is
 // not written: slot -1, or out of range (the CPU op refuses those before its kernel; the CUDA
 // kernel asserts and skips them).
+// A paged cache's slot (block * block_size + index) as (block, index); false for -1 (not
+// written) or out of range. rope_append_kv's and rope_shift_kv's rule.
+POSENC_HOST_DEVICE bool kv_cache_slot(int64_t slot, int64_t num_slots, int64_t block_size, int64_t* outer,
+                                      int64_t* inner) {
+  if (slot < 0 || slot >= num_slots) return false;
+  *outer = slot / block_size;
+  *inner = slot - *outer * block_size;
+  return true;
+}
+
 POSENC_HOST_DEVICE bool kv_cache_row(const KvCacheArgs& a, int64_t b, int64_t s, int64_t* outer,
                                      int64_t* inner) {
-  if (a.slot_mapping != nullptr) {
-    const int64_t slot = a.slot_mapping[s];
-    if (slot < 0 || slot >= a.num_slots) return false;
-    *outer = slot / a.block_size;
-    *inner = slot - *outer * a.block_size;
-    return true;
-  }
+  if (a.slot_mapping != nullptr) return kv_cache_slot(a.slot_mapping[s], a.num_slots, a.block_size, outer, inner);
   const int64_t row = a.offset + (a.offsets != nullptr ? a.offsets[b] : 0) + s;
   if (row < 0 || row >= a.max_len) return false;
   *outer = b;

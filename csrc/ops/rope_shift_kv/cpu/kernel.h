@@ -57,13 +57,7 @@ POSENC_ISA_NAMESPACE_BEGIN
 // kernel asserts and skips them).
 POSENC_HOST_DEVICE bool shift_kv_row(const RopeShiftKvArgs& a, int64_t b, int64_t j, int64_t* outer,
                                      int64_t* inner) {
-  if (a.slot_mapping != nullptr) {
-    const int64_t slot = a.slot_mapping[j];
-    if (slot < 0 || slot >= a.num_slots) return false;
-    *outer = slot / a.block_size;
-    *inner = slot - *outer * a.block_size;
-    return true;
-  }
+  if (a.slot_mapping != nullptr) return kv_cache_slot(a.slot_mapping[j], a.num_slots, a.block_size, outer, inner);
   const int64_t row = a.rows != nullptr ? a.rows[b * a.rows_batch_stride + j] : j;
   if (row < 0 || row >= a.max_len) return false;
   *outer = b;
