@@ -507,3 +507,4 @@ def test_every_cpu_level_gives_the_same_bits(tmp_path):
         results.append(torch.load(path))
     for key, value in results[0].items():
         assert torch.equal(value, results[1][key]), key
+
