@@ -362,7 +362,7 @@ def _static_layer(attn: Any, cache: Any, tensors: Tuple[Tensor, ...]) -> Any:
     :func:`posenc.functional.rope_append_kv` (initialised as its ``update`` does), or None:
     another cache (DynamicCache, offloading) or layer kind (sliding window, quantized: their
     own ``update``), or autograd (rope_append_kv has none)."""
-    if type(cache) is not getattr(transformers.cache_utils, "StaticCache", None) or cache.offloading:
+    if type(cache) is not getattr(transformers.cache_utils, "StaticCache", None) or getattr(cache, "offloading", False):
         return None
     layer = cache.layers[attn.layer_idx]
     if type(layer) is not getattr(transformers.cache_utils, "StaticLayer", None):  # exact: subclasses update otherwise
