@@ -12,6 +12,7 @@ from torch.library import opcheck
 
 import posenc  # noqa: F401
 from posenc.functional import qk_norm_rope, rope_append_kv
+from conftest import DEVICES
 from test_qk_norm_rope import MODELS, close, reference
 from test_qk_norm_rope import make as make_qk
 
@@ -228,3 +229,28 @@ def test_compile_fullgraph_decode_step():
     out = torch.compile(step, fullgraph=True, backend="aot_eager")(q, k, v, kc, vc, lengths)
     assert torch.equal(out, eager) and torch.equal(kc, kc_e) and torch.equal(vc, vc_e)
     assert kc[0, :, 3].abs().sum() > 0 and kc[1, :, 8].abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("norm", ["head", "hidden"])
+def test_on_each_device_the_cache_holds_that_devices_qk_norm_rope_k(device, layout, norm):
+    """On each device (CUDA: its own kernel, one warp per normalised vector, the reduction
+    order of qk_norm_rope's CUDA kernel), the bits of that device's qk_norm_rope; FP8 too."""
+    for dtype, fmt in ((torch.bfloat16, None), (torch.float32, torch.float8_e4m3fn)):
+        q, k, v, wq, wk, kc, vc, placement, pos = inputs(layout, dtype, norm, 11)
+        q, k, v, wq, wk = (t.to(device) for t in (q, k, v, wq, wk))
+        placement = {n: t.to(device) if isinstance(t, torch.Tensor) else t for n, t in placement.items()}
+        kc, vc = kc.to(device, fmt or dtype), vc.to(device, fmt or dtype)
+        got_q, got_k = rope_append_kv(q, k, v, kc, vc, q_weight=wq, k_weight=wk, norm=norm, return_k=True,
+                                      layout=layout, k_scale=0.5 if fmt else None, v_scale=0.5 if fmt else None,
+                                      **placement)
+        want_q, want_k = qk_norm_rope_at(q, k, wq, wk, layout, pos.to(device), norm=norm)
+        assert torch.equal(got_q, want_q) and torch.equal(got_k, want_k)
+        rows = cache_rows(kc, layout, {n: t.cpu() if isinstance(t, torch.Tensor) else t for n, t in placement.items()})
+        if fmt is None:
+            assert torch.equal(rows, written_tokens(want_k, layout).to(rows.device) if layout != "thd"
+                               else want_k[SLOTS.to(device) >= 0])
+        else:
+            want = (want_k[SLOTS.to(device) >= 0] if layout == "thd" else want_k) / torch.tensor(0.5, device=device)
+            assert torch.equal(rows.view(torch.uint8), want.clamp(-448, 448).to(fmt).view(torch.uint8))
