@@ -25,6 +25,7 @@
 #include <limits>
 
 #include "../common/occupancy.cuh"
+#include "../common/warp_reduce.cuh"
 #include "../common/rope_device_checks.cuh"
 #include "ops/qk_norm_rope/qk_norm_rope.h"
 #include "posenc/math/qk_norm.h"
@@ -36,13 +37,7 @@ namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using rope_cuda::warp_sum;
 
 template <typename scalar_t>
 __device__ __forceinline__ const scalar_t* in_row(const RopeOperand& op, int64_t b, int64_t s,

@@ -30,7 +30,8 @@
 #include <algorithm>
 #include <cfloat>
 
-#include "ops/common/rope_checks.h"  // kRopeMaxPosition
+#include "../common/rope_device_checks.cuh"  // rope_in_position_domain
+#include "../common/warp_reduce.cuh"
 #include "ops/rope_append_kv/rope_append_kv.h"
 #include "posenc/math/qk_norm.h"
 #include "posenc/math/rope.h"
@@ -42,17 +43,8 @@ namespace {
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 
-__device__ __forceinline__ bool in_position_domain(int64_t v) {
-  return v >= -kRopeMaxPosition && v <= kRopeMaxPosition;
-}
-
-// The sum of v over the warp (the butterfly of qk_norm_rope's kernel: the same order).
-template <typename T>
-__device__ __forceinline__ T warp_sum(T v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  return v;
-}
+using rope_cuda::rope_in_position_domain;
+using rope_cuda::warp_sum;
 
 // Where one head's rotated row goes: q's output; or k's cache row (dst8 instead of dst[0]
 // for an FP8 cache: the float32 value quantised with k_scale) and the returned k.
@@ -202,12 +194,12 @@ __global__ void __launch_bounds__(kThreads)
       CUDA_KERNEL_ASSERT_MSG(cached || (a.slot_mapping != nullptr && a.slot_mapping[s] == -1),
                              "posenc: rope_append_kv: a cache row or slot_mapping slot out of "
                              "range (it was not written)");
-      CUDA_KERNEL_ASSERT_MSG(in_position_domain(shift - r.offset),
+      CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(shift - r.offset),
                              "posenc: rope_append_kv: expected offset within [-2**53, 2**53]");
     }
     for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
       const int64_t pos = rope_axis_position(r, b, s, shift, restart, r.pair_axis[i]);
-      CUDA_KERNEL_ASSERT_MSG(in_position_domain(pos - shift),
+      CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(pos - shift),
                              "posenc: rope_append_kv: expected positions within [-2**53, 2**53]");
       acc_t sv, cv;
       math::rope_sincos<acc_t>(pos, r.inv_freq[i], &sv, &cv);

@@ -20,7 +20,7 @@
 #include <cfloat>
 #include <type_traits>
 
-#include "ops/common/rope_checks.h"  // kRopeMaxPosition
+#include "../common/rope_device_checks.cuh"  // rope_in_position_domain
 #include "ops/rope_shift_kv/rope_shift_kv.h"
 #include "posenc/math/rope.h"
 
@@ -30,9 +30,7 @@ namespace {
 
 constexpr int kThreads = 128;
 
-__device__ __forceinline__ bool in_position_domain(int64_t v) {
-  return v >= -kRopeMaxPosition && v <= kRopeMaxPosition;
-}
+using rope_cuda::rope_in_position_domain;
 
 // scalar_t: the cache's dtype, or float for an FP8 cache (its values are rotated in float32).
 template <typename scalar_t>
@@ -70,7 +68,7 @@ __global__ void __launch_bounds__(kThreads) rope_shift_kv_kernel(const __grid_co
     for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
       const int64_t p_old = rope_axis_position(a.from, b, j, 0, 0, a.from.pair_axis[i]);
       const int64_t p_new = rope_axis_position(a.to, b, j, 0, 0, a.to.pair_axis[i]);
-      CUDA_KERNEL_ASSERT_MSG(in_position_domain(p_old) && in_position_domain(p_new),
+      CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(p_old) && rope_in_position_domain(p_new),
                              "posenc: rope_shift_kv: expected from_positions and to_positions "
                              "within [-2**53, 2**53]");
       acc_t so, co, sn, cn;
