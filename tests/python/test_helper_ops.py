@@ -62,6 +62,48 @@ def test_sinusoidal_2d_table_frequencies_are_mae_formula(dim, base):
     assert chosen.sum() >= other.sum() and (quarter <= 4 or chosen.mean() > other.mean() + 0.1)
 
 
+def per_cell_2d_table(h, w, dim, base, prefix, dtype, base_size, interpolation_scale):
+    """Every cell evaluated on its own, in plain PyTorch from the formula: the coordinates of
+    get_2d_sincos_pos_embed (diffusers' float32 rescaling when asked), the angle of each cell
+    and frequency in float64, [sin w | cos w | sin h | cos h], zero prefix rows, rounded once."""
+    def coords(n):
+        if base_size is None and interpolation_scale == 1.0:
+            return torch.arange(n, dtype=torch.float64)
+        c = torch.arange(n, dtype=torch.float32)
+        if base_size is not None:
+            c = c / (n / base_size)
+        if interpolation_scale != 1.0:
+            c = c / interpolation_scale
+        return c.double()
+
+    omega = 1.0 / torch.pow(base, torch.arange(dim // 4, dtype=torch.float64) / (dim / 4.0))
+    hh, ww = torch.meshgrid(coords(h), coords(w), indexing="ij")
+    aw, ah = ww.reshape(-1, 1) * omega, hh.reshape(-1, 1) * omega
+    cells = torch.cat((aw.sin(), aw.cos(), ah.sin(), ah.cos()), dim=1)
+    return torch.cat((torch.zeros(prefix, dim, dtype=torch.float64), cells)).to(dtype)
+
+
+@pytest.mark.parametrize("h,w,dim,prefix,base,base_size,scale", [
+    (64, 64, 512, 0, 10000.0, None, 1.0), (37, 53, 772, 1, 10000.0, None, 1.0),
+    (1, 9, 12, 3, 100.0, 16, 1.0), (7, 1, 1024, 0, 1e6, None, 2.0), (32, 48, 1152, 1, 10000.0, 32, 1.5),
+])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_sinusoidal_2d_table_bits_are_the_per_cell_formula(h, w, dim, prefix, base, base_size, scale, dtype):
+    """The op evaluates sin/cos once per distinct coordinate (grid_h + grid_w rows) and lays
+    the two axis tables out over the grid: its bits are those of evaluating every cell (an
+    entry depends on its angle alone), at any thread count."""
+    want = per_cell_2d_table(h, w, dim, base, prefix, dtype, base_size, scale)
+    threads = torch.get_num_threads()
+    try:
+        for n in sorted({1, threads}):
+            torch.set_num_threads(n)
+            got = sinusoidal_2d_table(h, w, dim, base=base, num_prefix_tokens=prefix, dtype=dtype,
+                                      base_size=base_size, interpolation_scale=scale)
+            assert bits_equal(got, want)
+    finally:
+        torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("device", DEVICES + ["meta"])
 def test_sinusoidal_2d_table_on_a_device(device):
     got = sinusoidal_2d_table(3, 4, 16, num_prefix_tokens=1, device=device)

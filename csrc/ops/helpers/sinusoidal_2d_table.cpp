@@ -92,16 +92,26 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
   TORCH_CHECK_VALUE(!overflows, kFn, "num_prefix_tokens + grid_h * grid_w rows of dim columns to ",
                     "fit in int64, got ", num_prefix_tokens, " + ", grid_h, " * ", grid_w,
                     " rows of ", dim);
-  // Built on the host in float64 and rounded once, so every device gets the same bits.
-  const at::Tensor h =
-      axis_coordinates(grid_h, base_size, interpolation_scale).repeat_interleave(grid_w);
-  const at::Tensor w = axis_coordinates(grid_w, base_size, interpolation_scale).repeat({grid_h});
-  // First half of the columns encodes the patch column w, the second half its row h.
-  const at::Tensor table =
-      at::cat({at::zeros({num_prefix_tokens, dim}, at::kDouble),
-               at::cat({sincos_halves(w, dim / 2, base), sincos_halves(h, dim / 2, base)}, 1)},
-              0);
-  return table.to(out_dtype).to(device.value_or(at::kCPU));
+  // The [sin | cos] halves of each axis's distinct coordinates (grid_w for the first half of
+  // the columns, grid_h for the second), built on the host in float64 and rounded once to the
+  // dtype, then laid out per cell: a cell's entries are its column's and its row's, so the
+  // table is the two axis tables broadcast over the grid. The bits are those of evaluating
+  // every cell: an entry is a function of its angle alone (the same float64 product, ATen's
+  // sin/cos, one elementwise rounding), which the test against the per-cell formula checks;
+  // grid_h + grid_w rows of sin/cos instead of grid_h * grid_w.
+  const auto axis = [&](int64_t n) {
+    return sincos_halves(axis_coordinates(n, base_size, interpolation_scale), dim / 2, base)
+        .to(out_dtype)
+        .to(device.value_or(at::kCPU));
+  };
+  // (grid_w, dim / 2) and (grid_h, dim / 2); a square grid's axes share their coordinates.
+  const at::Tensor w = axis(grid_w), h = grid_h == grid_w ? w : axis(grid_h);
+  const int64_t half = dim / 2;
+  const at::Tensor cells_table =
+      at::cat({w.unsqueeze(0).expand({grid_h, grid_w, half}), h.unsqueeze(1).expand({grid_h, grid_w, half})}, 2)
+          .reshape({cells, dim});
+  if (num_prefix_tokens == 0) return cells_table;
+  return at::cat({at::zeros({num_prefix_tokens, dim}, cells_table.options()), cells_table}, 0);
 }
 
 }  // namespace
