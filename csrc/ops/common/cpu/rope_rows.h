@@ -32,13 +32,38 @@ POSENC_ISA_NAMESPACE_BEGIN
 
 using at::vec::Vectorized;
 
+// The row functions below run once per row (a head of a token: 64-256 features), thousands
+// of times a call: inlined into their callers' head loops, a row costs no call, no stack
+// realignment (their vector locals) and no spills (perf: those were a third of a
+// 64-feature row's time).
+#if defined(__GNUC__)
+#define POSENC_ROW_INLINE inline __attribute__((always_inline))
+#else
+#define POSENC_ROW_INLINE inline
+#endif
+
 // cos and sin of one token, already multiplied by the attention factor (sin negated for the
-// inverse rotation).
+// inverse rotation). Interleaved rows (adjacent pairs) also read them once per feature,
+// cs2[2i] = cs2[2i + 1] = cs[i] (sn2 alike), so a vector of the row rotates as it lies in
+// memory (rotate_row_vec), without splitting its pairs: fill_pair_angles writes them
+// (token_angles does; a kernel that builds its own angles calls it).
 template <typename acc_t>
 struct TokenAngles {
   acc_t cs[kMaxRopePairs];
   acc_t sn[kMaxRopePairs];
+  acc_t cs2[2 * kMaxRopePairs];
+  acc_t sn2[2 * kMaxRopePairs];
 };
+
+// TokenAngles' per-feature copies of cs and sn, for interleaved rows (nothing otherwise).
+template <typename acc_t>
+inline void fill_pair_angles(const RopeArgs& a, TokenAngles<acc_t>& t) {
+  if (!a.interleaved) return;
+  for (int64_t i = 0; i < a.rotary_dim / 2; ++i) {
+    t.cs2[2 * i] = t.cs2[2 * i + 1] = t.cs[i];
+    t.sn2[2 * i] = t.sn2[2 * i + 1] = t.sn[i];
+  }
+}
 
 #if defined(CPU_CAPABILITY_AVX2)
 // math::rope_sincos<float> for four pairs at once, step by step in AVX2: the same IEEE
@@ -104,6 +129,7 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t) 
     t.cs[i] = c * factor;
     t.sn[i] = s * factor * sign;
   }
+  fill_pair_angles(a, t);
 }
 
 // The coordinates of token (b, s) on every axis; false for a packed token outside every
@@ -237,6 +263,37 @@ inline void rotate_vec(const Vec& x1, const Vec& x2, const Vec& c, const Vec& s,
   y2 = fma_vec(x2, c, x1 * s);
 }
 
+// x with each adjacent pair of lanes swapped: (x1, x0, x3, x2, ...).
+template <typename Vec>
+inline Vec swap_pairs(const Vec& x) {
+  using T = typename Vec::value_type;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<T, float> && sizeof(Vec) == 32) {
+    return Vec(_mm256_permute_ps(x, 0xB1));
+  } else if constexpr (std::is_same_v<T, double> && sizeof(Vec) == 32) {
+    return Vec(_mm256_permute_pd(x, 0x5));
+  }
+#endif
+  alignas(64) T v[Vec::size()];
+  x.store(v);
+  for (int64_t i = 0; i + 1 < Vec::size(); i += 2) std::swap(v[i], v[i + 1]);
+  return Vec::loadu(v);
+}
+
+// An interleaved vector (x1, x2 of each pair adjacent) rotated as it lies: with c and s the
+// pair's angles per feature (TokenAngles::cs2, sn2), lane 2i gets fma(x1, c, -(x2 s)) and
+// lane 2i + 1 fma(x2, c, x1 s): rotate_vec's operations, so its bits (the sign flipped on
+// the rounded product, as .neg() does).
+template <typename Vec>
+inline Vec rotate_paired_vec(const Vec& x, const Vec& c, const Vec& s) {
+  using T = typename Vec::value_type;
+  // -0.0 in the even lanes (a constant the compiler folds; no static: the ISA units define
+  // no shared symbols, tests/cpp/check_isa_symbols.sh).
+  alignas(64) T even_sign[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) even_sign[i] = i % 2 == 0 ? T(-0.0) : T(0.0);
+  return fma_vec(x, c, (swap_pairs(x) * s) ^ Vec::loadu(even_sign));
+}
+
 // Any strides, any dtype: pair p of the row with element strides si (in) and so (out).
 template <typename scalar_t, typename acc_t>
 void rotate_row_strided(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
@@ -251,7 +308,7 @@ void rotate_row_strided(const RopeArgs& a, const scalar_t* in, int64_t si, scala
 
 // Contiguous rows of float or double: at::vec over pairs, the scalar loop for the tail.
 template <typename scalar_t, bool kStream = false>
-void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
+POSENC_ROW_INLINE void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
                     const TokenAngles<scalar_t>& t) {
   using Vec = Vectorized<scalar_t>;
   constexpr int64_t W = Vec::size();
@@ -266,24 +323,19 @@ void rotate_row_vec(const RopeArgs& a, const scalar_t* in, scalar_t* out,
       store_vec<kStream>(y1, out + p);
       store_vec<kStream>(y2, out + half + p);
     }
-  } else {
-    for (; p + W <= half; p += W) {
-      auto [x1, x2] = at::vec::deinterleave2(Vec::loadu(in + 2 * p), Vec::loadu(in + 2 * p + W));
-      const Vec c = Vec::loadu(t.cs + p), s = Vec::loadu(t.sn + p);
-      Vec y1, y2;
-      rotate_vec(x1, x2, c, s, y1, y2);
-      auto [o0, o1] = at::vec::interleave2(y1, y2);
-      store_vec<kStream>(o0, out + 2 * p);
-      store_vec<kStream>(o1, out + 2 * p + W);
+  } else {  // a vector is W / 2 pairs as they lie (rotate_paired_vec)
+    for (; p + W / 2 <= half; p += W / 2) {
+      const Vec y = rotate_paired_vec(Vec::loadu(in + 2 * p), Vec::loadu(t.cs2 + 2 * p), Vec::loadu(t.sn2 + 2 * p));
+      store_vec<kStream>(y, out + 2 * p);
     }
   }
-  rotate_row_strided<scalar_t, scalar_t>(a, in, 1, out, 1, t, p);
+  if (p < half) rotate_row_strided<scalar_t, scalar_t>(a, in, 1, out, 1, t, p);
 }
 
 // Contiguous rows of bfloat16 or float16: 16 elements per load, widened to two float32
 // vectors, rotated in float32 and rounded once on the way back.
 template <typename scalar_t, bool kStream = false>
-void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out,
+POSENC_ROW_INLINE void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out,
                             const TokenAngles<float>& t) {
   using VecH = Vectorized<scalar_t>;
   using VecF = Vectorized<float>;
@@ -305,29 +357,22 @@ void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t* in, scalar_t* out
       store_vec<kStream>(at::vec::convert_from_float<scalar_t>(y1a, y1b), out + p);
       store_vec<kStream>(at::vec::convert_from_float<scalar_t>(y2a, y2b), out + half + p);
     }
-  } else {
-    for (; p + W <= half; p += W) {  // 2W elements: pairs p .. p + W - 1
-      auto [v0, v1] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + 2 * p));
-      auto [v2, v3] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + 2 * p + W));
-      auto [x1a, x2a] = at::vec::deinterleave2(v0, v1);
-      auto [x1b, x2b] = at::vec::deinterleave2(v2, v3);
-      VecF y1a, y2a, y1b, y2b;
-      rotate(x1a, x2a, p, y1a, y2a);
-      rotate(x1b, x2b, p + F, y1b, y2b);
-      auto [o0, o1] = at::vec::interleave2(y1a, y2a);
-      auto [o2, o3] = at::vec::interleave2(y1b, y2b);
-      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(o0, o1), out + 2 * p);
-      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(o2, o3), out + 2 * p + W);
+  } else {  // W elements (W / 2 pairs) per load, rotated as they lie (rotate_paired_vec)
+    for (; p + W / 2 <= half; p += W / 2) {
+      auto [xa, xb] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + 2 * p));
+      const VecF ya = rotate_paired_vec(xa, VecF::loadu(t.cs2 + 2 * p), VecF::loadu(t.sn2 + 2 * p));
+      const VecF yb = rotate_paired_vec(xb, VecF::loadu(t.cs2 + 2 * p + F), VecF::loadu(t.sn2 + 2 * p + F));
+      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(ya, yb), out + 2 * p);
     }
   }
-  rotate_row_strided<scalar_t, float>(a, in, 1, out, 1, t, p);
+  if (p < half) rotate_row_strided<scalar_t, float>(a, in, 1, out, 1, t, p);
 }
 
 // One row; `stream` (the call writes kStreamBytes or more) asks for streaming stores where
 // the row allows them (out of place: row_streams; contiguous and aligned: rows_can_stream),
 // plain stores elsewhere.
 template <typename scalar_t, typename acc_t>
-void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
+POSENC_ROW_INLINE void rotate_row(const RopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out, int64_t so,
                 const TokenAngles<acc_t>& t, bool stream = false) {
   // The rotary features [begin, begin + rotary_dim) rotate (math::rope_rotary_begin).
   const int64_t begin = math::rope_rotary_begin(a.settings);

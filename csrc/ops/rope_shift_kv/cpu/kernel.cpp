@@ -49,6 +49,7 @@ void shift_rows(const RopeShiftKvArgs& a) {
         rope_shift_angle<acc_t>(new_angles.cs[i], new_angles.sn[i], old_angles.cs[i], old_angles.sn[i],
                                 factor, &turn.cs[i], &turn.sn[i]);
       }
+      fill_pair_angles(g, turn);
       for (int64_t h = 0; h < a.heads; ++h) {
         const int64_t at = outer * st[0] + inner * st[1] + h * st[2];
         if (fp8) {
