@@ -43,10 +43,12 @@ using at::vec::Vectorized;
 #endif
 
 // cos and sin of one token, already multiplied by the attention factor (sin negated for the
-// inverse rotation). Interleaved rows (adjacent pairs) also read them once per feature,
-// cs2[2i] = cs2[2i + 1] = cs[i] (sn2 alike), so a vector of the row rotates as it lies in
-// memory (rotate_row_vec), without splitting its pairs: fill_pair_angles writes them
-// (token_angles does; a kernel that builds its own angles calls it).
+// inverse rotation). cs2 and sn2 hold them again in the order a vector path reads them
+// (fill_pair_angles writes them; token_angles calls it, and so must a kernel that builds its
+// own angles): interleaved rows (adjacent pairs) once per feature, cs2[2i] = cs2[2i + 1] =
+// cs[i], so a vector of the row rotates as it lies in memory (rotate_paired_vec); rows of
+// split halves, per group of 16 pairs in the order AVX2's in-lane bfloat16 widening leaves
+// them (widen_bf16_lanes: pairs 0-3, 8-11, then 4-7, 12-15).
 template <typename acc_t>
 struct TokenAngles {
   acc_t cs[kMaxRopePairs];
@@ -55,15 +57,58 @@ struct TokenAngles {
   acc_t sn2[2 * kMaxRopePairs];
 };
 
-// TokenAngles' per-feature copies of cs and sn, for interleaved rows (nothing otherwise).
+// TokenAngles' cs2 and sn2 from its cs and sn.
 template <typename acc_t>
 inline void fill_pair_angles(const RopeArgs& a, TokenAngles<acc_t>& t) {
-  if (!a.interleaved) return;
-  for (int64_t i = 0; i < a.rotary_dim / 2; ++i) {
-    t.cs2[2 * i] = t.cs2[2 * i + 1] = t.cs[i];
-    t.sn2[2 * i] = t.sn2[2 * i + 1] = t.sn[i];
+  const int64_t half = a.rotary_dim / 2;
+  if (a.interleaved) {
+    for (int64_t i = 0; i < half; ++i) {
+      t.cs2[2 * i] = t.cs2[2 * i + 1] = t.cs[i];
+      t.sn2[2 * i] = t.sn2[2 * i + 1] = t.sn[i];
+    }
+    return;
+  }
+  for (int64_t g = 0; g + 16 <= half; g += 16) {
+    for (int64_t j = 0; j < 16; ++j) {
+      const int64_t from = g + ((j & 3) | ((j & 4) << 1) | ((j & 8) >> 1));  // 0-3, 8-11, 4-7, 12-15
+      t.cs2[g + j] = t.cs[from];
+      t.sn2[g + j] = t.sn[from];
+    }
   }
 }
+
+#if defined(CPU_CAPABILITY_AVX2)
+// bfloat16 <-> float32 for the rotation's vector paths, in the lane order of AVX2's in-lane
+// unpack: 16 values widen to (elements 0-3, 8-11) and (4-7, 12-15) in two instructions
+// (ATen's cvtbf16_fp32 crosses lanes: five), and narrow_bf16_lanes' pack restores the
+// order (no lane permute): only what meets in a lane must share the order, the angles
+// (fill_pair_angles).
+inline void widen_bf16_lanes(const c10::BFloat16* x, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+
+// ATen's float32 -> bfloat16 (cvtfp32_bf16: round to nearest even on the bits, NaN -> 0xffff),
+// the same operations but the NaN blends, taken only when a lane is NaN.
+inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
+  const __m256i ones = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
+  const auto round = [&](__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), ones);
+    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(lsb, bias), u), 16);
+  };
+  __m256i rlo = round(lo), rhi = round(hi);
+  const __m256 nan = _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q);
+  if (!_mm256_testz_ps(nan, nan)) {
+    const __m256i nan_bits = _mm256_set1_epi32(0xffff);
+    rlo = _mm256_blendv_epi8(nan_bits, rlo, _mm256_castps_si256(_mm256_cmp_ps(lo, lo, _CMP_ORD_Q)));
+    rhi = _mm256_blendv_epi8(nan_bits, rhi, _mm256_castps_si256(_mm256_cmp_ps(hi, hi, _CMP_ORD_Q)));
+  }
+  return _mm256_packus_epi32(rlo, rhi);
+}
+#endif
 
 #if defined(CPU_CAPABILITY_AVX2)
 // math::rope_sincos<float> for four pairs at once, step by step in AVX2: the same IEEE
@@ -348,6 +393,25 @@ POSENC_ROW_INLINE void rotate_row_vec_reduced(const RopeArgs& a, const scalar_t*
   };
   int64_t p = 0;
   if (!a.interleaved) {
+#if defined(CPU_CAPABILITY_AVX2)
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      // Widened in lane order, angles in that order (cs2, sn2), rotate_vec's operations
+      // (fmsub(x1, c, x2 s) is fma(x1, c, -(x2 s))), rounded as ATen rounds.
+      for (; p + W <= half; p += W) {
+        __m256 x1a, x1b, x2a, x2b;
+        widen_bf16_lanes(in + p, x1a, x1b);
+        widen_bf16_lanes(in + half + p, x2a, x2b);
+        const __m256 ca = _mm256_loadu_ps(t.cs2 + p), cb = _mm256_loadu_ps(t.cs2 + p + F);
+        const __m256 sa = _mm256_loadu_ps(t.sn2 + p), sb = _mm256_loadu_ps(t.sn2 + p + F);
+        const __m256 y1a = _mm256_fmsub_ps(x1a, ca, _mm256_mul_ps(x2a, sa));
+        const __m256 y1b = _mm256_fmsub_ps(x1b, cb, _mm256_mul_ps(x2b, sb));
+        const __m256 y2a = _mm256_fmadd_ps(x2a, ca, _mm256_mul_ps(x1a, sa));
+        const __m256 y2b = _mm256_fmadd_ps(x2b, cb, _mm256_mul_ps(x1b, sb));
+        store_vec<kStream>(VecH(narrow_bf16_lanes(y1a, y1b)), out + p);
+        store_vec<kStream>(VecH(narrow_bf16_lanes(y2a, y2b)), out + half + p);
+      }
+    }
+#endif
     for (; p + W <= half; p += W) {
       auto [x1a, x1b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + p));
       auto [x2a, x2b] = at::vec::convert_to_float<scalar_t>(VecH::loadu(in + half + p));
