@@ -247,6 +247,18 @@ inline void store_vec(const Vec& v, T* out) {
   v.store(out);
 }
 
+// load_widened's way back: two float32 vectors stored as 2 * Vectorized<float>::size()
+// values of scalar_t (half precision rounded by ATen's conversion).
+template <bool kStream, typename scalar_t>
+inline void store_narrowed(const Vectorized<float>& lo, const Vectorized<float>& hi, scalar_t* out) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    store_vec<kStream>(lo, out);
+    store_vec<kStream>(hi, out + Vectorized<float>::size());
+  } else {
+    store_vec<kStream>(at::vec::convert_from_float<scalar_t>(lo, hi), out);
+  }
+}
+
 // Streaming stores pay off once the rows written are well beyond what the caches keep: the
 // data would be evicted before anyone reads it, and a plain store first reads every line it
 // overwrites. A prefill of 2048 tokens (48 MiB written in float32) streams; a decode step
@@ -329,14 +341,31 @@ inline Vec swap_pairs(const Vec& x) {
 // pair's angles per feature (TokenAngles::cs2, sn2), lane 2i gets fma(x1, c, -(x2 s)) and
 // lane 2i + 1 fma(x2, c, x1 s): rotate_vec's operations, so its bits (the sign flipped on
 // the rounded product, as .neg() does).
-template <typename Vec>
+// With kOddNegated, the sign goes to the odd lanes instead: fma(x1, c, x2 s) and
+// fma(x2, c, -(x1 s)), the transposed rotation of apply_rope_cos_sin's backward (given s
+// swapped as x is).
+template <typename Vec, bool kOddNegated = false>
 inline Vec rotate_paired_vec(const Vec& x, const Vec& c, const Vec& s) {
   using T = typename Vec::value_type;
-  // -0.0 in the even lanes (a constant the compiler folds; no static: the ISA units define
-  // no shared symbols, tests/cpp/check_isa_symbols.sh).
-  alignas(64) T even_sign[Vec::size()];
-  for (int64_t i = 0; i < Vec::size(); ++i) even_sign[i] = i % 2 == 0 ? T(-0.0) : T(0.0);
-  return fma_vec(x, c, (swap_pairs(x) * s) ^ Vec::loadu(even_sign));
+  // -0.0 in the negated lanes (a constant the compiler folds; no static: the ISA units
+  // define no shared symbols, tests/cpp/check_isa_symbols.sh).
+  alignas(64) T sign[Vec::size()];
+  for (int64_t i = 0; i < Vec::size(); ++i) sign[i] = (i % 2 == 1) == kOddNegated ? T(-0.0) : T(0.0);
+  return fma_vec(x, c, (swap_pairs(x) * s) ^ Vec::loadu(sign));
+}
+
+// 2 * Vectorized<float>::size() values at x as two float32 vectors (the element order kept;
+// half precision widened exactly), and back (rounded as ATen rounds), for the row paths
+// that treat every dtype alike.
+template <typename scalar_t>
+inline std::pair<Vectorized<float>, Vectorized<float>> load_widened(const scalar_t* x) {
+  using VecF = Vectorized<float>;
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return {VecF::loadu(x), VecF::loadu(x + VecF::size())};
+  } else {
+    auto [lo, hi] = at::vec::convert_to_float<scalar_t>(Vectorized<scalar_t>::loadu(x));
+    return {lo, hi};
+  }
 }
 
 // Any strides, any dtype: pair p of the row with element strides si (in) and so (out).

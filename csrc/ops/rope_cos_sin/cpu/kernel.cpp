@@ -68,6 +68,71 @@ inline void rotate_unit(const RopeCosSinArgs& a, const acc_t* x, acc_t* y, const
   }
 }
 
+// The rotated features [0, rot) of a contiguous row of float32 or half precision, in float32
+// registers (load_widened / store_narrowed: half precision widened and rounded on the way,
+// no staging), math::rope_rotate_pair_tables lane by lane; the pairs past the last whole
+// vector by the scalar form.
+template <typename scalar_t, bool kTranspose, bool kStream>
+inline void rotate_unit_wide(const RopeCosSinArgs& a, const scalar_t* x, scalar_t* y, const float* cs,
+                             const float* sn) {
+  using VecF = at::vec::Vectorized<float>;
+  constexpr int64_t F = VecF::size(), W = 2 * F;  // W values per step
+  const int64_t rot = a.rotary_dim, half = rot / 2;
+  const auto tables = [](const float* t) { return std::pair<VecF, VecF>{VecF::loadu(t), VecF::loadu(t + F)}; };
+  int64_t p = 0;
+  if (!a.interleaved) {
+    for (; p + W <= half; p += W) {
+      const auto [x1a, x1b] = load_widened(x + p);
+      const auto [x2a, x2b] = load_widened(x + half + p);
+      const auto [c1a, c1b] = tables(cs + p);
+      const auto [s1a, s1b] = tables(sn + p);
+      const auto [c2a, c2b] = tables(cs + half + p);
+      const auto [s2a, s2b] = tables(sn + half + p);
+      if constexpr (kTranspose) {
+        store_narrowed<kStream>(fma_vec(x1a, c1a, x2a * s2a), fma_vec(x1b, c1b, x2b * s2b), y + p);
+        store_narrowed<kStream>(fma_vec(x2a, c2a, (x1a * s1a).neg()), fma_vec(x2b, c2b, (x1b * s1b).neg()),
+                                y + half + p);
+      } else {
+        store_narrowed<kStream>(fma_vec(x1a, c1a, (x2a * s1a).neg()), fma_vec(x1b, c1b, (x2b * s1b).neg()),
+                                y + p);
+        store_narrowed<kStream>(fma_vec(x2a, c2a, x1a * s2a), fma_vec(x2b, c2b, x1b * s2b), y + half + p);
+      }
+    }
+    for (; p < half; ++p) {
+      float y1, y2;
+      math::rope_rotate_pair_tables<float>(static_cast<float>(x[p]), static_cast<float>(x[p + half]), cs[p],
+                                           sn[p], cs[p + half], sn[p + half], kTranspose, &y1, &y2);
+      y[p] = static_cast<scalar_t>(y1);
+      y[p + half] = static_cast<scalar_t>(y2);
+    }
+  } else {
+    // Pairs as they lie (rope_rows.h: rotate_paired_vec); the tables are per feature already,
+    // and the transpose reads each lane's partner's sine.
+    const auto rotate = [](const VecF& xv, const VecF& c, const VecF& sv) {
+      if constexpr (kTranspose) {
+        return rotate_paired_vec<VecF, true>(xv, c, swap_pairs(sv));
+      } else {
+        return rotate_paired_vec<VecF>(xv, c, sv);
+      }
+    };
+    for (; 2 * p + W <= rot; p += W / 2) {
+      const int64_t e = 2 * p;
+      const auto [xa, xb] = load_widened(x + e);
+      const auto [ca, cb] = tables(cs + e);
+      const auto [sa, sb] = tables(sn + e);
+      store_narrowed<kStream>(rotate(xa, ca, sa), rotate(xb, cb, sb), y + e);
+    }
+    for (; p < half; ++p) {
+      float y1, y2;
+      math::rope_rotate_pair_tables<float>(static_cast<float>(x[2 * p]), static_cast<float>(x[2 * p + 1]),
+                                           cs[2 * p], sn[2 * p], cs[2 * p + 1], sn[2 * p + 1], kTranspose, &y1,
+                                           &y2);
+      y[2 * p] = static_cast<scalar_t>(y1);
+      y[2 * p + 1] = static_cast<scalar_t>(y2);
+    }
+  }
+}
+
 // Heads [h0, h1) of token (b, s) of one operand.
 template <typename scalar_t, typename acc_t, bool kTranspose>
 void rotate_rows(const RopeCosSinArgs& a, const RopeOperand& op, int64_t b, int64_t s, int64_t h0,
@@ -79,23 +144,30 @@ void rotate_rows(const RopeCosSinArgs& a, const RopeOperand& op, int64_t b, int6
   for (int64_t h = h0; h < h1; ++h) {
     const scalar_t* x = in + b * op.in_stride[0] + s * op.in_stride[1] + h * op.in_stride[2];
     scalar_t* const row = out + b * op.out_stride[0] + s * op.out_stride[1] + h * op.out_stride[2];
+    const int64_t xs = op.in_stride[3];
+    if constexpr (!std::is_same_v<scalar_t, double>) {
+      // Contiguous rows in float32 registers; a row that streams whole (every feature
+      // rotated, aligned: rows_can_stream) streams straight from them.
+      if (xs == 1 && op.out_stride[3] == 1 && rot == a.head_dim) {
+        if (stream && rows_can_stream<scalar_t>(row, rot)) {
+          rotate_unit_wide<scalar_t, kTranspose, true>(a, x, row, cs, sn);
+        } else {
+          rotate_unit_wide<scalar_t, kTranspose, false>(a, x, row, cs, sn);
+        }
+        continue;
+      }
+    }
     const bool nt = stream && op.out_stride[3] == 1 && a.head_dim <= kStagedRow &&
                     row_can_stream<scalar_t>(row, a.head_dim);
     scalar_t* y = nt ? staged : row;  // where the row is computed
-    const int64_t xs = op.in_stride[3], ys = nt ? 1 : op.out_stride[3];
+    const int64_t ys = nt ? 1 : op.out_stride[3];
     if (xs == 1 && ys == 1) {
       // x and y may be the same row only in place, which this op never is (its outputs are
       // fresh tensors).
-      if constexpr (std::is_same_v<scalar_t, acc_t>) {
+      if constexpr (std::is_same_v<scalar_t, double>) {
         rotate_unit<acc_t, kTranspose>(a, x, y, cs, sn);
       } else {
-        // Half precision: widened (exact) and narrowed by at::vec::convert (rounding to
-        // nearest even, as the scalar casts do) with vector conversions, rotated in float32.
-        alignas(32) acc_t xf[kStagedRow];
-        alignas(32) acc_t yf[kStagedRow];
-        widen(x, xf, rot);
-        rotate_unit<acc_t, kTranspose>(a, xf, yf, cs, sn);
-        at::vec::convert(yf, y, rot);
+        rotate_unit_wide<scalar_t, kTranspose, false>(a, x, y, cs, sn);
       }
     } else {
       for (int64_t p = 0; p < half; ++p) {
