@@ -61,6 +61,29 @@ struct TokenAngles {
 template <typename acc_t>
 inline void fill_pair_angles(const RopeArgs& a, TokenAngles<acc_t>& t) {
   const int64_t half = a.rotary_dim / 2;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float>) {  // the same moves, 8 values at a time
+    for (const auto& [from, to] : {std::pair<const float*, float*>{t.cs, t.cs2}, {t.sn, t.sn2}}) {
+      if (a.interleaved) {
+        int64_t i = 0;
+        for (; i + 8 <= half; i += 8) {
+          const __m256 v = _mm256_loadu_ps(from + i);
+          const __m256 lo = _mm256_unpacklo_ps(v, v), hi = _mm256_unpackhi_ps(v, v);
+          _mm256_storeu_ps(to + 2 * i, _mm256_permute2f128_ps(lo, hi, 0x20));
+          _mm256_storeu_ps(to + 2 * i + 8, _mm256_permute2f128_ps(lo, hi, 0x31));
+        }
+        for (; i < half; ++i) to[2 * i] = to[2 * i + 1] = from[i];
+      } else {
+        for (int64_t g = 0; g + 16 <= half; g += 16) {
+          const __m256 v0 = _mm256_loadu_ps(from + g), v1 = _mm256_loadu_ps(from + g + 8);
+          _mm256_storeu_ps(to + g, _mm256_permute2f128_ps(v0, v1, 0x20));
+          _mm256_storeu_ps(to + g + 8, _mm256_permute2f128_ps(v0, v1, 0x31));
+        }
+      }
+    }
+    return;
+  }
+#endif
   if (a.interleaved) {
     for (int64_t i = 0; i < half; ++i) {
       t.cs2[2 * i] = t.cs2[2 * i + 1] = t.cs[i];
@@ -146,11 +169,52 @@ inline void rope_sincos4(const double* pos, const double* inv, __m128* s_out, __
   *s_out = _mm_xor_ps(ss, _mm_and_ps(neg_s, sign32));
   *c_out = _mm_xor_ps(cc, _mm_and_ps(neg_c, sign32));
 }
+
+// rope_sincos4 on eight pairs: the double-precision steps in two halves of four, the float
+// steps eight lanes wide (the same operations lane by lane, so the same bits).
+inline void rope_sincos8(const double* pos, const double* inv, __m256* s_out, __m256* c_out) {
+  const __m256d sign64 = _mm256_set1_pd(-0.0);
+  __m128 rf_half[2], q_half[2];
+  for (int h = 0; h < 2; ++h) {
+    const __m256d angle = _mm256_mul_pd(_mm256_loadu_pd(pos + 4 * h), _mm256_loadu_pd(inv + 4 * h));
+    const __m256d k = _mm256_round_pd(_mm256_mul_pd(angle, _mm256_set1_pd(0.63661977236758134308)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m256d nk = _mm256_xor_pd(k, sign64);
+    const __m256d r = _mm256_fmadd_pd(nk, _mm256_set1_pd(6.1232339957367658e-17),
+                                      _mm256_fmadd_pd(nk, _mm256_set1_pd(1.5707963267948965580e+00), angle));
+    rf_half[h] = _mm256_cvtpd_ps(r);
+    const __m256d q64 = _mm256_sub_pd(k, _mm256_mul_pd(_mm256_set1_pd(4.0),
+                                                       _mm256_floor_pd(_mm256_mul_pd(k, _mm256_set1_pd(0.25)))));
+    q_half[h] = _mm256_cvtpd_ps(q64);
+  }
+  const __m256 rf = _mm256_insertf128_ps(_mm256_castps128_ps256(rf_half[0]), rf_half[1], 1);
+  const __m256 q = _mm256_insertf128_ps(_mm256_castps128_ps256(q_half[0]), q_half[1], 1);
+  const __m256 r2 = _mm256_mul_ps(rf, rf);
+  const __m256 ps = _mm256_fmadd_ps(
+      r2, _mm256_fmadd_ps(r2, _mm256_set1_ps(-1.9515295891e-4f), _mm256_set1_ps(8.3321608736e-3f)),
+      _mm256_set1_ps(-1.6666654611e-1f));
+  const __m256 sr = _mm256_fmadd_ps(_mm256_mul_ps(rf, r2), ps, rf);
+  const __m256 pc = _mm256_fmadd_ps(
+      r2, _mm256_fmadd_ps(r2, _mm256_set1_ps(2.443315711809948e-5f), _mm256_set1_ps(-1.388731625493765e-3f)),
+      _mm256_set1_ps(4.166664568298827e-2f));
+  const __m256 cr = _mm256_fmadd_ps(_mm256_mul_ps(r2, r2), pc,
+                                    _mm256_fmadd_ps(_mm256_set1_ps(-0.5f), r2, _mm256_set1_ps(1.0f)));
+  const __m256 one = _mm256_set1_ps(1.0f), two = _mm256_set1_ps(2.0f), three = _mm256_set1_ps(3.0f);
+  const __m256 swap = _mm256_or_ps(_mm256_cmp_ps(q, one, _CMP_EQ_OQ), _mm256_cmp_ps(q, three, _CMP_EQ_OQ));
+  const __m256 ss = _mm256_blendv_ps(sr, cr, swap);
+  const __m256 cc = _mm256_blendv_ps(cr, sr, swap);
+  const __m256 sign32 = _mm256_set1_ps(-0.0f);
+  const __m256 neg_s = _mm256_cmp_ps(q, two, _CMP_GE_OQ);
+  const __m256 neg_c = _mm256_or_ps(_mm256_cmp_ps(q, one, _CMP_EQ_OQ), _mm256_cmp_ps(q, two, _CMP_EQ_OQ));
+  *s_out = _mm256_xor_ps(ss, _mm256_and_ps(neg_s, sign32));
+  *c_out = _mm256_xor_ps(cc, _mm256_and_ps(neg_c, sign32));
+}
 #endif
 
-// The angles of a token whose position on axis a is pos[a] (one axis for plain RoPE).
+// The angles of a token whose position on axis a is pos[a] (one axis for plain RoPE); with
+// `pair_angles` false, cs and sn alone (angles that only feed others: rope_shift_kv's).
 template <typename acc_t>
-void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t) {
+void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, bool pair_angles = true) {
   const acc_t factor = static_cast<acc_t>(a.attention_factor);
   const acc_t sign = a.inverse ? acc_t(-1) : acc_t(1);
   const int64_t half = a.rotary_dim / 2;
@@ -159,6 +223,13 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t) 
   if constexpr (std::is_same_v<acc_t, float>) {
     alignas(32) double posd[kMaxRopePairs];
     for (int64_t j = 0; j < half; ++j) posd[j] = static_cast<double>(pos[a.pair_axis[j]]);
+    const __m256 f8 = _mm256_set1_ps(factor), fs8 = _mm256_set1_ps(sign);
+    for (; i + 8 <= half; i += 8) {
+      __m256 s, c;
+      rope_sincos8(posd + i, a.inv_freq + i, &s, &c);
+      _mm256_storeu_ps(t.cs + i, _mm256_mul_ps(c, f8));
+      _mm256_storeu_ps(t.sn + i, _mm256_mul_ps(_mm256_mul_ps(s, f8), fs8));
+    }
     const __m128 f = _mm_set1_ps(factor), fs = _mm_set1_ps(sign);
     for (; i + 4 <= half; i += 4) {
       __m128 s, c;
@@ -174,7 +245,7 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t) 
     t.cs[i] = c * factor;
     t.sn[i] = s * factor * sign;
   }
-  fill_pair_angles(a, t);
+  if (pair_angles) fill_pair_angles(a, t);
 }
 
 // The coordinates of token (b, s) on every axis; false for a packed token outside every

@@ -42,8 +42,8 @@ void shift_rows(const RopeShiftKvArgs& a) {
       if (!shift_kv_row(a, b, j, &outer, &inner)) continue;  // slot -1
       token_positions(a.from, b, j, p_old);
       token_positions(a.to, b, j, p_new);
-      token_angles<acc_t>(a.from, p_old, old_angles);
-      token_angles<acc_t>(a.to, p_new, new_angles);
+      token_angles<acc_t>(a.from, p_old, old_angles, false);
+      token_angles<acc_t>(a.to, p_new, new_angles, false);
       const acc_t factor = static_cast<acc_t>(a.factor);
       for (int64_t i = 0; i < half; ++i) {
         rope_shift_angle<acc_t>(new_angles.cs[i], new_angles.sn[i], old_angles.cs[i], old_angles.sn[i],
