@@ -1,0 +1,170 @@
+"""Two builds of posenc side by side: timings (A/B) and bits.
+
+A change to a CPU kernel is judged against the build before it: copy each build's Python
+package tree (``cp -r python /tmp/old_py`` before the change, ``/tmp/new_py`` after), then
+
+    python benchmarks/ab_builds.py time /tmp/old_py /tmp/new_py mla:float32 --rounds 6 --threads 1
+    python benchmarks/ab_builds.py bits /tmp/old_py /tmp/new_py
+
+``time`` runs one case in fresh processes, alternating the builds, and prints the minimum (and
+median) of each: the host's noise moves single runs by 10-30%. ``bits`` computes the same
+~1200 outputs under each build (every dtype; apply_rope in/out of place, backward, bhsd,
+partial rotary, interleaved; apply_rope_cos_sin; rope_append_kv incl. MLA; rope_shift_kv;
+NaN and inf inputs) and counts those that differ in any bit (NaN payloads aside).
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+CASES = {
+    "mla": "q (1, 2048, 16, 192): q_pe in place, latent cache [kv_c 512 | k_pe 64]",
+    "rope_bshd_out": "apply_rope q (4, 1024, 16, 128), k (4, 1024, 4, 128)",
+    "rope_bshd_inplace": "the same in place", "rope_bhsd_out": "bhsd", "rope_bshd_out_il": "interleaved",
+    "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward",
+    "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "shift": "rope_shift_kv of 2048 rows",
+}
+
+CHILD_TIME = r'''
+import sys, time, torch, posenc.functional as F
+torch.set_num_threads(int(sys.argv[2]))
+torch.manual_seed(0)
+name, dt = sys.argv[1].split(":")
+dt = getattr(torch, dt)
+def mn(fn, n=25):
+    for _ in range(3): fn()
+    ts = []
+    for _ in range(n):
+        t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
+    return min(ts) * 1e3
+with torch.no_grad():
+    if name == "mla":
+        q = torch.randn(1, 2048, 16, 192, dtype=dt); kv_c = torch.randn(1, 2048, 1, 512, dtype=dt)
+        k_pe = torch.randn(1, 2048, 1, 64, dtype=dt); latent = torch.zeros(1, 4096, 1, 576, dtype=dt)
+        lengths = torch.tensor([1000])
+        fn = lambda: F.rope_append_kv(q[..., 128:], k_pe, kv_c, latent[..., 512:], latent[..., :512],
+                                      offset=lengths, interleaved=True, inplace=True)
+    elif name.startswith("rope"):
+        parts = name.split("_"); layout, mode, il = parts[1], parts[2], len(parts) > 3
+        shape = (lambda h: (4, 1024, h, 128)) if layout == "bshd" else (lambda h: (4, h, 1024, 128))
+        q, k = torch.randn(shape(16), dtype=dt), torch.randn(shape(4), dtype=dt)
+        fn = lambda: F.apply_rope(q, k, layout=layout, inplace=mode == "inplace", interleaved=il)
+    elif name.startswith("cossin"):
+        q = torch.randn(4, 16, 1024, 128, dtype=dt); k = torch.randn(4, 4, 1024, 128, dtype=dt)
+        cos, sin = F.rope_cos_sin(torch.arange(1024), 128, dtype=dt)
+        if name.endswith("bwd"):
+            qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+            def fn():
+                with torch.enable_grad():
+                    torch.autograd.grad(F.apply_rope_cos_sin(qg, kg, cos, sin), (qg, kg), (q, k))
+        else:
+            fn = lambda: F.apply_rope_cos_sin(q, k, cos, sin)
+    elif name == "append":
+        q = torch.randn(1, 2048, 32, 128, dtype=dt); k, v = (torch.randn(1, 2048, 8, 128, dtype=dt) for _ in "kv")
+        kc, vc = (torch.zeros(1, 4096, 8, 128, dtype=dt) for _ in "kv")
+        fn = lambda: F.rope_append_kv(q, k, v, kc, vc, offset=torch.tensor([1000]))
+    elif name == "shift":
+        kc = torch.randn(1, 4096, 8, 128, dtype=dt); rows = torch.arange(2048, 4096)
+        fn = lambda: F.rope_shift_kv(kc, rows, rows - 1024, rows=rows)
+    print(mn(fn))
+'''
+
+CHILD_BITS = r'''
+import sys, torch, posenc.functional as F
+torch.manual_seed(0)
+outs = []
+def add(t):
+    if isinstance(t, (tuple, list)):
+        for x in t: add(x)
+    elif t is not None: outs.append(t.detach().clone())
+shapes = [(2, 37, 4, 2, 64, None), (1, 5, 3, 1, 128, 64), (3, 17, 2, 2, 48, None), (1, 9, 2, 1, 192, 64),
+          (2, 33, 4, 4, 32, 16), (1, 8, 1, 1, 6, None), (1, 4, 2, 2, 10, None)]
+for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    for (B, S, H, Hk, D, rd) in shapes:
+        for il in (True, False):
+            q = torch.randn(B, S, H, D, dtype=dt); k = torch.randn(B, S, Hk, D, dtype=dt)
+            q[0, 0, 0, 0] = float("nan"); q[0, -1, 0, 1] = float("inf")
+            kw = dict(interleaved=il, rotary_dim=rd)
+            with torch.no_grad():
+                add(F.apply_rope(q, k, **kw))
+                q2, k2 = q.clone(), k.clone(); F.apply_rope(q2, k2, inplace=True, **kw); add((q2, k2))
+                add(F.apply_rope(q, k, inverse=True, **kw))
+                add(F.apply_rope(q.transpose(1, 2), k.transpose(1, 2), layout="bhsd", **kw))
+            qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+            o = F.apply_rope(qg, kg, **kw)
+            add(torch.autograd.grad(o, (qg, kg), (torch.randn_like(o[0]), torch.randn_like(o[1]))))
+            kc, vc = torch.zeros(B, S + 5, Hk, D, dtype=dt), torch.zeros(B, S + 5, Hk, D, dtype=dt)
+            with torch.no_grad():
+                v = torch.randn(B, S, Hk, D, dtype=dt)
+                add(F.rope_append_kv(q, k, v, kc, vc, offset=torch.arange(B) % 3, **kw))
+                add((kc, vc))
+                kc2 = torch.randn(B, S + 5, Hk, D, dtype=dt); rows = torch.arange(2, S + 5)
+                F.rope_shift_kv(kc2, rows, rows - 2, rows=rows, **kw); add(kc2)
+    for (B, S, H, Hk, D, rd) in shapes[:2] + [(1, 300, 16, 4, 128, None), (2, 1024, 16, 4, 128, None)]:
+        for il in (False, True):
+            cos, sin = F.rope_cos_sin(torch.arange(S), rd or D, dtype=dt)  # any tables will do
+            q = torch.randn(B, H, S, D, dtype=dt); k = torch.randn(B, Hk, S, D, dtype=dt); q[0, 0, 0, 0] = float("nan")
+            with torch.no_grad():
+                add(F.apply_rope_cos_sin(q, k, cos, sin, interleaved=il))
+                add(F.apply_rope_cos_sin(q.transpose(1, 2), k.transpose(1, 2), cos, sin, layout="bshd", interleaved=il))
+            qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+            o = F.apply_rope_cos_sin(qg, kg, cos, sin, interleaved=il)
+            add(torch.autograd.grad(o, (qg, kg), (torch.randn_like(o[0]), torch.randn_like(o[1]))))
+for dt in (torch.float32, torch.bfloat16, torch.float16):
+    q = torch.randn(2, 19, 4, 192, dtype=dt); kv_c = torch.randn(2, 19, 1, 512, dtype=dt)
+    k_pe = torch.randn(2, 19, 1, 64, dtype=dt); lat = torch.zeros(2, 40, 1, 576, dtype=dt)
+    with torch.no_grad():
+        F.rope_append_kv(q[..., 128:], k_pe, kv_c, lat[..., 512:], lat[..., :512], offset=torch.tensor([3, 7]),
+                         interleaved=True, inplace=True)
+    add((q, lat))
+torch.save(outs, sys.argv[1])
+'''
+
+
+def run(tree, code, *args):
+    env = {**os.environ, "PYTHONPATH": tree}
+    out = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True, env=env)
+    if out.returncode:
+        sys.exit(out.stderr[-3000:])
+    return out.stdout
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", choices=("time", "bits"))
+    parser.add_argument("old")
+    parser.add_argument("new")
+    parser.add_argument("cases", nargs="*", help="name:dtype, name one of " + ", ".join(CASES))
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    if args.mode == "bits":
+        import torch
+        with tempfile.TemporaryDirectory() as tmp:
+            paths = [os.path.join(tmp, f"{i}.pt") for i in (0, 1)]
+            for tree, path in zip((args.old, args.new), paths):
+                run(tree, CHILD_BITS, path)
+            old, new = (torch.load(p) for p in paths)
+        differ = 0
+        for a, b in zip(old, new):
+            width = {8: torch.int64, 4: torch.int32, 2: torch.int16}[a.element_size()]
+            both_nan = torch.isnan(a) & torch.isnan(b)
+            differ += int(a.shape != b.shape or bool(((a.view(width) != b.view(width)) & ~both_nan).any()))
+        print(f"{len(old)} outputs; {differ} differ in bits (NaN payloads aside)")
+        return int(differ > 0)
+    for case in args.cases:
+        times = {"old": [], "new": []}
+        for _ in range(args.rounds):
+            for name, tree in (("old", args.old), ("new", args.new)):
+                times[name].append(float(run(tree, CHILD_TIME, case, str(args.threads)).split()[-1]))
+        o, n = min(times["old"]), min(times["new"])
+        med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+        print(f"{case:28} old {o:.3f} ms  new {n:.3f} ms  new/old {n / o:.2f}  "
+              f"(medians {med['old']:.3f} {med['new']:.3f})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
