@@ -134,44 +134,11 @@ inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2)
-// math::rope_sincos<float> for four pairs at once, step by step in AVX2: the same IEEE
+// math::rope_sincos<float> for eight pairs at once, step by step in AVX2: the same IEEE
 // operations (products, FMAs, rint, floor, conversions: each rounded once, as the scalar
 // ones are) and the same selects, so the same bits; the compiler does not vectorise the
-// scalar form (its double reduction feeds a float polynomial). Angles pos[i] * inv[i].
-inline void rope_sincos4(const double* pos, const double* inv, __m128* s_out, __m128* c_out) {
-  const __m256d sign64 = _mm256_set1_pd(-0.0);
-  const __m256d angle = _mm256_mul_pd(_mm256_loadu_pd(pos), _mm256_loadu_pd(inv));
-  const __m256d k = _mm256_round_pd(_mm256_mul_pd(angle, _mm256_set1_pd(0.63661977236758134308)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  const __m256d nk = _mm256_xor_pd(k, sign64);
-  const __m256d r = _mm256_fmadd_pd(nk, _mm256_set1_pd(6.1232339957367658e-17),
-                                    _mm256_fmadd_pd(nk, _mm256_set1_pd(1.5707963267948965580e+00), angle));
-  const __m128 rf = _mm256_cvtpd_ps(r);
-  const __m128 r2 = _mm_mul_ps(rf, rf);
-  const __m128 ps = _mm_fmadd_ps(r2, _mm_fmadd_ps(r2, _mm_set1_ps(-1.9515295891e-4f), _mm_set1_ps(8.3321608736e-3f)),
-                                 _mm_set1_ps(-1.6666654611e-1f));
-  const __m128 sr = _mm_fmadd_ps(_mm_mul_ps(rf, r2), ps, rf);
-  const __m128 pc = _mm_fmadd_ps(
-      r2, _mm_fmadd_ps(r2, _mm_set1_ps(2.443315711809948e-5f), _mm_set1_ps(-1.388731625493765e-3f)),
-      _mm_set1_ps(4.166664568298827e-2f));
-  const __m128 cr = _mm_fmadd_ps(_mm_mul_ps(r2, r2), pc, _mm_fmadd_ps(_mm_set1_ps(-0.5f), r2, _mm_set1_ps(1.0f)));
-  // Quadrant q = k mod 4 in {0, 1, 2, 3}: exact in float too.
-  const __m256d q64 = _mm256_sub_pd(k, _mm256_mul_pd(_mm256_set1_pd(4.0),
-                                                     _mm256_floor_pd(_mm256_mul_pd(k, _mm256_set1_pd(0.25)))));
-  const __m128 q = _mm256_cvtpd_ps(q64);
-  const __m128 one = _mm_set1_ps(1.0f), two = _mm_set1_ps(2.0f), three = _mm_set1_ps(3.0f);
-  const __m128 swap = _mm_or_ps(_mm_cmp_ps(q, one, _CMP_EQ_OQ), _mm_cmp_ps(q, three, _CMP_EQ_OQ));
-  const __m128 ss = _mm_blendv_ps(sr, cr, swap);
-  const __m128 cc = _mm_blendv_ps(cr, sr, swap);
-  const __m128 sign32 = _mm_set1_ps(-0.0f);
-  const __m128 neg_s = _mm_cmp_ps(q, two, _CMP_GE_OQ);
-  const __m128 neg_c = _mm_or_ps(_mm_cmp_ps(q, one, _CMP_EQ_OQ), _mm_cmp_ps(q, two, _CMP_EQ_OQ));
-  *s_out = _mm_xor_ps(ss, _mm_and_ps(neg_s, sign32));
-  *c_out = _mm_xor_ps(cc, _mm_and_ps(neg_c, sign32));
-}
-
-// rope_sincos4 on eight pairs: the double-precision steps in two halves of four, the float
-// steps eight lanes wide (the same operations lane by lane, so the same bits).
+// scalar form (its double reduction feeds a float polynomial). Angles pos[i] * inv[i]; the
+// double-precision steps in two halves of four lanes, the float steps eight lanes wide.
 inline void rope_sincos8(const double* pos, const double* inv, __m256* s_out, __m256* c_out) {
   const __m256d sign64 = _mm256_set1_pd(-0.0);
   __m128 rf_half[2], q_half[2];
@@ -230,12 +197,22 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, 
       _mm256_storeu_ps(t.cs + i, _mm256_mul_ps(c, f8));
       _mm256_storeu_ps(t.sn + i, _mm256_mul_ps(_mm256_mul_ps(s, f8), fs8));
     }
-    const __m128 f = _mm_set1_ps(factor), fs = _mm_set1_ps(sign);
-    for (; i + 4 <= half; i += 4) {
-      __m128 s, c;
-      rope_sincos4(posd + i, a.inv_freq + i, &s, &c);
-      _mm_storeu_ps(t.cs + i, _mm_mul_ps(c, f));
-      _mm_storeu_ps(t.sn + i, _mm_mul_ps(_mm_mul_ps(s, f), fs));
+    if (i < half) {  // the last 1-7 pairs, in lanes padded with zero angles
+      alignas(32) double pos8[8] = {}, inv8[8] = {};
+      alignas(32) float c8[8], s8[8];
+      for (int64_t j = i; j < half; ++j) {
+        pos8[j - i] = posd[j];
+        inv8[j - i] = a.inv_freq[j];
+      }
+      __m256 s, c;
+      rope_sincos8(pos8, inv8, &s, &c);
+      _mm256_store_ps(c8, _mm256_mul_ps(c, f8));
+      _mm256_store_ps(s8, _mm256_mul_ps(_mm256_mul_ps(s, f8), fs8));
+      for (int64_t j = i; j < half; ++j) {
+        t.cs[j] = c8[j - i];
+        t.sn[j] = s8[j - i];
+      }
+      i = half;
     }
   }
 #endif
