@@ -8,9 +8,9 @@ package tree (``cp -r python /tmp/old_py`` before the change, ``/tmp/new_py`` af
 
 ``time`` runs one case in fresh processes, alternating the builds, and prints the minimum (and
 median) of each: the host's noise moves single runs by 10-30%. ``bits`` computes the same
-~1200 outputs under each build (every dtype; apply_rope in/out of place, backward, bhsd,
-partial rotary, interleaved; apply_rope_cos_sin; rope_append_kv incl. MLA; rope_shift_kv;
-NaN and inf inputs) and counts those that differ in any bit (NaN payloads aside).
+~1070 outputs under each build (every dtype; apply_rope in/out of place, backward, bhsd,
+partial rotary, interleaved; apply_rope_cos_sin; qk_norm_rope and its backward;
+rope_append_kv incl. QK-norm and MLA; rope_shift_kv; NaN and inf inputs) and counts those that differ in any bit (NaN payloads aside).
 """
 
 import argparse
@@ -23,7 +23,7 @@ CASES = {
     "mla": "q (1, 2048, 16, 192): q_pe in place, latent cache [kv_c 512 | k_pe 64]",
     "rope_bshd_out": "apply_rope q (4, 1024, 16, 128), k (4, 1024, 4, 128)",
     "rope_bshd_inplace": "the same in place", "rope_bhsd_out": "bhsd", "rope_bshd_out_il": "interleaved",
-    "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward",
+    "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward", "qknorm": "qk_norm_rope forward",
     "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "shift": "rope_shift_kv of 2048 rows",
 }
 
@@ -61,6 +61,10 @@ with torch.no_grad():
                     torch.autograd.grad(F.apply_rope_cos_sin(qg, kg, cos, sin), (qg, kg), (q, k))
         else:
             fn = lambda: F.apply_rope_cos_sin(q, k, cos, sin)
+    elif name == "qknorm":
+        q = torch.randn(4, 1024, 16, 128, dtype=dt); k = torch.randn(4, 1024, 4, 128, dtype=dt)
+        wq, wk = torch.rand(128) + 0.5, torch.rand(128) + 0.5
+        fn = lambda: F.qk_norm_rope(q, k, wq, wk)
     elif name == "append":
         q = torch.randn(1, 2048, 32, 128, dtype=dt); k, v = (torch.randn(1, 2048, 8, 128, dtype=dt) for _ in "kv")
         kc, vc = (torch.zeros(1, 4096, 8, 128, dtype=dt) for _ in "kv")
@@ -113,6 +117,19 @@ for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
             o = F.apply_rope_cos_sin(qg, kg, cos, sin, interleaved=il)
             add(torch.autograd.grad(o, (qg, kg), (torch.randn_like(o[0]), torch.randn_like(o[1]))))
 for dt in (torch.float32, torch.bfloat16, torch.float16):
+    for (S, H, Hk, D, norm, il) in [(37, 4, 2, 64, "head", False), (9, 3, 1, 128, "hidden", False),
+                                   (17, 2, 2, 48, "head", True), (300, 16, 4, 128, "head", False)]:
+        q = torch.randn(2, S, H, D, dtype=dt); k = torch.randn(2, S, Hk, D, dtype=dt); q[0, 0, 0, 0] = float("nan")
+        wq, wk = (torch.rand(D * (n if norm == "hidden" else 1)) + 0.5 for n in (H, Hk))
+        qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
+        o = F.qk_norm_rope(qg, kg, wq, wk, norm=norm, interleaved=il)
+        add(o)
+        add(torch.autograd.grad(o, (qg, kg), (torch.randn_like(o[0]), torch.randn_like(o[1]))))
+        kc, vc = torch.zeros(2, S + 3, Hk, D, dtype=dt), torch.zeros(2, S + 3, Hk, D, dtype=dt)
+        with torch.no_grad():
+            add(F.rope_append_kv(q, k, k, kc, vc, offset=torch.tensor([0, 3]), q_weight=wq, k_weight=wk, norm=norm,
+                                 interleaved=il))
+        add((kc, vc))
     q = torch.randn(2, 19, 4, 192, dtype=dt); kv_c = torch.randn(2, 19, 1, 512, dtype=dt)
     k_pe = torch.randn(2, 19, 1, 64, dtype=dt); lat = torch.zeros(2, 40, 1, 576, dtype=dt)
     with torch.no_grad():
