@@ -10,7 +10,8 @@ package tree (``cp -r python /tmp/old_py`` before the change, ``/tmp/new_py`` af
 median) of each: the host's noise moves single runs by 10-30%. ``bits`` computes the same
 ~1070 outputs under each build (every dtype; apply_rope in/out of place, backward, bhsd,
 partial rotary, interleaved; apply_rope_cos_sin; qk_norm_rope and its backward;
-rope_append_kv incl. QK-norm and MLA; rope_shift_kv; NaN and inf inputs) and counts those that differ in any bit (NaN payloads aside).
+rope_append_kv incl. QK-norm and MLA; rope_shift_kv; NaN and inf inputs) and counts those
+that differ in any bit (NaN payloads aside).
 """
 
 import argparse
