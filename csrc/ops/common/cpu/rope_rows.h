@@ -47,8 +47,8 @@ using at::vec::Vectorized;
 // (fill_pair_angles writes them; token_angles calls it, and so must a kernel that builds its
 // own angles): interleaved rows (adjacent pairs) once per feature, cs2[2i] = cs2[2i + 1] =
 // cs[i], so a vector of the row rotates as it lies in memory (rotate_paired_vec); rows of
-// split halves, per group of 16 pairs in the order AVX2's in-lane bfloat16 widening leaves
-// them (widen_bf16_lanes: pairs 0-3, 8-11, then 4-7, 12-15).
+// split halves (AVX2 builds), per group of 16 pairs in the order AVX2's in-lane bfloat16
+// widening leaves them (widen_bf16_lanes: pairs 0-3, 8-11, then 4-7, 12-15).
 template <typename acc_t>
 struct TokenAngles {
   acc_t cs[kMaxRopePairs];
@@ -84,18 +84,12 @@ inline void fill_pair_angles(const RopeArgs& a, TokenAngles<acc_t>& t) {
     return;
   }
 #endif
+  // Elsewhere only interleaved rows read cs2 and sn2 (the lane order of split halves is the
+  // AVX2 bfloat16 path's alone).
   if (a.interleaved) {
     for (int64_t i = 0; i < half; ++i) {
       t.cs2[2 * i] = t.cs2[2 * i + 1] = t.cs[i];
       t.sn2[2 * i] = t.sn2[2 * i + 1] = t.sn[i];
-    }
-    return;
-  }
-  for (int64_t g = 0; g + 16 <= half; g += 16) {
-    for (int64_t j = 0; j < 16; ++j) {
-      const int64_t from = g + ((j & 3) | ((j & 4) << 1) | ((j & 8) >> 1));  // 0-3, 8-11, 4-7, 12-15
-      t.cs2[g + j] = t.cs[from];
-      t.sn2[g + j] = t.sn[from];
     }
   }
 }
