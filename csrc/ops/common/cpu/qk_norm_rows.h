@@ -121,6 +121,18 @@ inline void add_squares_rows(const scalar_t* const (&in)[N], int64_t n, float (&
 }
 #endif
 
+#if defined(CPU_CAPABILITY_AVX2)
+// math::qk_norm_inv_rms(lanes_sum(part[i]), n, eps) of four rows at once, one row per lane:
+// lanes_sum's additions in its order and the same correctly rounded divisions and square
+// root (the same bits), the four latency chains overlapped instead of one after another.
+inline void inv_rms4(const float (&part)[4][kLanes], int64_t n, float eps, float (&r)[4]) {
+  __m128 sum = _mm_setzero_ps();
+  for (int l = 0; l < kLanes; ++l) sum = _mm_add_ps(sum, _mm_setr_ps(part[0][l], part[1][l], part[2][l], part[3][l]));
+  const __m128 mean_eps = _mm_add_ps(_mm_div_ps(sum, _mm_set1_ps(static_cast<float>(n))), _mm_set1_ps(eps));
+  _mm_storeu_ps(r, _mm_div_ps(_mm_set1_ps(1.0f), _mm_sqrt_ps(mean_eps)));
+}
+#endif
+
 template <typename scalar_t>
 const scalar_t* row_in(const RopeOperand& op, int64_t b, int64_t s, int64_t h) {
   return static_cast<const scalar_t*>(op.in) + b * op.in_stride[0] + s * op.in_stride[1] +
@@ -262,11 +274,13 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
       const scalar_t* rows[kGroup];
       for (int i = 0; i < kGroup; ++i) rows[i] = row_in<scalar_t>(op, b, s, h + i);
       prefetch_rows<scalar_t>(op, b, s, h + kPrefetchHeads, kGroup, D);
-      float part[kGroup][kLanes] = {};
+      alignas(32) float part[kGroup][kLanes];
+      for (int i = 0; i < kGroup; ++i) _mm256_store_ps(part[i], _mm256_setzero_ps());
       add_squares_rows<scalar_t, kGroup>(rows, D, part);
+      alignas(16) float r[kGroup];
+      inv_rms4(part, D, static_cast<float>(a.eps), r);
       for (int i = 0; i < kGroup; ++i) {
-        const acc_t r = math::qk_norm_inv_rms<acc_t>(lanes_sum(part[i]), D, static_cast<acc_t>(a.eps));
-        forward_row<scalar_t, acc_t, kC>(a, rows[i], 1, row_out<scalar_t>(op, b, s, h + i), 1, w, r, t);
+        forward_row<scalar_t, acc_t, kC>(a, rows[i], 1, row_out<scalar_t>(op, b, s, h + i), 1, w, r[i], t);
       }
     }
   }

@@ -133,11 +133,12 @@ inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
 // ones are) and the same selects, so the same bits; the compiler does not vectorise the
 // scalar form (its double reduction feeds a float polynomial). Angles pos[i] * inv[i]; the
 // double-precision steps in two halves of four lanes, the float steps eight lanes wide.
-inline void rope_sincos8(const double* pos, const double* inv, __m256* s_out, __m256* c_out) {
+// The positions come as two vectors of four (pos_lo: pairs 0-3, pos_hi: 4-7).
+inline void rope_sincos8(__m256d pos_lo, __m256d pos_hi, const double* inv, __m256* s_out, __m256* c_out) {
   const __m256d sign64 = _mm256_set1_pd(-0.0);
   __m128 rf_half[2], q_half[2];
   for (int h = 0; h < 2; ++h) {
-    const __m256d angle = _mm256_mul_pd(_mm256_loadu_pd(pos + 4 * h), _mm256_loadu_pd(inv + 4 * h));
+    const __m256d angle = _mm256_mul_pd(h == 0 ? pos_lo : pos_hi, _mm256_loadu_pd(inv + 4 * h));
     const __m256d k = _mm256_round_pd(_mm256_mul_pd(angle, _mm256_set1_pd(0.63661977236758134308)),
                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     const __m256d nk = _mm256_xor_pd(k, sign64);
@@ -170,6 +171,10 @@ inline void rope_sincos8(const double* pos, const double* inv, __m256* s_out, __
   *s_out = _mm256_xor_ps(ss, _mm256_and_ps(neg_s, sign32));
   *c_out = _mm256_xor_ps(cc, _mm256_and_ps(neg_c, sign32));
 }
+
+inline void rope_sincos8(const double* pos, const double* inv, __m256* s_out, __m256* c_out) {
+  rope_sincos8(_mm256_loadu_pd(pos), _mm256_loadu_pd(pos + 4), inv, s_out, c_out);
+}
 #endif
 
 // The angles of a token whose position on axis a is pos[a] (one axis for plain RoPE); with
@@ -182,12 +187,24 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, 
   int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<acc_t, float>) {
+    // One axis (every pair turns with position pos[0]): the position broadcast, not gathered
+    // pair by pair.
+    const bool one_axis = a.n_axes == 1;
     alignas(32) double posd[kMaxRopePairs];
-    for (int64_t j = 0; j < half; ++j) posd[j] = static_cast<double>(pos[a.pair_axis[j]]);
+    if (one_axis) {
+      std::fill_n(posd, half, static_cast<double>(pos[0]));
+    } else {
+      for (int64_t j = 0; j < half; ++j) posd[j] = static_cast<double>(pos[a.pair_axis[j]]);
+    }
+    const __m256d p4 = _mm256_set1_pd(static_cast<double>(pos[0]));
     const __m256 f8 = _mm256_set1_ps(factor), fs8 = _mm256_set1_ps(sign);
     for (; i + 8 <= half; i += 8) {
       __m256 s, c;
-      rope_sincos8(posd + i, a.inv_freq + i, &s, &c);
+      if (one_axis) {
+        rope_sincos8(p4, p4, a.inv_freq + i, &s, &c);
+      } else {
+        rope_sincos8(posd + i, a.inv_freq + i, &s, &c);
+      }
       _mm256_storeu_ps(t.cs + i, _mm256_mul_ps(c, f8));
       _mm256_storeu_ps(t.sn + i, _mm256_mul_ps(_mm256_mul_ps(s, f8), fs8));
     }
