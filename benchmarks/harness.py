@@ -122,16 +122,30 @@ def time_ms(fn: Callable[[], object], device: str, reps: int, warmup: int = 3) -
     return statistics.median(samples)
 
 
-def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3) -> dict:
-    """Median time (ms) of each fn, measured in alternation (one call of each per round) so
-    that slow drifts of a shared machine (page reclaim, other tenants) hit all of them."""
+def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3, burst: int = 1) -> dict:
+    """Median time (ms) of each fn, measured in alternation (one sample of each per round) so
+    that slow drifts of a shared machine (page reclaim, other tenants) hit all of them.
+
+    With burst > 1 a sample is the mean of `burst` consecutive calls after one untimed call:
+    the steady state of a loop that calls fn again and again (a decode step), which one call
+    right after a neighbour's long one (a 50 ms compiled composition) is not: it ran cold at
+    4x its warm time."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     samples = {name: [] for name in fns}
     for _ in range(reps):
         for name, fn in fns.items():
-            samples[name].append(time_ms(fn, device, reps=1, warmup=0))
+            if burst == 1:
+                samples[name].append(time_ms(fn, device, reps=1, warmup=0))
+                continue
+            fn()
+            _sync(device)
+            t0 = time.perf_counter()
+            for _ in range(burst):
+                fn()
+            _sync(device)
+            samples[name].append((time.perf_counter() - t0) * 1e3 / burst)
     return {name: statistics.median(v) for name, v in samples.items()}
 
 

@@ -163,6 +163,31 @@ def test_contiguous_cache(dtype, layout, per_row):
     assert torch.equal(cv[~listed], bv[~listed])
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("scaling", [None, "yarn"])
+def test_one_call_has_the_bits_of_calls_of_one_row(dtype, per_row, scaling):
+    """A shift within one configuration computes each position's angles once per call (one
+    table for both ends, when their positions span fewer than 2x the rows turned): the same
+    bits as calls of one row each, which compute both ends for their row."""
+    cache = rand(2, 40, 3, D, dtype=dtype, seed=3)
+    rows = torch.arange(8, 40)
+    old = rows + 5
+    new = old - 6  # both ends within 7 .. 44: 38 positions for 64 items
+    if per_row:
+        rows = torch.stack([rows, rows.flip(0)])
+        old = torch.stack([old, old + 3])
+        new = old - torch.tensor([[6], [2]])
+    kw = {} if scaling is None else dict(scaling=SCALINGS[scaling])
+    whole = cache.clone()
+    rope_shift_kv(whole, old, new, rows=rows, **kw)
+    by_row = cache.clone()
+    for i in range(rows.shape[-1]):
+        rope_shift_kv(by_row, old[..., i:i + 1], new[..., i:i + 1], rows=rows[..., i:i + 1], **kw)
+    assert not torch.equal(whole, cache)
+    assert torch.equal(whole, by_row)
+
+
 def test_default_rows_are_the_first_n():
     cache = make_cache("bshd", torch.float32)
     check(cache, "bshd", torch.arange(4) + 8, torch.arange(4))

@@ -8,7 +8,10 @@
 
 #include <ATen/Parallel.h>
 
+#include <c10/core/CPUAllocator.h>
+
 #include <algorithm>
+#include <limits>
 #include <type_traits>
 
 #include "ops/common/cpu/rope_rows.h"
@@ -18,6 +21,64 @@ namespace ops {
 namespace cpu {
 POSENC_ISA_NAMESPACE_BEGIN
 namespace {
+
+// cos and sin (token_angles' cs and sn) of every position in [first, first + count): rows
+// of 2 * half values, cs then sn. rows null: no table (the angles are computed per item).
+template <typename acc_t>
+struct AngleTable {
+  c10::DataPtr storage;  // from torch's CPU allocator, per call (seen by its memory accounting)
+  const acc_t* rows = nullptr;
+  int64_t first = 0;
+};
+
+// Both ends' angles as one table when they are one function of the position: one position
+// axis, the same frequencies, attention factor and direction in both configurations (the
+// common shift: same model, new positions), and the positions of both ends span fewer
+// than 2 * items values (then each is computed once instead of twice per item: a context
+// shift of n rows by d positions spans n + d; shared positions over a batch, fewer). The
+// same token_angles per position, so the same bits.
+template <typename acc_t>
+AngleTable<acc_t> shared_angle_table(const RopeShiftKvArgs& a, int64_t items) {
+  AngleTable<acc_t> t;
+  const RopeArgs &from = a.from, &to = a.to;
+  const int64_t half = to.rotary_dim / 2;
+  if (items < 2 || from.n_axes != 1 || to.n_axes != 1 || from.rotary_dim != to.rotary_dim ||
+      from.attention_factor != to.attention_factor || from.inverse != to.inverse ||
+      !std::equal(from.inv_freq, from.inv_freq + half, to.inv_freq)) {
+    return t;
+  }
+  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
+  int64_t p[math::kRopeMaxAxes];
+  for (int64_t item = 0; item < items; ++item) {
+    const int64_t b = item / to.seq, j = item % to.seq;
+    int64_t outer = 0, inner = 0;
+    if (!shift_kv_row(a, b, j, &outer, &inner)) continue;
+    for (const RopeArgs* end : {&from, &to}) {
+      token_positions(*end, b, j, p);
+      lo = std::min(lo, p[0]);
+      hi = std::max(hi, p[0]);
+    }
+  }
+  // The span as unsigned: hi - lo may not fit int64_t.
+  if (lo > hi || static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) >= static_cast<uint64_t>(2 * items - 1)) {
+    return t;
+  }
+  const int64_t count = hi - lo + 1;
+  t.storage = c10::GetCPUAllocator()->allocate(static_cast<size_t>(count * 2 * half) * sizeof(acc_t));
+  acc_t* rows = static_cast<acc_t*>(t.storage.get());
+  at::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, half)), [&](int64_t b0, int64_t b1) {
+    TokenAngles<acc_t> angles;
+    for (int64_t i = b0; i < b1; ++i) {
+      const int64_t pos = lo + i;
+      token_angles<acc_t>(to, &pos, angles, false);
+      std::copy(angles.cs, angles.cs + half, rows + i * 2 * half);
+      std::copy(angles.sn, angles.sn + half, rows + i * 2 * half + half);
+    }
+  });
+  t.rows = rows;
+  t.first = lo;
+  return t;
+}
 
 template <typename scalar_t>
 void shift_rows(const RopeShiftKvArgs& a) {
@@ -33,6 +94,7 @@ void shift_rows(const RopeShiftKvArgs& a) {
   staged.settings.rotary_offset = 0;
   staged.head_dim = g.rotary_dim;
   const int64_t* st = a.cache_stride;
+  const AngleTable<acc_t> table = shared_angle_table<acc_t>(a, items);
   at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
     TokenAngles<acc_t> old_angles, new_angles, turn;
     int64_t p_old[math::kRopeMaxAxes], p_new[math::kRopeMaxAxes];
@@ -42,12 +104,18 @@ void shift_rows(const RopeShiftKvArgs& a) {
       if (!shift_kv_row(a, b, j, &outer, &inner)) continue;  // slot -1
       token_positions(a.from, b, j, p_old);
       token_positions(a.to, b, j, p_new);
-      token_angles<acc_t>(a.from, p_old, old_angles, false);
-      token_angles<acc_t>(a.to, p_new, new_angles, false);
+      const acc_t *cn = new_angles.cs, *sn = new_angles.sn, *co = old_angles.cs, *so = old_angles.sn;
+      if (table.rows != nullptr) {  // both ends' angles from the call's table
+        const acc_t* row_new = table.rows + (p_new[0] - table.first) * 2 * half;
+        const acc_t* row_old = table.rows + (p_old[0] - table.first) * 2 * half;
+        cn = row_new, sn = row_new + half, co = row_old, so = row_old + half;
+      } else {
+        token_angles<acc_t>(a.from, p_old, old_angles, false);
+        token_angles<acc_t>(a.to, p_new, new_angles, false);
+      }
       const acc_t factor = static_cast<acc_t>(a.factor);
       for (int64_t i = 0; i < half; ++i) {
-        rope_shift_angle<acc_t>(new_angles.cs[i], new_angles.sn[i], old_angles.cs[i], old_angles.sn[i],
-                                factor, &turn.cs[i], &turn.sn[i]);
+        rope_shift_angle<acc_t>(cn[i], sn[i], co[i], so[i], factor, &turn.cs[i], &turn.sn[i]);
       }
       fill_pair_angles(g, turn);
       for (int64_t h = 0; h < a.heads; ++h) {
