@@ -25,7 +25,7 @@ CASES = {
     "rope_bshd_out": "apply_rope q (4, 1024, 16, 128), k (4, 1024, 4, 128)",
     "rope_bshd_inplace": "the same in place", "rope_bhsd_out": "bhsd", "rope_bshd_out_il": "interleaved",
     "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward", "qknorm": "qk_norm_rope forward",
-    "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "shift": "rope_shift_kv of 2048 rows",
+    "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "append_fp8": "the same, FP8 e4m3 caches", "shift": "rope_shift_kv of 2048 rows",
 }
 
 CHILD_TIME = r'''
@@ -66,10 +66,12 @@ with torch.no_grad():
         q = torch.randn(4, 1024, 16, 128, dtype=dt); k = torch.randn(4, 1024, 4, 128, dtype=dt)
         wq, wk = torch.rand(128) + 0.5, torch.rand(128) + 0.5
         fn = lambda: F.qk_norm_rope(q, k, wq, wk)
-    elif name == "append":
+    elif name in ("append", "append_fp8"):
         q = torch.randn(1, 2048, 32, 128, dtype=dt); k, v = (torch.randn(1, 2048, 8, 128, dtype=dt) for _ in "kv")
-        kc, vc = (torch.zeros(1, 4096, 8, 128, dtype=dt) for _ in "kv")
-        fn = lambda: F.rope_append_kv(q, k, v, kc, vc, offset=torch.tensor([1000]))
+        fp8 = name == "append_fp8"
+        kc, vc = (torch.zeros(1, 4096, 8, 128, dtype=torch.float8_e4m3fn if fp8 else dt) for _ in "kv")
+        scales = dict(k_scale=0.05, v_scale=0.02) if fp8 else {}
+        fn = lambda: F.rope_append_kv(q, k, v, kc, vc, offset=torch.tensor([1000]), **scales)
     elif name == "shift":
         kc = torch.randn(1, 4096, 8, 128, dtype=dt); rows = torch.arange(2048, 4096)
         fn = lambda: F.rope_shift_kv(kc, rows, rows - 1024, rows=rows)
