@@ -25,7 +25,8 @@ CASES = {
     "rope_bshd_out": "apply_rope q (4, 1024, 16, 128), k (4, 1024, 4, 128)",
     "rope_bshd_inplace": "the same in place", "rope_bhsd_out": "bhsd", "rope_bshd_out_il": "interleaved",
     "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward", "qknorm": "qk_norm_rope forward",
-    "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "append_fp8": "the same, FP8 e4m3 caches", "shift": "rope_shift_kv of 2048 rows",
+    "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "append_fp8": "the same, FP8 e4m3 caches",
+    "shift": "rope_shift_kv of 2048 rows",
 }
 
 CHILD_TIME = r'''

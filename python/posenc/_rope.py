@@ -372,6 +372,10 @@ class RopeConfig:
         ``sections_mode`` and the plain settings: the keys of ``_CONFIG_KEYWORDS``, stated once) for heads of
         ``head_dim`` features. ``max_position_embeddings``: the model's (the module's
         max_len), for the keys transformers fills from the config (``scaling_arguments``)."""
+        if not settings:  # no keyword: the defaults (a decoding step's common call; the same
+            # configuration as the path below gives them: test_module_calls.py)
+            return cls(base=10000.0, rope_type="default", scaling=(), rotary_dim=-1, interleaved=False,
+                       layout="bshd", sections=(), sections_mode="axial", head_dim=head_dim)
         unknown = sorted(set(settings) - set(_CONFIG_DEFAULTS))
         if unknown:
             raise TypeError(f"{fn}: unknown RoPE setting(s) {unknown}; expected {', '.join(_CONFIG_DEFAULTS)}")

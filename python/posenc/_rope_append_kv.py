@@ -12,6 +12,12 @@ from posenc._qk_norm_rope import check_norm_settings
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
 _LAYOUTS = ("bshd", "bhsd", "thd")
+# The op's own arguments with a default (the schema's), so that a call passes only those that
+# differ: torch.ops parses each keyword it is given (about half a microsecond each, a decoding
+# step's cost).
+_OWN_DEFAULTS = {a.name: a.default_value for a in torch.ops.posenc.rope_append_kv.default._schema.arguments
+                 if a.name in ("slot_mapping", "return_k", "k_scale", "v_scale", "q_weight", "k_weight", "eps",
+                               "weight_offset", "norm")}
 
 
 def _scale_arg(scale: Union[float, Tensor, None], name: str, fn: str) -> Optional[Tensor]:
@@ -112,10 +118,11 @@ def rope_append_kv(
     # RoPE's arguments exactly as apply_rope normalises them (no packed sequences here).
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=None,
                                   check_inputs=False, seq_len=seq_len, fn=fn)
-    arguments.update(slot_mapping=slot_mapping, return_k=bool(return_k),
-                     k_scale=_scale_arg(k_scale, "k_scale", fn), v_scale=_scale_arg(v_scale, "v_scale", fn),
-                     q_weight=q_weight, k_weight=k_weight, eps=float(eps), weight_offset=float(weight_offset),
-                     norm=norm)
+    own = dict(slot_mapping=slot_mapping, return_k=bool(return_k), k_scale=_scale_arg(k_scale, "k_scale", fn),
+               v_scale=_scale_arg(v_scale, "v_scale", fn), q_weight=q_weight, k_weight=k_weight, eps=float(eps),
+               weight_offset=float(weight_offset), norm=norm)
+    arguments.update((name, value) for name, value in own.items()
+                     if value is not None and (isinstance(value, Tensor) or value != _OWN_DEFAULTS[name]))
     if inplace:
         torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, **arguments)
         return (q, k) if return_k else q

@@ -3,6 +3,7 @@
 happens (hooks, profiler events, jit scopes), and what torch's tools see is what ran
 (issue 34: the profiler's memory view and module events). Values against the float64
 formulas."""
+import dataclasses
 import json
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 
 import posenc
 from posenc import functional
+from posenc._rope import _CONFIG_DEFAULTS
 from conftest import reference_table
 from rope_reference import default_inv_freq, reference_rope
 
@@ -371,6 +373,16 @@ def test_a_parsed_configuration_is_immutable_and_given_once():
         functional.apply_rope(q, config=config, base=500.0, interleaved=True)
     with pytest.raises(TypeError, match="expected config to be a posenc RopeConfig"):
         functional.apply_rope(q, config={"base": 500.0})
+
+
+@pytest.mark.parametrize("head_dim", [0, 16, 128])
+def test_the_default_configuration_is_the_parsed_one(head_dim):
+    """A call without RoPE keywords takes the defaults directly (no parsing): the same
+    configuration, down to the op's keyword arguments, as every keyword given as None."""
+    fast = functional.RopeConfig.parse(head_dim=head_dim)
+    parsed = functional.RopeConfig.parse(head_dim=head_dim, **_CONFIG_DEFAULTS)  # every keyword, None
+    assert fast == parsed and fast.op_kwargs == parsed.op_kwargs == ()
+    assert dataclasses.asdict(fast) == dataclasses.asdict(parsed)
 
 
 def test_modules_pickled_before_the_parsed_configuration_still_load():
