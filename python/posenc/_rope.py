@@ -372,10 +372,9 @@ class RopeConfig:
         ``sections_mode`` and the plain settings: the keys of ``_CONFIG_KEYWORDS``, stated once) for heads of
         ``head_dim`` features. ``max_position_embeddings``: the model's (the module's
         max_len), for the keys transformers fills from the config (``scaling_arguments``)."""
-        if not settings:  # no keyword: the defaults (a decoding step's common call; the same
-            # configuration as the path below gives them: test_module_calls.py)
-            return cls(base=10000.0, rope_type="default", scaling=(), rotary_dim=-1, interleaved=False,
-                       layout="bshd", sections=(), sections_mode="axial", head_dim=head_dim)
+        if not settings and _DEFAULT_FIELDS:  # no keyword: the defaults, parsed once below the class
+            # (empty while that first parse runs)
+            return cls(**_DEFAULT_FIELDS, head_dim=head_dim)
         unknown = sorted(set(settings) - set(_CONFIG_DEFAULTS))
         if unknown:
             raise TypeError(f"{fn}: unknown RoPE setting(s) {unknown}; expected {', '.join(_CONFIG_DEFAULTS)}")
@@ -400,6 +399,13 @@ class RopeConfig:
                    layout=layout, sections=tuple(_sections(sections)), sections_mode=sections_mode,
                    head_dim=head_dim, settings=plain)
 
+
+# The fields of the configuration without keywords (the path through RopeConfig.parse with
+# none given is a decoding step's common call): parsed once here by the code above, so that
+# parse returns them without parsing again; an immutable constant, not a cache.
+_DEFAULT_FIELDS: Dict[str, Any] = {}
+_DEFAULT_FIELDS.update({f.name: getattr(RopeConfig.parse(head_dim=0), f.name) for f in dataclasses.fields(RopeConfig)
+                        if f.init and f.name != "head_dim"})
 
 def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any) -> RopeConfig:
     """``config`` when given (then every configuration keyword must be at its default),

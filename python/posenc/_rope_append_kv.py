@@ -12,12 +12,10 @@ from posenc._qk_norm_rope import check_norm_settings
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
 _LAYOUTS = ("bshd", "bhsd", "thd")
-# The op's own arguments with a default (the schema's), so that a call passes only those that
+# The schema's defaults of the op's arguments, so that a call passes only those that
 # differ: torch.ops parses each keyword it is given (about half a microsecond each, a decoding
 # step's cost).
-_OWN_DEFAULTS = {a.name: a.default_value for a in torch.ops.posenc.rope_append_kv.default._schema.arguments
-                 if a.name in ("slot_mapping", "return_k", "k_scale", "v_scale", "q_weight", "k_weight", "eps",
-                               "weight_offset", "norm")}
+_OWN_DEFAULTS = {a.name: a.default_value for a in torch.ops.posenc.rope_append_kv.default._schema.arguments}
 
 
 def _scale_arg(scale: Union[float, Tensor, None], name: str, fn: str) -> Optional[Tensor]:

@@ -191,9 +191,7 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, 
     // pair by pair.
     const bool one_axis = a.n_axes == 1;
     alignas(32) double posd[kMaxRopePairs];
-    if (one_axis) {
-      std::fill_n(posd, half, static_cast<double>(pos[0]));
-    } else {
+    if (!one_axis) {
       for (int64_t j = 0; j < half; ++j) posd[j] = static_cast<double>(pos[a.pair_axis[j]]);
     }
     const __m256d p4 = _mm256_set1_pd(static_cast<double>(pos[0]));
@@ -212,7 +210,7 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, 
       alignas(32) double pos8[8] = {}, inv8[8] = {};
       alignas(32) float c8[8], s8[8];
       for (int64_t j = i; j < half; ++j) {
-        pos8[j - i] = posd[j];
+        pos8[j - i] = one_axis ? static_cast<double>(pos[0]) : posd[j];
         inv8[j - i] = a.inv_freq[j];
       }
       __m256 s, c;
