@@ -372,9 +372,15 @@ class RopeConfig:
         ``sections_mode`` and the plain settings: the keys of ``_CONFIG_KEYWORDS``, stated once) for heads of
         ``head_dim`` features. ``max_position_embeddings``: the model's (the module's
         max_len), for the keys transformers fills from the config (``scaling_arguments``)."""
-        if not settings and _DEFAULT_FIELDS:  # no keyword: the defaults, parsed once below the class
-            # (empty while that first parse runs)
-            return cls(**_DEFAULT_FIELDS, head_dim=head_dim)
+        if not settings and _DEFAULT_STATE:  # no keyword: the defaults, parsed once below the class
+            # (empty while that first parse runs): that parse's state with this head_dim, without
+            # running __init__ and __post_init__ again on the same values (~5 us of a decoding
+            # step). Dynamo does not trace a __dict__ update: a traced call (once) constructs it.
+            if torch.compiler.is_compiling():
+                return cls(**{name: _DEFAULT_STATE[name] for name in _INIT_FIELDS}, head_dim=head_dim)
+            config = object.__new__(cls)
+            config.__dict__.update(_DEFAULT_STATE, head_dim=head_dim)
+            return config
         unknown = sorted(set(settings) - set(_CONFIG_DEFAULTS))
         if unknown:
             raise TypeError(f"{fn}: unknown RoPE setting(s) {unknown}; expected {', '.join(_CONFIG_DEFAULTS)}")
@@ -400,12 +406,14 @@ class RopeConfig:
                    head_dim=head_dim, settings=plain)
 
 
-# The fields of the configuration without keywords (the path through RopeConfig.parse with
+# The state of the configuration without keywords (the path through RopeConfig.parse with
 # none given is a decoding step's common call): parsed once here by the code above, so that
-# parse returns them without parsing again; an immutable constant, not a cache.
-_DEFAULT_FIELDS: Dict[str, Any] = {}
-_DEFAULT_FIELDS.update({f.name: getattr(RopeConfig.parse(head_dim=0), f.name) for f in dataclasses.fields(RopeConfig)
-                        if f.init and f.name != "head_dim"})
+# parse returns it without parsing again; an immutable constant (tuples, numbers and
+# strings), not a cache.
+_DEFAULT_STATE: Dict[str, Any] = {}
+_DEFAULT_STATE.update({name: value for name, value in vars(RopeConfig.parse(head_dim=0)).items()
+                       if name != "head_dim"})
+_INIT_FIELDS = tuple(f.name for f in dataclasses.fields(RopeConfig) if f.init and f.name != "head_dim")
 
 def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any) -> RopeConfig:
     """``config`` when given (then every configuration keyword must be at its default),

@@ -116,11 +116,17 @@ def rope_append_kv(
     # RoPE's arguments exactly as apply_rope normalises them (no packed sequences here).
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=None,
                                   check_inputs=False, seq_len=seq_len, fn=fn)
-    own = dict(slot_mapping=slot_mapping, return_k=bool(return_k), k_scale=_scale_arg(k_scale, "k_scale", fn),
-               v_scale=_scale_arg(v_scale, "v_scale", fn), q_weight=q_weight, k_weight=k_weight, eps=float(eps),
-               weight_offset=float(weight_offset), norm=norm)
-    arguments.update((name, value) for name, value in own.items()
-                     if value is not None and (isinstance(value, Tensor) or value != _OWN_DEFAULTS[name]))
+    # Its own arguments, those given only (a None tensor or a setting at its default is left out).
+    for name, value in (("slot_mapping", slot_mapping), ("q_weight", q_weight), ("k_weight", k_weight)):
+        if value is not None:
+            arguments[name] = value
+    for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if value is not None:
+            arguments[name] = _scale_arg(value, name, fn)
+    for name, value in (("return_k", bool(return_k)), ("eps", float(eps)), ("weight_offset", float(weight_offset)),
+                        ("norm", norm)):
+        if value != _OWN_DEFAULTS[name]:
+            arguments[name] = value
     if inplace:
         torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, **arguments)
         return (q, k) if return_k else q

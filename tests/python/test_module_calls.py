@@ -383,6 +383,7 @@ def test_the_default_configuration_is_the_parsed_one(head_dim):
     parsed = functional.RopeConfig.parse(head_dim=head_dim, **_CONFIG_DEFAULTS)  # every keyword, None
     assert fast == parsed and fast.op_kwargs == parsed.op_kwargs == ()
     assert dataclasses.asdict(fast) == dataclasses.asdict(parsed)
+    assert vars(fast) == vars(parsed) and type(fast) is type(parsed)  # the whole state, op_kwargs included
 
 
 def test_modules_pickled_before_the_parsed_configuration_still_load():

@@ -27,7 +27,13 @@ void inference_only_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet 
                 "forward_ad.unpack_dual(", args[i].name(), ").primal");
     if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written.push_back(v.toTensor());
   }
-  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  {
+    // Below autograd, as ATen's own kernels run after VariableType: the kernel's internal
+    // views and calls skip the autograd and view-tracking layers (the versions of the tensors
+    // it writes are bumped here).
+    at::AutoDispatchBelowADInplaceOrView below;
+    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+  }
   for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
 }
 

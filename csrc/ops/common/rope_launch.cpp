@@ -63,10 +63,10 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
 
   RopeLaunch launch;
   RopeArgs& a = launch.args;
-  const at::Tensor qv = rope_canonical_view(c.q, c.layout);
-  a.batch = qv.size(0);
-  a.seq = qv.size(1);
-  a.head_dim = qv.size(3);
+  launch.q_in = rope_canonical_view(c.q, c.layout);
+  a.batch = launch.q_in.size(0);
+  a.seq = launch.q_in.size(1);
+  a.head_dim = launch.q_in.size(3);
   a.rotary_dim = rot;
   a.interleaved = c.interleaved;
   a.inverse = c.inverse;
@@ -77,7 +77,6 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
   std::copy(f.axis.begin(), f.axis.end(), a.pair_axis);
   a.n_axes = c.n_axes();
 
-  launch.q_in = rope_canonical_view(c.q, c.layout);
   launch.q_out = rope_canonical_view(out_q, c.layout);
   fill_rope_operand(a.q, launch.q_in, launch.q_out);
   if (c.k.has_value()) {
