@@ -27,6 +27,7 @@ CASES = {
     "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward", "qknorm": "qk_norm_rope forward",
     "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "append_fp8": "the same, FP8 e4m3 caches",
     "shift": "rope_shift_kv of 2048 rows",
+    "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
 }
 
 CHILD_TIME = r'''
@@ -73,6 +74,15 @@ with torch.no_grad():
         kc, vc = (torch.zeros(1, 4096, 8, 128, dtype=torch.float8_e4m3fn if fp8 else dt) for _ in "kv")
         scales = dict(k_scale=0.05, v_scale=0.02) if fp8 else {}
         fn = lambda: F.rope_append_kv(q, k, v, kc, vc, offset=torch.tensor([1000]), **scales)
+    elif name.startswith("decode"):
+        layout = "bhsd" if name.endswith("bhsd") else "bshd"
+        shape = (lambda h, s: (8, s, h, 128)) if layout == "bshd" else (lambda h, s: (8, h, s, 128))
+        q = torch.randn(shape(32, 1), dtype=dt); k, v = (torch.randn(shape(8, 1), dtype=dt) for _ in "kv")
+        kc, vc = (torch.zeros(shape(8, 2048), dtype=dt) for _ in "kv")
+        lengths, config = torch.randint(0, 2047, (8,)), {} if layout == "bshd" else dict(layout=layout)
+        def fn():
+            for _ in range(20):
+                F.rope_append_kv(q, k, v, kc, vc, offset=lengths, **config)
     elif name == "shift":
         kc = torch.randn(1, 4096, 8, 128, dtype=dt); rows = torch.arange(2048, 4096)
         fn = lambda: F.rope_shift_kv(kc, rows, rows - 1024, rows=rows)
