@@ -4,6 +4,9 @@ PY        := .venv/bin/python
 BUILD     := build
 INSTALL   := $(BUILD)/install
 MAX_JOBS  ?= 2
+# pytest processes of make test and make test-sanitize (pytest-xdist's -n; 0: in make's own
+# process, as `python -m pytest` without -n). The suite takes about two thirds of its serial time at 2.
+TEST_JOBS ?= 2
 export PYTHONPATH := $(CURDIR)/python
 
 .PHONY: all setup build demo docs lint test test-cpp test-example test-python test-python-baseline test-install test-sanitize bench clean
@@ -45,7 +48,7 @@ test-example:
 	bash tests/cpp/run_example.sh $(CURDIR)/$(INSTALL) $(CURDIR)/$(PY)
 
 test-python:
-	$(PY) -m pytest tests/python -q -p no:cacheprovider
+	$(PY) -m pytest tests/python -q -p no:cacheprovider -n $(TEST_JOBS)
 
 # The core CPU tests again with the baseline kernels forced (POSENC_CPU_CAPABILITY=default:
 # the build without AVX2 that a CPU without AVX2 runs; csrc/ops/common/cpu/cpu_capability.h). The
@@ -57,7 +60,7 @@ BASELINE_TESTS := test_add_position_dropout test_add_position_dropout_bits \
 test-python-baseline:
 	POSENC_CPU_CAPABILITY=default $(PY) -c "import torch, posenc; \
 	  c = torch.ops.posenc.cpu_capability(); assert c == 'default', c"
-	POSENC_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider \
+	POSENC_CPU_CAPABILITY=default $(PY) -m pytest -q -p no:cacheprovider -n $(TEST_JOBS) \
 	  -k "not cuda and not compile and not opcheck" $(patsubst %,tests/python/%.py,$(BASELINE_TESTS))
 
 # One CPU-only build: the wheel built by pip with the CUDA toolkit hidden, installed into a
@@ -69,7 +72,7 @@ test-install:
 # build-sanitize/ under the GoogleTest binary and the CPU pytest suite; stops at the first
 # report. Leak checking is off (CPython and torch leak by design). CONTRIBUTING.md, "Sanitizers".
 test-sanitize: setup
-	bash scripts/sanitize.sh $(CURDIR)/$(PY)
+	TEST_JOBS=$(TEST_JOBS) bash scripts/sanitize.sh $(CURDIR)/$(PY)
 
 # Issue 37's whole table in one run (benchmarks/bench_table.py): every CPU op against its memory
 # floor (clone of the same bytes), eager PyTorch and torch.compile, under the allocator the process

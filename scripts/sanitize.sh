@@ -5,8 +5,9 @@
 # reported), then runs the GoogleTest binary and the CPU pytest suite against that library.
 # The first report stops the job (halt_on_error=1, -fno-sanitize-recover=all): the process
 # aborts and the step fails. Leak checking is off: CPython and torch leak by design.
-# Usage: scripts/sanitize.sh [PYTHON]; MAX_JOBS (default 2) build jobs. CONTRIBUTING.md,
-# "Sanitizers", says how to read a report.
+# Usage: scripts/sanitize.sh [PYTHON]; MAX_JOBS (default 2) build jobs, TEST_JOBS (default 2)
+# pytest processes (pytest-xdist; a process that aborts is reported as a crashed worker, with
+# the test it ran). CONTRIBUTING.md, "Sanitizers", says how to read a report.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 root="$PWD"
@@ -91,7 +92,7 @@ echo "== sanitize: pytest (CPU tests)"
 # through stay covered by the opcheck tests, which run here.
 rm -rf "$BUILD/inductor-cache"
 san_env LD_PRELOAD="$preload" TORCHINDUCTOR_CACHE_DIR="$BUILD/inductor-cache" \
-  "$PY" -m pytest tests/python -q -p no:cacheprovider --capture=sys -m "not cuda" -k "not compile" \
+  "$PY" -m pytest tests/python -q -p no:cacheprovider --capture=sys -n "${TEST_JOBS:-2}" -m "not cuda" -k "not compile" \
   --ignore-glob="tests/python/test_integrations_*.py" --ignore=tests/python/test_qk_norm_rope_transformers.py \
   --ignore-glob="tests/python/test_docs*.py" --ignore=tests/python/test_readme.py \
   --ignore-glob="tests/python/test_example*.py" --ignore=tests/python/test_distributed.py \
