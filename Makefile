@@ -5,7 +5,8 @@ BUILD     := build
 INSTALL   := $(BUILD)/install
 MAX_JOBS  ?= 2
 # pytest processes of make test and make test-sanitize (pytest-xdist's -n; 0: in make's own
-# process, as `python -m pytest` without -n). The suite takes about two thirds of its serial time at 2.
+# process, as `python -m pytest` without -n). At 2, the suite took 200 s against 281 s serial
+# with warm caches here, 257 s against 266 s on a clean clone (inductor compiling cold).
 TEST_JOBS ?= 2
 export PYTHONPATH := $(CURDIR)/python
 

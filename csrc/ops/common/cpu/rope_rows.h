@@ -316,6 +316,30 @@ inline void store_narrowed(const Vectorized<float>& lo, const Vectorized<float>&
   }
 }
 
+// Software prefetch of a token's head rows when they lie apart (rows of a slice of wider
+// ones: MLA's q_pe = q[..., 128:], a q split from a fused qkv projection): the hardware
+// prefetchers follow contiguous runs, not 4 lines in every 12, so each row otherwise waits
+// for its lines in turn (apply_rope in place on q[..., 128:] of a (1, 2048, 16, 192) float32
+// q: 1.73 -> 0.65 ms). The row kPrefetchRowsAhead heads on from `row` (head stride
+// `head_stride` elements; past a token's last head, the next token's rows of "bshd", else a
+// harmless hint: a prefetch never faults), `bytes` of it; `for_write` when it is written in place.
+constexpr int64_t kPrefetchRowsAhead = 4;
+inline bool rows_have_gaps(int64_t head_stride, int64_t feature_stride, int64_t head_dim) {
+  return feature_stride == 1 && head_stride > head_dim;
+}
+template <typename scalar_t>
+inline void prefetch_row_ahead(const scalar_t* row, int64_t head_stride, int64_t head_dim, bool for_write) {
+  const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRowsAhead * head_stride);
+  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t byte = 0; byte < bytes; byte += 64) {
+    if (for_write) {
+      __builtin_prefetch(ahead + byte, 1);
+    } else {
+      __builtin_prefetch(ahead + byte, 0);
+    }
+  }
+}
+
 // Streaming stores pay off once the rows written are well beyond what the caches keep: the
 // data would be evicted before anyone reads it, and a plain store first reads every line it
 // overwrites. A prefill of 2048 tokens (48 MiB written in float32) streams; a decode step

@@ -41,11 +41,13 @@ void rope_tokens(const RopeArgs& a) {
     for (const RopeOperand* op : {&a.q, &a.k}) {
       const auto* in = static_cast<const scalar_t*>(op->in);
       auto* out = static_cast<scalar_t*>(op->out);
+      const bool gaps = rows_have_gaps(op->in_stride[2], op->in_stride[3], a.head_dim);
       for (int64_t h = 0; h < op->heads; ++h) {
         const scalar_t* in_row =
             in + b * op->in_stride[0] + s * op->in_stride[1] + h * op->in_stride[2];
         scalar_t* out_row =
             out + b * op->out_stride[0] + s * op->out_stride[1] + h * op->out_stride[2];
+        if (gaps) prefetch_row_ahead(in_row, op->in_stride[2], a.head_dim, in_place);
         if (valid) {
           rotate_row<scalar_t, acc_t>(a, in_row, op->in_stride[3], out_row, op->out_stride[3],
                                       angles, stream);

@@ -249,9 +249,11 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
         normed_token<scalar_t, acc_t>(a, na, b, s, cached, outer, inner, angles, stage_in.data(),
                                       stage_out.data());
       } else {
+        const bool q_gaps = rows_have_gaps(r.q.in_stride[2], r.q.in_stride[3], r.head_dim);
         for (int64_t h = 0; h < r.q.heads; ++h) {
           const int64_t* si = r.q.in_stride;
           const int64_t* so = r.q.out_stride;
+          if (q_gaps) prefetch_row_ahead(q_in + b * si[0] + s * si[1] + h * si[2], si[2], r.head_dim, q_in == q_out);
           rotate_row<scalar_t, acc_t>(r, q_in + b * si[0] + s * si[1] + h * si[2], si[3],
                                       q_out + b * so[0] + s * so[1] + h * so[2], so[3], angles,
                                       stream);
