@@ -194,19 +194,13 @@ int64_t forward_pairs_vec(const scalar_t* in, scalar_t* out, const acc_t* w, acc
   return p;
 }
 
-// Software prefetch of n rows of d features from head h of token (b, s) on: rows past the
-// token's last head are the next token's in "bshd" (elsewhere a harmless hint: a prefetch
-// never faults). The first pass over a group of heads otherwise waits for each line in turn.
-constexpr int64_t kPrefetchHeads = 4;  // how far ahead (measured with rows of 128 features)
+// Software prefetch, for reading, of the n rows of d features kPrefetchRowsAhead heads on
+// from head h of token (b, s) (rope_rows.h prefetch_row_ahead). The first pass over a group
+// of heads otherwise waits for each line in turn.
 template <typename scalar_t>
 inline void prefetch_rows(const RopeOperand& op, int64_t b, int64_t s, int64_t h, int64_t n, int64_t d) {
-  const std::uintptr_t base = reinterpret_cast<std::uintptr_t>(op.in) +
-                              (b * op.in_stride[0] + s * op.in_stride[1]) * sizeof(scalar_t);
   for (int64_t i = 0; i < n; ++i) {
-    const std::uintptr_t row = base + (h + i) * op.in_stride[2] * sizeof(scalar_t);
-    for (int64_t byte = 0; byte < d * static_cast<int64_t>(sizeof(scalar_t)); byte += 64) {
-      __builtin_prefetch(reinterpret_cast<const void*>(row + byte));
-    }
+    prefetch_row_ahead(row_in<scalar_t>(op, b, s, h + i), op.in_stride[2], d, /*for_write=*/false);
   }
 }
 
@@ -273,7 +267,7 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
     for (; !hidden && h + kGroup <= op.heads; h += kGroup) {
       const scalar_t* rows[kGroup];
       for (int i = 0; i < kGroup; ++i) rows[i] = row_in<scalar_t>(op, b, s, h + i);
-      prefetch_rows<scalar_t>(op, b, s, h + kPrefetchHeads, kGroup, D);
+      prefetch_rows<scalar_t>(op, b, s, h, kGroup, D);
       alignas(32) float part[kGroup][kLanes];
       for (int i = 0; i < kGroup; ++i) _mm256_store_ps(part[i], _mm256_setzero_ps());
       add_squares_rows<scalar_t, kGroup>(rows, D, part);

@@ -322,21 +322,25 @@ inline void store_narrowed(const Vectorized<float>& lo, const Vectorized<float>&
 // for its lines in turn (apply_rope in place on q[..., 128:] of a (1, 2048, 16, 192) float32
 // q: 1.73 -> 0.65 ms). Prefetches the head_dim features of the row kPrefetchRowsAhead heads
 // on from `row` (head stride `head_stride` elements; past a token's last head, the next
-// token's rows in "bshd", else a harmless hint: a prefetch never faults), for writing when
-// the rows are rotated in place (`for_write`).
-constexpr int64_t kPrefetchRowsAhead = 4;
+// token's rows in "bshd", else a harmless hint: a prefetch never faults; the address is
+// computed as an integer, never as a pointer past the tensor), for writing when the rows are
+// rotated in place (`for_write`). qk_norm_rows.h's grouped passes prefetch the same distance
+// ahead (prefetch_rows).
+constexpr int64_t kPrefetchRowsAhead = 4;  // how far ahead (measured with rows of 128 features)
 inline bool rows_have_gaps(int64_t head_stride, int64_t feature_stride, int64_t head_dim) {
   return feature_stride == 1 && head_stride > head_dim;
 }
 template <typename scalar_t>
 inline void prefetch_row_ahead(const scalar_t* row, int64_t head_stride, int64_t head_dim, bool for_write) {
-  const char* ahead = reinterpret_cast<const char*>(row + kPrefetchRowsAhead * head_stride);
   const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(row) +
+                               static_cast<std::uintptr_t>(kPrefetchRowsAhead * head_stride * sizeof(scalar_t));
   for (int64_t byte = 0; byte < bytes; byte += 64) {
+    const void* line = reinterpret_cast<const void*>(ahead + static_cast<std::uintptr_t>(byte));
     if (for_write) {
-      __builtin_prefetch(ahead + byte, 1);
+      __builtin_prefetch(line, 1);
     } else {
-      __builtin_prefetch(ahead + byte, 0);
+      __builtin_prefetch(line, 0);
     }
   }
 }

@@ -289,8 +289,8 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
           g[i] = row_in<scalar_t>(gop, b, s, h + i);
           dx[i] = row_out<scalar_t>(op, b, s, h + i);
         }
-        prefetch_rows<scalar_t>(op, b, s, h + kPrefetchHeads, kG, D);
-        prefetch_rows<scalar_t>(gop, b, s, h + kPrefetchHeads, kG, D);
+        prefetch_rows<scalar_t>(op, b, s, h, kG, D);
+        prefetch_rows<scalar_t>(gop, b, s, h, kG, D);
         backward_heads_vec<scalar_t, kG>(a, x, g, dx, w, dw, t);
         h += kG;
       };
