@@ -3,11 +3,13 @@
 A change to a CPU kernel is judged against the build before it: copy each build's Python
 package tree (``cp -r python /tmp/old_py`` before the change, ``/tmp/new_py`` after), then
 
-    python benchmarks/ab_builds.py time /tmp/old_py /tmp/new_py mla:float32 --rounds 6 --threads 1
+    python benchmarks/ab_builds.py time /tmp/old_py /tmp/new_py mla:float32 --rounds 6 --threads 1 [--cold]
     python benchmarks/ab_builds.py bits /tmp/old_py /tmp/new_py
 
 ``time`` runs one case in fresh processes, alternating the builds, and prints the minimum (and
-median) of each: the host's noise moves single runs by 10-30%. ``bits`` computes the same
+median) of each: the host's noise moves single runs by 10-30%. ``--cold`` evicts the caches
+before each call (a call whose data fits the last-level cache otherwise times a warm re-run:
+this AMD host's L3 holds 32 MiB). ``bits`` computes the same
 ~1070 outputs under each build (every dtype; apply_rope in/out of place, backward, bhsd,
 partial rotary, interleaved; apply_rope_cos_sin; qk_norm_rope and its backward;
 rope_append_kv incl. QK-norm and MLA; rope_shift_kv; NaN and inf inputs) and counts those
@@ -25,6 +27,7 @@ CASES = {
     "rope_bshd_out": "apply_rope q (4, 1024, 16, 128), k (4, 1024, 4, 128)",
     "rope_bshd_inplace": "the same in place", "rope_bhsd_out": "bhsd", "rope_bshd_out_il": "interleaved",
     "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward", "qknorm": "qk_norm_rope forward",
+    "qknorm_bwd": "its backward",
     "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "append_fp8": "the same, FP8 e4m3 caches",
     "shift": "rope_shift_kv of 2048 rows",
     "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
@@ -36,10 +39,13 @@ torch.set_num_threads(int(sys.argv[2]))
 torch.manual_seed(0)
 name, dt = sys.argv[1].split(":")
 dt = getattr(torch, dt)
+cold = sys.argv[3] == "1"
+evict = torch.empty(64 << 20, dtype=torch.uint8) if cold else None
 def mn(fn, n=25):
     for _ in range(3): fn()
     ts = []
     for _ in range(n):
+        if cold: evict.clone()  # the caches flushed of the call's data, as bench_table's floor clone does
         t = time.perf_counter(); fn(); ts.append(time.perf_counter() - t)
     return min(ts) * 1e3
 with torch.no_grad():
@@ -64,10 +70,15 @@ with torch.no_grad():
                     torch.autograd.grad(F.apply_rope_cos_sin(qg, kg, cos, sin), (qg, kg), (q, k))
         else:
             fn = lambda: F.apply_rope_cos_sin(q, k, cos, sin)
-    elif name == "qknorm":
+    elif name in ("qknorm", "qknorm_bwd"):
         q = torch.randn(4, 1024, 16, 128, dtype=dt); k = torch.randn(4, 1024, 4, 128, dtype=dt)
         wq, wk = torch.rand(128) + 0.5, torch.rand(128) + 0.5
         fn = lambda: F.qk_norm_rope(q, k, wq, wk)
+        if name == "qknorm_bwd":
+            ins = [t.clone().requires_grad_() for t in (q, k, wq, wk)]
+            with torch.enable_grad():
+                outs = F.qk_norm_rope(*ins)
+            fn = lambda: torch.autograd.grad(outs, ins, (q, k), retain_graph=True)
     elif name in ("append", "append_fp8"):
         q = torch.randn(1, 2048, 32, 128, dtype=dt); k, v = (torch.randn(1, 2048, 8, 128, dtype=dt) for _ in "kv")
         fp8 = name == "append_fp8"
@@ -170,6 +181,8 @@ def main() -> int:
     parser.add_argument("cases", nargs="*", help="name:dtype, name one of " + ", ".join(CASES))
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--cold", action="store_true",
+                        help="clone 64 MiB before each timed call: the call's data out of the caches")
     args = parser.parse_args()
     if args.mode == "bits":
         import torch
@@ -189,7 +202,8 @@ def main() -> int:
         times = {"old": [], "new": []}
         for _ in range(args.rounds):
             for name, tree in (("old", args.old), ("new", args.new)):
-                times[name].append(float(run(tree, CHILD_TIME, case, str(args.threads)).split()[-1]))
+                out = run(tree, CHILD_TIME, case, str(args.threads), "1" if args.cold else "0")
+                times[name].append(float(out.split()[-1]))
         o, n = min(times["old"]), min(times["new"])
         med = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
         print(f"{case:28} old {o:.3f} ms  new {n:.3f} ms  new/old {n / o:.2f}  "

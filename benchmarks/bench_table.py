@@ -46,7 +46,7 @@ from bench_rope_append_kv import fused_mla as append_kv_fused_mla  # noqa: E402
 from bench_rope_cos_sin import hf_apply  # noqa: E402
 from bench_rope_multi_axis import SECTIONS, mrope_tables, rotate  # noqa: E402
 from harness import _reference as add_position_reference  # noqa: E402
-from harness import allocator, page_policy, time_interleaved  # noqa: E402
+from harness import allocator, cpu_model, page_policy, time_interleaved  # noqa: E402
 from rope_harness import reference as rope_reference  # noqa: E402
 
 F = posenc.functional
@@ -517,8 +517,8 @@ def main(argv=None) -> int:
 
     meta = dict(allocator=allocator(), threads=torch.get_num_threads(), reps=reps, compile=not args.no_compile,
                 torch=torch.__version__, posenc=posenc.__version__,
-                cpu_capability=torch.ops.posenc.cpu_capability())
-    print(f"posenc {meta['posenc']}, torch {meta['torch']}, CPU kernels {meta['cpu_capability']}; "
+                cpu=cpu_model(), cpu_capability=torch.ops.posenc.cpu_capability())
+    print(f"posenc {meta['posenc']}, torch {meta['torch']}, CPU {meta['cpu']}, kernels {meta['cpu_capability']}; "
           f"allocator: {meta['allocator']}; {meta['threads']} threads; median of {reps} interleaved rounds "
           f"({warmup} warm-up calls each)")
     print(page_policy())

@@ -58,6 +58,21 @@ def allocator() -> str:
     return "glibc malloc"
 
 
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo; platform.processor() elsewhere): the tables' numbers
+    belong to one CPU, and the machines of one kind differ (Intel and AMD hosts seen here)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def page_policy() -> str:
     """One line saying which memory the CPU timings' outputs get in this process: torch's
     allocator for every variant, posenc's included."""

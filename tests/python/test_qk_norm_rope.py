@@ -483,3 +483,57 @@ def test_aten_fallback_matches_kernel():
         assert mode.calls.get(f"posenc::{op}", 0) > 0, mode.calls
     for kernel, fallback in zip(*results):
         torch.testing.assert_close(fallback, kernel, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype,norm,rotary_dim,interleaved,layout", [
+    (torch.float32, "head", None, False, "bshd"),
+    (torch.bfloat16, "head", None, False, "bshd"),
+    (torch.float16, "head", None, False, "bhsd"),
+    (torch.float32, "hidden", None, False, "bshd"),
+    (torch.float32, "head", 64, False, "bshd"),  # partial rotary: plain stores
+    (torch.bfloat16, "head", None, True, "bshd"),
+])
+def test_large_call_streams_with_the_bits_of_small_calls(dtype, norm, rotary_dim, interleaved, layout):
+    """A call that writes 12 MiB (kStreamBytes is 8 MiB: cpu/kernel.cpp, rope_rows.h) stores
+    the forward's q and k and the backward's dx with streaming stores where a row allows them:
+    the same bits as eight calls small enough for plain stores, forward and backward (the
+    weight gradients, summed in another order, close), and the float64 reference's values."""
+    S = 2048 if dtype == torch.float32 else 4096
+    Hq, Hk, D = 8, 4, 128
+    q, k, wq, wk = make(1, S, Hq, Hk, D, dtype, "cpu", norm, layout=layout, seed=17)
+    kw = dict(norm=norm, rotary_dim=rotary_dim, interleaved=interleaved, layout=layout)
+    ins = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+    out_q, out_k = qk_norm_rope(*ins, **kw, offset=9)
+    pos = (9 + torch.arange(S)).expand(1, S)
+    ref_q, ref_k = reference(q, k, wq, wk, eps=1e-6, offset=0.0, norm=norm, layout=layout, pos=pos,
+                             rotary_dim=rotary_dim, interleaved=interleaved)
+    close(out_q.detach(), ref_q, dtype)
+    close(out_k.detach(), ref_k, dtype)
+    g = torch.Generator().manual_seed(18)
+    gq = torch.randn(out_q.shape, generator=g).to(dtype)
+    gk = torch.randn(out_k.shape, generator=g).to(dtype)
+    dq, dk, dwq, dwk = torch.autograd.grad((out_q, out_k), ins, (gq, gk))
+    seq_dim = {"bshd": 1, "bhsd": 2}[layout]
+    chunk = S // 8
+    parts = {name: [] for name in ("q", "k", "dq", "dk")}
+    sum_wq, sum_wk = torch.zeros_like(wq, dtype=F64), torch.zeros_like(wk, dtype=F64)
+    for start in range(0, S, chunk):
+        part = [q.narrow(seq_dim, start, chunk).clone().requires_grad_(True),
+                k.narrow(seq_dim, start, chunk).clone().requires_grad_(True),
+                wq.clone().requires_grad_(True), wk.clone().requires_grad_(True)]
+        pq, pk = qk_norm_rope(*part, **kw, offset=9 + start)
+        grads = torch.autograd.grad((pq, pk), part, (gq.narrow(seq_dim, start, chunk), gk.narrow(seq_dim, start, chunk)))
+        parts["q"].append(pq.detach())
+        parts["k"].append(pk.detach())
+        parts["dq"].append(grads[0])
+        parts["dk"].append(grads[1])
+        sum_wq += grads[2].to(F64)
+        sum_wk += grads[3].to(F64)
+    assert torch.equal(out_q.detach(), torch.cat(parts["q"], seq_dim))
+    assert torch.equal(out_k.detach(), torch.cat(parts["k"], seq_dim))
+    assert torch.equal(dq, torch.cat(parts["dq"], seq_dim))
+    assert torch.equal(dk, torch.cat(parts["dk"], seq_dim))
+    scale = max(sum_wq.abs().max().item(), 1.0)
+    atol, rtol = TOL[dtype]
+    torch.testing.assert_close(dwq.to(F64), sum_wq, atol=atol * scale * 4, rtol=rtol * 4)
+    torch.testing.assert_close(dwk.to(F64), sum_wk, atol=atol * scale * 4, rtol=rtol * 4)

@@ -254,3 +254,32 @@ def test_on_each_device_the_cache_holds_that_devices_qk_norm_rope_k(device, layo
         else:
             want = (want_k[SLOTS.to(device) >= 0] if layout == "thd" else want_k) / torch.tensor(0.5, device=device)
             assert torch.equal(rows.view(torch.uint8), want.clamp(-448, 448).to(fmt).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,norm", [(torch.float32, "head"), (torch.bfloat16, "hidden")])
+def test_large_prefill_streams_with_qk_norm_rope_bits(dtype, norm):
+    """A prefill that writes 12 MiB or more takes streaming stores for q's rows and the cache
+    rows (kStreamBytes, rope_rows.h): the same bits as qk_norm_rope of the same tokens, which
+    a 12 MiB call of its own also streams, and eight small calls into a second cache."""
+    S = 2048 if dtype == torch.float32 else 4096
+    Hq, Hkv, Dh, offset = 8, 4, 128, 5
+    q, k, wq, wk = make_qk(1, S, Hq, Hkv, Dh, dtype, "cpu", norm, seed=23)
+    v = torch.randn(1, S, Hkv, Dh, generator=torch.Generator().manual_seed(24)).to(dtype)
+    kc = torch.full((1, S + offset, Hkv, Dh), math.nan, dtype=dtype)
+    vc = kc.clone()
+    kc_small, vc_small = kc.clone(), vc.clone()
+    got_q = rope_append_kv(q, k, v, kc, vc, q_weight=wq, k_weight=wk, norm=norm, offset=offset)
+    pos = (offset + torch.arange(S)).expand(1, S)
+    want_q, want_k = qk_norm_rope(q, k, wq, wk, norm=norm, positions=pos)
+    assert torch.equal(got_q, want_q)
+    assert torch.equal(kc[:, offset:], want_k) and torch.equal(vc[:, offset:], v)
+    chunk = S // 8
+    parts = [rope_append_kv(q[:, s:s + chunk], k[:, s:s + chunk], v[:, s:s + chunk], kc_small, vc_small,
+                            q_weight=wq, k_weight=wk, norm=norm, offset=offset + s) for s in range(0, S, chunk)]
+    assert torch.equal(got_q, torch.cat(parts, 1))
+    for got, small in ((kc, kc_small), (vc, vc_small)):  # the rows before `offset` stay NaN
+        torch.testing.assert_close(got, small, rtol=0, atol=0, equal_nan=True)
+    assert kc[:, :offset].isnan().all() and vc[:, :offset].isnan().all()
+    ref_q, ref_k = reference(q, k, wq, wk, eps=1e-6, offset=0.0, norm=norm, pos=pos)
+    close(got_q, ref_q, dtype)
+    close(kc[:, offset:], ref_k, dtype)

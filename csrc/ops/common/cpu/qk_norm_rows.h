@@ -159,7 +159,8 @@ acc_t inv_rms_of(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int6
 // The first pairs of a contiguous row in half-split ("rotate_half") layout, in vectors:
 // qk_norm_apply's (x * r) * w and math::rope_rotate_pair lane by lane (the same roundings;
 // half precision widened and narrowed with vector conversions). Returns the pairs done.
-template <typename scalar_t, typename acc_t>
+// kStream: streaming stores (rope_rows.h store_vec; the caller checked the alignment).
+template <typename scalar_t, typename acc_t, bool kStream = false>
 int64_t forward_pairs_vec(const scalar_t* in, scalar_t* out, const acc_t* w, acc_t r,
                           const TokenAngles<acc_t>& t, int64_t half) {
   using VecA = Vectorized<acc_t>;
@@ -171,8 +172,8 @@ int64_t forward_pairs_vec(const scalar_t* in, scalar_t* out, const acc_t* w, acc
       const VecA x2 = VecA::loadu(in + half + p) * vr * VecA::loadu(w + half + p);
       VecA y1, y2;
       rotate_vec(x1, x2, VecA::loadu(t.cs + p), VecA::loadu(t.sn + p), y1, y2);
-      y1.store(out + p);
-      y2.store(out + half + p);
+      store_vec<kStream>(y1, out + p);
+      store_vec<kStream>(y2, out + half + p);
     }
   } else {
     using VecH = Vectorized<scalar_t>;
@@ -187,8 +188,8 @@ int64_t forward_pairs_vec(const scalar_t* in, scalar_t* out, const acc_t* w, acc
       VecA y1a, y2a, y1b, y2b;
       rotate_vec(x1a, x2a, VecA::loadu(t.cs + p), VecA::loadu(t.sn + p), y1a, y2a);
       rotate_vec(x1b, x2b, VecA::loadu(t.cs + p + F), VecA::loadu(t.sn + p + F), y1b, y2b);
-      at::vec::convert_from_float<scalar_t>(y1a, y1b).store(out + p);
-      at::vec::convert_from_float<scalar_t>(y2a, y2b).store(out + half + p);
+      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(y1a, y1b), out + p);
+      store_vec<kStream>(at::vec::convert_from_float<scalar_t>(y2a, y2b), out + half + p);
     }
   }
   return p;
@@ -205,14 +206,23 @@ inline void prefetch_rows(const RopeOperand& op, int64_t b, int64_t s, int64_t h
 }
 
 // Forward of one head row: normalise, weight (w: the row's effective weights), rotate.
+// `stream` (the call writes kStreamBytes or more): streaming stores where the row is all
+// rotary features, contiguous, written elsewhere than read and aligned (rope_rows.h
+// row_streams, rows_can_stream): a plain store first reads the line it fills.
 template <typename scalar_t, typename acc_t, bool kC>
 void forward_row(const QkNormRopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
-                 int64_t so, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t) {
+                 int64_t so, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t, bool stream = false) {
   const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
   const int64_t o = math::rope_rotary_begin(a.rope.settings);  // the rotary part's start
   if (!a.rope.interleaved) {
     int64_t first = 0;
-    if constexpr (kC) first = forward_pairs_vec<scalar_t, acc_t>(in + o, out + o, w + o, r, t, half);
+    if constexpr (kC) {
+      if (2 * half == D && row_streams(stream, in, out) && rows_can_stream<scalar_t>(out, 2 * half)) {
+        first = forward_pairs_vec<scalar_t, acc_t, true>(in + o, out + o, w + o, r, t, half);
+      } else {
+        first = forward_pairs_vec<scalar_t, acc_t>(in + o, out + o, w + o, r, t, half);
+      }
+    }
     for (int64_t p = first; p < half; ++p) {
       const acc_t x1 = math::qk_norm_apply(static_cast<acc_t>(in[at_<kC>(o + p, si)]), r, w[o + p]);
       const acc_t x2 =
@@ -250,9 +260,11 @@ void nan_rows(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int64_t
   }
 }
 
+// Every head row of `op` at token (b, s); `stream` as forward_row's (the caller fences:
+// stream_fence).
 template <typename scalar_t, typename acc_t, bool kC>
 void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t* w, int64_t b,
-                     int64_t s, const TokenAngles<acc_t>& t) {
+                     int64_t s, const TokenAngles<acc_t>& t, bool stream = false) {
   const int64_t D = a.rope.head_dim;
   const bool hidden = a.norm == QkNorm::kHidden;
   const acc_t r_all = hidden ? inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, 0, op.heads) : acc_t(0);
@@ -274,7 +286,7 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
       alignas(16) float r[kGroup];
       inv_rms4(part, D, static_cast<float>(a.eps), r);
       for (int i = 0; i < kGroup; ++i) {
-        forward_row<scalar_t, acc_t, kC>(a, rows[i], 1, row_out<scalar_t>(op, b, s, h + i), 1, w, r[i], t);
+        forward_row<scalar_t, acc_t, kC>(a, rows[i], 1, row_out<scalar_t>(op, b, s, h + i), 1, w, r[i], t, stream);
       }
     }
   }
@@ -283,7 +295,7 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
     const acc_t r = hidden ? r_all : inv_rms_of<scalar_t, acc_t, kC>(a, op, b, s, h, h + 1);
     forward_row<scalar_t, acc_t, kC>(a, row_in<scalar_t>(op, b, s, h), op.in_stride[3],
                                      row_out<scalar_t>(op, b, s, h), op.out_stride[3],
-                                     w + (hidden ? h * D : 0), r, t);
+                                     w + (hidden ? h * D : 0), r, t, stream);
   }
 }
 

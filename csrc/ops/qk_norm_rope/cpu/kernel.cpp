@@ -130,10 +130,13 @@ inline Vectorized<float> load_float8(const scalar_t* p) {
 //    heads' terms in head order in registers (one load and store of dw per kG heads);
 //  - dx is narrowed and stored straight from the vectors (was a staged row and a copy:
 //    memmove, carrying the stores' misses, was a quarter of the float32 backward in perf).
+//  - with `stream` (the call writes kStreamBytes or more), rows that start 32-byte aligned
+//    and are whole vectors store dx with streaming stores (rope_rows.h store_vec: a plain
+//    store first reads the line it fills; the caller fences).
 template <typename scalar_t, int kG>
 void backward_heads_vec(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
                         const scalar_t* const (&g)[kG], scalar_t* const (&dx)[kG], const float* w,
-                        float* dw, const TokenAngles<float>& t) {
+                        float* dw, const TokenAngles<float>& t, bool stream) {
   using Vec = Vectorized<float>;
   constexpr int64_t W = Vec::size();
   const int64_t D = a.rope.head_dim, half = a.rope.rotary_dim / 2;
@@ -220,14 +223,22 @@ void backward_heads_vec(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
       return rv * (Vec::loadu(gs[i] + j) * Vec::loadu(w + j) - xh * mv);
     };
     int64_t j = 0;
-    if constexpr (std::is_same_v<scalar_t, float>) {
-      for (; j + W <= D; j += W) dx_vec(j).store(dx[i] + j);
-    } else {
-      // As at::vec::convert(float -> scalar_t): 16 values per vector conversion, then one
-      // by one.
-      for (; j + 2 * W <= D; j += 2 * W) {
-        at::vec::convert_from_float<scalar_t>(dx_vec(j), dx_vec(j + W)).store(dx[i] + j);
+    // As at::vec::convert(float -> scalar_t) for half precision: 16 values per vector
+    // conversion, then one by one.
+    auto store_rows = [&](auto kStream) {
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        for (; j + W <= D; j += W) store_vec<decltype(kStream)::value>(dx_vec(j), dx[i] + j);
+      } else {
+        for (; j + 2 * W <= D; j += 2 * W) {
+          store_vec<decltype(kStream)::value>(at::vec::convert_from_float<scalar_t>(dx_vec(j), dx_vec(j + W)),
+                                              dx[i] + j);
+        }
       }
+    };
+    if (stream && x[i] != dx[i] && row_can_stream<scalar_t>(dx[i], D)) {
+      store_rows(std::true_type{});
+    } else {
+      store_rows(std::false_type{});
     }
     const int64_t jv = D / W * W;  // the scalar loop's first feature
     for (; j < jv; j += W) {
@@ -245,7 +256,8 @@ void backward_heads_vec(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
 
 template <typename scalar_t, typename acc_t, bool kC, bool kIl>
 void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const RopeOperand& gop,
-                      const acc_t* w, acc_t* dw, int64_t b, int64_t s, const TokenAngles<acc_t>& t) {
+                      const acc_t* w, acc_t* dw, int64_t b, int64_t s, const TokenAngles<acc_t>& t,
+                      bool stream) {
   const int64_t D = a.rope.head_dim;
   const bool hidden = a.norm == QkNorm::kHidden;
   auto sums = [&](int64_t h, acc_t r, acc_t (&part)[kLanes]) {
@@ -291,7 +303,7 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
         }
         prefetch_rows<scalar_t>(op, b, s, h, kG, D);
         prefetch_rows<scalar_t>(gop, b, s, h, kG, D);
-        backward_heads_vec<scalar_t, kG>(a, x, g, dx, w, dw, t);
+        backward_heads_vec<scalar_t, kG>(a, x, g, dx, w, dw, t, stream);
         h += kG;
       };
       while (h + 4 <= op.heads) group(std::integral_constant<int, 4>{});
@@ -430,6 +442,10 @@ void run_tokens(const QkNormRopeArgs& a, bool backward, int64_t chunks) {
   const auto* wq = static_cast<const acc_t*>(a.q_weight);
   const auto* wk = static_cast<const acc_t*>(a.k_weight);
   const bool hidden = a.norm == QkNorm::kHidden;
+  // Outputs (the forward's q and k, the backward's dx) of kStreamBytes or more go out with
+  // streaming stores where a row allows them (rope_rows.h), fenced before each task ends.
+  const int64_t written = tokens * (ra.q.heads + ra.k.heads) * ra.head_dim * static_cast<int64_t>(sizeof(scalar_t));
+  const bool stream = written >= kStreamBytes;
   const int64_t lq = hidden ? ra.q.heads * ra.head_dim : ra.head_dim;
   const int64_t lk = hidden ? ra.k.heads * ra.head_dim : ra.head_dim;
   // One token's work: its angles, then q and k (NaN rows for a packed token outside every
@@ -444,15 +460,15 @@ void run_tokens(const QkNormRopeArgs& a, bool backward, int64_t chunks) {
     }
     token_angles<acc_t>(ra, pos, angles);
     if (!backward) {
-      forward_operand<scalar_t, acc_t, kC>(a, ra.q, wq, b, s, angles);
-      forward_operand<scalar_t, acc_t, kC>(a, ra.k, wk, b, s, angles);
+      forward_operand<scalar_t, acc_t, kC>(a, ra.q, wq, b, s, angles, stream);
+      forward_operand<scalar_t, acc_t, kC>(a, ra.k, wk, b, s, angles, stream);
     } else {
       if (ra.interleaved) {
-        backward_operand<scalar_t, acc_t, kC, true>(a, ra.q, a.grad_q, wq, dwq, b, s, angles);
-        backward_operand<scalar_t, acc_t, kC, true>(a, ra.k, a.grad_k, wk, dwk, b, s, angles);
+        backward_operand<scalar_t, acc_t, kC, true>(a, ra.q, a.grad_q, wq, dwq, b, s, angles, stream);
+        backward_operand<scalar_t, acc_t, kC, true>(a, ra.k, a.grad_k, wk, dwk, b, s, angles, stream);
       } else {
-        backward_operand<scalar_t, acc_t, kC, false>(a, ra.q, a.grad_q, wq, dwq, b, s, angles);
-        backward_operand<scalar_t, acc_t, kC, false>(a, ra.k, a.grad_k, wk, dwk, b, s, angles);
+        backward_operand<scalar_t, acc_t, kC, false>(a, ra.q, a.grad_q, wq, dwq, b, s, angles, stream);
+        backward_operand<scalar_t, acc_t, kC, false>(a, ra.k, a.grad_k, wk, dwk, b, s, angles, stream);
       }
     }
   };
@@ -462,6 +478,7 @@ void run_tokens(const QkNormRopeArgs& a, bool backward, int64_t chunks) {
     at::parallel_for(0, tokens, grain, [&](int64_t begin, int64_t end) {
       TokenAngles<acc_t> angles;
       for (int64_t item = begin; item < end; ++item) token(item, angles, nullptr, nullptr);
+      if (stream) stream_fence();
     });
     return;
   }
@@ -477,6 +494,7 @@ void run_tokens(const QkNormRopeArgs& a, bool backward, int64_t chunks) {
         token(item, angles, dq + c * lq, dk + c * lk);
       }
     }
+    if (stream) stream_fence();
   });
   // Row 0 = the chunks' sums, added in chunk order.
   for (const auto& [buf, len] : {std::pair<acc_t*, int64_t>{dq, lq}, {dk, lk}}) {

@@ -133,11 +133,11 @@ inline QkNormRopeArgs qk_norm_args(const KvCacheArgs& a) {
 
 // forward_operand (qk_norm_rows.h) over one token's heads of `op`, its rows at in / out with the
 // heads' and features' strides of `op` (b and s already applied): contiguous rows take the
-// vector paths.
+// vector paths; `stream` as forward_row's.
 template <typename scalar_t, typename acc_t>
 void norm_rotate_heads(const QkNormRopeArgs& na, const RopeOperand& op, const void* in,
                        const int64_t* in_stride, void* out, const int64_t* out_stride,
-                       const acc_t* w, const TokenAngles<acc_t>& angles) {
+                       const acc_t* w, const TokenAngles<acc_t>& angles, bool stream = false) {
   RopeOperand t;
   t.heads = op.heads;
   t.in = in;
@@ -147,7 +147,7 @@ void norm_rotate_heads(const QkNormRopeArgs& na, const RopeOperand& op, const vo
   t.out_stride[2] = out_stride[2];
   t.out_stride[3] = out_stride[3];
   if (t.in_stride[3] == 1 && t.out_stride[3] == 1) {
-    qk_norm_rows::forward_operand<scalar_t, acc_t, true>(na, t, w, 0, 0, angles);
+    qk_norm_rows::forward_operand<scalar_t, acc_t, true>(na, t, w, 0, 0, angles, stream);
   } else {
     qk_norm_rows::forward_operand<scalar_t, acc_t, false>(na, t, w, 0, 0, angles);
   }
@@ -155,11 +155,12 @@ void norm_rotate_heads(const QkNormRopeArgs& na, const RopeOperand& op, const vo
 
 // One token of a call with QK-norm: q normalised and rotated into its output; k normalised
 // and rotated into its cache row (an FP8 cache: from a float32 copy of the token's k heads,
-// as qk_norm_rope on float32 k, then quantised) and into the returned k when asked.
+// as qk_norm_rope on float32 k, then quantised) and into the returned k when asked; q's rows
+// and same-dtype cache rows with streaming stores in a large call (`stream`, as the plain path).
 template <typename scalar_t, typename acc_t>
 void normed_token(const KvCacheArgs& a, const QkNormRopeArgs& na, int64_t b, int64_t s, bool cached,
                   int64_t outer, int64_t inner, const TokenAngles<acc_t>& angles, float* stage_in,
-                  float* stage_out) {
+                  float* stage_out, bool stream) {
   const RopeArgs& r = a.rope;
   const auto* wq = static_cast<const acc_t*>(a.q_weight);
   const auto* wk = static_cast<const acc_t*>(a.k_weight);
@@ -170,7 +171,7 @@ void normed_token(const KvCacheArgs& a, const QkNormRopeArgs& na, int64_t b, int
     return static_cast<scalar_t*>(base) + b * st[0] + s * st[1];
   };
   norm_rotate_heads<scalar_t, acc_t>(na, r.q, token(r.q.in, r.q.in_stride), r.q.in_stride,
-                                     token_out(r.q.out, r.q.out_stride), r.q.out_stride, wq, angles);
+                                     token_out(r.q.out, r.q.out_stride), r.q.out_stride, wq, angles, stream);
   const scalar_t* k_token = token(r.k.in, r.k.in_stride);
   const int64_t* sc = a.k_cache_stride;
   if (cached && a.k_format != KvCacheFormat::kSame) {
@@ -191,7 +192,7 @@ void normed_token(const KvCacheArgs& a, const QkNormRopeArgs& na, int64_t b, int
   } else if (cached) {
     norm_rotate_heads<scalar_t, acc_t>(na, r.k, k_token, r.k.in_stride,
                                        static_cast<scalar_t*>(a.k_cache) + outer * sc[0] + inner * sc[1],
-                                       sc, wk, angles);
+                                       sc, wk, angles, stream);
   }
   if (a.write_k) {
     norm_rotate_heads<scalar_t, acc_t>(na, r.k, k_token, r.k.in_stride,
@@ -247,7 +248,7 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
       const bool cached = kv_cache_row(a, b, s, &outer, &inner);
       if (normed) {
         normed_token<scalar_t, acc_t>(a, na, b, s, cached, outer, inner, angles, stage_in.data(),
-                                      stage_out.data());
+                                      stage_out.data(), stream);
       } else {
         const bool q_gaps = rows_have_gaps(r.q.in_stride[2], r.q.in_stride[3], r.head_dim);
         for (int64_t h = 0; h < r.q.heads; ++h) {
