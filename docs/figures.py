@@ -411,8 +411,9 @@ def cpu_table_markdown(glibc: pathlib.Path = RESULTS / "cpu_glibc.json",
                      f"{num(c, 'posenc_ms')} | {num(g, 'eager_ratio')} / {num(c, 'eager_ratio')} | "
                      f"{num(g, 'compile_ratio')} / {num(c, 'compile_ratio')} |")
     meta = runs[1]
-    return (f"torch {meta.get('torch')}, posenc {meta.get('posenc')}, {meta.get('threads')} threads, CPU kernels "
-            f"{meta.get('cpu_capability')}, median of {meta.get('reps')}.\n\n" + "\n".join(lines) + "\n")
+    return (f"torch {meta.get('torch')}, posenc {meta.get('posenc')}, CPU {meta.get('cpu', 'not recorded')}, "
+            f"{meta.get('threads')} threads, CPU kernels {meta.get('cpu_capability')}, median of {meta.get('reps')}."
+            "\n\n" + "\n".join(lines) + "\n")
 
 
 def generate(out_dir: pathlib.Path) -> List[pathlib.Path]:
