@@ -29,7 +29,7 @@ CASES = {
     "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward", "qknorm": "qk_norm_rope forward",
     "qknorm_bwd": "its backward",
     "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "append_fp8": "the same, FP8 e4m3 caches",
-    "shift": "rope_shift_kv of 2048 rows",
+    "shift": "rope_shift_kv of 2048 rows", "shift_mla": "the same of MLA's k_pe in a latent cache",
     "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
 }
 
@@ -97,6 +97,9 @@ with torch.no_grad():
     elif name == "shift":
         kc = torch.randn(1, 4096, 8, 128, dtype=dt); rows = torch.arange(2048, 4096)
         fn = lambda: F.rope_shift_kv(kc, rows, rows - 1024, rows=rows)
+    elif name == "shift_mla":
+        latent = torch.randn(1, 4096, 1, 576, dtype=dt); rows = torch.arange(2048, 4096)
+        fn = lambda: F.rope_shift_kv(latent[..., 512:], rows, rows - 1024, rows=rows)
     print(mn(fn))
 '''
 

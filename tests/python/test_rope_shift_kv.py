@@ -228,6 +228,33 @@ def test_strided_cache():
     check(cache, "bshd", torch.tensor([9, 8]), torch.tensor([0, 1]), rows=torch.tensor([5, 6]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["mla_latent", "every_other_head"])
+def test_rows_that_lie_apart_have_the_bits_of_a_contiguous_cache(dtype, kind):
+    """Rows that lie apart in memory (MLA's latent cache [kv_c 512 | k_pe 64], k_pe shifted;
+    every other head of a cache) take the kernel's prefetch of the row four items on
+    (cpu/kernel.cpp): the same bits as the same shift of a contiguous copy, over enough rows
+    for the prefetch to run, and nothing outside the slice written."""
+    g = torch.Generator().manual_seed(31)
+    if kind == "mla_latent":
+        base = torch.randn(2, 300, 1, 576, generator=g).to(dtype)
+        cache = base[..., 512:]
+    else:
+        base = torch.randn(2, 300, 4, D, generator=g).to(dtype)
+        cache = base[:, :, ::2]
+    before, dense = base.clone(), cache.contiguous()
+    rows = torch.arange(40, 300)
+    rope_shift_kv(cache, rows, rows - 40, rows=rows, rotary_dim=cache.shape[-1])
+    rope_shift_kv(dense, rows, rows - 40, rows=rows, rotary_dim=cache.shape[-1])
+    assert torch.equal(cache, dense)
+    outside = torch.ones_like(base, dtype=torch.bool)
+    (outside[..., 512:] if kind == "mla_latent" else outside[:, :, ::2])[:] = False
+    assert torch.equal(base[outside], before[outside])
+    sliced = before[..., 512:] if kind == "mla_latent" else before[:, :, ::2]
+    want = reference(sliced, "bshd", rows, rows - 40, rows=rows, rotary_dim=cache.shape[-1])
+    torch.testing.assert_close(cache.to(F64), want, **TOL[dtype])
+
+
 def test_empty():
     cache = make_cache("bshd", torch.float32)
     before = cache.clone()

@@ -330,19 +330,25 @@ constexpr int64_t kPrefetchRowsAhead = 4;  // how far ahead (measured with rows 
 inline bool rows_have_gaps(int64_t head_stride, int64_t feature_stride, int64_t head_dim) {
   return feature_stride == 1 && head_stride > head_dim;
 }
+// The lines of the n contiguous elements at address `at` (rope_shift_kv prefetches the rows of
+// the item kPrefetchRowsAhead on with it).
 template <typename scalar_t>
-inline void prefetch_row_ahead(const scalar_t* row, int64_t head_stride, int64_t head_dim, bool for_write) {
-  const int64_t bytes = head_dim * static_cast<int64_t>(sizeof(scalar_t));
-  const std::uintptr_t ahead = reinterpret_cast<std::uintptr_t>(row) +
-                               static_cast<std::uintptr_t>(kPrefetchRowsAhead * head_stride * sizeof(scalar_t));
+inline void prefetch_row(std::uintptr_t at, int64_t n, bool for_write) {
+  const int64_t bytes = n * static_cast<int64_t>(sizeof(scalar_t));
   for (int64_t byte = 0; byte < bytes; byte += 64) {
-    const void* line = reinterpret_cast<const void*>(ahead + static_cast<std::uintptr_t>(byte));
+    const void* line = reinterpret_cast<const void*>(at + static_cast<std::uintptr_t>(byte));
     if (for_write) {
       __builtin_prefetch(line, 1);
     } else {
       __builtin_prefetch(line, 0);
     }
   }
+}
+template <typename scalar_t>
+inline void prefetch_row_ahead(const scalar_t* row, int64_t head_stride, int64_t head_dim, bool for_write) {
+  prefetch_row<scalar_t>(reinterpret_cast<std::uintptr_t>(row) +
+                             static_cast<std::uintptr_t>(kPrefetchRowsAhead * head_stride * sizeof(scalar_t)),
+                         head_dim, for_write);
 }
 
 // Streaming stores pay off once the rows written are well beyond what the caches keep: the

@@ -95,12 +95,26 @@ void shift_rows(const RopeShiftKvArgs& a) {
   staged.head_dim = g.rotary_dim;
   const int64_t* st = a.cache_stride;
   const AngleTable<acc_t> table = shared_angle_table<acc_t>(a, items);
+  // Rows that lie apart (MLA's latent cache: k_pe, 64 of each 576-feature row; a slice of a
+  // cache's heads or features): the rows of the item kPrefetchRowsAhead on are prefetched for
+  // writing, for the reason of rope_rows.h prefetch_row_ahead (the hardware prefetchers do
+  // not follow them). Rows of one item and the next adjacent (a whole cache): none.
+  const bool adjacent = (a.heads == 1 || st[2] == g.head_dim) && st[1] == a.heads * g.head_dim;
+  const bool gaps = !fp8 && st[3] == 1 && !adjacent;
   at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
     TokenAngles<acc_t> old_angles, new_angles, turn;
     int64_t p_old[math::kRopeMaxAxes], p_new[math::kRopeMaxAxes];
     for (int64_t item = first; item < last; ++item) {
       const int64_t b = item / g.seq, j = item % g.seq;
       int64_t outer = 0, inner = 0;
+      if (gaps && item + kPrefetchRowsAhead < last &&
+          shift_kv_row(a, (item + kPrefetchRowsAhead) / g.seq, (item + kPrefetchRowsAhead) % g.seq, &outer, &inner)) {
+        for (int64_t h = 0; h < a.heads; ++h) {
+          prefetch_row<scalar_t>(reinterpret_cast<std::uintptr_t>(static_cast<scalar_t*>(a.cache) + outer * st[0] +
+                                                                  inner * st[1] + h * st[2]),
+                                 g.head_dim, /*for_write=*/true);
+        }
+      }
       if (!shift_kv_row(a, b, j, &outer, &inner)) continue;  // slot -1
       token_positions(a.from, b, j, p_old);
       token_positions(a.to, b, j, p_new);
