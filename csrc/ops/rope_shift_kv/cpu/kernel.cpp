@@ -95,12 +95,11 @@ void shift_rows(const RopeShiftKvArgs& a) {
   staged.head_dim = g.rotary_dim;
   const int64_t* st = a.cache_stride;
   const AngleTable<acc_t> table = shared_angle_table<acc_t>(a, items);
-  // Rows that lie apart (MLA's latent cache: k_pe, 64 of each 576-feature row; a slice of a
-  // cache's heads or features): the rows of the item kPrefetchRowsAhead on are prefetched for
-  // writing, for the reason of rope_rows.h prefetch_row_ahead (the hardware prefetchers do
-  // not follow them). Rows of one item and the next adjacent (a whole cache): none.
-  const bool adjacent = (a.heads == 1 || st[2] == g.head_dim) && st[1] == a.heads * g.head_dim;
-  const bool gaps = !fp8 && st[3] == 1 && !adjacent;
+  // Rows that lie apart (rope_rows.h rows_have_gaps: MLA's latent cache, k_pe 64 of each
+  // 576-feature row; a slice of a cache's heads): the rows of the item kPrefetchRowsAhead on
+  // are prefetched for writing, for the reason of prefetch_row_ahead (the hardware
+  // prefetchers do not follow them).
+  const bool gaps = !fp8 && rows_have_gaps(st[2], st[3], g.head_dim);
   at::parallel_for(0, items, grain, [&](int64_t first, int64_t last) {
     TokenAngles<acc_t> old_angles, new_angles, turn;
     int64_t p_old[math::kRopeMaxAxes], p_new[math::kRopeMaxAxes];
