@@ -9,8 +9,7 @@
 
 #include <cstdint>
 
-#include "ops/common/rope_checks.h"  // kRopeMaxPosition
-#include "ops/common/rope_launch.h"  // RopeArgs
+#include "ops/common/rope_args.h"  // RopeArgs, kRopeMaxPosition
 
 namespace posenc {
 namespace ops {

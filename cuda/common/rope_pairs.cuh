@@ -5,10 +5,6 @@
 // the work split of ops/common/cuda_work_split.h.
 #pragma once
 
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <limits>
@@ -266,24 +262,26 @@ bool rope_can_vectorize(const Args& a, int64_t P) {
   return true;
 }
 
-// Launches kernel(a, shape) on the current stream: the block shape of the call
-// (rope_block_shape: kRopeThreads, kMaxRopePairs shared pairs, kRopeMaxSlots) and one
-// wave of resident blocks (cuda::resident_blocks), the kernel walking the tokens
-// grid-stride.
+// Launches kernel(a, shape) on `stream`: the block shape of the call (rope_block_shape:
+// kRopeThreads, kMaxRopePairs shared pairs, kRopeMaxSlots) and one wave of resident blocks
+// (cuda::resident_blocks), the kernel walking the tokens grid-stride. A rotary_dim that
+// passed the op checks always fits the block (cudaErrorInvalidConfiguration otherwise).
 template <typename Args>
-void launch_rope_kernel(void (*kernel)(Args, RopeBlockShape), const Args& a, int P) {
+cudaError_t launch_rope_kernel(void (*kernel)(Args, RopeBlockShape), const Args& a, int P,
+                               cudaStream_t stream) {
   const int64_t tokens = a.batch * a.seq;
   const RopeBlockShape shape = rope_block_shape(a.rotary_dim / 2, a.q.heads + a.k.heads, tokens,
                                                 P, kRopeThreads, kMaxRopePairs, kRopeMaxSlots);
-  TORCH_INTERNAL_ASSERT(rope_block_shape_fits(shape, a.rotary_dim / 2, kRopeThreads, kMaxRopePairs),
-                        "posenc: rotary_dim ", a.rotary_dim, " passed the op checks but does not ",
-                        "fit the RoPE block");
+  if (!rope_block_shape_fits(shape, a.rotary_dim / 2, kRopeThreads, kMaxRopePairs)) {
+    return cudaErrorInvalidConfiguration;
+  }
   const int threads = shape.threads();
   const int64_t steps = (tokens + shape.slots - 1) / shape.slots;
-  const int64_t blocks = std::min<int64_t>(
-      steps, ::posenc::cuda::resident_blocks(reinterpret_cast<const void*>(kernel), threads));
-  kernel<<<static_cast<unsigned>(blocks), threads, 0, at::cuda::getCurrentCUDAStream()>>>(a, shape);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  int64_t wave = 0;
+  POSENC_CUDA_TRY(::posenc::cuda::resident_blocks(reinterpret_cast<const void*>(kernel), threads, &wave));
+  const int64_t blocks = std::min<int64_t>(steps, wave);
+  kernel<<<static_cast<unsigned>(blocks), threads, 0, stream>>>(a, shape);
+  return cudaGetLastError();
 }
 
 }  // namespace rope_cuda

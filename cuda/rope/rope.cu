@@ -19,23 +19,15 @@
 // travel in the kernel parameters (__grid_constant__, no copy); no host-device
 // synchronisation anywhere. The rotation rounds as the CPU kernel does
 // (math::rope_rotate_pair), so results do not depend on the path taken.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <limits>
 
+#include "../common/occupancy.cuh"
 #include "../common/rope_device_checks.cuh"
 #include "../common/rope_pairs.cuh"
 #include "../common/vector_access.cuh"
+#include "launch.h"
 #include "ops/common/cuda_work_split.h"
-#include "ops/common/rope_checks.h"  // kRopeMaxPosition
-#include "ops/common/rope_launch.h"
 #include "posenc/math/rope.h"
 
 namespace posenc {
@@ -72,7 +64,7 @@ __device__ __forceinline__ void assert_token_start(const RopeArgs& a, const Toke
 template <typename scalar_t, int P, bool kVec>
 __global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
     rope_kernel(const __grid_constant__ RopeArgs a, RopeBlockShape shape) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = cuda::opmath_t<scalar_t>;
   const int64_t tokens = a.batch * a.seq;
   const int half = static_cast<int>(a.rotary_dim / 2);
   const int64_t pass = a.head_dim - a.rotary_dim;
@@ -161,30 +153,16 @@ __global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
   }
 }
 
-void run_rope_cuda(const RopeLaunch& l, const at::Tensor& q) {
-  const RopeArgs& a = l.args;
-  if (a.batch * a.seq == 0 || a.q.heads + a.k.heads == 0 || a.head_dim == 0) return;
-  const c10::cuda::CUDAGuard guard(q.device());  // current stream and properties of q's GPU
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_rope_cuda", [&] {
-    constexpr int P = cuda::kPerVector<scalar_t>;
-    if (rope_can_vectorize(a, P)) {
-      launch_rope_kernel(rope_kernel<scalar_t, P, true>, a, P);
-    } else {
-      launch_rope_kernel(rope_kernel<scalar_t, 1, false>, a, 1);
-    }
-  });
-}
-
-at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("rope", torch::CppFunction::makeFromBoxedFunction<
-                     &rope_kernel_boxed<&empty_like_input, &run_rope_cuda>>());
-  m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<
-                      &rope_inplace_kernel_boxed<&empty_like_input, &run_rope_cuda>>());
+template <typename scalar_t>
+cudaError_t launch_rope(const RopeArgs& a, cudaStream_t stream) {
+  if (a.batch * a.seq == 0 || a.q.heads + a.k.heads == 0 || a.head_dim == 0) return cudaSuccess;
+  constexpr int P = cuda::kPerVector<scalar_t>;
+  if (rope_can_vectorize(a, P)) return launch_rope_kernel(rope_kernel<scalar_t, P, true>, a, P, stream);
+  return launch_rope_kernel(rope_kernel<scalar_t, 1, false>, a, 1, stream);
 }
+POSENC_CUDA_INSTANTIATE_FLOATING(launch_rope, const RopeArgs&, cudaStream_t)
 
 }  // namespace ops
 }  // namespace posenc

@@ -8,21 +8,14 @@
 // loads; one barrier per step. On the fast path (16-byte aligned rows of q and k,
 // rotary_dim / 2 a multiple of P) x moves in 16-byte accesses; otherwise P = 1 with element
 // accesses and any strides. No host-device synchronisation.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
 #include <algorithm>
 
-#include "ops/common/cuda_work_split.h"
-#include "ops/rope_cos_sin/rope_cos_sin.h"
-#include "posenc/math/rope.h"
+#include "../common/occupancy.cuh"
 #include "../common/rope_pairs.cuh"
 #include "../common/vector_access.cuh"
+#include "launch.h"
+#include "ops/common/cuda_work_split.h"
+#include "posenc/math/rope.h"
 
 namespace posenc {
 namespace ops {
@@ -38,7 +31,7 @@ constexpr int kMinBlocksPerSm = 3;
 template <typename scalar_t, int P, bool kVec>
 __global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
     rope_cos_sin_kernel(const __grid_constant__ RopeCosSinArgs a, RopeBlockShape shape) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = cuda::opmath_t<scalar_t>;
   const int64_t tokens = a.batch * a.seq;
   const int half = static_cast<int>(a.rotary_dim / 2);
   const int64_t heads = a.q.heads + a.k.heads;
@@ -114,34 +107,18 @@ __global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
   }
 }
 
-std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cuda(
-    const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
-    const at::Tensor& sin, c10::string_view layout, bool interleaved, bool transpose) {
-  const bool bhsd = check_rope_cos_sin(q, k, cos, sin, std::string(layout));
-  const c10::cuda::CUDAGuard guard(q.device());
-  at::Tensor out_q = at::empty_like(q);
-  std::optional<at::Tensor> out_k;
-  if (k.has_value()) out_k = at::empty_like(*k);
-  const RopeCosSinLaunch launch =
-      prepare_rope_cos_sin(q, k, cos, sin, bhsd, interleaved, transpose, out_q, out_k);
-  const RopeCosSinArgs& a = launch.args;
-  if (a.batch * a.seq > 0 && a.q.heads + a.k.heads > 0 && a.head_dim > 0) {
-    AT_DISPATCH_FLOATING_TYPES_AND2(
-        at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_apply_rope_cos_sin_cuda", [&] {
-          constexpr int P = cuda::kPerVector<scalar_t>;
-          if (rope_can_vectorize(a, P)) {
-            launch_rope_kernel(rope_cos_sin_kernel<scalar_t, P, true>, a, P);
-          } else {
-            launch_rope_kernel(rope_cos_sin_kernel<scalar_t, 1, false>, a, 1);
-          }
-        });
-  }
-  return {out_q, out_k.has_value() ? *out_k : at::empty({0}, q.options())};
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, CUDA, m) { m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_cuda); }
+template <typename scalar_t>
+cudaError_t launch_rope_cos_sin(const RopeCosSinArgs& a, cudaStream_t stream) {
+  if (a.batch * a.seq == 0 || a.q.heads + a.k.heads == 0 || a.head_dim == 0) return cudaSuccess;
+  constexpr int P = cuda::kPerVector<scalar_t>;
+  if (rope_can_vectorize(a, P)) {
+    return launch_rope_kernel(rope_cos_sin_kernel<scalar_t, P, true>, a, P, stream);
+  }
+  return launch_rope_kernel(rope_cos_sin_kernel<scalar_t, 1, false>, a, 1, stream);
+}
+POSENC_CUDA_INSTANTIATE_FLOATING(launch_rope_cos_sin, const RopeCosSinArgs&, cudaStream_t)
 
 }  // namespace ops
 }  // namespace posenc

@@ -8,20 +8,13 @@
 // A row or slot out of range (which the CPU op refuses with an IndexError before writing) is
 // skipped and stops the kernel with a device-side assert, as ATen's indexing does. A row
 // listed twice (refused on the CPU) is the caller's error here: it would turn twice or race.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cfloat>
 #include <type_traits>
 
+#include "../common/occupancy.cuh"
 #include "../common/rope_device_checks.cuh"  // rope_in_position_domain
-#include "ops/rope_shift_kv/rope_shift_kv.h"
+#include "launch.h"
 #include "posenc/math/rope.h"
 
 namespace posenc {
@@ -35,7 +28,7 @@ using rope_cuda::rope_in_position_domain;
 // scalar_t: the cache's dtype, or float for an FP8 cache (its values are rotated in float32).
 template <typename scalar_t>
 __global__ void __launch_bounds__(kThreads) rope_shift_kv_kernel(const __grid_constant__ RopeShiftKvArgs a) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = cuda::opmath_t<scalar_t>;
   const RopeArgs& g = a.to;
   const int64_t items = g.batch * g.seq;
   const int64_t half = g.rotary_dim / 2;
@@ -107,29 +100,17 @@ __global__ void __launch_bounds__(kThreads) rope_shift_kv_kernel(const __grid_co
   }
 }
 
-void rope_shift_kv_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const RopeShiftKvCall c = RopeShiftKvCall::pop(*stack);
-  const int64_t rot = check_rope_shift_kv(c);
-  check_rope_shift_kv_overlap(c);
-  const c10::cuda::CUDAGuard guard(c.k_cache.device());
-  const ShiftKvLaunch launch = prepare_shift_kv_launch(c, rot);
-  const RopeShiftKvArgs& a = launch.args;
-  const int64_t items = a.to.batch * a.to.seq;
-  if (items == 0 || a.heads == 0 || rot == 0) return;
-  const at::ScalarType dtype = a.format == KvCacheFormat::kSame ? c.k_cache.scalar_type() : at::kFloat;
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "posenc_rope_shift_kv_cuda", [&] {
-    const int64_t blocks = std::min<int64_t>(items, 65535);
-    rope_shift_kv_kernel<scalar_t>
-        <<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("rope_shift_kv_", torch::CppFunction::makeFromBoxedFunction<&rope_shift_kv_cuda>());
+template <typename scalar_t>
+cudaError_t launch_rope_shift_kv(const RopeShiftKvArgs& a, cudaStream_t stream) {
+  const int64_t items = a.to.batch * a.to.seq;
+  if (items == 0 || a.heads == 0 || a.to.rotary_dim == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>(items, 65535);
+  rope_shift_kv_kernel<scalar_t><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
 }
+POSENC_CUDA_INSTANTIATE_FLOATING(launch_rope_shift_kv, const RopeShiftKvArgs&, cudaStream_t)
 
 }  // namespace ops
 }  // namespace posenc

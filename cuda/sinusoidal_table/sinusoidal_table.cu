@@ -1,23 +1,14 @@
 // CUDA kernel of sinusoidal_table: one thread per entry, the shared double-precision
 // formula, rounded once to the output dtype.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
+#include <algorithm>
 #include <cmath>
 
+#include "../common/occupancy.cuh"
+#include "launch.h"
 #include "posenc/math/sinusoid.h"
 
 namespace posenc {
 namespace ops {
-
-// The op's argument checks, shared by every backend: defined in
-// csrc/ops/sinusoidal_table/sinusoidal_table.cpp (the family has no header of its own).
-void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base);
-
 namespace {
 
 template <typename scalar_t>
@@ -33,28 +24,15 @@ __global__ void sinusoidal_table_kernel(const double* __restrict__ positions,
   }
 }
 
-at::Tensor sinusoidal_table_cuda(const at::Tensor& positions, int64_t d_model, double base) {
-  check_sinusoidal_table_args(positions, d_model, base);
-  const c10::cuda::CUDAGuard device_guard(positions.device());
-  const at::Tensor pos = positions.to(at::kDouble).contiguous();
-  std::vector<int64_t> shape(positions.sizes().begin(), positions.sizes().end());
-  shape.push_back(d_model);
-  at::Tensor out = at::empty(shape, positions.options().dtype(at::kDouble));
-  const int64_t numel = out.numel();
-  if (numel == 0) return out;
-  constexpr int kThreads = 256;
-  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, 65535);
-  sinusoidal_table_kernel<double><<<blocks, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      pos.const_data_ptr<double>(), out.mutable_data_ptr<double>(), numel, d_model,
-      std::log(base));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-  return out;
-}
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("sinusoidal_table", &sinusoidal_table_cuda);
+cudaError_t launch_sinusoidal_table(const double* positions, double* out, int64_t numel,
+                                    int64_t d_model, double log_base, cudaStream_t stream) {
+  if (numel == 0) return cudaSuccess;
+  constexpr int kThreads = 256;
+  const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, 65535);
+  sinusoidal_table_kernel<double><<<blocks, kThreads, 0, stream>>>(positions, out, numel, d_model, log_base);
+  return cudaGetLastError();
 }
 
 }  // namespace ops

@@ -16,6 +16,12 @@ namespace ops {
 // Pairs per head the kernels support: rotary_dim <= 512 (rope_checks.h checks it).
 constexpr int64_t kMaxRopePairs = math::kRopeMaxPairs;
 
+// Positions, offsets and the int offset each lie in [-2**53, 2**53] (check_rope_position_value
+// on the host, rope_in_position_domain on the device): sums of three of them cannot overflow
+// int64, and a summed position within +-2**53 is exact in the float64 angle (beyond, up to
+// 3 * 2**53, the float64 product rounds it).
+constexpr int64_t kRopeMaxPosition = int64_t{1} << 53;
+
 // One of q and k: input and output (the same pointer in place) as (B, S, H, D) with
 // element strides.
 struct RopeOperand {

@@ -41,10 +41,8 @@ void check_rope_rotary_dim_supported(int64_t rotary_dim);
 void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSectionsMode mode,
                          int64_t rotary_dim);
 
-// Positions, offsets and the int offset must each lie in [-2**53, 2**53]: sums of three of
-// them cannot overflow int64, and a summed position within +-2**53 is exact in the float64
-// angle (beyond, up to 3 * 2**53, the float64 product rounds it). ValueError naming `what`.
-constexpr int64_t kRopeMaxPosition = int64_t{1} << 53;
+// Positions, offsets and the int offset must each lie in [-2**53, 2**53] (kRopeMaxPosition,
+// rope_args.h). ValueError naming `what`.
 void check_rope_position_value(const char* what, int64_t value);
 
 // Memory that a kernel writes while it reads other tensors (written_memory.cpp). A kernel

@@ -209,3 +209,38 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
 
 }  // namespace ops
 }  // namespace posenc
+
+// ---- CUDA
+// CUDA backend of the rope ops: the same boxed body with outputs from empty_like, and the
+// launch of cuda/rope/rope.cu's kernels on q's device and current stream.
+#if defined(POSENC_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/rope/launch.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+void run_rope_cuda(const RopeLaunch& launch, const at::Tensor& q) {
+  const c10::cuda::CUDAGuard guard(q.device());  // current stream and properties of q's GPU
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_rope_cuda", [&] {
+    C10_CUDA_CHECK(launch_rope<scalar_t>(launch.args, at::cuda::getCurrentCUDAStream()));
+  });
+}
+
+at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("rope", torch::CppFunction::makeFromBoxedFunction<
+                     &rope_kernel_boxed<&empty_like_input, &run_rope_cuda>>());
+  m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<
+                      &rope_inplace_kernel_boxed<&empty_like_input, &run_rope_cuda>>());
+}
+
+}  // namespace ops
+}  // namespace posenc
+#endif  // POSENC_WITH_CUDA

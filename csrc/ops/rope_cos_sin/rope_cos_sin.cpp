@@ -187,3 +187,39 @@ TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
 
 }  // namespace ops
 }  // namespace posenc
+
+// ---- CUDA: the same checks and preparation, outputs from empty_like, and the launch of
+// cuda/rope_cos_sin/rope_cos_sin.cu's kernel on q's device and current stream.
+#if defined(POSENC_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/rope_cos_sin/launch.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cuda(
+    const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
+    const at::Tensor& sin, c10::string_view layout, bool interleaved, bool transpose) {
+  const bool bhsd = check_rope_cos_sin(q, k, cos, sin, std::string(layout));
+  const c10::cuda::CUDAGuard guard(q.device());
+  at::Tensor out_q = at::empty_like(q);
+  std::optional<at::Tensor> out_k;
+  if (k.has_value()) out_k = at::empty_like(*k);
+  const RopeCosSinLaunch launch =
+      prepare_rope_cos_sin(q, k, cos, sin, bhsd, interleaved, transpose, out_q, out_k);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_apply_rope_cos_sin_cuda", [&] {
+    C10_CUDA_CHECK(launch_rope_cos_sin<scalar_t>(launch.args, at::cuda::getCurrentCUDAStream()));
+  });
+  return {out_q, out_k.has_value() ? *out_k : at::empty({0}, q.options())};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) { m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_cuda); }
+
+}  // namespace ops
+}  // namespace posenc
+#endif  // POSENC_WITH_CUDA

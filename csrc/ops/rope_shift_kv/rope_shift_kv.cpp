@@ -619,3 +619,39 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
 
 }  // namespace ops
 }  // namespace posenc
+
+// ---- CUDA backend: the same structural checks (values are checked on the device), then
+// the launch of cuda/rope_shift_kv/rope_shift_kv.cu's kernel on the cache's device and
+// current stream.
+#if defined(POSENC_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/rope_shift_kv/launch.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+void rope_shift_kv_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const RopeShiftKvCall c = RopeShiftKvCall::pop(*stack);
+  const int64_t rot = check_rope_shift_kv(c);
+  check_rope_shift_kv_overlap(c);
+  const c10::cuda::CUDAGuard guard(c.k_cache.device());
+  const ShiftKvLaunch launch = prepare_shift_kv_launch(c, rot);
+  const RopeShiftKvArgs& a = launch.args;
+  const at::ScalarType dtype = a.format == KvCacheFormat::kSame ? c.k_cache.scalar_type() : at::kFloat;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dtype, "posenc_rope_shift_kv_cuda", [&] {
+    C10_CUDA_CHECK(launch_rope_shift_kv<scalar_t>(a, at::cuda::getCurrentCUDAStream()));
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("rope_shift_kv_", torch::CppFunction::makeFromBoxedFunction<&rope_shift_kv_cuda>());
+}
+
+}  // namespace ops
+}  // namespace posenc
+#endif  // POSENC_WITH_CUDA

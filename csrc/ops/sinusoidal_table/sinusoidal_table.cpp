@@ -1,6 +1,7 @@
 // The op sinusoidal_table, the fixed encoding evaluated at arbitrary positions: its schema,
-// argument checks, Meta kernel, the kernel composed of ATen ops and the CPU kernel. Autograd
-// is in autograd.cpp, the CUDA kernel in cuda/sinusoidal_table/sinusoidal_table.cu.
+// argument checks, Meta kernel, the kernel composed of ATen ops, the CPU kernel and the
+// CUDA registration. Autograd is in autograd.cpp, the CUDA kernel in
+// cuda/sinusoidal_table/sinusoidal_table.cu.
 //
 // The table ops compute and return float64; the front ends (posenc::sinusoidal_table,
 // posenc.functional.sinusoidal_table) round it once to the dtype asked for with an ATen cast,
@@ -26,8 +27,9 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
       "sinusoidal_table(Tensor positions, SymInt d_model, float base=10000.0) -> Tensor");
 }
 
-// The checks of every backend (the CUDA kernel's too: it declares this function, the family
-// having no header of its own).
+namespace {
+
+// The checks of every backend.
 void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base) {
   TORCH_CHECK_VALUE(d_model > 0, "posenc: expected d_model > 0, got ", d_model);
   // base <= 1 would give every column the same or a growing frequency: no longer the
@@ -38,8 +40,6 @@ void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, d
                    "posenc: expected integer or floating-point positions, got ",
                    positions.scalar_type());
 }
-
-namespace {
 
 // ---- Meta kernel: the shape (positions..., d_model), float64, with symbolic sizes, after
 // the same argument checks as the real kernels (when d_model is concrete).
@@ -115,3 +115,37 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
 
 }  // namespace ops
 }  // namespace posenc
+
+// ---- CUDA: the same checks, then cuda/sinusoidal_table/sinusoidal_table.cu's kernel on the
+// positions' device and current stream.
+#if defined(POSENC_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/sinusoidal_table/launch.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+at::Tensor sinusoidal_table_cuda(const at::Tensor& positions, int64_t d_model, double base) {
+  check_sinusoidal_table_args(positions, d_model, base);
+  const c10::cuda::CUDAGuard device_guard(positions.device());
+  const at::Tensor pos = positions.to(at::kDouble).contiguous();
+  std::vector<int64_t> shape(positions.sizes().begin(), positions.sizes().end());
+  shape.push_back(d_model);
+  at::Tensor out = at::empty(shape, positions.options().dtype(at::kDouble));
+  C10_CUDA_CHECK(launch_sinusoidal_table(pos.const_data_ptr<double>(), out.mutable_data_ptr<double>(), out.numel(),
+                                         d_model, std::log(base), at::cuda::getCurrentCUDAStream()));
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("sinusoidal_table", &sinusoidal_table_cuda);
+}
+
+}  // namespace ops
+}  // namespace posenc
+#endif  // POSENC_WITH_CUDA

@@ -1,0 +1,19 @@
+// The sinusoidal_table family's CUDA launcher (sinusoidal_table.cu), called by
+// sinusoidal_table.cpp's CUDA registration: plain arguments in, the launch's cudaError_t out
+// (cuda/common/occupancy.cuh), on the current device.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+namespace posenc {
+namespace ops {
+
+// out[i, j] (numel = rows * d_model values, float64) = the encoding of positions[i] (float64)
+// at column j, on `stream`.
+cudaError_t launch_sinusoidal_table(const double* positions, double* out, int64_t numel,
+                                    int64_t d_model, double log_base, cudaStream_t stream);
+
+}  // namespace ops
+}  // namespace posenc
