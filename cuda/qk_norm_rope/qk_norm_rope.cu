@@ -13,21 +13,13 @@
 // the weight-gradient terms gu * xhat into the warp's own row of a partial-sum buffer
 // (rows: one per warp of the grid, a fixed grid: no atomics), which a second kernel sums
 // over the rows in order. Results are deterministic for a given GPU and shape.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <limits>
 
 #include "../common/occupancy.cuh"
 #include "../common/warp_reduce.cuh"
 #include "../common/rope_device_checks.cuh"
-#include "ops/qk_norm_rope/qk_norm_rope.h"
+#include "launch.h"
 #include "posenc/math/qk_norm.h"
 #include "posenc/math/rope.h"
 
@@ -221,69 +213,54 @@ __global__ void sum_rows_kernel(const acc_t* rows, int64_t n_rows, int64_t len, 
   }
 }
 
-void run_qk_norm_rope_cuda(QkNormRopeLaunch& l, const at::Tensor& q, bool backward) {
-  const c10::cuda::CUDAGuard guard(q.device());
-  const RopeArgs& ra = l.args.rope;
-  const int64_t tokens = ra.batch * ra.seq;
-  const int64_t lq = l.q_weight.size(0), lk = l.k_weight.size(0);
-  if (backward) {
-    l.q_weight_grad = at::zeros({lq}, l.q_weight.options());
-    l.k_weight_grad = at::zeros({lk}, l.k_weight.options());
-  }
-  if (tokens == 0) return;
-  const auto stream = at::cuda::getCurrentCUDAStream();
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_qk_norm_rope_cuda", [&] {
-    using acc_t = at::opmath_type<scalar_t>;
-    const int64_t needed = (2 * tokens + kWarps - 1) / kWarps;
-    if (!backward) {
-      auto kernel = qk_norm_rope_kernel<scalar_t, acc_t, false>;
-      const int64_t blocks = std::min<int64_t>(
-          needed, ::posenc::cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kThreads));
-      kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(l.args, nullptr, 0);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
-    }
-    // No weight to differentiate (head_dim 0, or norm "hidden" without heads): then q and k
-    // have no element either, so dx is empty and the weight gradients are the empty zeros
-    // above, as on the CPU. (The reduction below would be a launch of 0 blocks: "invalid
-    // configuration argument".)
-    if (lq + lk == 0) return;
-    // One partial row (q's weights then k's) per warp of a fixed grid, at most ~64 MiB of rows.
-    auto kernel = qk_norm_rope_kernel<scalar_t, acc_t, true>;
-    const int64_t len = lq + lk;
-    const int64_t cap = std::max<int64_t>(1, (int64_t{16} << 20) / (kWarps * std::max<int64_t>(len, 1)));
-    const int64_t blocks = std::min<int64_t>(
-        {needed, cap, ::posenc::cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kThreads)});
-    // Rows hold q's weights at [0, lq) and k's at [len / 2, ...): pad so both halves fit.
-    const int64_t row = 2 * std::max(lq, lk);
-    at::Tensor rows = at::zeros({blocks * kWarps, row}, l.q_weight.options());
-    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(l.args, rows.data_ptr<acc_t>(), row);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    at::Tensor sums = at::empty({row}, l.q_weight.options());
-    const int64_t reduce_blocks = std::min<int64_t>((row + kThreads - 1) / kThreads, 1024);
-    sum_rows_kernel<acc_t><<<static_cast<unsigned>(reduce_blocks), kThreads, 0, stream>>>(
-        rows.data_ptr<acc_t>(), blocks * kWarps, row, sums.data_ptr<acc_t>());
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    l.q_weight_grad = sums.narrow(0, 0, lq);
-    l.k_weight_grad = sums.narrow(0, row / 2, lk);
-  });
-}
-
-at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<
-                             &qk_norm_rope_kernel_boxed<&empty_like_input, &run_qk_norm_rope_cuda>>());
-  // In place: each warp reads its vector whole (the sum of squares, a warp-wide shuffle)
-  // before any lane writes, and each lane writes only the features it read.
-  m.impl("qk_norm_rope_", torch::CppFunction::makeFromBoxedFunction<
-                              &qk_norm_rope_inplace_kernel_boxed<&run_qk_norm_rope_cuda>>());
-  m.impl("qk_norm_rope_backward",
-         torch::CppFunction::makeFromBoxedFunction<
-             &qk_norm_rope_backward_kernel_boxed<&empty_like_input, &run_qk_norm_rope_cuda>>());
+template <typename scalar_t>
+cudaError_t launch_qk_norm_rope(const QkNormRopeArgs& a, cudaStream_t stream) {
+  const int64_t tokens = a.rope.batch * a.rope.seq;
+  if (tokens == 0) return cudaSuccess;
+  auto kernel = qk_norm_rope_kernel<scalar_t, cuda::opmath_t<scalar_t>, false>;
+  int64_t wave = 0;
+  POSENC_CUDA_TRY(cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, &wave));
+  const int64_t blocks = std::min<int64_t>((2 * tokens + kWarps - 1) / kWarps, wave);
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a, nullptr, 0);
+  return cudaGetLastError();
 }
+POSENC_CUDA_INSTANTIATE_FLOATING(launch_qk_norm_rope, const QkNormRopeArgs&, cudaStream_t)
+
+// The backward's grid: enough blocks for the tokens, at most one wave, and at most ~64 MiB of
+// partial rows; 0 rows without tokens.
+template <typename scalar_t>
+cudaError_t qk_norm_rope_backward_rows(const QkNormRopeArgs& a, int64_t lq, int64_t lk, int64_t* n_rows) {
+  const int64_t tokens = a.rope.batch * a.rope.seq;
+  *n_rows = 0;
+  if (tokens == 0 || lq + lk == 0) return cudaSuccess;
+  auto kernel = qk_norm_rope_kernel<scalar_t, cuda::opmath_t<scalar_t>, true>;
+  int64_t wave = 0;
+  POSENC_CUDA_TRY(cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, &wave));
+  const int64_t needed = (2 * tokens + kWarps - 1) / kWarps;
+  const int64_t cap = std::max<int64_t>(1, (int64_t{16} << 20) / (kWarps * (lq + lk)));
+  *n_rows = std::min<int64_t>({needed, cap, wave}) * kWarps;
+  return cudaSuccess;
+}
+POSENC_CUDA_INSTANTIATE_FLOATING(qk_norm_rope_backward_rows, const QkNormRopeArgs&, int64_t, int64_t, int64_t*)
+
+template <typename scalar_t>
+cudaError_t launch_qk_norm_rope_backward(const QkNormRopeArgs& a, void* rows, int64_t n_rows, int64_t row_len,
+                                         void* sums, cudaStream_t stream) {
+  if (n_rows == 0) return cudaSuccess;
+  using acc_t = cuda::opmath_t<scalar_t>;
+  auto* partial = static_cast<acc_t*>(rows);
+  qk_norm_rope_kernel<scalar_t, acc_t, true>
+      <<<static_cast<unsigned>(n_rows / kWarps), kThreads, 0, stream>>>(a, partial, row_len);
+  POSENC_CUDA_TRY(cudaGetLastError());
+  const int64_t reduce_blocks = std::min<int64_t>((row_len + kThreads - 1) / kThreads, 1024);
+  sum_rows_kernel<acc_t><<<static_cast<unsigned>(reduce_blocks), kThreads, 0, stream>>>(
+      partial, n_rows, row_len, static_cast<acc_t*>(sums));
+  return cudaGetLastError();
+}
+POSENC_CUDA_INSTANTIATE_FLOATING(launch_qk_norm_rope_backward, const QkNormRopeArgs&, void*, int64_t, int64_t, void*,
+                                 cudaStream_t)
 
 }  // namespace ops
 }  // namespace posenc

@@ -19,20 +19,13 @@
 // weights and rotates its pairs and pass-through features (posenc/math/qk_norm.h) into the
 // same destinations as the plain path. In place, each lane writes only features it read
 // itself, after the whole warp's reads (the butterfly). v is copied first, as before.
-#include <ATen/ATen.h>
-#include <ATen/Dispatch.h>
-#include <ATen/OpMathType.h>
-#include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAException.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <torch/library.h>
-
 #include <algorithm>
 #include <cfloat>
 
+#include "../common/occupancy.cuh"
 #include "../common/rope_device_checks.cuh"  // rope_in_position_domain
 #include "../common/warp_reduce.cuh"
-#include "ops/rope_append_kv/rope_append_kv.h"
+#include "launch.h"
 #include "posenc/math/qk_norm.h"
 #include "posenc/math/rope.h"
 
@@ -151,7 +144,7 @@ __device__ __forceinline__ void norm_rotate_token(const KvCacheArgs& a, int64_t 
 template <typename scalar_t, bool kNorm>
 __global__ void __launch_bounds__(kThreads)
     rope_append_kv_kernel(const __grid_constant__ KvCacheArgs a) {
-  using acc_t = at::opmath_type<scalar_t>;
+  using acc_t = cuda::opmath_t<scalar_t>;
   const RopeArgs& r = a.rope;
   const int64_t tokens = r.batch * r.seq;
   const int64_t half = r.rotary_dim / 2;
@@ -256,33 +249,18 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
-void run_rope_append_kv_cuda(const KvLaunch& l, const at::Tensor& q) {
-  const KvCacheArgs& a = l.args;
-  const int64_t tokens = a.rope.batch * a.rope.seq;
-  if (tokens == 0) return;
-  const c10::cuda::CUDAGuard guard(q.device());
-  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(),
-                                  "posenc_rope_append_kv_cuda", [&] {
-    const int64_t blocks = std::min<int64_t>(tokens, 65535);
-    auto kernel = a.q_weight != nullptr ? rope_append_kv_kernel<scalar_t, true>
-                                        : rope_append_kv_kernel<scalar_t, false>;
-    kernel<<<static_cast<unsigned>(blocks), kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(a);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-  });
-}
-
-at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
-
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("rope_append_kv",
-         torch::CppFunction::makeFromBoxedFunction<
-             &rope_append_kv_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
-  m.impl("rope_append_kv_",
-         torch::CppFunction::makeFromBoxedFunction<
-             &rope_append_kv_inplace_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
+template <typename scalar_t>
+cudaError_t launch_rope_append_kv(const KvCacheArgs& a, cudaStream_t stream) {
+  const int64_t tokens = a.rope.batch * a.rope.seq;
+  if (tokens == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>(tokens, 65535);
+  auto kernel = a.q_weight != nullptr ? rope_append_kv_kernel<scalar_t, true> : rope_append_kv_kernel<scalar_t, false>;
+  kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(a);
+  return cudaGetLastError();
 }
+POSENC_CUDA_INSTANTIATE_FLOATING(launch_rope_append_kv, const KvCacheArgs&, cudaStream_t)
 
 }  // namespace ops
 }  // namespace posenc

@@ -657,3 +657,144 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
 
 }  // namespace ops
 }  // namespace posenc
+
+// ---- CUDA backend: the same checks, contiguous inputs, outputs from torch's allocator, the
+// dropout state from the device's default generator, and the launches of
+// cuda/add_position/add_position.cu's kernels on x's device and current stream.
+#if defined(POSENC_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/cuda/CUDAGeneratorImpl.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/add_position/launch.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
+    const at::Tensor& x_in, const at::Tensor& table_in, const std::optional<at::Tensor>& positions,
+    int64_t offset, bool batch_first, double p, bool save_mask) {
+  TORCH_CHECK_VALUE(!save_mask, "posenc: add_position_forward: save_mask=True (a saved dropout "
+                    "mask) is CPU-only; on CUDA the backward regenerates the mask from rng");
+  AddPositionForwardLaunch f;
+  f.g = check_add_position_inputs(x_in, table_in, positions, offset, batch_first, p);
+  const c10::cuda::CUDAGuard device_guard(x_in.device());
+  const at::Tensor x = x_in.contiguous();
+  const at::Tensor table = table_as_matrix(table_in, x.scalar_type());
+  const at::Tensor pos = positions.has_value() ? positions->contiguous() : at::Tensor();
+  at::Tensor out = at::empty(x.sizes(), x.options());
+
+  CudaDropoutArgs& dropout = f.dropout;
+  // An empty x has no mask to draw (and backward never reads its rng).
+  dropout.active = p > 0.0 && x.numel() > 0;
+  at::Tensor rng = at::empty({dropout.active ? 2 : 0}, x.options().dtype(at::kLong));
+  if (dropout.active) {
+    const auto params = math::make_dropout_params(p);
+    dropout.threshold = params.threshold;
+    dropout.scale = params.scale;
+    auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
+        std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(x.device().index()));
+    std::lock_guard<std::mutex> lock(gen->mutex_);
+    // One 128-bit Philox draw per block of 8 elements, each block its own subsequence (see
+    // posenc/math/philox.h): 4 offsets, as a torch kernel whose threads draw once.
+    dropout.philox = gen->philox_cuda_state(4);
+  }
+  if (x.numel() == 0) {
+    if (p > 0.0) rng = at::zeros({2}, x.options().dtype(at::kLong));
+    return {out, rng};
+  }
+  f.x = x.const_data_ptr();
+  f.table = table.const_data_ptr();
+  f.table_same_dtype = table.scalar_type() == x.scalar_type();
+  f.positions = pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr;
+  f.out = out.mutable_data_ptr();
+  f.numel = x.numel();
+  f.rng_out = dropout.active ? rng.mutable_data_ptr<int64_t>() : nullptr;
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "posenc_add_position_cuda", [&] {
+    C10_CUDA_CHECK(launch_add_position_forward<scalar_t>(f, at::cuda::getCurrentCUDAStream()));
+  });
+  return {out, rng};
+}
+
+at::Tensor add_position_backward_cuda(const at::Tensor& grad_in, const at::Tensor& rng, double p) {
+  check_dropout_backward_args(grad_in, rng, p);
+  const c10::cuda::CUDAGuard device_guard(grad_in.device());
+  const at::Tensor grad = grad_in.contiguous();
+  const at::Tensor state = rng.contiguous();
+  at::Tensor out = at::empty(grad.sizes(), grad.options());
+  if (grad.numel() == 0) return out;
+  const auto params = math::make_dropout_params(p);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_cuda", [&] {
+    C10_CUDA_CHECK(launch_add_position_backward<scalar_t>(grad.const_data_ptr(), out.mutable_data_ptr(), grad.numel(),
+                                                          state.const_data_ptr<int64_t>(), params.threshold,
+                                                          params.scale, at::cuda::getCurrentCUDAStream()));
+  });
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
+    const at::Tensor& grad_in, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
+    int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x) {
+  const AddPositionArgs g = check_add_position_backward_inputs(
+      grad_in, rng, positions, offset, batch_first, p, table_len);
+  const c10::cuda::CUDAGuard device_guard(grad_in.device());
+  const at::Tensor grad = grad_in.contiguous();
+  const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  at::Tensor grad_x = need_x ? at::empty(grad.sizes(), grad.options())
+                             : at::empty({0}, grad.options());
+  const bool sorted = positions.has_value() && positions->dim() == 2;
+  // The table gradient starts at zero, except on the (seq,) positions path, which builds it
+  // from the per-s sums (scatter_rows_into_table) and would discard a zeroed table.
+  at::Tensor grad_table;
+  if (grad.numel() == 0 || !positions.has_value() || sorted) {
+    grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
+  }
+  if (grad.numel() == 0) return {grad_x, grad_table};
+  const auto params = math::make_dropout_params(p);
+  const at::Tensor state = p > 0.0 ? rng.contiguous() : at::Tensor();
+  const TableBackwardArgs args{g.batch, g.seq, g.d, g.batch_first,
+                               p > 0.0 ? state.const_data_ptr<int64_t>() : nullptr, params.threshold,
+                               params.scale};
+  void* gx = need_x ? grad_x.mutable_data_ptr() : nullptr;
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  if (sorted) {
+    // (batch, seq) positions: each memory row's table row (table_len for one outside the
+    // table), sorted stably; the two passes sum each run of equal keys.
+    const at::Tensor pos = batch_first ? *positions : positions->t();  // memory-row order
+    at::Tensor flat = pos.reshape({-1});
+    flat = at::where(flat.ge(0).logical_and(flat.lt(table_len)), flat, table_len);
+    const auto [keys, rows] = at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    const SortedRuns runs{keys.const_data_ptr<int64_t>(), g.batch * g.seq, sorted_runs_chunk(g.batch * g.seq)};
+    at::Tensor start = at::empty({runs.chunks(), g.d}, grad.options().dtype(acc));
+    at::Tensor carry = at::empty({runs.chunks(), g.d}, grad.options().dtype(acc));
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_table_cuda", [&] {
+      C10_CUDA_CHECK(launch_add_position_backward_table_sorted<scalar_t>(
+          args, grad.const_data_ptr(), gx, grad_table.mutable_data_ptr(), start.mutable_data_ptr(),
+          carry.mutable_data_ptr(), runs, rows.const_data_ptr<int64_t>(), table_len, stream));
+    });
+    return {grad_x, grad_table};
+  }
+  // Sums per s: straight into rows offset + s of the table, or into a buffer when the
+  // (seq,) positions may send two s to one row.
+  at::Tensor sums = positions.has_value() ? at::empty({g.seq, g.d}, grad.options().dtype(acc))
+                                          : grad_table.narrow(0, offset, g.seq);
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_table_cuda", [&] {
+    C10_CUDA_CHECK(launch_add_position_backward_table<scalar_t>(args, grad.const_data_ptr(), gx,
+                                                                sums.mutable_data_ptr(), stream));
+  });
+  if (positions.has_value()) grad_table = scatter_rows_into_table(positions->contiguous(), sums, table_len);
+  return {grad_x, grad_table};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("add_position_forward", &add_position_forward_cuda);
+  m.impl("add_position_backward", &add_position_backward_cuda);
+  m.impl("add_position_backward_with_table", &add_position_backward_with_table_cuda);
+}
+
+}  // namespace ops
+}  // namespace posenc
+#endif  // POSENC_WITH_CUDA

@@ -12,7 +12,7 @@
 namespace posenc {
 namespace ops {
 
-// ---- Learned-table backward, positions per s (cuda/add_position/add_position_backward_with_table.cu).
+// ---- Learned-table backward, positions per s (cuda/add_position/add_position.cu).
 // A block per (s, tile of `width` groups of 8 columns); its threads are (x < width, y <
 // slices), slice y summing batch rows [begin, end) of column group tile * width + x.
 struct TableTiles {

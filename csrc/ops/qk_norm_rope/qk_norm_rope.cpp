@@ -505,3 +505,64 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
 
 }  // namespace ops
 }  // namespace posenc
+
+// ---- CUDA backend: the same boxed bodies with outputs from empty_like, and the launches of
+// cuda/qk_norm_rope/qk_norm_rope.cu's kernels on q's device and current stream (the
+// backward's partial-sum rows from torch's allocator).
+#if defined(POSENC_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/qk_norm_rope/launch.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+void run_qk_norm_rope_cuda(QkNormRopeLaunch& l, const at::Tensor& q, bool backward) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  const int64_t lq = l.q_weight.size(0), lk = l.k_weight.size(0);
+  const auto stream = at::cuda::getCurrentCUDAStream();
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_qk_norm_rope_cuda", [&] {
+    if (!backward) {
+      C10_CUDA_CHECK(launch_qk_norm_rope<scalar_t>(l.args, stream));
+      return;
+    }
+    // Without tokens or weights (then q and k have no element either: dx is empty), the
+    // weight gradients are zeros, as on the CPU.
+    int64_t n_rows = 0;
+    C10_CUDA_CHECK(qk_norm_rope_backward_rows<scalar_t>(l.args, lq, lk, &n_rows));
+    if (n_rows == 0) {
+      l.q_weight_grad = at::zeros({lq}, l.q_weight.options());
+      l.k_weight_grad = at::zeros({lk}, l.k_weight.options());
+      return;
+    }
+    const int64_t row_len = 2 * std::max(lq, lk);
+    at::Tensor rows = at::zeros({n_rows, row_len}, l.q_weight.options());
+    at::Tensor sums = at::empty({row_len}, l.q_weight.options());
+    C10_CUDA_CHECK(launch_qk_norm_rope_backward<scalar_t>(l.args, rows.mutable_data_ptr(), n_rows, row_len,
+                                                          sums.mutable_data_ptr(), stream));
+    l.q_weight_grad = sums.narrow(0, 0, lq);
+    l.k_weight_grad = sums.narrow(0, row_len / 2, lk);
+  });
+}
+
+at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<
+                             &qk_norm_rope_kernel_boxed<&empty_like_input, &run_qk_norm_rope_cuda>>());
+  // In place: each warp reads its vector whole (the sum of squares, a warp-wide shuffle)
+  // before any lane writes, and each lane writes only the features it read.
+  m.impl("qk_norm_rope_", torch::CppFunction::makeFromBoxedFunction<
+                              &qk_norm_rope_inplace_kernel_boxed<&run_qk_norm_rope_cuda>>());
+  m.impl("qk_norm_rope_backward",
+         torch::CppFunction::makeFromBoxedFunction<
+             &qk_norm_rope_backward_kernel_boxed<&empty_like_input, &run_qk_norm_rope_cuda>>());
+}
+
+}  // namespace ops
+}  // namespace posenc
+#endif  // POSENC_WITH_CUDA

@@ -677,3 +677,40 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
 
 }  // namespace ops
 }  // namespace posenc
+
+// ---- CUDA backend: the same boxed body (structural checks; index values are checked on the
+// device) with outputs from empty_like, and the launch of cuda/rope_append_kv/rope_append_kv.cu's
+// kernel on q's device and current stream.
+#if defined(POSENC_WITH_CUDA)
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAGuard.h>
+
+#include "cuda/rope_append_kv/launch.h"
+
+namespace posenc {
+namespace ops {
+namespace {
+
+void run_rope_append_kv_cuda(const KvLaunch& launch, const at::Tensor& q) {
+  const c10::cuda::CUDAGuard guard(q.device());
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, q.scalar_type(), "posenc_rope_append_kv_cuda", [&] {
+    C10_CUDA_CHECK(launch_rope_append_kv<scalar_t>(launch.args, at::cuda::getCurrentCUDAStream()));
+  });
+}
+
+at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("rope_append_kv",
+         torch::CppFunction::makeFromBoxedFunction<
+             &rope_append_kv_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
+  m.impl("rope_append_kv_",
+         torch::CppFunction::makeFromBoxedFunction<
+             &rope_append_kv_inplace_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
+}
+
+}  // namespace ops
+}  // namespace posenc
+#endif  // POSENC_WITH_CUDA
