@@ -1,7 +1,8 @@
-// What every CUDA family's launchers share, free of ATen as the kernels are (the .cu files
-// include the CUDA runtime, c10's Half and BFloat16 and posenc's own headers only, so each
-// compiles in seconds; the family's <family>.cpp holds the ATen side: outputs, device guard,
-// stream, dtype switch, errors): one wave of resident blocks from the occupancy calculator,
+// What every CUDA family's launchers share, free of ATen's tensor and dispatcher headers as
+// the kernels are (the .cu files include the CUDA runtime, c10's Half and BFloat16, ATen's
+// light IntegerDivider.cuh and PhiloxUtils.cuh, and posenc's plain headers, so each compiles
+// in seconds; the family's <family>.cpp holds the ATen side: outputs, device guard, stream,
+// dtype switch, errors): one wave of resident blocks from the occupancy calculator,
 // the accumulation type of a dtype, the explicit instantiations of a launcher for the
 // floating dtypes, and the launchers' error convention (a cudaError_t, which the caller
 // raises with C10_CUDA_CHECK).

@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 
-#include "../common/occupancy.cuh"
 #include "launch.h"
 #include "posenc/math/sinusoid.h"
 

@@ -1,7 +1,7 @@
 // The add_position family's ops: their schemas, argument checks, the position bounds ops,
-// the Meta kernels, the kernels composed of ATen ops and the CPU backend. Autograd is in
-// autograd.cpp, the vectorised CPU kernels in cpu/kernel.cpp, the CUDA kernels in
-// cuda/add_position/.
+// the Meta kernels, the kernels composed of ATen ops and the CPU and CUDA backends (the CUDA
+// one's host side: its kernels are in cuda/add_position/add_position.cu). Autograd is in
+// autograd.cpp, the vectorised CPU kernels in cpu/kernel.cpp.
 //
 // The CPU backend: argument checks, the dropout draw from the default CPU generator, and the
 // call of the vectorised kernels in cpu/kernel.cpp (built once per vector ISA, chosen at run
@@ -764,7 +764,8 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
     const at::Tensor pos = batch_first ? *positions : positions->t();  // memory-row order
     at::Tensor flat = pos.reshape({-1});
     flat = at::where(flat.ge(0).logical_and(flat.lt(table_len)), flat, table_len);
-    const auto [keys, rows] = at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
+    at::Tensor keys, rows;  // (not a structured binding: the lambda below captures rows)
+    std::tie(keys, rows) = at::sort(flat, /*stable=*/true, /*dim=*/0, /*descending=*/false);
     const SortedRuns runs{keys.const_data_ptr<int64_t>(), g.batch * g.seq, sorted_runs_chunk(g.batch * g.seq)};
     at::Tensor start = at::empty({runs.chunks(), g.d}, grad.options().dtype(acc));
     at::Tensor carry = at::empty({runs.chunks(), g.d}, grad.options().dtype(acc));

@@ -68,7 +68,7 @@ POSENC_ISA_NAMESPACE_BEGIN
 // Where token (b, s) starts: its shift (offset + its row's or sequence's offset) and, for
 // packed sequences without positions, the index its sequence restarts at. False when a
 // packed token lies outside every sequence: the CPU op refuses such cu_seqlens before its
-// kernel, the CUDA kernel stops with a device-side assert (rope_cuda.cu).
+// kernel, the CUDA kernel stops with a device-side assert (cuda/common/rope_device_checks.cuh).
 POSENC_HOST_DEVICE bool rope_token_shift(const RopeArgs& a, int64_t b, int64_t s, int64_t* shift,
                                          int64_t* restart) {
   *restart = 0;

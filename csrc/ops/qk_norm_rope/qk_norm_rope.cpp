@@ -2,8 +2,8 @@
 // the schemas of qk_norm_rope, qk_norm_rope_ and qk_norm_rope_backward and QkNormRopeCall's
 // one reader and writer; the checks (every backend, Meta included, rejects the same inputs
 // with the same messages), the launch preparation and the boxed kernel body; the Meta
-// kernels; the ATen composite; the CPU registration. The autograd is in autograd.cpp, the
-// CUDA kernels in cuda/qk_norm_rope/qk_norm_rope.cu.
+// kernels; the ATen composite; the CPU and CUDA registrations. The autograd is in
+// autograd.cpp, the CUDA kernels in cuda/qk_norm_rope/qk_norm_rope.cu.
 #include "ops/qk_norm_rope/qk_norm_rope.h"
 
 #include <ATen/ATen.h>

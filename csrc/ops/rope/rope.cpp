@@ -1,6 +1,6 @@
 // The rope op family's host side: the schemas of rope, rope_, rope_position_bounds and
 // rope_scaling_spec; the Meta kernels; the ATen composite (devices without a kernel); the
-// CPU registration. The call they all read is RopeCall (common/rope_call.h); the checks and
+// CPU and CUDA registrations. The call they all read is RopeCall (common/rope_call.h); the checks and
 // the launch preparation shared with qk_norm_rope and rope_append_kv are in common/.
 #include <ATen/ATen.h>
 #include <limits>

@@ -1,8 +1,8 @@
 // rope_append_kv / rope_append_kv_, the whole op but its kernels (cpu/kernel.cpp,
 // cuda/rope_append_kv/rope_append_kv.cu): the schemas, the reader of a boxed call, the
 // argument checks, the launch preparation every backend shares, the Autograd kernel (which
-// refuses inputs that require grad), the Meta kernels, the ATen composite and the CPU
-// registration.
+// refuses inputs that require grad), the Meta kernels, the ATen composite and the CPU and
+// CUDA registrations.
 #include "ops/rope_append_kv/rope_append_kv.h"
 
 #include <ATen/ATen.h>

@@ -1,7 +1,7 @@
 // The op apply_rope_cos_sin: its schema, its checks and launch preparation (shared by the
-// CPU and CUDA kernels: the CPU registration below, cuda/rope_cos_sin/rope_cos_sin.cu), its
-// Meta kernel and its CPU kernel (the vector-ISA unit cpu/kernel.cpp, built once per vector
-// ISA, chosen at run time: cpu_capability.h). The autograd is in autograd.cpp.
+// CPU and CUDA kernels), its Meta kernel, its CPU kernel (the vector-ISA unit cpu/kernel.cpp,
+// built once per vector ISA, chosen at run time: cpu_capability.h) and the CUDA registration
+// (the kernel: cuda/rope_cos_sin/rope_cos_sin.cu). The autograd is in autograd.cpp.
 #include "ops/rope_cos_sin/rope_cos_sin.h"
 
 #include <ATen/ATen.h>

@@ -1,8 +1,8 @@
 // rope_shift_kv_, the whole op but its kernels (cpu/kernel.cpp, cuda/rope_shift_kv/): the
 // schema (RoPE's configuration cut from its schema tail), the reader of a boxed call, the
 // argument checks, the launch preparation every backend shares, the Autograd kernel (which
-// refuses inputs that require grad), the Meta kernel, the ATen composite and the CPU
-// registration.
+// refuses inputs that require grad), the Meta kernel, the ATen composite and the CPU and
+// CUDA registrations.
 #include "ops/rope_shift_kv/rope_shift_kv.h"
 
 #include <ATen/ATen.h>

@@ -1,5 +1,5 @@
 // The plain-data interface of add_position's kernels: the geometry of a call
-// (AddPositionArgs, which the CUDA kernels take too, through add_position.h) and the CPU
+// (AddPositionArgs, which the CUDA kernels take too, through cuda/add_position/launch.h) and the CPU
 // kernels, compiled in their own translation unit once per vector ISA (cpu/kernel.cpp,
 // POSENC_ISA_SOURCES in CMakeLists.txt); callers reach the build of the chosen capability
 // through the stubs at the end (cpu_capability.h). Plain data only (no ATen): the ISA

@@ -1,7 +1,7 @@
 // CPU kernels of qk_norm_rope, compiled in the vector-ISA translation unit
 // cpu/kernel.cpp once per capability (CMakeLists.txt); callers go through
 // qk_norm_rope_stub (cpu_capability.h). Plain data only (no ATen): QkNormRopeArgs is also
-// what the CUDA kernels take (cuda/qk_norm_rope/qk_norm_rope.cu, through qk_norm_rope.h).
+// what the CUDA kernels take (cuda/qk_norm_rope/qk_norm_rope.cu, through its launch.h).
 #pragma once
 
 #include <c10/core/ScalarType.h>

@@ -1,7 +1,7 @@
 // CPU kernel of apply_rope_cos_sin, compiled in the vector-ISA translation unit
 // cpu/kernel.cpp once per capability (see CMakeLists.txt); callers go through
 // rope_cos_sin_stub (cpu_capability.h). Plain data only (no ATen): RopeCosSinArgs is also
-// what the CUDA kernel takes (cuda/rope_cos_sin/rope_cos_sin.cu, through rope_cos_sin.h).
+// what the CUDA kernel takes (cuda/rope_cos_sin/rope_cos_sin.cu, through its launch.h).
 #pragma once
 
 #include <c10/core/ScalarType.h>
