@@ -86,3 +86,46 @@ def test_every_library_file_belongs_to_exactly_one_row():
     assert not unowned, f"library files in no row of CONTRIBUTING.md's map: {unowned}"
     twice = {f: o for f, o in owners.items() if len(o) > 1}
     assert not twice, f"library files in two rows: {twice}"
+
+
+# The CUDA translation units stay free of ATen's tensor and dispatcher headers (CONTRIBUTING.md,
+# "Conventions"): with them nvcc spent 35-47 s on each (it parses a unit three times), without
+# them 3-19 s. Every header a .cu reaches, through posenc's own headers too, is a standard or
+# CUDA runtime header, c10's plain utilities, or one of ATen's light CUDA headers.
+ALLOWED_SYSTEM_INCLUDES = ("c10/util/", "c10/macros/", "cuda_runtime", "cuda_fp16", "cuda_bf16",
+                           "ATen/cuda/PhiloxUtils.cuh", "ATen/cuda/PhiloxCudaState.h",
+                           "ATen/cuda/detail/IntegerDivider.cuh", "c10/core/ScalarType.h")
+INCLUDE = re.compile(r'^\s*#\s*include\s*([<"])([^>"]+)[>"]', re.M)
+
+
+def _reached_includes(source: Path) -> dict[str, str]:
+    """Every system header reached from `source` through posenc's own (quoted) headers: header -> the
+    posenc file that includes it."""
+    roots = [ROOT / "csrc/include", ROOT / "csrc", ROOT]
+    seen_files, found, todo = set(), {}, [source]
+    while todo:
+        path = todo.pop()
+        if path in seen_files:
+            continue
+        seen_files.add(path)
+        for kind, name in INCLUDE.findall(path.read_text()):
+            local = [p for p in [path.parent / name] + [r / name for r in roots] if p.is_file()] if kind == '"' else []
+            if local:
+                todo.append(local[0].resolve())
+            else:
+                found.setdefault(name, path.relative_to(ROOT).as_posix())
+    return found
+
+
+@pytest.mark.parametrize("source", sorted(p.relative_to(ROOT).as_posix() for p in ROOT.glob("cuda/*/*.cu")))
+def test_cuda_sources_reach_no_aten_tensor_header(source):
+    heavy = {name: via for name, via in _reached_includes((ROOT / source).resolve()).items()
+             if "/" in name and not name.startswith(ALLOWED_SYSTEM_INCLUDES)}
+    assert not heavy, f"{source} reaches {heavy} (header: the posenc file that includes it)"
+
+
+def test_the_include_check_sees_a_heavy_header():
+    """The check itself: the family's ATen-side header does reach ATen's tensor headers."""
+    heavy = [n for n in _reached_includes(ROOT / "csrc/ops/rope_append_kv/rope_append_kv.h")
+             if "/" in n and not n.startswith(ALLOWED_SYSTEM_INCLUDES)]
+    assert "ATen/ATen.h" in heavy
