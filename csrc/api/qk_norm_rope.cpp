@@ -18,7 +18,7 @@ struct ParsedQkNormRope {
 
 namespace {
 
-ops::QkNormRopeCall make_call(const torch::Tensor& q, const torch::Tensor& k,
+ops::QkNormRopeCall make_qk_norm_rope_call(const torch::Tensor& q, const torch::Tensor& k,
                               const torch::Tensor& q_weight, const torch::Tensor& k_weight,
                               const QkNormRopeOptions& o) {
   ops::QkNormRopeCall c;
@@ -37,12 +37,12 @@ std::tuple<torch::Tensor, torch::Tensor> qk_norm_rope(const torch::Tensor& q, co
                                                       const torch::Tensor& q_weight,
                                                       const torch::Tensor& k_weight,
                                                       const QkNormRopeOptions& o) {
-  return ops::call_qk_norm_rope(make_call(q, k, q_weight, k_weight, o));
+  return ops::call_qk_norm_rope(make_qk_norm_rope_call(q, k, q_weight, k_weight, o));
 }
 
 void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& q_weight,
                    const torch::Tensor& k_weight, const QkNormRopeOptions& o) {
-  ops::call_qk_norm_rope_inplace(make_call(q, k, q_weight, k_weight, o));
+  ops::call_qk_norm_rope_inplace(make_qk_norm_rope_call(q, k, q_weight, k_weight, o));
 }
 
 void QkNormWeightImpl::reset() {
@@ -71,7 +71,7 @@ void QKNormRotaryImpl::reset() {
   k_norm = register_module("k_norm", QkNormWeight(lk, init));
   QkNormRopeOptions parsed;
   parsed.eps(o.eps()).weight_offset(o.weight_offset()).norm(o.norm()).rope(o.rope());
-  ops::QkNormRopeCall call = make_call(torch::Tensor(), torch::Tensor(), torch::Tensor(),
+  ops::QkNormRopeCall call = make_qk_norm_rope_call(torch::Tensor(), torch::Tensor(), torch::Tensor(),
                                        torch::Tensor(), parsed);
   call.rope.k = std::nullopt;
   // The op checks the RoPE settings now, for heads of head_dim features (an empty q).

@@ -7,7 +7,7 @@
 namespace posenc {
 namespace {
 
-ops::RopeAppendKvCall make_call(const torch::Tensor& q, const torch::Tensor& k,
+ops::RopeAppendKvCall make_append_kv_call(const torch::Tensor& q, const torch::Tensor& k,
                                 const torch::Tensor& v, const torch::Tensor& k_cache,
                                 const torch::Tensor& v_cache, const RopeAppendKvOptions& o) {
   ops::RopeAppendKvCall c;
@@ -45,13 +45,13 @@ std::tuple<torch::Tensor, torch::Tensor> rope_append_kv(const torch::Tensor& q,
                                                         const torch::Tensor& k_cache,
                                                         const torch::Tensor& v_cache,
                                                         const RopeAppendKvOptions& o) {
-  return ops::call_rope_append_kv(make_call(q, k, v, k_cache, v_cache, o));
+  return ops::call_rope_append_kv(make_append_kv_call(q, k, v, k_cache, v_cache, o));
 }
 
 void rope_append_kv_(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
                      const torch::Tensor& k_cache, const torch::Tensor& v_cache,
                      const RopeAppendKvOptions& o) {
-  ops::call_rope_append_kv_inplace(make_call(q, k, v, k_cache, v_cache, o));
+  ops::call_rope_append_kv_inplace(make_append_kv_call(q, k, v, k_cache, v_cache, o));
 }
 
 }  // namespace posenc

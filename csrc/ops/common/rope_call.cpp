@@ -199,18 +199,21 @@ c10::IValue write(const math::RopeScalingParams& s) {
   return fields;
 }
 
-int count_arguments() {
-  int n = 0;
-  RopeCall c;
-  RopeCall::for_each_argument(c, [&](const char*, auto&) { ++n; });
-  return n;
-}
-
 c10::OperatorHandle find_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
 }
 
 }  // namespace
+
+int RopeCall::argument_count() {
+  static const int n = [] {
+    int count = 0;
+    RopeCall c;
+    RopeCall::for_each_argument(c, [&](const char*, auto&) { ++count; });
+    return count;
+  }();
+  return n;
+}
 
 math::RopeScalingParams parse_rope_scaling(const std::string& rope_type,
                                            const std::vector<double>& fields) {
@@ -233,7 +236,7 @@ math::RopeSectionsMode parse_rope_sections_mode(const std::string& name) {
 }
 
 RopeCall RopeCall::pop(torch::jit::Stack& stack) {
-  static const int n = count_arguments();
+  static const int n = RopeCall::argument_count();
   TORCH_INTERNAL_ASSERT(stack.size() >= static_cast<size_t>(n), "posenc: rope call with ",
                         stack.size(), " arguments on the stack, expected ", n);
   RopeCall c;

@@ -82,6 +82,8 @@ struct RopeCall {
   static RopeCall pop(torch::jit::Stack& stack);
   // Pushes the arguments, in schema order, for a boxed call of rope / rope_.
   void push(torch::jit::Stack& stack) const;
+  // How many arguments for_each_argument visits: the length of RoPE's part of a schema.
+  static int argument_count();
 
   int64_t n_axes() const { return sections.empty() ? 1 : static_cast<int64_t>(sections.size()); }
   bool multi_axis() const { return !sections.empty(); }

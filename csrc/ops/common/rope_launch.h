@@ -56,6 +56,8 @@ RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor&
 // A backend: how it allocates outputs like an input, and how it launches (on q's device,
 // with q's dtype; the CUDA one sets the device guard itself).
 using RopeOutputAllocator = at::Tensor (*)(const at::Tensor& like);
+// The CUDA backends' allocator (the CPU ones use cpu_support.h's empty_output_like).
+inline at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
 using RopeKernelRunner = void (*)(const RopeLaunch& launch, const at::Tensor& q);
 
 // The body of the boxed rope / rope_ kernels of every backend: pop the call, check it

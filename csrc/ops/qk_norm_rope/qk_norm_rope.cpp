@@ -51,12 +51,6 @@ constexpr std::pair<QkNorm, const char*> kNorms[] = {
 constexpr int kNormArguments = 5;
 int extra_arguments(bool backward) { return kNormArguments + (backward ? 2 : 0); }
 
-int rope_argument_count() {
-  int n = 0;
-  RopeCall c;
-  RopeCall::for_each_argument(c, [&](const char*, auto&) { ++n; });
-  return n;
-}
 
 c10::OperatorHandle find_handle(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
@@ -81,7 +75,7 @@ const char* qk_norm_name(QkNorm norm) {
 }
 
 QkNormRopeCall QkNormRopeCall::pop(torch::jit::Stack& stack, bool backward) {
-  static const int n_rope = rope_argument_count();
+  static const int n_rope = RopeCall::argument_count();
   const int extra = extra_arguments(backward);
   TORCH_INTERNAL_ASSERT(stack.size() >= static_cast<size_t>(n_rope + extra),
                         "posenc: qk_norm_rope call with ", stack.size(), " arguments");
@@ -546,8 +540,6 @@ void run_qk_norm_rope_cuda(QkNormRopeLaunch& l, const at::Tensor& q, bool backwa
     l.k_weight_grad = sums.narrow(0, row_len / 2, lk);
   });
 }
-
-at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
 
 }  // namespace
 

@@ -230,8 +230,6 @@ void run_rope_cuda(const RopeLaunch& launch, const at::Tensor& q) {
   });
 }
 
-at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
-
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {

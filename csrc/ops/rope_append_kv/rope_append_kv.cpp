@@ -37,17 +37,10 @@ namespace {
 // k_scale, v_scale, q_weight, k_weight, eps, weight_offset, norm.
 constexpr size_t kExtraArguments = 12;
 
-size_t rope_argument_count() {
-  size_t n = 0;
-  RopeCall c;
-  RopeCall::for_each_argument(c, [&](const char*, auto&) { ++n; });
-  return n;
-}
-
 }  // namespace
 
 RopeAppendKvCall RopeAppendKvCall::pop(torch::jit::Stack& stack) {
-  static const size_t n = rope_argument_count() + kExtraArguments;
+  static const size_t n = static_cast<size_t>(RopeCall::argument_count()) + kExtraArguments;
   TORCH_INTERNAL_ASSERT(stack.size() >= n, "posenc: rope_append_kv call with ", stack.size(),
                         " arguments on the stack, expected ", n);
   RopeAppendKvCall c;
@@ -461,7 +454,7 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
 
 namespace {
 
-RopeAppendKvCall checked_meta_call(const char* op, torch::jit::Stack* stack) {
+RopeAppendKvCall checked_append_kv_meta_call(const char* op, torch::jit::Stack* stack) {
   RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
   check_rope_append_kv(c);
   check_not_mixed_with_meta(op, {{"q", &c.rope.q}, {"k", optional_ptr(c.rope.k)}, {"v", &c.v},
@@ -475,13 +468,13 @@ RopeAppendKvCall checked_meta_call(const char* op, torch::jit::Stack* stack) {
 }
 
 void rope_append_kv_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const RopeAppendKvCall c = checked_meta_call("rope_append_kv", stack);
+  const RopeAppendKvCall c = checked_append_kv_meta_call("rope_append_kv", stack);
   stack->emplace_back(at::empty_like(c.rope.q));
   stack->emplace_back(c.return_k ? at::empty_like(*c.rope.k) : at::empty({0}, c.rope.q.options()));
 }
 
 void rope_append_kv_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  checked_meta_call("rope_append_kv_", stack);
+  checked_append_kv_meta_call("rope_append_kv_", stack);
 }
 
 }  // namespace
@@ -697,8 +690,6 @@ void run_rope_append_kv_cuda(const KvLaunch& launch, const at::Tensor& q) {
     C10_CUDA_CHECK(launch_rope_append_kv<scalar_t>(launch.args, at::cuda::getCurrentCUDAStream()));
   });
 }
-
-at::Tensor empty_like_input(const at::Tensor& like) { return at::empty_like(like); }
 
 }  // namespace
 
