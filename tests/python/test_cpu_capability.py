@@ -108,6 +108,22 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         qo, ko = F.apply_rope_cos_sin(qb, kb, cos, sin, interleaved=interleaved)
         gq, gk = torch.autograd.grad((qo, ko), (qb, kb), (torch.ones_like(qo), torch.ones_like(ko)))
         out[(name, "cos_sin", head_dim, interleaved)] = (qo.detach(), ko.detach(), gq, gk)
+# bfloat16 rows whose rounding meets its special lanes, compared as bits (int16 views; NaN
+# lanes as one NaN: ATen's own scalar and vector roundings give NaN different payloads):
+# random bit patterns (NaN, infinities, zeros, denormals, overflow among inputs and outputs),
+# and values near float32's smallest normal whose rotations are denormal (the AVX512_BF16
+# instruction flushes those; the rotation must round them as ATen does).
+def as_bits(t):
+    return torch.where(t.isnan(), torch.full_like(t, float("nan")), t).view(torch.int16)
+
+for name, x in (("bits", torch.randint(-2**15, 2**15, (2, 64, 4, 64), generator=g, dtype=torch.int16)
+                 .view(torch.bfloat16)),
+                ("tiny", (rand(2, 64, 4, 64, dtype=torch.float64) * 1e-38).to(torch.bfloat16))):
+    for interleaved in (False, True):
+        out[("bf16_special", name, interleaved)] = as_bits(F.apply_rope(x, offset=5, interleaved=interleaved))
+        y = x.clone()
+        F.apply_rope(y, offset=5, interleaved=interleaved, inplace=True)
+        out[("bf16_special_", name, interleaved)] = as_bits(y)
 torch.save(out, sys.argv[1])
 """
 
