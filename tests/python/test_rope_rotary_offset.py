@@ -134,6 +134,26 @@ def test_qk_norm_rope_normalises_the_head_and_rotates_the_slice(device, model):
         inputs)
 
 
+@pytest.mark.parametrize("rotary_offset,rotary_dim", [(8, 16), (4, 6), (16, 8), (0, 24), (0, 10)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_qk_norm_rope_low_precision_backward_turns_back_only_the_slice(rotary_offset, rotary_dim, dtype):
+    """The backward's vector path (float32 arithmetic, contiguous rows of 4 heads at a time)
+    reads the gradient's rotary slice straight from its row and copies the features around
+    it: against the float64 gradients of the same call."""
+    torch.manual_seed(rotary_offset + rotary_dim)
+    q, k = torch.randn(2, 3, 5, 24, dtype=dtype), torch.randn(2, 3, 4, 24, dtype=dtype)
+    wq, wk = 1 + 0.1 * torch.randn(24, dtype=dtype), 1 + 0.1 * torch.randn(24, dtype=dtype)
+    gq, gk = torch.randn_like(q), torch.randn_like(k)
+    grads = []
+    for t in (dtype, F64):
+        ins = [x.to(t).requires_grad_(True) for x in (q, k, wq, wk)]
+        outs = qk_norm_rope(*ins, rotary_offset=rotary_offset, rotary_dim=rotary_dim)
+        grads.append(torch.autograd.grad(outs, ins, (gq.to(t), gk.to(t))))
+    atol, rtol = (1e-5, 1e-5) if dtype == torch.float32 else (3e-2, 3e-2)
+    for got, want in zip(*grads):
+        torch.testing.assert_close(got.to(F64), want, atol=atol * max(1.0, want.abs().max().item()), rtol=rtol)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_rope_append_kv_writes_the_rotated_slice(device):
     torch.manual_seed(6)
