@@ -201,9 +201,11 @@ def test_every_level_gives_the_same_bits(tmp_path):
 
 
 
-# qk_norm_rope forward and backward (float32 and float64, norm "head" and "hidden"): its sums
-# of squares and backward products were contracted into FMAs by the AVX2 build and not by the
-# baseline until the ISA units were compiled with -ffp-contract=off (CMakeLists.txt).
+# qk_norm_rope forward and backward (every dtype, norm "head" and "hidden", a rotary slice
+# inside the head): its sums of squares and backward products were contracted into FMAs by
+# the AVX2 build and not by the baseline until the ISA units were compiled with
+# -ffp-contract=off (CMakeLists.txt); its half-precision rows of 4 heads and more take vector
+# paths of their own (bfloat16: widened and narrowed in lane order, the weights permuted).
 QK_NORM_SCRIPT = r"""
 import sys
 import torch
@@ -211,13 +213,13 @@ import posenc
 
 g = torch.Generator().manual_seed(5)
 out = []
-for dtype in (torch.float32, torch.float64):
-    q = torch.randn(2, 37, 4, 128, generator=g, dtype=dtype).requires_grad_()
-    k = torch.randn(2, 37, 2, 128, generator=g, dtype=dtype).requires_grad_()
-    w = (torch.rand(128, generator=g, dtype=dtype) + 0.5).requires_grad_()
-    wh = (torch.rand(4 * 128, generator=g, dtype=dtype) + 0.5).requires_grad_()
-    wkh = (torch.rand(2 * 128, generator=g, dtype=dtype) + 0.5).requires_grad_()
-    for args, kw in (((w, w), {}), ((wh, wkh), {"norm": "hidden"})):
+for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+    q = torch.randn(2, 37, 5, 128, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(2, 37, 2, 128, generator=g).to(dtype).requires_grad_()
+    w = (torch.rand(128, generator=g) + 0.5).to(dtype).requires_grad_()
+    wh = (torch.rand(5 * 128, generator=g) + 0.5).to(dtype).requires_grad_()
+    wkh = (torch.rand(2 * 128, generator=g) + 0.5).to(dtype).requires_grad_()
+    for args, kw in (((w, w), {}), ((wh, wkh), {"norm": "hidden"}), ((w, w), {"rotary_offset": 32, "rotary_dim": 80})):
         a, b = posenc.functional.qk_norm_rope(q, k, *args, offset=3, **kw)
         grads = torch.autograd.grad((a, b), (q, k) + args, (torch.ones_like(a), torch.ones_like(b)))
         out += [a.detach(), b.detach(), *grads]

@@ -160,12 +160,40 @@ acc_t inv_rms_of(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int6
 // qk_norm_apply's (x * r) * w and math::rope_rotate_pair lane by lane (the same roundings;
 // half precision widened and narrowed with vector conversions). Returns the pairs done.
 // kStream: streaming stores (rope_rows.h store_vec; the caller checked the alignment).
+// w_lanes (bfloat16, AVX2; else unused): the rotary part's weights in the lane order of
+// widen_bf16_lanes (lane_order_weights), with which the row is widened and narrowed in lane
+// order and the angles read from cs2 / sn2 (rope_rows.h rotate_row_vec_reduced's way: two
+// unpacks a load, no lane permute a store).
 template <typename scalar_t, typename acc_t, bool kStream = false>
 int64_t forward_pairs_vec(const scalar_t* in, scalar_t* out, const acc_t* w, acc_t r,
-                          const TokenAngles<acc_t>& t, int64_t half) {
+                          const TokenAngles<acc_t>& t, int64_t half, const acc_t* w_lanes = nullptr) {
   using VecA = Vectorized<acc_t>;
   const VecA vr(r);
   int64_t p = 0;
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<scalar_t, c10::BFloat16> && std::is_same_v<acc_t, float>) {
+    if (w_lanes != nullptr) {
+      // (x * r) * w and rotate_vec's operations, lane by lane as below: the same bits.
+      constexpr int64_t F = 8;
+      const __m256 rv = _mm256_set1_ps(r);
+      for (; p + 2 * F <= half; p += 2 * F) {
+        __m256 x1a, x1b, x2a, x2b;
+        widen_bf16_lanes(in + p, x1a, x1b);
+        widen_bf16_lanes(in + half + p, x2a, x2b);
+        x1a = _mm256_mul_ps(_mm256_mul_ps(x1a, rv), _mm256_loadu_ps(w_lanes + p));
+        x1b = _mm256_mul_ps(_mm256_mul_ps(x1b, rv), _mm256_loadu_ps(w_lanes + p + F));
+        x2a = _mm256_mul_ps(_mm256_mul_ps(x2a, rv), _mm256_loadu_ps(w_lanes + half + p));
+        x2b = _mm256_mul_ps(_mm256_mul_ps(x2b, rv), _mm256_loadu_ps(w_lanes + half + p + F));
+        VecA y1a, y2a, y1b, y2b;
+        rotate_vec(VecA(x1a), VecA(x2a), VecA::loadu(t.cs2 + p), VecA::loadu(t.sn2 + p), y1a, y2a);
+        rotate_vec(VecA(x1b), VecA(x2b), VecA::loadu(t.cs2 + p + F), VecA::loadu(t.sn2 + p + F), y1b, y2b);
+        store_vec<kStream>(Vectorized<scalar_t>(narrow_bf16_lanes(y1a, y1b)), out + p);
+        store_vec<kStream>(Vectorized<scalar_t>(narrow_bf16_lanes(y2a, y2b)), out + half + p);
+      }
+      return p;
+    }
+  }
+#endif
   if constexpr (std::is_same_v<scalar_t, acc_t>) {
     for (; p + VecA::size() <= half; p += VecA::size()) {
       const VecA x1 = VecA::loadu(in + p) * vr * VecA::loadu(w + p);
@@ -205,22 +233,40 @@ inline void prefetch_rows(const RopeOperand& op, int64_t b, int64_t s, int64_t h
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// The weights of the rotary part [o, o + 2 half) of a half-split row, each half's groups of
+// 16 in the lane order of widen_bf16_lanes (elements 0-3, 8-11, then 4-7, 12-15), as
+// fill_pair_angles orders cs2 / sn2: w_lanes[i] for feature o + i (whole groups only; the
+// rest is read from w).
+inline void lane_order_weights(const float* w, int64_t o, int64_t half, float* w_lanes) {
+  for (const int64_t base : {o, o + half}) {
+    for (int64_t g = 0; g + 16 <= half; g += 16) {
+      const __m256 v0 = _mm256_loadu_ps(w + base + g), v1 = _mm256_loadu_ps(w + base + g + 8);
+      float* to = w_lanes + (base - o) + g;
+      _mm256_storeu_ps(to, _mm256_permute2f128_ps(v0, v1, 0x20));
+      _mm256_storeu_ps(to + 8, _mm256_permute2f128_ps(v0, v1, 0x31));
+    }
+  }
+}
+#endif
+
 // Forward of one head row: normalise, weight (w: the row's effective weights), rotate.
 // `stream` (the call writes kStreamBytes or more): streaming stores where the row is all
 // rotary features, contiguous, written elsewhere than read and aligned (rope_rows.h
 // row_streams, rows_can_stream): a plain store first reads the line it fills.
 template <typename scalar_t, typename acc_t, bool kC>
 void forward_row(const QkNormRopeArgs& a, const scalar_t* in, int64_t si, scalar_t* out,
-                 int64_t so, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t, bool stream = false) {
+                 int64_t so, const acc_t* w, acc_t r, const TokenAngles<acc_t>& t, bool stream = false,
+                 const acc_t* w_lanes = nullptr) {
   const int64_t half = a.rope.rotary_dim / 2, D = a.rope.head_dim;
   const int64_t o = math::rope_rotary_begin(a.rope.settings);  // the rotary part's start
   if (!a.rope.interleaved) {
     int64_t first = 0;
     if constexpr (kC) {
       if (2 * half == D && row_streams(stream, in, out) && rows_can_stream<scalar_t>(out, 2 * half)) {
-        first = forward_pairs_vec<scalar_t, acc_t, true>(in + o, out + o, w + o, r, t, half);
+        first = forward_pairs_vec<scalar_t, acc_t, true>(in + o, out + o, w + o, r, t, half, w_lanes);
       } else {
-        first = forward_pairs_vec<scalar_t, acc_t>(in + o, out + o, w + o, r, t, half);
+        first = forward_pairs_vec<scalar_t, acc_t>(in + o, out + o, w + o, r, t, half, w_lanes);
       }
     }
     for (int64_t p = first; p < half; ++p) {
@@ -276,6 +322,15 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
     // their rows, re-read from L1. (float32 stays head by head: the same grouping measured
     // 3.2 -> 3.5 ms there, a memory-bound pass that the hardware prefetchers already follow.)
     constexpr int kGroup = 4;
+    // bfloat16 rows of split halves: the weights once in lane order for forward_pairs_vec.
+    alignas(32) float w_lanes[2 * kMaxRopePairs];
+    const float* wl = nullptr;
+    if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
+      if (!hidden && !a.rope.interleaved && op.heads >= kGroup) {
+        lane_order_weights(w, math::rope_rotary_begin(a.rope.settings), a.rope.rotary_dim / 2, w_lanes);
+        wl = w_lanes;
+      }
+    }
     for (; !hidden && h + kGroup <= op.heads; h += kGroup) {
       const scalar_t* rows[kGroup];
       for (int i = 0; i < kGroup; ++i) rows[i] = row_in<scalar_t>(op, b, s, h + i);
@@ -286,7 +341,8 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
       alignas(16) float r[kGroup];
       inv_rms4(part, D, static_cast<float>(a.eps), r);
       for (int i = 0; i < kGroup; ++i) {
-        forward_row<scalar_t, acc_t, kC>(a, rows[i], 1, row_out<scalar_t>(op, b, s, h + i), 1, w, r[i], t, stream);
+        forward_row<scalar_t, acc_t, kC>(a, rows[i], 1, row_out<scalar_t>(op, b, s, h + i), 1, w, r[i], t, stream,
+                                         wl);
       }
     }
   }
