@@ -161,7 +161,7 @@ acc_t inv_rms_of(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int6
 // half precision widened and narrowed with vector conversions). Returns the pairs done.
 // kStream: streaming stores (rope_rows.h store_vec; the caller checked the alignment).
 // w_lanes (bfloat16, AVX2; else unused): the rotary part's weights in the lane order of
-// widen_bf16_lanes (lane_order_weights), with which the row is widened and narrowed in lane
+// widen_bf16_lanes (rope_rows.h lane_order_halves), with which the row is widened and narrowed in lane
 // order and the angles read from cs2 / sn2 (rope_rows.h rotate_row_vec_reduced's way: two
 // unpacks a load, no lane permute a store).
 template <typename scalar_t, typename acc_t, bool kStream = false>
@@ -232,23 +232,6 @@ inline void prefetch_rows(const RopeOperand& op, int64_t b, int64_t s, int64_t h
     prefetch_row_ahead(row_in<scalar_t>(op, b, s, h + i), op.in_stride[2], d, /*for_write=*/false);
   }
 }
-
-#if defined(CPU_CAPABILITY_AVX2)
-// The weights of the rotary part [o, o + 2 half) of a half-split row, each half's groups of
-// 16 in the lane order of widen_bf16_lanes (elements 0-3, 8-11, then 4-7, 12-15), as
-// fill_pair_angles orders cs2 / sn2: w_lanes[i] for feature o + i (whole groups only; the
-// rest is read from w).
-inline void lane_order_weights(const float* w, int64_t o, int64_t half, float* w_lanes) {
-  for (const int64_t base : {o, o + half}) {
-    for (int64_t g = 0; g + 16 <= half; g += 16) {
-      const __m256 v0 = _mm256_loadu_ps(w + base + g), v1 = _mm256_loadu_ps(w + base + g + 8);
-      float* to = w_lanes + (base - o) + g;
-      _mm256_storeu_ps(to, _mm256_permute2f128_ps(v0, v1, 0x20));
-      _mm256_storeu_ps(to + 8, _mm256_permute2f128_ps(v0, v1, 0x31));
-    }
-  }
-}
-#endif
 
 // Forward of one head row: normalise, weight (w: the row's effective weights), rotate.
 // `stream` (the call writes kStreamBytes or more): streaming stores where the row is all
@@ -327,7 +310,7 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
     const float* wl = nullptr;
     if constexpr (std::is_same_v<scalar_t, c10::BFloat16>) {
       if (!hidden && !a.rope.interleaved && op.heads >= kGroup) {
-        lane_order_weights(w, math::rope_rotary_begin(a.rope.settings), a.rope.rotary_dim / 2, w_lanes);
+        lane_order_halves(w + math::rope_rotary_begin(a.rope.settings), a.rope.rotary_dim / 2, w_lanes);
         wl = w_lanes;
       }
     }

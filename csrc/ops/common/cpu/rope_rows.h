@@ -107,6 +107,21 @@ inline void widen_bf16_lanes(const c10::BFloat16* x, __m256& lo, __m256& hi) {
   hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
 }
 
+// Per-feature float32 values of a half-split rotary part (src: 2 * half values, the two
+// halves' features) in the lane order of widen_bf16_lanes, for the vector paths that widen
+// in that order: each half's groups of 16 from its start reordered (elements 0-3, 8-11,
+// then 4-7, 12-15), as fill_pair_angles orders cs2 / sn2; the rest of dst unset (the
+// pairs past the last whole group read src).
+inline void lane_order_halves(const float* src, int64_t half, float* dst) {
+  for (const int64_t base : {int64_t{0}, half}) {
+    for (int64_t g = 0; g + 16 <= half; g += 16) {
+      const __m256 v0 = _mm256_loadu_ps(src + base + g), v1 = _mm256_loadu_ps(src + base + g + 8);
+      _mm256_storeu_ps(dst + base + g, _mm256_permute2f128_ps(v0, v1, 0x20));
+      _mm256_storeu_ps(dst + base + g + 8, _mm256_permute2f128_ps(v0, v1, 0x31));
+    }
+  }
+}
+
 // ATen's float32 -> bfloat16 (cvtfp32_bf16: round to nearest even on the bits, NaN -> 0xffff),
 // the same operations but the NaN blends, taken only when a lane is NaN.
 inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
