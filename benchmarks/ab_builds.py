@@ -112,7 +112,7 @@ def add(t):
         for x in t: add(x)
     elif t is not None: outs.append(t.detach().clone())
 shapes = [(2, 37, 4, 2, 64, None), (1, 5, 3, 1, 128, 64), (3, 17, 2, 2, 48, None), (1, 9, 2, 1, 192, 64),
-          (2, 33, 4, 4, 32, 16), (1, 8, 1, 1, 6, None), (1, 4, 2, 2, 10, None)]
+          (2, 33, 4, 4, 32, 16), (1, 8, 1, 1, 6, None), (1, 4, 2, 2, 10, None), (3, 300, 4, 2, 64, None)]
 for dt in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
     for (B, S, H, Hk, D, rd) in shapes:
         for il in (True, False):

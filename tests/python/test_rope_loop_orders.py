@@ -1,6 +1,8 @@
-"""The CPU kernel walks "bhsd" tensors head by head over blocks of tokens and "bshd" token by
-token: the same angles and the same rotation per row, so the same bits, whatever the order
-(every dtype, shared and per-row positions, offsets, partial rotary, in place, GQA)."""
+"""The CPU kernel walks "bhsd" tensors head by head over blocks of tokens, "bshd" token by
+token, and "bshd" batches that share their positions batch row by batch row over blocks of
+tokens (long sequences): the same angles and the same rotation per row, so the same bits,
+whatever the order (every dtype, shared and per-row positions, offsets, partial rotary, in
+place, GQA)."""
 
 import pytest
 import torch
@@ -27,3 +29,26 @@ def test_bhsd_equals_bshd_bit_for_bit(dtype, kwargs):
     with torch.no_grad():
         apply_rope(qh, kh, layout="bhsd", inplace=True, **kwargs)
     assert torch.equal(qh.transpose(1, 2), want_q) and torch.equal(kh.transpose(1, 2), want_k)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kwargs", [{}, dict(offset=7), dict(rotary_dim=32, interleaved=True),
+                                    dict(positions=torch.arange(300) * 3)])
+def test_a_shared_position_batch_equals_its_rows_bit_for_bit(dtype, kwargs):
+    # 300 tokens, 2 threads: the batch-row-by-row walk over blocks (2 blocks per thread at
+    # least); one batch row at a time: the token walk.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        torch.manual_seed(1)
+        q, k = torch.randn(3, 300, 4, 64).to(dtype), torch.randn(3, 300, 2, 64).to(dtype)
+        got_q, got_k = apply_rope(q, k, **kwargs)
+        for b in range(3):
+            want_q, want_k = apply_rope(q[b:b + 1], k[b:b + 1], **kwargs)
+            assert torch.equal(got_q[b:b + 1], want_q) and torch.equal(got_k[b:b + 1], want_k)
+        q2, k2 = q.clone(), k.clone()
+        with torch.no_grad():
+            apply_rope(q2, k2, inplace=True, **kwargs)
+        assert torch.equal(q2, got_q) and torch.equal(k2, got_k)
+    finally:
+        torch.set_num_threads(threads)

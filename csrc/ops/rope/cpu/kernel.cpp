@@ -58,14 +58,23 @@ void rope_tokens(const RopeArgs& a) {
     }
   };
 
-  // Layouts whose heads lie further apart than their tokens ("bhsd": each head's rows are one
-  // contiguous run over the sequence): token by token, every head's row is a stream of its
-  // own, dozens of streams 256 KiB apart that the prefetchers cannot follow. There, a task
-  // takes a block of tokens, computes their angles once, then walks each head's rows of the
-  // block in memory order. Same angles, same rotation per row: the same bits.
+  // Blocks of kBlock tokens whose angles are computed once, walked in memory order:
+  //  - layouts whose heads lie further apart than their tokens ("bhsd": each head's rows are
+  //    one contiguous run over the sequence): token by token, every head's row is a stream
+  //    of its own, dozens of streams 256 KiB apart that the prefetchers cannot follow. There
+  //    a task walks each head's rows of the block;
+  //  - token-major layouts whose batch rows share their positions: token by token, the angles
+  //    of s serve every batch row, but then a task reads and writes one stream per batch row
+  //    and operand at once (8 read and 8 written for q and k of 4 rows); there a task walks
+  //    the block's tokens of one batch row, then of the next (float32 "bshd" (4, 1024, 16/4,
+  //    128): in place 1.61 -> 1.16 ms, out of place 1.81 -> 1.69, half precision 0.96-0.99x:
+  //    benchmarks/NOTES.md).
+  // Same angles, same rotation per row: the same bits.
+  constexpr int64_t kBlock = 32;
   const bool heads_outer = a.q.in_stride[1] < a.q.in_stride[2] && a.q.heads + a.k.heads > 1 && a.seq > 1;
-  if (heads_outer) {
-    constexpr int64_t kBlock = 32;
+  // (The token-major blocks only where every thread gets two of them at least.)
+  const bool batch_blocks = shared && a.batch > 1 && a.seq >= 2 * kBlock * at::get_num_threads();
+  if (heads_outer || batch_blocks) {
     const int64_t blocks = (a.seq + kBlock - 1) / kBlock;
     const int64_t units = shared ? blocks : a.batch * blocks;
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
@@ -81,6 +90,10 @@ void rope_tokens(const RopeArgs& a) {
         }
         const int64_t b_end = shared ? a.batch : b0 + 1;
         for (int64_t b = b0; b < b_end; ++b) {
+          if (!heads_outer) {
+            for (int64_t s = s0; s < s1; ++s) rotate_token(b, s, valid[s - s0], angles[s - s0]);
+            continue;
+          }
           for (const RopeOperand* op : {&a.q, &a.k}) {
             const auto* in = static_cast<const scalar_t*>(op->in);
             auto* out = static_cast<scalar_t*>(op->out);
