@@ -207,6 +207,8 @@ void tokens(const RopeCosSinArgs& a) {
         for (const RopeOperand* op : {&a.q, &a.k}) {
           for (int64_t h = 0; h < op->heads; ++h) {
             for (int64_t s = s0; s < s1; ++s) {
+              prefetch_walk_ahead(static_cast<const scalar_t*>(op->in) + b * op->in_stride[0], op->in_stride[1],
+                                  op->in_stride[2], h, s, s0, s1, a.head_dim, false);
               const int64_t row = b * a.table_batch_stride + s * a.rotary_dim;
               rotate_rows<scalar_t, acc_t, kTranspose>(a, *op, b, s, h, h + 1, cos + row, sin + row, stream);
             }
