@@ -67,7 +67,7 @@ void rope_tokens(const RopeArgs& a) {
   //    of s serve every batch row, but then a task reads and writes one stream per batch row
   //    and operand at once (8 read and 8 written for q and k of 4 rows); there a task walks
   //    the block's tokens of one batch row, then of the next (float32 "bshd" (4, 1024, 16/4,
-  //    128): in place 1.61 -> 1.16 ms, out of place 1.81 -> 1.69, half precision 0.96-0.99x:
+  //    128): in place 1.25 -> 0.87 ms, out of place 1.45 -> 1.18; bfloat16 in place 0.9x:
   //    benchmarks/NOTES.md).
   // Same angles, same rotation per row: the same bits. The head walk prefetches the row it
   // reaches kWalkAhead rows on (prefetch_walk_ahead): a head's block is a run of a few KiB,
