@@ -3,9 +3,11 @@ and torch.compile (issue 37).
 
 Per row: the bytes the op must move (inputs read once + outputs written once), posenc's time,
 the floor (``clone()`` of a buffer of half those bytes: the same bytes read and written),
-fraction = floor / posenc, the eager expression's time and torch.compile's of it (compiled
-once per row, ``dynamic=False``, warmed up, forward rows under no_grad), all timed
-interleaved in this process (harness.time_interleaved: one call of each per round, median),
+fraction = floor / posenc (the median over rounds of each round's ratio), the eager
+expression's time and torch.compile's of it (compiled once per row, ``dynamic=False``, warmed
+up, forward rows under no_grad), all timed interleaved in this process
+(harness.time_interleaved: one call of each per round, each round starting one further on;
+times are medians),
 under the allocator this process has. Backward rows time the backward alone (the graph is
 built once, ``retain_graph=True``). Decode-sized calls are launch-bound: judged against eager
 and compile only.
@@ -26,6 +28,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import argparse  # noqa: E402
 import json  # noqa: E402
 import math  # noqa: E402
+import statistics  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 from dataclasses import dataclass, field  # noqa: E402
@@ -451,7 +454,8 @@ def rows(small: bool) -> List[Spec]:
 
 # ---------------------------------------------------------------- timing
 
-def measure(bench: Bench, dtype: torch.dtype, reps: int, warmup: int, with_compile: bool) -> Dict[str, float]:
+def measure(bench: Bench, dtype: torch.dtype, reps: int, warmup: int, with_compile: bool,
+            samples: Optional[dict] = None) -> Dict[str, float]:
     buffer = torch.randn(bench.nbytes // 2 // dtype.itemsize, dtype=dtype)  # the floor: these bytes cloned
 
     fns: Dict[str, Callable] = {}
@@ -465,7 +469,7 @@ def measure(bench: Bench, dtype: torch.dtype, reps: int, warmup: int, with_compi
         fns["eager"] = backward_of(bench.eager)
         if with_compile:
             fns["compile"] = backward_of(torch.compile(bench.eager, dynamic=False))
-        return time_interleaved(fns, "cpu", reps, warmup)
+        return time_interleaved(fns, "cpu", reps, warmup, samples=samples)
     with torch.no_grad():
         fns["posenc"] = lambda: bench.ours(*bench.args)
         fns["floor"] = buffer.clone
@@ -478,7 +482,7 @@ def measure(bench: Bench, dtype: torch.dtype, reps: int, warmup: int, with_compi
             fns["compute"] = bench.compute
         # Decode-sized calls: the mean of a burst of calls per sample (a decode loop's steady
         # state; harness.time_interleaved).
-        times = time_interleaved(fns, "cpu", reps, warmup, burst=20 if bench.launch_bound else 1)
+        times = time_interleaved(fns, "cpu", reps, warmup, burst=20 if bench.launch_bound else 1, samples=samples)
     if "compute" in times:
         times["compute"] *= bench.compute_scale
     return times
@@ -529,12 +533,19 @@ def main(argv=None) -> int:
     for spec in specs:
         torch.manual_seed(0)
         bench = spec.build(spec.dtype)
-        t = measure(bench, spec.dtype, reps, warmup, not args.no_compile)
+        samples: dict = {}
+        t = measure(bench, spec.dtype, reps, warmup, not args.no_compile, samples)
         compute = t.get("compute")
-        floor = max(t["floor"], compute or 0.0)
+        # The fraction pairs each round's floor with the same round's posenc call (the median
+        # of their ratios): a shared host's drift moves both, where the ratio of two medians
+        # of 11 single calls moved by up to 2x between runs.
+        scale = bench.compute_scale if compute is not None else 0.0
+        fraction = statistics.median(
+            max(f, c * scale) / p
+            for f, c, p in zip(samples["floor"], samples.get("compute", [0.0] * reps), samples["posenc"]))
         r = dict(op=spec.op, case=spec.case, shape=spec.shape, dtype=_dtype_name(spec.dtype), bytes=bench.nbytes,
                  posenc_ms=t["posenc"], floor_ms=t["floor"], compute_floor_ms=compute,
-                 fraction=None if bench.launch_bound else floor / t["posenc"], launch_bound=bench.launch_bound,
+                 fraction=None if bench.launch_bound else fraction, launch_bound=bench.launch_bound,
                  eager_ms=t["eager"], eager_ratio=t["eager"] / t["posenc"], compile_ms=t.get("compile"),
                  compile_ratio=t["compile"] / t["posenc"] if "compile" in t else None)
         results.append(r)
@@ -546,7 +557,7 @@ def main(argv=None) -> int:
         "MB: bytes the op must read and write (inputs once, outputs once). floor: clone() of half those bytes.",
         "compute: dropout's compute bound, posenc's own train forward on a 4 MiB slice of x (in and out stay in",
         "  L3), scaled to all of x (its Philox, not an independent one: near 1 means compute-bound).",
-        "fraction: max(floor, compute) / posenc (>= 0.8 is issue 37's target).",
+        "fraction: max(floor, compute) / posenc, the median of each round's ratio (>= 0.8 is issue 37's target).",
         "eager: plain PyTorch (add_position: F.dropout(x + pe); RoPE: Hugging Face's rotate_half, cos/sin gathered",
         "  or built in the call); qk_norm_rope and rope_append_kv: the compositions they replace (RMSNorm modules +",
         "  apply_rope; apply_rope + index copies into the cache). compile: torch.compile of the eager expression.",

@@ -137,20 +137,29 @@ def time_ms(fn: Callable[[], object], device: str, reps: int, warmup: int = 3) -
     return statistics.median(samples)
 
 
-def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3, burst: int = 1) -> dict:
+def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3, burst: int = 1,
+                     samples: Optional[dict] = None) -> dict:
     """Median time (ms) of each fn, measured in alternation (one sample of each per round) so
-    that slow drifts of a shared machine (page reclaim, other tenants) hit all of them.
+    that slow drifts of a shared machine (page reclaim, other tenants) hit all of them. Each
+    round starts one fn further on (round r: fns r, r + 1, ... mod n), so that every fn
+    follows every other as often: a call right after the plain-PyTorch composition (its
+    temporaries' dirty lines still to be written back) ran 15% slower than right after a
+    clone, which a fixed order charged to one column alone.
 
     With burst > 1 a sample is the mean of `burst` consecutive calls after one untimed call:
     the steady state of a loop that calls fn again and again (a decode step), which one call
     right after a neighbour's long one (a 50 ms compiled composition) is not: it ran cold at
-    4x its warm time."""
+    4x its warm time. `samples` (a dict), if given, receives each fn's samples in round order."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
-    samples = {name: [] for name in fns}
-    for _ in range(reps):
-        for name, fn in fns.items():
+    if samples is None:
+        samples = {}
+    samples.update({name: [] for name in fns})
+    names = list(fns)
+    for r in range(reps):
+        for name in names[r % len(names):] + names[:r % len(names)]:
+            fn = fns[name]
             if burst == 1:
                 samples[name].append(time_ms(fn, device, reps=1, warmup=0))
                 continue
