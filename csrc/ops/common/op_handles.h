@@ -38,6 +38,12 @@ using RopeFrequenciesSig = std::tuple<at::Tensor, double>(int64_t, double, c10::
                                                           at::IntArrayRef, c10::string_view);
 using RopeGridPositionsSig = at::Tensor(at::IntArrayRef, int64_t, std::optional<at::Device>);
 
+// An op's handle for boxed calls (the Call structs' push / pop); callers keep it in a
+// function-local static, looked up on first use.
+inline c10::OperatorHandle find_boxed_op(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+}
+
 template <typename Sig>
 c10::TypedOperatorHandle<Sig> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").template typed<Sig>();

@@ -9,6 +9,8 @@
 #include <cmath>
 #include <sstream>
 
+#include "ops/common/op_handles.h"
+
 namespace posenc {
 namespace ops {
 
@@ -199,9 +201,6 @@ c10::IValue write(const math::RopeScalingParams& s) {
   return fields;
 }
 
-c10::OperatorHandle find_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-}
 
 }  // namespace
 
@@ -236,7 +235,7 @@ math::RopeSectionsMode parse_rope_sections_mode(const std::string& name) {
 }
 
 RopeCall RopeCall::pop(torch::jit::Stack& stack) {
-  static const int n = RopeCall::argument_count();
+  const int n = RopeCall::argument_count();
   TORCH_INTERNAL_ASSERT(stack.size() >= static_cast<size_t>(n), "posenc: rope call with ",
                         stack.size(), " arguments on the stack, expected ", n);
   RopeCall c;
@@ -294,7 +293,7 @@ at::Tensor rope_from_canonical(const at::Tensor& x, RopeLayout layout) {
 }
 
 std::tuple<at::Tensor, at::Tensor> call_rope(const RopeCall& call) {
-  static const c10::OperatorHandle op = find_handle("posenc::rope");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::rope");
   torch::jit::Stack stack;
   call.push(stack);
   op.callBoxed(stack);
@@ -302,14 +301,14 @@ std::tuple<at::Tensor, at::Tensor> call_rope(const RopeCall& call) {
 }
 
 void call_rope_inplace(const RopeCall& call) {
-  static const c10::OperatorHandle op = find_handle("posenc::rope_");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::rope_");
   torch::jit::Stack stack;
   call.push(stack);
   op.callBoxed(stack);
 }
 
 std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call) {
-  static const c10::OperatorHandle op = find_handle("posenc::rope_position_bounds");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::rope_position_bounds");
   torch::jit::Stack stack;
   call.push(stack);
   op.callBoxed(stack);
@@ -330,7 +329,7 @@ std::pair<at::Tensor, at::Tensor> call_rope_pair(RopeCall call, const at::Tensor
 }
 
 int64_t call_rope_rotary_width(const RopeCall& call) {
-  static const c10::OperatorHandle op = find_handle("posenc::rope_rotary_width");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::rope_rotary_width");
   torch::jit::Stack stack;
   call.push(stack);
   op.callBoxed(stack);

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "ops/common/aten_fallback.h"
+#include "ops/common/op_handles.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/common/meta_support.h"
 #include "ops/common/rope_checks.h"
@@ -52,10 +53,6 @@ constexpr int kNormArguments = 5;
 int extra_arguments(bool backward) { return kNormArguments + (backward ? 2 : 0); }
 
 
-c10::OperatorHandle find_handle(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
-}
-
 }  // namespace
 
 QkNorm parse_qk_norm(const std::string& name) {
@@ -75,7 +72,7 @@ const char* qk_norm_name(QkNorm norm) {
 }
 
 QkNormRopeCall QkNormRopeCall::pop(torch::jit::Stack& stack, bool backward) {
-  static const int n_rope = RopeCall::argument_count();
+  const int n_rope = RopeCall::argument_count();
   const int extra = extra_arguments(backward);
   TORCH_INTERNAL_ASSERT(stack.size() >= static_cast<size_t>(n_rope + extra),
                         "posenc: qk_norm_rope call with ", stack.size(), " arguments");
@@ -113,7 +110,7 @@ void QkNormRopeCall::push(torch::jit::Stack& stack, bool backward) const {
 }
 
 std::tuple<at::Tensor, at::Tensor> call_qk_norm_rope(const QkNormRopeCall& call) {
-  static const c10::OperatorHandle op = find_handle("posenc::qk_norm_rope");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::qk_norm_rope");
   torch::jit::Stack stack;
   call.push(stack, /*backward=*/false);
   op.callBoxed(stack);
@@ -121,7 +118,7 @@ std::tuple<at::Tensor, at::Tensor> call_qk_norm_rope(const QkNormRopeCall& call)
 }
 
 void call_qk_norm_rope_inplace(const QkNormRopeCall& call) {
-  static const c10::OperatorHandle op = find_handle("posenc::qk_norm_rope_");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::qk_norm_rope_");
   torch::jit::Stack stack;
   call.push(stack, /*backward=*/false);
   op.callBoxed(stack);
@@ -129,7 +126,7 @@ void call_qk_norm_rope_inplace(const QkNormRopeCall& call) {
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> call_qk_norm_rope_backward(
     const QkNormRopeCall& call) {
-  static const c10::OperatorHandle op = find_handle("posenc::qk_norm_rope_backward");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::qk_norm_rope_backward");
   torch::jit::Stack stack;
   call.push(stack, /*backward=*/true);
   op.callBoxed(stack);

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ops/common/aten_fallback.h"
+#include "ops/common/op_handles.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/common/inference_only.h"
 #include "ops/common/meta_support.h"
@@ -40,7 +41,7 @@ constexpr size_t kExtraArguments = 12;
 }  // namespace
 
 RopeAppendKvCall RopeAppendKvCall::pop(torch::jit::Stack& stack) {
-  static const size_t n = static_cast<size_t>(RopeCall::argument_count()) + kExtraArguments;
+  const size_t n = static_cast<size_t>(RopeCall::argument_count()) + kExtraArguments;
   TORCH_INTERNAL_ASSERT(stack.size() >= n, "posenc: rope_append_kv call with ", stack.size(),
                         " arguments on the stack, expected ", n);
   RopeAppendKvCall c;
@@ -112,16 +113,14 @@ torch::jit::Stack push_call(const RopeAppendKvCall& c) {
 }  // namespace
 
 std::tuple<at::Tensor, at::Tensor> call_rope_append_kv(const RopeAppendKvCall& c) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope_append_kv", "");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::rope_append_kv");
   torch::jit::Stack stack = push_call(c);
   op.callBoxed(stack);
   return {stack[0].toTensor(), stack[1].toTensor()};
 }
 
 void call_rope_append_kv_inplace(const RopeAppendKvCall& c) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope_append_kv_", "");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::rope_append_kv_");
   torch::jit::Stack stack = push_call(c);
   op.callBoxed(stack);
 }

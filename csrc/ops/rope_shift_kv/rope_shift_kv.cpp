@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "ops/common/aten_fallback.h"
+#include "ops/common/op_handles.h"
 #include "ops/common/inference_only.h"
 #include "ops/common/meta_support.h"
 #include "ops/common/rope_checks.h"
@@ -194,8 +195,7 @@ RopeCall RopeShiftKvCall::end(bool to) const {
 }
 
 void call_rope_shift_kv(const RopeShiftKvCall& c) {
-  static const c10::OperatorHandle op =
-      c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope_shift_kv_", "");
+  static const c10::OperatorHandle op = find_boxed_op("posenc::rope_shift_kv_");
   torch::jit::Stack stack;
   c.push(stack);
   op.callBoxed(stack);
