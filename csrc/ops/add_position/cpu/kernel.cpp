@@ -19,6 +19,7 @@
 #include <immintrin.h>
 #endif
 
+#include "ops/common/cpu/half_lanes.h"
 #include "posenc/math/philox.h"
 
 namespace posenc {
@@ -242,17 +243,6 @@ inline __m256 keep_factors_of(const KeepMaskTable& table, unsigned index, __m256
   return _mm256_and_ps(_mm256_load_ps(reinterpret_cast<const float*>(table.lanes[index])), scale);
 }
 
-// bfloat16 rounding of the 8 float32 lanes of v, as ATen's cvtfp32_bf16 rounds (to nearest
-// even; NaN to 0xFFFF), each result in the low 16 bits of its 32-bit lane.
-inline __m256i bf16_round_lanes(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  __m256i t = _mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)), bits);
-  t = _mm256_srli_epi32(t, 16);
-  const __m256i ordered = _mm256_castps_si256(_mm256_cmp_ps(v, v, _CMP_ORD_Q));
-  return _mm256_blendv_epi8(_mm256_set1_epi32(0xFFFF), t, ordered);
-}
-
 // The same for bfloat16/float16 src and dst (float32 acc): 16 elements (two mask bytes) at a
 // time, widened to float32 and narrowed back with one rounding of the float32 product, as
 // the general path's load_as/store_as (ATen's conversions) round; one 256-bit load and
@@ -278,7 +268,7 @@ int64_t masked_bits_half_avx2(const uint8_t* bits, float scale_f, int64_t n, con
       const __m256 v1 = _mm256_mul_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, x)),
                                       keep_factors_of(table, ((w >> 4) & 0x0Fu) | ((w >> 8) & 0xF0u), scale));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + done),
-                          _mm256_packus_epi32(bf16_round_lanes(v0), bf16_round_lanes(v1)));
+                          narrow_bf16_lanes(v0, v1));
     }
     return done;
   }
@@ -598,7 +588,7 @@ void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scala
       const __m256 s1 = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, xv)),
                                       _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, tv)));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
-                          _mm256_packus_epi32(bf16_round_lanes(s0), bf16_round_lanes(s1)));
+                          narrow_bf16_lanes(s0, s1));
     }
   }
 #endif

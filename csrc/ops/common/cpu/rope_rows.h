@@ -21,6 +21,7 @@
 #include <immintrin.h>
 #endif
 
+#include "ops/common/cpu/half_lanes.h"
 #include "ops/common/rope_args.h"
 #include "posenc/math/host_device.h"
 #include "posenc/math/rope.h"
@@ -95,18 +96,6 @@ inline void fill_pair_angles(const RopeArgs& a, TokenAngles<acc_t>& t) {
 }
 
 #if defined(CPU_CAPABILITY_AVX2)
-// bfloat16 <-> float32 for the rotation's vector paths, in the lane order of AVX2's in-lane
-// unpack: 16 values widen to (elements 0-3, 8-11) and (4-7, 12-15) in two instructions
-// (ATen's cvtbf16_fp32 crosses lanes: five), and narrow_bf16_lanes' pack restores the
-// order (no lane permute): only what meets in a lane must share the order, the angles
-// (fill_pair_angles).
-inline void widen_bf16_lanes(const c10::BFloat16* x, __m256& lo, __m256& hi) {
-  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
-  const __m256i zero = _mm256_setzero_si256();
-  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
-  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
-}
-
 // Per-feature float32 values of a half-split rotary part (src: 2 * half values, the two
 // halves' features) in the lane order of widen_bf16_lanes, for the vector paths that widen
 // in that order: each half's groups of 16 from its start reordered (elements 0-3, 8-11,
@@ -122,24 +111,6 @@ inline void lane_order_halves(const float* src, int64_t half, float* dst) {
   }
 }
 
-// ATen's float32 -> bfloat16 (cvtfp32_bf16: round to nearest even on the bits, NaN -> 0xffff),
-// the same operations but the NaN blends, taken only when a lane is NaN.
-inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
-  const __m256i ones = _mm256_set1_epi32(1), bias = _mm256_set1_epi32(0x7fff);
-  const auto round = [&](__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), ones);
-    return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(lsb, bias), u), 16);
-  };
-  __m256i rlo = round(lo), rhi = round(hi);
-  const __m256 nan = _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q);
-  if (!_mm256_testz_ps(nan, nan)) {
-    const __m256i nan_bits = _mm256_set1_epi32(0xffff);
-    rlo = _mm256_blendv_epi8(nan_bits, rlo, _mm256_castps_si256(_mm256_cmp_ps(lo, lo, _CMP_ORD_Q)));
-    rhi = _mm256_blendv_epi8(nan_bits, rhi, _mm256_castps_si256(_mm256_cmp_ps(hi, hi, _CMP_ORD_Q)));
-  }
-  return _mm256_packus_epi32(rlo, rhi);
-}
 #endif
 
 #if defined(CPU_CAPABILITY_AVX2)

@@ -1,0 +1,59 @@
+// float32 <-> bfloat16 in the AVX2 kernels' vector paths, with ATen's bits: the one place
+// that rounds float32 to bfloat16 in a vector register outside ATen's own conversions
+// (RoPE's and qk_norm_rope's rows of split halves, add_position's bfloat16 paths). Only for
+// the vector-ISA translation units (POSENC_ISA_SOURCES): every function lives in the ISA
+// namespace (posenc/math/host_device.h).
+#pragma once
+
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+
+#if defined(CPU_CAPABILITY_AVX2)
+#include <immintrin.h>
+#endif
+
+#include "posenc/math/host_device.h"
+
+namespace posenc {
+namespace ops {
+namespace cpu {
+POSENC_ISA_NAMESPACE_BEGIN
+
+#if defined(CPU_CAPABILITY_AVX2)
+// bfloat16 -> float32 in the lane order of AVX2's in-lane unpack: 16 values widen to
+// (elements 0-3, 8-11) and (4-7, 12-15) in two instructions (ATen's cvtbf16_fp32 crosses
+// lanes: five), and narrow_bf16_lanes restores the order: only what meets in a lane must
+// share the order (rope_rows.h fill_pair_angles orders the angles so).
+inline void widen_bf16_lanes(const c10::BFloat16* x, __m256& lo, __m256& hi) {
+  const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x));
+  const __m256i zero = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, v));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, v));
+}
+
+// ATen's rounding of the 8 lanes of v without its NaN blend: the bfloat16 bits in the low 16
+// bits of each 32-bit lane (a NaN lane's are not ATen's 0xffff).
+inline __m256i bf16_round_bits(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(lsb, _mm256_set1_epi32(0x7fff)), u), 16);
+}
+
+// 16 float32 values (lo, hi in the lane order of widen_bf16_lanes) rounded to bfloat16 as
+// ATen rounds them, back in element order.
+inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
+  __m256i rlo = bf16_round_bits(lo), rhi = bf16_round_bits(hi);
+  const __m256 nan = _mm256_cmp_ps(lo, hi, _CMP_UNORD_Q);
+  if (!_mm256_testz_ps(nan, nan)) {
+    const __m256i nan_bits = _mm256_set1_epi32(0xffff);
+    rlo = _mm256_blendv_epi8(nan_bits, rlo, _mm256_castps_si256(_mm256_cmp_ps(lo, lo, _CMP_ORD_Q)));
+    rhi = _mm256_blendv_epi8(nan_bits, rhi, _mm256_castps_si256(_mm256_cmp_ps(hi, hi, _CMP_ORD_Q)));
+  }
+  return _mm256_packus_epi32(rlo, rhi);
+}
+#endif
+
+POSENC_ISA_NAMESPACE_END
+}  // namespace cpu
+}  // namespace ops
+}  // namespace posenc
