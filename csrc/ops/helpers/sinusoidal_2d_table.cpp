@@ -107,11 +107,14 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
   // (grid_w, dim / 2) and (grid_h, dim / 2); a square grid's axes share their coordinates.
   const at::Tensor w = axis(grid_w), h = grid_h == grid_w ? w : axis(grid_h);
   const int64_t half = dim / 2;
-  const at::Tensor cells_table =
-      at::cat({w.unsqueeze(0).expand({grid_h, grid_w, half}), h.unsqueeze(1).expand({grid_h, grid_w, half})}, 2)
-          .reshape({cells, dim});
-  if (num_prefix_tokens == 0) return cells_table;
-  return at::cat({at::zeros({num_prefix_tokens, dim}, cells_table.options()), cells_table}, 0);
+  // One write of every entry: the prefix rows' zeros and the cells' two halves go straight
+  // into the output (a cat of the cells and then of the prefix wrote the cells twice).
+  at::Tensor out = at::empty({rows, dim}, w.options());
+  if (num_prefix_tokens > 0) out.narrow(0, 0, num_prefix_tokens).zero_();
+  const at::Tensor grid = out.narrow(0, num_prefix_tokens, cells).view({grid_h, grid_w, dim});
+  grid.narrow(2, 0, half).copy_(w.unsqueeze(0).expand({grid_h, grid_w, half}));
+  grid.narrow(2, half, half).copy_(h.unsqueeze(1).expand({grid_h, grid_w, half}));
+  return out;
 }
 
 }  // namespace
