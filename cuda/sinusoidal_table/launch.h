@@ -3,6 +3,7 @@
 // (cuda/common/occupancy.cuh), on the current device.
 #pragma once
 
+#include <c10/core/ScalarType.h>
 #include <cuda_runtime_api.h>
 
 #include <cstdint>
@@ -10,10 +11,11 @@
 namespace posenc {
 namespace ops {
 
-// out[i, j] (numel = rows * d_model values, float64) = the encoding of positions[i] (float64)
-// at column j, on `stream`.
-cudaError_t launch_sinusoidal_table(const double* positions, double* out, int64_t numel,
-                                    int64_t d_model, double log_base, cudaStream_t stream);
+// out[i, j] (numel = rows * d_model values of dtype: float64, float32, bfloat16 or float16)
+// = the encoding of positions[i] (float64) at column j, on `stream`.
+cudaError_t launch_sinusoidal_table(const double* positions, void* out, c10::ScalarType dtype,
+                                    int64_t numel, int64_t d_model, double log_base,
+                                    cudaStream_t stream);
 
 }  // namespace ops
 }  // namespace posenc

@@ -1,7 +1,12 @@
 // CUDA kernel of sinusoidal_table: one thread per entry, the shared double-precision
-// formula, rounded once to the output dtype.
+// formula, rounded once to the output dtype (a narrow one through float32, as on the CPU).
 #include <algorithm>
 #include <cmath>
+
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <type_traits>
 
 #include "launch.h"
 #include "posenc/math/sinusoid.h"
@@ -19,18 +24,33 @@ __global__ void sinusoidal_table_kernel(const double* __restrict__ positions,
        i += stride) {
     const int64_t row = i / d_model;
     const int64_t col = i - row * d_model;
-    out[i] = static_cast<scalar_t>(math::sinusoid_value(positions[row], col, d_model, log_base));
+    const double v = math::sinusoid_value(positions[row], col, d_model, log_base);
+    if constexpr (std::is_same_v<scalar_t, double>) {
+      out[i] = v;
+    } else {
+      out[i] = static_cast<scalar_t>(static_cast<float>(v));
+    }
   }
 }
 
 }  // namespace
 
-cudaError_t launch_sinusoidal_table(const double* positions, double* out, int64_t numel,
-                                    int64_t d_model, double log_base, cudaStream_t stream) {
+cudaError_t launch_sinusoidal_table(const double* positions, void* out, c10::ScalarType dtype,
+                                    int64_t numel, int64_t d_model, double log_base,
+                                    cudaStream_t stream) {
   if (numel == 0) return cudaSuccess;
   constexpr int kThreads = 256;
   const int64_t blocks = std::min<int64_t>((numel + kThreads - 1) / kThreads, 65535);
-  sinusoidal_table_kernel<double><<<blocks, kThreads, 0, stream>>>(positions, out, numel, d_model, log_base);
+  const auto launch = [&](auto* typed) {
+    sinusoidal_table_kernel<<<blocks, kThreads, 0, stream>>>(positions, typed, numel, d_model, log_base);
+  };
+  switch (dtype) {
+    case c10::ScalarType::Double: launch(static_cast<double*>(out)); break;
+    case c10::ScalarType::Float: launch(static_cast<float*>(out)); break;
+    case c10::ScalarType::BFloat16: launch(static_cast<c10::BFloat16*>(out)); break;
+    case c10::ScalarType::Half: launch(static_cast<c10::Half*>(out)); break;
+    default: return cudaErrorInvalidValue;
+  }
   return cudaGetLastError();
 }
 

@@ -50,9 +50,7 @@ _TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def _table_dtype(fn: str, dtype: Any) -> torch.dtype:
-    """The table ops compute and return float64, which this rounds once to ``dtype`` with an
-    ATen cast: no ScalarType argument of a custom op travels through an exported graph
-    (torch 2.11's AOTInductor proxy executor misread them and returned None)."""
+    """``dtype`` if a table can be made in it (TypeError otherwise)."""
     if dtype not in _TABLE_DTYPES:
         raise TypeError(f"{fn}: expected dtype to be float16, bfloat16, float32 or float64, got {dtype!r}")
     return dtype

@@ -23,4 +23,5 @@ def sinusoidal_table(
     if not isinstance(positions, Tensor):
         raise TypeError(f"sinusoidal_table: expected positions to be a Tensor, got {type(positions).__name__}")
     dtype = _table_dtype("sinusoidal_table", dtype)
-    return torch.ops.posenc.sinusoidal_table(positions, d_model, float(base)).to(dtype)
+    # The op takes the dtype by name (torch 2.11's AOTInductor misread ScalarType arguments).
+    return torch.ops.posenc.sinusoidal_table(positions, d_model, float(base), str(dtype).removeprefix("torch."))

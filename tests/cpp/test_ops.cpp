@@ -88,6 +88,22 @@ TEST(SinusoidalTable, MatchesReferenceAtIntegerAndFloatPositions) {
   }
 }
 
+TEST(SinusoidalTable, EachTableDtypeAndATypeErrorForOthers) {
+  auto pos = torch::arange(40, torch::kLong);
+  auto wide = posenc::sinusoidal_table(pos, 10, 10000.0, torch::kDouble);
+  for (auto t : {torch::kFloat, torch::kBFloat16, torch::kHalf}) {
+    auto got = posenc::sinusoidal_table(pos, 10, 10000.0, t);
+    EXPECT_EQ(got.scalar_type(), t);
+    EXPECT_TRUE(torch::equal(got, wide.to(t))) << t;  // one rounding of the float64 table
+  }
+  try {
+    posenc::sinusoidal_table(pos, 10, 10000.0, torch::kInt);
+    FAIL() << "expected a TypeError";
+  } catch (const c10::TypeError& e) {
+    EXPECT_NE(std::string(e.what()).find("got 'int32'"), std::string::npos) << e.what();
+  }
+}
+
 TEST(AddPosition, MatchesReferenceBothLayouts) {
   for (bool batch_first : {true, false}) {
     auto x = torch::randn({3, 5, 6}, torch::kDouble);

@@ -108,6 +108,11 @@ for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16):
         qo, ko = F.apply_rope_cos_sin(qb, kb, cos, sin, interleaved=interleaved)
         gq, gk = torch.autograd.grad((qo, ko), (qb, kb), (torch.ones_like(qo), torch.ones_like(ko)))
         out[(name, "cos_sin", head_dim, interleaved)] = (qo.detach(), ko.detach(), gq, gk)
+    # sinusoidal_table: the product recurrence of integer progressions (runs of 1024 rows,
+    # 8 column pairs at a time and a tail), and libm per entry elsewhere.
+    out[(name, "table")] = F.sinusoidal_table(torch.arange(-300, 4000, 3), 37, dtype=dtype)
+    out[(name, "table_512")] = F.sinusoidal_table(torch.arange(3000), 512, dtype=dtype)
+    out[(name, "table_float")] = F.sinusoidal_table(torch.rand(50, generator=g) * 100, 21, dtype=dtype)
 # bfloat16 rows whose rounding meets its special lanes, compared as bits (int16 views; NaN
 # lanes as one NaN: ATen's own scalar and vector roundings give NaN different payloads):
 # random bit patterns (NaN, infinities, zeros, denormals, overflow among inputs and outputs),

@@ -30,6 +30,46 @@ def test_float_positions_and_rounding_once(device, dtype):
     assert (got.double() - want).abs().max().item() <= eps * 0.5 + 1e-11
 
 
+# Tables of float32 and narrower are the float64 table rounded once (through float32, as
+# ATen's cast rounds), bit for bit. The CPU kernel makes them from a product recurrence along
+# integer progressions of positions, checks each value against its error bound and asks libm
+# where a value lies within it of a rounding boundary (~3 values in 10^4 of the modules'
+# tables, more at huge positions): not one bit may move. Other positions take libm per entry.
+TABLE_CASES = {
+    "arange_16384_d512": (lambda: torch.arange(16384), 512),  # a module's table; runs of 1024 rows
+    "step7_odd_d": (lambda: torch.arange(3, 3000, 7), 33),  # a last sine column, pairs past whole octets
+    "descending": (lambda: torch.arange(100000, 90000, -3), 64),
+    "negative_to_positive": (lambda: torch.arange(-500, 700), 7),
+    "huge_offset": (lambda: torch.arange(2**30, 2**30 + 300), 16),  # most values near a boundary
+    "past_2_40": (lambda: torch.arange(2**40 - 5, 2**40 + 600), 24),  # libm per entry
+    "half_integers": (lambda: torch.arange(1000, dtype=torch.float64) + 0.5, 10),
+    "permuted": (lambda: torch.randperm(3000, generator=torch.Generator().manual_seed(3)), 40),
+    "two_rows": (lambda: torch.arange(2), 5),
+    "one_row": (lambda: torch.tensor([7]), 3),
+    "matrix": (lambda: torch.arange(700, dtype=torch.int32).view(25, 28), 48),
+    "float32_positions": (lambda: torch.arange(5000, dtype=torch.float32), 20),
+}
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@pytest.mark.parametrize("dtype", list(BITS), ids=str)
+@pytest.mark.parametrize("case", list(TABLE_CASES))
+def test_narrow_tables_are_the_float64_table_rounded_bit_for_bit(case, dtype):
+    make, d = TABLE_CASES[case]
+    pos = make()
+    want = sinusoidal_table(pos, d, dtype=torch.float64).to(dtype)
+    for threads in (1, 2):  # other runs per task: other anchors, the same bits
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = sinusoidal_table(pos, d, dtype=dtype)
+        finally:
+            torch.set_num_threads(before)
+        assert got.dtype == dtype and got.shape == (*pos.shape, d)
+        diff = (got.view(BITS[dtype]) != want.view(BITS[dtype])).sum().item()
+        assert diff == 0, f"{diff} values differ at {threads} threads"
+
+
 def test_buffer_error_bound_and_classic_distance():
     """The buffer is within 2**-25 of exact at max_len 5000; the classic float32 one is not."""
     pe = posenc.PositionalEncoding(512, 0.1, max_len=5000).pe
@@ -75,6 +115,12 @@ def test_rejects_bad_dtype_and_positions():
         sinusoidal_table(torch.arange(3), 4, dtype=torch.int32)
     with pytest.raises(TypeError, match="positions"):
         sinusoidal_table(torch.ones(3, dtype=torch.bool), 4)
+    # The op takes the dtype by name (an exported graph carries a str where torch 2.11's
+    # AOTInductor misread a ScalarType).
+    with pytest.raises(TypeError, match=r"expected dtype to be 'float64', 'float32', 'bfloat16' or 'float16', got 'int8'"):
+        torch.ops.posenc.sinusoidal_table(torch.arange(3), 4, 10000.0, "int8")
+    with pytest.raises(TypeError, match=r"got 'torch.float32'"):
+        torch.ops.posenc.sinusoidal_table(torch.arange(3, device="meta"), 4, 10000.0, "torch.float32")
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -20,7 +20,7 @@ using AddPositionBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, 
 using AddPositionBackwardWithTableSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, bool,
     double, c10::SymInt, bool);
-using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double);
+using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double, c10::string_view);
 
 // The helpers (ops/helpers/*.cpp) and the add-position modules' range check.
 using MakePositionsSig = at::Tensor(const at::Tensor&, int64_t);

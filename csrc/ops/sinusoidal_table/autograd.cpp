@@ -52,12 +52,12 @@ struct SinusoidalTableBackward : ag::Node {
 };
 
 at::Tensor sinusoidal_table_autograd(const at::Tensor& positions, c10::SymInt d_model,
-                                     double base) {
+                                     double base, c10::string_view dtype) {
   std::shared_ptr<SinusoidalTableBackward> node = ag::make_node<SinusoidalTableBackward>(positions);
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    out = sinusoidal_table_op().call(positions, d_model, base);
+    out = sinusoidal_table_op().call(positions, d_model, base, dtype);
   }
   if (node) {
     node->positions = ag::SavedVariable(positions, /*is_output=*/false);
@@ -69,8 +69,9 @@ at::Tensor sinusoidal_table_autograd(const at::Tensor& positions, c10::SymInt d_
   if (pos_t.defined()) {
     // The slope at the primal (a tangent must not carry one of its own at the same level);
     // _fw_primal keeps the backward history, so grad of jvp still differentiates it.
-    ag::set_tangent(out, sinusoid_slope(positions._fw_primal(/*level=*/0), d_model, base) *
-                             pos_t.to(at::kDouble).unsqueeze(-1));
+    ag::set_tangent(out, (sinusoid_slope(positions._fw_primal(/*level=*/0), d_model, base) *
+                          pos_t.to(at::kDouble).unsqueeze(-1))
+                             .to(out.scalar_type()));
   }
   return out;
 }
