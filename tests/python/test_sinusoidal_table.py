@@ -48,6 +48,9 @@ TABLE_CASES = {
     "one_row": (lambda: torch.tensor([7]), 3),
     "matrix": (lambda: torch.arange(700, dtype=torch.int32).view(25, 28), 48),
     "float32_positions": (lambda: torch.arange(5000, dtype=torch.float32), 20),
+    # other bases: frequencies down to base**-1 (tiny values near 0 in the last columns)
+    "base_500": (lambda: torch.arange(-2000, 6000, 5), 30, 500.0),
+    "base_1e9_odd_d": (lambda: torch.arange(20000, 0, -2), 15, 1e9),
 }
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -55,14 +58,15 @@ BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: 
 @pytest.mark.parametrize("dtype", list(BITS), ids=str)
 @pytest.mark.parametrize("case", list(TABLE_CASES))
 def test_narrow_tables_are_the_float64_table_rounded_bit_for_bit(case, dtype):
-    make, d = TABLE_CASES[case]
+    make, d, *base = TABLE_CASES[case]
+    base = base[0] if base else 10000.0
     pos = make()
-    want = sinusoidal_table(pos, d, dtype=torch.float64).to(dtype)
+    want = sinusoidal_table(pos, d, base=base, dtype=torch.float64).to(dtype)
     for threads in (1, 2):  # other runs per task: other anchors, the same bits
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
         try:
-            got = sinusoidal_table(pos, d, dtype=dtype)
+            got = sinusoidal_table(pos, d, base=base, dtype=dtype)
         finally:
             torch.set_num_threads(before)
         assert got.dtype == dtype and got.shape == (*pos.shape, d)

@@ -100,7 +100,9 @@ constexpr int64_t kRun = 1024;  // rows per libm anchor
 // E(k, f) = a + da k + f (b + db k): how far the product's value after k steps from the
 // anchor can be from libm's value at the rounded angle, for a column of frequency f <= 1.
 // Absolute errors, for values of magnitude <= 1.01:
-// - libm's sin / cos: <= 1 ulp (glibc), taken as 2^-52 (2 ulps at magnitudes below 1);
+// - libm's sin / cos: <= 1 ulp (glibc), taken as 2^-52 (2 ulps at magnitudes below 1); a
+//   libm with a larger worst-case error (not glibc's) needs a larger `lib` here, or the
+//   check could accept a value that rounds differently from that libm's;
 // - an angle p f rounded to float64: <= |p| f 2^-53 (and sin, cos are 1-Lipschitz);
 // - the reference: libm at the rounded angle: lib + pmax f 2^-53;
 // - the anchor, libm's (cos, sin) at its own rounded angle: sqrt 2 (lib + pmax f 2^-53);
