@@ -6,8 +6,10 @@ the floor (``clone()`` of a buffer of half those bytes: the same bytes read and 
 fraction = floor / posenc (the median over rounds of each round's ratio), the eager
 expression's time and torch.compile's of it (compiled once per row, ``dynamic=False``, warmed
 up, forward rows under no_grad), all timed interleaved in this process
-(harness.time_interleaved: one call of each per round, each round starting one further on;
-times are medians),
+(harness.time_interleaved: one sample of each per round, each round starting one further on;
+times are medians; every sample of posenc, the floor, eager and compile from caches emptied
+by harness.flush_caches, so that none pays for its neighbour's work and the floor is
+memory's; decode rows and the compute column in their own steady state),
 under the allocator this process has. Backward rows time the backward alone (the graph is
 built once, ``retain_graph=True``). Decode-sized calls are launch-bound: judged against eager
 and compile only.
@@ -454,6 +456,10 @@ def rows(small: bool) -> List[Spec]:
 
 # ---------------------------------------------------------------- timing
 
+# The columns timed from emptied caches (harness.flush_caches before each sample).
+COLD = ("posenc", "floor", "eager", "compile")
+
+
 def measure(bench: Bench, dtype: torch.dtype, reps: int, warmup: int, with_compile: bool,
             samples: Optional[dict] = None) -> Dict[str, float]:
     buffer = torch.randn(bench.nbytes // 2 // dtype.itemsize, dtype=dtype)  # the floor: these bytes cloned
@@ -469,7 +475,7 @@ def measure(bench: Bench, dtype: torch.dtype, reps: int, warmup: int, with_compi
         fns["eager"] = backward_of(bench.eager)
         if with_compile:
             fns["compile"] = backward_of(torch.compile(bench.eager, dynamic=False))
-        return time_interleaved(fns, "cpu", reps, warmup, samples=samples)
+        return time_interleaved(fns, "cpu", reps, warmup, samples=samples, cold=COLD)
     with torch.no_grad():
         fns["posenc"] = lambda: bench.ours(*bench.args)
         fns["floor"] = buffer.clone
@@ -482,7 +488,8 @@ def measure(bench: Bench, dtype: torch.dtype, reps: int, warmup: int, with_compi
             fns["compute"] = bench.compute
         # Decode-sized calls: the mean of a burst of calls per sample (a decode loop's steady
         # state; harness.time_interleaved).
-        times = time_interleaved(fns, "cpu", reps, warmup, burst=20 if bench.launch_bound else 1, samples=samples)
+        times = time_interleaved(fns, "cpu", reps, warmup, burst=20 if bench.launch_bound else 1, samples=samples,
+                                 cold=() if bench.launch_bound else COLD)
     if "compute" in times:
         times["compute"] *= bench.compute_scale
     return times

@@ -137,19 +137,55 @@ def time_ms(fn: Callable[[], object], device: str, reps: int, warmup: int = 3) -
     return statistics.median(samples)
 
 
+def last_level_cache_bytes() -> int:
+    """The largest CPU cache of this machine in bytes (Linux sysfs), or 32 MiB if unknown."""
+    sizes = []
+    root = "/sys/devices/system/cpu/cpu0/cache"
+    try:
+        for entry in os.listdir(root):
+            with open(f"{root}/{entry}/size") as f:
+                text = f.read().strip()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            sizes.append(int(text.rstrip("KMG")) * scale)
+    except (OSError, ValueError):
+        pass
+    return max(sizes, default=32 << 20)
+
+
+_flush_buffer: Optional[torch.Tensor] = None
+
+
+def flush_caches() -> None:
+    """Reads a buffer of twice the largest cache (64 MiB at least): afterwards no earlier
+    call's data is cached and none of its lines is dirty (their write-backs happened here),
+    so the next call starts from the same state whatever ran before it."""
+    global _flush_buffer
+    if _flush_buffer is None:
+        _flush_buffer = torch.ones(max(64 << 20, 2 * last_level_cache_bytes()) // 4)
+    _flush_buffer.sum()
+
+
 def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3, burst: int = 1,
-                     samples: Optional[dict] = None) -> dict:
+                     samples: Optional[dict] = None, cold: Iterable[str] = ()) -> dict:
     """Median time (ms) of each fn, measured in alternation (one sample of each per round) so
     that slow drifts of a shared machine (page reclaim, other tenants) hit all of them. Each
-    round starts one fn further on (round r: fns r, r + 1, ... mod n), so that every fn
-    follows every other as often: a call right after the plain-PyTorch composition (its
-    temporaries' dirty lines still to be written back) ran 15% slower than right after a
-    clone, which a fixed order charged to one column alone.
+    round starts one fn further on (round r: fns r, r + 1, ... mod n).
 
-    With burst > 1 a sample is the mean of `burst` consecutive calls after one untimed call:
-    the steady state of a loop that calls fn again and again (a decode step), which one call
-    right after a neighbour's long one (a 50 ms compiled composition) is not: it ran cold at
-    4x its warm time. `samples` (a dict), if given, receives each fn's samples in round order."""
+    No sample may pay for the call before it. A call right after another fn pays for its
+    neighbour's deferred work (the dirty lines it left, written back as the next call fills
+    the cache) and finds its own data evicted: on the AMD EPYC host of 2026-12-05 a 0.17 ms
+    sinusoidal_2d_table took 0.57 ms right after the torch.compile of its eager composition
+    (then 0.20 and 0.17 ms), a clone of 8 MiB 0.42 ms (then 0.17, 0.12, 0.10). Rotating the
+    start of each round did not spread that: the cyclic order keeps each fn's predecessor
+    (posenc followed the compiled column in 3 rounds of 4, the floor followed posenc), so a
+    column was charged for another's work. So a sample of a fn named in `cold` starts after
+    flush_caches() (every such fn with its inputs in memory and no dirty lines: a memory
+    floor, the same state for each), and a sample of any other fn right after one untimed
+    call of it (the steady state of a loop of it: a decode step's, an in-cache rate).
+
+    With burst > 1 a sample is the mean of `burst` consecutive calls (launch-bound calls).
+    `samples` (a dict), if given, receives each fn's samples in round order."""
+    cold = set(cold)
     for fn in fns.values():
         for _ in range(warmup):
             fn()
@@ -160,10 +196,10 @@ def time_interleaved(fns: dict, device: str, reps: int, warmup: int = 3, burst: 
     for r in range(reps):
         for name in names[r % len(names):] + names[:r % len(names)]:
             fn = fns[name]
-            if burst == 1:
-                samples[name].append(time_ms(fn, device, reps=1, warmup=0))
-                continue
-            fn()
+            if name in cold:
+                flush_caches()
+            else:
+                fn()
             _sync(device)
             t0 = time.perf_counter()
             for _ in range(burst):
