@@ -31,6 +31,8 @@
 #include <immintrin.h>
 #endif
 
+#include "ops/common/cpu/half_lanes.h"  // bf16_round_bits
+
 namespace posenc {
 namespace ops {
 namespace cpu {
@@ -167,11 +169,7 @@ __m128i narrow8(__m256 x) {
   if constexpr (std::is_same_v<T, c10::Half>) {
     return _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   } else {
-    // bfloat16: (bits + 0x7fff + ((bits >> 16) & 1)) >> 16, c10::round_to_nearest_even.
-    const __m256i bits = _mm256_castps_si256(x);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-    const __m256i rounded =
-        _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    const __m256i rounded = bf16_round_bits(x);  // finite values: no NaN lanes
     return _mm_packus_epi32(_mm256_castsi256_si128(rounded), _mm256_extracti128_si256(rounded, 1));
   }
 }
