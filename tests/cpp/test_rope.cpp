@@ -530,3 +530,23 @@ TEST(Rope, InverseUndoesTheRotationAndItsGradientIsTheRotation) {
   y.backward(g);
   EXPECT_TRUE(torch::allclose(x.grad(), posenc::apply_rope(g, opts), 1e-12, 1e-12));
 }
+
+TEST(RopeInPlace, MovesVersionsUnderInferenceModeAndRefusesInferenceTensorsOutsideIt) {
+  // The ADInplaceOrView layer moves the versions of what the op writes (autograd does not
+  // run under InferenceMode), so a graph that saved q refuses to differentiate it later.
+  auto q = torch::randn({1, 4, 2, 8});
+  const auto before = q._version();
+  {
+    c10::InferenceMode guard;
+    posenc::apply_rope_(q, std::nullopt);
+  }
+  EXPECT_EQ(q._version(), before + 1);
+  torch::Tensor made_in_inference;
+  {
+    c10::InferenceMode guard;
+    made_in_inference = torch::randn({1, 4, 2, 8});
+  }
+  const auto kept = made_in_inference.clone();
+  EXPECT_THROW(posenc::apply_rope_(made_in_inference, std::nullopt), c10::Error);
+  EXPECT_TRUE(torch::equal(made_in_inference, kept));  // refused before any write
+}

@@ -345,6 +345,7 @@ def test_out_of_range_and_repeated_rows_write_nothing():
     (lambda c, p: rope_shift_kv(c, p.int(), p), TypeError, "from_positions to have dtype torch.int64"),
     (lambda c, p: rope_shift_kv(c, p, p[:2]), RuntimeError, "to_positions of shape (n,) = (3,)"),
     (lambda c, p: rope_shift_kv(c, p, p, rows=torch.tensor([1, 2])), RuntimeError, "rows of shape (n,) = (3,)"),
+    (lambda c, p: rope_shift_kv(c, p, p, rows=torch.tensor(1)), RuntimeError, "rows of shape (n,) = (3,)"),
     (lambda c, p: rope_shift_kv(c, p, p, rows=torch.tensor([1, 2, 3]).float()), TypeError, "rows to have dtype"),
     (lambda c, p: rope_shift_kv(c, p, p, slot_mapping=p), ValueError, "slot_mapping is for paged caches"),
     (lambda c, p: rope_shift_kv(c, p, p, layout="thd"), ValueError, "needs slot_mapping"),

@@ -2,6 +2,7 @@
 
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/variable.h>
@@ -9,11 +10,26 @@
 namespace posenc {
 namespace ops {
 
+namespace {
+// The written (a!) tensor arguments of `op` on `stack` (its arguments on top), None skipped.
+c10::SmallVector<at::Tensor, 4> written_tensors(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
+  const auto& args = op.schema().arguments();
+  const size_t first = stack.size() - args.size();
+  c10::SmallVector<at::Tensor, 4> written;
+  for (size_t i = 0; i < args.size(); ++i) {
+    const c10::IValue& v = stack[first + i];
+    if (v.isTensor() && args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) {
+      written.push_back(v.toTensor());
+    }
+  }
+  return written;
+}
+}  // namespace
+
 void inference_only_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
                              torch::jit::Stack* stack) {
   const auto& args = op.schema().arguments();
   const size_t first = stack->size() - args.size();
-  c10::SmallVector<at::Tensor, 4> written;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = (*stack)[first + i];
     if (!v.isTensor()) continue;
@@ -25,16 +41,31 @@ void inference_only_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet 
                 " has no forward-mode AD (it writes a KV cache, for inference); got ", args[i].name(),
                 " that carries a tangent (forward_ad / torch.func.jvp): pass its primal, ",
                 "forward_ad.unpack_dual(", args[i].name(), ").primal");
-    if (args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) written.push_back(v.toTensor());
+  }
+  // Below autograd, as ATen's own kernels run after VariableType; ADInplaceOrView
+  // (bump_written_versions) moves the versions of the tensors it writes.
+  at::AutoDispatchBelowAutograd below;
+  op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+}
+
+void bump_written_versions(const c10::OperatorHandle& op, c10::DispatchKeySet keys,
+                           torch::jit::Stack* stack) {
+  const c10::SmallVector<at::Tensor, 4> written = written_tensors(op, *stack);
+  const bool inference_mode = c10::InferenceMode::is_enabled();
+  for (const at::Tensor& t : written) {
+    TORCH_CHECK(inference_mode || !t.is_inference(), "posenc: ", op.schema().name(), " writes in place "
+                "an inference tensor (made under torch.inference_mode()) outside inference mode, "
+                "which is not allowed (as ATen's in-place ops refuse it); clone it first to get a "
+                "normal tensor");
   }
   {
-    // Below autograd, as ATen's own kernels run after VariableType: the kernel's internal
-    // views and calls skip the autograd and view-tracking layers (the versions of the tensors
-    // it writes are bumped here).
+    // The kernel's internal views and calls skip the view-tracking layer, as ATen's do.
     at::AutoDispatchBelowADInplaceOrView below;
-    op.redispatchBoxed(keys & c10::after_autograd_keyset, stack);
+    op.redispatchBoxed(keys & c10::after_ADInplaceOrView_keyset, stack);
   }
-  for (const at::Tensor& t : written) torch::autograd::impl::bump_version(t);
+  for (const at::Tensor& t : written) {
+    if (!t.is_inference()) torch::autograd::increment_version(t);  // inference tensors have none
+  }
 }
 
 }  // namespace ops

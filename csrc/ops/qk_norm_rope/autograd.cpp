@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include "ops/common/autograd_node.h"
+#include "ops/common/inference_only.h"
 #include "ops/qk_norm_rope/qk_norm_rope.h"
 
 namespace posenc {
@@ -108,8 +109,8 @@ void qk_norm_rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack)
 }
 
 // qk_norm_rope_ overwrites q and k: refused when a graph would be recorded or a tangent
-// carried (as rope_), else the kernel below autograd, then the version counters bumped (a
-// saved q or k is stale).
+// carried (as rope_), else the kernel below autograd, through ADInplaceOrView
+// (bump_written_versions: a saved q or k is stale).
 void qk_norm_rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const QkNormRopeCall call = QkNormRopeCall::pop(*stack, /*backward=*/false);
   const at::Tensor& q = call.rope.q;
@@ -118,12 +119,8 @@ void qk_norm_rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack
                   !ag::has_tangent(q, k, call.q_weight, call.k_weight),
               "posenc: qk_norm_rope: inplace=True overwrites q and k, which autograd cannot "
               "differentiate; use inplace=False for training, or run under torch.no_grad()");
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    call_qk_norm_rope_inplace(call);
-  }
-  torch::autograd::increment_version(q);
-  torch::autograd::increment_version(k);
+  at::AutoDispatchBelowAutograd guard;
+  call_qk_norm_rope_inplace(call);
 }
 
 }  // namespace
@@ -132,6 +129,10 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("qk_norm_rope", torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_autograd>());
   m.impl("qk_norm_rope_",
          torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_inplace_autograd>());
+}
+
+TORCH_LIBRARY_IMPL(posenc, ADInplaceOrView, m) {
+  m.impl("qk_norm_rope_", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
 }
 
 }  // namespace ops

@@ -16,6 +16,7 @@
 #include <torch/library.h>
 
 #include "ops/common/autograd_node.h"
+#include "ops/common/inference_only.h"
 #include "ops/common/rope_call.h"
 
 namespace posenc {
@@ -86,12 +87,9 @@ void rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack)
   TORCH_CHECK(!torch::autograd::compute_requires_grad(call.q, call.k) && !ag::has_tangent(call.q, call.k),
               "posenc: inplace=True rotates q and k in their own storage, which autograd cannot "
               "differentiate; use inplace=False for training, or run under torch.no_grad()");
-  {
-    at::AutoDispatchBelowADInplaceOrView guard;
-    call_rope_inplace(call);
-  }
-  torch::autograd::increment_version(call.q);
-  if (call.k.has_value()) torch::autograd::increment_version(*call.k);
+  // Below autograd: ADInplaceOrView (bump_written_versions) moves q's and k's versions.
+  at::AutoDispatchBelowAutograd guard;
+  call_rope_inplace(call);
 }
 
 }  // namespace
@@ -99,6 +97,10 @@ void rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack)
 TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("rope", torch::CppFunction::makeFromBoxedFunction<&rope_autograd>());
   m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<&rope_inplace_autograd>());
+}
+
+TORCH_LIBRARY_IMPL(posenc, ADInplaceOrView, m) {
+  m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
 }
 
 }  // namespace ops

@@ -447,6 +447,11 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
 }
 
+TORCH_LIBRARY_IMPL(posenc, ADInplaceOrView, m) {
+  m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
+  m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
+}
+
 // ---- Meta kernels
 // The real kernels' checks and q's (and k's) shape, so torch.compile and torch.export trace
 // the op (the caches are mutated arguments of the schema: functionalization handles them).

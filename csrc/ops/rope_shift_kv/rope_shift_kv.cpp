@@ -290,8 +290,8 @@ int64_t check_rope_shift_kv(const RopeShiftKvCall& c) {
     if (c.rows.has_value()) {
       const at::Tensor& r = *c.rows;
       check_index("rows", r, cache);
-      const bool ok = r.sym_size(-1) == n &&
-                      (r.dim() == 1 || (r.dim() == 2 && (r.sym_size(0) == batch || r.sym_size(0) == 1)));
+      const bool ok = (r.dim() == 1 || (r.dim() == 2 && (r.sym_size(0) == batch || r.sym_size(0) == 1))) &&
+                      r.sym_size(-1) == n;
       TORCH_CHECK(ok, "posenc: rope_shift_kv: expected rows of shape (n,) = (", n,
                   ",) or (batch, n) = (", batch, ", ", n, "), one cache row per position, got shape ",
                   r.sym_sizes());
@@ -443,6 +443,10 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
 
 TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("rope_shift_kv_", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
+}
+
+TORCH_LIBRARY_IMPL(posenc, ADInplaceOrView, m) {
+  m.impl("rope_shift_kv_", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
 }
 
 // ---- The Meta kernel: the real kernels' checks (the cache is a mutated argument of the
