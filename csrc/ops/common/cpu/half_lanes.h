@@ -1,6 +1,7 @@
 // float32 <-> bfloat16 in the AVX2 kernels' vector paths, with ATen's bits: the one place
-// that rounds float32 to bfloat16 in a vector register outside ATen's own conversions
-// (RoPE's and qk_norm_rope's rows of split halves, add_position's bfloat16 paths). Only for
+// that rounds float32 to bfloat16 in a 256-bit register outside ATen's own conversions
+// (RoPE's and qk_norm_rope's rows of split halves, add_position's bfloat16 paths,
+// sinusoidal_table's AVX2 sweep; its AVX-512 sweep writes the same steps 512 bits wide). Only for
 // the vector-ISA translation units (POSENC_ISA_SOURCES): every function lives in the ISA
 // namespace (posenc/math/host_device.h).
 #pragma once
