@@ -58,6 +58,7 @@ __global__ void __launch_bounds__(kThreads) rope_shift_kv_kernel(const __grid_co
                              "(it was not turned)");
     }
     if (!turned) continue;  // the same for every thread of the block
+    bool keeps = true;
     for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
       const int64_t p_old = rope_axis_position(a.from, b, j, 0, 0, a.from.pair_axis[i]);
       const int64_t p_new = rope_axis_position(a.to, b, j, 0, 0, a.to.pair_axis[i]);
@@ -68,8 +69,11 @@ __global__ void __launch_bounds__(kThreads) rope_shift_kv_kernel(const __grid_co
       math::rope_sincos<acc_t>(p_old, a.from.inv_freq[i], &so, &co);
       math::rope_sincos<acc_t>(p_new, a.to.inv_freq[i], &sn, &cn);
       rope_shift_angle<acc_t>(cn, sn, co, so, factor, &s_cos[i], &s_sin[i]);
+      keeps = keeps && rope_shift_keeps<acc_t>(p_old, p_new, cn, sn, co, so, factor);
     }
-    __syncthreads();
+    // Every pair keeps its angle: the row stays as it is (the CPU kernel's rule); the block
+    // leaves together, nothing read from the shared turn.
+    if (__syncthreads_and(keeps)) continue;
     const int64_t pairs = a.heads * half;
     for (int64_t t = threadIdx.x; t < pairs; t += blockDim.x) {
       const int64_t h = t / half;

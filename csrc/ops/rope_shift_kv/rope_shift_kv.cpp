@@ -518,17 +518,24 @@ void rope_shift_kv_composite(const c10::OperatorHandle&, torch::jit::Stack* stac
   const std::vector<int64_t> axis(ff.axis.begin(), ff.axis.end());
   const at::Tensor axis_t = at::tensor(axis, at::kLong).to(device);
   const int64_t axes = cfg.n_axes();
-  // An end's angles (batch, n, half): positions (axes, batch, n) gathered by each pair's axis.
-  const auto angles = [&](const at::Tensor& p, const std::vector<double>& inv) {
+  // An end's position per pair (batch, n, half): positions (axes, batch, n) gathered by each
+  // pair's axis; and its angles.
+  const auto pair_positions = [&](const at::Tensor& p) {
     at::Tensor q = axes > 1 ? p : p.unsqueeze(0);
     if (q.dim() == 2) q = q.unsqueeze(1);
-    q = q.expand({axes, batch, n}).index_select(0, axis_t).permute({1, 2, 0}).to(wide);
-    return q * at::tensor(inv, at::kDouble).to(device, wide);
+    return q.expand({axes, batch, n}).index_select(0, axis_t).permute({1, 2, 0});
   };
-  const at::Tensor ao = angles(c.from_positions, ff.inv_freq), an = angles(c.to_positions, ft.inv_freq);
+  const at::Tensor po = pair_positions(c.from_positions), pn = pair_positions(c.to_positions);
+  const at::Tensor ao = po.to(wide) * at::tensor(ff.inv_freq, at::kDouble).to(device, wide);
+  const at::Tensor an = pn.to(wide) * at::tensor(ft.inv_freq, at::kDouble).to(device, wide);
   const at::Tensor co = ao.cos(), so = ao.sin(), cn = an.cos(), sn = an.sin();
   const at::Tensor cs = ((cn * co + sn * so) * factor).to(acc).unsqueeze(2);  // (batch, n, 1, half)
   const at::Tensor ss = ((sn * co - cn * so) * factor).to(acc).unsqueeze(2);
+  // Rows all of whose pairs keep their angle (rope_shift_keeps: the same position, cos and
+  // sin at both ends, factor 1) are written back as they were: (batch, n, 1, 1).
+  const at::Tensor keeps = po.eq(pn).logical_and(cn.eq(co)).logical_and(sn.eq(so))
+                               .logical_and(at::scalar_tensor(factor == 1.0, ao.options().dtype(at::kBool)))
+                               .all(-1, /*keepdim=*/true).unsqueeze(2);
 
   // The rows: gathered as their bits (FP8: uint8 views, which the indexing ops take).
   const bool fp8 = format != KvCacheFormat::kSame;
@@ -586,6 +593,7 @@ void rope_shift_kv_composite(const c10::OperatorHandle&, torch::jit::Stack* stac
   }
   at::Tensor out = bits.clone();
   out.narrow(-1, begin, rot).copy_(y);
+  out = at::where(keeps, bits, out);
   if (c.paged()) {
     write_paged_rows(store, out.squeeze(0), slots, unwritten, i0, i1);
   } else {

@@ -130,6 +130,16 @@ void shift_rows(const RopeShiftKvArgs& a) {
       for (int64_t i = 0; i < half; ++i) {
         rope_shift_angle<acc_t>(cn[i], sn[i], co[i], so[i], factor, &turn.cs[i], &turn.sn[i]);
       }
+      // Every pair keeps its angle (rope_shift_keeps; looked at only where the positions of
+      // both ends agree on every axis, the one place it can hold): the row stays as it is.
+      if (std::equal(p_old, p_old + g.n_axes, p_new)) {
+        bool keeps = true;
+        for (int64_t i = 0; i < half && keeps; ++i) {
+          keeps = rope_shift_keeps<acc_t>(p_old[g.pair_axis[i]], p_new[g.pair_axis[i]], cn[i], sn[i], co[i], so[i],
+                                          factor);
+        }
+        if (keeps) continue;
+      }
       fill_pair_angles(g, turn);
       for (int64_t h = 0; h < a.heads; ++h) {
         const int64_t at = outer * st[0] + inner * st[1] + h * st[2];

@@ -76,6 +76,17 @@ POSENC_HOST_DEVICE void rope_shift_angle(T cn, T sn, T co, T so, T factor, T* c,
   *s = math::rope_fma(sn, co, -math::rope_mul_rn(cn, so)) * factor;
 }
 
+// Whether a pair keeps its angle: the same position and the same cos and sin at both ends
+// (and no change of attention factor). A row all of whose pairs keep theirs (a row shifted to
+// its own position: the sinks of an attention-sinks loop) is neither read nor written, on
+// every path: rope_shift_angle's turn rounds to 1 - 1 ulp there, and repeated shifts in
+// place would drift by an ulp a call; skipped, the row keeps its bits (signed zeros and FP8
+// codes included).
+template <typename T>
+POSENC_HOST_DEVICE bool rope_shift_keeps(int64_t p_old, int64_t p_new, T cn, T sn, T co, T so, T factor) {
+  return p_old == p_new && cn == co && sn == so && factor == T(1);
+}
+
 // The float32 value of an FP8 cache's bits: c10's conversion (exact), times the scale.
 POSENC_HOST_DEVICE float kv_dequantize(KvCacheFormat f, uint8_t bits, float scale) {
   const float x = f == KvCacheFormat::kFloat8E4M3 ? c10::detail::fp8e4m3fn_to_fp32_value(bits)
