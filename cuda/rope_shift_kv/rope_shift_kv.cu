@@ -41,8 +41,9 @@ __global__ void __launch_bounds__(kThreads) rope_shift_kv_kernel(const __grid_co
   __shared__ acc_t s_cos[kMaxRopePairs];
   __shared__ acc_t s_sin[kMaxRopePairs];
   if (threadIdx.x == 0 && blockIdx.x == 0) {
-    CUDA_KERNEL_ASSERT_MSG(!fp8 || (scale > 0.0f && scale <= FLT_MAX),
-                           "posenc: rope_shift_kv: expected k_scale to be a finite positive number");
+    CUDA_KERNEL_ASSERT_MSG(!fp8 || (scale > 0.0f && static_cast<double>(scale) * kv_format_max(a.format) <= FLT_MAX),
+                           "posenc: rope_shift_kv: expected k_scale to be a finite positive number, "
+                           "at most float32's largest value / the format's largest");
   }
   auto* cache = static_cast<scalar_t*>(a.cache);
   auto* cache8 = static_cast<uint8_t*>(a.cache);

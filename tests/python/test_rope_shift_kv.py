@@ -357,6 +357,11 @@ def test_out_of_range_and_repeated_rows_write_nothing():
      "k_scale to be a finite positive"),
     (lambda c, p: rope_shift_kv(c.to(torch.float8_e4m3fn), p, p, k_scale=torch.ones(2)), ValueError,
      "k_scale to hold one value"),
+    # dequantised, 448 * 1e37 would be inf in float32, and the rotation would write NaN
+    (lambda c, p: rope_shift_kv(c.to(torch.float8_e4m3fn), p, p, k_scale=1e37), ValueError,
+     "to be finite in float32"),
+    (lambda c, p: rope_shift_kv(c.to(torch.float8_e5m2), p, p, k_scale=torch.tensor(1e34)), ValueError,
+     "k_scale * 57344"),
     (lambda c, p: rope_shift_kv(c.int(), p, p), TypeError, "k_cache of dtype"),
     (lambda c, p: rope_shift_kv(c[0], p, p), RuntimeError, "k_cache of shape"),
     (lambda c, p: rope_shift_kv(c, p, p, from_seq_len=-2), ValueError, "from_seq_len >= 0"),

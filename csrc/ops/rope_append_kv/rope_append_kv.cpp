@@ -535,7 +535,7 @@ void run_composite(torch::jit::Stack* stack, bool in_place) {
       }
       y = y.div(s);
     }
-    const double m = kv_cache_format(cache) == KvCacheFormat::kFloat8E4M3 ? 448.0 : 57344.0;
+    const double m = kv_format_max(kv_cache_format(cache));
     return y.clamp(-m, m).to(cache.scalar_type()).view(at::kByte);
   };
   if (kv_cache_format(c.k_cache) != KvCacheFormat::kSame) {

@@ -15,6 +15,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <utility>
 #include <vector>
@@ -357,6 +358,12 @@ void check_rope_shift_kv_values(const RopeShiftKvCall& c) {
     const float v = *c.k_scale->contiguous().const_data_ptr<float>();
     TORCH_CHECK_VALUE(std::isfinite(v) && v > 0.0f, "posenc: rope_shift_kv: expected k_scale to be "
                       "a finite positive number (the values are multiplied and divided by it), got ", v);
+    // Dequantised, the format's largest value times the scale must be finite in float32
+    // (else it would turn into inf and NaN).
+    const float fmax = kv_format_max(kv_cache_format(c.k_cache));
+    TORCH_CHECK_VALUE(static_cast<double>(v) * fmax <= std::numeric_limits<float>::max(), "posenc: rope_shift_kv: "
+                      "expected k_scale * ", fmax, " (the format's largest value, dequantised) to be finite "
+                      "in float32, got k_scale = ", v);
   }
   const at::Tensor cv = cache_view(c.k_cache, c.config.layout);
   const int64_t n = c.n();
@@ -572,8 +579,10 @@ void rope_shift_kv_composite(const c10::OperatorHandle&, torch::jit::Stack* stac
   if (fp8 && c.k_scale.has_value()) {
     scale = c.k_scale->reshape({}).to(device);
     if (!c.k_scale->is_cpu()) {
-      assert_all_on_device(scale.gt(0).logical_and(scale.isfinite()),
-                           "posenc: rope_shift_kv: expected k_scale to be a finite positive number");
+      assert_all_on_device(scale.gt(0).logical_and(
+                               scale.to(at::kDouble).mul(kv_format_max(format)).le(std::numeric_limits<float>::max())),
+                           "posenc: rope_shift_kv: expected k_scale to be a finite positive number, "
+                           "at most float32's largest value / the format's largest");
     }
   }
   const int64_t begin = math::rope_rotary_begin(cfg.settings);
@@ -586,7 +595,7 @@ void rope_shift_kv_composite(const c10::OperatorHandle&, torch::jit::Stack* stac
   at::Tensor y = cfg.interleaved ? at::stack({y1, y2}, -1).flatten(-2) : at::cat({y1, y2}, -1);
   if (fp8) {
     if (scale.defined()) y = y.div(scale);
-    const double m = format == KvCacheFormat::kFloat8E4M3 ? 448.0 : 57344.0;
+    const double m = kv_format_max(format);
     y = y.clamp(-m, m).to(cache.scalar_type()).view(at::kByte);
   } else {
     y = y.to(cache.scalar_type());

@@ -68,7 +68,7 @@ inline void quantize8(const float* in, uint8_t* out, __m256 scale) {
   const __m256i bits = _mm256_castps_si256(y);
   const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
   const __m256 mag = _mm256_min_ps(_mm256_castsi256_ps(_mm256_xor_si256(bits, sign)),
-                                   _mm256_set1_ps(kE4M3 ? 448.0f : 57344.0f));  // saturate
+                                   _mm256_set1_ps(kv_format_max(kE4M3 ? KvCacheFormat::kFloat8E4M3 : KvCacheFormat::kFloat8E5M2)));  // saturate
   const __m256i a = _mm256_castps_si256(mag);
   const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(a, kShift), _mm256_set1_epi32(1));
   const __m256i normal = _mm256_srli_epi32(

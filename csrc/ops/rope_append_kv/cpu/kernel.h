@@ -98,8 +98,12 @@ POSENC_HOST_DEVICE bool kv_cache_row(const KvCacheArgs& a, int64_t b, int64_t s,
 // FlashInfer's SATFINITE conversions; NaN stays NaN), then rounded to nearest even by c10's
 // conversion (torch's .to(float8)). So a cache holds bit for bit
 // (x / scale).clamp(-max, max).to(float8) of the float32 value the cache would hold.
+POSENC_HOST_DEVICE float kv_format_max(KvCacheFormat f) {  // the format's largest finite value
+  return f == KvCacheFormat::kFloat8E4M3 ? 448.0f : 57344.0f;
+}
+
 POSENC_HOST_DEVICE uint8_t kv_quantize(KvCacheFormat f, float x, float scale) {
-  const float m = f == KvCacheFormat::kFloat8E4M3 ? 448.0f : 57344.0f;
+  const float m = kv_format_max(f);
   float y = x / scale;
   if (y > m) {
     y = m;
