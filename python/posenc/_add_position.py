@@ -80,13 +80,18 @@ class _AddPositionModule(nn.Module):
     pe: Tensor
     check_positions: bool = True
 
-    def __init__(self, d_model: int, dropout: float, max_len: int, batch_first: bool) -> None:
+    def __init__(self, d_model: int, dropout: float, batch_first: bool) -> None:
         super().__init__()
         self.d_model = _check_positive_int("d_model", d_model)
-        self.max_len = _check_positive_int("max_len", max_len)
         self.batch_first = bool(batch_first)
         # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
         self.dropout = nn.Dropout(p=_check_probability("dropout", dropout))
+
+    @property
+    def max_len(self) -> int:
+        """The positions ``pe`` holds (its second-to-last size): it follows a table that is
+        replaced or loaded, as forward does."""
+        return self.pe.shape[-2]
 
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given:
@@ -162,11 +167,12 @@ class PositionalEncoding(_AddPositionModule):
         batch_first: bool = True,
         base: float = 10000.0,
     ) -> None:
-        super().__init__(d_model, dropout, max_len, batch_first)
+        super().__init__(d_model, dropout, batch_first)
+        max_len = _check_positive_int("max_len", max_len)
         if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
             raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
         self.base = float(base)
-        positions = torch.arange(self.max_len, dtype=torch.int64)
+        positions = torch.arange(max_len, dtype=torch.int64)
         table = functional.sinusoidal_table(positions, self.d_model, base=self.base)
         self.register_buffer("pe", table.unsqueeze(0))
 
@@ -199,11 +205,12 @@ class LearnedPositionalEncoding(_AddPositionModule):
         batch_first: bool = True,
         init_std: float = 0.02,
     ) -> None:
-        super().__init__(d_model, dropout, max_len, batch_first)
+        super().__init__(d_model, dropout, batch_first)
+        max_len = _check_positive_int("max_len", max_len)
         if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not 0 <= init_std < math.inf:
             raise ValueError(f"expected init_std to be a finite non-negative number, got {init_std!r}")
         self.init_std = float(init_std)
-        self.pe = nn.Parameter(torch.empty(1, self.max_len, self.d_model))
+        self.pe = nn.Parameter(torch.empty(1, max_len, self.d_model))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

@@ -122,6 +122,22 @@ def test_edited_table_is_honoured():
     assert torch.equal(pe(x), x + pe.pe[:, :9])
 
 
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+def test_max_len_follows_a_replaced_table(cls):
+    m = cls(8, 0.0, max_len=16)
+    assert m.max_len == 16 and "max_len=16" in repr(m)
+    longer = torch.randn(1, 32, 8)
+    if cls is posenc.LearnedPositionalEncoding:
+        m.pe = torch.nn.Parameter(longer)
+    else:
+        m.pe = longer
+    assert m.max_len == 32 and "max_len=32" in repr(m)  # was 16 while forward read 32 rows
+    x = torch.randn(2, 20, 8)
+    torch.testing.assert_close(m(x), x + longer[:, :20])
+    scripted = torch.jit.script(m)
+    torch.testing.assert_close(scripted(x), x + longer[:, :20])
+
+
 def test_half_module_and_double_input():
     pe = make().eval()
     x = torch.randn(2, 5, 16, dtype=torch.float64)
