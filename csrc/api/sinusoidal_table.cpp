@@ -11,7 +11,7 @@ at::Tensor sinusoidal_table(const at::Tensor& positions, int64_t d_model, double
                             std::optional<at::ScalarType> dtype) {
   // The op takes the dtype by name (ops/sinusoidal_table/sinusoidal_table.cpp says why) and
   // raises TypeError for any other than its four.
-  return ops::sinusoidal_table_op().call(positions, c10::SymInt(d_model), base, ops::py_dtype(dtype.value_or(at::kFloat)).substr(6));
+  return ops::sinusoidal_table_op().call(positions, c10::SymInt(d_model), base, ops::dtype_name(dtype.value_or(at::kFloat)));
 }
 
 }  // namespace posenc

@@ -83,5 +83,10 @@ inline std::string py_dtype(c10::ScalarType t) {
   }
 }
 
+// The same without "torch.": float32, int64, ... (how ops take a dtype by name, as a str).
+inline std::string dtype_name(c10::ScalarType t) {
+  return py_dtype(t).substr(sizeof("torch.") - 1);
+}
+
 }  // namespace ops
 }  // namespace posenc

@@ -37,7 +37,7 @@ namespace {
 // float16; TypeError otherwise.
 at::ScalarType table_dtype(c10::string_view name) {
   for (const at::ScalarType t : {at::kDouble, at::kFloat, at::kBFloat16, at::kHalf}) {
-    if (py_dtype(t).substr(6) == name) return t;
+    if (dtype_name(t) == name) return t;
   }
   TORCH_CHECK_TYPE(false, "posenc: sinusoidal_table: expected dtype to be 'float64', 'float32', "
                    "'bfloat16' or 'float16', got ", py_str(name));
