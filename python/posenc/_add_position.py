@@ -67,6 +67,13 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
         torch.ops.posenc.position_bounds(positions, max_len)
 
 
+def _fusable_dropout(dropout: nn.Module) -> bool:
+    """Whether the module's dropout child can run inside the fused op: exactly an
+    ``nn.Dropout`` (a subclass may override forward) that no forward hook would see."""
+    return (type(dropout) is nn.Dropout and not dropout._forward_hooks and not dropout._forward_pre_hooks
+            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+
+
 class _AddPositionModule(nn.Module):
     """Shared front end: ``forward(x, offset=0, positions=None) = dropout(x + pe[rows])``
     through the fused op, with the classic ``nn.Dropout`` child and argument checks.
@@ -79,6 +86,7 @@ class _AddPositionModule(nn.Module):
 
     pe: Tensor
     check_positions: bool = True
+    _scripted_fused_dropout: bool = True  # set by __prepare_scriptable__
 
     def __init__(self, d_model: int, dropout: float, batch_first: bool) -> None:
         super().__init__()
@@ -95,12 +103,30 @@ class _AddPositionModule(nn.Module):
 
     def forward(self, x: Tensor, offset: int = 0, positions: Optional[Tensor] = None) -> Tensor:
         """``dropout(x + pe[0, offset:offset+S])``, or ``pe[0, positions]`` when given:
-        :func:`posenc.functional.add_position` with the module's table and dropout."""
-        p = self.dropout.p if self.training else 0.0
+        :func:`posenc.functional.add_position` with the module's table and dropout.
+
+        The dropout is fused into the add while the ``dropout`` child is a plain
+        ``nn.Dropout`` without hooks. A child that is replaced (``nn.Identity()``, another
+        dropout, a subclass) or hooked is called on ``x + pe[rows]`` as the classic class calls
+        it, so it runs and its hooks see what they would see there."""
+        dropout = self.dropout
         if torch.jit.is_scripting():  # what TorchScript compiles: the op the function calls
-            return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
+            if self._scripted_fused_dropout and hasattr(dropout, "p"):
+                p = dropout.p if self.training else 0.0
+                return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
+            return dropout(torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, 0.0))
         pe, positions = self._host_side(x, offset, positions)
-        return functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p)
+        fused = _fusable_dropout(dropout)
+        p = dropout.p if fused and self.training else 0.0
+        y = functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p)
+        return y if fused else dropout(y)
+
+    def __prepare_scriptable__(self) -> "_AddPositionModule":
+        """Called by ``torch.jit.script`` before it compiles forward: records whether the
+        dropout child is fusable (TorchScript cannot test a module's class reliably: its
+        isinstance knows only module classes it has compiled before)."""
+        self._scripted_fused_dropout = type(self.dropout) is nn.Dropout
+        return self
 
     def _host_side(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
         """What eager mode checks on the host and places beside a DTensor x, for forward:

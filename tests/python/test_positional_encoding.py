@@ -179,6 +179,41 @@ def test_same_positional_arguments_as_classic():
     assert torch.equal(pe(x), x + pe.pe[:, :3])
 
 
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+@pytest.mark.parametrize("scripted", [False, True])
+def test_replaced_or_hooked_dropout_child_is_called(cls, scripted):
+    # The classic class calls its dropout child on x + pe: a user who replaces it (nn.Identity
+    # to switch dropout off, another dropout) or hooks it gets that child's output, in the
+    # training mode a user is in after construction (the child used to be read for .p only:
+    # AttributeError for nn.Identity, an AlphaDropout silently ran as plain dropout).
+    torch.manual_seed(0)
+    module = cls(8, 0.5, 16)
+    x = torch.randn(2, 5, 8)
+    added = x + module.pe[:, :5].detach()
+    module.dropout = torch.nn.Identity()
+    run = torch.jit.script(module) if scripted else module
+    assert torch.equal(run(x), added)
+    module.dropout = torch.nn.AlphaDropout(0.5)
+    run = torch.jit.script(module) if scripted else module
+    torch.manual_seed(1)
+    got = run(x)
+    torch.manual_seed(1)
+    assert torch.equal(got, torch.nn.functional.alpha_dropout(added, 0.5, True))
+    if scripted:
+        return
+    module.dropout = torch.nn.Dropout(0.5)
+    seen = []
+    handle = module.dropout.register_forward_hook(lambda mod, args, out: seen.append((args[0], out)))
+    torch.manual_seed(2)
+    got = module(x)
+    torch.manual_seed(2)
+    assert len(seen) == 1 and torch.equal(seen[0][0], added) and torch.equal(got, seen[0][1])
+    assert torch.equal(got, torch.nn.functional.dropout(added, 0.5, True))
+    handle.remove()
+    got = module(x)  # unhooked: fused again, the same distribution (zeros or 2x)
+    assert len(seen) == 1 and torch.equal(got == 0, got != 2 * added) and bool((got == 0).any())
+
+
 @pytest.mark.parametrize("d", [16, 7])
 @pytest.mark.parametrize("base", [500.0, 2.5, 1e6, 10000.0])
 def test_base_argument_builds_the_buffer(d, base):
