@@ -403,3 +403,86 @@ def test_int32_position_ids_fall_back_to_the_layers_own_path(fused_calls):
         got, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions.int())
     assert not fused_calls
     torch.testing.assert_close(got, want, **TOL)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2", "gemma3_text"])
+def test_a_config_key_the_models_rotary_ignores(model_type, fused_calls):
+    """partial_rotary_factor with the default RoPE: Qwen3's, OLMo 2's and Gemma 3's rotary
+    embeddings turn the whole head_dim whatever it says. The fused path used to turn half of
+    it (logits 0.25 off, other greedy tokens); the patch now checks the config it parsed
+    against the model's own inv_freq, and fuses the configuration that matches it."""
+    if model_type == "gemma3_text":
+        rope = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                    full_attention=dict(rope_type="default", rope_theta=1e6, partial_rotary_factor=0.5))
+    else:
+        rope = dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5)
+    model = tiny_model(model_type, rope_parameters=rope)
+    tokens = ids(2, 12)
+    want = logits(model, tokens)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    torch.testing.assert_close(logits(model, tokens), want, **TOL)
+    assert len(fused_calls) == model.config.num_hidden_layers
+
+
+def test_a_nested_yarn_dict_read_as_transformers_reads_it(fused_calls):
+    """Gemma 3 with a yarn dict per layer type and truncate=False: transformers reads truncate
+    from the outer dict (True), so the model's frequencies are truncate=True's (posenc's from
+    the layer's dict were 19% off: logits 0.017 off). Not the configuration the model turns
+    by: the layer rotates with its given tables."""
+    rope = dict(sliding_attention=dict(rope_type="default", rope_theta=10000.0),
+                full_attention=dict(rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=64,
+                                    truncate=False))
+    try:
+        model = tiny_model("gemma3_text", rope_parameters=rope, head_dim=64)
+    except (ValueError, KeyError, TypeError) as error:
+        pytest.skip(f"transformers {transformers.__version__} builds no Gemma 3 with {rope}: {error}")
+    tokens = ids(2, 40)
+    want = logits(model, tokens)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    torch.testing.assert_close(logits(model, tokens), want, **TOL)
+
+
+def test_rotary_buffers_cast_replaced_or_edited_after_patching(fused_calls):
+    """transformers turns by the rotary module's inv_freq as it is: rounded to bfloat16 by
+    model.to(torch.bfloat16), edited in place, replaced. The fused path (frequencies from the
+    config) used to ignore that: 0.95 off in a bfloat16 layer's output at positions 2000+, logits
+    0.2 off after an edit. Now a layer fuses only while its rotary module holds the buffer that
+    was checked when it was patched, unedited; otherwise it rotates with the given tables."""
+    model = tiny_model("qwen3", max_position_embeddings=4096)
+    unpatched = copy.deepcopy(model)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    tokens = ids(2, 8)
+    torch.testing.assert_close(logits(model, tokens), logits(unpatched, tokens), **TOL)
+    assert len(fused_calls) == 2
+    # A bfloat16 cast after patching: the rounded frequencies, as the unpatched model.
+    model.to(torch.bfloat16), unpatched.to(torch.bfloat16)
+    attn, hidden, _, _ = attention_inputs(model, 8)
+    hidden = hidden.to(torch.bfloat16)
+    positions = (torch.arange(8) + 2000).unsqueeze(0)
+    cos_sin = model.model.rotary_emb(hidden, positions)
+    with torch.no_grad():
+        got, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+        want, _ = unpatched.model.layers[0].self_attn(hidden, position_embeddings=cos_sin, attention_mask=None,
+                                                      position_ids=positions)
+    assert len(fused_calls) == 2
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)  # bfloat16 roundings; the bug: 0.95
+    # A float32 model whose inv_freq is edited in place, or replaced, after patching.
+    for edit in ("in place", "replaced"):
+        model = tiny_model("qwen3")
+        integration.apply_posenc_rope(model, qk_norm=True)
+        rotary = model.model.rotary_emb
+        if edit == "in place":
+            rotary.inv_freq.mul_(0.25)
+        else:
+            rotary.inv_freq = rotary.inv_freq * 0.25
+        fused_calls.clear()
+        got = logits(model, tokens)
+        integration.revert_posenc_qk_norm(model)
+        torch.testing.assert_close(got, logits(model, tokens), **TOL)
+        assert not fused_calls, edit
+    # Patched when already bfloat16: nothing to fuse (the model's frequencies are not posenc's).
+    model = tiny_model("qwen3").to(torch.bfloat16)
+    want = logits(model, tokens)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    torch.testing.assert_close(logits(model, tokens), want, rtol=0.02, atol=0.02)
+    assert not fused_calls

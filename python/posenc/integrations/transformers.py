@@ -29,9 +29,12 @@ attention class, created once and kept), whose ``forward`` is transformers 5's a
 forward for these models with the norm + rotation step replaced. Everything that step needs
 comes from the layer itself and from the call's own arguments: with ``position_ids`` (which
 the decoder layers pass: the positions the model computed ``position_embeddings`` from), the
-fused op at those positions with the config's RoPE parameters; without them (a layer called
-on its own, any caller that passes only ``position_embeddings``), or for RoPE types whose
-transformers tables depend on the call ("dynamic", "longrope"), the layer's own norms and
+fused op at those positions with the config's RoPE parameters, when they are the ones the
+model's rotary module turns by (checked when the layer is patched: ``_fused_settings``);
+without them (a layer called on its own, any caller that passes only
+``position_embeddings``), for RoPE types whose transformers tables depend on the call
+("dynamic", "longrope"), or when the rotary module's frequencies are not (or no longer)
+posenc's (a bfloat16 cast, an edited buffer), the layer's own norms and
 then :func:`posenc.functional.apply_rope_cos_sin` on the given (cos, sin), so every call path
 computes what the unpatched layer computes; no ``position_embeddings`` is a ValueError naming
 it. With a ``transformers.StaticCache`` (``generate(..., cache_implementation="static")``), a
@@ -258,7 +261,8 @@ def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
     ``qk_norm=True`` (a loaded model of a type in ``QK_NORM_MODEL_TYPES``: Qwen3, Qwen3-MoE,
     Gemma 3, OLMo 2): each attention layer's q_norm / k_norm and RoPE run as one fused
     :func:`posenc.functional.qk_norm_rope` at the positions the layer receives
-    (``position_ids``) with the config's RoPE parameters; a call without them runs the
+    (``position_ids``) with the config's RoPE parameters (when the model's rotary module
+    turns by them: checked against its ``inv_freq`` when patched); a call without them runs the
     layer's norms, then posenc's rotation with the given tables (the module docstring has
     the rules). With a ``transformers.StaticCache``, the fused call also writes the layer's
     cache rows (:func:`posenc.functional.rope_append_kv`). The weights stay where they are
@@ -318,16 +322,47 @@ def _norm_eps(norm: Any) -> Optional[float]:
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
 
-def _fused_settings(attn: Any) -> Optional[Tuple[float, RopeConfig]]:
-    """(eps, the parsed RoPE configuration) of a layer whose norms and RoPE the fused op
-    provably computes as transformers does, computed once when the layer is patched (the
-    model's rotary embedding reads its config once too, when it is built): both norms share
-    one eps, and the model's tables depend on the positions and the config only (not
-    "dynamic" or "longrope", whose transformers tables change with the call's length and
-    the rotary module's history). None otherwise: the layer then runs its own norms and
-    rotates with the given (cos, sin)."""
+def _rotary_source(model: Any, attn: Any) -> Optional[Tuple[Any, str, str]]:
+    """(module, buffer name, attribute name) of the rotary embedding whose tables ``attn``
+    receives: the one module of ``model`` holding ``<layer_type>_inv_freq`` (transformers 5's
+    per-layer-type rotary, Gemma 3), else the one holding ``inv_freq``; with its
+    ``attention_scaling``. None when there is no such module or more than one (then the layer
+    rotates with the tables it is given)."""
+    layer_type = getattr(attn, "layer_type", None)
+    names = ([(f"{layer_type}_inv_freq", f"{layer_type}_attention_scaling")] if isinstance(layer_type, str) else [])
+    for buffer, scaling in names + [("inv_freq", "attention_scaling")]:
+        found = [m for m in model.modules() if isinstance(m._buffers.get(buffer), Tensor)]
+        if len(found) == 1:
+            return found[0], buffer, scaling
+        if found:
+            return None
+    return None
+
+
+def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Optional[tuple]:
+    """(eps, the parsed RoPE configuration, the rotary module, its inv_freq buffer name, that
+    buffer, its version) for a layer whose norms and RoPE the fused op provably computes as
+    transformers does; computed once when the layer is patched. Provably: both norms share one
+    eps; the model's tables depend on the positions and the config only (not "dynamic" or
+    "longrope", whose transformers tables change with the call's length and the rotary
+    module's history); and the rotary module's float32 ``inv_freq`` and ``attention_scaling``
+    are the ones posenc computes from the parsed config (to 2**-17 relative: transformers
+    rounds float32 powers). That last check is what the config alone cannot tell: a model
+    whose rotary ignores a key (Qwen3's default RoPE turns the whole head_dim whatever
+    ``partial_rotary_factor`` says; a nested yarn dict's ``truncate`` read from the outer
+    dict), a model cast to bfloat16 (its ``inv_freq`` rounded: transformers turns by the
+    rounded frequencies), an edited buffer. A call is fused only while the module still
+    holds that same buffer (``model.to(...)`` replaces it) at that version (in-place edits;
+    read in eager mode: torch.compile cannot guard on versions). None otherwise: the layer
+    then runs its own norms and rotates with the given (cos, sin)."""
     eps = _norm_eps(attn.q_norm)
-    if eps is None or eps != _norm_eps(attn.k_norm):
+    if eps is None or eps != _norm_eps(attn.k_norm) or source is None:
+        return None
+    rotary, buffer, scaling_name = source
+    inv_freq = rotary._buffers[buffer]
+    scaling = getattr(rotary, scaling_name, None)
+    if (inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or isinstance(scaling, bool)
+            or not isinstance(scaling, (int, float))):
         return None
     params = _rope_parameters(attn)
     rope_type = str(params.get("rope_type", params.get("type", "default")))
@@ -337,15 +372,39 @@ def _fused_settings(attn: Any) -> Optional[Tuple[float, RopeConfig]]:
     max_positions = getattr(attn.config, "max_position_embeddings", None)
     if rope_type == "yarn" and params.get("factor") is None and original and max_positions:
         params["factor"] = max_positions / original  # as transformers' _compute_yarn_parameters
-    return eps, RopeConfig.parse(head_dim=attn.head_dim, fn="qk_norm_rope", layout="bhsd", scaling=params)
+    model_freq = inv_freq.detach().to("cpu", torch.float64)
+    # The config as given, then without partial_rotary_factor (the rotary of Qwen3, OLMo 2
+    # and Gemma 3 turns the whole head_dim whatever it says).
+    candidates = [params]
+    if "partial_rotary_factor" in params:
+        candidates.append({k: v for k, v in params.items() if k != "partial_rotary_factor"})
+    for candidate in candidates:
+        try:
+            config = RopeConfig.parse(head_dim=attn.head_dim, fn="qk_norm_rope", layout="bhsd", scaling=candidate)
+            rotary_dim = attn.head_dim if config.rotary_dim == -1 else config.rotary_dim
+            ours, factor = torch.ops.posenc.rope_frequencies(rotary_dim, config.base, config.rope_type,
+                                                             list(config.scaling), 0, list(config.sections),
+                                                             config.sections_mode)
+        except (ValueError, TypeError, RuntimeError):
+            continue
+        if (ours.shape == model_freq.shape and torch.allclose(model_freq, ours, rtol=2.0**-17, atol=0.0)
+                and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
+            return eps, config, rotary, buffer, inv_freq, inv_freq._version
+    return None
 
 
 def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Optional[dict]:
-    """qk_norm_rope's keyword arguments when the layer is fusable (_fused_settings) and the
-    call has position_ids for every token (the decoder layer passes the ones its model
-    computed position_embeddings from); None otherwise."""
+    """qk_norm_rope's keyword arguments when the layer is fusable (_fused_settings: its rotary
+    module still holds the buffer that was checked, unchanged) and the call has position_ids
+    for every token (the decoder layer passes the ones its model computed position_embeddings
+    from); None otherwise."""
     settings = attn.__dict__.get("_posenc_fused")
     if settings is None:
+        return None
+    eps, config, rotary, buffer, inv_freq, version = settings
+    if rotary._buffers.get(buffer) is not inv_freq:  # replaced: model.to(dtype or device), reassigned
+        return None
+    if not torch.compiler.is_compiling() and inv_freq._version != version:  # edited in place
         return None
     if not isinstance(positions, Tensor) or positions.dtype != torch.int64:  # the op's dtype (int32 falls back)
         return None
@@ -353,7 +412,6 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
         return None
     if positions.dim() == 2 and positions.shape[0] not in (1, input_shape[0]):
         return None
-    eps, config = settings
     return dict(eps=eps, positions=positions, config=config)
 
 
@@ -517,7 +575,7 @@ def _apply_qk_norm(model: Any) -> None:
         todo.append((attn, _qk_norm_class(type(attn), norm, weight_offset)))
     for attn, cls in todo:
         attn.__class__ = cls  # weights, buffers, hooks and state_dict stay as they are
-        attn._posenc_fused = _fused_settings(attn)  # parsed once (revert removes it)
+        attn._posenc_fused = _fused_settings(attn, _rotary_source(model, attn))  # parsed once (revert removes it)
 
 
 def revert_posenc_qk_norm(model: Any) -> None:
