@@ -264,6 +264,35 @@ def test_apply_rope_cos_sin_gradcheck(interleaved, layout):
     )
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("interleaved", [False, True])
+@pytest.mark.parametrize("layout", ["bhsd", "bshd"])
+def test_apply_rope_cos_sin_table_gradients_of_half_q_in_float32(dtype, interleaved, layout):
+    """float32 tables, half-precision q and k: the tables' gradients (sums over batch and
+    heads of products of q and the incoming gradient) are the float64 ones rounded to float32.
+    They were taken in q's dtype: float16 sums overflowed to inf (here ~1e5), bfloat16 ones
+    lost 3 digits."""
+    batch, heads, seq, head_dim, rot = 64, 8, 3, 10, 8
+    g = torch.Generator().manual_seed(3)
+    q, k = (torch.rand(batch, heads, seq, head_dim, generator=g) * 4 + 8).to(dtype), None
+    k = (torch.rand(batch, 2, seq, head_dim, generator=g) * 4 + 8).to(dtype)
+    if layout == "bshd":
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    angles = torch.rand(seq, rot // 2, generator=g, dtype=F64) * 10
+    angles = angles.repeat_interleave(2, -1) if interleaved else torch.cat((angles, angles), -1)
+    cos, sin = angles.cos().float().requires_grad_(), angles.sin().float().requires_grad_()
+    out_q, out_k = F.apply_rope_cos_sin(q, k, cos, sin, layout=layout, interleaved=interleaved)
+    torch.autograd.backward((out_q, out_k), (q, k))  # incoming gradients correlated with q, k
+    c64, s64 = cos.detach().double().requires_grad_(), sin.detach().double().requires_grad_()
+    want_q = reference_rotate(q.double(), c64[None], s64[None], layout, interleaved)
+    want_k = reference_rotate(k.double(), c64[None], s64[None], layout, interleaved)
+    torch.autograd.backward((want_q, want_k), (q.double(), k.double()))
+    assert c64.grad.abs().max() > 6e4  # beyond float16
+    for got, want in ((cos.grad, c64.grad), (sin.grad, s64.grad)):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, rtol=2e-6, atol=0)
+
+
 # --- the same rotation as apply_rope ---------------------------------------------------------
 
 

@@ -14,6 +14,7 @@
 //   features dropped). The formula reads the primals (_fw_primal), as PyTorch's kernels do.
 // Saved for backward: the tables; x only when a table requires grad.
 #include <ATen/ATen.h>
+#include <ATen/OpMathType.h>
 #include <torch/library.h>
 
 #include <optional>
@@ -122,7 +123,12 @@ struct RopeCosSinBackward : ag::Node {
       at::Tensor dcos, dsin;
       for (const auto& [x, g] : {std::pair<at::Tensor, at::Tensor>{q.unpack(), g_q}, {k.unpack(), g_k}}) {
         if (!x.defined() || !g.defined()) continue;
-        auto [dc, ds] = table_gradients(canonical(x), canonical(g), rot, settings.interleaved,
+        // Products and sums in the precision of the forward's arithmetic (x's opmath type,
+        // float32 for half x) or the table's if wider, then rounded once to the table's
+        // dtype: in half precision a float32 table's gradient (a sum over batch and heads)
+        // overflowed to inf and lost 3 digits.
+        const at::ScalarType acc = at::promote_types(at::toOpMathType(x.scalar_type()), c.scalar_type());
+        auto [dc, ds] = table_gradients(canonical(x).to(acc), canonical(g).to(acc), rot, settings.interleaved,
                                         settings.transpose);
         dcos = add_defined(dcos, sum_to_table(dc, c));
         dsin = add_defined(dsin, sum_to_table(ds, s));
