@@ -384,6 +384,11 @@ POSENC_HOST_DEVICE void rope_sincos_reduced(double r, double* s, double* c) {
   *c = cos(r);
 }
 
+// The largest |r| rope_sincos hands the polynomials: pi/4 and a margin of 2^-10 (their
+// error stays < 1 ulp there; the rounding of angle * 2/pi puts r past pi/4 by at most
+// ~1e-4 for |angle| < 2^42, so those angles are reduced as they always were).
+constexpr double kRopeReduceLimit = 0.78539816339744830962 + 0x1p-10;
+
 // sin and cos of pos * inv_freq in precision T (float or double). The product and the
 // reduction modulo pi/2 are done in double, so the error does not grow with pos. Written
 // without branches (the quadrant picks values by selects) so that a loop over the pairs of
@@ -394,8 +399,15 @@ POSENC_HOST_DEVICE void rope_sincos(int64_t pos, double inv_freq, T* s, T* c) {
   const double pio2_hi = 1.5707963267948965580e+00;  // pi/2 rounded to double
   const double pio2_lo = 6.1232339957367658e-17;     // pi/2 - pio2_hi
   const double angle = static_cast<double>(pos) * inv_freq;
-  const double k = rint(angle * two_over_pi);
-  const double r = fma(-k, pio2_lo, fma(-k, pio2_hi, angle));
+  const double k0 = rint(angle * two_over_pi);
+  const double r0 = fma(-k0, pio2_lo, fma(-k0, pio2_hi, angle));
+  // Past |angle * 2/pi| ~ 2^42 the rounded product is no longer exact to a fraction of a
+  // unit, so k0 can be one off and r0 up to pi/2 (at 2^53), where the float polynomials
+  // are wrong by up to ~2000 ulps: one step back into [-pi/4, pi/4]. Below that an r0 is at
+  // most ~1e-4 past pi/4, inside kRopeReduceLimit: unchanged (adjust 0 leaves r0 as it is).
+  const double adjust = r0 > kRopeReduceLimit ? 1.0 : (r0 < -kRopeReduceLimit ? -1.0 : 0.0);
+  const double k = k0 + adjust;
+  const double r = fma(-adjust, pio2_lo, fma(-adjust, pio2_hi, r0));
   T sr, cr;
   rope_sincos_reduced(static_cast<T>(r), &sr, &cr);
   // Quadrant q = k mod 4 (exact in double): angle = r + q * pi/2, so
