@@ -135,10 +135,8 @@ def resample_position_table(
     ``torch.ops.posenc.resample_position_table`` (the C++ ``posenc::resample_position_table``
     calls it too).
 
-    Differences from timm: timm returns the table unchanged whenever the new grid is square
-    with as many cells as the old one, even if the old grid was not square (e.g. 8x2 -> 4x4);
-    posenc resamples unless the grids are equal. For equal grids timm returns the table
-    itself, posenc a copy (the op's result never aliases ``pe``).
+    Difference from timm (1.0.31, checked): for equal grids timm returns the table itself,
+    posenc a copy (the op's result never aliases ``pe``); the values are the same.
     """
     fn = "resample_position_table"
     if not isinstance(mode, str):
