@@ -14,8 +14,8 @@
 
 namespace posenc {
 
-at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
-  return ops::make_positions_op().call(tokens, padding_idx);
+at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t offset) {
+  return ops::make_positions_op().call(tokens, padding_idx, offset);
 }
 
 at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, double base,

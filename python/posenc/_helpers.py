@@ -49,17 +49,21 @@ def timestep_embedding(
     )
 
 
-def make_positions(tokens: Tensor, padding_idx: int) -> Tensor:
+def make_positions(tokens: Tensor, padding_idx: int, *, offset: int = 0) -> Tensor:
     """Padding-aware positions, fairseq style: non-padding tokens are numbered
-    ``padding_idx + 1, padding_idx + 2, ...`` along dim 1 and padding gets ``padding_idx``.
+    ``padding_idx + offset + 1, padding_idx + offset + 2, ...`` along dim 1 and padding
+    gets ``padding_idx``.
 
-    ``tokens``: integer (batch, seq). Returns int64 positions of the same shape, ready for
-    ``positions=`` (with a table of at least ``padding_idx + seq + 1`` rows). Op
-    ``torch.ops.posenc.make_positions`` (the C++ ``posenc::make_positions`` calls it too).
+    ``tokens``: integer (batch, seq). ``offset`` (>= 0): the tokens before these in a cache
+    (transformers' ``create_position_ids_from_input_ids(..., past_key_values_length)``:
+    padding stays at ``padding_idx``, which adding the offset to the result would move).
+    Returns int64 positions of the same shape, ready for ``positions=`` (with a table of at
+    least ``padding_idx + offset + seq + 1`` rows). Op ``torch.ops.posenc.make_positions``
+    (the C++ ``posenc::make_positions`` calls it too).
     """
     fn = "make_positions"
     return torch.ops.posenc.make_positions(
-        _tensor_arg(fn, "tokens", tokens), _int_arg(fn, "padding_idx", padding_idx)
+        _tensor_arg(fn, "tokens", tokens), _int_arg(fn, "padding_idx", padding_idx), _int_arg(fn, "offset", offset)
     )
 
 

@@ -99,6 +99,10 @@ TEST(Helpers, MakePositions) {
   auto tokens = torch::tensor({5, 6, 1, 1, 1, 7, 8, 9}, torch::kLong).reshape({2, 4});
   auto want = torch::tensor({2, 3, 1, 1, 1, 2, 3, 4}, torch::kLong).reshape({2, 4});
   EXPECT_TRUE(torch::equal(posenc::make_positions(tokens, 1), want));
+  // offset (transformers' past_key_values_length): non-padding tokens move on, padding stays.
+  auto after = torch::tensor({5, 6, 1, 1, 1, 5, 6, 7}, torch::kLong).reshape({2, 4});
+  EXPECT_TRUE(torch::equal(posenc::make_positions(tokens, 1, 3), after));
+  EXPECT_THROW(posenc::make_positions(tokens, 1, -1), c10::ValueError);
   EXPECT_THROW(posenc::make_positions(torch::rand({2, 3}), 1), c10::Error);
   EXPECT_THROW(posenc::make_positions(tokens, std::numeric_limits<int64_t>::max()), c10::ValueError);
 }
@@ -334,8 +338,10 @@ TEST(Helpers, CppFunctionsCallTheOps) {
   torch::manual_seed(3);
   const auto tokens = torch::randint(0, 3, {4, 9}, torch::kLong);
   for (int64_t padding_idx : std::vector<int64_t>{0, 1, -5, int64_t{1} << 62}) {
-    EXPECT_TRUE(same_bits(posenc::make_positions(tokens, padding_idx),
-                          call_op("posenc::make_positions", {tokens, padding_idx}).toTensor()));
+    for (int64_t offset : std::vector<int64_t>{0, 5}) {
+      EXPECT_TRUE(same_bits(posenc::make_positions(tokens, padding_idx, offset),
+                            call_op("posenc::make_positions", {tokens, padding_idx, offset}).toTensor()));
+    }
   }
 
   const auto pe = torch::randn({1, 2 + 12 * 12, 8});

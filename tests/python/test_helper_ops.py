@@ -119,7 +119,9 @@ def test_make_positions_python_is_the_op(device):
     for dtype in (torch.int64, torch.int32, torch.uint8, torch.bool):
         tokens = torch.randint(0, 3, (4, 9), device=device).to(dtype)
         for padding_idx in (0, 1, 2, -5, 2**62):
-            assert bits_equal(make_positions(tokens, padding_idx), ops.make_positions(tokens, padding_idx))
+            for offset in (0, 4):
+                assert bits_equal(make_positions(tokens, padding_idx, offset=offset),
+                                  ops.make_positions(tokens, padding_idx, offset))
     assert make_positions(tokens, np.int64(1)).dtype == torch.int64
     meta = make_positions(torch.empty(2, 5, dtype=torch.long, device="meta"), 1)
     assert meta.shape == (2, 5) and meta.device.type == "meta"
@@ -203,6 +205,7 @@ def test_opcheck_helper_ops(device):
     and AOT dispatch with dynamic shapes, for each helper op."""
     cases = [
         (ops.make_positions.default, (torch.randint(0, 3, (2, 5), device=device), 1)),
+        (ops.make_positions.default, (torch.randint(0, 3, (2, 5), device=device), 1, 6)),
         (ops.sinusoidal_2d_table.default, (3, 4, 16, 100.0, 1, torch.float64, torch.device(device))),
         (ops.resample_position_table.default, (torch.randn(1, 17, 8, device=device, requires_grad=True), [3, 5])),
         (ops.resample_position_table.default, (torch.randn(1, 17, 8, device=device, requires_grad=True), [4, 4])),

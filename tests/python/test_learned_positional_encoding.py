@@ -234,6 +234,25 @@ def test_make_positions_matches_fairseq_formula():
         make_positions(torch.rand(2, 3), 1)
 
 
+@pytest.mark.parametrize("padding_idx, offset", [(1, 0), (1, 7), (0, 3), (-100, 12)])
+def test_make_positions_offset_is_transformers_past_key_values_length(padding_idx, offset):
+    """transformers' create_position_ids_from_input_ids(input_ids, padding_idx,
+    past_key_values_length), written out here: the offset numbers the non-padding tokens on
+    from the cache's length; padding stays at padding_idx (adding the offset to the result
+    would move it). Against the real one when transformers is installed."""
+    g = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, 4, (3, 9), generator=g)
+    tokens[tokens == 2] = padding_idx
+    mask = tokens.ne(padding_idx).int()
+    want = ((torch.cumsum(mask, dim=1).type_as(mask) + offset) * mask).long() + padding_idx
+    got = make_positions(tokens, padding_idx, offset=offset)
+    assert torch.equal(got, want) and got.dtype == torch.int64
+    assert bool((got[tokens == padding_idx] == padding_idx).all())
+    roberta = pytest.importorskip("transformers.models.roberta.modeling_roberta")
+    hf = roberta.RobertaEmbeddings.create_position_ids_from_input_ids(tokens, padding_idx, offset)
+    assert torch.equal(got, hf)
+
+
 def mae_2d_sincos(embed_dim, grid_h, grid_w, cls_token=False, base=10000.0):
     """MAE's get_2d_sincos_pos_embed, written out in numpy from its formulas (base 10000 there)."""
     def one_d(dim, pos):
@@ -704,6 +723,8 @@ def test_make_positions_feed_the_learned_module_with_padding():
     (lambda: sinusoidal_2d_table(2, 2, 8, base=float("nan")), "expected base to be a finite number > 1, got nan"),
     (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1.5), "expected padding_idx to be an int, got 1.5"),
     (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 2**63 - 1), r"padding_idx within \+-2\*\*62"),
+    (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1, offset=-1), r"offset in \[0, 2\*\*62\], got -1"),
+    (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1, offset=2.0), "expected offset to be an int, got 2.0"),
     (lambda: resample_position_table(torch.randn(1, 17, 8), (2.7, 3.9)), r"new_grid to be \(h, w\) of ints, got \(2.7, 3.9\)"),
     (lambda: resample_position_table(torch.randn(1, 17, 8), (True, True)), r"new_grid to be \(h, w\) of ints"),
     (lambda: resample_position_table(torch.randn(1, 17, 8), (2, 3, 4)), r"new_grid to be \(h, w\) of ints"),

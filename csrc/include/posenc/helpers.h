@@ -19,9 +19,10 @@
 namespace posenc {
 
 // Padding-aware positions (fairseq): non-padding tokens of each row numbered
-// padding_idx + 1, padding_idx + 2, ...; padding gets padding_idx. tokens: integer
-// (batch, seq); padding_idx within +-2**62. Op posenc::make_positions.
-at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx);
+// padding_idx + offset + 1, padding_idx + offset + 2, ...; padding gets padding_idx.
+// tokens: integer (batch, seq); padding_idx within +-2**62; offset in [0, 2**62] (the
+// tokens already in a cache: transformers' past_key_values_length). Op posenc::make_positions.
+at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t offset = 0);
 
 // MAE's fixed 2-D sin-cos table: (num_prefix_tokens + grid_h * grid_w, dim), zero prefix
 // rows, patches in row-major order, first dim/2 columns encode w, last dim/2 encode h

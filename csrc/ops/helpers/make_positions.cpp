@@ -11,7 +11,7 @@ namespace posenc {
 namespace ops {
 namespace {
 
-at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
+at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t offset) {
   // ValueError, not TypeError, for float tokens too: one check of "integer (batch, seq)".
   TORCH_CHECK_VALUE(tokens.dim() == 2 && !tokens.is_floating_point() && !tokens.is_complex(),
                     "make_positions: expected integer tokens of shape (batch, seq), got ",
@@ -19,16 +19,20 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx) {
   constexpr int64_t kLimit = int64_t{1} << 62;  // padding_idx + seq must stay an int64
   TORCH_CHECK_VALUE(padding_idx >= -kLimit && padding_idx <= kLimit,
                     "make_positions: expected padding_idx within +-2**62, got ", padding_idx);
+  // offset (transformers' past_key_values_length): the tokens before these, in a cache. Not
+  // negative: a non-padding token would be numbered like padding.
+  TORCH_CHECK_VALUE(offset >= 0 && offset <= kLimit, "make_positions: expected offset in [0, 2**62], got ",
+                    offset);
   const at::Tensor mask = tokens.ne(padding_idx).to(at::kLong);
-  return at::cumsum(mask, 1) * mask + padding_idx;
+  return (at::cumsum(mask, 1) + offset) * mask + padding_idx;
 }
 
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
-  // int64 (batch, seq): non-padding tokens numbered padding_idx + 1, padding_idx + 2, ...
-  // along dim 1, padding tokens padding_idx.
-  m.def("make_positions(Tensor tokens, int padding_idx) -> Tensor");
+  // int64 (batch, seq): non-padding tokens numbered padding_idx + offset + 1,
+  // padding_idx + offset + 2, ... along dim 1, padding tokens padding_idx.
+  m.def("make_positions(Tensor tokens, int padding_idx, int offset=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(posenc, CompositeImplicitAutograd, m) {
