@@ -123,9 +123,10 @@ class _AddPositionModule(nn.Module):
 
     def __prepare_scriptable__(self) -> "_AddPositionModule":
         """Called by ``torch.jit.script`` before it compiles forward: records whether the
-        dropout child is fusable (TorchScript cannot test a module's class reliably: its
+        dropout child is fusable as eager mode decides it (_fusable_dropout: a plain
+        nn.Dropout without hooks; TorchScript cannot test a module's class reliably: its
         isinstance knows only module classes it has compiled before)."""
-        self._scripted_fused_dropout = type(self.dropout) is nn.Dropout
+        self._scripted_fused_dropout = _fusable_dropout(self.dropout)
         return self
 
     def _host_side(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:

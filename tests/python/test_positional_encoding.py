@@ -1,5 +1,6 @@
 """PositionalEncoding in eval mode: the numbers, layouts, dtypes, views and state_dict."""
 import io
+from typing import Tuple
 
 import pytest
 import torch
@@ -179,6 +180,10 @@ def test_same_positional_arguments_as_classic():
     assert torch.equal(pe(x), x + pe.pe[:, :3])
 
 
+def _double_output(module: torch.nn.Module, args: Tuple[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+    return out * 2.0
+
+
 @pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
 @pytest.mark.parametrize("scripted", [False, True])
 def test_replaced_or_hooked_dropout_child_is_called(cls, scripted):
@@ -199,7 +204,10 @@ def test_replaced_or_hooked_dropout_child_is_called(cls, scripted):
     got = run(x)
     torch.manual_seed(1)
     assert torch.equal(got, torch.nn.functional.alpha_dropout(added, 0.5, True))
-    if scripted:
+    if scripted:  # a hooked nn.Dropout child runs with its (scriptable) hooks, as in eager mode
+        module.dropout = torch.nn.Dropout(0.0)
+        module.dropout.register_forward_hook(_double_output)
+        torch.testing.assert_close(torch.jit.script(module)(x), 2 * added, rtol=0, atol=0)
         return
     module.dropout = torch.nn.Dropout(0.5)
     seen = []
