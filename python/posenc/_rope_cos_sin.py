@@ -86,7 +86,8 @@ def rope_cos_sin(
     with the pair frequencies duplicated as ``cat((freqs, freqs), -1)``:
     ``cos[..., s, j] = cos(positions[..., s] * inv_freq[j % (rotary_dim // 2)]) * factor``. For
     "dynamic" and "longrope" the longest position of the call sets the scale (read from ``positions``: one
-    device sync), as transformers' ``dynamic_rope_update``.
+    device sync), as transformers' ``dynamic_rope_update``; under ``torch.compile`` their
+    tables are made outside the graph (a graph break: ``fullgraph=True`` refuses them).
     """
     fn = "rope_cos_sin"
     if not isinstance(positions, Tensor):
@@ -120,11 +121,24 @@ def rope_cos_sin(
     # The model's defaults (max_position_embeddings) and the length a type scales by come from
     # the types' facts (scaling_arguments, LENGTH_SCALED_TYPES), as for apply_rope.
     rope_type, values = scaling_arguments(scaling, max_position_embeddings)
+    args = (positions, rotary_dim, 10000.0 if base is None else float(base), rope_type, tuple(values),
+            bool(attention_scaling), dtype)
+    if rope_type in LENGTH_SCALED_TYPES and torch.compiler.is_compiling():
+        # The scale depends on the positions' values (their maximum, read on the host), which a
+        # graph cannot hold: under torch.compile the tables are made outside it (a graph
+        # break, as transformers' dynamic_rope_update has), not from a length traced as a
+        # symbol (which crashed the second call with another length).
+        return torch.compiler.disable(_tables)(*args)
+    return _tables(*args)
+
+
+def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
+            attention_scaling: bool, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
+    """rope_cos_sin's tables from its checked, parsed arguments."""
     seq_len = 0
     if rope_type in LENGTH_SCALED_TYPES and positions.numel():
         seq_len = int(positions.max()) + 1
-    inv_freq, factor = _host_frequencies(rotary_dim, 10000.0 if base is None else float(base), rope_type,
-                                         tuple(values), seq_len)
+    inv_freq, factor = _host_frequencies(rotary_dim, base, rope_type, values, seq_len)
     inv_freq = torch.tensor(inv_freq, dtype=torch.float64, device=positions.device)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)

@@ -124,6 +124,24 @@ def test_rope_cos_sin_tables_compile_and_export():
     torch.testing.assert_close(program.module()(q, positions), want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8},
+    {"rope_type": "longrope", "short_factor": [1.0, 1.5], "long_factor": [2.0, 3.0], "factor": 4.0,
+     "original_max_position_embeddings": 8},
+], ids=["dynamic", "longrope"])
+def test_rope_cos_sin_of_length_scaled_types_under_compile(scaling, dynamic):
+    """"dynamic" and "longrope" scale by the call's longest position (a host read): compiled,
+    the tables are made outside the graph. The second call with another length (or any
+    call with dynamic=True) used to crash (a traced length fed to the constant frequencies)."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p: functional.rope_cos_sin(p, 4, scaling=scaling), dynamic=dynamic)
+    for n in (6, 10, 20, 33):  # below and beyond the original 8
+        positions = torch.arange(n).expand(2, n)
+        for got, want in zip(compiled(positions), functional.rope_cos_sin(positions, 4, scaling=scaling)):
+            torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
 class EveryOp(nn.Module):
     """Every inference op of posenc with every argument kind: strings, float and int lists,
     optional tensors (given and None), a SymInt offset from a dynamic size, per-row offsets."""
