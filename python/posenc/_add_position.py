@@ -198,10 +198,22 @@ class PositionalEncoding(_AddPositionModule):
         max_len = _check_positive_int("max_len", max_len)
         if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
             raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
-        self.base = float(base)
+        self._base = float(base)
         positions = torch.arange(max_len, dtype=torch.int64)
         table = functional.sinusoidal_table(positions, self.d_model, base=self.base)
         self.register_buffer("pe", table.unsqueeze(0))
+
+    @property
+    def base(self) -> float:
+        """The wavelength base ``pe`` was built with (read-only: it made the table; build a new
+        module, or assign ``pe``, to change the table)."""
+        return self._base
+
+    def __setstate__(self, state: dict) -> None:
+        if "base" in state:  # pickled before 2026-12-05, when base was a plain attribute
+            state = dict(state)
+            state["_base"] = state.pop("base")
+        super().__setstate__(state)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, base={self.base}"

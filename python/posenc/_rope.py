@@ -660,7 +660,7 @@ class RotaryPositionalEncoding(nn.Module):
     ) -> None:
         super().__init__()
         self.dim = _check_positive_int("dim", dim)
-        self.max_len = _check_positive_int("max_len", max_len)
+        self._max_len = _check_positive_int("max_len", max_len)
         scaling = rope.get("scaling")
         self._scaling = None if scaling is None else dict(scaling)
         # The configuration, parsed once (a transformers dict's rope_theta,
@@ -678,7 +678,7 @@ class RotaryPositionalEncoding(nn.Module):
         inv_freq, factor = torch.ops.posenc.rope_frequencies(
             self._rotary_width, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode
         )
-        self.attention_scaling = float(factor)
+        self._attention_scaling = float(factor)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
     def forward(
@@ -713,18 +713,31 @@ class RotaryPositionalEncoding(nn.Module):
     def __setstate__(self, state: dict) -> None:
         """A module pickled before its configuration was parsed once (posenc before
         2026-12-03: the settings as attributes) is rebuilt into a RopeConfig."""
+        state = dict(state)
+        # Before 2026-12-05 max_len and attention_scaling were plain (writable) attributes.
+        for name in ("max_len", "attention_scaling"):
+            if name in state:
+                state[f"_{name}"] = state.pop(name)
         if "rope_config" not in state and "base" in state:
-            state = dict(state)
             settings = {name: state.pop(name, None) for name in
                         ("base", "interleaved", "rotary_dim", "layout", "sections", "sections_mode")}
             state["_scaling"] = state.pop("scaling", None)
             state["rope_config"] = RopeConfig.parse(
-                head_dim=state["dim"], scaling=state["_scaling"], max_position_embeddings=state["max_len"],
+                head_dim=state["dim"], scaling=state["_scaling"], max_position_embeddings=state["_max_len"],
                 fn="RotaryPositionalEncoding", **settings)
         state.setdefault("_rotary_width", rotary_width(state["rope_config"]))
         super().__setstate__(state)
 
-    # The settings, read from the parsed configuration.
+    # The settings, read from the parsed configuration (read-only: the scaling's defaults
+    # and attention factor were derived from them once; build a new module to change one).
+    @property
+    def max_len(self) -> int:
+        return self._max_len
+
+    @property
+    def attention_scaling(self) -> float:
+        return self._attention_scaling
+
     @property
     def base(self) -> float:
         return self.rope_config.base

@@ -5,6 +5,7 @@ happens (hooks, profiler events, jit scopes), and what torch's tools see is what
 formulas."""
 import dataclasses
 import json
+import pickle
 
 import pytest
 import torch
@@ -396,6 +397,7 @@ def test_modules_pickled_before_the_parsed_configuration_still_load():
     rope = posenc.RotaryPositionalEncoding(16, max_len=64, scaling=scaling, interleaved=True, rotary_dim=8)
     state = dict(rope.__dict__)
     del state["rope_config"], state["_scaling"]
+    state["max_len"], state["attention_scaling"] = state.pop("_max_len"), state.pop("_attention_scaling")
     state.update(base=10000.0, interleaved=True, rotary_dim=8, layout="bshd", sections=None, sections_mode="axial",
                  scaling=dict(scaling))
     old = posenc.RotaryPositionalEncoding.__new__(posenc.RotaryPositionalEncoding)
@@ -416,6 +418,28 @@ def test_modules_pickled_before_the_parsed_configuration_still_load():
     with pytest.raises(TypeError):
         rope.scaling["factor"] = 8.0  # a read-only view: the edit cannot be silently dropped
     assert rope.sections is None and posenc.RotaryPositionalEncoding(16, sections=[2, 2]).sections == (2, 2)
+
+
+def test_settings_derived_from_once_are_read_only():
+    """max_len and attention_scaling of RotaryPositionalEncoding, base of PositionalEncoding
+    were writable attributes that forward ignored (longrope's factor and yarn's baseline
+    came from max_len at construction: an edited max_len rotated 0.8-6.7 away from a module
+    built with it; an edited base left pe as it was). Assigning one is now an
+    AttributeError; old pickles load."""
+    rope = posenc.RotaryPositionalEncoding(8, max_len=16, scaling={"rope_type": "yarn", "factor": 4.0})
+    pe = posenc.PositionalEncoding(8, 0.1, 16, base=500.0)
+    for module, name, value in ((rope, "max_len", 64), (rope, "attention_scaling", 2.0), (pe, "base", 100.0)):
+        before = getattr(module, name)
+        with pytest.raises(AttributeError, match=name):
+            setattr(module, name, value)
+        assert getattr(module, name) == before
+    state = dict(pe.__dict__)
+    state["base"] = state.pop("_base")  # as pickled before
+    old = posenc.PositionalEncoding.__new__(posenc.PositionalEncoding)
+    old.__setstate__(state)
+    assert old.base == 500.0 and "base=500.0" in repr(old)
+    again = pickle.loads(pickle.dumps(rope))
+    assert (again.max_len, again.attention_scaling) == (16, rope.attention_scaling) and rope.attention_scaling > 1
 
 
 def test_a_config_belongs_to_its_head_dim_and_is_given_once():
