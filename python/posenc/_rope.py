@@ -620,8 +620,12 @@ class RotaryPositionalEncoding(nn.Module):
 
     Args:
         dim: head_dim of q and k.
-        max_len: positions must lie in ``[0, max_len)``; a clear error is raised otherwise
-            (the functional :func:`posenc.functional.apply_rope` has no limit).
+        max_len: positions must lie in ``[0, max_len)``; an IndexError is raised otherwise
+            (the functional :func:`posenc.functional.apply_rope` has no limit). Position
+            tensors are read for it in eager mode only: under torch.compile, torch.export
+            and torch.jit.trace (and on CUDA with ``check_positions`` False) the module
+            rotates at the positions given, beyond ``max_len`` too, as the function does
+            (an int ``offset`` is checked everywhere).
         base: RoPE base ("rope_theta"; default 10000, or the scaling dict's ``rope_theta``).
         interleaved: rotate adjacent pairs (GPT-J, Meta LLaMA, torchtune) instead of halves
             (GPT-NeoX, Hugging Face ``rotate_half``).
