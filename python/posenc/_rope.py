@@ -885,3 +885,26 @@ def heads_batch_rule(op: Any, folded: Tuple[str, ...], heads_axis: Any, foldable
 # posenc::rope: the heads dim of the layout (every layout's, "thd" included).
 torch.library.register_vmap("posenc::rope", heads_batch_rule(
     torch.ops.posenc.rope.default, ("q", "k"), lambda a: LAYOUT_AXES[a["layout"]][2]))
+
+
+def bounds_batch_rule(op: Any) -> Any:
+    """vmap rule of an op returning the (smallest, largest) position of its tensors (the
+    modules' eager range checks: rope_position_bounds, position_bounds): the op on each
+    vmapped slice, the extremes over those with tokens ((0, -1) when none has any)."""
+
+    def rule(info: Any, in_dims: Tuple[Optional[int], ...], *args: Any, **kwargs: Any) -> Any:
+        found = []
+        for i in range(info.batch_size):
+            sliced = [a.select(d, i) if isinstance(a, Tensor) and isinstance(d, int) else a
+                      for a, d in zip(args, in_dims)]
+            lo, hi = op(*sliced, **kwargs)
+            if hi >= lo:
+                found.append((lo, hi))
+        lo, hi = (min(f[0] for f in found), max(f[1] for f in found)) if found else (0, -1)
+        return (lo, hi), (None, None)
+
+    return rule
+
+
+for _name in ("rope_position_bounds", "position_bounds"):
+    torch.library.register_vmap(f"posenc::{_name}", bounds_batch_rule(getattr(torch.ops.posenc, _name).default))

@@ -130,6 +130,23 @@ def test_the_module_under_grad_vmap_and_jvp():
     torch.testing.assert_close(tangent, rope(t), rtol=0, atol=0)  # the tangent is the op itself
 
 
+def test_the_module_under_vmap_with_batched_positions():
+    """Per-sample positions through the module: its eager range check (op
+    rope_position_bounds) had no batching rule (RuntimeError), where apply_rope worked. The
+    check looks at every sample's positions: one out of range is the module's IndexError."""
+    rope = posenc.RotaryPositionalEncoding(8, max_len=32)
+    q = torch.randn(3, 1, 5, 2, 8, dtype=F64)
+    pos = torch.randint(0, 32, (3, 5), generator=torch.Generator().manual_seed(2))
+    got = vmap(lambda x, p: rope(x, positions=p))(q, pos)
+    inv, _ = reference_inv_freq(8)
+    for i in range(3):
+        torch.testing.assert_close(got[i], reference_rope(q[i], "bshd", pos[i].expand(1, 5), inv, 8, False),
+                                   rtol=1e-12, atol=1e-12)
+    pos[1, 3] = 32
+    with pytest.raises(IndexError, match="32"):
+        vmap(lambda x, p: rope(x, positions=p))(q, pos)
+
+
 def test_inplace_refuses_gradients_and_tangents():
     q = torch.randn(1, 2, 1, 4, dtype=F64)
     with pytest.raises(RuntimeError, match="inplace=True rotates q and k in their own storage"):
