@@ -31,6 +31,7 @@ CASES = {
     "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "append_fp8": "the same, FP8 e4m3 caches",
     "shift": "rope_shift_kv of 2048 rows", "shift_mla": "the same of MLA's k_pe in a latent cache",
     "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
+    "learned_bwd": "LearnedPositionalEncoding(512, 0.1) backward of x (32, 512, 512), training",
 }
 
 CHILD_TIME = r'''
@@ -97,6 +98,13 @@ with torch.no_grad():
     elif name == "shift":
         kc = torch.randn(1, 4096, 8, 128, dtype=dt); rows = torch.arange(2048, 4096)
         fn = lambda: F.rope_shift_kv(kc, rows, rows - 1024, rows=rows)
+    elif name == "learned_bwd":
+        import posenc
+        module = posenc.LearnedPositionalEncoding(512, 0.1, max_len=512)
+        xg = torch.randn(32, 512, 512, dtype=dt, requires_grad=True); g = torch.randn(32, 512, 512, dtype=dt)
+        with torch.enable_grad():
+            out = module(xg)
+        fn = lambda: torch.autograd.grad(out, (xg, module.pe), g, retain_graph=True)
     elif name == "shift_mla":
         latent = torch.randn(1, 4096, 1, 576, dtype=dt); rows = torch.arange(2048, 4096)
         fn = lambda: F.rope_shift_kv(latent[..., 512:], rows, rows - 1024, rows=rows)
@@ -164,6 +172,17 @@ for dt in (torch.float32, torch.bfloat16, torch.float16):
         F.rope_append_kv(q[..., 128:], k_pe, kv_c, lat[..., 512:], lat[..., :512], offset=torch.tensor([3, 7]),
                          interleaved=True, inplace=True)
     add((q, lat))
+import posenc
+for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):  # add_position's backward, dropout
+    for (B, S, d, batch_first, pos) in [(3, 37, 50, True, None), (2, 300, 512, True, None), (4, 19, 96, False, None),
+                                        (2, 33, 128, True, "s"), (3, 21, 64, True, "bs")]:
+        torch.manual_seed(1)
+        module = posenc.LearnedPositionalEncoding(d, 0.3, max_len=S + 5, batch_first=batch_first)
+        x = torch.randn(*((B, S) if batch_first else (S, B)), d, dtype=dt, requires_grad=True)
+        positions = {None: None, "s": torch.randint(0, S + 5, (S,)), "bs": torch.randint(0, S + 5, (B, S))}[pos]
+        out = module(x, positions=positions)
+        add(out)
+        add(torch.autograd.grad(out, (x, module.pe), torch.randn_like(out)))
 torch.save(outs, sys.argv[1])
 '''
 
