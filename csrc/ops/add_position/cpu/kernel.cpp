@@ -424,6 +424,72 @@ int64_t masked_saved_fast(const DropoutArgs& draw, int64_t d, int64_t r, int64_t
   return 0;
 }
 
+// masked_saved_fast's product, store and accumulation for `rows` rows at once (the table
+// gradient's batch rows b..b+rows-1 of one s: the same column range, the same
+// accumulators), saved mask, AVX2 build, float32 accumulators: each accumulator vector is
+// loaded and stored once per group for all the rows instead of once per row, and the rows'
+// products are added in row order, so every sum is the one of the row-by-row loop, bit for
+// bit. Returns the count of leading elements done in every row (0 where it does not apply).
+template <typename scalar_t, typename acc_t>
+int64_t masked_saved_rows_fast(const DropoutArgs& draw, int64_t d, const int64_t* r, int64_t rows, int64_t j,
+                               int64_t n, const scalar_t* grad, scalar_t* grad_x, acc_t* acc) {
+#if defined(CPU_CAPABILITY_AVX2)
+  if constexpr (std::is_same_v<acc_t, float> &&
+                (std::is_same_v<scalar_t, float> || std::is_same_v<scalar_t, c10::BFloat16> ||
+                 std::is_same_v<scalar_t, c10::Half>)) {
+    if (draw.keep_bits == nullptr || grad_x == nullptr) return 0;
+    constexpr int64_t kMaxRows = 8;
+    const uint8_t* bits[kMaxRows];
+    const scalar_t* src[kMaxRows];
+    scalar_t* dst[kMaxRows];
+    rows = std::min(rows, kMaxRows);
+    for (int64_t i = 0; i < rows; ++i) {
+      bits[i] = draw.keep_bits + r[i] * keep_row_bytes(d) + j / 8;
+      src[i] = grad + r[i] * d + j;
+      dst[i] = grad_x + r[i] * d + j;
+    }
+    const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
+    int64_t done = 0;
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      for (; done + 8 <= n; done += 8) {
+        __m256 a = _mm256_loadu_ps(acc + done);
+        for (int64_t i = 0; i < rows; ++i) {
+          __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src[i] + done), keep_byte_factors(bits[i][done / 8], scale));
+#if defined(__GNUC__)
+          __asm__("" : "+x"(v));  // rounded before the sum, as in masked_bits_f32_avx2
+#endif
+          _mm256_storeu_ps(dst[i] + done, v);
+          a = _mm256_add_ps(a, v);
+        }
+        _mm256_storeu_ps(acc + done, a);
+      }
+    } else {
+      using VecH = Vectorized<scalar_t>;
+      static const KeepMaskTable table;
+      for (; done + 16 <= n; done += 16) {
+        __m256 a0 = _mm256_loadu_ps(acc + done), a1 = _mm256_loadu_ps(acc + done + 8);
+        for (int64_t i = 0; i < rows; ++i) {
+          auto [lo, hi] = at::vec::convert_to_float<scalar_t>(VecH::loadu(src[i] + done));
+          __m256 v0 = _mm256_mul_ps(lo, keep_factors_of(table, bits[i][done / 8], scale));
+          __m256 v1 = _mm256_mul_ps(hi, keep_factors_of(table, bits[i][done / 8 + 1], scale));
+#if defined(__GNUC__)
+          __asm__("" : "+x"(v0), "+x"(v1));  // as in masked_bits_half_avx2
+#endif
+          at::vec::convert_from_float<scalar_t>(Vectorized<float>(v0), Vectorized<float>(v1)).store(dst[i] + done);
+          a0 = _mm256_add_ps(a0, v0);
+          a1 = _mm256_add_ps(a1, v1);
+        }
+        _mm256_storeu_ps(acc + done, a0);
+        _mm256_storeu_ps(acc + done + 8, a1);
+      }
+    }
+    return done;
+  }
+#endif
+  (void)draw, (void)d, (void)r, (void)rows, (void)j, (void)n, (void)grad, (void)grad_x, (void)acc;
+  return 0;
+}
+
 // 16 random bits for each element of dropout blocks [block0, block0 + nblocks).
 void dropout_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t nblocks,
                   uint16_t* bits) {
@@ -667,11 +733,15 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
   // bits, or regenerated from the row's flat index. The fast paths (float32, AVX2) do whole
   // groups from the start in one pass (masked_saved_fast 8 elements, masked_fast 64); the
   // general path below does the rest (all of it elsewhere).
-  auto masked_row_into = [&](int64_t r, int64_t j0, int64_t n, acc_t* factors, acc_t* acc) {
+  // `start` > 0: elements [0, start) were done already (masked_saved_rows_fast).
+  auto masked_row_into = [&](int64_t r, int64_t j0, int64_t n, acc_t* factors, acc_t* acc, int64_t start = 0) {
     const int64_t first = r * d + j0;
-    int64_t done = grad_x != nullptr
-        ? masked_saved_fast<true, true>(draw, d, r, j0, n, grad + first, grad_x + first, acc)
-        : masked_saved_fast<false, true>(draw, d, r, j0, n, grad + first, grad_x, acc);
+    int64_t done = start;
+    if (done == 0) {
+      done = grad_x != nullptr
+          ? masked_saved_fast<true, true>(draw, d, r, j0, n, grad + first, grad_x + first, acc)
+          : masked_saved_fast<false, true>(draw, d, r, j0, n, grad + first, grad_x, acc);
+    }
     if (done == 0) {
       done = grad_x != nullptr
           ? masked_fast<true, true>(draw, first, n, grad + first, grad_x + first, acc)
@@ -733,8 +803,30 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
             }
           };
           if (g.batch_first) {
-            for (int64_t b = 0; b < g.batch; ++b)
-              for (int64_t s = s0; s < s1; ++s) add_row(b, s);
+            // kBatchRows batch rows of one s at a time (masked_saved_rows_fast: one pass over
+            // the accumulators for both), each row's remainder after it as before. Two: 0.81-0.93x
+            // the time of one at a time; four and eight were slower than two (8: 1.5-1.75x: twice
+            // as many concurrent streams of grad and grad_x; benchmarks/NOTES.md).
+            constexpr int64_t kBatchRows = 2;
+            for (int64_t b = 0; b < g.batch; b += kBatchRows) {
+              const int64_t nb = std::min(kBatchRows, g.batch - b);
+              for (int64_t s = s0; s < s1; ++s) {
+                if (nb == 1) {
+                  add_row(b, s);
+                  continue;
+                }
+                int64_t rows[kBatchRows];
+                for (int64_t i = 0; i < nb; ++i) rows[i] = row_of(b + i, s);
+                for (int64_t j0 = j_begin; j0 < j_end; j0 += kChunk) {
+                  const int64_t n = std::min(kChunk, j_end - j0);
+                  acc_t* a = acc + (s - s0) * wc + (j0 - j_begin);
+                  const int64_t done = masked_saved_rows_fast(draw, d, rows, nb, j0, n, grad, grad_x, a);
+                  for (int64_t i = 0; i < nb; ++i) {
+                    if (done < n || done == 0) masked_row_into(rows[i], j0, n, factors, a, done);
+                  }
+                }
+              }
+            }
           } else {
             for (int64_t s = s0; s < s1; ++s)
               for (int64_t b = 0; b < g.batch; ++b) add_row(b, s);
