@@ -1,8 +1,9 @@
 // What a RoPE kernel needs, as plain data: pointers, sizes and strides of q and k seen as
 // (batch, seq, heads, head_dim) whatever the user's layout, the position source, and the
 // frequencies of the call, one per rotary pair with the position axis it reads. The same
-// struct is passed by value to the CUDA kernel (2.3 KiB: it fits the kernel-parameter
-// space), so CPU and CUDA read identical inputs.
+// struct is passed by value to the CUDA kernel (2608 bytes; rope_shift_kv passes two, 5.2
+// KiB, which needs CUDA >= 12.1's 32 KiB kernel-parameter space: posenc builds against
+// torch 2.11's CUDA 13), so CPU and CUDA read identical inputs.
 #pragma once
 
 #include <cstdint>

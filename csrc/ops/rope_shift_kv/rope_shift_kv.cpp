@@ -658,6 +658,9 @@ void rope_shift_kv_cuda(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const RopeShiftKvCall c = RopeShiftKvCall::pop(*stack);
   const int64_t rot = check_rope_shift_kv(c);
   check_rope_shift_kv_overlap(c);
+  // The host-side values (a k_scale given as a float is a CPU tensor): a ValueError before
+  // anything is written, as on the CPU; device tensors are left to the kernel's assert.
+  check_rope_shift_kv_values(c);
   const c10::cuda::CUDAGuard guard(c.k_cache.device());
   const ShiftKvLaunch launch = prepare_shift_kv_launch(c, rot);
   const RopeShiftKvArgs& a = launch.args;
