@@ -519,6 +519,19 @@ def test_cuda_kernel_matches_the_cpu_kernel(dtype, layout):
     assert torch.equal(on_gpu.cpu().view(torch.uint8), cache.view(torch.uint8))
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("k_scale", [0.0, -1.0, 1e37, float("nan")])
+def test_cuda_float_scale_is_checked_before_any_write(k_scale):
+    """A k_scale given as a float is a CPU value: the CUDA runner checks it on the host, as
+    the CPU kernel does (it was left to a device assert in block 0 that fired after the other
+    blocks had written NaN codes, and took the CUDA context with it)."""
+    cache = (make_cache("bshd", torch.float32, seed=3) * 20).to(torch.float8_e4m3fn).cuda()
+    before = cache.clone()
+    with pytest.raises(ValueError, match="k_scale"):
+        rope_shift_kv(cache, torch.tensor([1, 2, 3]).cuda(), torch.tensor([0, 1, 2]).cuda(), k_scale=k_scale)
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
 # ---- Every CPU ISA level gives the same bits
 
 ISA_SCRIPT = r"""
