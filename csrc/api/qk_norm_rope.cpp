@@ -66,9 +66,23 @@ void QKNormRotaryImpl::reset() {
                     o.weight_offset());
   const int64_t lq = hidden ? *o.num_heads() * o.head_dim() : o.head_dim();
   const int64_t lk = hidden ? *o.num_kv_heads() * o.head_dim() : o.head_dim();
+  const ApplyRopeOptions& r = o.rope();
+  TORCH_CHECK_VALUE(!r.positions().has_value() && !r.offsets().has_value() && r.offset() == 0 &&
+                        !r.cu_seqlens().has_value(),
+                    "QKNormRotary: options.rope() holds the configuration only; pass positions, "
+                    "offset(s) or cu_seqlens with each call (forward's RopePositions)");
   const double init = 1.0 - o.weight_offset();  // effective weights start at 1
-  q_norm = register_module("q_norm", QkNormWeight(lq, init));
-  k_norm = register_module("k_norm", QkNormWeight(lk, init));
+  // The norm weights: registered by the first reset() (the constructor's, or a clone's, whose
+  // children were cleared); a later reset() keeps them (they may be trained) unless their
+  // size changed (then new ones, initialised), as it re-parses the options.
+  for (auto [name, member, size] : {std::tuple<const char*, QkNormWeight*, int64_t>{"q_norm", &q_norm, lq},
+                                    {"k_norm", &k_norm, lk}}) {
+    if (named_children().find(name) == nullptr) {
+      *member = register_module(name, QkNormWeight(size, init));
+    } else if ((*member)->size != size) {
+      *member = replace_module(name, QkNormWeight(size, init));
+    }
+  }
   QkNormRopeOptions parsed;
   parsed.eps(o.eps()).weight_offset(o.weight_offset()).norm(o.norm()).rope(o.rope());
   ops::QkNormRopeCall call = make_qk_norm_rope_call(torch::Tensor(), torch::Tensor(), torch::Tensor(),

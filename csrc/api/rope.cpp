@@ -120,6 +120,7 @@ struct ParsedRope {
   ops::RopeCall call;        // every setting; q, k and the positions unset
   int64_t seq_len_argument;  // rope_seq_len_argument of the scaling
   int64_t rotary_width;      // the op's (rope_rotary_width)
+  RopeScaling scaling;       // options.scaling() with the model's defaults filled in
 };
 
 }  // namespace detail
@@ -140,7 +141,9 @@ void RotaryPositionalEncodingImpl::reset() {
                     options.max_len());
   // The model's defaults, as transformers fills them from the config, max_len standing for
   // max_position_embeddings: which type takes which is in its facts (POSENC_ROPE_TYPES).
-  RopeScaling& s = options.scaling();
+  // Filled into a copy: `options` stays as the user gave it, so a reset() after changing
+  // max_len derives them again (written back, they read as given: a stale baseline).
+  RopeScaling s = options.scaling();
   const unsigned facts = math::rope_type_facts(ops::parse_rope_type(s.rope_type));
   const auto& orig = s.original_max_position_embeddings;
   if ((facts & math::kRopeScalesByLength) && (facts & math::kRopeOriginalFromModel)) {
@@ -167,6 +170,7 @@ void RotaryPositionalEncodingImpl::reset() {
   POSENC_ROPE_CONFIG_OPTIONS(POSENC_X)
   POSENC_ROPE_SETTINGS(POSENC_X)
 #undef POSENC_X
+  o.scaling(s);  // with the model's defaults
   const int64_t seq_len_argument = detail::rope_seq_len_argument(o.scaling());
   ops::RopeCall call = detail::make_rope_call(at::Tensor(), std::nullopt, o, seq_len_argument);
   // The op checks every value now, for heads of dim features (an empty q), and resolves the
@@ -180,7 +184,7 @@ void RotaryPositionalEncodingImpl::reset() {
   }
   const int64_t width = ops::call_rope_rotary_width(probe);
   parsed_ = std::make_shared<const detail::ParsedRope>(
-      detail::ParsedRope{std::move(call), seq_len_argument, width});
+      detail::ParsedRope{std::move(call), seq_len_argument, width, s});
   inv_freq();  // checks what the op's empty call could not (rope_frequencies' own checks)
 }
 
@@ -189,13 +193,13 @@ int64_t RotaryPositionalEncodingImpl::rotary_width() const { return parsed_->rot
 
 torch::Tensor RotaryPositionalEncodingImpl::inv_freq() const {
   return std::get<0>(rope_frequencies(rotary_width(),
-                                      options.base(), options.scaling(), 0, options.sections(),
+                                      options.base(), parsed_->scaling, 0, options.sections(),
                                       options.sections_mode()));
 }
 
 double RotaryPositionalEncodingImpl::attention_scaling() const {
   return std::get<1>(rope_frequencies(rotary_width(),
-                                      options.base(), options.scaling(), 0, options.sections(),
+                                      options.base(), parsed_->scaling, 0, options.sections(),
                                       options.sections_mode()));
 }
 
@@ -260,8 +264,11 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
       hi = lo + (seq - 1);
     }
     bounded = true;
-  } else if (q.dim() == rank &&
-             (options.check_positions() || !reads_device)) {
+  } else if (q.dim() == rank && !q.is_meta() &&
+             !(where.positions() && where.positions()->is_meta()) &&
+             !(where.offsets() && where.offsets()->is_meta()) &&
+             !(where.cu_seqlens() && where.cu_seqlens()->is_meta()) &&
+             (options.check_positions() || !reads_device)) {  // meta: shapes only, nothing to read
     call.seq_len = 0;
     std::tie(lo, hi) = ops::call_rope_position_bounds(call);
     bounded = true;

@@ -162,3 +162,27 @@ TEST(QKNormRotaryModule, TheOpChecksTheRopeOptionsAtConstruction) {
   EXPECT_TRUE(torch::equal(a, c));
   EXPECT_TRUE(torch::equal(b, d));
 }
+
+// reset() after changing the options re-parses them and keeps the (trained) norm weights;
+// it threw "Submodule 'q_norm' already defined". Positions in options.rope() were dropped
+// silently: a ValueError now (they come with each call).
+TEST(QKNormRotaryModule, ResetReparsesOptionsAndKeepsWeights) {
+  auto q = torch::randn({1, 4, 2, 16}, torch::kDouble), k = torch::randn({1, 4, 1, 16}, torch::kDouble);
+  posenc::QKNormRotary m(posenc::QKNormRotaryOptions(16));
+  m->to(torch::kDouble);
+  {
+    torch::NoGradGuard no_grad;
+    m->q_norm->weight.uniform_(0.5, 1.5);
+  }
+  const auto trained = m->q_norm->weight.clone();
+  m->options.eps(0.5).weight_offset(1.0);
+  m->reset();
+  EXPECT_TRUE(torch::equal(m->q_norm->weight, trained));
+  const auto want = posenc::qk_norm_rope(q, k, m->q_norm->weight, m->k_norm->weight,
+                                         posenc::QkNormRopeOptions().eps(0.5).weight_offset(1.0));
+  EXPECT_TRUE(torch::equal(std::get<0>(m(q, k)), std::get<0>(want)));
+  auto clone = std::dynamic_pointer_cast<posenc::QKNormRotaryImpl>(m->clone());
+  EXPECT_TRUE(torch::equal(std::get<0>((*clone).forward(q, k)), std::get<0>(want)));
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(16).rope(posenc::ApplyRopeOptions().offset(5))),
+               c10::ValueError);
+}

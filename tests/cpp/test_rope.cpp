@@ -550,3 +550,60 @@ TEST(RopeInPlace, MovesVersionsUnderInferenceModeAndRefusesInferenceTensorsOutsi
   EXPECT_THROW(posenc::apply_rope_(made_in_inference, std::nullopt), c10::Error);
   EXPECT_TRUE(torch::equal(made_in_inference, kept));  // refused before any write
 }
+
+// reset() after changing the options gives what a module built with them gives: the model's
+// defaults it derives from max_len (yarn's original_max_position_embeddings, longrope's
+// factor) are derived again, not read back as given (they were written into options).
+TEST(RotaryModule, ResetAfterChangingMaxLenIsAFreshModule) {
+  auto q = torch::randn({1, 8, 2, 16}, torch::kDouble);
+  auto positions = torch::arange(8000, 8008, torch::kLong);
+  posenc::RopeScaling yarn;
+  yarn.rope_type = "yarn";
+  yarn.factor = 4.0;
+  posenc::RopeScaling longrope;
+  longrope.rope_type = "longrope";
+  longrope.original_max_position_embeddings = 1024.0;
+  longrope.short_factor = std::vector<double>(8, 1.0);
+  longrope.long_factor = std::vector<double>(8, 2.0);
+  for (const auto& s : {yarn, longrope}) {
+    posenc::RotaryPositionalEncoding m(posenc::RotaryPositionalEncodingOptions(16).max_len(4096).scaling(s));
+    m->options.max_len(16384);
+    m->reset();
+    posenc::RotaryPositionalEncoding fresh(posenc::RotaryPositionalEncodingOptions(16).max_len(16384).scaling(s));
+    EXPECT_TRUE(torch::equal(m->inv_freq(), fresh->inv_freq())) << s.rope_type;
+    EXPECT_EQ(m->attention_scaling(), fresh->attention_scaling()) << s.rope_type;
+    EXPECT_TRUE(torch::equal(std::get<0>(m(q, q, positions)), std::get<0>(fresh(q, q, positions)))) << s.rope_type;
+    EXPECT_FALSE(m->options.scaling().original_max_position_embeddings.has_value() && s.rope_type == "yarn");
+  }
+}
+
+// The modules work inside torch::nn::AnyModule / Sequential, which call forward with the
+// required arguments only (FORWARD_HAS_DEFAULT_ARGS).
+TEST(RotaryModule, ModulesWorkInAnyModuleAndSequential) {
+  auto x = torch::randn({2, 5, 8});
+  posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(8).max_len(16));
+  pe->eval();
+  torch::nn::Sequential seq(pe);
+  EXPECT_TRUE(torch::equal(seq->forward(x), pe(x)));
+  posenc::LearnedPositionalEncoding learned(posenc::LearnedPositionalEncodingOptions(8).max_len(16));
+  learned->eval();
+  EXPECT_TRUE(torch::equal(torch::nn::AnyModule(learned).forward(x), learned(x)));
+  auto q = torch::randn({1, 5, 2, 8});
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8).max_len(16));
+  auto [aq, ak] = torch::nn::AnyModule(rope).forward<std::tuple<torch::Tensor, torch::Tensor>>(q, q);
+  EXPECT_TRUE(torch::equal(aq, std::get<0>(rope(q, q))));
+  posenc::QKNormRotary qkn(posenc::QKNormRotaryOptions(8));
+  auto [nq, nk] = torch::nn::AnyModule(qkn).forward<std::tuple<torch::Tensor, torch::Tensor>>(q, q);
+  EXPECT_TRUE(torch::equal(nq, std::get<0>(qkn(q, q))));
+}
+
+// Meta tensors (shapes only) go through the module as through the function: nothing to
+// range-check (it read the meta positions back: "Cannot copy out of meta tensor").
+TEST(RotaryModule, MetaTensorsGiveMetaOutputs) {
+  auto q = torch::empty({1, 8, 4, 64}, torch::TensorOptions().device(torch::kMeta));
+  auto positions = torch::empty({8}, torch::TensorOptions().dtype(torch::kLong).device(torch::kMeta));
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(64).max_len(16));
+  auto [oq, ok] = rope(q, q, positions);
+  EXPECT_TRUE(oq.is_meta());
+  EXPECT_EQ(oq.sizes(), q.sizes());
+}

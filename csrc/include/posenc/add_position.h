@@ -8,6 +8,9 @@
 #include <ATen/ATen.h>
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/common.h>
+#include <torch/nn/modules/container/any_module_holder.h>
+#include <torch/nn/modules/container/any_value.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
@@ -60,6 +63,11 @@ class PositionalEncodingImpl : public torch::nn::Cloneable<PositionalEncodingImp
 
   PositionalEncodingOptions options;
   torch::Tensor pe;
+
+ protected:
+  // The defaults for torch::nn::AnyModule / Sequential, which call forward(x).
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(int64_t{0})},
+                           {2, torch::nn::AnyValue(std::optional<torch::Tensor>())})
 };
 
 TORCH_MODULE(PositionalEncoding);
@@ -97,6 +105,11 @@ class LearnedPositionalEncodingImpl
 
   LearnedPositionalEncodingOptions options;
   torch::Tensor pe;
+
+ protected:
+  // The defaults for torch::nn::AnyModule / Sequential, which call forward(x).
+  FORWARD_HAS_DEFAULT_ARGS({1, torch::nn::AnyValue(int64_t{0})},
+                           {2, torch::nn::AnyValue(std::optional<torch::Tensor>())})
 };
 
 TORCH_MODULE(LearnedPositionalEncoding);

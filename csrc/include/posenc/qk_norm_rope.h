@@ -75,7 +75,9 @@ struct ParsedQkNormRope;  // the options as the op reads them (api/qk_norm_rope.
 }  // namespace detail
 
 // reset() (run by the constructor) parses and checks the options once, into the call every
-// forward starts from: after changing `options`, call reset().
+// forward starts from: after changing `options`, call reset() (it keeps the norm weights,
+// trained or not, unless their size changes). options.rope() holds the configuration only:
+// positions come with each call (RopePositions); set there, reset() raises a ValueError.
 class QKNormRotaryImpl : public torch::nn::Cloneable<QKNormRotaryImpl> {
  public:
   explicit QKNormRotaryImpl(const QKNormRotaryOptions& options);
@@ -87,6 +89,10 @@ class QKNormRotaryImpl : public torch::nn::Cloneable<QKNormRotaryImpl> {
   QKNormRotaryOptions options;
   QkNormWeight q_norm{nullptr};
   QkNormWeight k_norm{nullptr};
+
+ protected:
+  // The default for torch::nn::AnyModule, which calls forward(q, k).
+  FORWARD_HAS_DEFAULT_ARGS({2, torch::nn::AnyValue(RopePositions())})
 
  private:
   // Set by reset(); immutable, so clones share it.

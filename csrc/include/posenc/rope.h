@@ -6,6 +6,9 @@
 
 #include <torch/arg.h>
 #include <torch/nn/cloneable.h>
+#include <torch/nn/modules/common.h>
+#include <torch/nn/modules/container/any_module_holder.h>
+#include <torch/nn/modules/container/any_value.h>
 #include <torch/nn/pimpl.h>
 #include <torch/types.h>
 
@@ -197,6 +200,11 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
   double attention_scaling() const;
 
   RotaryPositionalEncodingOptions options;
+
+ protected:
+  // The defaults for torch::nn::AnyModule, which calls forward(q, k).
+  FORWARD_HAS_DEFAULT_ARGS({2, torch::nn::AnyValue(std::optional<torch::Tensor>())},
+                           {3, torch::nn::AnyValue(int64_t{0})})
 
  private:
   // rotary_dim, or 2 * sum(sections), or dim.
