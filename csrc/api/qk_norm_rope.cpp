@@ -22,7 +22,8 @@ ops::QkNormRopeCall make_qk_norm_rope_call(const torch::Tensor& q, const torch::
                               const torch::Tensor& q_weight, const torch::Tensor& k_weight,
                               const QkNormRopeOptions& o) {
   ops::QkNormRopeCall c;
-  c.rope = detail::make_rope_call(q, k, o.rope(), detail::rope_seq_len_argument(o.rope().scaling()));
+  c.rope = detail::make_rope_call(q, k, o.rope(),
+                                  detail::rope_seq_len_argument(o.rope().scaling(), o.rope().seq_len()));
   c.q_weight = q_weight;
   c.k_weight = k_weight;
   c.eps = o.eps();
@@ -68,9 +69,9 @@ void QKNormRotaryImpl::reset() {
   const int64_t lk = hidden ? *o.num_kv_heads() * o.head_dim() : o.head_dim();
   const ApplyRopeOptions& r = o.rope();
   TORCH_CHECK_VALUE(!r.positions().has_value() && !r.offsets().has_value() && r.offset() == 0 &&
-                        !r.cu_seqlens().has_value(),
+                        !r.cu_seqlens().has_value() && !r.seq_len().has_value(),
                     "QKNormRotary: options.rope() holds the configuration only; pass positions, "
-                    "offset(s) or cu_seqlens with each call (forward's RopePositions)");
+                    "offset(s), cu_seqlens or seq_len with each call (forward's RopePositions)");
   const double init = 1.0 - o.weight_offset();  // effective weights start at 1
   // The norm weights: registered by the first reset() (the constructor's, or a clone's, whose
   // children were cleared); a later reset() keeps them (they may be trained) unless their
@@ -116,6 +117,9 @@ std::tuple<torch::Tensor, torch::Tensor> QKNormRotaryImpl::forward(const torch::
   call.rope.offsets = where.offsets();
   call.rope.offset = where.offset();
   call.rope.cu_seqlens = where.cu_seqlens();
+  if (where.seq_len().has_value()) {
+    call.rope.seq_len = detail::rope_seq_len_argument(options.rope().scaling(), where.seq_len());
+  }
   call.q_weight = q_norm->weight;
   call.k_weight = k_norm->weight;
   return ops::call_qk_norm_rope(call);

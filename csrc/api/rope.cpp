@@ -39,8 +39,11 @@ std::vector<double> RopeScaling::values() const {
 
 namespace detail {
 
-int64_t rope_seq_len_argument(const RopeScaling& s) {
-  return math::rope_scales_by_length(ops::parse_rope_type(s.rope_type)) ? -1 : 0;
+int64_t rope_seq_len_argument(const RopeScaling& s, std::optional<int64_t> seq_len) {
+  TORCH_CHECK_VALUE(!seq_len.has_value() || *seq_len >= 0,
+                    "posenc: expected seq_len >= 0 (the longest position + 1), got ", *seq_len);
+  if (!math::rope_scales_by_length(ops::parse_rope_type(s.rope_type))) return 0;
+  return seq_len.value_or(-1);  // -1: the op reads the longest position
 }
 
 ops::RopeCall make_rope_call(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
@@ -74,16 +77,17 @@ using detail::rope_seq_len_argument;
 
 std::tuple<torch::Tensor, torch::Tensor> apply_rope(const torch::Tensor& q, const torch::Tensor& k,
                                                     const ApplyRopeOptions& o) {
-  return ops::call_rope(make_rope_call(q, k, o, rope_seq_len_argument(o.scaling())));
+  return ops::call_rope(make_rope_call(q, k, o, rope_seq_len_argument(o.scaling(), o.seq_len())));
 }
 
 torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& o) {
-  return std::get<0>(ops::call_rope(make_rope_call(q, std::nullopt, o, rope_seq_len_argument(o.scaling()))));
+  return std::get<0>(
+      ops::call_rope(make_rope_call(q, std::nullopt, o, rope_seq_len_argument(o.scaling(), o.seq_len()))));
 }
 
 void apply_rope_(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
                  const ApplyRopeOptions& o) {
-  ops::call_rope_inplace(make_rope_call(q, k, o, rope_seq_len_argument(o.scaling())));
+  ops::call_rope_inplace(make_rope_call(q, k, o, rope_seq_len_argument(o.scaling(), o.seq_len())));
 }
 
 std::tuple<torch::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,
@@ -276,8 +280,10 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   ops::check_position_range(lo, hi, max_len);
   // A type that scales by length needs the longest position: hand over the one just read
   // rather than have the op read the index tensors again.
-  call.seq_len = bounded && parsed.seq_len_argument < 0 ? std::max<int64_t>(hi + 1, 0)
-                                                         : parsed.seq_len_argument;
+  call.seq_len = parsed.seq_len_argument == 0 ? 0
+                 : where.seq_len().has_value() ? detail::rope_seq_len_argument(parsed.scaling, where.seq_len())
+                 : bounded ? std::max<int64_t>(hi + 1, 0)
+                 : parsed.seq_len_argument;
   return ops::call_rope(call);
 }
 

@@ -11,7 +11,8 @@ ops::RopeAppendKvCall make_append_kv_call(const torch::Tensor& q, const torch::T
                                 const torch::Tensor& v, const torch::Tensor& k_cache,
                                 const torch::Tensor& v_cache, const RopeAppendKvOptions& o) {
   ops::RopeAppendKvCall c;
-  c.rope = detail::make_rope_call(q, k, o.rope(), detail::rope_seq_len_argument(o.rope().scaling()));
+  c.rope = detail::make_rope_call(q, k, o.rope(),
+                                  detail::rope_seq_len_argument(o.rope().scaling(), o.rope().seq_len()));
   c.v = v;
   c.k_cache = k_cache;
   c.v_cache = v_cache;

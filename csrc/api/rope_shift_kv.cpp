@@ -15,10 +15,10 @@ torch::Tensor rope_shift_kv_(const torch::Tensor& k_cache, const torch::Tensor& 
                              const torch::Tensor& to_positions, const RopeShiftKvOptions& o) {
   const ApplyRopeOptions& r = o.rope();
   TORCH_CHECK_VALUE(!r.positions().has_value() && !r.offsets().has_value() && r.offset() == 0 &&
-                        !r.cu_seqlens().has_value() && !r.inverse(),
+                        !r.cu_seqlens().has_value() && !r.inverse() && !r.seq_len().has_value(),
                     "posenc: rope_shift_kv_: options.rope() holds the configuration only; pass the "
-                    "positions as from_positions and to_positions (got positions, offset(s), "
-                    "cu_seqlens or inverse in it)");
+                    "positions as from_positions and to_positions, the lengths as from_seq_len and "
+                    "to_seq_len (got positions, offset(s), cu_seqlens, seq_len or inverse in it)");
   ops::RopeShiftKvCall c;
   c.config = detail::make_rope_call(k_cache, std::nullopt, o.rope(), 0);
   c.k_cache = k_cache;

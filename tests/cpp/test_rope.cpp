@@ -607,3 +607,31 @@ TEST(RotaryModule, MetaTensorsGiveMetaOutputs) {
   EXPECT_TRUE(oq.is_meta());
   EXPECT_EQ(oq.sizes(), q.sizes());
 }
+
+// seq_len, as Python's seq_len=: the length "dynamic" / "longrope" scale for, given (a shard
+// of a longer sequence) instead of read from the call; ignored by the other types; < 0 is a
+// ValueError. The same in the function, the module (RopePositions) and QK-norm.
+TEST(RopeTypeFacts, SeqLenIsTheLengthALengthScaledTypeScalesFor) {
+  auto q = torch::randn({1, 4, 2, 8}, torch::kDouble);
+  posenc::RopeScaling dynamic;
+  dynamic.rope_type = "dynamic";
+  dynamic.factor = 2.0;
+  dynamic.original_max_position_embeddings = 8.0;
+  const auto at = [&](std::optional<int64_t> seq_len) {
+    return std::get<0>(posenc::apply_rope(q, q, posenc::ApplyRopeOptions().scaling(dynamic).offset(2).seq_len(seq_len)));
+  };
+  EXPECT_TRUE(torch::equal(at(std::nullopt), at(6)));  // the longest position + 1 of the call
+  EXPECT_FALSE(torch::allclose(at(6), at(64)));        // a longer global sequence scales further
+  EXPECT_THROW(at(-1), c10::ValueError);
+  auto plain = posenc::ApplyRopeOptions().offset(2);
+  EXPECT_TRUE(torch::equal(std::get<0>(posenc::apply_rope(q, q, plain)),
+                           std::get<0>(posenc::apply_rope(q, q, plain.seq_len(64)))));
+  posenc::RotaryPositionalEncoding m(posenc::RotaryPositionalEncodingOptions(8).max_len(100).scaling(dynamic));
+  EXPECT_TRUE(torch::equal(std::get<0>(m->forward_at(q, q, posenc::RopePositions().offset(2).seq_len(64))), at(64)));
+  posenc::QKNormRotary n(posenc::QKNormRotaryOptions(8).rope(posenc::ApplyRopeOptions().scaling(dynamic)));
+  n->to(torch::kDouble);
+  const auto want_n = posenc::qk_norm_rope(q, q, n->q_norm->weight, n->k_norm->weight,
+                                           posenc::QkNormRopeOptions().rope(
+                                               posenc::ApplyRopeOptions().scaling(dynamic).offset(2).seq_len(64)));
+  EXPECT_TRUE(torch::equal(std::get<0>(n(q, q, posenc::RopePositions().offset(2).seq_len(64))), std::get<0>(want_n)));
+}

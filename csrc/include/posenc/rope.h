@@ -88,6 +88,10 @@ struct ApplyRopeOptions {
   TORCH_ARG(std::optional<torch::Tensor>, offsets) = std::nullopt;
   // Cumulative sequence lengths for layout "thd" (int32 or int64).
   TORCH_ARG(std::optional<torch::Tensor>, cu_seqlens) = std::nullopt;
+  // "dynamic" / "longrope": the length they scale for (longest position + 1; the global one
+  // for a shard of the sequence), >= 0; default the longest position of the call. Ignored
+  // by the other types (Python's seq_len=).
+  TORCH_ARG(std::optional<int64_t>, seq_len) = std::nullopt;
   // Rotate by minus each angle: the inverse rotation (RoPE's backward; DeepSeek V4 turns its
   // attention output back before the output projection). Its gradient is the forward rotation.
   TORCH_ARG(bool, inverse) = false;
@@ -147,6 +151,8 @@ struct RopePositions {
   TORCH_ARG(std::optional<torch::Tensor>, offsets) = std::nullopt;
   // Cumulative sequence lengths for layout "thd".
   TORCH_ARG(std::optional<torch::Tensor>, cu_seqlens) = std::nullopt;
+  // As ApplyRopeOptions::seq_len.
+  TORCH_ARG(std::optional<int64_t>, seq_len) = std::nullopt;
 };
 
 struct RotaryPositionalEncodingOptions {

@@ -156,9 +156,10 @@ namespace detail {
 ops::RopeCall make_rope_call(const at::Tensor& q, const std::optional<at::Tensor>& k,
                              const ApplyRopeOptions& o, int64_t seq_len);
 
-// -1 lets the op read the longest position of the call for a type that scales by length
-// (math::rope_scales_by_length), else 0.
-int64_t rope_seq_len_argument(const RopeScaling& s);
+// The op's seq_len for a type that scales by length (math::rope_scales_by_length): the
+// given one (>= 0: a ValueError otherwise), else -1 (the op reads the call's longest
+// position); 0 for the other types.
+int64_t rope_seq_len_argument(const RopeScaling& s, std::optional<int64_t> seq_len = std::nullopt);
 
 }  // namespace detail
 }  // namespace posenc
