@@ -225,10 +225,12 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
     const torch::Tensor& q, const torch::Tensor& k, const RopePositions& where) {
   // The module's dim is q's and k's head_dim: the frequencies (inv_freq()) and rotary_dim
   // were set up for it, so another width would be rotated with other numbers.
-  TORCH_CHECK_VALUE(q.dim() >= 1 && q.size(-1) == options.dim() && k.dim() >= 1 &&
-                        k.size(-1) == options.dim(),
+  // An undefined k: q alone is rotated (Python's rope(x)); the second output is undefined.
+  TORCH_CHECK_VALUE(q.dim() >= 1 && q.size(-1) == options.dim() &&
+                        (!k.defined() || (k.dim() >= 1 && k.size(-1) == options.dim())),
                     "RotaryPositionalEncoding: expected q and k with head_dim ", options.dim(),
-                    " (the module's dim), got shapes ", q.sizes(), " and ", k.sizes());
+                    " (the module's dim), got shapes ", q.sizes(), " and ",
+                    k.defined() ? c10::str(k.sizes()) : std::string("(none)"));
   const int64_t max_len = options.max_len();
   // The range check reads index tensors back to the host: a sync for CUDA ones, skipped
   // when the options turn check_positions off. A q of the wrong rank is left to
@@ -241,7 +243,7 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   const detail::ParsedRope& parsed = *parsed_;
   ops::RopeCall call = parsed.call;  // the options, parsed once by reset()
   call.q = q;
-  call.k = k;
+  call.k = k.defined() ? std::optional<torch::Tensor>(k) : std::nullopt;
   call.positions = where.positions();
   call.offsets = where.offsets();
   call.offset = where.offset();
@@ -284,7 +286,9 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
                  : where.seq_len().has_value() ? detail::rope_seq_len_argument(parsed.scaling, where.seq_len())
                  : bounded ? std::max<int64_t>(hi + 1, 0)
                  : parsed.seq_len_argument;
-  return ops::call_rope(call);
+  auto out = ops::call_rope(call);
+  if (!k.defined()) std::get<1>(out) = torch::Tensor();  // the op's placeholder for no k
+  return out;
 }
 
 }  // namespace posenc

@@ -635,3 +635,12 @@ TEST(RopeTypeFacts, SeqLenIsTheLengthALengthScaledTypeScalesFor) {
                                                posenc::ApplyRopeOptions().scaling(dynamic).offset(2).seq_len(64)));
   EXPECT_TRUE(torch::equal(std::get<0>(n(q, q, posenc::RopePositions().offset(2).seq_len(64))), std::get<0>(want_n)));
 }
+
+// q alone, as Python's rope(x): an undefined k (it was a ValueError naming a shape [0]).
+TEST(RotaryModule, RotatesQAloneWhenKIsUndefined) {
+  auto q = torch::randn({2, 5, 3, 8}, torch::kDouble);
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8).max_len(16));
+  auto [alone, none] = rope(q, torch::Tensor(), std::nullopt, 4);
+  EXPECT_FALSE(none.defined());
+  EXPECT_TRUE(torch::equal(alone, posenc::apply_rope(q, posenc::ApplyRopeOptions().offset(4))));
+}

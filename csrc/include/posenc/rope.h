@@ -189,7 +189,8 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
 
-  // Rotated (q, k). positions: int64 (seq,) or (batch, seq); offset: added to each position.
+  // Rotated (q, k); q alone with an undefined k (torch::Tensor()), the second output then
+  // undefined. positions: int64 (seq,) or (batch, seq); offset: added to each position.
   // Every position must lie in [0, max_len) (IndexError otherwise; CUDA position tensors are
   // read back for that check unless check_positions is off).
   std::tuple<torch::Tensor, torch::Tensor> forward(
