@@ -71,16 +71,19 @@ def resolve_config_keys(
     rotary_dim: Optional[int],
     head_dim: int,
     sections: Optional[Sequence[int]],
-    sections_mode: str,
+    sections_mode: Optional[str],
     fn: str = "apply_rope",
 ) -> Tuple[Optional[Mapping[str, Any]], Optional[float], Optional[int], Optional[Sequence[int]], str]:
     """Reads the non-scaling keys of a transformers 4 or 5 dict into the arguments they set:
     ``rope_theta`` -> base, ``partial_rotary_factor`` -> rotary_dim (``int(head_dim *
     factor)``, as transformers; a key of rope_type "proportional" itself), ``mrope_section``
     -> sections (mode "mrope", or "mrope_interleaved" with ``mrope_interleaved=True``;
-    rope_type "mrope" is "default").
-    An explicit argument that disagrees is a ValueError naming both. Returns (scaling without
-    those keys, base, rotary_dim, sections, sections_mode); base None means 10000."""
+    rope_type "mrope" is "default"; ``mrope_interleaved=True`` alone sets the mode of the
+    sections given). ``sections_mode`` None: not given ("axial" unless the dict sets it).
+    An explicit argument that disagrees is a ValueError naming both (a dict with
+    ``mrope_section`` and no ``mrope_interleaved`` states M-RoPE, not which of its two pair
+    orders: an explicit "mrope" or "mrope_interleaved" then decides). Returns (scaling
+    without those keys, base, rotary_dim, sections, sections_mode); base None means 10000."""
     if isinstance(scaling, Mapping) and any(key in scaling for key in CONFIG_KEYS + ("type",)):
         scaling = dict(scaling)
 
@@ -109,14 +112,26 @@ def resolve_config_keys(
                               rotary_dim is not None)
         section = scaling.pop("mrope_section", None)
         interleaved = scaling.pop("mrope_interleaved", None)
+        if interleaved is not None and not isinstance(interleaved, bool):
+            raise TypeError(f"{fn}: expected scaling key 'mrope_interleaved' to be a bool, got {interleaved!r}")
         if section is not None:
             sections = take("mrope_section", None if sections is None else list(sections), list(section),
                             "sections", sections is not None)
-            sections_mode = "mrope_interleaved" if interleaved else "mrope"
+        # The mode the dict states: M-RoPE with mrope_section (its pair order when
+        # mrope_interleaved is given), the interleaved order with mrope_interleaved=True alone.
+        allowed = (("mrope_interleaved",) if interleaved else ("mrope",)) if interleaved is not None and (
+            section is not None or interleaved) else ("mrope", "mrope_interleaved") if section is not None else ()
+        if allowed:
+            if sections_mode is not None and sections_mode not in allowed:
+                stated = (("mrope_section", section), ("mrope_interleaved", interleaved))
+                keys = " and ".join(f"'{k}'" for k, v in stated if v is not None)
+                raise ValueError(f"{fn}: sections_mode={sections_mode!r} disagrees with the scaling dict's {keys} "
+                                 f"(sections_mode {' or '.join(map(repr, allowed))}); pass one of them")
+            sections_mode = allowed[0] if sections_mode is None else sections_mode
         if scaling.get("rope_type", scaling.get("type")) == "mrope":  # transformers 4's Qwen2-VL name
             scaling.pop("type", None)
             scaling["rope_type"] = "default"
-    return scaling, base, rotary_dim, sections, sections_mode
+    return scaling, base, rotary_dim, sections, "axial" if sections_mode is None else sections_mode
 
 
 def scaling_arguments(
@@ -204,7 +219,7 @@ def rope_frequencies(
     scaling: Optional[Mapping] = None,
     seq_len: int = 0,
     sections: Optional[Sequence[int]] = None,
-    sections_mode: str = "axial",
+    sections_mode: Optional[str] = None,
 ) -> Tuple[Tensor, float]:
     """``(inv_freq, attention_factor)`` of a RoPE configuration: float64 inverse
     frequencies of the ``rotary_dim // 2`` pairs (Hugging Face's ``inv_freq``, unrounded) and
@@ -389,7 +404,6 @@ class RopeConfig:
             settings[name] for name in _CONFIG_DEFAULTS if name not in PLAIN_SETTINGS)
         interleaved = bool(interleaved)
         layout = "bshd" if layout is None else layout
-        sections_mode = "axial" if sections_mode is None else sections_mode
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):

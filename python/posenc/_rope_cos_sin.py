@@ -111,7 +111,7 @@ def rope_cos_sin(
                          f"got {max_position_embeddings!r}")
     scaling, base, rotary_dim, sections, _ = resolve_config_keys(
         scaling, base=base, rotary_dim=None if rotary_dim is None else int(rotary_dim), head_dim=dim,
-        sections=None, sections_mode="axial", fn=fn)
+        sections=None, sections_mode=None, fn=fn)
     if sections is not None:
         raise ValueError(f"{fn}: multi-axis RoPE (mrope_section) has no single cos/sin table here; "
                          f"use posenc.functional.apply_rope(..., sections=...)")

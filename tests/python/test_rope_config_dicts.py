@@ -65,6 +65,35 @@ def test_qwen_vl_dicts_set_sections():
         apply_rope(q, positions=pos, scaling=v5, sections=[16, 24, 24], layout="bhsd")
 
 
+def test_an_explicit_sections_mode_and_the_dicts_mrope_keys():
+    """The dict's mrope keys and an explicit sections_mode: agreeing ones combine, others are
+    a ValueError naming both. The explicit mode used to be replaced silently: "mrope" for a
+    dict with mrope_section (6.3 off Qwen3-VL, whose rotary is always interleaved and does not
+    read mrope_interleaved), and mrope_interleaved=True without mrope_section was dropped
+    (explicit sections then ran "axial")."""
+    torch.manual_seed(1)
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float64)
+    pos = torch.randint(0, 64, (3, 1, 8))
+    want, _ = qwen3vl_mrope_interleaved(q, q, pos, [16, 8, 8], 5e6)
+    no_flag = {"rope_type": "default", "rope_theta": 5e6, "mrope_section": [16, 8, 8]}
+    got = apply_rope(q, positions=pos, scaling=no_flag, sections_mode="mrope_interleaved", layout="bhsd")
+    torch.testing.assert_close(got, want)
+    module = posenc.RotaryPositionalEncoding(64, max_len=64, scaling=no_flag, sections_mode="mrope_interleaved",
+                                             layout="bhsd")
+    assert module.sections_mode == "mrope_interleaved" and torch.equal(module(q, positions=pos), got)
+    want2, _ = qwen2vl_mrope(q, q, pos, [16, 8, 8], 5e6)  # no flag, no mode: Qwen2-VL's M-RoPE
+    torch.testing.assert_close(apply_rope(q, positions=pos, scaling=no_flag, layout="bhsd"), want2)
+    flag_only = {"rope_type": "default", "rope_theta": 5e6, "mrope_interleaved": True}
+    got = apply_rope(q, positions=pos, scaling=flag_only, sections=[16, 8, 8], layout="bhsd")
+    torch.testing.assert_close(got, want)
+    with pytest.raises(ValueError, match=r"sections_mode='axial' disagrees with the scaling dict's 'mrope_section'"):
+        apply_rope(q, positions=pos, scaling=no_flag, sections_mode="axial", layout="bhsd")
+    with pytest.raises(ValueError, match=r"sections_mode='mrope' disagrees .*'mrope_interleaved'"):
+        apply_rope(q, positions=pos, scaling=flag_only, sections=[16, 8, 8], sections_mode="mrope", layout="bhsd")
+    with pytest.raises(TypeError, match="mrope_interleaved' to be a bool"):
+        apply_rope(q, positions=pos, scaling={**no_flag, "mrope_interleaved": "yes"}, layout="bhsd")
+
+
 def test_hf_position_ids_of_one_sequence():
     """position_ids (1, seq) serve every batch row, as Hugging Face broadcasts them."""
     q = torch.randn(3, 6, 2, 8, dtype=torch.float64)
