@@ -524,18 +524,25 @@ def context_parallel_positions(seq_len: int, world_size: int, rank: int, load_ba
     context-parallel sequence split (see :func:`context_parallel_indices`): int64
     ``(S_local,)`` (or ``(batch, S_local)``), the global positions ``offset + index``, or
     the entries of ``positions`` (the unsplit sequence's own positions, ``(seq,)`` or
-    ``(batch, seq)``, e.g. per-document positions of a packed row) at those indices. Pass
-    them as ``positions=`` with the local q/k or x: the results are the slices of the
-    unsplit call's."""
+    ``(batch, seq)``, e.g. per-document positions of a packed row; multi-axis ones
+    ``(n_axes, seq)`` or ``(n_axes, batch, seq)``) at those indices. Pass them as
+    ``positions=`` with the local q/k or x: the results are the slices of the unsplit
+    call's. With per-row indices (``(batch, seq)`` rearrangements) 2-D positions are read as
+    ``(batch, seq)``: give multi-axis ones as ``(n_axes, batch, seq)``."""
     indices = context_parallel_indices(seq_len, world_size, rank, load_balance, device=device)
     if positions is None:
         return indices + offset
     positions = positions.to(torch.int64)
-    if indices.dim() == 2 and positions.dim() == 1:
-        positions = positions.expand(indices.shape[0], -1)
     if indices.dim() == 1:
         return positions[..., indices.to(positions.device)] + offset
-    return positions.gather(-1, indices.to(positions.device)) + offset
+    batch = indices.shape[0]
+    if positions.dim() == 1:
+        positions = positions.expand(batch, -1)
+    if positions.dim() not in (2, 3) or positions.shape[-2] != batch:
+        raise ValueError(f"context_parallel_positions: with per-row rearrange indices of shape {tuple(indices.shape)}, "
+                         f"expected positions of shape (seq,), (batch={batch}, seq) or (n_axes, batch={batch}, seq), "
+                         f"got {tuple(positions.shape)}")
+    return positions.gather(-1, indices.to(positions.device).expand(*positions.shape[:-1], -1)) + offset
 
 
 def shard_sequence(x: Tensor, dim: int, world_size: int, rank: int, load_balance: LoadBalance = None) -> Tensor:

@@ -112,3 +112,25 @@ def test_context_parallel_helpers_single_process():
         context_parallel_indices(10, 4, 0, "head_tail")
     with pytest.raises(ValueError, match="rank"):
         context_parallel_indices(10, 4, 4)
+
+
+def test_context_parallel_positions_of_multi_axis_positions_with_per_row_indices():
+    """Per-row rearrange indices ((batch, seq)) with multi-axis positions: (n_axes, batch, seq)
+    gathers each axis per row (2-D positions are (batch, seq)); (3, seq) with a batch of 3 was
+    read as (batch, seq) and the shards' rotations were 6.0 off; a shape that is neither is a
+    ValueError now. The shards' positions are the full call's at the shard's indices."""
+    from posenc.distributed import context_parallel_positions
+
+    g = torch.Generator().manual_seed(3)
+    batch, S, world = 3, 8, 2
+    order = torch.stack([torch.randperm(S, generator=g) for _ in range(batch)])
+    full = torch.randint(0, 50, (3, batch, S), generator=g)  # (n_axes, batch, seq)
+    for rank in range(world):
+        idx = order[:, rank * 4:(rank + 1) * 4]
+        got = context_parallel_positions(S, world, rank, order, positions=full, offset=2)
+        want = torch.stack([torch.stack([full[a, b, idx[b]] for b in range(batch)]) for a in range(3)]) + 2
+        assert torch.equal(got, want)
+        got2 = context_parallel_positions(S, world, rank, order, positions=full[0])  # (batch, seq)
+        assert torch.equal(got2, want[0] - 2)
+    with pytest.raises(ValueError, match=r"\(n_axes, batch=3, seq\)"):
+        context_parallel_positions(S, world, 0, order, positions=torch.zeros(2, S, dtype=torch.long))
