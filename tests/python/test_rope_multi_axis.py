@@ -363,3 +363,21 @@ def test_timm_rotary_embedding_cat():
     pos = grid_positions(h, w, num_prefix_tokens=prefix)
     got = apply_rope(x, positions=pos, sections=[head_dim // 4, head_dim // 4], interleaved=True, layout="bhsd")
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_timm_rope_vit_settings():
+    """timm's ROPE ViTs (vit_*_patch16_rope_*): RotaryEmbeddingCat with grid_indexing='xy' and
+    temperature 100, as docs/integrations.md gives them: the patches' grid_positions with the
+    axes swapped and base 100 (the EVA-02 recipe on these models is 6.3 off)."""
+    sincos = pytest.importorskip("timm.layers.pos_embed_sincos")
+    head_dim, h, w = 64, 4, 6
+    try:
+        rope = sincos.RotaryEmbeddingCat(dim=head_dim, in_pixels=False, feat_shape=[h, w], temperature=100.0,
+                                         grid_indexing="xy")
+    except TypeError as error:  # a timm without grid_indexing
+        pytest.skip(f"this timm's RotaryEmbeddingCat has no grid_indexing: {error}")
+    x = torch.randn(2, 3, 1 + h * w, head_dim, dtype=torch.float64)
+    want = torch.cat([x[:, :, :1], sincos.apply_rot_embed_cat(x[:, :, 1:], rope.get_embed().double())], dim=2)
+    pos = torch.cat([torch.zeros(2, 1, dtype=torch.long), grid_positions(h, w).flip(0)], 1)
+    got = apply_rope(x, positions=pos, sections=[16, 16], interleaved=True, base=100.0, layout="bhsd")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
