@@ -38,7 +38,8 @@ def add_position(
 
     ``x`` is (batch, seq, d) when ``batch_first`` else (seq, batch, d); ``table`` is
     (max_len, d) or (1, max_len, d). Without ``positions`` rows ``offset .. offset+seq-1``
-    are added. Dropout applies only when ``training``; its mask is regenerated in backward.
+    are added. Dropout applies only when ``training``; backward uses the forward's mask (saved
+    as bits on the CPU, regenerated from its Philox (seed, offset) on CUDA).
     """
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
     return torch.ops.posenc.add_position(

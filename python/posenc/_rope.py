@@ -567,7 +567,7 @@ def apply_rope(
             synchronisation. CPU index tensors are always checked by the op.
         seq_len: for "dynamic" and "longrope" scaling, the length they scale for (longest position + 1);
             default: read from the call. Pass the global length when the call sees a shard
-            of the sequence (context parallel; see the README's "Distributed training"), or
+            of the sequence (context parallel; see docs/distributed.md), or
             to avoid the device sync of reading it. Ignored by the other scaling types.
         config: a :class:`RopeConfig` parsed once (``RopeConfig.parse`` takes the keywords
             above, from ``base`` to ``sections_mode``), instead of those keywords: what the
@@ -659,7 +659,8 @@ class RotaryPositionalEncoding(nn.Module):
     ``inv_freq`` is a non-persistent float32 buffer (Hugging Face's name and convention, so
     state_dicts stay clean) holding the frequencies for inspection; the kernel evaluates them
     itself in float64 from the configuration, so a dtype cast of the module does not change
-    the numbers. ``attention_scaling`` is yarn's factor on cos and sin (1 otherwise).
+    the numbers. ``attention_scaling`` is yarn's or longrope's factor on cos and sin (1 for the
+    other types).
 
     ``check_positions`` (attribute, default True): positions given as CUDA tensors are
     range-checked on the host in eager mode, one device sync; set it to False in a hot loop
@@ -826,7 +827,7 @@ class RotaryPositionalEncoding(nn.Module):
             f"posenc: {type(self).__name__} cannot be compiled by torch.jit.script (its forward returns q "
             "or (q, k) depending on whether k is given, which TorchScript cannot type). Export the model "
             "instead: torch.jit.trace(model, example_inputs) for TorchScript, or torch.export.export + "
-            "torch._inductor.aoti_compile_and_package for AOTInductor (README, 'Deploy to C++'); or call "
+            "torch._inductor.aoti_compile_and_package for AOTInductor (docs/deploy.md); or call "
             "torch.ops.posenc.rope from scripted code"
         )
 

@@ -74,8 +74,8 @@ def rope_cos_sin(
             "proportional"), rotary
             width default ``dim`` (or ``int(dim * partial_rotary_factor)`` from the dict).
         dtype: the tables' dtype (angles are computed in float64, rounded once).
-        attention_scaling: multiply cos and sin by the scaling's attention factor (yarn's
-            ``attention_factor`` / mscale, 1 for the others), as transformers does.
+        attention_scaling: multiply cos and sin by the scaling's attention factor (yarn's or
+            longrope's ``attention_factor``, yarn's mscale; 1 for the others), as transformers does.
         max_position_embeddings: the model's ``max_position_embeddings``: the default of
             ``original_max_position_embeddings`` for "yarn" and "dynamic" and of "longrope"'s ``factor``
             (max_position_embeddings / original), as transformers fills them

@@ -23,7 +23,8 @@ namespace posenc {
 // dropout(x + table[positions], p), fused. x: (batch, seq, d) if batch_first, else
 // (seq, batch, d); table: (max_len, d) or (1, max_len, d). Without positions, rows
 // offset .. offset + seq - 1 are added; positions: int64 (seq,) or (batch, seq).
-// Differentiable in x and table; the dropout mask is regenerated in backward.
+// Differentiable in x and table; backward uses the forward's dropout mask (saved as bits on the
+// CPU, regenerated from its Philox (seed, offset) on CUDA).
 at::Tensor add_position(const at::Tensor& x, const at::Tensor& table,
                         const std::optional<at::Tensor>& positions = std::nullopt,
                         int64_t offset = 0, bool batch_first = true, double p = 0.0);

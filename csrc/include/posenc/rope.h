@@ -202,7 +202,7 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
                                                       const torch::Tensor& k,
                                                       const RopePositions& where);
 
-  // The float64 inverse frequencies and the attention factor (yarn; 1 otherwise).
+  // The float64 inverse frequencies and the attention factor (yarn, longrope; 1 otherwise).
   torch::Tensor inv_freq() const;
   double attention_scaling() const;
 
