@@ -136,7 +136,7 @@ class _AddPositionModule(nn.Module):
         if isinstance(offset, bool):  # the op's SymInt would take True as 1
             raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
         if positions is not None and self.check_positions:
-            _check_positions_on_host(positions, self.pe.shape[1])
+            _check_positions_on_host(positions, self.max_len)
         if is_dtensor(x):
             return self._beside_dtensor(x, positions)
         return self.pe, positions

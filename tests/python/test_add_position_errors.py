@@ -69,6 +69,13 @@ def test_positions_on_another_device_and_cuda_range(module_cls):
         pe(x, positions=torch.tensor([0, 1, 2, 3, 99], device="cuda"))
     # Unchecked on the host, the kernel's device-side assert stops the call instead
     # (test_cuda_device_asserts.py, in a process of its own).
+    # A 2-D (max_len, d) table put in place of pe: the host check reads its max_len (it read
+    # pe.shape[1], d: a false IndexError for valid positions >= d).
+    with torch.no_grad():
+        pe.pe = torch.nn.Parameter(torch.randn(40, 16, device="cuda")) if module_cls is posenc.LearnedPositionalEncoding \
+            else torch.randn(40, 16, device="cuda")
+    out = pe.eval()(x, positions=torch.arange(30, 35, device="cuda"))
+    torch.testing.assert_close(out, x + pe.pe[30:35])
 
 
 def test_integer_x(pe):
