@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from posenc._common import _check_positive_int, _check_probability
+from posenc._common import _bool_arg, _check_positive_int, _check_probability, _float_arg
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -41,10 +41,16 @@ def add_position(
     are added. Dropout applies only when ``training``; backward uses the forward's mask (saved
     as bits on the CPU, regenerated from its Philox (seed, offset) on CUDA).
     """
+    fn = "add_position"
+    if isinstance(offset, bool):  # the op's SymInt would take True as 1
+        raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")
+    batch_first, training = _bool_arg(fn, "batch_first", batch_first), _bool_arg(fn, "training", training)
+    if not isinstance(p, torch.SymFloat):  # checked in eval mode too, with the op's message
+        p = _float_arg(fn, "p", p)
+        if not 0.0 <= p <= 1.0:
+            raise ValueError(f"posenc: expected dropout probability p in [0, 1], got {p}")
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
-    return torch.ops.posenc.add_position(
-        x, table, positions, offset, batch_first, float(p) if training else 0.0
-    )
+    return torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p if training else 0.0)
 
 
 # The modules call the functions through posenc.functional, the module users call (and
@@ -92,7 +98,7 @@ class _AddPositionModule(nn.Module):
     def __init__(self, d_model: int, dropout: float, batch_first: bool) -> None:
         super().__init__()
         self.d_model = _check_positive_int("d_model", d_model)
-        self.batch_first = bool(batch_first)
+        self.batch_first = _bool_arg(type(self).__name__, "batch_first", batch_first)
         # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
         self.dropout = nn.Dropout(p=_check_probability("dropout", dropout))
 

@@ -40,6 +40,14 @@ def _float_arg(fn: str, name: str, value: Any) -> float:
     raise ValueError(f"{fn}: expected {name} to be a real number, got {value!r}")
 
 
+def _bool_arg(fn: str, name: str, value: Any) -> bool:
+    """value (a Python or numpy bool) as a bool, or TypeError naming it: bool() would take
+    the string "False", 0.5 or a list as True."""
+    if isinstance(value, bool) or (type(value).__module__ == "numpy" and type(value).__name__ in ("bool_", "bool")):
+        return bool(value)
+    raise TypeError(f"{fn}: expected {name} to be a bool, got {value!r}")
+
+
 def _tensor_arg(fn: str, name: str, value: Any) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(value).__name__}")

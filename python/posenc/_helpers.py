@@ -10,7 +10,7 @@ from typing import Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from posenc._common import _float_arg, _int_arg, _tensor_arg
+from posenc._common import _bool_arg, _float_arg, _int_arg, _tensor_arg
 
 
 def timestep_embedding(
@@ -43,7 +43,7 @@ def timestep_embedding(
         t,
         dim,
         _float_arg(fn, "max_period", max_period),
-        bool(flip_sin_to_cos),
+        _bool_arg(fn, "flip_sin_to_cos", flip_sin_to_cos),
         _float_arg(fn, "downscale_freq_shift", downscale_freq_shift),
         _float_arg(fn, "scale", scale),
     )
@@ -151,7 +151,7 @@ def resample_position_table(
         None if old_grid is None else _as_grid("old_grid", old_grid),
         _int_arg(fn, "num_prefix_tokens", num_prefix_tokens),
         mode,
-        bool(antialias),
+        _bool_arg(fn, "antialias", antialias),
     )
 
 
@@ -191,7 +191,7 @@ class Timesteps(nn.Module):
     ) -> None:
         super().__init__()
         self.num_channels = num_channels
-        self.flip_sin_to_cos = flip_sin_to_cos
+        self.flip_sin_to_cos = _bool_arg("Timesteps", "flip_sin_to_cos", flip_sin_to_cos)
         self.downscale_freq_shift = downscale_freq_shift
         self.scale = scale
         self.max_period = max_period

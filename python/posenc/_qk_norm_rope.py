@@ -7,6 +7,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from posenc._common import _bool_arg, _check_positive_int
 from posenc._dtensor import place_beside
 from posenc._rope import (LAYOUT_AXES, RopeConfig, config_of, heads_batch_rule, rope_op_arguments, rotary_width,
                           with_rope_settings)
@@ -71,7 +72,7 @@ def qk_norm_rope(
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len, fn=fn)
     q_weight, k_weight = place_beside(q, q_weight, k_weight)
-    if inplace:  # the op refuses a call that would record a graph (its autograd kernel)
+    if _bool_arg(fn, "inplace", inplace):  # the op refuses a call that would record a graph (its autograd kernel)
         torch.ops.posenc.qk_norm_rope_(
             q, k, q_weight, k_weight, eps=float(eps), weight_offset=float(weight_offset), norm=norm, **arguments)
         return q, k
@@ -119,12 +120,17 @@ class QKNormRotary(torch.nn.Module):
         **rope: Any,
     ) -> None:
         super().__init__()
+        head_dim = _check_positive_int("head_dim", head_dim)
         if norm not in NORMS:
             raise ValueError(f"QKNormRotary: unknown norm {norm!r}; expected 'head' or 'hidden'")
+        check_norm_settings("QKNormRotary", eps, weight_offset, norm)
         if norm == "hidden" and (num_heads is None or num_kv_heads is None):
             raise ValueError("QKNormRotary: norm='hidden' normalises each token's whole projection: pass num_heads "
                              "and num_kv_heads (the weights have num_heads * head_dim and num_kv_heads * head_dim "
                              "values)")
+        if norm == "hidden":
+            num_heads, num_kv_heads = _check_positive_int("num_heads", num_heads), _check_positive_int(
+                "num_kv_heads", num_kv_heads)
         lq = head_dim if norm == "head" else num_heads * head_dim
         lk = head_dim if norm == "head" else num_kv_heads * head_dim
         init = 1.0 - weight_offset  # effective weights start at 1 (Gemma's zeros for offset 1)

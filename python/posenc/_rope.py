@@ -17,7 +17,7 @@ import types
 
 from torch import Tensor, nn
 
-from posenc._common import _check_positive_int
+from posenc._common import _bool_arg, _check_positive_int, _float_arg, _int_arg
 from posenc._dtensor import place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
@@ -231,7 +231,9 @@ def rope_frequencies(
         fn="rope_frequencies")
     rope_type, values = scaling_arguments(scaling)
     return torch.ops.posenc.rope_frequencies(
-        int(rotary_dim), 10000.0 if base is None else float(base), rope_type, values, int(seq_len),
+        _int_arg("rope_frequencies", "rotary_dim", rotary_dim),
+        10000.0 if base is None else _float_arg("rope_frequencies", "base", base), rope_type, values,
+        _int_arg("rope_frequencies", "seq_len", seq_len),
         _sections(sections), sections_mode,
     )
 
@@ -257,7 +259,9 @@ def grid_positions(
     on every axis, which leaves them unrotated."""
     if len(grid) == 1 and isinstance(grid[0], (tuple, list)):
         grid = tuple(grid[0])
-    return torch.ops.posenc.rope_grid_positions(list(grid), num_prefix_tokens, device)
+    fn = "grid_positions"
+    return torch.ops.posenc.rope_grid_positions([_int_arg(fn, "grid", n) for n in grid],
+                                                _int_arg(fn, "num_prefix_tokens", num_prefix_tokens), device)
 
 
 def _canonical(x: Tensor, layout: str) -> Tensor:
@@ -402,7 +406,9 @@ class RopeConfig:
         settings = {**_CONFIG_DEFAULTS, **settings}
         base, interleaved, rotary_dim, scaling, layout, sections, sections_mode = (
             settings[name] for name in _CONFIG_DEFAULTS if name not in PLAIN_SETTINGS)
-        interleaved = bool(interleaved)
+        interleaved = False if interleaved is None else _bool_arg(fn, "interleaved", interleaved)
+        if base is not None and not isinstance(base, torch.SymFloat):
+            base = _float_arg(fn, "base", base)
         layout = "bshd" if layout is None else layout
         if not isinstance(layout, str) or layout not in LAYOUTS:
             raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
@@ -583,9 +589,9 @@ def apply_rope(
     config = config_of(q, config, "apply_rope", **rope)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len)
-    if inverse:
+    if _bool_arg("apply_rope", "inverse", inverse):
         arguments["inverse"] = True
-    if inplace:
+    if _bool_arg("apply_rope", "inplace", inplace):
         torch.ops.posenc.rope_(q, k, **arguments)
         return q if k is None else (q, k)
     out_q, out_k = torch.ops.posenc.rope(q, k, **arguments)

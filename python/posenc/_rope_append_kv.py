@@ -8,6 +8,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
+from posenc._common import _bool_arg
 from posenc._qk_norm_rope import check_norm_settings
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
@@ -123,7 +124,8 @@ def rope_append_kv(
     for name, value in (("k_scale", k_scale), ("v_scale", v_scale)):
         if value is not None:
             arguments[name] = _scale_arg(value, name, fn)
-    for name, value in (("return_k", bool(return_k)), ("eps", float(eps)), ("weight_offset", float(weight_offset)),
+    return_k, inplace = _bool_arg(fn, "return_k", return_k), _bool_arg(fn, "inplace", inplace)
+    for name, value in (("return_k", return_k), ("eps", float(eps)), ("weight_offset", float(weight_offset)),
                         ("norm", norm)):
         if value != _OWN_DEFAULTS[name]:
             arguments[name] = value

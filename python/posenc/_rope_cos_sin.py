@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
+from posenc._common import _bool_arg, _float_arg
 from posenc._dtensor import place_beside
 from posenc._rope import LENGTH_SCALED_TYPES, heads_batch_rule, resolve_config_keys, scaling_arguments
 
@@ -121,8 +122,8 @@ def rope_cos_sin(
     # The model's defaults (max_position_embeddings) and the length a type scales by come from
     # the types' facts (scaling_arguments, LENGTH_SCALED_TYPES), as for apply_rope.
     rope_type, values = scaling_arguments(scaling, max_position_embeddings)
-    args = (positions, rotary_dim, 10000.0 if base is None else float(base), rope_type, tuple(values),
-            bool(attention_scaling), dtype)
+    args = (positions, rotary_dim, 10000.0 if base is None else _float_arg(fn, "base", base), rope_type,
+            tuple(values), _bool_arg(fn, "attention_scaling", attention_scaling), dtype)
     if rope_type in LENGTH_SCALED_TYPES and torch.compiler.is_compiling():
         # The scale depends on the positions' values (their maximum, read on the host), which a
         # graph cannot hold: under torch.compile the tables are made outside it (a graph

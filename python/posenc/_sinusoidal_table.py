@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from posenc._common import _table_dtype
+from posenc._common import _float_arg, _int_arg, _table_dtype
 
 
 def sinusoidal_table(
@@ -22,6 +22,8 @@ def sinusoidal_table(
     """
     if not isinstance(positions, Tensor):
         raise TypeError(f"sinusoidal_table: expected positions to be a Tensor, got {type(positions).__name__}")
-    dtype = _table_dtype("sinusoidal_table", dtype)
+    fn = "sinusoidal_table"
+    dtype = _table_dtype(fn, dtype)
     # The op takes the dtype by name (torch 2.11's AOTInductor misread ScalarType arguments).
-    return torch.ops.posenc.sinusoidal_table(positions, d_model, float(base), str(dtype).removeprefix("torch."))
+    return torch.ops.posenc.sinusoidal_table(positions, _int_arg(fn, "d_model", d_model), _float_arg(fn, "base", base),
+                                             str(dtype).removeprefix("torch."))

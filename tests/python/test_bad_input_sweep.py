@@ -264,3 +264,50 @@ def test_random_bad_arguments_raise_cleanly(family):
 def test_clean_rejection_judge(error, clean):
     """The judge itself: a sweep whose judge accepted everything could not fail."""
     assert is_clean_rejection(error) is clean
+
+
+def _calls_with_misused_arguments():
+    """Arguments the Python front ends used to accept and misuse (bool() of "False" is True;
+    int() truncates 8.9; float() takes "100"; True is 1), each refused now, naming itself."""
+    from posenc import functional as F
+
+    q, x, table, t = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 4), torch.randn(5, 4), torch.tensor([1.0, 2.0])
+    cache = torch.zeros(1, 6, 2, 8)
+    return [
+        ("interleaved", lambda: F.apply_rope(q, interleaved="False")),
+        ("inplace", lambda: F.apply_rope(q.clone(), inplace="False")),
+        ("inverse", lambda: F.apply_rope(q, inverse="False")),
+        ("base", lambda: F.apply_rope(q, base="100")),
+        ("interleaved", lambda: posenc.RotaryPositionalEncoding(8, interleaved="False")),
+        ("base", lambda: F.rope_cos_sin(torch.arange(3), 8, base="100")),
+        ("attention_scaling", lambda: F.rope_cos_sin(torch.arange(3), 8, attention_scaling="False")),
+        ("rotary_dim", lambda: F.rope_frequencies(8.9)),
+        ("seq_len", lambda: F.rope_frequencies(8, seq_len=True)),
+        ("grid", lambda: F.grid_positions(True, 2)),
+        ("num_prefix_tokens", lambda: F.grid_positions(2, 2, num_prefix_tokens=True)),
+        ("d_model", lambda: F.sinusoidal_table(torch.arange(4), True)),
+        ("base", lambda: F.sinusoidal_table(torch.arange(4), 8, base="10000")),
+        ("offset", lambda: F.add_position(x, table, offset=True)),
+        ("p", lambda: F.add_position(x, table, p=True)),
+        ("p", lambda: F.add_position(x, table, p="0.5")),
+        ("p", lambda: F.add_position(x, table, p=1.5, training=False)),
+        ("training", lambda: F.add_position(x, table, training="False")),
+        ("batch_first", lambda: F.add_position(x, table, batch_first=None)),
+        ("batch_first", lambda: posenc.PositionalEncoding(4, batch_first="False")),
+        ("flip_sin_to_cos", lambda: F.timestep_embedding(t, 8, flip_sin_to_cos="False")),
+        ("flip_sin_to_cos", lambda: posenc.Timesteps(8, "False", 0)),
+        ("antialias", lambda: F.resample_position_table(torch.randn(1, 17, 8), 3, antialias="False")),
+        ("return_k", lambda: F.rope_append_kv(q, q[:, :, :2], q[:, :, :2], cache, cache.clone(), return_k="False")),
+        ("inplace", lambda: F.qk_norm_rope(q, q, torch.ones(8), torch.ones(8), inplace="False")),
+        ("num_heads", lambda: posenc.QKNormRotary(8, norm="hidden", num_heads=0, num_kv_heads=0)),
+        ("num_heads", lambda: posenc.QKNormRotary(8, norm="hidden", num_heads=True, num_kv_heads=1)),
+        ("eps", lambda: posenc.QKNormRotary(8, eps=-1.0)),
+        ("head_dim", lambda: posenc.QKNormRotary(8.0)),
+    ]
+
+
+@pytest.mark.parametrize("index", range(len(_calls_with_misused_arguments())))
+def test_misused_arguments_are_refused_naming_them(index):
+    name, call = _calls_with_misused_arguments()[index]
+    with pytest.raises((TypeError, ValueError), match=name):
+        call()
