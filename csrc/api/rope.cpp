@@ -238,6 +238,7 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   const auto on_cuda = [](const std::optional<torch::Tensor>& t) {
     return t.has_value() && !t->is_cpu();
   };
+  const auto on_meta = [](const std::optional<torch::Tensor>& t) { return t.has_value() && t->is_meta(); };
   const bool reads_device = on_cuda(where.positions()) || on_cuda(where.offsets()) ||
                             on_cuda(where.cu_seqlens());
   const detail::ParsedRope& parsed = *parsed_;
@@ -270,22 +271,19 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
       hi = lo + (seq - 1);
     }
     bounded = true;
-  } else if (q.dim() == rank && !q.is_meta() &&
-             !(where.positions() && where.positions()->is_meta()) &&
-             !(where.offsets() && where.offsets()->is_meta()) &&
-             !(where.cu_seqlens() && where.cu_seqlens()->is_meta()) &&
-             (options.check_positions() || !reads_device)) {  // meta: shapes only, nothing to read
+  } else if (q.dim() == rank && !q.is_meta() && !on_meta(where.positions()) && !on_meta(where.offsets()) &&
+             !on_meta(where.cu_seqlens()) &&  // meta: shapes only, nothing to read
+             (options.check_positions() || !reads_device)) {
     call.seq_len = 0;
     std::tie(lo, hi) = ops::call_rope_position_bounds(call);
     bounded = true;
   }
   ops::check_position_range(lo, hi, max_len);
-  // A type that scales by length needs the longest position: hand over the one just read
-  // rather than have the op read the index tensors again.
-  call.seq_len = parsed.seq_len_argument == 0 ? 0
-                 : where.seq_len().has_value() ? detail::rope_seq_len_argument(parsed.scaling, where.seq_len())
-                 : bounded ? std::max<int64_t>(hi + 1, 0)
-                 : parsed.seq_len_argument;
+  // A given seq_len (checked for every type, as in the function); else, for a type that
+  // scales by length, the longest position just read rather than a second read by the op.
+  call.seq_len = where.seq_len().has_value() ? detail::rope_seq_len_argument(parsed.scaling, where.seq_len())
+                 : bounded && parsed.seq_len_argument < 0 ? std::max<int64_t>(hi + 1, 0)
+                                                          : parsed.seq_len_argument;
   auto out = ops::call_rope(call);
   if (!k.defined()) std::get<1>(out) = torch::Tensor();  // the op's placeholder for no k
   return out;

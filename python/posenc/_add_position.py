@@ -139,8 +139,6 @@ class _AddPositionModule(nn.Module):
     def _host_side(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
         """What eager mode checks on the host and places beside a DTensor x, for forward:
         (pe, positions) to call the function with."""
-        if isinstance(offset, bool):  # the op's SymInt would take True as 1
-            raise TypeError(f"{type(self).__name__}: expected offset to be an int, got {offset!r}")
         if positions is not None and self.check_positions:
             _check_positions_on_host(positions, self.max_len)
         if is_dtensor(x):

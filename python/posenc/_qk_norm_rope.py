@@ -121,8 +121,6 @@ class QKNormRotary(torch.nn.Module):
     ) -> None:
         super().__init__()
         head_dim = _check_positive_int("head_dim", head_dim)
-        if norm not in NORMS:
-            raise ValueError(f"QKNormRotary: unknown norm {norm!r}; expected 'head' or 'hidden'")
         check_norm_settings("QKNormRotary", eps, weight_offset, norm)
         if norm == "hidden" and (num_heads is None or num_kv_heads is None):
             raise ValueError("QKNormRotary: norm='hidden' normalises each token's whole projection: pass num_heads "

@@ -117,10 +117,16 @@ def resolve_config_keys(
         if section is not None:
             sections = take("mrope_section", None if sections is None else list(sections), list(section),
                             "sections", sections is not None)
-        # The mode the dict states: M-RoPE with mrope_section (its pair order when
-        # mrope_interleaved is given), the interleaved order with mrope_interleaved=True alone.
-        allowed = (("mrope_interleaved",) if interleaved else ("mrope",)) if interleaved is not None and (
-            section is not None or interleaved) else ("mrope", "mrope_interleaved") if section is not None else ()
+        # The modes the dict allows (the first its default): mrope_interleaved=True states the
+        # interleaved order; with mrope_section, False states "mrope" and no key either order.
+        if interleaved:
+            allowed: Tuple[str, ...] = ("mrope_interleaved",)
+        elif section is None:
+            allowed = ()
+        elif interleaved is None:
+            allowed = ("mrope", "mrope_interleaved")
+        else:
+            allowed = ("mrope",)
         if allowed:
             if sections_mode is not None and sections_mode not in allowed:
                 stated = (("mrope_section", section), ("mrope_interleaved", interleaved))
@@ -230,10 +236,10 @@ def rope_frequencies(
         scaling, base=base, rotary_dim=None, head_dim=rotary_dim, sections=sections, sections_mode=sections_mode,
         fn="rope_frequencies")
     rope_type, values = scaling_arguments(scaling)
+    fn = "rope_frequencies"
     return torch.ops.posenc.rope_frequencies(
-        _int_arg("rope_frequencies", "rotary_dim", rotary_dim),
-        10000.0 if base is None else _float_arg("rope_frequencies", "base", base), rope_type, values,
-        _int_arg("rope_frequencies", "seq_len", seq_len),
+        _int_arg(fn, "rotary_dim", rotary_dim), 10000.0 if base is None else _float_arg(fn, "base", base), rope_type,
+        values, _int_arg(fn, "seq_len", seq_len),
         _sections(sections), sections_mode,
     )
 

@@ -623,6 +623,8 @@ TEST(RopeTypeFacts, SeqLenIsTheLengthALengthScaledTypeScalesFor) {
   EXPECT_TRUE(torch::equal(at(std::nullopt), at(6)));  // the longest position + 1 of the call
   EXPECT_FALSE(torch::allclose(at(6), at(64)));        // a longer global sequence scales further
   EXPECT_THROW(at(-1), c10::ValueError);
+  posenc::RotaryPositionalEncoding plain_module(posenc::RotaryPositionalEncodingOptions(8).max_len(100));
+  EXPECT_THROW(plain_module->forward_at(q, q, posenc::RopePositions().seq_len(-1)), c10::ValueError);
   auto plain = posenc::ApplyRopeOptions().offset(2);
   EXPECT_TRUE(torch::equal(std::get<0>(posenc::apply_rope(q, q, plain)),
                            std::get<0>(posenc::apply_rope(q, q, plain.seq_len(64)))));

@@ -322,16 +322,17 @@ def _norm_eps(norm: Any) -> Optional[float]:
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
 
-def _rotary_source(model: Any, attn: Any) -> Optional[Tuple[Any, str, str]]:
+def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
     """(module, buffer name, attribute name) of the rotary embedding whose tables ``attn``
-    receives: the one module of ``model`` holding ``<layer_type>_inv_freq`` (transformers 5's
+    receives: of the model's modules with an inv_freq buffer (``rotaries``), the one holding
+    ``<layer_type>_inv_freq`` (transformers 5's
     per-layer-type rotary, Gemma 3), else the one holding ``inv_freq``; with its
     ``attention_scaling``. None when there is no such module or more than one (then the layer
     rotates with the tables it is given)."""
     layer_type = getattr(attn, "layer_type", None)
     names = ([(f"{layer_type}_inv_freq", f"{layer_type}_attention_scaling")] if isinstance(layer_type, str) else [])
     for buffer, scaling in names + [("inv_freq", "attention_scaling")]:
-        found = [m for m in model.modules() if isinstance(m._buffers.get(buffer), Tensor)]
+        found = [m for m in rotaries if isinstance(m._buffers.get(buffer), Tensor)]
         if len(found) == 1:
             return found[0], buffer, scaling
         if found:
@@ -573,9 +574,10 @@ def _apply_qk_norm(model: Any) -> None:
                 raise ValueError(f"apply_posenc_rope(qk_norm=True): {type(attn).__name__}.{name} has no weight of "
                                  f"shape ({want},) (norm {norm!r}); got {getattr(weight, 'shape', None)}")
         todo.append((attn, _qk_norm_class(type(attn), norm, weight_offset)))
+    rotaries = [m for m in model.modules() if any(name.endswith("inv_freq") for name in m._buffers)]
     for attn, cls in todo:
         attn.__class__ = cls  # weights, buffers, hooks and state_dict stay as they are
-        attn._posenc_fused = _fused_settings(attn, _rotary_source(model, attn))  # parsed once (revert removes it)
+        attn._posenc_fused = _fused_settings(attn, _rotary_source(rotaries, attn))  # parsed once (revert removes it)
 
 
 def revert_posenc_qk_norm(model: Any) -> None:
