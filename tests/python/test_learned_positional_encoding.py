@@ -619,6 +619,16 @@ def test_resample_rejects_unknown_mode():
         resample_position_table(torch.randn(1, 17, 8), (6, 6), mode="bogus")
 
 
+def test_resample_rejects_an_integer_table():
+    # Interpolated in float32 and cast back, an integer table came back truncated (bicubic
+    # values 4.7 as 4): a TypeError, as F.interpolate's for an integer input.
+    pe = torch.arange(17 * 4).reshape(1, 17, 4)
+    with pytest.raises(TypeError, match=r"pe to be a floating-point table, got torch.int64"):
+        resample_position_table(pe, (3, 3))
+    with pytest.raises(TypeError, match=r"got torch.bool"):
+        resample_position_table(pe > 3, (4, 4))
+
+
 def test_resample_non_square_grid_to_square_grid_of_equal_size_is_resampled():
     """posenc's documented difference from timm: 8x2 -> 4x4 (16 cells both) is resampled."""
     torch.manual_seed(6)

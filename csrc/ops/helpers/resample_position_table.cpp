@@ -45,6 +45,9 @@ at::Tensor resample_position_table(const at::Tensor& pe, at::IntArrayRef new_gri
                     "mode bicubic, bilinear or nearest, got ", py_str(mode));
   TORCH_CHECK_VALUE(pe.dim() == 3 && pe.size(0) == 1, kFn, "pe of shape (1, tokens, dim), got ",
                     py_tuple(pe.sizes()));
+  // An integer table would be interpolated and truncated back (a learned table is floating).
+  TORCH_CHECK_TYPE(at::isFloatingType(pe.scalar_type()), kFn, "pe to be a floating-point table, got ",
+                   py_dtype(pe.scalar_type()));
   const std::vector<int64_t> new_hw = checked_grid("new_grid", new_grid);
   const int64_t tokens = pe.size(1);
   TORCH_CHECK_VALUE(num_prefix_tokens >= 0 && num_prefix_tokens <= tokens, kFn,
