@@ -71,7 +71,7 @@ def rope_append_kv(
         offset: the cache lengths so far, an int or an int64 (batch,) tensor: token s of row
             b goes to cache row ``offset[b] + s`` (contiguous caches), rotated at that
             position unless ``positions`` are given. For "thd" an int added to the default
-            positions.
+            positions (0 beside ``positions``: a ValueError otherwise).
         positions: the positions the new tokens turn at (as :func:`apply_rope`'s; (tokens,)
             for "thd"); default: their cache rows ("thd": ``offset + 0 .. tokens-1``).
         slot_mapping: "thd" only: int64 (tokens,), the cache slot of each token, ``block *

@@ -122,6 +122,17 @@ def test_paged_cache_with_unwritten_slots(dtype):
     check(q, k, v, kc, vc, slot_mapping=slots, offset=11, layout="thd")
 
 
+def test_paged_offset_beside_positions_is_refused_before_writing():
+    # An int offset only shifts "thd"'s default positions: beside positions it was dropped
+    # (the call rotated at positions, as without the offset).
+    q, k, v, kc, vc = make("thd", S=5)
+    kc0 = kc.clone()
+    with pytest.raises(ValueError, match=r"expected offset=0 beside positions for layout 'thd'.*got offset=3"):
+        rope_append_kv(q, k, v, kc, vc, slot_mapping=torch.arange(5), positions=torch.arange(5), offset=3,
+                       layout="thd")
+    assert torch.equal(kc, kc0)
+
+
 def test_a_slot_written_twice_is_an_error_before_writing():
     q, k, v, kc, vc = make("thd", S=5)
     kc0, vc0 = kc.clone(), vc.clone()

@@ -22,7 +22,8 @@ struct RopeAppendKvOptions {
   // Every RoPE option, as apply_rope takes them (one declaration: ApplyRopeOptions). Here
   // offset and offsets are the cache lengths so far: token s of batch row b goes to cache
   // row offset + offsets[b] + s ("bshd", "bhsd") and turns at that position unless positions
-  // are given; for "thd" the int offset is added to the default positions (0 .. tokens-1).
+  // are given; for "thd" the int offset is added to the default positions (0 .. tokens-1),
+  // and must be 0 beside positions.
   // Layouts: "bshd": q, k, v (batch, seq, heads, head_dim), caches (batch, max_len, kv_heads,
   // head_dim); "bhsd": (batch, heads, seq, head_dim), caches (batch, kv_heads, max_len,
   // head_dim) (Hugging Face's static cache); "thd": (tokens, heads, head_dim), caches

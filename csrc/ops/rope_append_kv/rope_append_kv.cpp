@@ -228,6 +228,13 @@ int64_t check_rope_append_kv(const RopeAppendKvCall& c) {
                       "-1) of each token");
     TORCH_CHECK_VALUE(!r.offsets.has_value(), "posenc: rope_append_kv: expected offset to be an "
                       "int for layout 'thd' (the tokens' rows come from slot_mapping), got a tensor");
+    // For "thd" an int offset only shifts the default positions: beside given positions it
+    // would be dropped (a symbolic one cannot be told from 0: refused too).
+    const auto int_offset = r.offset.maybe_as_int();
+    TORCH_CHECK_VALUE(!r.positions.has_value() || (int_offset.has_value() && *int_offset == 0),
+                      "posenc: rope_append_kv: expected offset=0 beside positions for layout 'thd' "
+                      "(an offset only shifts the default positions 0 .. tokens-1; add it to the "
+                      "positions), got offset=", r.offset);
   } else {
     TORCH_CHECK_VALUE(!c.slot_mapping.has_value(), "posenc: rope_append_kv: slot_mapping is only "
                       "used with layout 'thd' (paged cache), got layout '", rope_layout_name(layout),
