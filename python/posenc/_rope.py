@@ -876,12 +876,19 @@ def heads_batch_rule(op: Any, folded: Tuple[str, ...], heads_axis: Any, foldable
         size = info.batch_size
         others = [name for name, d in dims.items() if d is not None and name not in folded]
         if others or (foldable is not None and not foldable(a)):
-            outs = [op(*[x.select(d, i) if d is not None else x for x, d in zip(args, in_dims)])
-                    for i in range(size)]
+            if size == 0:  # no sample to call the op on: one of zeros gives the shapes
+                sample = [x.new_zeros(x.shape[:d] + x.shape[d + 1:]) if d is not None else x
+                          for x, d in zip(args, in_dims)]
+                outs = [op(*sample)]
+            else:
+                outs = [op(*[x.select(d, i) if d is not None else x for x, d in zip(args, in_dims)])
+                        for i in range(size)]
             results, out_dims = [], []
             for j, name in enumerate(folded):
                 present = a[name] is not None
-                results.append(torch.stack([o[j] for o in outs]) if present else outs[0][j])
+                stacked = (torch.stack([o[j] for o in outs]) if size > 0
+                           else outs[0][j].new_empty((0, *outs[0][j].shape)))
+                results.append(stacked if present else outs[0][j])
                 out_dims.append(0 if present else None)
             return tuple(results), tuple(out_dims)
         heads = heads_axis(a)
@@ -902,7 +909,10 @@ def heads_batch_rule(op: Any, folded: Tuple[str, ...], heads_axis: Any, foldable
                 results.append(outs[j])
                 out_dims.append(None)
             else:
-                results.append(outs[j].unflatten(heads, (size, -1)).movedim(heads, 0))
+                # (size, heads): -1 cannot be inferred from an empty output (a batch of 0).
+                x, d = a[name], dims[name]
+                sample_heads = (x.shape[:d] + x.shape[d + 1:] if d is not None else x.shape)[heads]
+                results.append(outs[j].unflatten(heads, (size, sample_heads)).movedim(heads, 0))
                 out_dims.append(0)
         return tuple(results), tuple(out_dims)
 

@@ -272,3 +272,26 @@ def test_vmap_rules_of_the_other_rope_ops_fold_into_the_heads(recwarn):
     for i in range(3):
         assert torch.equal(a[i], qk_norm_rope(qs[i], ks, ws[i], wk)[0])
     assert not [w_ for w_ in recwarn if "performance drop" in str(w_.message)]
+
+
+def test_vmap_and_jacobians_of_zero_samples_and_zero_elements():
+    """A vmap batch of 0 samples (and so jacfwd / jacrev of a zero-element q) gives empty
+    results of the shapes torch's own ops give; the fold into the heads could not infer the
+    heads of an empty output (an internal unflatten error), nor stack zero per-sample calls."""
+    from torch.func import jacfwd, jacrev
+    from posenc.functional import apply_rope_cos_sin, qk_norm_rope
+
+    q = torch.randn(0, 1, 3, 2, 4, dtype=F64)  # 0 samples of bshd (1, 3, 2, 4)
+    k = torch.randn(0, 1, 3, 1, 4, dtype=F64)
+    cos, sin = torch.randn(3, 4, dtype=F64), torch.randn(3, 4, dtype=F64)
+    w = torch.ones(4, dtype=F64)
+    for fn in (lambda x, y: apply_rope(x, y), lambda x, y: apply_rope_cos_sin(x, y, cos, sin, layout="bshd"),
+               lambda x, y: qk_norm_rope(x, y, w, w)):
+        out_q, out_k = vmap(fn)(q, k)
+        assert out_q.shape == (0, 1, 3, 2, 4) and out_k.shape == (0, 1, 3, 1, 4)
+    positions = torch.zeros(0, 1, 3, dtype=torch.long)  # batched positions: the per-sample path
+    out = vmap(lambda x, p: apply_rope(x, positions=p))(q, positions)
+    assert out.shape == (0, 1, 3, 2, 4)
+    q0 = torch.randn(1, 0, 2, 4, dtype=F64)
+    for jac in (jacfwd, jacrev):
+        assert jac(lambda x: apply_rope(x))(q0).shape == jac(torch.sin)(q0).shape == (1, 0, 2, 4, 1, 0, 2, 4)
