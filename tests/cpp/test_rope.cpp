@@ -646,3 +646,18 @@ TEST(RotaryModule, RotatesQAloneWhenKIsUndefined) {
   EXPECT_FALSE(none.defined());
   EXPECT_TRUE(torch::equal(alone, posenc::apply_rope(q, posenc::ApplyRopeOptions().offset(4))));
 }
+
+// In place into a view with the negative bit (z.conj().imag): refused before any write (ATen's
+// fallback for the bit wrote a resolved copy back over k, which overlaps q).
+TEST(RopeFunctions, InPlaceIntoAViewWithTheNegativeBitIsRefused) {
+  auto z = torch::randn({1, 5, 1, 4}, torch::kComplexDouble);
+  const auto z0 = z.clone();
+  auto q = torch::imag(z.conj()).narrow(1, 0, 4);
+  auto k = torch::imag(z).narrow(1, 1, 4);
+  ASSERT_TRUE(q.is_neg());
+  EXPECT_THROW(posenc::apply_rope_(q, k), c10::Error);
+  EXPECT_TRUE(torch::equal(torch::view_as_real(z), torch::view_as_real(z0)));
+  // Read only, the bit is honoured: the values read are the negated ones.
+  auto [got, unused] = posenc::apply_rope(q, q.resolve_neg());
+  EXPECT_TRUE(torch::equal(got, posenc::apply_rope(q.resolve_neg())));
+}

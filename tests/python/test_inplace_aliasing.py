@@ -338,3 +338,50 @@ def test_accepted_views_never_share_an_element():
         assert len(eq) == q.numel() and len(ek) == k.numel(), views
         interleaved += not (max(eq) < min(ek) or max(ek) < min(eq))
     assert accepted > 20 and interleaved > 0, (accepted, interleaved)
+
+
+# ---- views with the negative bit (z.conj().imag) ---------------------------------------------
+
+
+def test_written_tensors_with_the_negative_bit_are_refused_before_any_write():
+    """ATen's fallback for the Negative key replaced a written neg-bit view by a resolved copy,
+    so the alias checks saw only the copy and the copy was written back over what the op had
+    written through the other argument (rope_ with q = z.conj().imag[:, :4] and k =
+    z.imag[:, 1:]: k off by 1.4), or (rope_append_kv, which does not return its caches) an
+    internal assert after the other cache was written. Now a RuntimeError naming the
+    argument, with nothing written; a read-only neg-bit input is resolved and computes right."""
+    from posenc.functional import apply_rope, qk_norm_rope, rope_append_kv, rope_shift_kv
+
+    torch.manual_seed(0)
+    z = torch.randn(1, 5, 1, 4, dtype=torch.complex128)
+    z0 = z.clone()
+    q, k = z.conj().imag[:, 0:4], z.imag[:, 1:5]
+    assert q.is_neg()
+    with pytest.raises(RuntimeError, match=r"rope_: expected q without the negative bit"):
+        apply_rope(q, k, inplace=True)
+    w = torch.ones(4, dtype=F64)
+    with pytest.raises(RuntimeError, match=r"qk_norm_rope_: expected q without the negative bit"):
+        qk_norm_rope(q, k, w, w, inplace=True)
+    assert torch.equal(torch.view_as_real(z), torch.view_as_real(z0))
+
+    q2, k2, v2, kc, vc = kv()
+    zc = torch.zeros(2, 7, 2, 8, dtype=torch.complex128)
+    kc_neg = zc.conj().imag  # no overlap at all: still refused (the fallback asserted here)
+    vc0 = vc.clone()
+    for inplace in (False, True):
+        with pytest.raises(RuntimeError, match=r"expected k_cache without the negative bit"):
+            rope_append_kv(q2, k2, v2, kc_neg, vc, offset=1, inplace=inplace)
+    assert torch.equal(vc, vc0) and torch.equal(torch.view_as_real(zc), torch.zeros_like(torch.view_as_real(zc)))
+    with pytest.raises(RuntimeError, match=r"rope_shift_kv_: expected k_cache without the negative bit"):
+        rope_shift_kv(kc_neg, torch.tensor([0, 1]), torch.tensor([2, 3]))
+
+    # Read-only inputs with the bit: their values (negated) are what the op reads.
+    v_neg = torch.randn(2, 3, 2, 8, dtype=torch.complex128).conj().imag
+    want_kc, want_vc = kc.clone(), vc.clone()
+    rope_append_kv(q2, k2, v_neg.resolve_neg(), want_kc, want_vc, offset=1)
+    rope_append_kv(q2, k2, v_neg, kc, vc, offset=1)
+    assert torch.equal(kc, want_kc) and torch.equal(vc, want_vc)
+    k_neg = torch.randn(1, 4, 1, 4, dtype=torch.complex128).conj().imag
+    got = apply_rope(q.resolve_neg(), k_neg)
+    want = apply_rope(q.resolve_neg(), k_neg.resolve_neg())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -131,9 +131,7 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
          torch::CppFunction::makeFromBoxedFunction<&qk_norm_rope_inplace_autograd>());
 }
 
-TORCH_LIBRARY_IMPL(posenc, ADInplaceOrView, m) {
-  m.impl("qk_norm_rope_", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
-}
+POSENC_REGISTER_WRITTEN_LAYERS("qk_norm_rope_")
 
 }  // namespace ops
 }  // namespace posenc

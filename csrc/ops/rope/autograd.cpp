@@ -99,9 +99,7 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<&rope_inplace_autograd>());
 }
 
-TORCH_LIBRARY_IMPL(posenc, ADInplaceOrView, m) {
-  m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
-}
+POSENC_REGISTER_WRITTEN_LAYERS("rope_")
 
 }  // namespace ops
 }  // namespace posenc

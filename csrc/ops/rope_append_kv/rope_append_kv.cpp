@@ -454,10 +454,8 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
 }
 
-TORCH_LIBRARY_IMPL(posenc, ADInplaceOrView, m) {
-  m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
-  m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
-}
+POSENC_REGISTER_WRITTEN_LAYERS("rope_append_kv")
+POSENC_REGISTER_WRITTEN_LAYERS("rope_append_kv_")
 
 // ---- Meta kernels
 // The real kernels' checks and q's (and k's) shape, so torch.compile and torch.export trace

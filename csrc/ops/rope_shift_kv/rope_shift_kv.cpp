@@ -452,9 +452,7 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("rope_shift_kv_", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
 }
 
-TORCH_LIBRARY_IMPL(posenc, ADInplaceOrView, m) {
-  m.impl("rope_shift_kv_", torch::CppFunction::makeFromBoxedFunction<&bump_written_versions>());
-}
+POSENC_REGISTER_WRITTEN_LAYERS("rope_shift_kv_")
 
 // ---- The Meta kernel: the real kernels' checks (the cache is a mutated argument of the
 // schema: functionalization handles it).
