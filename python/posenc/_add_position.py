@@ -39,7 +39,8 @@ def add_position(
     ``x`` is (batch, seq, d) when ``batch_first`` else (seq, batch, d); ``table`` is
     (max_len, d) or (1, max_len, d). Without ``positions`` rows ``offset .. offset+seq-1``
     are added. Dropout applies only when ``training``; backward uses the forward's mask (saved
-    as bits on the CPU, regenerated from its Philox (seed, offset) on CUDA).
+    as bits on the CPU, regenerated from its Philox (seed, offset) on CUDA). DTensor
+    ``positions`` are range-checked as a whole (gathered: every rank raises the IndexError).
     """
     fn = "add_position"
     if isinstance(offset, bool):  # the op's SymInt would take True as 1
@@ -50,6 +51,10 @@ def add_position(
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"posenc: expected dropout probability p in [0, 1], got {p}")
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
+    if is_dtensor(positions) and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
+        # The kernel checks each rank's shard: one rank alone would raise (the others block
+        # in their next collective). The bounds of the global positions raise on every rank.
+        torch.ops.posenc.position_bounds(positions, table.shape[-2])
     return torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p if training else 0.0)
 
 
@@ -70,7 +75,7 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
     torch.compile the host check is left out (it would break the graph); the kernel's stays.
     """
     if (positions.is_cuda and positions.dtype == torch.int64 and not torch.compiler.is_compiling()
-            and not torch.jit.is_tracing()):
+            and not torch.jit.is_tracing() and not is_dtensor(positions)):  # add_position checks those
         torch.ops.posenc.position_bounds(positions, max_len)
 
 

@@ -19,7 +19,7 @@ from torch import Tensor
 from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._common import _bool_arg, _float_arg
-from posenc._dtensor import place_beside
+from posenc._dtensor import is_dtensor, place_beside
 from posenc._rope import LENGTH_SCALED_TYPES, heads_batch_rule, resolve_config_keys, scaling_arguments
 
 
@@ -138,7 +138,9 @@ def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, val
     """rope_cos_sin's tables from its checked, parsed arguments."""
     seq_len = 0
     if rope_type in LENGTH_SCALED_TYPES and positions.numel():
-        seq_len = int(positions.max()) + 1
+        # The longest position of the whole call: a sharded DTensor's max() read on the host
+        # is its own shard's (each rank scaled by another length).
+        seq_len = int((positions.full_tensor() if is_dtensor(positions) else positions).max()) + 1
     inv_freq, factor = _host_frequencies(rotary_dim, base, rope_type, values, seq_len)
     inv_freq = torch.tensor(inv_freq, dtype=torch.float64, device=positions.device)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq

@@ -434,12 +434,15 @@ def accept_dtensor_inputs(module: torch.nn.Module) -> torch.nn.Module:
     cu_seqlens) and the module's own plain buffers (``PositionalEncoding.pe``) are seen as
     ``Replicate()`` DTensors on its mesh (no communication: plain tensors must hold the same
     values on every rank). The buffers are wrapped for the call only, so plain calls keep
-    working. Parameters must already be DTensors (``distribute_module``,
+    working (a buffer that forward reassigns keeps its new value, plain again when it is
+    replicated). Parameters must already be DTensors (``distribute_module``,
     ``parallelize_module``, ``fully_shard``): a plain parameter with DTensor inputs is a
     RuntimeError. Returns the module."""
-    saved = {}
+    calls = []  # per call in progress (nested calls stack up): {name: (plain buffer, its wrapper)}
 
     def before(mod, args, kwargs):
+        wrapped = {}
+        calls.append(wrapped)  # first: the forward hook pops it even when this hook raises
         like = _first_dtensor(list(args) + list(kwargs.values()))
         if like is None:
             return None
@@ -452,16 +455,20 @@ def accept_dtensor_inputs(module: torch.nn.Module) -> torch.nn.Module:
                 )
         for name, buf in list(mod._buffers.items()):
             if isinstance(buf, Tensor) and not isinstance(buf, DTensor):
-                saved[name] = buf
-                mod._buffers[name] = replicate_like(like, buf)
+                wrapped[name] = (buf, replicate_like(like, buf))
+                mod._buffers[name] = wrapped[name][1]
         args = tuple(replicate_like(like, a) for a in args)
         kwargs = {key: replicate_like(like, value) for key, value in kwargs.items()}
         return args, kwargs
 
     def after(mod, args, kwargs, output):
-        while saved:
-            name, buf = saved.popitem()
-            mod._buffers[name] = buf
+        for name, (plain, wrapper) in (calls.pop() if calls else {}).items():  # (empty: a hook before ours raised)
+            current = mod._buffers.get(name)
+            if current is wrapper:
+                mod._buffers[name] = plain
+            elif isinstance(current, DTensor) and all(p.is_replicate() for p in current.placements):
+                # Reassigned by forward (self.count = self.count + 1): the new value, plain again.
+                mod._buffers[name] = current.to_local()
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True, always_call=True)

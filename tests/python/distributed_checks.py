@@ -899,6 +899,66 @@ def positional_encoding_takes_dtensors():
 
 
 @check
+def sharded_values_read_whole():
+    """Values read on the host from sharded tensors are the global tensor's (a review found each
+    rank reading its own shard): rope_cos_sin's "dynamic" scale (the longest position: rank 0
+    scaled by its shard's 3 + 1, tables 0.21 off); an out-of-range position in one rank's shard
+    of add_position's positions (PositionalEncoding, a distributed LearnedPositionalEncoding,
+    the function) an IndexError on every rank, not on that rank alone (the others went on to
+    block in their next collective). And accept_dtensor_inputs keeps a buffer that forward
+    reassigns (it put the pre-call one back)."""
+    import posenc
+    import posenc.functional as F
+    from posenc.distributed import accept_dtensor_inputs
+    from torch.distributed.tensor import distribute_module
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    dyn = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+    pos = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 60], [7, 1, 2, 3, 4, 5, 6, 9]])  # 60 in rank 1's half
+    want = F.rope_cos_sin(pos, 16, scaling=dyn, dtype=torch.float64)
+    for pl in (Shard(1), Shard(0)):
+        with implicit_replication():
+            got = F.rope_cos_sin(distribute_tensor(pos, mesh, [pl]), 16, scaling=dyn, dtype=torch.float64)
+        for g, w in zip(got, want):
+            close(g.full_tensor(), w, f"rope_cos_sin dynamic {pl}")
+
+    bad = torch.tensor([0, 1, 2, 9])  # 9 >= max_len 8, in rank 1's shard
+    x = rand(2, 4, 6, seed=181)
+    learned = posenc.LearnedPositionalEncoding(6, dropout=0.0, max_len=8).double()
+    distribute_module(learned, mesh)
+    calls = {
+        "PositionalEncoding": lambda dx, dp: posenc.PositionalEncoding(6, dropout=0.0, max_len=8).double()(
+            dx, positions=dp),
+        "LearnedPositionalEncoding": lambda dx, dp: learned(dx, positions=dp),
+        "add_position": lambda dx, dp: F.add_position(dx, torch.zeros(8, 6, dtype=torch.float64), positions=dp),
+    }
+    for name, call in calls.items():
+        try:
+            call(distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(bad, mesh, [Shard(0)]))
+        except IndexError as e:
+            assert "found 9" in str(e), str(e)
+        else:
+            raise AssertionError(f"{name}: position 9 >= max_len 8 on rank 1's shard not refused on rank "
+                                 f"{dist.get_rank()}")
+
+    class Counter(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+        def forward(self, x):
+            self.calls = self.calls + 1
+            return x * 2
+
+    counter = accept_dtensor_inputs(Counter())
+    for _ in range(2):
+        counter(distribute_tensor(x, mesh, [Replicate()]))
+    counter(x)
+    assert type(counter.calls) is torch.Tensor and int(counter.calls) == 3, counter.calls
+
+
+@check
 def docs_example():
     """docs/distributed.md's DTensor example, run as written on each rank (its own assertions
     compare the sharded results with one-process calls; its one-process group set-up and
