@@ -27,7 +27,8 @@ int64_t* long_data(const at::Tensor& t) { return t.defined() ? t.data_ptr<int64_
 // CPU index values are checked here, where reading them is a pass over a few integers per
 // token: a position outside the domain would wrap the int64 sum silently, a bad cu_seqlens
 // read out of bounds. (CUDA ones are read only where a sync is paid anyway: the modules'
-// range check, "dynamic"; the kernels write NaN for packed tokens outside every sequence.)
+// range check, "dynamic"; the kernels stop with a device-side assert on a packed token
+// outside every sequence, and write NaN there only when asserts are compiled out.)
 void check_cpu_index_values(const RopeLaunch& launch) {
   for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"positions", &launch.positions},
                                 {"offsets", &launch.offsets}}) {
