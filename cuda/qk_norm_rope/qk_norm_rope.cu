@@ -239,7 +239,8 @@ cudaError_t qk_norm_rope_backward_rows(const QkNormRopeArgs& a, int64_t lq, int6
   int64_t wave = 0;
   POSENC_CUDA_TRY(cuda::resident_blocks(reinterpret_cast<const void*>(kernel), kThreads, &wave));
   const int64_t needed = (2 * tokens + kWarps - 1) / kWarps;
-  const int64_t cap = std::max<int64_t>(1, (int64_t{16} << 20) / (kWarps * (lq + lk)));
+  // A partial row holds 2 * max(lq, lk) values (the host's row_len: q's sums, then k's).
+  const int64_t cap = std::max<int64_t>(1, (int64_t{16} << 20) / (kWarps * 2 * std::max(lq, lk)));
   *n_rows = std::min<int64_t>({needed, cap, wave}) * kWarps;
   return cudaSuccess;
 }
