@@ -651,7 +651,9 @@ class RotaryPositionalEncoding(nn.Module):
             tensors are read for it in eager mode only: under torch.compile, torch.export
             and torch.jit.trace (and on CUDA with ``check_positions`` False) the module
             rotates at the positions given, beyond ``max_len`` too, as the function does
-            (an int ``offset`` is checked everywhere).
+            (an int ``offset`` is checked in eager mode, under torch.compile and by an
+            exported program's ``module()``, not in a traced module or an AOTInductor
+            package: docs/deploy.md).
         base: RoPE base ("rope_theta"; default 10000, or the scaling dict's ``rope_theta``).
         interleaved: rotate adjacent pairs (GPT-J, Meta LLaMA, torchtune) instead of halves
             (GPT-NeoX, Hugging Face ``rotate_half``).
