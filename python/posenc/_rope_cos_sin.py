@@ -41,10 +41,15 @@ def _frequencies_cached(rotary_dim: int, base: float, rope_type: str, values: Tu
                         seq_len: int) -> Tuple[Tuple[float, ...], float]:
     """The op's answer, once per configuration (a model's layers call with the same one):
     the op call and the read-back of up to 256 floats are not repeated per call."""
-    with _disable_current_modes():
-        inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
-                                                             seq_len, [], "axial")
-    return tuple(inv_freq.tolist()), float(factor)
+    tracing = torch._C._get_tracing_state()  # torch.jit.trace would record the op (float output)
+    torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes():
+            inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
+                                                                 seq_len, [], "axial")
+            return tuple(inv_freq.tolist()), float(factor)
+    finally:
+        torch._C._set_tracing_state(tracing)
 
 
 # torch.compiler.assume_constant_result(_host_frequencies) sets this one attribute; it is
@@ -88,7 +93,10 @@ def rope_cos_sin(
     ``cos[..., s, j] = cos(positions[..., s] * inv_freq[j % (rotary_dim // 2)]) * factor``. For
     "dynamic" and "longrope" the longest position of the call sets the scale (read from ``positions``: one
     device sync), as transformers' ``dynamic_rope_update``; under ``torch.compile`` their
-    tables are made outside the graph (a graph break: ``fullgraph=True`` refuses them).
+    tables are made outside the graph (a graph break: ``fullgraph=True`` and torch.export
+    refuse them), and torch.jit.trace refuses them (it would fix the scale at the traced
+    positions). Under torch.compile every other table is a constant of the graph: a number
+    argument that changes between calls (``base``, ``dim``, a scaling value) recompiles.
     """
     fn = "rope_cos_sin"
     if not isinstance(positions, Tensor):
@@ -124,6 +132,20 @@ def rope_cos_sin(
     rope_type, values = scaling_arguments(scaling, max_position_embeddings)
     args = (positions, rotary_dim, 10000.0 if base is None else _float_arg(fn, "base", base), rope_type,
             tuple(values), _bool_arg(fn, "attention_scaling", attention_scaling), dtype)
+    if rope_type in LENGTH_SCALED_TYPES and torch.jit.is_tracing():
+        raise RuntimeError(f"{fn}: {rope_type!r} tables scale by the longest position, read from the positions' "
+                           f"values, which torch.jit.trace would fix at the traced ones; rotate with "
+                           f"posenc.functional.apply_rope, whose op reads them at run time")
+    if torch.compiler.is_compiling():
+        # A number torch.compile made a symbol (a dim, rotary_dim, base or scaling value that
+        # changed between calls, or dynamic=True) is specialised to its value (.hex() needs
+        # one: a guard, a recompile per value), as a constant one is: the frequencies are
+        # computed on the host (_host_frequencies), from constants.
+        def concrete(v: float) -> float:
+            return float.fromhex(float(v).hex())
+
+        args = (args[0], int(concrete(args[1])), concrete(args[2]), args[3], tuple(concrete(v) for v in args[4]),
+                *args[5:])
     if rope_type in LENGTH_SCALED_TYPES and torch.compiler.is_compiling():
         # The scale depends on the positions' values (their maximum, read on the host), which a
         # graph cannot hold: under torch.compile the tables are made outside it (a graph

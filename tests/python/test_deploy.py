@@ -142,6 +142,44 @@ def test_rope_cos_sin_of_length_scaled_types_under_compile(scaling, dynamic):
             torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_rope_cos_sin_number_arguments_that_change_under_compile(dynamic):
+    """A dim, rotary_dim, base or scaling value passed to a compiled function and changed
+    between calls (or any, with dynamic=True) becomes a symbol, which the host-side
+    frequencies cannot take: an internal dynamo error ("SymNodeVariable() is not a
+    constant"). Now specialised: a recompile per value, the eager tables."""
+    calls = {
+        "dim": (lambda p, v: functional.rope_cos_sin(p, v), (8, 12, 16)),
+        "rotary_dim": (lambda p, v: functional.rope_cos_sin(p, 16, rotary_dim=v), (8, 12, 4)),
+        "base": (lambda p, v: functional.rope_cos_sin(p, 8, base=v), (10000.0, 500.0, 77.5)),
+        "factor": (lambda p, v: functional.rope_cos_sin(p, 8, scaling={"rope_type": "linear", "factor": v}),
+                   (2.0, 3.0, 4.0)),
+    }
+    positions = torch.arange(7)
+    for name, (fn, values) in calls.items():
+        torch._dynamo.reset()
+        compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+        for v in values:
+            for got, want in zip(compiled(positions, v), fn(positions, v)):
+                torch.testing.assert_close(got, want, rtol=0, atol=0, msg=name)
+
+
+def test_rope_cos_sin_under_jit_trace():
+    """Traced, the frequencies are constants of the trace (the op that computes them returns a
+    float, which the tracer cannot record: the first trace of a configuration failed with
+    "unsupported output type: float"); "dynamic" / "longrope" tables, whose scale is read
+    from the positions' values, are refused (the trace fixed them at the traced positions:
+    1.03 off at positions 0..29 after a trace at 0..3)."""
+    fn = lambda p: functional.rope_cos_sin(p, 8, base=1234.5)  # noqa: E731  (a configuration not cached yet)
+    with pytest.warns(torch.jit.TracerWarning):  # the frequencies become constants of the trace
+        traced = torch.jit.trace(fn, (torch.arange(4),))
+    for got, want in zip(traced(torch.arange(30)), fn(torch.arange(30))):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    dyn = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+    with pytest.raises(RuntimeError, match=r"rope_cos_sin: 'dynamic' tables .* torch.jit.trace would fix"):
+        torch.jit.trace(lambda p: functional.rope_cos_sin(p, 8, scaling=dyn), (torch.arange(4),))
+
+
 class EveryOp(nn.Module):
     """Every inference op of posenc with every argument kind: strings, float and int lists,
     optional tensors (given and None), a SymInt offset from a dynamic size, per-row offsets."""
