@@ -43,7 +43,9 @@ def add_position(
     ``positions`` are range-checked as a whole (gathered: every rank raises the IndexError).
     """
     fn = "add_position"
-    if isinstance(offset, bool):  # the op's SymInt would take True as 1
+    if isinstance(offset, bool) or (isinstance(offset, Tensor) and (offset.is_floating_point() or offset.is_complex()
+                                                                    or offset.dtype == torch.bool)):
+        # The op's SymInt would take True as 1 and truncate a float tensor (3.7 as 3).
         raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")
     batch_first, training = _bool_arg(fn, "batch_first", batch_first), _bool_arg(fn, "training", training)
     if not isinstance(p, torch.SymFloat):  # checked in eval mode too, with the op's message

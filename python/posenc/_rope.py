@@ -231,15 +231,19 @@ def rope_frequencies(
     frequencies of the ``rotary_dim // 2`` pairs (Hugging Face's ``inv_freq``, unrounded) and
     the factor cos and sin are multiplied by (yarn's attention scaling, else 1).
     ``seq_len`` (longest position + 1) matters for "dynamic" and "longrope" only. With ``sections`` (see
-    :func:`apply_rope`), each pair's frequency as multi-axis RoPE computes it."""
-    scaling, base, _, sections, sections_mode = resolve_config_keys(
-        scaling, base=base, rotary_dim=None, head_dim=rotary_dim, sections=sections, sections_mode=sections_mode,
-        fn="rope_frequencies")
-    rope_type, values = scaling_arguments(scaling)
+    :func:`apply_rope`), each pair's frequency as multi-axis RoPE computes it. A scaling
+    dict's ``partial_rotary_factor`` applies to ``rotary_dim`` as to a head_dim (as
+    :func:`rope_cos_sin` and transformers' rotary classes apply it): ``rotary_dim *
+    factor`` features rotate."""
     fn = "rope_frequencies"
+    rotary_dim = _int_arg(fn, "rotary_dim", rotary_dim)
+    scaling, base, partial, sections, sections_mode = resolve_config_keys(
+        scaling, base=base, rotary_dim=None, head_dim=rotary_dim, sections=sections, sections_mode=sections_mode,
+        fn=fn)
+    rope_type, values = scaling_arguments(scaling)
     return torch.ops.posenc.rope_frequencies(
-        _int_arg(fn, "rotary_dim", rotary_dim), 10000.0 if base is None else _float_arg(fn, "base", base), rope_type,
-        values, _int_arg(fn, "seq_len", seq_len),
+        rotary_dim if partial is None else partial, 10000.0 if base is None else _float_arg(fn, "base", base),
+        rope_type, values, _int_arg(fn, "seq_len", seq_len),
         _sections(sections), sections_mode,
     )
 

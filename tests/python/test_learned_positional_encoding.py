@@ -234,6 +234,30 @@ def test_make_positions_matches_fairseq_formula():
         make_positions(torch.rand(2, 3), 1)
 
 
+def test_make_positions_padding_idx_outside_the_tokens_dtype():
+    """padding_idx is compared in int64: ne() converted it into the tokens' dtype, which
+    wrapped (300 as uint8 is 44, 200 as int8 is -56), so tokens of that value were taken for
+    padding."""
+    want = torch.tensor([[301, 302, 303]])
+    assert torch.equal(make_positions(torch.tensor([[44, 5, 44]], dtype=torch.uint8), 300), want)
+    assert torch.equal(make_positions(torch.tensor([[-56, 5]], dtype=torch.int8), 200), torch.tensor([[201, 202]]))
+    big = 2**32 + 1
+    assert torch.equal(make_positions(torch.tensor([[1, 5]], dtype=torch.int32), big),
+                       torch.tensor([[big + 1, big + 2]]))
+
+
+def test_add_position_refuses_a_float_or_bool_tensor_offset():
+    """The op's SymInt offset took a 0-d float tensor truncated (3.7 as 3) and True as 1."""
+    x, table = torch.zeros(1, 2, 4), torch.arange(32.0).reshape(8, 4)
+    for offset in (torch.tensor(3.7), torch.tensor(3.2, dtype=torch.bfloat16), torch.tensor(True),
+                   torch.tensor([3.9])):
+        with pytest.raises(TypeError, match="expected offset to be an int"):
+            posenc.functional.add_position(x, table, offset=offset)
+        with pytest.raises(TypeError, match="expected offset to be an int"):
+            posenc.PositionalEncoding(4, 0.0, 8)(x, offset=offset)
+    assert torch.equal(posenc.functional.add_position(x, table, offset=torch.tensor(3)), table[3:5].unsqueeze(0))
+
+
 @pytest.mark.parametrize("padding_idx, offset", [(1, 0), (1, 7), (0, 3), (-100, 12)])
 def test_make_positions_offset_is_transformers_past_key_values_length(padding_idx, offset):
     """transformers' create_position_ids_from_input_ids(input_ids, padding_idx,

@@ -390,11 +390,11 @@ def test_bad_inputs():
         qk_norm_rope(q, k, wq, wk.view(2, 4))
     with pytest.raises(ValueError, match=r"q_weight of shape \(24,\).*heads \* head_dim of q.*'hidden'"):
         qk_norm_rope(q, k, wq, wk, norm="hidden")
-    with pytest.raises(TypeError, match="q_weight to have q's dtype Float, got Double"):
+    with pytest.raises(TypeError, match="qk_norm_rope: expected q_weight to have q's dtype torch.float32, got torch.float64"):
         qk_norm_rope(q, k, wq.double(), wk)
     with pytest.raises(TypeError, match="k_weight to have q's dtype"):
         qk_norm_rope(q, k, wq, wk.to(torch.int64))
-    with pytest.raises(TypeError, match="q_weight to have q's dtype BFloat16 \\(or torch.float32\\), got Half"):
+    with pytest.raises(TypeError, match="q_weight to have q's dtype torch.bfloat16 \\(or torch.float32\\), got torch.float16"):
         qk_norm_rope(q.bfloat16(), k.bfloat16(), wq.half(), wk.bfloat16())
     for eps in (0.0, -1e-6):
         with pytest.raises(ValueError, match=f"eps > 0.*got {eps}"):

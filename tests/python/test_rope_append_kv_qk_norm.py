@@ -167,7 +167,7 @@ def test_bad_norm_arguments_are_errors_that_write_nothing():
         rope_append_kv(q, k, v, kc, vc, q_weight=wq, k_weight=wk, eps=0.0, **placement)
     with pytest.raises(ValueError, match=r"k_weight of shape \(64,\)"):
         rope_append_kv(q, k, v, kc, vc, q_weight=wq.repeat(HQ), k_weight=wk, norm="hidden", **placement)
-    with pytest.raises(TypeError, match="q_weight to have q's dtype"):
+    with pytest.raises(TypeError, match="rope_append_kv: expected q_weight to have q's dtype"):
         rope_append_kv(q, k, v, kc, vc, q_weight=wq.double(), k_weight=wk, **placement)
     q.requires_grad_(True)
     with pytest.raises(RuntimeError, match="inference"):

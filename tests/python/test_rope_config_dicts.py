@@ -40,6 +40,13 @@ def test_partial_rotary_factor_sets_rotary_dim():
     assert rope.rotary_dim == 8 and torch.equal(rope(q), apply_rope(q, rotary_dim=8))
     with pytest.raises(ValueError, match="partial_rotary_factor' in \\(0, 1\\]"):
         apply_rope(q, scaling={"rope_type": "default", "partial_rotary_factor": 1.5})
+    # rope_frequencies applies the key to its width as to a head_dim, as rope_cos_sin and
+    # transformers do (it was dropped: 16 frequencies where the rotation has 4).
+    inv, _ = rope_frequencies(32, scaling=cfg)
+    assert torch.equal(inv, rope_frequencies(8)[0]) and inv.shape == (4,)
+    linear = {"rope_type": "linear", "factor": 4.0, "partial_rotary_factor": 0.5}
+    assert torch.equal(rope_frequencies(16, scaling=linear)[0],
+                       rope_frequencies(8, scaling={"rope_type": "linear", "factor": 4.0})[0])
 
 
 def test_qwen_vl_dicts_set_sections():

@@ -343,7 +343,7 @@ def _valid():
         (dict(interleaved=1), TypeError, "interleaved to be a bool, got 1"),
         (dict(q=torch.zeros(2, 5, 8)), ValueError, r"q of shape \(batch, heads, seq, head_dim\) .* got \(2, 5, 8\)"),
         (dict(k=torch.zeros(2, 2, 6, 8)), ValueError, r"k of shape .* got k \(2, 2, 6, 8\)"),
-        (dict(k=torch.zeros(2, 2, 5, 8, dtype=F64)), ValueError, "k on q's device with q's dtype"),
+        (dict(k=torch.zeros(2, 2, 5, 8, dtype=F64)), TypeError, "expected k to have q's dtype torch.float32, got torch.float64"),
         (dict(sin=torch.zeros(5, 6)), ValueError, r"cos and sin of the same shape, got \(5, 8\) and \(5, 6\)"),
         (dict(cos=torch.zeros(4, 8), sin=torch.zeros(4, 8)), ValueError, r"with seq=5 .* got \(4, 8\)"),
         (dict(cos=torch.zeros(3, 5, 8), sin=torch.zeros(3, 5, 8)), ValueError, r"batch=2 \(or 1\), got \(3, 5, 8\)"),

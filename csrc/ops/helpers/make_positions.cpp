@@ -23,7 +23,9 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t
   // negative: a non-padding token would be numbered like padding.
   TORCH_CHECK_VALUE(offset >= 0 && offset <= kLimit, "make_positions: expected offset in [0, 2**62], got ",
                     offset);
-  const at::Tensor mask = tokens.ne(padding_idx).to(at::kLong);
+  // Compared in int64: ne() with a scalar converts padding_idx into the tokens' dtype, which
+  // wraps (300 as uint8 is 44: tokens 44 taken for padding).
+  const at::Tensor mask = tokens.to(at::kLong).ne(padding_idx).to(at::kLong);
   return (at::cumsum(mask, 1) + offset) * mask + padding_idx;
 }
 

@@ -18,6 +18,7 @@
 
 #include "ops/common/aten_fallback.h"
 #include "ops/common/op_handles.h"
+#include "ops/common/py_format.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/common/meta_support.h"
 #include "ops/common/rope_checks.h"
@@ -163,15 +164,15 @@ namespace {
 
 // A weight: 1-D, `expected` values (head_dim, or heads * head_dim for norm "hidden"), q's
 // dtype (or float32 for half-precision q: float32 master weights), q's device.
-void check_weight(const char* name, const at::Tensor& w, const at::Tensor& q,
+void check_weight(const char* op, const char* name, const at::Tensor& w, const at::Tensor& q,
                   const c10::SymInt& expected, QkNorm norm, const char* operand) {
   const bool reduced = q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16;
   TORCH_CHECK_TYPE(w.scalar_type() == q.scalar_type() || (reduced && w.scalar_type() == at::kFloat),
-                   "posenc: qk_norm_rope: expected ", name, " to have q's dtype ", q.scalar_type(),
-                   reduced ? " (or torch.float32)" : "", ", got ", w.scalar_type());
-  TORCH_CHECK(w.device() == q.device(), "posenc: qk_norm_rope: expected ", name,
+                   "posenc: ", op, ": expected ", name, " to have q's dtype ", py_dtype(q.scalar_type()),
+                   reduced ? " (or torch.float32)" : "", ", got ", py_dtype(w.scalar_type()));
+  TORCH_CHECK(w.device() == q.device(), "posenc: ", op, ": expected ", name,
               " on q's device ", q.device(), ", got ", name, " on ", w.device());
-  TORCH_CHECK_VALUE(w.dim() == 1 && w.sym_size(0) == expected, "posenc: qk_norm_rope: expected ",
+  TORCH_CHECK_VALUE(w.dim() == 1 && w.sym_size(0) == expected, "posenc: ", op, ": expected ",
                     name, " of shape (", expected, ",) (",
                     norm == QkNorm::kHead ? "head_dim, for norm 'head'"
                                           : "heads * head_dim of ",
@@ -192,20 +193,20 @@ void check_grad(const char* name, const at::Tensor& g, const at::Tensor& x, cons
 }  // namespace
 
 int64_t check_qk_norm_rope(const QkNormRopeCall& c, bool backward) {
-  TORCH_CHECK_VALUE(c.rope.k.has_value(), "posenc: qk_norm_rope: expected k, got None");
+  TORCH_CHECK_VALUE(c.rope.k.has_value(), "posenc: ", c.op, ": expected k, got None");
   const int64_t rot = check_rope_structure(c.rope);
   check_rope_settings(c.rope);
   TORCH_CHECK_VALUE(std::isfinite(c.eps) && c.eps > 0.0,
-                    "posenc: qk_norm_rope: expected eps > 0 (added to the mean square), got ", c.eps);
+                    "posenc: ", c.op, ": expected eps > 0 (added to the mean square), got ", c.eps);
   TORCH_CHECK_VALUE(std::isfinite(c.weight_offset),
-                    "posenc: qk_norm_rope: expected weight_offset to be finite, got ",
+                    "posenc: ", c.op, ": expected weight_offset to be finite, got ",
                     c.weight_offset);
   const at::Tensor qv = rope_canonical_view(c.rope.q, c.rope.layout);
   const at::Tensor kv = rope_canonical_view(*c.rope.k, c.rope.layout);
   const bool head = c.norm == QkNorm::kHead;
-  check_weight("q_weight", c.q_weight, c.rope.q, head ? qv.sym_size(3) : qv.sym_size(2) * qv.sym_size(3),
+  check_weight(c.op, "q_weight", c.q_weight, c.rope.q, head ? qv.sym_size(3) : qv.sym_size(2) * qv.sym_size(3),
                c.norm, "q");
-  check_weight("k_weight", c.k_weight, c.rope.q, head ? kv.sym_size(3) : kv.sym_size(2) * kv.sym_size(3),
+  check_weight(c.op, "k_weight", c.k_weight, c.rope.q, head ? kv.sym_size(3) : kv.sym_size(2) * kv.sym_size(3),
                c.norm, "k");
   if (backward) {
     check_grad("grad_q", c.grad_q, c.rope.q, "q");

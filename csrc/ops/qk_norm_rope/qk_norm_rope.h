@@ -33,6 +33,7 @@ struct QkNormRopeCall {
   double eps = 1e-6;
   double weight_offset = 0.0;
   QkNorm norm = QkNorm::kHead;
+  const char* op = "qk_norm_rope";  // the op its checks' messages name (rope_append_kv's QK-norm too)
 
   // Pops a boxed call of qk_norm_rope (backward=false) or qk_norm_rope_backward.
   static QkNormRopeCall pop(torch::jit::Stack& stack, bool backward);

@@ -85,6 +85,7 @@ QkNormRopeCall RopeAppendKvCall::normed_rotation() const {
   n.eps = eps;
   n.weight_offset = weight_offset;
   n.norm = norm;
+  n.op = "rope_append_kv";
   return n;
 }
 

@@ -49,9 +49,10 @@ bool check_rope_cos_sin(const at::Tensor& q, const std::optional<at::Tensor>& k,
                       kFn, ": expected k of shape ", shape,
                       " with q's batch, seq and head_dim (heads may differ), got k ", shape_of(*k),
                       " and q ", shape_of(q));
-    TORCH_CHECK_VALUE(k->scalar_type() == q.scalar_type() && k->device() == q.device(), kFn,
-                      ": expected k on q's device with q's dtype (", py_dtype(q.scalar_type()), ", ",
-                      q.device(), "), got ", py_dtype(k->scalar_type()), ", ", k->device());
+    TORCH_CHECK_TYPE(k->scalar_type() == q.scalar_type(), kFn, ": expected k to have q's dtype ",
+                     py_dtype(q.scalar_type()), ", got ", py_dtype(k->scalar_type()));
+    TORCH_CHECK_VALUE(k->device() == q.device(), kFn, ": expected k on q's device ", q.device(), ", got ",
+                      k->device());
   }
   TORCH_CHECK_VALUE(cos.sym_sizes() == sin.sym_sizes(), kFn,
                     ": expected cos and sin of the same shape, got ", shape_of(cos), " and ",
