@@ -292,6 +292,33 @@ def test_float32_angles_accurate_at_every_accepted_position(D, through):
     assert err.max().item() < 1.5e-7, err.max(dim=1).values.view(-1)[:: 200]
 
 
+@pytest.mark.parametrize("through", ["kernel", "composite"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_angles_beyond_2_pow_53_times_pi_over_2(dtype, through):
+    """Summed positions (a position plus a per-row offset, each up to 2**53) and frequencies
+    above 1 (linear factor 0.5) give angles up to 2**55. Past 2**53 * pi/2 the reduction's
+    quotient k0 is even and k0 + 1 not representable: the quadrant stayed k0's while the
+    remainder took the step, a quarter turn off (cos and sin swapped, 1.41 off, float32 and
+    float64, in every RoPE kernel); and the quotient can be two off, two steps back. Each
+    output within float rounding of torch's cos / sin of the same double angle."""
+    from aten_fallback_mode import ThroughTheFallback
+    import contextlib
+
+    g = torch.Generator().manual_seed(11)
+    pos = torch.randint(2**52, 2**53 + 1, (2, 300), generator=g)
+    offsets = torch.tensor([2**53, 2**53 - 12345])
+    linear = {"rope_type": "linear", "factor": 0.5}  # inv_freq 2, 0.2, 0.02, ...
+    x = torch.zeros(2, 300, 1, 8, dtype=dtype)
+    x[..., :4] = 1.0  # (1, 0) in every pair: the output is (cos, sin)
+    with ThroughTheFallback() if through == "composite" else contextlib.nullcontext():
+        out = apply_rope(x, positions=pos, offset=offsets, scaling=linear)
+    inv, _ = rope_frequencies(8, scaling=linear)
+    angle = (pos + offsets[:, None]).to(torch.float64)[..., None] * inv
+    assert angle.abs().max().item() > 2**54  # beyond 2**53 * pi/2 by far
+    err = torch.maximum((out[..., 0, :4].double() - angle.cos()).abs(), (out[..., 0, 4:].double() - angle.sin()).abs())
+    assert err.max().item() < (1.5e-7 if dtype == torch.float32 else 1e-13), err.max().item()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_dynamic_reads_longest_position(device):
     scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16}

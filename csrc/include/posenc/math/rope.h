@@ -402,17 +402,19 @@ POSENC_HOST_DEVICE void rope_sincos(int64_t pos, double inv_freq, T* s, T* c) {
   const double k0 = rint(angle * two_over_pi);
   const double r0 = fma(-k0, pio2_lo, fma(-k0, pio2_hi, angle));
   // Past |angle * 2/pi| ~ 2^42 the rounded product is no longer exact to a fraction of a
-  // unit, so k0 can be one off and r0 up to pi/2 (at 2^53), where the float polynomials
-  // are wrong by up to ~2000 ulps: one step back into [-pi/4, pi/4]. Below that an r0 is at
-  // most ~1e-4 past pi/4, inside kRopeReduceLimit: unchanged (adjust 0 leaves r0 as it is).
-  const double adjust = r0 > kRopeReduceLimit ? 1.0 : (r0 < -kRopeReduceLimit ? -1.0 : 0.0);
-  const double k = k0 + adjust;
+  // unit, so k0 can be off (one unit, two past 2^53) and r0 up to pi/2 or more, where the
+  // float polynomials are wrong by up to ~2000 ulps: a second step, rint(r0 * 2/pi) units
+  // back into [-pi/4, pi/4]. Below that an r0 is at most ~1e-4 past pi/4, inside
+  // kRopeReduceLimit: unchanged (adjust 0 leaves r0 as it is).
+  const double adjust = (r0 > kRopeReduceLimit || r0 < -kRopeReduceLimit) ? rint(r0 * two_over_pi) : 0.0;
   const double r = fma(-adjust, pio2_lo, fma(-adjust, pio2_hi, r0));
   T sr, cr;
   rope_sincos_reduced(static_cast<T>(r), &sr, &cr);
-  // Quadrant q = k mod 4 (exact in double): angle = r + q * pi/2, so
+  // Quadrant q = (k0 + adjust) mod 4, from k0 mod 4 (exact in double): past 2^53 the sum
+  // k0 + adjust is not representable (k0 is even there), its residue is. angle = r + q * pi/2:
   // q = 0: (sr, cr); 1: (cr, -sr); 2: (-sr, -cr); 3: (-cr, sr).
-  const double q = k - 4.0 * floor(k * 0.25);
+  const double q_sum = (k0 - 4.0 * floor(k0 * 0.25)) + adjust;  // in [-2, 5]
+  const double q = q_sum < 0.0 ? q_sum + 4.0 : (q_sum >= 4.0 ? q_sum - 4.0 : q_sum);
   const bool swap = q == 1.0 || q == 3.0;
   const T ss = swap ? cr : sr;
   const T cc = swap ? sr : cr;

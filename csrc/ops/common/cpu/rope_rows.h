@@ -130,24 +130,27 @@ inline void rope_sincos8(__m256d pos_lo, __m256d pos_hi, const double* inv, __m2
     const __m256d nk0 = _mm256_xor_pd(k0, sign64);
     const __m256d r0 = _mm256_fmadd_pd(nk0, _mm256_set1_pd(6.1232339957367658e-17),
                                        _mm256_fmadd_pd(nk0, _mm256_set1_pd(1.5707963267948965580e+00), angle));
-    // rope_sincos's step back into [-pi/4, pi/4] (adjust = +1, -1 or 0; 0 leaves r0 as it
-    // is), taken only when a lane needs it (angles past ~2^42): the same bits, and the
-    // common case pays one compare.
+    // rope_sincos's second step back into [-pi/4, pi/4] (adjust = rint(r0 * 2/pi) where
+    // |r0| > kRopeReduceLimit, else 0, which leaves r0 as it is) and its quadrant from
+    // k0 mod 4 plus adjust, taken only when a lane needs it (angles past ~2^42): the same
+    // bits, and the common case pays one compare.
     const __m256d limit = _mm256_set1_pd(math::kRopeReduceLimit);
-    __m256d k = k0, r = r0;
-    if (_mm256_movemask_pd(_mm256_cmp_pd(_mm256_andnot_pd(sign64, r0), limit, _CMP_GT_OQ)) != 0) {
-      const __m256d one64 = _mm256_set1_pd(1.0);
-      const __m256d adjust =
-          _mm256_sub_pd(_mm256_and_pd(_mm256_cmp_pd(r0, limit, _CMP_GT_OQ), one64),
-                        _mm256_and_pd(_mm256_cmp_pd(r0, _mm256_xor_pd(limit, sign64), _CMP_LT_OQ), one64));
-      k = _mm256_add_pd(k0, adjust);
+    const __m256d four = _mm256_set1_pd(4.0);
+    __m256d r = r0;
+    __m256d q64 = _mm256_sub_pd(k0, _mm256_mul_pd(four, _mm256_floor_pd(_mm256_mul_pd(k0, _mm256_set1_pd(0.25)))));
+    const __m256d far = _mm256_cmp_pd(_mm256_andnot_pd(sign64, r0), limit, _CMP_GT_OQ);
+    if (_mm256_movemask_pd(far) != 0) {
+      const __m256d adjust = _mm256_and_pd(
+          far, _mm256_round_pd(_mm256_mul_pd(r0, _mm256_set1_pd(0.63661977236758134308)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
       const __m256d na = _mm256_xor_pd(adjust, sign64);
       r = _mm256_fmadd_pd(na, _mm256_set1_pd(6.1232339957367658e-17),
                           _mm256_fmadd_pd(na, _mm256_set1_pd(1.5707963267948965580e+00), r0));
+      const __m256d q_sum = _mm256_add_pd(q64, adjust);  // in [-2, 5]
+      q64 = _mm256_add_pd(q_sum, _mm256_and_pd(_mm256_cmp_pd(q_sum, _mm256_setzero_pd(), _CMP_LT_OQ), four));
+      q64 = _mm256_sub_pd(q64, _mm256_and_pd(_mm256_cmp_pd(q64, four, _CMP_GE_OQ), four));
     }
     rf_half[h] = _mm256_cvtpd_ps(r);
-    const __m256d q64 = _mm256_sub_pd(k, _mm256_mul_pd(_mm256_set1_pd(4.0),
-                                                       _mm256_floor_pd(_mm256_mul_pd(k, _mm256_set1_pd(0.25)))));
     q_half[h] = _mm256_cvtpd_ps(q64);
   }
   const __m256 rf = _mm256_insertf128_ps(_mm256_castps128_ps256(rf_half[0]), rf_half[1], 1);
