@@ -298,9 +298,13 @@ class LearnedPositionalEncoding(_AddPositionModule):
 def _dropout_batch_rule(op: "torch._ops.OpOverload", rng_output: bool):
     """vmap of an add_position op: one call per sample (as torch's fallback), but keeping
     vmap's ``randomness`` contract for the dropout draw, as torch's own dropout does: "error"
-    raises, "same" gives every sample one mask (the generator's state restored before each
-    call), "different" (and p == 0) draws per sample. ``rng_output``: the op also returns
-    its rng state (add_position_forward), shared by the samples under "same"."""
+    raises, "same" gives every sample one mask, "different" (and p == 0) draws per sample.
+    Under "same" the first sample draws, and the others get its mask from its rng state:
+    add_position_backward(add_position(x, table, p=0) in the op's compute precision, rng, p),
+    the op's own numbers bit for bit, with one draw from the generator (restoring its state
+    before each sample, as this did, rewound the process's generator under other threads'
+    draws). ``rng_output``: the op also returns its rng state (add_position_forward), shared
+    by the samples under "same"."""
     schema = op._schema.arguments
     names = [a.name for a in schema]
     defaults = [a.default_value for a in schema]
@@ -309,7 +313,7 @@ def _dropout_batch_rule(op: "torch._ops.OpOverload", rng_output: bool):
         n = len(args)
         args = tuple(args) + tuple(kwargs.get(nm, d) for nm, d in zip(names[n:], defaults[n:]))
         in_dims = tuple(in_dims) + (None,) * (len(args) - n)
-        x, p = args[0], args[names.index("p")]
+        p = args[names.index("p")]
         random = p > 0
         if random and info.randomness == "error":
             raise RuntimeError(
@@ -317,13 +321,23 @@ def _dropout_batch_rule(op: "torch._ops.OpOverload", rng_output: bool):
                 f"p={p}). Please either use the 'same' or 'different' randomness flags on vmap or perform the "
                 "randomness operation out of vmap")
         same = random and info.randomness == "same"
-        cuda = x.device.type == "cuda"
-        state = (torch.cuda.get_rng_state(x.device) if cuda else torch.get_rng_state()) if same else None
+
+        def sample(i):
+            return [a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)]
+
         results = []
-        for i in range(info.batch_size):
-            if state is not None:
-                torch.cuda.set_rng_state(state, x.device) if cuda else torch.set_rng_state(state)
-            results.append(op(*[a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)]))
+        if same and info.batch_size > 0:
+            first = sample(0)
+            out, rng = op(*first) if rng_output else torch.ops.posenc.add_position_forward(*first, False)
+            results.append((out, rng) if rng_output else out)
+            for i in range(1, info.batch_size):
+                xi, table, positions, offset, batch_first = sample(i)[:5]
+                wide = xi if xi.dtype == torch.float64 else xi.float()  # the op's compute precision
+                summed = torch.ops.posenc.add_position(wide, table, positions, offset, batch_first, 0.0)
+                out = torch.ops.posenc.add_position_backward(summed, rng, p).to(xi.dtype)
+                results.append((out, rng) if rng_output else out)
+        else:
+            results = [op(*sample(i)) for i in range(info.batch_size)]
         if not rng_output:
             return torch.stack(results), 0
         out = torch.stack([r[0] for r in results])

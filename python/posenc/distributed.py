@@ -72,6 +72,7 @@ worst to R, so no placement gives a silently wrong answer):
 from __future__ import annotations
 
 import numbers
+import threading
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import torch
@@ -435,14 +436,20 @@ def accept_dtensor_inputs(module: torch.nn.Module) -> torch.nn.Module:
     ``Replicate()`` DTensors on its mesh (no communication: plain tensors must hold the same
     values on every rank). The buffers are wrapped for the call only, so plain calls keep
     working (a buffer that forward reassigns keeps its new value, plain again when it is
-    replicated). Parameters must already be DTensors (``distribute_module``,
-    ``parallelize_module``, ``fully_shard``): a plain parameter with DTensor inputs is a
-    RuntimeError. Returns the module."""
-    calls = []  # per call in progress (nested calls stack up): {name: (plain buffer, its wrapper)}
+    replicated); calls from several threads go through the module one at a time. Parameters
+    must already be DTensors (``distribute_module``, ``parallelize_module``,
+    ``fully_shard``): a plain parameter with DTensor inputs is a RuntimeError. Returns the
+    module."""
+    # One call at a time through the module (its buffers are swapped for a DTensor call, which
+    # a call in another thread would see), nested calls in the same thread allowed; each
+    # thread's calls in progress stack up: {name: (plain buffer, its wrapper)}.
+    lock = threading.RLock()
+    local = threading.local()
 
     def before(mod, args, kwargs):
+        lock.acquire()
         wrapped = {}
-        calls.append(wrapped)  # first: the forward hook pops it even when this hook raises
+        local.__dict__.setdefault("calls", []).append(wrapped)  # first: the forward hook pops it
         like = _first_dtensor(list(args) + list(kwargs.values()))
         if like is None:
             return None
@@ -462,13 +469,19 @@ def accept_dtensor_inputs(module: torch.nn.Module) -> torch.nn.Module:
         return args, kwargs
 
     def after(mod, args, kwargs, output):
-        for name, (plain, wrapper) in (calls.pop() if calls else {}).items():  # (empty: a hook before ours raised)
-            current = mod._buffers.get(name)
-            if current is wrapper:
-                mod._buffers[name] = plain
-            elif isinstance(current, DTensor) and all(p.is_replicate() for p in current.placements):
-                # Reassigned by forward (self.count = self.count + 1): the new value, plain again.
-                mod._buffers[name] = current.to_local()
+        calls = local.__dict__.get("calls")
+        if not calls:  # a hook before ours raised: ours never ran (nor took the lock)
+            return
+        try:
+            for name, (plain, wrapper) in calls.pop().items():
+                current = mod._buffers.get(name)
+                if current is wrapper:
+                    mod._buffers[name] = plain
+                elif isinstance(current, DTensor) and all(p.is_replicate() for p in current.placements):
+                    # Reassigned by forward (self.count = self.count + 1): the new value, plain again.
+                    mod._buffers[name] = current.to_local()
+        finally:
+            lock.release()
 
     module.register_forward_pre_hook(before, with_kwargs=True)
     module.register_forward_hook(after, with_kwargs=True, always_call=True)

@@ -959,6 +959,51 @@ def sharded_values_read_whole():
 
 
 @check
+def accept_dtensor_inputs_from_threads():
+    """A module wrapped by accept_dtensor_inputs called from two threads, one with DTensors and
+    one with plain tensors: the plain calls saw the other call's DTensor buffer ("mixed
+    torch.Tensor and DTensor"), and the buffer could stay a DTensor after both had finished
+    (their records of it shared one stack). Now one call at a time: no error, the buffer
+    plain afterwards, every result the plain call's."""
+    import sys
+    import threading
+
+    import posenc
+    from posenc.distributed import accept_dtensor_inputs
+
+    mesh, Replicate, _, _, distribute_tensor = env()
+    module = accept_dtensor_inputs(posenc.PositionalEncoding(8, dropout=0.0, max_len=16).double())
+    x = rand(2, 5, 8, seed=191)
+    want = module(x)
+    dx = distribute_tensor(x, mesh, [Replicate()])
+    errors, wrong = [], []
+
+    def loop(call):
+        try:
+            for _ in range(300):
+                out = call()
+                out = out.to_local() if hasattr(out, "to_local") else out
+                if not torch.equal(out, want):
+                    wrong.append(out)
+        except BaseException as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        threads = [threading.Thread(target=loop, args=(call,), daemon=True)
+                   for call in (lambda: module(dx), lambda: module(x), lambda: module(dx))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=120)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not any(t.is_alive() for t in threads) and not errors and not wrong, (errors[:2], len(wrong))
+    assert type(module.pe) is torch.Tensor and type(module.state_dict()["pe"]) is torch.Tensor
+
+
+@check
 def docs_example():
     """docs/distributed.md's DTensor example, run as written on each rank (its own assertions
     compare the sharded results with one-process calls; its one-process group set-up and

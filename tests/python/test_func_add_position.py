@@ -202,6 +202,34 @@ def test_vmap_randomness_modes(randomness):
         assert torch.equal(keep, keep[:1].expand_as(keep))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_vmap_same_randomness_draws_once_and_never_rewinds_the_generator(dtype, monkeypatch):
+    """randomness="same": every sample gets the first sample's mask, bit for bit what the op
+    gives each sample from the same generator state, and the generator advances as for one
+    call. It used to restore the process's generator state before each sample, which under
+    other threads' draws repeated ~30% of their random numbers and gave samples different
+    masks (a review's threaded run); now the generator is never set."""
+    ops = torch.ops.posenc
+    xs = torch.randn(4, B, S, D).to(dtype)
+    table = torch.randn(L, D)
+    start = torch.get_rng_state()
+    want = []
+    for x in xs:
+        torch.set_rng_state(start)
+        want.append(ops.add_position(x, table, None, 2, True, P))
+    after_one = torch.get_rng_state()
+    torch.set_rng_state(start)
+    calls = []
+    monkeypatch.setattr(torch, "set_rng_state", lambda *a: calls.append(a))
+    got = vmap(lambda x: F.add_position(x, table, offset=2, p=P), randomness="same")(xs)
+    assert not calls
+    assert torch.equal(got, torch.stack(want))
+    assert torch.equal(torch.get_rng_state(), after_one)
+    out, rng = vmap(lambda x: ops.add_position_forward(x, table, None, 2, True, P, False), randomness="same")(xs)
+    keep = out != 0
+    assert torch.equal(keep, keep[:1].expand_as(keep)) and torch.equal(rng, rng[:1].expand_as(rng))
+
+
 # ---- the modules, as a user has them (training mode)
 
 def test_positional_encoding_grad_in_training_mode():

@@ -168,6 +168,47 @@ def test_patch_is_per_type_idempotent_and_reversible():
     assert integration.is_patched("qwen2")  # patched before the block: left patched
 
 
+def test_patch_and_revert_from_several_threads():
+    """apply_posenc_rope_to and revert_posenc_rope change one registry of originals: from
+    several threads at once, revert iterated it while another thread wrote it ("dictionary
+    changed size during iteration", thousands of times in a review's run). Now one at a
+    time, and the type ends unpatched after a final revert."""
+    import sys
+    import threading
+    import time
+
+    errors = []
+
+    def loop(fn, stop):
+        while not stop.is_set():
+            try:
+                fn()
+            except BaseException as error:  # noqa: BLE001 - reported by the main thread
+                errors.append(error)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        for _ in range(5):  # rounds of fresh threads (the first round rarely meets)
+            stop = threading.Event()
+            threads = [threading.Thread(target=loop, args=(lambda: integration.apply_posenc_rope_to("llama"), stop),
+                                        daemon=True) for _ in range(3)]
+            threads.append(threading.Thread(target=loop, args=(lambda: integration.revert_posenc_rope("llama"), stop),
+                                            daemon=True))
+            for t in threads:
+                t.start()
+            time.sleep(0.25)
+            stop.set()
+            for t in threads:
+                t.join(timeout=60)
+            assert not any(t.is_alive() for t in threads)
+    finally:
+        sys.setswitchinterval(interval)
+    assert not errors, sorted({repr(e) for e in errors})
+    integration.revert_posenc_rope()
+    assert not integration.is_patched("llama")
+
+
 def test_model_type_from_the_module_of_the_class():
     class Stand(torch.nn.Module):
         pass

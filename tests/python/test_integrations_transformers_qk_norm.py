@@ -227,6 +227,35 @@ def test_two_patched_models_in_two_threads():
             torch.testing.assert_close(got, wants[i], **TOL)
 
 
+def test_revert_while_a_patched_layer_runs():
+    """revert_posenc_qk_norm gives the layer its class back while a call is inside it (another
+    thread's revert; here a q_proj hook): the call finishes with the settings it started with
+    (it read them through self: AttributeError '_posenc_norm'), and a call of the patched
+    forward on a reverted layer runs the layer's own."""
+    model = tiny_model("qwen3")
+    tokens = ids(2, 7)
+    want = logits(model, tokens)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    attn = model.model.layers[0].self_attn
+    reverted = []
+
+    def revert_once(module, args, output):
+        if not reverted:
+            integration.revert_posenc_qk_norm(model)
+            reverted.append(True)
+
+    handle = attn.q_proj.register_forward_hook(revert_once)
+    got = logits(model, tokens)
+    handle.remove()
+    assert reverted and not isinstance(attn, integration._PosencQKNormAttention)
+    torch.testing.assert_close(got, want, **TOL)
+    attn, hidden, positions, cos_sin = attention_inputs(model, 5)
+    with torch.no_grad():
+        plain, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+        late, _ = integration._PosencQKNormAttention.forward(attn, hidden, cos_sin, None, position_ids=positions)
+    assert torch.equal(late, plain)
+
+
 def test_revert_then_the_plain_patch(monkeypatch):
     """On 32923aa revert_posenc_qk_norm left the modeling module's wrapper installed, and
     apply_posenc_rope(model) then raised RuntimeError ("routed through qk_norm_rope")."""

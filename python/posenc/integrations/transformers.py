@@ -201,6 +201,7 @@ SUPPORTED_MODEL_TYPES: Tuple[str, ...] = tuple(_PATCHES)
 
 # (modeling module name, function name) -> transformers' own function, while patched.
 _ORIGINALS: Dict[Tuple[str, str], Callable] = {}
+_ORIGINALS_LOCK = threading.Lock()  # patch and revert from several threads: one at a time
 
 
 def _model_type(model_or_type: Any) -> str:
@@ -233,6 +234,11 @@ def apply_posenc_rope_to(model_type: str) -> None:
     if the installed transformers' function does not have the signature the replacement was
     written for (nothing is patched then)."""
     module = _modeling_module(model_type)
+    with _ORIGINALS_LOCK:
+        _patch(module, model_type)
+
+
+def _patch(module: Any, model_type: str) -> None:
     todo = []
     for name, replacement, expected in _PATCHES[model_type]:
         current = getattr(module, name, None)
@@ -446,11 +452,17 @@ class _PosencQKNormAttention:
 
     def forward(self, hidden_states: Tensor, position_embeddings: Optional[Tuple[Tensor, Tensor]] = None,
                 attention_mask: Optional[Tensor] = None, cache: Any = None, **kwargs: Any):
+        # The class's settings, read once: revert_posenc_qk_norm (in another thread) may give
+        # the layer its own class back while this call runs; one reverted before it got here
+        # runs the class's own forward.
+        cls = type(self)
+        if not issubclass(cls, _PosencQKNormAttention):
+            return cls.forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         if "past_key_values" in kwargs:  # transformers 5's deprecated name of cache
             legacy = kwargs.pop("past_key_values")
             cache = legacy if cache is None else cache
         if position_embeddings is None:
-            raise ValueError(f"{self._posenc_base.__name__} patched by apply_posenc_rope(qk_norm=True): missing "
+            raise ValueError(f"{cls._posenc_base.__name__} patched by apply_posenc_rope(qk_norm=True): missing "
                              f"argument position_embeddings (the (cos, sin) tables of the model's rotary embedding); "
                              f"transformers' own forward needs it too")
         input_shape = hidden_states.shape[:-1]
@@ -464,7 +476,7 @@ class _PosencQKNormAttention:
         if fused is not None:
             query_states = query_states.view(hidden_shape).transpose(1, 2)
             key_states = key_states.view(hidden_shape).transpose(1, 2)
-            norm = dict(norm=self._posenc_norm, weight_offset=self._posenc_weight_offset, **fused)
+            norm = dict(norm=cls._posenc_norm, weight_offset=cls._posenc_weight_offset, **fused)
             layer = _static_layer(self, cache, (query_states, key_states, value_states, self.q_norm.weight,
                                                 self.k_norm.weight))
             if layer is not None:  # StaticLayer.update's rows (cumulative_length + s), written by the fused op
@@ -478,7 +490,7 @@ class _PosencQKNormAttention:
                 query_states, key_states = posenc.functional.qk_norm_rope(
                     query_states, key_states, self.q_norm.weight, self.k_norm.weight, **norm)
         else:  # the layer's own norms, then the given tables: transformers' numbers on every path
-            if self._posenc_norm == "hidden":  # OLMo 2: each token's whole projection
+            if cls._posenc_norm == "hidden":  # OLMo 2: each token's whole projection
                 query_states = self.q_norm(query_states).view(hidden_shape).transpose(1, 2)
                 key_states = self.k_norm(key_states).view(hidden_shape).transpose(1, 2)
             else:
@@ -491,9 +503,9 @@ class _PosencQKNormAttention:
         if cache is not None and layer is None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
 
-        attention_interface = self._posenc_attention_functions.get_interface(
-            self.config._attn_implementation, self._posenc_eager)
-        if self._posenc_sliding_window:
+        attention_interface = cls._posenc_attention_functions.get_interface(
+            self.config._attn_implementation, cls._posenc_eager)
+        if cls._posenc_sliding_window:
             kwargs["sliding_window"] = self.sliding_window
         attn_output, attn_weights = attention_interface(
             self, query_states, key_states, value_states, attention_mask,
@@ -592,13 +604,10 @@ def revert_posenc_qk_norm(model: Any) -> None:
 def revert_posenc_rope(model: Optional[Union[Any, str]] = None) -> None:
     """Restore transformers' own ``apply_rotary_pos_emb`` for ``model``'s type (a model,
     config or model-type string), or for every patched type when None."""
-    if model is None:
-        keys = list(_ORIGINALS)
-    else:
-        module = _modeling_module(_model_type(model)).__name__
-        keys = [key for key in _ORIGINALS if key[0] == module]
-    for module_name, name in keys:
-        setattr(importlib.import_module(module_name), name, _ORIGINALS.pop((module_name, name)))
+    module = None if model is None else _modeling_module(_model_type(model)).__name__
+    with _ORIGINALS_LOCK:
+        for module_name, name in [key for key in _ORIGINALS if module is None or key[0] == module]:
+            setattr(importlib.import_module(module_name), name, _ORIGINALS.pop((module_name, name)))
 
 
 def is_patched(model: Union[Any, str]) -> bool:
