@@ -83,9 +83,13 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
 
 def _fusable_dropout(dropout: nn.Module) -> bool:
     """Whether the module's dropout child can run inside the fused op: exactly an
-    ``nn.Dropout`` (a subclass may override forward) that no forward hook would see."""
+    ``nn.Dropout`` (a subclass may override forward) that no hook would see, forward or
+    backward (the fused op has no Dropout module call for a backward hook to attach to)."""
+    hooks = nn.modules.module
     return (type(dropout) is nn.Dropout and not dropout._forward_hooks and not dropout._forward_pre_hooks
-            and not nn.modules.module._global_forward_hooks and not nn.modules.module._global_forward_pre_hooks)
+            and not dropout._backward_hooks and not dropout._backward_pre_hooks
+            and not hooks._global_forward_hooks and not hooks._global_forward_pre_hooks
+            and not hooks._global_backward_hooks and not hooks._global_backward_pre_hooks)
 
 
 class _AddPositionModule(nn.Module):
@@ -120,18 +124,22 @@ class _AddPositionModule(nn.Module):
         :func:`posenc.functional.add_position` with the module's table and dropout.
 
         The dropout is fused into the add while the ``dropout`` child is a plain
-        ``nn.Dropout`` without hooks. A child that is replaced (``nn.Identity()``, another
-        dropout, a subclass) or hooked is called on ``x + pe[rows]`` as the classic class calls
-        it, so it runs and its hooks see what they would see there."""
+        ``nn.Dropout`` without hooks (forward or backward, its own or global), in the child's
+        own training mode (``module.dropout.eval()`` switches it off, as in the classic class).
+        A child that is replaced (``nn.Identity()``, another dropout, a subclass) or hooked is
+        called on ``x + pe[rows]`` as the classic class calls it, so it runs and its hooks see
+        what they would see there."""
         dropout = self.dropout
         if torch.jit.is_scripting():  # what TorchScript compiles: the op the function calls
             if self._scripted_fused_dropout and hasattr(dropout, "p"):
-                p = dropout.p if self.training else 0.0
+                p = dropout.p if dropout.training else 0.0
                 return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
             return dropout(torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, 0.0))
         pe, positions = self._host_side(x, offset, positions)
         fused = _fusable_dropout(dropout)
-        p = dropout.p if fused and self.training else 0.0
+        # The child's own mode, as nn.Dropout reads it (module.train(); module.dropout.eval()
+        # turns dropout off; module.eval(); module.dropout.train() is MC dropout).
+        p = dropout.p if fused and dropout.training else 0.0
         y = functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p)
         return y if fused else dropout(y)
 
@@ -214,6 +222,15 @@ class PositionalEncoding(_AddPositionModule):
         positions = torch.arange(max_len, dtype=torch.int64)
         table = functional.sinusoidal_table(positions, self.d_model, base=self.base)
         self.register_buffer("pe", table.unsqueeze(0))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """Rebuild ``pe`` (the sinusoidal table of its max_len and d_model, in its dtype and on
+        its device) in place: what ``to_empty`` leaves uninitialised (meta-device
+        construction, FSDP's ``param_init_fn``) and an edited table become the table again."""
+        positions = torch.arange(self.pe.shape[-2], dtype=torch.int64, device=self.pe.device)
+        table = functional.sinusoidal_table(positions, self.pe.shape[-1], base=self.base)
+        self.pe.copy_(table.view(self.pe.shape))
 
     @property
     def base(self) -> float:

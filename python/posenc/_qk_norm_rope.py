@@ -85,7 +85,13 @@ class _NormWeight(torch.nn.Module):
 
     def __init__(self, size: int, init: float, device=None, dtype=None) -> None:
         super().__init__()
-        self.weight = torch.nn.Parameter(torch.full((size,), float(init), device=device, dtype=dtype))
+        self.init_value = float(init)
+        self.weight = torch.nn.Parameter(torch.full((size,), self.init_value, device=device, dtype=dtype))
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """The weight's initial value again (after ``to_empty``: meta-device construction)."""
+        self.weight.fill_(self.init_value)
 
 
 @with_rope_settings

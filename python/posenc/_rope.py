@@ -718,6 +718,15 @@ class RotaryPositionalEncoding(nn.Module):
         self._attention_scaling = float(factor)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        """``inv_freq`` computed again, in its dtype and on its device (after ``to_empty``;
+        forward never reads it: the kernels evaluate the frequencies themselves)."""
+        c = self.rope_config
+        inv_freq, _ = torch.ops.posenc.rope_frequencies(
+            self._rotary_width, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode)
+        self.inv_freq.copy_(inv_freq)
+
     def forward(
         self,
         q: Tensor,

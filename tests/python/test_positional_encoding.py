@@ -222,6 +222,79 @@ def test_replaced_or_hooked_dropout_child_is_called(cls, scripted):
     assert len(seen) == 1 and torch.equal(got == 0, got != 2 * added) and bool((got == 0).any())
 
 
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+@pytest.mark.parametrize("scripted", [False, True])
+def test_the_dropout_childs_own_mode_decides(cls, scripted):
+    """As nn.Dropout in the classic class: module.train(); module.dropout.eval() switches
+    dropout off, module.eval(); module.dropout.train() keeps it on (MC dropout). The fused
+    dropout read the parent's mode: both inverted."""
+    module = cls(8, 0.5, 16)
+    x = torch.randn(2, 5, 8)
+    added = x + module.pe[:, :5].detach()
+    module.train()
+    module.dropout.eval()
+    run = torch.jit.script(module) if scripted else module
+    assert torch.equal(run(x), added)
+    module.eval()
+    module.dropout.train()
+    run = torch.jit.script(module) if scripted else module
+    got = run(x)
+    assert bool((got == 0).any()) and torch.equal(got == 0, got != 2 * added)
+
+
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+def test_backward_hooks_of_the_dropout_child_run(cls):
+    """A full backward hook (or backward pre-hook) on the dropout child, or a global one, runs
+    as in the classic class: the child is then called, not fused (its hooks never ran and the
+    gradient they change came back unchanged)."""
+    module = cls(8, 0.0, 16)
+    x = torch.randn(2, 5, 8, requires_grad=True)
+    handle = module.dropout.register_full_backward_hook(lambda mod, gin, gout: (gin[0] * 10,))
+    module(x).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 10.0))
+    handle.remove()
+    x.grad = None
+    handle = module.dropout.register_full_backward_pre_hook(lambda mod, gout: (gout[0] * 3,))
+    module(x).sum().backward()
+    assert torch.equal(x.grad, torch.full_like(x, 3.0))
+    handle.remove()
+    x.grad = None
+    seen = []
+    handle = torch.nn.modules.module.register_module_full_backward_hook(lambda mod, gin, gout: seen.append(type(mod)))
+    try:
+        module(x).sum().backward()
+    finally:
+        handle.remove()
+    assert torch.nn.Dropout in seen and torch.equal(x.grad, torch.ones_like(x))
+
+
+def test_reset_parameters_after_to_empty():
+    """Built on the meta device and moved with to_empty (FSDP's meta initialisation), the
+    tables and weights are uninitialised memory: reset_parameters (on every module that has
+    it, as FSDP's param_init_fn calls it) makes them a fresh module's again. PositionalEncoding
+    and QKNormRotary had none, so forward read the garbage (3e22)."""
+    fresh = [posenc.PositionalEncoding(8, 0.0, 16), posenc.QKNormRotary(8, num_heads=2, num_kv_heads=1),
+             posenc.QKNormRotary(8, num_heads=2, num_kv_heads=1, weight_offset=1.0),
+             posenc.RotaryPositionalEncoding(8, 16), posenc.LearnedPositionalEncoding(8, 0.0, 16)]
+    with torch.device("meta"):
+        metas = [posenc.PositionalEncoding(8, 0.0, 16), posenc.QKNormRotary(8, num_heads=2, num_kv_heads=1),
+                 posenc.QKNormRotary(8, num_heads=2, num_kv_heads=1, weight_offset=1.0),
+                 posenc.RotaryPositionalEncoding(8, 16), posenc.LearnedPositionalEncoding(8, 0.0, 16)]
+    for want, module in zip(fresh, metas):
+        module.to_empty(device="cpu")
+        for m in module.modules():
+            if hasattr(m, "reset_parameters"):
+                m.reset_parameters()
+        for (name, a), (_, b) in zip(list(want.named_buffers()) + list(want.named_parameters()),
+                                     list(module.named_buffers()) + list(module.named_parameters())):
+            if not isinstance(want, posenc.LearnedPositionalEncoding):  # a random init
+                assert torch.equal(a, b), (type(want).__name__, name)
+    q, k = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 1, 8)
+    assert torch.equal(metas[0](torch.zeros(1, 5, 8)), fresh[0](torch.zeros(1, 5, 8)))
+    for i in (1, 2):
+        assert all(torch.equal(a, b) for a, b in zip(metas[i](q, k), fresh[i](q, k)))
+
+
 @pytest.mark.parametrize("d", [16, 7])
 @pytest.mark.parametrize("base", [500.0, 2.5, 1e6, 10000.0])
 def test_base_argument_builds_the_buffer(d, base):
