@@ -65,6 +65,8 @@ void QKNormRotaryImpl::reset() {
                     "num_kv_heads * head_dim values)");
   TORCH_CHECK_VALUE(std::isfinite(o.weight_offset()), "QKNormRotary: expected a finite weight_offset, got ",
                     o.weight_offset());
+  TORCH_CHECK_VALUE(std::isfinite(o.eps()) && o.eps() > 0.0,
+                    "QKNormRotary: expected eps > 0 (added to the mean square), got ", o.eps());
   const int64_t lq = hidden ? *o.num_heads() * o.head_dim() : o.head_dim();
   const int64_t lk = hidden ? *o.num_kv_heads() * o.head_dim() : o.head_dim();
   const ApplyRopeOptions& r = o.rope();

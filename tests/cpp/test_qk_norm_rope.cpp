@@ -2,6 +2,8 @@
 // against RMSNorm written with ATen ops followed by posenc::apply_rope, and its gradients
 // (C++ autograd) against autograd through that composition.
 #include <gtest/gtest.h>
+
+#include <cmath>
 #include <torch/torch.h>
 
 #include "posenc/posenc.h"
@@ -131,6 +133,21 @@ TEST(QKNormRotaryModule, GemmaOffsetHiddenNormAndGradients) {
 // Both modules parse their RoPE options once, at construction, and the op checks them then
 // (rope_rotary_width: the one statement of the rotary-width rule).
 TEST(QKNormRotaryModule, TheOpChecksTheRopeOptionsAtConstruction) {
+  // eps checked when built, as Python's QKNormRotary does (it passed until the first forward).
+  for (const double eps : {0.0, -1.0, std::nan("")}) {
+    EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).eps(eps)), c10::ValueError) << eps;
+  }
+  // partial_rotary_factor outside "proportional" (where it is rotary_dim in a transformers
+  // config) is refused: it was ignored (the whole head turned, 5.2 off Python's result).
+  posenc::RopeScaling partial;
+  partial.partial_rotary_factor = 0.5;
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).rope(posenc::ApplyRopeOptions().scaling(partial))),
+               c10::ValueError);
+  EXPECT_THROW(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).scaling(partial)),
+               c10::ValueError);
+  EXPECT_THROW(posenc::apply_rope(torch::randn({1, 3, 2, 8}), posenc::ApplyRopeOptions().scaling(partial)),
+               c10::ValueError);
+  EXPECT_THROW(posenc::rope_frequencies(8, 10000.0, partial), c10::ValueError);
   EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).rope(
                    posenc::ApplyRopeOptions().rotary_dim(7))),
                c10::ValueError);

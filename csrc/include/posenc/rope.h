@@ -40,7 +40,9 @@ struct RopeScaling {
   std::optional<double> mscale;
   std::optional<double> mscale_all_dim;
   std::optional<bool> truncate;
-  // proportional (Gemma 4): the share of the head's pairs that turn.
+  // proportional (Gemma 4): the share of the head's pairs that turn. Other types do not take
+  // it (a ValueError): a transformers config's partial_rotary_factor is rotary_dim there
+  // (ApplyRopeOptions::rotary_dim = int(head_dim * factor)).
   std::optional<double> partial_rotary_factor;
   // longrope (Phi-3): one factor per rotary pair each; short_factor until the longest
   // position + 1 exceeds original_max_position_embeddings, long_factor beyond.

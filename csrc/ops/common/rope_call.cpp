@@ -134,6 +134,14 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
                       "' to be finite, got ", v);
     out.*kScalingFields[i] = v;
   }
+  // partial_rotary_factor is a key of the types that read it (partial_rotary_key); for the
+  // others a config's factor sets rotary_dim, which the front ends resolve (Python's
+  // resolve_config_keys). Given to the op for another type it would be ignored: refused.
+  TORCH_CHECK_VALUE((math::rope_type_facts(out.type) & math::kRopePartialRotaryKey) != 0 ||
+                        !math::rope_has(out, math::RopeKey::partial_rotary_factor),
+                    "posenc: rope scaling type '", rope_type_name(out.type), "' does not read the key "
+                    "'partial_rotary_factor' (it sets rotary_dim there, as in a transformers config): pass "
+                    "rotary_dim = int(head_dim * ", out.partial_rotary_factor, ") instead");
   if (!lists) return;
   out.list_length = extra / kScalingLists;
   for (int l = 0; l < kScalingLists; ++l) {
