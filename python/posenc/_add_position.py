@@ -225,9 +225,10 @@ class PositionalEncoding(_AddPositionModule):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Rebuild ``pe`` (the sinusoidal table of its max_len and d_model, in its dtype and on
-        its device) in place: what ``to_empty`` leaves uninitialised (meta-device
-        construction, FSDP's ``param_init_fn``) and an edited table become the table again."""
+        """Rebuild ``pe`` in place, on its device: the table a new module holds (float64
+        values rounded once to float32, as built), then cast to ``pe``'s dtype as ``.to()``
+        would. What ``to_empty`` leaves uninitialised (meta-device construction, FSDP's
+        ``param_init_fn``) and an edited table become the table again."""
         positions = torch.arange(self.pe.shape[-2], dtype=torch.int64, device=self.pe.device)
         table = functional.sinusoidal_table(positions, self.pe.shape[-1], base=self.base)
         self.pe.copy_(table.view(self.pe.shape))
