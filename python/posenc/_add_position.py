@@ -219,14 +219,13 @@ class PositionalEncoding(_AddPositionModule):
         if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
             raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
         self._base = float(base)
-        positions = torch.arange(max_len, dtype=torch.int64)
-        table = functional.sinusoidal_table(positions, self.d_model, base=self.base)
-        self.register_buffer("pe", table.unsqueeze(0))
+        self.register_buffer("pe", torch.empty(1, max_len, self.d_model, dtype=torch.float32))
+        self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Rebuild ``pe`` in place, on its device: the table a new module holds (float64
-        values rounded once to float32, as built), then cast to ``pe``'s dtype as ``.to()``
+        """Build ``pe`` in place, on its device (what ``__init__`` calls): the sinusoidal
+        table (float64 values rounded once to float32), cast to ``pe``'s dtype as ``.to()``
         would. What ``to_empty`` leaves uninitialised (meta-device construction, FSDP's
         ``param_init_fn``) and an edited table become the table again."""
         positions = torch.arange(self.pe.shape[-2], dtype=torch.int64, device=self.pe.device)

@@ -712,20 +712,20 @@ class RotaryPositionalEncoding(nn.Module):
         if c.rope_type in LENGTH_SCALED_TYPES and c.rope_type in ORIGINAL_FROM_MODEL_TYPES:
             _check_length_baseline(self._scaling, c.rope_type, self.max_len)
         # The frequencies (rope_frequencies checks what an empty call does not reach).
-        inv_freq, factor = torch.ops.posenc.rope_frequencies(
-            self._rotary_width, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode
-        )
+        inv_freq, factor = self._frequencies()
         self._attention_scaling = float(factor)
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+
+    def _frequencies(self) -> Tuple[Tensor, float]:
+        c = self.rope_config
+        return torch.ops.posenc.rope_frequencies(
+            self._rotary_width, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """``inv_freq`` computed again, in its dtype and on its device (after ``to_empty``;
         forward never reads it: the kernels evaluate the frequencies themselves)."""
-        c = self.rope_config
-        inv_freq, _ = torch.ops.posenc.rope_frequencies(
-            self._rotary_width, c.base, c.rope_type, list(c.scaling), 0, list(c.sections), c.sections_mode)
-        self.inv_freq.copy_(inv_freq)
+        self.inv_freq.copy_(self._frequencies()[0])
 
     def forward(
         self,

@@ -130,12 +130,11 @@ def rope_cos_sin(
     # The model's defaults (max_position_embeddings) and the length a type scales by come from
     # the types' facts (scaling_arguments, LENGTH_SCALED_TYPES), as for apply_rope.
     rope_type, values = scaling_arguments(scaling, max_position_embeddings)
-    args = (positions, rotary_dim, 10000.0 if base is None else _float_arg(fn, "base", base), rope_type,
-            tuple(values), _bool_arg(fn, "attention_scaling", attention_scaling), dtype)
     if rope_type in LENGTH_SCALED_TYPES and torch.jit.is_tracing():
         raise RuntimeError(f"{fn}: {rope_type!r} tables scale by the longest position, read from the positions' "
                            f"values, which torch.jit.trace would fix at the traced ones; rotate with "
                            f"posenc.functional.apply_rope, whose op reads them at run time")
+    base = 10000.0 if base is None else _float_arg(fn, "base", base)
     if torch.compiler.is_compiling():
         # A number torch.compile made a symbol (a dim, rotary_dim, base or scaling value that
         # changed between calls, or dynamic=True) is specialised to its value (.hex() needs
@@ -144,8 +143,9 @@ def rope_cos_sin(
         def concrete(v: float) -> float:
             return float.fromhex(float(v).hex())
 
-        args = (args[0], int(concrete(args[1])), concrete(args[2]), args[3], tuple(concrete(v) for v in args[4]),
-                *args[5:])
+        rotary_dim, base, values = int(concrete(rotary_dim)), concrete(base), [concrete(v) for v in values]
+    args = (positions, rotary_dim, base, rope_type, tuple(values), _bool_arg(fn, "attention_scaling",
+                                                                              attention_scaling), dtype)
     if rope_type in LENGTH_SCALED_TYPES and torch.compiler.is_compiling():
         # The scale depends on the positions' values (their maximum, read on the host), which a
         # graph cannot hold: under torch.compile the tables are made outside it (a graph
