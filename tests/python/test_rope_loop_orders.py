@@ -1,4 +1,5 @@
-"""The CPU kernel walks "bhsd" tensors head by head over blocks of tokens, "bshd" token by
+"""The CPU kernel walks "bhsd" tensors head by head over blocks of tokens (32, or up to 128 in
+float32 / float64 where every thread still gets two blocks), "bshd" token by
 token, and "bshd" batches that share their positions batch row by batch row over blocks of
 tokens (long sequences): the same angles and the same rotation per row, so the same bits,
 whatever the order (every dtype, shared and per-row positions, offsets, partial rotary, in
@@ -52,3 +53,26 @@ def test_a_shared_position_batch_equals_its_rows_bit_for_bit(dtype, kwargs):
         assert torch.equal(q2, got_q) and torch.equal(k2, got_k)
     finally:
         torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("kwargs", [{}, dict(positions=torch.randint(0, 4000, (2, 600))),
+                                    dict(rotary_dim=32, interleaved=True)])
+def test_bhsd_long_blocks_equal_bshd_bit_for_bit(dtype, threads, kwargs):
+    # 600 tokens: float32 / float64 blocks of 64 (2 threads, shared positions) or 128 (1
+    # thread, or per-row positions: twice the blocks), with a part block at the end.
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        torch.manual_seed(2)
+        q, k = torch.randn(2, 600, 3, 64).to(dtype), torch.randn(2, 600, 1, 64).to(dtype)
+        want_q, want_k = apply_rope(q, k, **kwargs)
+        qh, kh = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+        got_q, got_k = apply_rope(qh, kh, layout="bhsd", **kwargs)
+        assert torch.equal(got_q.transpose(1, 2), want_q) and torch.equal(got_k.transpose(1, 2), want_k)
+        with torch.no_grad():
+            apply_rope(qh, kh, layout="bhsd", inplace=True, **kwargs)
+        assert torch.equal(qh.transpose(1, 2), want_q) and torch.equal(kh.transpose(1, 2), want_k)
+    finally:
+        torch.set_num_threads(before)

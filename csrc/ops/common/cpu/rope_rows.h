@@ -355,6 +355,22 @@ inline void prefetch_row_ahead(const scalar_t* row, int64_t head_stride, int64_t
                          head_dim, for_write);
 }
 
+// The tokens of a "bhsd" walk's block (below): each head's rows of the block are one run in
+// memory. In float32, runs of 16 KiB (32 rows of 128) cost the out-of-place walk 7-14%
+// against runs of 64 KiB (apply_rope "bhsd" (4, 16/4, 1024, 128), 1 and 2 threads,
+// benchmarks/NOTES.md; 256 rows measured no better than 128); in half precision the walk is
+// compute-bound and a longer block's angles (cs2 / sn2, twice as wide) leave L1: 1.06x at
+// 1 thread, so 32 rows there. The longest of 32, 64 and 128 rows (`longest`) that still
+// leaves every thread two blocks (`rows` blocks per token block: batch rows walked apart).
+constexpr int64_t kWalkBlock = 32, kMaxWalkBlock = 4 * kWalkBlock;
+template <typename scalar_t>
+inline int64_t walk_block(int64_t seq, int64_t rows, int threads) {
+  const int64_t longest = sizeof(scalar_t) >= sizeof(float) ? kMaxWalkBlock : kWalkBlock;
+  int64_t block = kWalkBlock;
+  while (block < longest && rows * ((seq + 2 * block - 1) / (2 * block)) >= 2 * int64_t{threads}) block *= 2;
+  return block;
+}
+
 // A walk over heads h of a block of tokens [s0, s1) (the "bhsd" walks: a head's rows of the
 // block, then the next head's), rows at base + s * token_stride + h * head_stride: prefetches
 // the row the walk reaches kWalkAhead rows after (h, s), this head's or, past s1, the next

@@ -58,35 +58,37 @@ void rope_tokens(const RopeArgs& a) {
     }
   };
 
-  // Blocks of kBlock tokens whose angles are computed once, walked in memory order:
+  // Blocks of tokens whose angles are computed once, walked in memory order:
   //  - layouts whose heads lie further apart than their tokens ("bhsd": each head's rows are
   //    one contiguous run over the sequence): token by token, every head's row is a stream
   //    of its own, dozens of streams 256 KiB apart that the prefetchers cannot follow. There
-  //    a task walks each head's rows of the block;
+  //    a task walks each head's rows of the block (32-128 tokens: walk_block);
   //  - token-major layouts whose batch rows share their positions: token by token, the angles
   //    of s serve every batch row, but then a task reads and writes one stream per batch row
   //    and operand at once (8 read and 8 written for q and k of 4 rows); there a task walks
-  //    the block's tokens of one batch row, then of the next (float32 "bshd" (4, 1024, 16/4,
+  //    the block's kBlock tokens of one batch row, then of the next (float32 "bshd" (4, 1024, 16/4,
   //    128): in place 1.25 -> 0.87 ms, out of place 1.45 -> 1.18; bfloat16 in place 0.9x:
   //    benchmarks/NOTES.md).
   // Same angles, same rotation per row: the same bits. The head walk prefetches the row it
-  // reaches kWalkAhead rows on (prefetch_walk_ahead): a head's block is a run of a few KiB,
+  // reaches kWalkAhead rows on (prefetch_walk_ahead): a head's block is a run of 16-64 KiB,
   // and the hardware prefetchers neither cross its 4 KiB pages nor know where the next
   // head's run starts (float32 and bfloat16, in place and out: 0.75-0.79x, benchmarks/NOTES.md).
-  constexpr int64_t kBlock = 32;
+  constexpr int64_t kBlock = kWalkBlock;
   const bool heads_outer = a.q.in_stride[1] < a.q.in_stride[2] && a.q.heads + a.k.heads > 1 && a.seq > 1;
   // (The token-major blocks only where every thread gets two of them at least.)
   const bool batch_blocks = shared && a.batch > 1 && a.seq >= 2 * kBlock * at::get_num_threads();
   if (heads_outer || batch_blocks) {
-    const int64_t blocks = (a.seq + kBlock - 1) / kBlock;
+    const int64_t block =
+        heads_outer ? walk_block<scalar_t>(a.seq, shared ? 1 : a.batch, at::get_num_threads()) : kBlock;
+    const int64_t blocks = (a.seq + block - 1) / block;
     const int64_t units = shared ? blocks : a.batch * blocks;
     at::parallel_for(0, units, 1, [&](int64_t begin, int64_t end) {
-      std::unique_ptr<TokenAngles<acc_t>[]> angles(new TokenAngles<acc_t>[kBlock]);
-      bool valid[kBlock];
+      std::unique_ptr<TokenAngles<acc_t>[]> angles(new TokenAngles<acc_t>[block]);
+      bool valid[kMaxWalkBlock];
       int64_t pos[math::kRopeMaxAxes];
       for (int64_t unit = begin; unit < end; ++unit) {
         const int64_t b0 = shared ? 0 : unit / blocks;
-        const int64_t s0 = (unit % blocks) * kBlock, s1 = std::min(a.seq, s0 + kBlock);
+        const int64_t s0 = (unit % blocks) * block, s1 = std::min(a.seq, s0 + block);
         for (int64_t s = s0; s < s1; ++s) {
           valid[s - s0] = token_positions(a, b0, s, pos) || shared;
           if (valid[s - s0]) token_angles<acc_t>(a, pos, angles[s - s0]);
