@@ -99,3 +99,50 @@ def test_inference_tensors_are_written_inside_inference_mode_only(name):
         fn(*tensors) if name in QK_OPS else fn(tensors)
     for t, want in zip(tensors, kept):
         assert torch.equal(t, want)  # refused before anything was written
+
+
+@pytest.mark.parametrize("return_k", [False, True])
+def test_rope_append_kv_in_place_writes_k_only_with_return_k(return_k):
+    # Without return_k, rope_append_kv_ leaves k as it was (the rotated k goes to the cache):
+    # a graph that saved k still backpropagates, k's version stays, and an inference k may be
+    # passed outside inference mode. With return_k, k is written: both are refused.
+    w = torch.randn(8, dtype=F64, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 2, 8, dtype=F64) for _ in "qkv")
+    k_cache, v_cache = caches()
+    y = (k * w).sum()
+    before, k0 = k._version, k.clone()
+    out = F.rope_append_kv(q, k, v, k_cache, v_cache, offset=1, inplace=True, return_k=return_k)
+    if return_k:
+        assert out[1] is k and k._version > before and not torch.equal(k, k0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+    else:
+        assert k._version == before and torch.equal(k, k0)
+        y.backward()
+        assert torch.equal(w.grad, k0.sum((0, 1, 2)))
+    with torch.inference_mode():
+        k_inf = torch.randn(1, 2, 2, 8, dtype=F64)
+    q2 = torch.randn(1, 2, 2, 8, dtype=F64)
+    if return_k:
+        with pytest.raises(RuntimeError, match="inference tensor"):
+            F.rope_append_kv(q2, k_inf, v, k_cache, v_cache, offset=1, inplace=True, return_k=True)
+    else:
+        k_cache_before = k_cache.clone()
+        F.rope_append_kv(q2, k_inf, v, k_cache, v_cache, offset=3, inplace=True)
+        want, _ = F.apply_rope(k_inf.clone(), k_inf.clone(), offset=3)
+        assert torch.equal(k_cache[:, 3:5], want) and torch.equal(k_cache[:, :3], k_cache_before[:, :3])
+
+
+def test_rope_append_kv_in_place_takes_a_negative_bit_k_it_does_not_write():
+    # A k with the negative bit is read (resolved, as ATen's fallback does) when the call does
+    # not write it; written (return_k) it is refused.
+    z = torch.randn(1, 2, 2, 8, dtype=torch.complex128)
+    k = z.conj().imag  # the negative bit: values -z.imag
+    assert k.is_neg()
+    q, v = (torch.randn(1, 2, 2, 8, dtype=F64) for _ in "qv")
+    k_cache, v_cache = caches()
+    F.rope_append_kv(q, k, v, k_cache, v_cache, offset=1, inplace=True)
+    want, _ = F.apply_rope(-z.imag, -z.imag, offset=1)
+    assert torch.equal(k_cache[:, 1:3], want)
+    with pytest.raises(RuntimeError, match="negative"):
+        F.rope_append_kv(q, k, v, k_cache, v_cache, offset=1, inplace=True, return_k=True)
