@@ -15,7 +15,8 @@ namespace posenc {
 at::Tensor add_position(const at::Tensor& x, const at::Tensor& table,
                         const std::optional<at::Tensor>& positions, int64_t offset,
                         bool batch_first, double p) {
-  return ops::add_position_op().call(x, table, positions, c10::SymInt(offset), batch_first, p);
+  return ops::add_position_op().call(x, table, ops::optional_tensor(positions), c10::SymInt(offset), batch_first,
+                                     p);
 }
 
 namespace {
@@ -25,8 +26,9 @@ namespace {
 // kernel can only flag bad rows with NaN.
 torch::Tensor add_position_module_forward(const torch::Tensor& x, const torch::Tensor& pe,
                                           int64_t offset,
-                                          const std::optional<torch::Tensor>& positions,
+                                          const std::optional<torch::Tensor>& given,
                                           bool batch_first, double p, bool check_positions) {
+  const std::optional<torch::Tensor> positions = ops::optional_tensor(given);  // undefined: none
   // CUDA int64 positions: one read-back of their bounds (op position_bounds, shared with
   // the Python modules). CPU ones are checked in the kernel; other dtypes get the op's
   // TypeError.

@@ -6,6 +6,7 @@
 #include <cmath>
 #include <ostream>
 
+#include "ops/common/op_handles.h"
 #include "ops/qk_norm_rope/qk_norm_rope.h"
 
 namespace posenc {
@@ -70,8 +71,8 @@ void QKNormRotaryImpl::reset() {
   const int64_t lq = hidden ? *o.num_heads() * o.head_dim() : o.head_dim();
   const int64_t lk = hidden ? *o.num_kv_heads() * o.head_dim() : o.head_dim();
   const ApplyRopeOptions& r = o.rope();
-  TORCH_CHECK_VALUE(!r.positions().has_value() && !r.offsets().has_value() && r.offset() == 0 &&
-                        !r.cu_seqlens().has_value() && !r.seq_len().has_value(),
+  TORCH_CHECK_VALUE(!ops::optional_tensor(r.positions()) && !ops::optional_tensor(r.offsets()) && r.offset() == 0 &&
+                        !ops::optional_tensor(r.cu_seqlens()) && !r.seq_len().has_value(),
                     "QKNormRotary: options.rope() holds the configuration only; pass positions, "
                     "offset(s), cu_seqlens or seq_len with each call (forward's RopePositions)");
   const double init = 1.0 - o.weight_offset();  // effective weights start at 1

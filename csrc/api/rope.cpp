@@ -77,7 +77,9 @@ using detail::rope_seq_len_argument;
 
 std::tuple<torch::Tensor, torch::Tensor> apply_rope(const torch::Tensor& q, const torch::Tensor& k,
                                                     const ApplyRopeOptions& o) {
-  return ops::call_rope(make_rope_call(q, k, o, rope_seq_len_argument(o.scaling(), o.seq_len())));
+  // An undefined k (torch::Tensor()): q alone, the second output undefined (as the module).
+  auto [rq, rk] = ops::call_rope(make_rope_call(q, k, o, rope_seq_len_argument(o.scaling(), o.seq_len())));
+  return {rq, k.defined() ? rk : torch::Tensor()};
 }
 
 torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& o) {
@@ -222,7 +224,14 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward(
 }
 
 std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_at(
-    const torch::Tensor& q, const torch::Tensor& k, const RopePositions& where) {
+    const torch::Tensor& q, const torch::Tensor& k, const RopePositions& given) {
+  // Undefined index tensors (torch::Tensor()) are absent, as in every op (ops::optional_tensor).
+  const RopePositions where = RopePositions()
+                                  .positions(ops::optional_tensor(given.positions()))
+                                  .offsets(ops::optional_tensor(given.offsets()))
+                                  .offset(given.offset())
+                                  .cu_seqlens(ops::optional_tensor(given.cu_seqlens()))
+                                  .seq_len(given.seq_len());
   // The module's dim is q's and k's head_dim: the frequencies (inv_freq()) and rotary_dim
   // were set up for it, so another width would be rotated with other numbers.
   // An undefined k: q alone is rotated (Python's rope(x)); the second output is undefined.

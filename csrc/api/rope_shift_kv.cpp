@@ -2,6 +2,7 @@
 // dispatcher, so CPU or CUDA by the cache's device).
 #include "posenc/rope_shift_kv.h"
 
+#include "ops/common/op_handles.h"
 #include "ops/rope_shift_kv/rope_shift_kv.h"
 
 namespace posenc {
@@ -14,8 +15,8 @@ RopeShiftKvOptions& RopeShiftKvOptions::k_scale(double scale) {
 torch::Tensor rope_shift_kv_(const torch::Tensor& k_cache, const torch::Tensor& from_positions,
                              const torch::Tensor& to_positions, const RopeShiftKvOptions& o) {
   const ApplyRopeOptions& r = o.rope();
-  TORCH_CHECK_VALUE(!r.positions().has_value() && !r.offsets().has_value() && r.offset() == 0 &&
-                        !r.cu_seqlens().has_value() && !r.inverse() && !r.seq_len().has_value(),
+  TORCH_CHECK_VALUE(!ops::optional_tensor(r.positions()) && !ops::optional_tensor(r.offsets()) && r.offset() == 0 &&
+                        !ops::optional_tensor(r.cu_seqlens()) && !r.inverse() && !r.seq_len().has_value(),
                     "posenc: rope_shift_kv_: options.rope() holds the configuration only; pass the "
                     "positions as from_positions and to_positions, the lengths as from_seq_len and "
                     "to_seq_len (got positions, offset(s), cu_seqlens, seq_len or inverse in it)");

@@ -191,3 +191,48 @@ TEST(AddPosition, RejectsBadInput) {
 }
 
 }  // namespace
+
+// An undefined tensor (torch::Tensor()) where the C++ API takes an optional one is absent, as
+// ATen's C++ functions read it: each call equals the call without it (before, the op saw a
+// tensor of shape [0] and dtype UNKNOWN_SCALAR and refused it with a message about that).
+TEST(CppApi, UndefinedOptionalTensorsAreAbsent) {
+  torch::manual_seed(0);
+  const auto q = torch::randn({1, 4, 2, 8}), k = torch::randn({1, 4, 2, 8});
+  const torch::Tensor none;
+  auto [q1, k1] = posenc::apply_rope(q, k);
+  for (const auto& o : {posenc::ApplyRopeOptions().positions(none), posenc::ApplyRopeOptions().offsets(none),
+                        posenc::ApplyRopeOptions().cu_seqlens(none)}) {
+    auto [q2, k2] = posenc::apply_rope(q, k, o);
+    EXPECT_TRUE(torch::equal(q2, q1) && torch::equal(k2, k1));
+  }
+  // k undefined: q alone, the second output undefined (as the module's forward).
+  auto [q3, k3] = posenc::apply_rope(q, none);
+  EXPECT_TRUE(torch::equal(q3, q1));
+  EXPECT_FALSE(k3.defined());
+  auto q4 = q.clone();
+  posenc::apply_rope_(q4, none);
+  EXPECT_TRUE(torch::equal(q4, q1));
+
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8));
+  auto [q5, k5] = rope(q, k, none);
+  EXPECT_TRUE(torch::equal(q5, q1) && torch::equal(k5, k1));
+
+  const auto x = torch::randn({2, 4, 8}), table = torch::randn({10, 8});
+  EXPECT_TRUE(torch::equal(posenc::add_position(x, table, none), posenc::add_position(x, table)));
+  posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(8).dropout(0.0));
+  EXPECT_TRUE(torch::equal(pe(x, 0, none), pe(x)));
+
+  auto kc = torch::zeros({1, 8, 2, 8}), vc = torch::zeros({1, 8, 2, 8});
+  auto kc2 = kc.clone(), vc2 = vc.clone();
+  auto [qa, unused_a] =
+      posenc::rope_append_kv(q, k, k, kc, vc, posenc::RopeAppendKvOptions().slot_mapping(none).k_scale(none));
+  auto [qb, unused_b] = posenc::rope_append_kv(q, k, k, kc2, vc2);
+  EXPECT_TRUE(torch::equal(qa, qb) && torch::equal(kc, kc2) && torch::equal(vc, vc2));
+
+  auto cache = torch::randn({1, 8, 2, 8});
+  auto cache2 = cache.clone();
+  const auto from = torch::arange(4, 6), to = torch::arange(2, 4), rows = torch::arange(4, 6);
+  posenc::rope_shift_kv_(cache, from, to, posenc::RopeShiftKvOptions().rows(rows).slot_mapping(none).k_scale(none));
+  posenc::rope_shift_kv_(cache2, from, to, posenc::RopeShiftKvOptions().rows(rows));
+  EXPECT_TRUE(torch::equal(cache, cache2));
+}

@@ -11,6 +11,13 @@
 namespace posenc {
 namespace ops {
 
+// An optional tensor argument as the ops and the C++ API read it and pass it on: absent when
+// None or undefined (a C++ caller's torch::Tensor(), which ATen's functions read as absent
+// too; given on, it showed up in messages as shape [0] and dtype UNKNOWN_SCALAR).
+std::optional<at::Tensor> optional_tensor(const c10::IValue& v);
+std::optional<at::Tensor> optional_tensor(const std::optional<at::Tensor>& t);
+c10::IValue optional_tensor_ivalue(const std::optional<at::Tensor>& t);
+
 using AddPositionSig = at::Tensor(const at::Tensor&, const at::Tensor&,
                                   const std::optional<at::Tensor>&, c10::SymInt, bool, double);
 using AddPositionForwardSig = std::tuple<at::Tensor, at::Tensor>(

@@ -32,6 +32,17 @@ const char* const kRopeSchemaArguments =
 #undef POSENC_X
     ;
 
+std::optional<at::Tensor> optional_tensor(const c10::IValue& v) {
+  if (v.isNone() || !v.toTensor().defined()) return std::nullopt;
+  return v.toTensor();
+}
+std::optional<at::Tensor> optional_tensor(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? t : std::nullopt;
+}
+c10::IValue optional_tensor_ivalue(const std::optional<at::Tensor>& t) {
+  return t.has_value() && t->defined() ? c10::IValue(*t) : c10::IValue();
+}
+
 namespace {
 
 constexpr std::pair<RopeLayout, const char*> kLayouts[] = {
@@ -156,9 +167,7 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
 
 // ---- Reading one argument (IValue -> field), by the field's type.
 void read(const c10::IValue& v, const char*, at::Tensor& out) { out = v.toTensor(); }
-void read(const c10::IValue& v, const char*, std::optional<at::Tensor>& out) {
-  out = v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
-}
+void read(const c10::IValue& v, const char*, std::optional<at::Tensor>& out) { out = optional_tensor(v); }
 void read(const c10::IValue& v, const char*, c10::SymInt& out) { out = v.toSymInt(); }
 void read(const c10::IValue& v, const char*, double& out) { out = v.toDouble(); }
 void read(const c10::IValue& v, const char*, int64_t& out) { out = v.toInt(); }
@@ -185,7 +194,7 @@ void read(const c10::IValue& v, const char*, math::RopeScalingParams& out) {
 
 // ---- Writing one argument (field -> IValue).
 c10::IValue write(const at::Tensor& t) { return t; }
-c10::IValue write(const std::optional<at::Tensor>& t) { return t; }
+c10::IValue write(const std::optional<at::Tensor>& t) { return optional_tensor_ivalue(t); }
 c10::IValue write(const c10::SymInt& v) { return v; }
 c10::IValue write(double v) { return v; }
 c10::IValue write(int64_t v) { return v; }

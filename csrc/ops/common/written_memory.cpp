@@ -93,7 +93,7 @@ const char* overlap_detail(const at::Tensor& a, const at::Tensor& b) {
                                             : "overlapping tensors";
 }
 
-const at::Tensor* optional_tensor(const std::optional<at::Tensor>& t) {
+const at::Tensor* tensor_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? &*t : nullptr;
 }
 
@@ -154,10 +154,10 @@ void check_written_memory(const char* op, std::initializer_list<MemoryOperand> w
 }
 
 void check_rope_inplace(const RopeCall& c) {
-  check_written_memory("rope_", {{"q", &c.q}, {"k", optional_tensor(c.k)}},
-                       {{"positions", optional_tensor(c.positions)},
-                        {"offset", optional_tensor(c.offsets)},
-                        {"cu_seqlens", optional_tensor(c.cu_seqlens)}},
+  check_written_memory("rope_", {{"q", &c.q}, {"k", tensor_or_null(c.k)}},
+                       {{"positions", tensor_or_null(c.positions)},
+                        {"offset", tensor_or_null(c.offsets)},
+                        {"cu_seqlens", tensor_or_null(c.cu_seqlens)}},
                        "pass copies or use inplace=False");
 }
 

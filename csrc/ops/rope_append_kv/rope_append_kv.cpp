@@ -49,12 +49,12 @@ RopeAppendKvCall RopeAppendKvCall::pop(torch::jit::Stack& stack) {
   c.v = stack[first].toTensor();
   c.k_cache = stack[first + 1].toTensor();
   c.v_cache = stack[first + 2].toTensor();
-  if (!stack[first + 3].isNone()) c.slot_mapping = stack[first + 3].toTensor();
+  c.slot_mapping = optional_tensor(stack[first + 3]);
   c.return_k = stack[first + 4].toBool();
-  if (!stack[first + 5].isNone()) c.k_scale = stack[first + 5].toTensor();
-  if (!stack[first + 6].isNone()) c.v_scale = stack[first + 6].toTensor();
-  if (!stack[first + 7].isNone()) c.q_weight = stack[first + 7].toTensor();
-  if (!stack[first + 8].isNone()) c.k_weight = stack[first + 8].toTensor();
+  c.k_scale = optional_tensor(stack[first + 5]);
+  c.v_scale = optional_tensor(stack[first + 6]);
+  c.q_weight = optional_tensor(stack[first + 7]);
+  c.k_weight = optional_tensor(stack[first + 8]);
   c.eps = stack[first + 9].toDouble();
   c.weight_offset = stack[first + 10].toDouble();
   c.norm = parse_qk_norm(stack[first + 11].toStringRef());
@@ -104,8 +104,9 @@ torch::jit::Stack push_call(const RopeAppendKvCall& c) {
   torch::jit::Stack stack;
   c.rope.push(stack);
   const c10::IValue extra[kExtraArguments] = {
-      c.v,        c.k_cache,  c.v_cache, c.slot_mapping,    c.return_k,
-      c.k_scale,  c.v_scale,  c.q_weight, c.k_weight,       c.eps,
+      c.v, c.k_cache, c.v_cache, optional_tensor_ivalue(c.slot_mapping), c.return_k,
+      optional_tensor_ivalue(c.k_scale), optional_tensor_ivalue(c.v_scale), optional_tensor_ivalue(c.q_weight),
+      optional_tensor_ivalue(c.k_weight), c.eps,
       c.weight_offset, std::string(qk_norm_name(c.norm))};
   stack.insert(stack.begin() + 2, std::begin(extra), std::end(extra));
   return stack;

@@ -105,16 +105,10 @@ std::string config_schema() {
   return out;
 }
 
-std::optional<at::Tensor> optional_tensor(const c10::IValue& v) {
-  return v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
-}
 std::optional<c10::SymInt> optional_symint(const c10::IValue& v) {
   return v.isNone() ? std::nullopt : std::optional<c10::SymInt>(v.toSymInt());
 }
 c10::IValue optional_ivalue(const std::optional<c10::SymInt>& v) {
-  return v.has_value() ? c10::IValue(*v) : c10::IValue();
-}
-c10::IValue optional_ivalue(const std::optional<at::Tensor>& v) {
   return v.has_value() ? c10::IValue(*v) : c10::IValue();
 }
 
@@ -157,8 +151,8 @@ RopeShiftKvCall RopeShiftKvCall::pop(torch::jit::Stack& stack) {
 }
 
 void RopeShiftKvCall::push(torch::jit::Stack& stack) const {
-  stack.insert(stack.end(), {k_cache, from_positions, to_positions, optional_ivalue(rows),
-                             optional_ivalue(slot_mapping), optional_ivalue(k_scale),
+  stack.insert(stack.end(), {k_cache, from_positions, to_positions, optional_tensor_ivalue(rows),
+                             optional_tensor_ivalue(slot_mapping), optional_tensor_ivalue(k_scale),
                              optional_ivalue(from_seq_len), optional_ivalue(to_seq_len)});
   RopeCall c = config;
   c.q = k_cache;
