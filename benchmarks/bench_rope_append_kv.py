@@ -81,9 +81,11 @@ MLA_NOPE, MLA_ROPE, MLA_LORA = 128, 64, 512  # DeepSeek-V3
 
 
 def composition_mla(q, kv_c, k_pe, latent, lengths):
-    """MLA's cache write without the fused op: rotate q_pe and k_pe (adjacent pairs), copy
-    [kv_c | k_pe] into the latent rows."""
-    q = torch.cat([q[..., :MLA_NOPE], apply_rope(q[..., MLA_NOPE:], offset=lengths, interleaved=True)], -1)
+    """MLA's cache write without the fused op: rotate q_pe (in q, in place, as the fused call
+    does) and k_pe (adjacent pairs), copy [kv_c | k_pe] into the latent rows. (Hugging Face's
+    DeepSeek code builds a new q with torch.cat; that moves a third more bytes than the fused
+    call's work, so it is not the composition of the same outputs.)"""
+    q[..., MLA_NOPE:] = apply_rope(q[..., MLA_NOPE:], offset=lengths, interleaved=True)
     k_pe = apply_rope(k_pe, offset=lengths, interleaved=True)
     B, S = k_pe.shape[:2]
     rows = lengths[:, None] + torch.arange(S, device=k_pe.device)

@@ -274,8 +274,9 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
         rows.append(Row(device, tag, shape, "train forward" if training else "eval forward", kind,
                         t["ours"], t["ref"], t.get("compiled"), t["floor"], nbytes, copy_gbps))
 
-    # Backward in training mode (posenc regenerates the mask, the reference multiplies by
-    # its stored one): the gradient of x, and of the table too for the learned encoding.
+    # Backward in training mode (posenc reads the keep mask its CPU forward saved, 1 bit per
+    # element, and regenerates it on CUDA; the reference multiplies by its stored one): the
+    # gradient of x, and of the table too for the learned encoding.
     module.train(True)
     ref = _reference(table, p, True)
     xg = x.detach().requires_grad_(True)
