@@ -86,3 +86,16 @@ def test_transformers_proportional_function():
         inv, ours = rope_frequencies(D, scaling=params)
         torch.testing.assert_close(inv.float(), want, rtol=2e-7, atol=0)
         assert ours == attention == 1.0
+
+
+@pytest.mark.parametrize("extra", [dict(rotary_dim=16), dict(rotary_offset=8), dict(sections=[4, 4]),
+                                   dict(rotary_dim=32, rotary_offset=8)])
+def test_a_rotary_part_narrower_than_the_head_is_refused(extra):
+    # The type's exponents run over the whole head; over a narrower rotary part there are two
+    # readings (its width or the head's) and no model to settle it: a ValueError, not a guess.
+    q = torch.randn(1, 3, 2, 40, dtype=F64)
+    positions = torch.arange(3).expand(2, 3) if "sections" in extra else None
+    with pytest.raises(ValueError, match="'proportional' turns pairs of the whole head"):
+        apply_rope(q, scaling=proportional(), positions=positions, **extra)
+    want = apply_rope(q, scaling=proportional())
+    assert torch.equal(apply_rope(q, scaling=proportional(), rotary_dim=40), want)  # the head: allowed

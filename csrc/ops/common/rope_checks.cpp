@@ -286,6 +286,15 @@ int64_t check_rope_structure(const RopeCall& c) {
   TORCH_CHECK_VALUE(begin + rot <= hd, "posenc: expected the rotary features [", begin, ", ",
                     begin + rot, ") (rotary_dim ", rot, " from feature ", begin,
                     ") within head_dim = ", hd);
+  // "proportional" (Gemma 4) turns a share of the pairs of the whole head, its exponents
+  // over head_dim (transformers' _compute_proportional_rope_parameters): a rotary part
+  // narrower than the head would take them over its own width, a configuration no model has
+  // and two readings of, so it is refused rather than guessed.
+  TORCH_CHECK_VALUE(c.scaling.type != math::RopeType::kProportional || (begin == 0 && rot == hd),
+                    "posenc: rope_type 'proportional' turns pairs of the whole head (its "
+                    "partial_rotary_factor says how many): expected the rotary part to be the head, "
+                    "features [0, head_dim = ", hd, "), got [", begin, ", ", begin + rot,
+                    ") (leave rotary_dim, rotary_offset and sections unset)");
   check_rope_rotary_dim_supported(rot);
   check_rope_sections(c.sections, c.sections_mode, rot);
   check_rope_scaling_lists(c.scaling, rot, c.multi_axis());
