@@ -50,11 +50,11 @@ ops::RopeCall make_rope_call(const torch::Tensor& q, const std::optional<torch::
                         const ApplyRopeOptions& o, int64_t seq_len) {
   ops::RopeCall c;
   c.q = q;
-  c.k = k;
-  c.positions = o.positions();
-  c.offsets = o.offsets();
+  c.k = k;  // as given: optional only in rope (apply_rope's callers decide)
+  c.positions = ops::optional_tensor(o.positions());
+  c.offsets = ops::optional_tensor(o.offsets());
   c.offset = o.offset();
-  c.cu_seqlens = o.cu_seqlens();
+  c.cu_seqlens = ops::optional_tensor(o.cu_seqlens());
   c.inverse = o.inverse();
   c.base = o.base();
   c.scaling = ops::parse_rope_scaling(o.scaling().rope_type, o.scaling().values());
@@ -78,7 +78,8 @@ using detail::rope_seq_len_argument;
 std::tuple<torch::Tensor, torch::Tensor> apply_rope(const torch::Tensor& q, const torch::Tensor& k,
                                                     const ApplyRopeOptions& o) {
   // An undefined k (torch::Tensor()): q alone, the second output undefined (as the module).
-  auto [rq, rk] = ops::call_rope(make_rope_call(q, k, o, rope_seq_len_argument(o.scaling(), o.seq_len())));
+  auto [rq, rk] = ops::call_rope(make_rope_call(q, k.defined() ? std::optional<torch::Tensor>(k) : std::nullopt, o,
+                                                rope_seq_len_argument(o.scaling(), o.seq_len())));
   return {rq, k.defined() ? rk : torch::Tensor()};
 }
 
@@ -89,7 +90,8 @@ torch::Tensor apply_rope(const torch::Tensor& q, const ApplyRopeOptions& o) {
 
 void apply_rope_(const torch::Tensor& q, const std::optional<torch::Tensor>& k,
                  const ApplyRopeOptions& o) {
-  ops::call_rope_inplace(make_rope_call(q, k, o, rope_seq_len_argument(o.scaling(), o.seq_len())));
+  ops::call_rope_inplace(
+      make_rope_call(q, ops::optional_tensor(k), o, rope_seq_len_argument(o.scaling(), o.seq_len())));
 }
 
 std::tuple<torch::Tensor, double> rope_frequencies(int64_t rotary_dim, double base,

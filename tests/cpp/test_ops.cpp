@@ -235,4 +235,18 @@ TEST(CppApi, UndefinedOptionalTensorsAreAbsent) {
   posenc::rope_shift_kv_(cache, from, to, posenc::RopeShiftKvOptions().rows(rows).slot_mapping(none).k_scale(none));
   posenc::rope_shift_kv_(cache2, from, to, posenc::RopeShiftKvOptions().rows(rows));
   EXPECT_TRUE(torch::equal(cache, cache2));
+
+  // Where k is required (qk_norm_rope, rope_append_kv), an undefined one is a ValueError
+  // naming k, not a None the kernels would dereference (a crash, found by a review).
+  const auto w = torch::ones({8});
+  EXPECT_THROW(posenc::qk_norm_rope(q, none, w, w), c10::ValueError);
+  posenc::QKNormRotary qkn(posenc::QKNormRotaryOptions(8));
+  EXPECT_THROW(qkn(q, none), c10::ValueError);
+  EXPECT_THROW(posenc::rope_append_kv(q, none, k, kc, vc), c10::ValueError);
+  EXPECT_THROW(posenc::rope_append_kv_(q.clone(), none, k, kc, vc), c10::ValueError);
+  try {
+    posenc::rope_append_kv(q, none, k, kc, vc);
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("expected k to be a tensor"), std::string::npos) << e.what();
+  }
 }

@@ -166,8 +166,19 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
 }
 
 // ---- Reading one argument (IValue -> field), by the field's type.
-void read(const c10::IValue& v, const char*, at::Tensor& out) { out = v.toTensor(); }
-void read(const c10::IValue& v, const char*, std::optional<at::Tensor>& out) { out = optional_tensor(v); }
+// q and k as given; an undefined tensor (a C++ caller's torch::Tensor(), which the C++ API
+// turns into None where the argument may be absent, or passes on where it may not) is refused
+// with the argument's name, before any op reads it (k is required in qk_norm_rope and
+// rope_append_kv, whose kernels take k as given once parsed).
+void read(const c10::IValue& v, const char* name, at::Tensor& out) {
+  out = v.toTensor();
+  TORCH_CHECK_VALUE(out.defined(), "posenc: expected ", name, " to be a tensor, got an undefined tensor");
+}
+void read(const c10::IValue& v, const char* name, std::optional<at::Tensor>& out) {
+  out = v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
+  TORCH_CHECK_VALUE(!out.has_value() || out->defined(), "posenc: expected ", name,
+                    " to be a tensor or None, got an undefined tensor");
+}
 void read(const c10::IValue& v, const char*, c10::SymInt& out) { out = v.toSymInt(); }
 void read(const c10::IValue& v, const char*, double& out) { out = v.toDouble(); }
 void read(const c10::IValue& v, const char*, int64_t& out) { out = v.toInt(); }
@@ -194,7 +205,7 @@ void read(const c10::IValue& v, const char*, math::RopeScalingParams& out) {
 
 // ---- Writing one argument (field -> IValue).
 c10::IValue write(const at::Tensor& t) { return t; }
-c10::IValue write(const std::optional<at::Tensor>& t) { return optional_tensor_ivalue(t); }
+c10::IValue write(const std::optional<at::Tensor>& t) { return t; }
 c10::IValue write(const c10::SymInt& v) { return v; }
 c10::IValue write(double v) { return v; }
 c10::IValue write(int64_t v) { return v; }
