@@ -20,7 +20,8 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._common import _bool_arg, _float_arg
 from posenc._dtensor import is_dtensor, place_beside
-from posenc._rope import LENGTH_SCALED_TYPES, heads_batch_rule, resolve_config_keys, scaling_arguments
+from posenc._rope import (LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, heads_batch_rule, resolve_config_keys,
+                          scaling_arguments)
 
 
 def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
@@ -130,6 +131,12 @@ def rope_cos_sin(
     # The model's defaults (max_position_embeddings) and the length a type scales by come from
     # the types' facts (scaling_arguments, LENGTH_SCALED_TYPES), as for apply_rope.
     rope_type, values = scaling_arguments(scaling, max_position_embeddings)
+    if rope_type in PARTIAL_ROTARY_KEY_TYPES and rotary_dim != dim:
+        # As apply_rope refuses it (the op's rotary-width rule): "proportional" turns pairs of
+        # the whole head, its exponents over dim; over a narrower rotary_dim there are two readings.
+        raise ValueError(f"{fn}: rope_type {rope_type!r} turns pairs of the whole head (its "
+                         f"partial_rotary_factor says how many): expected rotary_dim = dim = {dim} or None, "
+                         f"got {rotary_dim}")
     if rope_type in LENGTH_SCALED_TYPES and torch.jit.is_tracing():
         raise RuntimeError(f"{fn}: {rope_type!r} tables scale by the longest position, read from the positions' "
                            f"values, which torch.jit.trace would fix at the traced ones; rotate with "

@@ -99,3 +99,10 @@ def test_a_rotary_part_narrower_than_the_head_is_refused(extra):
         apply_rope(q, scaling=proportional(), positions=positions, **extra)
     want = apply_rope(q, scaling=proportional())
     assert torch.equal(apply_rope(q, scaling=proportional(), rotary_dim=40), want)  # the head: allowed
+
+
+def test_rope_cos_sin_refuses_a_rotary_dim_narrower_than_the_head():
+    with pytest.raises(ValueError, match="turns pairs of the whole head"):
+        rope_cos_sin(torch.arange(4), 40, scaling=proportional(), rotary_dim=16)
+    cos, sin = rope_cos_sin(torch.arange(4), 40, scaling=proportional(), rotary_dim=40)
+    assert cos.shape == (4, 40)
