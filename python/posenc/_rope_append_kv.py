@@ -130,7 +130,9 @@ def rope_append_kv(
         if value != _OWN_DEFAULTS[name]:
             arguments[name] = value
     if inplace:
-        torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, **arguments)
+        # Without return_k, the overload whose schema reads k (keep_k): k is not written.
+        op = torch.ops.posenc.rope_append_kv_.default if return_k else torch.ops.posenc.rope_append_kv_.keep_k
+        op(q, k, v, k_cache, v_cache, **arguments)
         return (q, k) if return_k else q
     out_q, out_k = torch.ops.posenc.rope_append_kv(q, k, v, k_cache, v_cache, **arguments)
     return (out_q, out_k) if return_k else out_q

@@ -146,3 +146,35 @@ def test_rope_append_kv_in_place_takes_a_negative_bit_k_it_does_not_write():
     assert torch.equal(k_cache[:, 1:3], want)
     with pytest.raises(RuntimeError, match="negative"):
         F.rope_append_kv(q, k, v, k_cache, v_cache, offset=1, inplace=True, return_k=True)
+
+
+@pytest.mark.parametrize("return_k", [False, True])
+def test_rope_append_kv_in_place_under_compile_writes_k_only_with_return_k(return_k):
+    # The same contract under torch.compile: functionalization follows the schema of the
+    # overload the call takes (rope_append_kv_.keep_k reads k), so k is neither copied back
+    # nor has its version moved without return_k.
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    w = torch.randn(8, dtype=F64, requires_grad=True)
+    q, k, v = (torch.randn(1, 2, 2, 8, dtype=F64) for _ in "qkv")
+    k_cache, v_cache = caches()
+    want_cache = (k_cache.clone(), v_cache.clone())
+    y = (k * w).sum()
+    before, k0 = k._version, k.clone()
+
+    @torch.compile(fullgraph=True, backend="aot_eager")
+    def step(q, k, v, k_cache, v_cache):
+        return F.rope_append_kv(q, k, v, k_cache, v_cache, offset=1, inplace=True, return_k=return_k)
+
+    with torch.no_grad():
+        step(q, k, v, k_cache, v_cache)
+    F.rope_append_kv(torch.randn(1, 2, 2, 8, dtype=F64), k0.clone(), v, *want_cache, offset=1)
+    assert torch.equal(k_cache, want_cache[0])
+    if return_k:
+        assert k._version > before and not torch.equal(k, k0)
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            y.backward()
+    else:
+        assert k._version == before and torch.equal(k, k0)
+        y.backward()

@@ -360,7 +360,12 @@ def test_opcheck():
     q, k, v, kc, vc = make("bshd", dtype=torch.float32)
     ops = torch.ops.posenc
     opcheck(ops.rope_append_kv, (q, k, v, kc, vc), dict(offsets=torch.tensor([0, 2, 4]), return_k=True))
-    opcheck(ops.rope_append_kv_, (q.clone(), k.clone(), v, kc, vc), dict(offset=3, return_k=True))
+    opcheck(ops.rope_append_kv_.default, (q.clone(), k.clone(), v, kc, vc), dict(offset=3, return_k=True))
+    # The overload without return_k reads k (its schema: Tensor k): opcheck's schema test fails
+    # if the op wrote k there.
+    opcheck(ops.rope_append_kv_.keep_k, (q.clone(), k.clone(), v, kc, vc), dict(offset=3))
+    with pytest.raises(ValueError, match="expected return_k=False"):
+        ops.rope_append_kv_.keep_k(q.clone(), k.clone(), v, kc, vc, offset=3, return_k=True)
     q, k, v, kc, vc = make("thd", dtype=torch.float32)
     opcheck(ops.rope_append_kv, (q, k, v, kc, vc),
             dict(slot_mapping=torch.tensor([3, -1, 9, 0, 1]), positions=torch.arange(5) + 2, layout="thd"))

@@ -7,34 +7,22 @@
 #include <c10/util/SmallVector.h>
 #include <torch/csrc/autograd/variable.h>
 
-#include <optional>
 #include <string>
 
 namespace posenc {
 namespace ops {
 
 namespace {
-// Whether argument i of `op` (its arguments from stack[first]) is written by this call: its
-// schema marks it (a!). One write is conditional: rope_append_kv_ writes k only with
-// return_k (without it the rotated k goes to the cache alone), so there k counts only then
-// (else a graph that saved k, or an inference k outside inference mode, would be refused
-// though k is left as it was).
-bool writes_argument(const c10::OperatorHandle& op, const torch::jit::Stack& stack, size_t first, size_t i) {
-  const auto& args = op.schema().arguments();
-  if (args[i].alias_info() == nullptr || !args[i].alias_info()->isWrite()) return false;
-  if (args[i].name() != "k") return true;
-  const std::optional<int> return_k = op.schema().argumentIndexWithName("return_k");
-  return !return_k.has_value() || stack[first + static_cast<size_t>(*return_k)].toBool();
-}
-
-// The written tensor arguments of `op` on `stack` (its arguments on top), None skipped.
+// The written (a!) tensor arguments of `op` on `stack` (its arguments on top), None skipped.
 c10::SmallVector<at::Tensor, 4> written_tensors(const c10::OperatorHandle& op, const torch::jit::Stack& stack) {
   const auto& args = op.schema().arguments();
   const size_t first = stack.size() - args.size();
   c10::SmallVector<at::Tensor, 4> written;
   for (size_t i = 0; i < args.size(); ++i) {
     const c10::IValue& v = stack[first + i];
-    if (v.isTensor() && writes_argument(op, stack, first, i)) written.push_back(v.toTensor());
+    if (v.isTensor() && args[i].alias_info() != nullptr && args[i].alias_info()->isWrite()) {
+      written.push_back(v.toTensor());
+    }
   }
   return written;
 }
@@ -97,7 +85,8 @@ void resolve_math_bits(const c10::OperatorHandle& op, c10::DispatchKeySet keys, 
   for (size_t i = 0; i < args.size(); ++i) {
     c10::IValue& v = (*stack)[first + i];
     if (!v.isTensor() || (!v.toTensor().is_neg() && !v.toTensor().is_conj())) continue;
-    TORCH_CHECK(!writes_argument(op, *stack, first, i), "posenc: ", op_name(op), ": expected ", args[i].name(), " without the ",
+    const bool written = args[i].alias_info() != nullptr && args[i].alias_info()->isWrite();
+    TORCH_CHECK(!written, "posenc: ", op_name(op), ": expected ", args[i].name(), " without the ",
                 v.toTensor().is_neg() ? "negative" : "conjugate", " bit (a view such as z.conj().imag), which ",
                 "an op that writes ", args[i].name(), " in place cannot honour with its other writes; pass a ",
                 "tensor without it (", args[i].name(), ".resolve_neg() is a copy: write the result back "

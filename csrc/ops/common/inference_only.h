@@ -16,8 +16,7 @@ void inference_only_autograd(const c10::OperatorHandle& op, c10::DispatchKeySet 
 
 // The ADInplaceOrView kernel of every op that writes tensor arguments (the schema's (a!)
 // ones: rope_, qk_norm_rope_, rope_append_kv(_), rope_shift_kv_): the op below this layer,
-// then the version counters of the tensors it wrote moved (rope_append_kv_'s k only with
-// return_k: the one write an argument decides), where ATen's in-place ops move
+// then the version counters of the tensors it wrote moved, where ATen's in-place ops move
 // them, so that autograd refuses a graph that saved one of them before the write. This layer
 // also runs under torch.inference_mode() for normal tensors (autograd does not), so a write
 // there is seen too; and outside it for inference tensors (made under inference mode, which

@@ -49,8 +49,8 @@ using RopeGridPositionsSig = at::Tensor(at::IntArrayRef, int64_t, std::optional<
 
 // An op's handle for boxed calls (the Call structs' push / pop); callers keep it in a
 // function-local static, looked up on first use.
-inline c10::OperatorHandle find_boxed_op(const char* name) {
-  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
+inline c10::OperatorHandle find_boxed_op(const char* name, const char* overload = "") {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
 }
 
 template <typename Sig>

@@ -122,9 +122,17 @@ std::tuple<at::Tensor, at::Tensor> call_rope_append_kv(const RopeAppendKvCall& c
 }
 
 void call_rope_append_kv_inplace(const RopeAppendKvCall& c) {
-  static const c10::OperatorHandle op = find_boxed_op("posenc::rope_append_kv_");
+  // Without return_k, the overload whose schema leaves k unwritten (kKeepK).
+  static const c10::OperatorHandle writes_k = find_boxed_op("posenc::rope_append_kv_");
+  static const c10::OperatorHandle keeps_k = find_boxed_op("posenc::rope_append_kv_", kKeepK);
   torch::jit::Stack stack = push_call(c);
-  op.callBoxed(stack);
+  (c.return_k ? writes_k : keeps_k).callBoxed(stack);
+}
+
+void check_keep_k_overload(const c10::OperatorHandle& op, const RopeAppendKvCall& c) {
+  TORCH_CHECK_VALUE(!c.return_k || op.schema().overload_name() != kKeepK,
+                    "posenc: rope_append_kv_.", kKeepK, " leaves k as it is (its schema does not write k): "
+                    "expected return_k=False, got True (rope_append_kv_ writes the rotated k into k)");
 }
 
 // ---- Checks
@@ -423,9 +431,10 @@ KvLaunch prepare_kv_launch(const RopeAppendKvCall& c, int64_t rot, const at::Ten
 
 }  // namespace
 
-void run_rope_append_kv_boxed(torch::jit::Stack* stack, bool in_place, KvOutputAllocator allocate,
-                              KvKernelRunner run, bool check_rows) {
+void run_rope_append_kv_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool in_place,
+                              KvOutputAllocator allocate, KvKernelRunner run, bool check_rows) {
   const RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
+  check_keep_k_overload(op, c);
   const int64_t rot = check_rope_append_kv(c);
   check_rope_append_kv_overlap(c, in_place);
   const at::Tensor out_q = in_place ? c.rope.q : allocate(c.rope.q);
@@ -449,15 +458,20 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
       "Tensor? k_weight=None, " + std::string(kQkNormSchemaSettings) + ", ";
   m.def(("rope_append_kv(Tensor q, Tensor k, " + middle + tail + ") -> (Tensor, Tensor)").c_str());
   m.def(("rope_append_kv_(Tensor(c!) q, Tensor(d!) k, " + middle + tail + ") -> ()").c_str());
+  // The in-place call without return_k: k is read only, so its schema says so (a version
+  // counter, functionalization under torch.compile and the negative bit then treat k as read).
+  m.def(("rope_append_kv_." + std::string(kKeepK) + "(Tensor(c!) q, Tensor k, " + middle + tail + ") -> ()").c_str());
 }
 
 TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
   m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
   m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
+  m.impl("rope_append_kv_.keep_k", torch::CppFunction::makeFromBoxedFunction<&inference_only_autograd>());
 }
 
 POSENC_REGISTER_WRITTEN_LAYERS("rope_append_kv")
 POSENC_REGISTER_WRITTEN_LAYERS("rope_append_kv_")
+POSENC_REGISTER_WRITTEN_LAYERS("rope_append_kv_.keep_k")
 
 // ---- Meta kernels
 // The real kernels' checks and q's (and k's) shape, so torch.compile and torch.export trace
@@ -484,8 +498,8 @@ void rope_append_kv_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   stack->emplace_back(c.return_k ? at::empty_like(*c.rope.k) : at::empty({0}, c.rope.q.options()));
 }
 
-void rope_append_kv_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  checked_append_kv_meta_call("rope_append_kv_", stack);
+void rope_append_kv_inplace_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  check_keep_k_overload(op, checked_append_kv_meta_call("rope_append_kv_", stack));
 }
 
 }  // namespace
@@ -493,6 +507,7 @@ void rope_append_kv_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* 
 TORCH_LIBRARY_IMPL(posenc, Meta, m) {
   m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_meta>());
   m.impl("rope_append_kv_", torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_inplace_meta>());
+  m.impl("rope_append_kv_.keep_k", torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_inplace_meta>());
 }
 
 // ---- The ATen composite
@@ -511,8 +526,9 @@ TORCH_LIBRARY_IMPL(posenc, Meta, m) {
 
 namespace {
 
-void run_composite(torch::jit::Stack* stack, bool in_place) {
+void run_composite(torch::jit::Stack* stack, bool in_place, const c10::OperatorHandle* op = nullptr) {
   const RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
+  if (op != nullptr) check_keep_k_overload(*op, c);
   check_rope_append_kv(c);
   check_rope_append_kv_overlap(c, in_place);
   const at::Tensor& q = c.rope.q;
@@ -645,16 +661,17 @@ void rope_append_kv_composite(const c10::OperatorHandle&, torch::jit::Stack* sta
   run_composite(stack, /*in_place=*/false);
 }
 
-void rope_append_kv_inplace_composite(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  run_composite(stack, /*in_place=*/true);
+void rope_append_kv_inplace_composite(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_composite(stack, /*in_place=*/true, &op);
 }
 
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
   m.impl("rope_append_kv", torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_composite>());
-  m.impl("rope_append_kv_",
-         torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_inplace_composite>());
+  for (const char* name : {"rope_append_kv_", "rope_append_kv_.keep_k"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<&rope_append_kv_inplace_composite>());
+  }
 }
 
 // ---- CPU backend
@@ -674,9 +691,10 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
   m.impl("rope_append_kv",
          torch::CppFunction::makeFromBoxedFunction<
              &rope_append_kv_kernel_boxed<&empty_output_like, &run_rope_append_kv_cpu, true>>());
-  m.impl("rope_append_kv_",
-         torch::CppFunction::makeFromBoxedFunction<
-             &rope_append_kv_inplace_kernel_boxed<&empty_output_like, &run_rope_append_kv_cpu, true>>());
+  for (const char* name : {"rope_append_kv_", "rope_append_kv_.keep_k"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<
+                     &rope_append_kv_inplace_kernel_boxed<&empty_output_like, &run_rope_append_kv_cpu, true>>());
+  }
 }
 
 }  // namespace ops
@@ -708,9 +726,10 @@ TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
   m.impl("rope_append_kv",
          torch::CppFunction::makeFromBoxedFunction<
              &rope_append_kv_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
-  m.impl("rope_append_kv_",
-         torch::CppFunction::makeFromBoxedFunction<
-             &rope_append_kv_inplace_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
+  for (const char* name : {"rope_append_kv_", "rope_append_kv_.keep_k"}) {
+    m.impl(name, torch::CppFunction::makeFromBoxedFunction<
+                     &rope_append_kv_inplace_kernel_boxed<&empty_like_input, &run_rope_append_kv_cuda, false>>());
+  }
 }
 
 }  // namespace ops

@@ -84,9 +84,17 @@ void check_rope_append_kv_rows(const KvCacheArgs& args);
 void check_rope_append_kv_overlap(const RopeAppendKvCall& call, bool in_place);
 
 // The boxed op calls of the C++ API: rope_append_kv returns (q, k or an empty tensor),
-// rope_append_kv_ works in place.
+// rope_append_kv_ works in place (its overload kKeepK without return_k).
 std::tuple<at::Tensor, at::Tensor> call_rope_append_kv(const RopeAppendKvCall& call);
 void call_rope_append_kv_inplace(const RopeAppendKvCall& call);
+
+// rope_append_kv_'s overload for calls without return_k: its schema reads k (Tensor k) where
+// rope_append_kv_'s writes it (Tensor(d!) k), since only return_k writes the rotated k into k;
+// a schema cannot make a write depend on a bool, and an argument marked written that is not
+// moved its version counter, refused graphs that had saved k and, under torch.compile, was
+// copied back. Each in-place kernel refuses return_k=True in it (check_keep_k_overload).
+constexpr const char* kKeepK = "keep_k";
+void check_keep_k_overload(const c10::OperatorHandle& op, const RopeAppendKvCall& call);
 
 struct KvLaunch {
   KvCacheArgs args;
@@ -100,16 +108,16 @@ using KvKernelRunner = void (*)(const KvLaunch& launch, const at::Tensor& q);
 
 // The body of the boxed kernels of every backend: pop, check, allocate, prepare, launch,
 // push (q and k or an empty tensor; nothing in place).
-void run_rope_append_kv_boxed(torch::jit::Stack* stack, bool in_place, KvOutputAllocator allocate,
-                              KvKernelRunner run, bool check_rows);
+void run_rope_append_kv_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack, bool in_place,
+                              KvOutputAllocator allocate, KvKernelRunner run, bool check_rows);
 
 template <KvOutputAllocator Allocate, KvKernelRunner Run, bool kCheckRows>
-void rope_append_kv_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  run_rope_append_kv_boxed(stack, /*in_place=*/false, Allocate, Run, kCheckRows);
+void rope_append_kv_kernel_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_rope_append_kv_boxed(op, stack, /*in_place=*/false, Allocate, Run, kCheckRows);
 }
 template <KvOutputAllocator Allocate, KvKernelRunner Run, bool kCheckRows>
-void rope_append_kv_inplace_kernel_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  run_rope_append_kv_boxed(stack, /*in_place=*/true, Allocate, Run, kCheckRows);
+void rope_append_kv_inplace_kernel_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  run_rope_append_kv_boxed(op, stack, /*in_place=*/true, Allocate, Run, kCheckRows);
 }
 
 }  // namespace ops
