@@ -143,49 +143,79 @@ void backward_heads_vec(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
   const int64_t o = math::rope_rotary_begin(a.rope.settings);
   const float eps = static_cast<float>(a.eps);
   alignas(64) float gs[kG][kStagedRow];
-  // The gradient turned back, read from its row once (the features outside the rotary part
-  // copied as they are; was a staged copy of the whole row first: memmove, 20-27% in perf).
-  for (int i = 0; i < kG; ++i) {
-    for (int64_t e = 0; e < D; ++e) {
-      if (e == o) e += 2 * half;  // the rotary part: below
-      if (e < D) gs[i][e] = static_cast<float>(g[i][e]);
-    }
-    int64_t p = 0;
-    for (; p + W <= half; p += W) {
-      Vec gu1, gu2;
-      rotate_vec(load_float8(g[i] + o + p), load_float8(g[i] + o + half + p), Vec::loadu(t.cs + p),
-                 Vec::loadu(t.sn + p), gu1, gu2);
-      gu1.store(gs[i] + o + p);
-      gu2.store(gs[i] + o + half + p);
-    }
-    for (; p < half; ++p) {
-      float gu1, gu2;
-      math::rope_rotate_pair(static_cast<float>(g[i][o + p]), static_cast<float>(g[i][o + p + half]), t.cs[p],
-                             t.sn[p], &gu1, &gu2);
-      gs[i][o + p] = gu1;
-      gs[i][o + p + half] = gu2;
-    }
-  }
-  // The inverse RMS of each row.
   float r[kG];
-  {
+  // Rows that are all rotary halves (the common case): the gradient's turn-back and the
+  // squares of x in one pass per row, so that g's and x's lines are asked for together (two
+  // passes, g's then x's, waited for each stream in turn: perf's hot spots were the first
+  // loads of each); the squares are summed after it in the same order as below (same bits).
+  if (o == 0 && 2 * half == D && half % W == 0) {
+    alignas(64) float sq[kG][kStagedRow];
+    for (int i = 0; i < kG; ++i) {
+      for (int64_t p = 0; p < half; p += W) {
+        const Vec x1 = load_float8(x[i] + p), x2 = load_float8(x[i] + half + p);
+        Vec gu1, gu2;
+        rotate_vec(load_float8(g[i] + p), load_float8(g[i] + half + p), Vec::loadu(t.cs + p),
+                   Vec::loadu(t.sn + p), gu1, gu2);
+        gu1.store(gs[i] + p);
+        gu2.store(gs[i] + half + p);
+        (x1 * x1).store(sq[i] + p);
+        (x2 * x2).store(sq[i] + half + p);
+      }
+    }
     Vec acc[kG];
     for (int i = 0; i < kG; ++i) acc[i] = Vec(0.0f);
-    int64_t e = 0;
-    for (; e + W <= D; e += W) {
-      for (int i = 0; i < kG; ++i) {
-        const Vec xv = load_float8(x[i] + e);
-        acc[i] = acc[i] + xv * xv;
-      }
+    for (int64_t e = 0; e < D; e += W) {
+      for (int i = 0; i < kG; ++i) acc[i] = acc[i] + Vec::loadu(sq[i] + e);
     }
     for (int i = 0; i < kG; ++i) {
-      float sq[kLanes];
-      acc[i].store(sq);
-      for (int64_t j = e; j < D; ++j) {
-        const float xv = static_cast<float>(x[i][j]);
-        sq[0] += xv * xv;
+      float lanes[kLanes];
+      acc[i].store(lanes);
+      r[i] = math::qk_norm_inv_rms<float>(lanes_sum(lanes), D, eps);
+    }
+  } else {
+    // The gradient turned back, read from its row once (the features outside the rotary part
+    // copied as they are; was a staged copy of the whole row first: memmove, 20-27% in perf).
+    for (int i = 0; i < kG; ++i) {
+      for (int64_t e = 0; e < D; ++e) {
+        if (e == o) e += 2 * half;  // the rotary part: below
+        if (e < D) gs[i][e] = static_cast<float>(g[i][e]);
       }
-      r[i] = math::qk_norm_inv_rms<float>(lanes_sum(sq), D, eps);
+      int64_t p = 0;
+      for (; p + W <= half; p += W) {
+        Vec gu1, gu2;
+        rotate_vec(load_float8(g[i] + o + p), load_float8(g[i] + o + half + p), Vec::loadu(t.cs + p),
+                   Vec::loadu(t.sn + p), gu1, gu2);
+        gu1.store(gs[i] + o + p);
+        gu2.store(gs[i] + o + half + p);
+      }
+      for (; p < half; ++p) {
+        float gu1, gu2;
+        math::rope_rotate_pair(static_cast<float>(g[i][o + p]), static_cast<float>(g[i][o + p + half]), t.cs[p],
+                               t.sn[p], &gu1, &gu2);
+        gs[i][o + p] = gu1;
+        gs[i][o + p + half] = gu2;
+      }
+    }
+    // The inverse RMS of each row.
+    {
+      Vec acc[kG];
+      for (int i = 0; i < kG; ++i) acc[i] = Vec(0.0f);
+      int64_t e = 0;
+      for (; e + W <= D; e += W) {
+        for (int i = 0; i < kG; ++i) {
+          const Vec xv = load_float8(x[i] + e);
+          acc[i] = acc[i] + xv * xv;
+        }
+      }
+      for (int i = 0; i < kG; ++i) {
+        float sq[kLanes];
+        acc[i].store(sq);
+        for (int64_t j = e; j < D; ++j) {
+          const float xv = static_cast<float>(x[i][j]);
+          sq[0] += xv * xv;
+        }
+        r[i] = math::qk_norm_inv_rms<float>(lanes_sum(sq), D, eps);
+      }
     }
   }
   // The weight gradient's terms and mean(gu * w * xhat) of each row.
