@@ -13,6 +13,18 @@ from posenc.functional import apply_rope
 DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
 
 
+def check_bhsd_equals_bshd(q, k, **kwargs):
+    """apply_rope of the "bhsd" copies of q and k (out of place and in place) gives the bits
+    of the "bshd" call."""
+    want_q, want_k = apply_rope(q, k, **kwargs)
+    qh, kh = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
+    got_q, got_k = apply_rope(qh, kh, layout="bhsd", **kwargs)
+    assert torch.equal(got_q.transpose(1, 2), want_q) and torch.equal(got_k.transpose(1, 2), want_k)
+    with torch.no_grad():
+        apply_rope(qh, kh, layout="bhsd", inplace=True, **kwargs)
+    assert torch.equal(qh.transpose(1, 2), want_q) and torch.equal(kh.transpose(1, 2), want_k)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("kwargs", [
     {}, dict(positions=torch.randint(0, 4000, (3, 70))), dict(offset=torch.tensor([0, 5, 900])),
@@ -23,13 +35,7 @@ def test_bhsd_equals_bshd_bit_for_bit(dtype, kwargs):
     torch.manual_seed(0)
     q = torch.randn(3, 70, 4, 64).to(dtype)  # 70 tokens: two full blocks of 32 and a part
     k = torch.randn(3, 70, 2, 64).to(dtype)
-    want_q, want_k = apply_rope(q, k, **kwargs)
-    qh, kh = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
-    got_q, got_k = apply_rope(qh, kh, layout="bhsd", **kwargs)
-    assert torch.equal(got_q.transpose(1, 2), want_q) and torch.equal(got_k.transpose(1, 2), want_k)
-    with torch.no_grad():
-        apply_rope(qh, kh, layout="bhsd", inplace=True, **kwargs)
-    assert torch.equal(qh.transpose(1, 2), want_q) and torch.equal(kh.transpose(1, 2), want_k)
+    check_bhsd_equals_bshd(q, k, **kwargs)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -67,12 +73,6 @@ def test_bhsd_long_blocks_equal_bshd_bit_for_bit(dtype, threads, kwargs):
     try:
         torch.manual_seed(2)
         q, k = torch.randn(2, 300, 3, 64).to(dtype), torch.randn(2, 300, 1, 64).to(dtype)
-        want_q, want_k = apply_rope(q, k, **kwargs)
-        qh, kh = q.transpose(1, 2).contiguous(), k.transpose(1, 2).contiguous()
-        got_q, got_k = apply_rope(qh, kh, layout="bhsd", **kwargs)
-        assert torch.equal(got_q.transpose(1, 2), want_q) and torch.equal(got_k.transpose(1, 2), want_k)
-        with torch.no_grad():
-            apply_rope(qh, kh, layout="bhsd", inplace=True, **kwargs)
-        assert torch.equal(qh.transpose(1, 2), want_q) and torch.equal(kh.transpose(1, 2), want_k)
+        check_bhsd_equals_bshd(q, k, **kwargs)
     finally:
         torch.set_num_threads(before)
