@@ -15,7 +15,8 @@ namespace ops {
 // arguments on the stack): absent when None or undefined (a C++ caller's torch::Tensor(),
 // which ATen's functions read as absent too; given on, it showed up in messages as shape [0]
 // and dtype UNKNOWN_SCALAR). RopeCall's q and k are not read so: k is required in
-// qk_norm_rope and rope_append_kv, and an undefined one is refused by name (rope_call.cpp).
+// qk_norm_rope and rope_append_kv, and an undefined one is refused by name. (Defined in
+// rope_call.cpp.)
 std::optional<at::Tensor> optional_tensor(const c10::IValue& v);
 std::optional<at::Tensor> optional_tensor(const std::optional<at::Tensor>& t);
 c10::IValue optional_tensor_ivalue(const std::optional<at::Tensor>& t);
