@@ -2,6 +2,7 @@
 #include "posenc/qk_norm_rope.h"
 
 #include <c10/util/Exception.h>
+#include <c10/util/safe_numerics.h>
 
 #include <cmath>
 #include <ostream>
@@ -68,8 +69,13 @@ void QKNormRotaryImpl::reset() {
                     o.weight_offset());
   TORCH_CHECK_VALUE(std::isfinite(o.eps()) && o.eps() > 0.0,
                     "QKNormRotary: expected eps > 0 (added to the mean square), got ", o.eps());
-  const int64_t lq = hidden ? *o.num_heads() * o.head_dim() : o.head_dim();
-  const int64_t lk = hidden ? *o.num_kv_heads() * o.head_dim() : o.head_dim();
+  int64_t lq = o.head_dim(), lk = o.head_dim();
+  // The weights' lengths (a product that wrapped gave a module of the wrong size, silently).
+  TORCH_CHECK_VALUE(!hidden || (!c10::mul_overflows(*o.num_heads(), o.head_dim(), &lq) &&
+                                !c10::mul_overflows(*o.num_kv_heads(), o.head_dim(), &lk)),
+                    "QKNormRotary: expected num_heads * head_dim and num_kv_heads * head_dim to fit in int64, "
+                    "got num_heads=", o.num_heads().value_or(0), ", num_kv_heads=", o.num_kv_heads().value_or(0),
+                    ", head_dim=", o.head_dim());
   const ApplyRopeOptions& r = o.rope();
   TORCH_CHECK_VALUE(!ops::optional_tensor(r.positions()) && !ops::optional_tensor(r.offsets()) && r.offset() == 0 &&
                         !ops::optional_tensor(r.cu_seqlens()) && !r.seq_len().has_value(),

@@ -4,6 +4,7 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <limits>
 
 #include "ops/common/op_handles.h"
 #include "posenc/math/philox.h"
@@ -249,4 +250,22 @@ TEST(CppApi, UndefinedOptionalTensorsAreAbsent) {
   } catch (const c10::ValueError& e) {
     EXPECT_NE(std::string(e.what()).find("expected k to be a tensor"), std::string::npos) << e.what();
   }
+}
+
+// Integer arguments whose products or sums would wrap are refused (a fuzz of the C++ API
+// found a silent wrong size and silent negative positions).
+TEST(CppApi, OverflowingSizesAndPositionsAreRefused) {
+  const auto tokens = torch::tensor({{1L, 5L, 6L}});
+  const int64_t two62 = int64_t{1} << 62;
+  EXPECT_THROW(posenc::make_positions(tokens, two62, two62), c10::ValueError);
+  const int64_t last = std::numeric_limits<int64_t>::max();
+  EXPECT_THROW(posenc::make_positions(tokens, two62, last - two62 - 2), c10::ValueError);
+  const auto ok = posenc::make_positions(tokens, two62, last - two62 - 3);  // the largest that fits
+  EXPECT_EQ(ok.max().item<int64_t>(), last);
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).norm("hidden").num_heads((int64_t{1} << 61) + 4)
+                                        .num_kv_heads(2)),
+               c10::ValueError);
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).norm("hidden").num_heads(2)
+                                        .num_kv_heads(int64_t{1} << 61)),
+               c10::ValueError);
 }

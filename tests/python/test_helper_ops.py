@@ -349,3 +349,14 @@ def test_module_range_check_of_cuda_positions_uses_the_bounds_op(module_cls):
         m(x, positions=torch.tensor([[0, 1, 2, 3, 4], [0, -1, 2, 3, 4]], device="cuda"))
     with pytest.raises(TypeError, match=r"positions to have dtype torch.int64"):
         m(x, positions=torch.arange(5.0, device="cuda"))
+
+
+def test_make_positions_refuses_positions_past_int64():
+    # padding_idx + offset + seq must stay an int64 (2**62 + 2**62 wrapped to negative positions).
+    tokens = torch.tensor([[1, 5, 6]])
+    with pytest.raises(ValueError, match=r"the last position, padding_idx \+ offset \+ seq, to fit in int64"):
+        make_positions(tokens, 2**62, offset=2**62)
+    last = 2**63 - 1
+    assert make_positions(tokens, 2**62, offset=last - 2**62 - 3).max().item() == last  # the largest that fits
+    with pytest.raises(ValueError, match="to fit in int64"):
+        make_positions(tokens, 2**62, offset=last - 2**62 - 2)

@@ -21,7 +21,8 @@ namespace posenc {
 // Padding-aware positions (fairseq): non-padding tokens of each row numbered
 // padding_idx + offset + 1, padding_idx + offset + 2, ...; padding gets padding_idx.
 // tokens: integer (batch, seq); padding_idx within +-2**62; offset in [0, 2**62] (the
-// tokens already in a cache: transformers' past_key_values_length). Op posenc::make_positions.
+// tokens already in a cache: transformers' past_key_values_length); the last position,
+// padding_idx + offset + seq, must fit in int64. Op posenc::make_positions.
 at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t offset = 0);
 
 // MAE's fixed 2-D sin-cos table: (num_prefix_tokens + grid_h * grid_w, dim), zero prefix

@@ -5,6 +5,10 @@
 #include <c10/util/Exception.h>
 #include <torch/library.h>
 
+#include <limits>
+#include <optional>
+#include <string>
+
 #include "ops/common/py_format.h"
 
 namespace posenc {
@@ -16,13 +20,22 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t
   TORCH_CHECK_VALUE(tokens.dim() == 2 && !tokens.is_floating_point() && !tokens.is_complex(),
                     "make_positions: expected integer tokens of shape (batch, seq), got ",
                     py_dtype(tokens.scalar_type()), " tokens of shape ", py_tuple(tokens.sizes()));
-  constexpr int64_t kLimit = int64_t{1} << 62;  // padding_idx + seq must stay an int64
+  constexpr int64_t kLimit = int64_t{1} << 62;
   TORCH_CHECK_VALUE(padding_idx >= -kLimit && padding_idx <= kLimit,
                     "make_positions: expected padding_idx within +-2**62, got ", padding_idx);
   // offset (transformers' past_key_values_length): the tokens before these, in a cache. Not
   // negative: a non-padding token would be numbered like padding.
   TORCH_CHECK_VALUE(offset >= 0 && offset <= kLimit, "make_positions: expected offset in [0, 2**62], got ",
                     offset);
+  // The largest position, padding_idx + offset + seq, must stay an int64 (it wrapped to
+  // negative positions for padding_idx = offset = 2**62). With a symbolic seq (torch.compile's
+  // dynamic shapes), padding_idx + offset <= 2**62 keeps it below 2**63 for any seq.
+  const std::optional<int64_t> seq = tokens.sym_size(1).maybe_as_int();
+  const int64_t room = seq.has_value() ? std::numeric_limits<int64_t>::max() - offset - *seq : kLimit - offset;
+  TORCH_CHECK_VALUE(padding_idx <= room, "make_positions: expected the last position, padding_idx + offset + seq, "
+                    "to fit in int64, got padding_idx=", padding_idx, ", offset=", offset, ", seq=",
+                    seq.has_value() ? std::to_string(*seq)
+                                    : std::string("symbolic (then padding_idx + offset <= 2**62)"));
   // Compared in int64: ne() with a scalar converts padding_idx into the tokens' dtype, which
   // wraps (300 as uint8 is 44: tokens 44 taken for padding).
   const at::Tensor mask = tokens.to(at::kLong).ne(padding_idx).to(at::kLong);
