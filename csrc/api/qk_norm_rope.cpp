@@ -122,10 +122,7 @@ std::tuple<torch::Tensor, torch::Tensor> QKNormRotaryImpl::forward(const torch::
   ops::QkNormRopeCall call = parsed_->call;  // the options, parsed once by reset()
   call.rope.q = q;
   call.rope.k = k;
-  call.rope.positions = ops::optional_tensor(where.positions());
-  call.rope.offsets = ops::optional_tensor(where.offsets());
-  call.rope.offset = where.offset();
-  call.rope.cu_seqlens = ops::optional_tensor(where.cu_seqlens());
+  detail::set_rope_positions(call.rope, where);
   if (where.seq_len().has_value()) {
     call.rope.seq_len = detail::rope_seq_len_argument(options.rope().scaling(), where.seq_len());
   }

@@ -70,6 +70,13 @@ ops::RopeCall make_rope_call(const torch::Tensor& q, const std::optional<torch::
   return c;
 }
 
+void set_rope_positions(ops::RopeCall& call, const RopePositions& where) {
+  call.positions = ops::optional_tensor(where.positions());
+  call.offsets = ops::optional_tensor(where.offsets());
+  call.offset = where.offset();
+  call.cu_seqlens = ops::optional_tensor(where.cu_seqlens());
+}
+
 }  // namespace detail
 
 using detail::make_rope_call;
@@ -226,14 +233,7 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward(
 }
 
 std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_at(
-    const torch::Tensor& q, const torch::Tensor& k, const RopePositions& given) {
-  // Undefined index tensors (torch::Tensor()) are absent, as in every op (ops::optional_tensor).
-  const RopePositions where = RopePositions()
-                                  .positions(ops::optional_tensor(given.positions()))
-                                  .offsets(ops::optional_tensor(given.offsets()))
-                                  .offset(given.offset())
-                                  .cu_seqlens(ops::optional_tensor(given.cu_seqlens()))
-                                  .seq_len(given.seq_len());
+    const torch::Tensor& q, const torch::Tensor& k, const RopePositions& where) {
   // The module's dim is q's and k's head_dim: the frequencies (inv_freq()) and rotary_dim
   // were set up for it, so another width would be rotated with other numbers.
   // An undefined k: q alone is rotated (Python's rope(x)); the second output is undefined.
@@ -250,21 +250,17 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
     return t.has_value() && !t->is_cpu();
   };
   const auto on_meta = [](const std::optional<torch::Tensor>& t) { return t.has_value() && t->is_meta(); };
-  const bool reads_device = on_cuda(where.positions()) || on_cuda(where.offsets()) ||
-                            on_cuda(where.cu_seqlens());
   const detail::ParsedRope& parsed = *parsed_;
   ops::RopeCall call = parsed.call;  // the options, parsed once by reset()
   call.q = q;
   call.k = k.defined() ? std::optional<torch::Tensor>(k) : std::nullopt;
-  call.positions = where.positions();
-  call.offsets = where.offsets();
-  call.offset = where.offset();
-  call.cu_seqlens = where.cu_seqlens();
+  detail::set_rope_positions(call, where);
+  const bool reads_device = on_cuda(call.positions) || on_cuda(call.offsets) || on_cuda(call.cu_seqlens);
   int64_t lo = 0, hi = -1;
   bool bounded = false;
   const ops::RopeLayoutAxes axes = ops::rope_layout_axes(call.layout);
   const int64_t rank = axes.batch < 0 ? 3 : 4;  // packed tokens have no batch dim
-  if (!where.positions() && !where.offsets() && !where.cu_seqlens() && options.sections().empty() &&
+  if (!call.positions && !call.offsets && !call.cu_seqlens && options.sections().empty() &&
       q.dim() == 4 && axes.batch >= 0) {
     // Positions offset .. offset + seq - 1 (the decode step): the range is arithmetic, as
     // the bounds op would compute it (no token, no bound), without a dispatcher round trip.
@@ -282,8 +278,8 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
       hi = lo + (seq - 1);
     }
     bounded = true;
-  } else if (q.dim() == rank && !q.is_meta() && !on_meta(where.positions()) && !on_meta(where.offsets()) &&
-             !on_meta(where.cu_seqlens()) &&  // meta: shapes only, nothing to read
+  } else if (q.dim() == rank && !q.is_meta() && !on_meta(call.positions) && !on_meta(call.offsets) &&
+             !on_meta(call.cu_seqlens) &&  // meta: shapes only, nothing to read
              (options.check_positions() || !reads_device)) {
     call.seq_len = 0;
     std::tie(lo, hi) = ops::call_rope_position_bounds(call);

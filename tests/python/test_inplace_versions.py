@@ -153,9 +153,6 @@ def test_rope_append_kv_in_place_under_compile_writes_k_only_with_return_k(retur
     # The same contract under torch.compile: functionalization follows the schema of the
     # overload the call takes (rope_append_kv_.keep_k reads k), so k is neither copied back
     # nor has its version moved without return_k.
-    import torch._dynamo
-
-    torch._dynamo.reset()
     w = torch.randn(8, dtype=F64, requires_grad=True)
     q, k, v = (torch.randn(1, 2, 2, 8, dtype=F64) for _ in "qkv")
     k_cache, v_cache = caches()

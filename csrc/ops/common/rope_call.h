@@ -23,6 +23,7 @@ namespace posenc {
 
 struct ApplyRopeOptions;  // posenc/rope.h
 struct RopeScaling;
+struct RopePositions;
 
 namespace ops {
 
@@ -155,6 +156,10 @@ namespace detail {
 // The op's view of a C++ API call (positions, offsets, scaling... from the options).
 ops::RopeCall make_rope_call(const at::Tensor& q, const std::optional<at::Tensor>& k,
                              const ApplyRopeOptions& o, int64_t seq_len);
+
+// A module call's positions, offset(s) and cu_seqlens into the op's call (undefined index
+// tensors absent: ops::optional_tensor); its seq_len is the caller's.
+void set_rope_positions(ops::RopeCall& call, const RopePositions& where);
 
 // The op's seq_len for a type that scales by length (math::rope_scales_by_length): the
 // given one (>= 0: a ValueError otherwise), else -1 (the op reads the call's longest
