@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from posenc._common import _bool_arg, _check_positive_int, _check_probability, _float_arg
+from posenc._common import _bool_arg, _check_positive_int, _check_probability, _float_arg, _unhooked
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -85,11 +85,7 @@ def _fusable_dropout(dropout: nn.Module) -> bool:
     """Whether the module's dropout child can run inside the fused op: exactly an
     ``nn.Dropout`` (a subclass may override forward) that no hook would see, forward or
     backward (the fused op has no Dropout module call for a backward hook to attach to)."""
-    hooks = nn.modules.module
-    return (type(dropout) is nn.Dropout and not dropout._forward_hooks and not dropout._forward_pre_hooks
-            and not dropout._backward_hooks and not dropout._backward_pre_hooks
-            and not hooks._global_forward_hooks and not hooks._global_forward_pre_hooks
-            and not hooks._global_backward_hooks and not hooks._global_backward_pre_hooks)
+    return type(dropout) is nn.Dropout and _unhooked(dropout)
 
 
 class _AddPositionModule(nn.Module):

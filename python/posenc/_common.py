@@ -74,3 +74,12 @@ def _check_probability(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
         raise ValueError(f"expected {name} to be a probability in [0, 1], got {value!r}")
     return float(value)
+
+
+def _unhooked(module: torch.nn.Module) -> bool:
+    """Whether a call of ``module`` would run no hook, its own or global, forward or backward:
+    only then may a fused op stand in for calling it (a hook would not see it run)."""
+    hooks = torch.nn.modules.module
+    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
+                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)

@@ -4,7 +4,11 @@
 #include <torch/torch.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <map>
+#include <string>
+#include <vector>
 
 #include "ops/common/op_handles.h"
 #include "posenc/math/philox.h"
@@ -268,4 +272,126 @@ TEST(CppApi, OverflowingSizesAndPositionsAreRefused) {
   EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8).norm("hidden").num_heads(2)
                                         .num_kv_heads(int64_t{1} << 61)),
                c10::ValueError);
+}
+
+namespace {
+
+// An op called boxed by name: the arguments given by name, every other one its schema default
+// (as torch.ops.posenc.<name>(...) from Python, or a C++ caller of the dispatcher).
+torch::jit::Stack call_boxed(const char* name, const char* overload,
+                             const std::map<std::string, c10::IValue>& given) {
+  const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, overload);
+  torch::jit::Stack stack;
+  for (const auto& a : op.schema().arguments()) {
+    const auto it = given.find(a.name());
+    if (it != given.end()) {
+      stack.push_back(it->second);
+    } else {
+      EXPECT_TRUE(a.default_value().has_value()) << name << ": " << a.name();
+      stack.push_back(a.default_value().value_or(c10::IValue()));
+    }
+  }
+  op.callBoxed(&stack);
+  return stack;
+}
+
+// Every tensor a boxed call returned and every tensor it was given (the in-place ops' results),
+// cloned.
+std::vector<torch::Tensor> tensors_of(const torch::jit::Stack& returned,
+                                      const std::map<std::string, c10::IValue>& given) {
+  std::vector<torch::Tensor> out;
+  for (const auto& v : returned) {
+    if (v.isTensor() && v.toTensor().defined()) out.push_back(v.toTensor().clone());
+  }
+  for (const auto& [name, v] : given) {
+    if (v.isTensor() && v.toTensor().defined()) out.push_back(v.toTensor().clone());
+  }
+  return out;
+}
+
+}  // namespace
+
+// A direct dispatcher call (no C++ API in between) with an undefined tensor where the schema
+// takes an optional tensor reads it as None, for every op and every such argument, as
+// ATen's ops do (the RoPE ops' index tensors refused it while the KV-cache ops' own optional
+// arguments took it as None). Required tensors stay refused by name (CppApi test above).
+TEST(Dispatcher, UndefinedOptionalTensorIsNone) {
+  torch::manual_seed(0);
+  const auto q = torch::randn({1, 4, 2, 8}), k = torch::randn({1, 4, 2, 8});
+  const auto x = torch::randn({2, 4, 8}), table = torch::randn({10, 8});
+  const auto w = torch::ones({8});
+  const auto cos = torch::randn({4, 8}), sin = torch::randn({4, 8}), cache = torch::randn({2, 8, 2, 8});
+  struct Case {
+    const char* name;
+    const char* overload;
+    std::function<std::map<std::string, c10::IValue>()> args;  // fresh inputs (in-place ops)
+    std::vector<std::string> optional;
+  };
+  const std::vector<std::string> index = {"positions", "offsets", "cu_seqlens"};
+  auto with = [](std::vector<std::string> a, std::vector<std::string> b) {
+    a.insert(a.end(), b.begin(), b.end());
+    return a;
+  };
+  const std::vector<Case> cases = {
+      {"posenc::add_position", "", [&] { return std::map<std::string, c10::IValue>{{"x", x}, {"table", table}}; },
+       {"positions"}},
+      {"posenc::add_position_forward", "",
+       [&] {
+         return std::map<std::string, c10::IValue>{{"x", x}, {"table", table}, {"positions", c10::IValue()},
+                                                   {"offset", c10::SymInt(0)}, {"batch_first", true}, {"p", 0.0}};
+       },
+       {"positions"}},
+      {"posenc::apply_rope_cos_sin", "",
+       [&] {
+         return std::map<std::string, c10::IValue>{
+             {"q", q}, {"k", k}, {"cos", cos}, {"sin", sin}, {"layout", std::string("bshd")}};
+       },
+       {"k"}},
+      {"posenc::rope", "", [&] { return std::map<std::string, c10::IValue>{{"q", q}, {"k", k}}; },
+       with({"k"}, index)},
+      {"posenc::rope_", "", [&] { return std::map<std::string, c10::IValue>{{"q", q.clone()}, {"k", k.clone()}}; },
+       with({"k"}, index)},
+      {"posenc::rope_position_bounds", "", [&] { return std::map<std::string, c10::IValue>{{"q", q}}; },
+       with({"k"}, index)},
+      {"posenc::qk_norm_rope", "",
+       [&] { return std::map<std::string, c10::IValue>{{"q", q}, {"k", k}, {"q_weight", w}, {"k_weight", w}}; },
+       index},
+      {"posenc::rope_append_kv", "",
+       [&] {
+         return std::map<std::string, c10::IValue>{
+             {"q", q}, {"k", k}, {"v", k}, {"k_cache", torch::zeros({1, 8, 2, 8})},
+             {"v_cache", torch::zeros({1, 8, 2, 8})}};
+       },
+       with({"slot_mapping", "k_scale", "v_scale", "q_weight", "k_weight"}, index)},
+      {"posenc::rope_append_kv_", "keep_k",
+       [&] {
+         return std::map<std::string, c10::IValue>{
+             {"q", q.clone()}, {"k", k}, {"v", k}, {"k_cache", torch::zeros({1, 8, 2, 8})},
+             {"v_cache", torch::zeros({1, 8, 2, 8})}};
+       },
+       with({"slot_mapping", "k_scale", "v_scale", "q_weight", "k_weight"}, index)},
+      {"posenc::rope_shift_kv_", "",
+       [&] {
+         return std::map<std::string, c10::IValue>{{"k_cache", cache.clone()},
+                                                   {"from_positions", torch::arange(4, 6)},
+                                                   {"to_positions", torch::arange(2, 4)}};
+       },
+       {"rows", "slot_mapping", "k_scale"}},
+  };
+  for (const auto& c : cases) {
+    for (const auto& name : c.optional) {
+      auto absent = c.args(), undefined = c.args();
+      absent[name] = c10::IValue();
+      undefined[name] = torch::Tensor();
+      const auto want = tensors_of(call_boxed(c.name, c.overload, absent), absent);
+      std::vector<torch::Tensor> got;
+      EXPECT_NO_THROW(got = tensors_of(call_boxed(c.name, c.overload, undefined), undefined))
+          << c.name << " " << name;
+      ASSERT_EQ(got.size(), want.size()) << c.name << " " << name;
+      for (size_t i = 0; i < got.size(); ++i) {
+        EXPECT_TRUE(got[i].scalar_type() == want[i].scalar_type() && torch::equal(got[i], want[i]))
+            << c.name << " " << name;
+      }
+    }
+  }
 }

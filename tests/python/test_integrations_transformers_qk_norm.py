@@ -515,3 +515,48 @@ def test_rotary_buffers_cast_replaced_or_edited_after_patching(fused_calls):
     integration.apply_posenc_rope(model, qk_norm=True)
     torch.testing.assert_close(logits(model, tokens), want, rtol=0.02, atol=0.02)
     assert not fused_calls
+
+
+def test_hooked_or_replaced_norms_run_as_the_model_runs_them(fused_calls):
+    """The fused path reads q_norm's and k_norm's weights and never calls them: a forward hook
+    on a norm (added after patching) stopped firing (logits 0.022 off, found by a review), and
+    a norm replaced by another module (here a LayerNorm with a weight of the same shape, before
+    or after patching) was computed as the model's RMS norm. Such layers now call their own
+    norms (as PositionalEncoding calls a hooked dropout child); the others stay fused."""
+    tokens = ids(2, 8)
+
+    def scale(module, args, output):
+        return output * 1.5
+
+    for case in ("hook after patching", "global hook", "replaced after patching", "replaced before patching"):
+        model = tiny_model("qwen3")
+        unpatched = copy.deepcopy(model)
+        attn, attn_unpatched = model.model.layers[0].self_attn, unpatched.model.layers[0].self_attn
+        handles = []
+        if case == "replaced before patching":
+            for m in (attn, attn_unpatched):
+                m.k_norm = torch.nn.LayerNorm(16, eps=1e-6)
+        integration.apply_posenc_rope(model, qk_norm=True)
+        if case == "hook after patching":
+            handles = [m.q_norm.register_forward_hook(scale) for m in (attn, attn_unpatched)]
+        elif case == "replaced after patching":
+            for m in (attn, attn_unpatched):
+                m.q_norm = torch.nn.LayerNorm(16, eps=1e-6)
+        fused_calls.clear()
+        hook_calls = []
+        try:
+            if case == "global hook":
+                handles = [torch.nn.modules.module.register_module_forward_hook(
+                    lambda m, a, out: hook_calls.append(type(m).__name__))]
+            got = logits(model, tokens)
+            fired = list(hook_calls)
+            want = logits(unpatched, tokens)
+        finally:
+            for h in handles:
+                h.remove()
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, case=case: f"{case}: {m}")
+        if case == "global hook":  # the modules' calls the unpatched model makes (projections first)
+            assert sorted(fired) == sorted(hook_calls[len(fired):]) and fired.count("Qwen3RMSNorm") >= 4
+            assert not fused_calls
+        else:  # layer 0 runs its own norms; layer 1 stays fused
+            assert len(fused_calls) == 1, case

@@ -362,9 +362,10 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_meta(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, Meta, m) {
-  m.impl("add_position_forward", &add_position_forward_meta);
+  m.impl("add_position_forward", absent_if_undefined<&add_position_forward_meta>);
   m.impl("add_position_backward", &add_position_backward_meta);
-  m.impl("add_position_backward_with_table", &add_position_backward_with_table_meta);
+  m.impl("add_position_backward_with_table",
+         absent_if_undefined<&add_position_backward_with_table_meta>);
 }
 
 // ---- The ops composed from torch ops, for backends without a fused kernel
@@ -523,9 +524,10 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
-  m.impl("add_position_forward", &add_position_forward_composite);
+  m.impl("add_position_forward", absent_if_undefined<&add_position_forward_composite>);
   m.impl("add_position_backward", &add_position_backward_composite);
-  m.impl("add_position_backward_with_table", &add_position_backward_with_table_composite);
+  m.impl("add_position_backward_with_table",
+         absent_if_undefined<&add_position_backward_with_table_composite>);
 }
 
 // ---- The CPU backend (see the file comment).
@@ -650,8 +652,9 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-  m.impl("add_position_backward_with_table", &add_position_backward_with_table_cpu);
-  m.impl("add_position_forward", &add_position_forward_cpu);
+  m.impl("add_position_backward_with_table",
+         absent_if_undefined<&add_position_backward_with_table_cpu>);
+  m.impl("add_position_forward", absent_if_undefined<&add_position_forward_cpu>);
   m.impl("add_position_backward", &add_position_backward_cpu);
 }
 
@@ -791,9 +794,10 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
-  m.impl("add_position_forward", &add_position_forward_cuda);
+  m.impl("add_position_forward", absent_if_undefined<&add_position_forward_cuda>);
   m.impl("add_position_backward", &add_position_backward_cuda);
-  m.impl("add_position_backward_with_table", &add_position_backward_with_table_cuda);
+  m.impl("add_position_backward_with_table",
+         absent_if_undefined<&add_position_backward_with_table_cuda>);
 }
 
 }  // namespace ops

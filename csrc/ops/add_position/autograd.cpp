@@ -193,13 +193,13 @@ at::Tensor add_position_no_grad(const at::Tensor& x, const at::Tensor& table,
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("add_position", &add_position_autograd);
-  m.impl("add_position_forward", &add_position_forward_autograd);
+  m.impl("add_position", absent_if_undefined<&add_position_autograd>);
+  m.impl("add_position_forward", absent_if_undefined<&add_position_forward_autograd>);
   m.impl("add_position_backward", &add_position_backward_autograd);
 }
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
-  m.impl("add_position", &add_position_no_grad);
+  m.impl("add_position", absent_if_undefined<&add_position_no_grad>);
 }
 
 }  // namespace ops

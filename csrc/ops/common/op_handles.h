@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <tuple>
+#include <utility>
 
 namespace posenc {
 namespace ops {
@@ -14,12 +15,32 @@ namespace ops {
 // An optional tensor argument as the C++ API reads it (and the KV-cache ops their optional
 // arguments on the stack): absent when None or undefined (a C++ caller's torch::Tensor(),
 // which ATen's functions read as absent too; given on, it showed up in messages as shape [0]
-// and dtype UNKNOWN_SCALAR). RopeCall's q and k are not read so: k is required in
-// qk_norm_rope and rope_append_kv, and an undefined one is refused by name. (Defined in
+// and dtype UNKNOWN_SCALAR). RopeCall reads its optional tensors so too; q is refused by name,
+// and the ops that need k refuse its absence where they pop their call. (Defined in
 // rope_call.cpp.)
 std::optional<at::Tensor> optional_tensor(const c10::IValue& v);
 std::optional<at::Tensor> optional_tensor(const std::optional<at::Tensor>& t);
 c10::IValue optional_tensor_ivalue(const std::optional<at::Tensor>& t);
+
+// The kernel F registered so that its optional tensor arguments arrive through
+// optional_tensor (undefined: absent), as the boxed ops read theirs: every kernel of a typed
+// op with a `Tensor?` argument registers as absent_if_undefined<&kernel> (a direct dispatcher
+// call from C++ may pass torch::Tensor() there; the kernels test has_value()).
+namespace detail {
+template <typename T>
+T&& absent_if_undefined_arg(T&& v) { return std::forward<T>(v); }
+inline std::optional<at::Tensor> absent_if_undefined_arg(const std::optional<at::Tensor>& t) {
+  return optional_tensor(t);
+}
+template <auto F>
+struct AbsentIfUndefined;
+template <typename R, typename... Args, R (*F)(Args...)>
+struct AbsentIfUndefined<F> {
+  static R call(Args... args) { return F(absent_if_undefined_arg(std::forward<Args>(args))...); }
+};
+}  // namespace detail
+template <auto F>
+constexpr auto absent_if_undefined = &detail::AbsentIfUndefined<F>::call;
 
 using AddPositionSig = at::Tensor(const at::Tensor&, const at::Tensor&,
                                   const std::optional<at::Tensor>&, c10::SymInt, bool, double);

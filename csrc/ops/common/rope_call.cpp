@@ -166,19 +166,16 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
 }
 
 // ---- Reading one argument (IValue -> field), by the field's type.
-// q and k as given; an undefined tensor (a C++ caller's torch::Tensor(), which the C++ API
-// turns into None where the argument may be absent, or passes on where it may not) is refused
-// with the argument's name, before any op reads it (k is required in qk_norm_rope and
-// rope_append_kv, whose kernels take k as given once parsed).
+// q as given; an undefined tensor (a C++ caller's torch::Tensor()) is refused with its name,
+// before any op reads it. The optional tensors (k, positions, offsets, cu_seqlens) read an
+// undefined tensor as None, as ATen's ops read an optional tensor and as the KV-cache ops'
+// own optional arguments do (optional_tensor); the ops that need k (qk_norm_rope,
+// rope_append_kv) refuse its absence where they pop their call, before their kernels read it.
 void read(const c10::IValue& v, const char* name, at::Tensor& out) {
   out = v.toTensor();
   TORCH_CHECK_VALUE(out.defined(), "posenc: expected ", name, " to be a tensor, got an undefined tensor");
 }
-void read(const c10::IValue& v, const char* name, std::optional<at::Tensor>& out) {
-  out = v.isNone() ? std::nullopt : std::optional<at::Tensor>(v.toTensor());
-  TORCH_CHECK_VALUE(!out.has_value() || out->defined(), "posenc: expected ", name,
-                    " to be a tensor or None, got an undefined tensor");
-}
+void read(const c10::IValue& v, const char*, std::optional<at::Tensor>& out) { out = optional_tensor(v); }
 void read(const c10::IValue& v, const char*, c10::SymInt& out) { out = v.toSymInt(); }
 void read(const c10::IValue& v, const char*, double& out) { out = v.toDouble(); }
 void read(const c10::IValue& v, const char*, int64_t& out) { out = v.toInt(); }

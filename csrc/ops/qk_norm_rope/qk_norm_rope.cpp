@@ -91,6 +91,8 @@ QkNormRopeCall QkNormRopeCall::pop(torch::jit::Stack& stack, bool backward) {
   c.norm = parse_qk_norm(stack[i++].toStringRef());
   stack.erase(stack.begin() + first, stack.begin() + first + extra);
   c.rope = RopeCall::pop(stack);
+  TORCH_CHECK_VALUE(c.rope.k.has_value(), "posenc: ", backward ? "qk_norm_rope_backward" : "qk_norm_rope",
+                    ": expected k to be a tensor, got None or an undefined tensor");
   return c;
 }
 
@@ -193,7 +195,6 @@ void check_grad(const char* name, const at::Tensor& g, const at::Tensor& x, cons
 }  // namespace
 
 int64_t check_qk_norm_rope(const QkNormRopeCall& c, bool backward) {
-  TORCH_CHECK_VALUE(c.rope.k.has_value(), "posenc: ", c.op, ": expected k, got None");
   const int64_t rot = check_rope_structure(c.rope);
   check_rope_settings(c.rope);
   TORCH_CHECK_VALUE(std::isfinite(c.eps) && c.eps > 0.0,

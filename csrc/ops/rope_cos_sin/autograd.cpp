@@ -196,7 +196,7 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_autograd(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
-  m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_autograd);
+  m.impl("apply_rope_cos_sin", absent_if_undefined<&apply_rope_cos_sin_autograd>);
 }
 
 }  // namespace ops

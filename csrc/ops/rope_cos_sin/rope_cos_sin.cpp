@@ -10,6 +10,7 @@
 #include "ops/common/aten_fallback.h"
 #include "ops/common/cpu/cpu_support.h"
 #include "ops/common/meta_support.h"
+#include "ops/common/op_handles.h"
 #include "ops/common/py_format.h"
 #include "ops/common/rope_composite.h"
 #include "ops/common/rope_checks.h"
@@ -125,7 +126,9 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
       "bool interleaved=False, bool transpose=False) -> (Tensor, Tensor)");
 }
 
-TORCH_LIBRARY_IMPL(posenc, Meta, m) { m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_meta); }
+TORCH_LIBRARY_IMPL(posenc, Meta, m) {
+  m.impl("apply_rope_cos_sin", absent_if_undefined<&apply_rope_cos_sin_meta>);
+}
 
 // ---- CPU: argument checks, outputs, the tables in the compute dtype, and the call of the
 // vector-ISA kernel.
@@ -149,7 +152,7 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cpu(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CPU, m) {
-  m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_cpu);
+  m.impl("apply_rope_cos_sin", absent_if_undefined<&apply_rope_cos_sin_cpu>);
 }
 
 // ---- The ATen composite (devices without a kernel, aten_fallback.h): the tables split like
@@ -183,7 +186,7 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_composite(
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, CompositeExplicitAutograd, m) {
-  m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_composite);
+  m.impl("apply_rope_cos_sin", absent_if_undefined<&apply_rope_cos_sin_composite>);
 }
 
 }  // namespace ops
@@ -219,7 +222,9 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_cuda(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(posenc, CUDA, m) { m.impl("apply_rope_cos_sin", &apply_rope_cos_sin_cuda); }
+TORCH_LIBRARY_IMPL(posenc, CUDA, m) {
+  m.impl("apply_rope_cos_sin", absent_if_undefined<&apply_rope_cos_sin_cuda>);
+}
 
 }  // namespace ops
 }  // namespace posenc

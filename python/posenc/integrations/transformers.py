@@ -89,6 +89,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
 import transformers.cache_utils
 
 import posenc.functional
+from posenc._common import _unhooked
 from posenc._rope import LENGTH_SCALED_TYPES, RopeConfig
 
 __all__ = [
@@ -348,9 +349,10 @@ def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
 
 def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Optional[tuple]:
     """(eps, the parsed RoPE configuration, the rotary module, its inv_freq buffer name, that
-    buffer, its version) for a layer whose norms and RoPE the fused op provably computes as
-    transformers does; computed once when the layer is patched. Provably: both norms share one
-    eps; the model's tables depend on the positions and the config only (not "dynamic" or
+    buffer, its version, the norms' class) for a layer whose norms and RoPE the fused op
+    provably computes as transformers does; computed once when the layer is patched. Provably:
+    both norms are the model's own RMS norm (one class, defined beside the attention: a norm
+    put in its place computes something else) and share one eps; the model's tables depend on the positions and the config only (not "dynamic" or
     "longrope", whose transformers tables change with the call's length and the rotary
     module's history); and the rotary module's float32 ``inv_freq`` and ``attention_scaling``
     are the ones posenc computes from the parsed config (to 2**-17 relative: transformers
@@ -363,7 +365,9 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
     read in eager mode: torch.compile cannot guard on versions). None otherwise: the layer
     then runs its own norms and rotates with the given (cos, sin)."""
     eps = _norm_eps(attn.q_norm)
-    if eps is None or eps != _norm_eps(attn.k_norm) or source is None:
+    norm_class = type(attn.q_norm)
+    if (eps is None or eps != _norm_eps(attn.k_norm) or source is None or type(attn.k_norm) is not norm_class
+            or norm_class.__module__ != attn._posenc_base.__module__):
         return None
     rotary, buffer, scaling_name = source
     inv_freq = rotary._buffers[buffer]
@@ -396,7 +400,7 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
             continue
         if (ours.shape == model_freq.shape and torch.allclose(model_freq, ours, rtol=2.0**-17, atol=0.0)
                 and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
-            return eps, config, rotary, buffer, inv_freq, inv_freq._version
+            return eps, config, rotary, buffer, inv_freq, inv_freq._version, norm_class
     return None
 
 
@@ -408,7 +412,11 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     settings = attn.__dict__.get("_posenc_fused")
     if settings is None:
         return None
-    eps, config, rotary, buffer, inv_freq, version = settings
+    eps, config, rotary, buffer, inv_freq, version, norm_class = settings
+    # The norms the fused op computes: still the model's own class, and no hook would miss
+    # their call (as PositionalEncoding calls a hooked dropout child).
+    if any(type(n) is not norm_class or not _unhooked(n) for n in (attn.q_norm, attn.k_norm)):
+        return None
     if rotary._buffers.get(buffer) is not inv_freq:  # replaced: model.to(dtype or device), reassigned
         return None
     if not torch.compiler.is_compiling() and inv_freq._version != version:  # edited in place
