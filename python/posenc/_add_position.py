@@ -124,7 +124,8 @@ class _AddPositionModule(nn.Module):
         own training mode (``module.dropout.eval()`` switches it off, as in the classic class).
         A child that is replaced (``nn.Identity()``, another dropout, a subclass) or hooked is
         called on ``x + pe[rows]`` as the classic class calls it, so it runs and its hooks see
-        what they would see there."""
+        what they would see there. The two draw different masks from one generator state:
+        a recomputation (activation checkpointing) must see the hooks its forward saw."""
         dropout = self.dropout
         if torch.jit.is_scripting():  # what TorchScript compiles: the op the function calls
             if self._scripted_fused_dropout and hasattr(dropout, "p"):

@@ -34,7 +34,8 @@ model's rotary module turns by (checked when the layer is patched: ``_fused_sett
 without them (a layer called on its own, any caller that passes only
 ``position_embeddings``), for RoPE types whose transformers tables depend on the call
 ("dynamic", "longrope"), or when the rotary module's frequencies are not (or no longer)
-posenc's (a bfloat16 cast, an edited buffer), the layer's own norms and
+posenc's (a bfloat16 cast, an edited buffer), or while a norm is hooked or replaced (a
+hook would miss its call; another module computes something else), the layer's own norms and
 then :func:`posenc.functional.apply_rope_cos_sin` on the given (cos, sin), so every call path
 computes what the unpatched layer computes; no ``position_embeddings`` is a ValueError naming
 it. With a ``transformers.StaticCache`` (``generate(..., cache_implementation="static")``), a
@@ -46,8 +47,8 @@ caches and layers (DynamicCache, sliding-window or quantized layers, offloading)
 that record gradients go through the cache's ``update``. Nothing is stored between calls and
 no module-level function is replaced, so threads, exceptions and revert (which restores the
 class) cannot carry one call's state into another, and the per-type patch above works
-independently of it. The weights, hooks and state_dict stay where they are; copies and
-pickles keep the patch.
+independently of it. The weights, hooks and state_dict stay where they are (a norm's hooks
+fire: a hooked norm is called); copies and pickles keep the patch.
 
 Extension point: the class swap, per instance. transformers 5's ``register_patch_mapping``
 (transformers.monkey_patching) also replaces classes, but through a process-wide registry
