@@ -20,7 +20,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor, nn
 
-from posenc._common import _bool_arg, _check_positive_int, _check_probability, _float_arg, _unhooked
+from posenc._common import _bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg, _integer, _unhooked
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -43,10 +43,15 @@ def add_position(
     ``positions`` are range-checked as a whole (gathered: every rank raises the IndexError).
     """
     fn = "add_position"
-    if isinstance(offset, bool) or (isinstance(offset, Tensor) and (offset.is_floating_point() or offset.is_complex()
-                                                                    or offset.dtype == torch.bool)):
-        # The op's SymInt would take True as 1 and truncate a float tensor (3.7 as 3).
+    if isinstance(offset, Tensor):
+        # The op's SymInt would truncate a float tensor (3.7 as 3); a meta one has no value.
+        if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or offset.numel() != 1
+                or offset.is_meta):
+            raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
+    elif _integer(offset) is None:  # True would count as 1
         raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")
+    elif not isinstance(offset, torch.SymInt):
+        offset = _int_arg(fn, "offset", offset)  # a numpy integer too; ValueError past int64
     batch_first, training = _bool_arg(fn, "batch_first", batch_first), _bool_arg(fn, "training", training)
     if not isinstance(p, torch.SymFloat):  # checked in eval mode too, with the op's message
         p = _float_arg(fn, "p", p)

@@ -28,6 +28,20 @@ def _int_arg(fn: str, name: str, value: Any) -> int:
     raise ValueError(f"{fn}: expected {name} to be an int, got {value!r}")
 
 
+def _integer(value: Any) -> Any:
+    """value as an int (a Python or numpy integer, not bool), a SymInt as it is, or None for
+    anything else (a tensor, a float, a string): the front ends' test of an int argument,
+    whose TypeError names it."""
+    if isinstance(value, torch.SymInt):
+        return value
+    if isinstance(value, (bool, Tensor)):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
 def _float_arg(fn: str, name: str, value: Any) -> float:
     """value (a real number: Python, numpy or a one-element tensor; not bool or str) as a
     float, or ValueError naming it. Only the type is normalised here: the op checks the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional, Tuple, Union
 
 import torch
@@ -21,7 +22,7 @@ def check_norm_settings(fn: str, eps: Any, weight_offset: Any, norm: Any) -> Non
         raise ValueError(f"{fn}: unknown norm {norm!r}; expected 'head' (each head's vector: Qwen3, Gemma 3) "
                          f"or 'hidden' (each token's whole projection: OLMo 2)")
     for name, value in (("eps", eps), ("weight_offset", weight_offset)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too, as the op takes them
             raise TypeError(f"{fn}: expected {name} to be a float, got {value!r}")
     if not eps > 0:
         raise ValueError(f"{fn}: expected eps > 0 (added to the mean square), got {eps}")
@@ -137,6 +138,12 @@ class QKNormRotary(torch.nn.Module):
                 "num_kv_heads", num_kv_heads)
         lq = head_dim if norm == "head" else num_heads * head_dim
         lk = head_dim if norm == "head" else num_kv_heads * head_dim
+        for name, size in (("num_heads", lq), ("num_kv_heads", lk)):  # as the C++ module refuses it
+            if size > 2**63 - 1:
+                raise ValueError(f"QKNormRotary: expected {name} * head_dim to fit in int64, got {size}")
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise TypeError(f"QKNormRotary: expected dtype to be a floating-point dtype (the norm weights'), "
+                            f"got {dtype!r}")
         init = 1.0 - weight_offset  # effective weights start at 1 (Gemma's zeros for offset 1)
         self.q_norm = _NormWeight(lq, init, device, dtype)
         self.k_norm = _NormWeight(lk, init, device, dtype)

@@ -17,7 +17,7 @@ import types
 
 from torch import Tensor, nn
 
-from posenc._common import _bool_arg, _check_positive_int, _float_arg, _int_arg
+from posenc._common import _bool_arg, _check_positive_int, _float_arg, _int_arg, _integer
 from posenc._dtensor import place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
@@ -483,10 +483,13 @@ def rope_op_arguments(
     offsets = None
     if isinstance(offset, Tensor):
         offsets, offset = offset, 0
-    elif isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt)):
+    elif _integer(offset) is None:
         raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
-    if seq_len is not None and (isinstance(seq_len, bool) or not isinstance(seq_len, (int, torch.SymInt))):
+    else:
+        offset = _integer(offset)  # a numpy integer as an int
+    if seq_len is not None and _integer(seq_len) is None:
         raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}")
+    seq_len = None if seq_len is None else _integer(seq_len)
     if seq_len is not None and seq_len < 0:
         raise ValueError(f"{fn}: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
     # -1: the op reads the longest position from the call.

@@ -167,6 +167,9 @@ def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, val
     """rope_cos_sin's tables from its checked, parsed arguments."""
     seq_len = 0
     if rope_type in LENGTH_SCALED_TYPES and positions.numel():
+        if positions.is_meta:
+            raise ValueError(f"rope_cos_sin: rope_type {rope_type!r} scales by the longest position, which "
+                             f"positions on the meta device do not hold")
         # The longest position of the whole call: a sharded DTensor's max() read on the host
         # is its own shard's (each rank scaled by another length).
         seq_len = int((positions.full_tensor() if is_dtensor(positions) else positions).max()) + 1
@@ -188,8 +191,7 @@ def _check_cos_sin_types(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tenso
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(value).__name__}")
     if not isinstance(layout, str):
         raise TypeError(f"{fn}: expected layout to be a str, got {layout!r}")
-    if not isinstance(interleaved, bool):
-        raise TypeError(f"{fn}: expected interleaved to be a bool, got {interleaved!r}")
+    _bool_arg(fn, "interleaved", interleaved)
 
 
 def apply_rope_cos_sin(

@@ -7,6 +7,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
+from posenc._common import _integer
 from posenc._rope import RopeConfig, config_of, with_rope_settings
 from posenc._rope_append_kv import _scale_arg
 
@@ -16,8 +17,9 @@ _LAYOUTS = ("bshd", "bhsd", "thd")
 def _seq_len_arg(value: Any, name: str, fn: str) -> Any:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+    if _integer(value) is None:
         raise TypeError(f"{fn}: expected {name} to be an int or None, got {value!r}")
+    value = _integer(value)  # a numpy integer as an int
     if isinstance(value, int) and value < 0:
         raise ValueError(f"{fn}: expected {name} >= 0 (the longest position + 1) or None, got {value}")
     return value

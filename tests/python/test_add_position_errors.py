@@ -205,3 +205,29 @@ def test_sinusoidal_base_at_most_one_is_rejected(bad):
     "expected base > 1"."""
     with pytest.raises(ValueError, match=rf"expected base to be a finite number > 1, got {bad!r}"):
         posenc.PositionalEncoding(16, 0.1, 32, base=bad)
+
+
+@pytest.mark.parametrize("offset, error, message", [
+    (2.0, TypeError, r"expected offset to be an int, got 2\.0"),
+    ("2", TypeError, r"expected offset to be an int, got '2'"),
+    (2**64, ValueError, r"expected offset to fit in int64, got 18446744073709551616"),
+    (-2**63 - 1, ValueError, r"expected offset to fit in int64, got -9223372036854775809"),
+    (torch.tensor(2, device="meta"), TypeError, r"expected offset to be an int or a one-element integer tensor"),
+    (torch.tensor([1, 2]), TypeError, r"expected offset to be an int or a one-element integer tensor"),
+])
+def test_offset_of_another_type_names_it(module_cls, offset, error, message):
+    """A float, a string, an int past int64 or a meta tensor reached the op's schema parser:
+    "Expected a value of type 'int' for argument 'offset' but instead found type 'int'", with
+    no value (a fuzz of the Python API). Now the front end names offset and its value."""
+    x, table = torch.randn(2, 5, 8), torch.randn(10, 8)
+    with pytest.raises(error, match=message):
+        add_position(x, table, offset=offset)
+    with pytest.raises(error, match=message):
+        module_cls(8, 0.0, 10)(x, offset=offset)
+
+
+def test_offset_as_a_numpy_integer_is_an_int(module_cls):
+    np = pytest.importorskip("numpy")
+    x = torch.randn(2, 5, 8)
+    pe = module_cls(8, 0.0, 10)
+    torch.testing.assert_close(pe(x, offset=np.int64(3)), pe(x, offset=3), rtol=0, atol=0)

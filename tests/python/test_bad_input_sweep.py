@@ -307,6 +307,13 @@ def _calls_with_misused_arguments():
         ("num_heads", lambda: posenc.QKNormRotary(8, norm="hidden", num_heads=True, num_kv_heads=1)),
         ("eps", lambda: posenc.QKNormRotary(8, eps=-1.0)),
         ("head_dim", lambda: posenc.QKNormRotary(8.0)),
+        # A fuzz of the Python API (these reached ATen's generic messages):
+        ("num_prefix_tokens", lambda: F.resample_position_table(torch.randn(1, 17, 8), 3, num_prefix_tokens=17)),
+        ("dim > 0", lambda: F.resample_position_table(torch.randn(1, 17, 0), 3)),
+        ("num_heads", lambda: posenc.QKNormRotary(8, norm="hidden", num_heads=2**62, num_kv_heads=1)),
+        ("dtype", lambda: posenc.QKNormRotary(8, dtype=torch.int64)),
+        ("meta device", lambda: F.rope_cos_sin(torch.arange(5, device="meta"), 8, scaling=dict(
+            rope_type="dynamic", factor=2.0, original_max_position_embeddings=2))),
     ]
 
 
@@ -315,3 +322,33 @@ def test_misused_arguments_are_refused_naming_them(index):
     name, call = _calls_with_misused_arguments()[index]
     with pytest.raises((TypeError, ValueError), match=name):
         call()
+
+
+def test_position_bounds_of_meta_positions_names_the_device():
+    with pytest.raises(RuntimeError, match=r"^position_bounds: reads the positions' values.*meta device"):
+        ops.position_bounds(torch.arange(3, device="meta"), 5)
+
+
+def test_numpy_scalars_are_taken_as_python_numbers():
+    """numpy integers, floats and bools, which the ops take, were refused by some front ends
+    only (apply_rope's offset, qk_norm_rope's eps, apply_rope_cos_sin's interleaved,
+    rope_shift_kv's seq lengths) and accepted by others: each now equals the Python number."""
+    np = pytest.importorskip("numpy")
+    from posenc import functional as F
+
+    q = torch.randn(1, 4, 2, 8)
+    w = torch.rand(8) + 0.5
+    cos, sin = F.rope_cos_sin(torch.arange(4), 8)
+    same = dict(rtol=0, atol=0)
+    torch.testing.assert_close(F.apply_rope(q, offset=np.int64(3)), F.apply_rope(q, offset=3), **same)
+    torch.testing.assert_close(F.qk_norm_rope(q, q, w, w, eps=np.float32(0.5))[0],
+                               F.qk_norm_rope(q, q, w, w, eps=float(np.float32(0.5)))[0], **same)
+    torch.testing.assert_close(F.apply_rope_cos_sin(q, None, cos, sin, layout="bshd", interleaved=np.bool_(True)),
+                               F.apply_rope_cos_sin(q, None, cos, sin, layout="bshd", interleaved=True), **same)
+    scaling = dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=4)
+    caches = [torch.randn(1, 16, 2, 8) for _ in range(2)]
+    caches[1].copy_(caches[0])
+    for cache, (a, b) in zip(caches, [(np.int64(16), np.int64(12)), (16, 12)]):
+        F.rope_shift_kv(cache, torch.arange(4, 8), torch.arange(2, 6), rows=torch.arange(4, 8),
+                        scaling=scaling, from_seq_len=a, to_seq_len=b)
+    torch.testing.assert_close(caches[0], caches[1], **same)

@@ -528,6 +528,11 @@ def test_hooked_or_replaced_norms_run_as_the_model_runs_them(fused_calls):
     def scale(module, args, output):
         return output * 1.5
 
+    hook_calls = []
+
+    def record(module, args, output):
+        hook_calls.append(type(module).__name__)
+
     for case in ("hook after patching", "global hook", "replaced after patching", "replaced before patching"):
         model = tiny_model("qwen3")
         unpatched = copy.deepcopy(model)
@@ -543,11 +548,10 @@ def test_hooked_or_replaced_norms_run_as_the_model_runs_them(fused_calls):
             for m in (attn, attn_unpatched):
                 m.q_norm = torch.nn.LayerNorm(16, eps=1e-6)
         fused_calls.clear()
-        hook_calls = []
+        hook_calls.clear()
         try:
             if case == "global hook":
-                handles = [torch.nn.modules.module.register_module_forward_hook(
-                    lambda m, a, out: hook_calls.append(type(m).__name__))]
+                handles = [torch.nn.modules.module.register_module_forward_hook(record)]
             got = logits(model, tokens)
             fired = list(hook_calls)
             want = logits(unpatched, tokens)

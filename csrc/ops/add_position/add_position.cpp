@@ -286,6 +286,8 @@ std::tuple<int64_t, int64_t> position_bounds(const at::Tensor& positions,
     TORCH_CHECK_VALUE(*max_len >= 0, "position_bounds: expected max_len >= 0, got ", *max_len);
   }
   if (positions.numel() == 0) return {0, -1};  // no position, nothing read back
+  TORCH_CHECK(!positions.is_meta(), "position_bounds: reads the positions' values: expected positions that hold "
+              "data, got a tensor on the meta device");
   auto [lo, hi] = at::aminmax(positions.to(at::kLong));
   const at::Tensor both = at::stack({lo, hi}).to(at::kCPU);  // the one read-back
   const int64_t* v = both.const_data_ptr<int64_t>();

@@ -50,8 +50,9 @@ at::Tensor resample_position_table(const at::Tensor& pe, at::IntArrayRef new_gri
                    py_dtype(pe.scalar_type()));
   const std::vector<int64_t> new_hw = checked_grid("new_grid", new_grid);
   const int64_t tokens = pe.size(1);
-  TORCH_CHECK_VALUE(num_prefix_tokens >= 0 && num_prefix_tokens <= tokens, kFn,
-                    "0 <= num_prefix_tokens <= ", tokens, ", got ", num_prefix_tokens);
+  TORCH_CHECK_VALUE(num_prefix_tokens >= 0 && num_prefix_tokens < tokens, kFn,
+                    "0 <= num_prefix_tokens < ", tokens, " (at least one patch row), got ", num_prefix_tokens);
+  TORCH_CHECK_VALUE(pe.size(2) > 0, kFn, "pe of shape (1, tokens, dim) with dim > 0, got ", py_tuple(pe.sizes()));
   const int64_t patches = tokens - num_prefix_tokens;
   std::vector<int64_t> old_hw;
   if (old_grid.has_value()) {
