@@ -300,6 +300,9 @@ class LearnedPositionalEncoding(_AddPositionModule):
                 f"load_table: expected a table of shape ({self.max_len}, {self.d_model}) or "
                 f"(1, {self.max_len}, {self.d_model}), got {shape}"
             )
+        if table.is_complex() or table.is_meta:  # copy_ would drop the imaginary part / has no data to copy
+            raise TypeError(f"load_table: expected a real table that holds data, got dtype {table.dtype} on "
+                            f"{table.device}")
         with torch.no_grad():
             if is_dtensor(self.pe) and not is_dtensor(table):
                 # FSDP2 / DTensor-sharded pe: the plain table is the whole (replicated) one and

@@ -312,6 +312,10 @@ def _calls_with_misused_arguments():
         ("dim > 0", lambda: F.resample_position_table(torch.randn(1, 17, 0), 3)),
         ("num_heads", lambda: posenc.QKNormRotary(8, norm="hidden", num_heads=2**62, num_kv_heads=1)),
         ("dtype", lambda: posenc.QKNormRotary(8, dtype=torch.int64)),
+        ("real table", lambda: posenc.LearnedPositionalEncoding(4, max_len=5).load_table(
+            torch.randn(5, 4, dtype=torch.complex64))),
+        ("real table", lambda: posenc.LearnedPositionalEncoding(4, max_len=5).load_table(
+            torch.randn(5, 4, device="meta"))),
         ("meta device", lambda: F.rope_cos_sin(torch.arange(5, device="meta"), 8, scaling=dict(
             rope_type="dynamic", factor=2.0, original_max_position_embeddings=2))),
     ]
