@@ -211,12 +211,23 @@ def test_weight_gradient_is_deterministic_across_thread_counts():
         assert torch.equal(a, b)
 
 
-def test_only_q_used_gives_k_zero_gradient():
+@pytest.mark.parametrize("used", ["q", "k"])
+def test_an_unused_output_gives_its_inputs_no_gradient(used):
+    """k and k_weight reach out_k alone (q and q_weight out_q): when only out_q takes part in
+    the loss, k's and k_weight's gradients are None, as apply_rope's k and as an unused
+    parameter's in torch (they were zeros, which an optimizer with momentum or weight decay
+    steps on: a review); the used side's gradients are unchanged."""
     q, k, wq, wk = make(1, 4, 2, 1, 8, F64, "cpu", "head")
-    ins = [t.requires_grad_(True) for t in (q, k, wq, wk)]
-    oq, _ = qk_norm_rope(*ins)
-    oq.sum().backward()
-    assert torch.equal(ins[1].grad, torch.zeros_like(k)) and torch.equal(ins[3].grad, torch.zeros_like(wk))
+    ins = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+    both = [t.clone().requires_grad_(True) for t in (q, k, wq, wk)]
+    oq, ok = qk_norm_rope(*ins)
+    (oq if used == "q" else ok).sum().backward()
+    bq, bk = qk_norm_rope(*both)
+    ((bq if used == "q" else bk).sum() + 0 * (bk if used == "q" else bq).sum()).backward()
+    used_side, unused_side = ((0, 2), (1, 3)) if used == "q" else ((1, 3), (0, 2))
+    for i in used_side:
+        torch.testing.assert_close(ins[i].grad, both[i].grad, rtol=0, atol=0)
+    assert all(ins[i].grad is None for i in unused_side)
 
 
 @pytest.mark.parametrize("device", DEVICES)

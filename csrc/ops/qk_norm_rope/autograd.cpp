@@ -61,9 +61,11 @@ struct QkNormRopeBackward : ag::Node {
     } else {
       std::tie(dq, dk, dwq, dwk) = call_qk_norm_rope_backward(c);  // one fused pass
     }
+    // q and its weight reach out_q alone, k and its weight out_k: an output without a
+    // gradient gives its inputs none (None, as apply_rope's), not the zeros computed above.
     ag::variable_list out{dq, dk, dwq, dwk};
     for (size_t i = 0; i < out.size(); ++i) {
-      if (!should_compute_output(i)) out[i] = at::Tensor();
+      if (!should_compute_output(i) || !grads[i % 2].defined()) out[i] = at::Tensor();
     }
     return out;
   }
