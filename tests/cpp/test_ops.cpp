@@ -249,6 +249,18 @@ TEST(CppApi, UndefinedOptionalTensorsAreAbsent) {
   EXPECT_THROW(qkn(q, none), c10::ValueError);
   EXPECT_THROW(posenc::rope_append_kv(q, none, k, kc, vc), c10::ValueError);
   EXPECT_THROW(posenc::rope_append_kv_(q.clone(), none, k, kc, vc), c10::ValueError);
+  for (int i = 0; i < 3; ++i) {  // rope_shift_kv_'s required tensors, each named (k_cache was "q")
+    const char* names[] = {"k_cache", "from_positions", "to_positions"};
+    torch::Tensor args[] = {cache.clone(), from, to};
+    args[i] = none;
+    try {
+      posenc::rope_shift_kv_(args[0], args[1], args[2], posenc::RopeShiftKvOptions().rows(rows));
+      ADD_FAILURE() << names[i];
+    } catch (const c10::ValueError& e) {
+      EXPECT_NE(std::string(e.what()).find(std::string("expected ") + names[i] + " to be a tensor"),
+                std::string::npos) << e.what();
+    }
+  }
   try {
     posenc::rope_append_kv(q, none, k, kc, vc);
   } catch (const c10::ValueError& e) {

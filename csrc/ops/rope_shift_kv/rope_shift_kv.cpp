@@ -133,6 +133,12 @@ RopeShiftKvCall RopeShiftKvCall::pop(torch::jit::Stack& stack) {
   c.k_cache = stack[first].toTensor();
   c.from_positions = stack[first + 1].toTensor();
   c.to_positions = stack[first + 2].toTensor();
+  // Named here: RoPE's reader below takes k_cache as its q.
+  for (const auto& [name, t] : {std::pair<const char*, const at::Tensor*>{"k_cache", &c.k_cache},
+                                {"from_positions", &c.from_positions}, {"to_positions", &c.to_positions}}) {
+    TORCH_CHECK_VALUE(t->defined(), "posenc: rope_shift_kv: expected ", name, " to be a tensor, got an undefined "
+                      "tensor");
+  }
   c.rows = optional_tensor(stack[first + 3]);
   c.slot_mapping = optional_tensor(stack[first + 4]);
   c.k_scale = optional_tensor(stack[first + 5]);
