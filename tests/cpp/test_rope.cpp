@@ -226,6 +226,19 @@ TEST(ApplyRope, ScalingLayoutsAndInPlace) {
   bad.rope_type = "ntk";
   EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().scaling(bad)), c10::ValueError);
   EXPECT_THROW(posenc::apply_rope(q, posenc::ApplyRopeOptions().layout("hsd")), c10::ValueError);
+  // Lists for a type that reads none: a message that says so (was "expected 1 + 12 rope
+  // scaling values ..., got 21", the op's flat list).
+  posenc::RopeScaling yarn;
+  yarn.rope_type = "yarn";
+  yarn.factor = 2.0;
+  yarn.short_factor = yarn.long_factor = {1.0, 1.0};
+  try {
+    posenc::apply_rope(q, posenc::ApplyRopeOptions().scaling(yarn));
+    ADD_FAILURE() << "lists accepted for yarn";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("rope scaling type 'yarn' reads no list key (short_factor, long_factor)"),
+              std::string::npos) << e.what();
+  }
 }
 
 TEST(ApplyRope, RotaryOffsetRotatesTheFeaturesItNames) {

@@ -108,9 +108,10 @@ const char* name_of(const std::pair<E, const char*> (&table)[N], E value) {
   return "?";
 }
 
-std::string scaling_key_list() {
+template <size_t N>
+std::string joined(const char* const (&names)[N]) {
   std::ostringstream out;
-  for (int i = 0; i < math::kRopeScalingFields; ++i) out << (i ? ", " : "") << kScalingKeys[i];
+  for (size_t i = 0; i < N; ++i) out << (i ? ", " : "") << names[i];
   return out.str();
 }
 
@@ -120,11 +121,14 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
   if (out.type == math::RopeType::kDefault && fields.empty()) return;
   const int64_t extra = static_cast<int64_t>(fields.size()) - 1 - math::kRopeScalingFields;
   const bool lists = (math::rope_type_facts(out.type) & math::kRopeListKeys) != 0;
+  TORCH_CHECK_VALUE(lists || extra <= 0, "posenc: rope scaling type '", rope_type_name(out.type),
+                    "' reads no list key (", joined(kScalingListKeys), "), got ", extra, " list values after its 1 + ",
+                    math::kRopeScalingFields, " scaling values");
   TORCH_CHECK_VALUE(lists ? extra > 0 && extra % kScalingLists == 0 &&
                                 extra / kScalingLists <= math::kRopeMaxPairs
                           : extra == 0,
                     "posenc: expected 1 + ", math::kRopeScalingFields, " rope scaling values (the "
-                    "bitmask of the keys given, then ", scaling_key_list(), ", 0 for a key not given)",
+                    "bitmask of the keys given, then ", joined(kScalingKeys), ", 0 for a key not given)",
                     lists ? ", then the lists short_factor and long_factor of equal lengths (at "
                             "most 256 each)" : "",
                     " for rope_type '", rope_type_name(out.type), "', got ", fields.size());
