@@ -48,6 +48,8 @@ def add_position(
         if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or offset.numel() != 1
                 or offset.is_meta):
             raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
+    elif torch.compiler.is_compiling():
+        pass  # a dynamic int stays one (no operator.index, no range test: no specialisation)
     elif _integer(offset) is None:  # True would count as 1
         raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")
     elif not isinstance(offset, torch.SymInt):
@@ -300,7 +302,8 @@ class LearnedPositionalEncoding(_AddPositionModule):
                 f"load_table: expected a table of shape ({self.max_len}, {self.d_model}) or "
                 f"(1, {self.max_len}, {self.d_model}), got {shape}"
             )
-        if table.is_complex() or table.is_meta:  # copy_ would drop the imaginary part / has no data to copy
+        if table.is_complex() or (table.is_meta and not self.pe.is_meta):  # copy_ would drop the imaginary
+            # part / has no data to copy (a meta module, deferred init, loads a meta table as a no-op)
             raise TypeError(f"load_table: expected a real table that holds data, got dtype {table.dtype} on "
                             f"{table.device}")
         with torch.no_grad():

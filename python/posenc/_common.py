@@ -29,13 +29,14 @@ def _int_arg(fn: str, name: str, value: Any) -> int:
 
 
 def _integer(value: Any) -> Any:
-    """value as an int (a Python or numpy integer, not bool), a SymInt as it is, or None for
-    anything else (a tensor, a float, a string): the front ends' test of an int argument,
-    whose TypeError names it."""
-    if isinstance(value, torch.SymInt):
-        return value
-    if isinstance(value, (bool, Tensor)):
+    """value as an int (a Python or numpy integer, not bool), or None for anything else (a
+    tensor, a float, a string): the front ends' test of an int argument, whose TypeError
+    names it. An int or SymInt is returned as it is: under torch.compile a Python int may be
+    a dynamic one, which operator.index would specialise (a recompile per value)."""
+    if isinstance(value, bool) or isinstance(value, Tensor):
         return None
+    if isinstance(value, (int, torch.SymInt)):
+        return value
     try:
         return operator.index(value)
     except TypeError:

@@ -223,6 +223,7 @@ def apply_rope_cos_sin(
     gradients are sums over heads, composed of torch ops; x is saved only when they need it).
     """
     _check_cos_sin_types(q, k, cos, sin, layout, interleaved)
+    interleaved = bool(interleaved)  # a numpy bool as the bool it was checked to be
     cos, sin = place_beside(q, cos, sin)  # plain tables beside a DTensor q: replicated
     out_q, out_k = torch.ops.posenc.apply_rope_cos_sin(q, k, cos, sin, layout=layout, interleaved=interleaved)
     return out_q if k is None else (out_q, out_k)

@@ -789,3 +789,14 @@ def test_module_offset_must_not_be_a_bool():
     for cls in (posenc.PositionalEncoding, posenc.LearnedPositionalEncoding):
         with pytest.raises(TypeError, match="expected offset to be an int, got True"):
             cls(8, 0.1, 10)(torch.randn(1, 2, 8), offset=True)
+
+
+def test_load_table_of_a_meta_module_takes_a_meta_table():
+    """Deferred init: a module built on the meta device loads a meta table (a no-op copy); a
+    meta table into a real module is refused, as is a complex one (load_table's checks)."""
+    with torch.device("meta"):
+        module = posenc.LearnedPositionalEncoding(4, 0.0, max_len=5)
+    module.load_table(torch.empty(5, 4, device="meta"))
+    assert module.pe.is_meta
+    with pytest.raises(TypeError, match="real table that holds data"):
+        posenc.LearnedPositionalEncoding(4, 0.0, max_len=5).load_table(torch.empty(5, 4, device="meta"))

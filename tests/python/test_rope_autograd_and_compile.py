@@ -296,3 +296,38 @@ def test_export():
     torch.testing.assert_close(ep.module()(q, k), model(q, k))
     q2, k2 = torch.randn(3, 50, 3, 16), torch.randn(3, 50, 3, 16)  # other batch and seq sizes
     torch.testing.assert_close(ep.module()(q2, k2), model(q2, k2))
+
+
+def test_a_decoding_loop_compiles_twice_not_per_offset():
+    """docs/guide/func.md and sinusoidal.md: a decoding loop "recompiles once, at its second
+    offset, then not per step". The front ends' int checks once called operator.index on the
+    offset, which specialised torch.compile's dynamic int: a graph per offset until the
+    recompile limit (a review). Each int argument of a decoding step, over 10 offsets: the
+    first graph, then one dynamic graph."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    pe = posenc.PositionalEncoding(8, 0.0, 64)
+    rope = posenc.RotaryPositionalEncoding(16)
+    x, q = torch.randn(1, 1, 8), torch.randn(1, 1, 2, 16)
+    cache = torch.randn(1, 32, 2, 16)
+    steps = {
+        "PositionalEncoding": lambda off: pe(x, offset=off),
+        "add_position": lambda off: posenc.functional.add_position(x, pe.pe[0], offset=off),
+        "apply_rope": lambda off: apply_rope(q, offset=off),
+        "RotaryPositionalEncoding": lambda off: rope(q, offset=off),
+        "qk_norm_rope": lambda off: posenc.functional.qk_norm_rope(q, q, torch.ones(16), torch.ones(16), offset=off),
+        "rope_shift_kv": lambda off: posenc.functional.rope_shift_kv(
+            cache.clone(), torch.tensor([1]), torch.tensor([0]), rows=torch.tensor([1]),
+            scaling=dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=4),
+            from_seq_len=off + 20, to_seq_len=off + 19),
+    }
+    for name, step in steps.items():
+        graphs.clear()
+        compiled = torch.compile(step, backend=backend)
+        for off in range(10):
+            torch.testing.assert_close(compiled(off), step(off), rtol=0, atol=0)
+        assert len(graphs) == 2, f"{name}: {len(graphs)} graphs for 10 offsets"

@@ -123,7 +123,7 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
   const bool lists = (math::rope_type_facts(out.type) & math::kRopeListKeys) != 0;
   TORCH_CHECK_VALUE(lists || extra <= 0, "posenc: rope scaling type '", rope_type_name(out.type),
                     "' reads no list key (", joined(kScalingListKeys), "), got ", extra, " list values after its 1 + ",
-                    math::kRopeScalingFields, " scaling values");
+                    math::kRopeScalingFields, " rope scaling values");
   TORCH_CHECK_VALUE(lists ? extra > 0 && extra % kScalingLists == 0 &&
                                 extra / kScalingLists <= math::kRopeMaxPairs
                           : extra == 0,

@@ -174,7 +174,7 @@ void RopeShiftKvCall::push(torch::jit::Stack& stack) const {
 int64_t RopeShiftKvCall::batch() const { return paged() ? 1 : k_cache.size(0); }
 int64_t RopeShiftKvCall::n() const { return from_positions.size(-1); }
 
-RopeCall RopeShiftKvCall::end(bool to) const {
+RopeCall RopeShiftKvCall::end(bool to, bool checks) const {
   RopeCall r = config;
   const at::Tensor cv = cache_view(k_cache, config.layout);
   const c10::SymInt batch = paged() ? c10::SymInt(1) : cv.sym_size(0);
@@ -187,7 +187,9 @@ RopeCall RopeShiftKvCall::end(bool to) const {
   r.layout = RopeLayout::kBSHD;
   r.positions = to ? to_positions : from_positions;
   const std::optional<c10::SymInt>& seq_len = to ? to_seq_len : from_seq_len;
-  if (seq_len.has_value()) {
+  if (seq_len.has_value() && checks && !seq_len->maybe_as_int().has_value()) {
+    r.seq_len = 0;
+  } else if (seq_len.has_value()) {
     r.seq_len = seq_len->guard_int(__FILE__, __LINE__);
   } else {
     r.seq_len = math::rope_scales_by_length(config.scaling.type) ? -1 : 0;
@@ -314,7 +316,7 @@ int64_t check_rope_shift_kv(const RopeShiftKvCall& c) {
   check_seq_len("from_seq_len", c.from_seq_len);
   check_seq_len("to_seq_len", c.to_seq_len);
   // RoPE's own checks of the configuration against the items (rotary_dim, scaling, sections).
-  const RopeCall to = c.end(true);
+  const RopeCall to = c.end(true, /*checks=*/true);
   const int64_t rot = check_rope_structure(to);
   check_rope_settings(to);
   return rot;
