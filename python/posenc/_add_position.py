@@ -376,3 +376,21 @@ def _dropout_batch_rule(op: "torch._ops.OpOverload", rng_output: bool):
 torch.library.register_vmap("posenc::add_position", _dropout_batch_rule(torch.ops.posenc.add_position.default, False))
 torch.library.register_vmap(
     "posenc::add_position_forward", _dropout_batch_rule(torch.ops.posenc.add_position_forward.default, True))
+
+
+def _backward_batch_rule(info, in_dims, grad, rng, p):
+    """vmap of add_position_backward (the gradient of a vmapped add_position with dropout):
+    one call per sample, each with its sample's rng state (batched under "different"
+    randomness) or the shared one ("same"): the mask is drawn by each element's index in its
+    sample, so the samples cannot be one call (torch's fallback did the same loop, with a
+    performance warning that asked users to file an issue on PyTorch)."""
+    grad_dim, rng_dim = in_dims[0], in_dims[1]
+    outs = []
+    for i in range(info.batch_size):
+        g = grad if grad_dim is None else grad.select(grad_dim, i)
+        r = rng if rng_dim is None else rng.select(rng_dim, i)
+        outs.append(torch.ops.posenc.add_position_backward(g, r, p))
+    return torch.stack(outs), 0
+
+
+torch.library.register_vmap("posenc::add_position_backward", _backward_batch_rule)

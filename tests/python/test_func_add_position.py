@@ -189,6 +189,29 @@ def test_dropout_vmap_per_sample_gradients_and_jvp():
     torch.testing.assert_close(tangents, tx * mask_of(outs))
 
 
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_dropout_vmap_grad_uses_the_backward_batching_rule(randomness):
+    """vmap(grad) with dropout reaches add_position_backward batched: its batching rule (one
+    call per sample, each with its own rng state or the shared one) gives each sample its own
+    mask's gradient, without torch's fallback warning (which asked users to file an issue on
+    PyTorch for a posenc op)."""
+    import warnings
+
+    xs = torch.randn(3, B, S, D, dtype=F64)
+    table = torch.randn(L, D, dtype=F64)
+
+    def loss(x):
+        out = F.add_position(x, table, p=P)
+        return out.square().sum(), out
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the fallback's performance warning fails the test
+        gx, outs = vmap(grad(loss, has_aux=True), randomness=randomness)(xs)
+    torch.testing.assert_close(gx, 2 * outs * mask_of(outs))
+    if randomness == "same":
+        assert torch.equal(outs != 0, (outs[:1] != 0).expand_as(outs))
+
+
 @pytest.mark.parametrize("randomness", ["error", "same"])
 def test_vmap_randomness_modes(randomness):
     xs = torch.randn(3, B, S, D, dtype=F64)
