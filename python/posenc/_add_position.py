@@ -59,6 +59,14 @@ def add_position(
         p = _float_arg(fn, "p", p)
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"posenc: expected dropout probability p in [0, 1], got {p}")
+    if isinstance(offset, Tensor) and torch.compiler.is_compiling() and positions is None:
+        # The op's SymInt offset would read the tensor's value (.item(): a graph per value,
+        # and no graph at all under aot_eager / inductor): rows offset .. offset + seq - 1 as
+        # positions instead, the same rows and bits (an offset past the table is then the
+        # kernel's IndexError for positions, not the host's ValueError).
+        seq = x.shape[1] if batch_first and x.dim() == 3 else x.shape[0]
+        positions = torch.arange(seq, device=x.device) + offset.reshape(()).to(device=x.device, dtype=torch.int64)
+        offset = 0
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
     if is_dtensor(positions) and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
         # The kernel checks each rank's shard: one rank alone would raise (the others block

@@ -16,6 +16,8 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 def _int_arg(fn: str, name: str, value: Any) -> int:
     """value as an int64 (Python or numpy integer, not bool), or ValueError naming it. Only
     the type is normalised here: the op checks the value."""
+    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and torch.compiler.is_compiling():
+        return value  # possibly a dynamic int: operator.index would specialise it (a graph per value)
     if not isinstance(value, bool):
         try:
             number = operator.index(value)

@@ -508,9 +508,12 @@ def rope_op_arguments(
     for name, value in (("positions", positions), ("offsets", offsets), ("cu_seqlens", cu_seqlens)):
         if value is not None:
             arguments[name] = value
-    if not (type(offset) is int and offset == 0):
+    # Under torch.compile an int may be a dynamic one: comparing it with 0 would guard on it
+    # (a graph of its own for offset 0), so it is passed as it is.
+    compiling = torch.compiler.is_compiling()
+    if compiling or not (type(offset) is int and offset == 0):
         arguments["offset"] = offset
-    if not (type(seq_len) is int and seq_len == 0):
+    if compiling or not (type(seq_len) is int and seq_len == 0):
         arguments["seq_len"] = seq_len
     return arguments
 

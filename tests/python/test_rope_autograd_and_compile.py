@@ -300,10 +300,56 @@ def test_export():
 
 def test_a_decoding_loop_compiles_twice_not_per_offset():
     """docs/guide/func.md and sinusoidal.md: a decoding loop "recompiles once, at its second
-    offset, then not per step". The front ends' int checks once called operator.index on the
-    offset, which specialised torch.compile's dynamic int: a graph per offset until the
-    recompile limit (a review). Each int argument of a decoding step, over 10 offsets: the
-    first graph, then one dynamic graph."""
+    offset, then not per step". Reviews found a graph per value where torch.compile's
+    dynamic int was specialised: the front ends' int checks (operator.index), the RoPE ops'
+    seq_len (an int in their schema, now a SymInt, as make_positions' offset), rope_shift_kv's
+    checks of from_seq_len / to_seq_len; and a graph of its own for offset 0 (the front end's
+    test for leaving a default argument out). Each int argument of a decoding step over 10
+    values, 0 among them after others: the first graph, then one dynamic graph, and the
+    compiled results equal eager's."""
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    F = posenc.functional
+    pe = posenc.PositionalEncoding(8, 0.0, 64)
+    rope = posenc.RotaryPositionalEncoding(16)
+    x, q = torch.randn(1, 1, 8), torch.randn(1, 1, 2, 16)
+    w = torch.rand(16) + 0.5
+    cache = torch.randn(1, 32, 2, 16)
+    dynamic = dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=4)
+    tokens = torch.tensor([[1, 5, 0, 7]])
+    steps = {
+        "PositionalEncoding": lambda off: pe(x, offset=off),
+        "add_position": lambda off: F.add_position(x, pe.pe[0], offset=off),
+        "apply_rope": lambda off: apply_rope(q, offset=off),
+        "RotaryPositionalEncoding": lambda off: rope(q, offset=off),
+        "qk_norm_rope": lambda off: F.qk_norm_rope(q, q, w, w, offset=off),
+        "apply_rope seq_len": lambda off: apply_rope(q, offset=off, seq_len=off + 1, scaling=dynamic),
+        "qk_norm_rope seq_len": lambda off: F.qk_norm_rope(q, q, w, w, offset=off, seq_len=off + 1, scaling=dynamic),
+        "rope_append_kv seq_len": lambda off: F.rope_append_kv(
+            q, q, q, torch.zeros(1, 32, 2, 16), torch.zeros(1, 32, 2, 16), offset=off, seq_len=off + 1,
+            scaling=dynamic),
+        "rope_shift_kv": lambda off: F.rope_shift_kv(
+            cache.clone(), torch.tensor([1]), torch.tensor([0]), rows=torch.tensor([1]), scaling=dynamic,
+            from_seq_len=off + 20, to_seq_len=off + 19),
+        "make_positions": lambda off: F.make_positions(tokens, 0, offset=off),
+    }
+    for name, step in steps.items():
+        graphs.clear()
+        compiled = torch.compile(step, backend=backend)
+        for off in (3, 5, 0, 7, 0, 9, 11, 2, 4, 6):
+            torch.testing.assert_close(compiled(off), step(off), rtol=0, atol=0)
+        assert len(graphs) == 2, f"{name}: {len(graphs)} graphs for 10 values"
+
+
+def test_add_position_tensor_offset_compiles_once():
+    """A one-element tensor offset (add_position's documented "an int or a one-element
+    integer tensor"): the op's SymInt read its value (a graph per value), and aot_eager /
+    inductor failed ("Expected a value of type 'int' ... found 'FunctionalTensor'"). Under
+    torch.compile it is now positions offset .. offset + seq - 1: one graph, eager's bits."""
     graphs = []
 
     def backend(gm, example_inputs):
@@ -311,23 +357,14 @@ def test_a_decoding_loop_compiles_twice_not_per_offset():
         return gm
 
     pe = posenc.PositionalEncoding(8, 0.0, 64)
-    rope = posenc.RotaryPositionalEncoding(16)
-    x, q = torch.randn(1, 1, 8), torch.randn(1, 1, 2, 16)
-    cache = torch.randn(1, 32, 2, 16)
-    steps = {
-        "PositionalEncoding": lambda off: pe(x, offset=off),
-        "add_position": lambda off: posenc.functional.add_position(x, pe.pe[0], offset=off),
-        "apply_rope": lambda off: apply_rope(q, offset=off),
-        "RotaryPositionalEncoding": lambda off: rope(q, offset=off),
-        "qk_norm_rope": lambda off: posenc.functional.qk_norm_rope(q, q, torch.ones(16), torch.ones(16), offset=off),
-        "rope_shift_kv": lambda off: posenc.functional.rope_shift_kv(
-            cache.clone(), torch.tensor([1]), torch.tensor([0]), rows=torch.tensor([1]),
-            scaling=dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=4),
-            from_seq_len=off + 20, to_seq_len=off + 19),
-    }
-    for name, step in steps.items():
+    x = torch.randn(2, 3, 8)
+    for name, fn in {"module": lambda o: pe(x, offset=o),
+                     "function": lambda o: posenc.functional.add_position(x, pe.pe[0], offset=o)}.items():
         graphs.clear()
-        compiled = torch.compile(step, backend=backend)
-        for off in range(10):
-            torch.testing.assert_close(compiled(off), step(off), rtol=0, atol=0)
-        assert len(graphs) == 2, f"{name}: {len(graphs)} graphs for 10 offsets"
+        counted = torch.compile(fn, backend=backend)
+        eager_backend = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        for off in (4, 9, 0, 20):
+            o = torch.tensor(off)
+            torch.testing.assert_close(counted(o), fn(off), rtol=0, atol=0)
+            torch.testing.assert_close(eager_backend(o), fn(off), rtol=0, atol=0)
+        assert len(graphs) == 1, f"{name}: {len(graphs)} graphs"

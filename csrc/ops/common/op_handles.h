@@ -54,7 +54,7 @@ using AddPositionBackwardWithTableSig = std::tuple<at::Tensor, at::Tensor>(
 using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double, c10::string_view);
 
 // The helpers (ops/helpers/*.cpp) and the add-position modules' range check.
-using MakePositionsSig = at::Tensor(const at::Tensor&, int64_t, int64_t);
+using MakePositionsSig = at::Tensor(const at::Tensor&, int64_t, c10::SymInt);
 using Sinusoidal2dTableSig = at::Tensor(int64_t, int64_t, int64_t, double, int64_t,
                                         std::optional<at::ScalarType>, std::optional<at::Device>,
                                         std::optional<double>, double);

@@ -23,7 +23,7 @@ namespace ops {
 // coordinates, see RopeSectionsMode.
 const char* const kRopeSchemaArguments =
     "Tensor? positions=None, Tensor? offsets=None, SymInt offset=0, Tensor? cu_seqlens=None, "
-    "float base=10000.0, str rope_type=\"default\", float[] scaling=[], int seq_len=0, "
+    "float base=10000.0, str rope_type=\"default\", float[] scaling=[], SymInt seq_len=0, "
     "int rotary_dim=-1, bool interleaved=False, str layout=\"bshd\", bool inverse=False, "
     "int[] sections=[], str sections_mode=\"axial\""
 #define POSENC_X(type, name, default_value, schema_type) \

@@ -43,7 +43,10 @@ struct RopeCall {
   std::optional<at::Tensor> cu_seqlens;
   double base = 10000.0;
   math::RopeScalingParams scaling;  // rope_type and the float[] scaling, together
-  int64_t seq_len = 0;     // "dynamic", "longrope": longest position + 1; -1: from the call
+  // "dynamic", "longrope": longest position + 1; -1: from the call. A SymInt, so that
+  // torch.compile keeps a decoding loop's seq_len dynamic (its checks read it only where it is
+  // concrete; the kernels, which run on concrete values, take concrete_seq_len()).
+  c10::SymInt seq_len = 0;
   int64_t rotary_dim = -1;  // -1: head_dim
   bool interleaved = false;
   RopeLayout layout = RopeLayout::kBSHD;
@@ -90,6 +93,7 @@ struct RopeCall {
   bool multi_axis() const { return !sections.empty(); }
   // The int offset, for a backend (a concrete SymInt there).
   int64_t concrete_offset() const { return offset.guard_int(__FILE__, __LINE__); }
+  int64_t concrete_seq_len() const { return seq_len.guard_int(__FILE__, __LINE__); }
 };
 
 // The parsers RopeCall::pop uses, for ops with other argument lists (rope_frequencies).

@@ -306,8 +306,9 @@ void check_rope_settings(const RopeCall& c) {
   check_rope_base(c.base);
   check_rope_scaling(c.scaling);
   if (const auto v = c.offset.maybe_as_int()) check_rope_position_value("offset", *v);
-  TORCH_CHECK_VALUE(c.seq_len >= -1, "posenc: expected seq_len >= 0 (or -1: from the call), got ",
-                    c.seq_len);
+  if (const auto v = c.seq_len.maybe_as_int()) {
+    TORCH_CHECK_VALUE(*v >= -1, "posenc: expected seq_len >= 0 (or -1: from the call), got ", *v);
+  }
 }
 
 }  // namespace ops

@@ -55,7 +55,7 @@ void check_cpu_index_values(const RopeLaunch& launch) {
 RopeLaunch prepare_rope_launch(const RopeCall& c, int64_t rot, const at::Tensor& out_q,
                                const std::optional<at::Tensor>& out_k) {
   const int64_t offset = c.concrete_offset();
-  int64_t seq_len = c.seq_len;
+  int64_t seq_len = c.concrete_seq_len();
   if (math::rope_scales_by_length(c.scaling.type) && seq_len < 0) {
     seq_len = std::get<1>(rope_position_bounds_of(c)) + 1;  // 0 when it rotates nothing
   }

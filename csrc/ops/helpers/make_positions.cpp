@@ -15,7 +15,7 @@ namespace posenc {
 namespace ops {
 namespace {
 
-at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t offset) {
+at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, c10::SymInt offset) {
   // ValueError, not TypeError, for float tokens too: one check of "integer (batch, seq)".
   TORCH_CHECK_VALUE(tokens.dim() == 2 && !tokens.is_floating_point() && !tokens.is_complex(),
                     "make_positions: expected integer tokens of shape (batch, seq), got ",
@@ -24,22 +24,27 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t
   TORCH_CHECK_VALUE(padding_idx >= -kLimit && padding_idx <= kLimit,
                     "make_positions: expected padding_idx within +-2**62, got ", padding_idx);
   // offset (transformers' past_key_values_length): the tokens before these, in a cache. Not
-  // negative: a non-padding token would be numbered like padding.
+  // negative: a non-padding token would be numbered like padding. A SymInt: torch.compile
+  // keeps a decoding loop's offset dynamic (these comparisons guard, they do not specialise).
   TORCH_CHECK_VALUE(offset >= 0 && offset <= kLimit, "make_positions: expected offset in [0, 2**62], got ",
                     offset);
   // The largest position, padding_idx + offset + seq, must stay an int64 (it wrapped to
-  // negative positions for padding_idx = offset = 2**62). With a symbolic seq (torch.compile's
-  // dynamic shapes), padding_idx + offset <= 2**62 keeps it below 2**63 for any seq.
+  // negative positions for padding_idx = offset = 2**62). With a symbolic seq or offset
+  // (torch.compile's dynamic shapes), padding_idx + offset <= 2**62 keeps it below 2**63 for
+  // any seq.
   const std::optional<int64_t> seq = tokens.sym_size(1).maybe_as_int();
-  const int64_t room = seq.has_value() ? std::numeric_limits<int64_t>::max() - offset - *seq : kLimit - offset;
-  TORCH_CHECK_VALUE(padding_idx <= room, "make_positions: expected the last position, padding_idx + offset + seq, "
-                    "to fit in int64, got padding_idx=", padding_idx, ", offset=", offset, ", seq=",
+  const std::optional<int64_t> off = offset.maybe_as_int();
+  const bool concrete = seq.has_value() && off.has_value();
+  const int64_t room = concrete ? std::numeric_limits<int64_t>::max() - *off - *seq : kLimit;
+  TORCH_CHECK_VALUE(concrete ? padding_idx <= room : offset + padding_idx <= room,
+                    "make_positions: expected the last position, padding_idx + offset + seq, to fit in int64, "
+                    "got padding_idx=", padding_idx, ", offset=", offset, ", seq=",
                     seq.has_value() ? std::to_string(*seq)
                                     : std::string("symbolic (then padding_idx + offset <= 2**62)"));
   // Compared in int64: ne() with a scalar converts padding_idx into the tokens' dtype, which
   // wraps (300 as uint8 is 44: tokens 44 taken for padding).
   const at::Tensor mask = tokens.to(at::kLong).ne(padding_idx).to(at::kLong);
-  return (at::cumsum(mask, 1) + offset) * mask + padding_idx;
+  return (at::cumsum(mask, 1) + c10::Scalar(offset)) * mask + padding_idx;
 }
 
 }  // namespace
@@ -47,7 +52,7 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   // int64 (batch, seq): non-padding tokens numbered padding_idx + offset + 1,
   // padding_idx + offset + 2, ... along dim 1, padding tokens padding_idx.
-  m.def("make_positions(Tensor tokens, int padding_idx, int offset=0) -> Tensor");
+  m.def("make_positions(Tensor tokens, int padding_idx, SymInt offset=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(posenc, CompositeImplicitAutograd, m) {

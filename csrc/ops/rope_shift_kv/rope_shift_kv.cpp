@@ -174,7 +174,7 @@ void RopeShiftKvCall::push(torch::jit::Stack& stack) const {
 int64_t RopeShiftKvCall::batch() const { return paged() ? 1 : k_cache.size(0); }
 int64_t RopeShiftKvCall::n() const { return from_positions.size(-1); }
 
-RopeCall RopeShiftKvCall::end(bool to, bool checks) const {
+RopeCall RopeShiftKvCall::end(bool to) const {
   RopeCall r = config;
   const at::Tensor cv = cache_view(k_cache, config.layout);
   const c10::SymInt batch = paged() ? c10::SymInt(1) : cv.sym_size(0);
@@ -187,10 +187,8 @@ RopeCall RopeShiftKvCall::end(bool to, bool checks) const {
   r.layout = RopeLayout::kBSHD;
   r.positions = to ? to_positions : from_positions;
   const std::optional<c10::SymInt>& seq_len = to ? to_seq_len : from_seq_len;
-  if (seq_len.has_value() && checks && !seq_len->maybe_as_int().has_value()) {
-    r.seq_len = 0;
-  } else if (seq_len.has_value()) {
-    r.seq_len = seq_len->guard_int(__FILE__, __LINE__);
+  if (seq_len.has_value()) {
+    r.seq_len = *seq_len;  // symbolic under torch.compile: RopeCall's seq_len is a SymInt
   } else {
     r.seq_len = math::rope_scales_by_length(config.scaling.type) ? -1 : 0;
   }
@@ -316,7 +314,7 @@ int64_t check_rope_shift_kv(const RopeShiftKvCall& c) {
   check_seq_len("from_seq_len", c.from_seq_len);
   check_seq_len("to_seq_len", c.to_seq_len);
   // RoPE's own checks of the configuration against the items (rotary_dim, scaling, sections).
-  const RopeCall to = c.end(true, /*checks=*/true);
+  const RopeCall to = c.end(true);
   const int64_t rot = check_rope_structure(to);
   check_rope_settings(to);
   return rot;
@@ -495,7 +493,7 @@ namespace {
 // The seq_len an end's frequencies use: given, or the longest position + 1 (a length-scaled
 // type only; a sync on a device, as rope's seq_len=-1).
 int64_t end_seq_len(const RopeCall& e) {
-  if (e.seq_len >= 0) return e.seq_len;
+  if (const int64_t given = e.concrete_seq_len(); given >= 0) return given;
   const at::Tensor& p = *e.positions;
   return p.numel() == 0 ? 0 : std::max<int64_t>(p.max().item<int64_t>() + 1, 0);
 }

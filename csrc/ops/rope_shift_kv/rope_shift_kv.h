@@ -65,10 +65,8 @@ struct RopeShiftKvCall {
   int64_t n() const;
   // One end of the rotation as a RoPE call over the items: a stand-in q (batch, n, kv_heads,
   // head_dim) of no memory, layout "bshd", the end's positions and seq_len (None: -1 for a
-  // length-scaled type, which prepare_rope_launch reads from the positions). For the checks
-  // (`checks`), a symbolic seq_len is not made concrete: 0 stands in for it (its value was
-  // checked; torch.compile would otherwise specialise on it, a graph per length).
-  RopeCall end(bool to, bool checks = false) const;
+  // length-scaled type, which prepare_rope_launch reads from the positions).
+  RopeCall end(bool to) const;
 };
 
 // Every check that needs no tensor value (shapes, dtypes, devices, settings); works on Meta
