@@ -23,12 +23,19 @@ if(NOT TARGET torch::cudart)
     set(_posenc_toolkit_nvcc "$ENV{CUDACXX}")
   else()
     # Where torch's FindCUDA looks for nvcc: the toolkit variables, PATH, /usr/local/cuda.
+    # Only an executable nvcc counts (CMP0109 NEW, whatever the including project's policy:
+    # under OLD a readable non-executable file, e.g. one masked by /dev/null, was taken).
+    cmake_policy(PUSH)
+    if(POLICY CMP0109)
+      cmake_policy(SET CMP0109 NEW)
+    endif()
     find_program(_posenc_toolkit_nvcc nvcc
       HINTS ENV CUDA_HOME ENV CUDA_PATH ENV CUDA_TOOLKIT_ROOT ENV CUDA_BIN_PATH
             "${CUDA_TOOLKIT_ROOT_DIR}" "${CUDAToolkit_ROOT}"
       PATH_SUFFIXES bin
       PATHS /usr/local/cuda/bin
       NO_CACHE)
+    cmake_policy(POP)
   endif()
   if(NOT _posenc_toolkit_nvcc)
     add_library(torch::cudart INTERFACE IMPORTED)

@@ -31,3 +31,32 @@ artefacts="$build/deploy-artefacts"
   { tail -40 "$build/deploy_model.stderr"; exit 1; }
 grep -q 'posenc: expected positions in \[0, max_len=1024)' "$build/deploy_model.stderr" ||
   { echo "deploy_model: posenc's IndexError message is not in the AOTInductor log:"; tail -40 "$build/deploy_model.stderr"; exit 1; }
+
+# The installed package on a machine without the CUDA toolkit (docs/install.md): the
+# quickstart configured, built and run with the toolkit hidden. It links the application's own
+# torch libraries (posencConfig.cmake), not the paths of the machine that built posenc (the
+# exported target named this build's libnvrtc.so, which the app's build then required).
+nt="$root/build/example-app-no-toolkit"
+rm -rf "$nt"
+bash "$root/tests/python/without_cuda_toolkit.sh" bash -c "
+  cmake -S '$root/examples/cpp' -B '$nt' -G Ninja -DCMAKE_BUILD_TYPE=Release -Dposenc_DIR='$prefix/lib/cmake/posenc' \
+    -DTorch_DIR='$torch_dir' > '$nt.configure.log' 2>&1 &&
+  cmake --build '$nt' --target quickstart -j ${MAX_JOBS:-2} > '$nt.build.log' 2>&1" ||
+  { echo "the installed package without a CUDA toolkit:"; tail -30 "$nt.configure.log" "$nt.build.log" 2>/dev/null; exit 1; }
+"$nt/quickstart" | grep -qx '\[2, 100, 512\] \[2, 100, 32, 128\] \[2, 100, 8, 128\]' ||
+  { echo "quickstart built without a toolkit printed:"; "$nt/quickstart"; exit 1; }
+
+# A Torch of another release than the one posenc was built against: find_package(posenc)
+# fails and says both (the C++ ABI changes between releases). The package copied with its
+# recorded torch version changed stands in for an application's other torch.
+other="$(mktemp -d)"
+trap 'rm -rf "$other"' EXIT
+cp -r "$prefix/." "$other/"
+sed -i 's/^set(posenc_TORCH_VERSION "[^"]*")/set(posenc_TORCH_VERSION "1.0.0")/' "$other/lib/cmake/posenc/posencConfig.cmake"
+if cmake -S "$root/examples/cpp" -B "$other/app" -G Ninja -Dposenc_DIR="$other/lib/cmake/posenc" \
+     -DTorch_DIR="$torch_dir" > "$other/configure.log" 2>&1; then
+  echo "find_package(posenc) accepted a Torch of another release"; exit 1
+fi
+grep -q "posenc was built against torch 1.0.0, but the Torch found is" "$other/configure.log" ||
+  { echo "find_package(posenc) with another torch:"; tail -20 "$other/configure.log"; exit 1; }
+echo "run_example.sh: ok"
