@@ -48,12 +48,14 @@ def add_position(
         if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or offset.numel() != 1
                 or offset.is_meta):
             raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
+    elif isinstance(offset, (int, torch.SymInt)) and not isinstance(offset, bool):
+        offset = _int_arg(fn, "offset", offset)  # ValueError past int64 (a dynamic int stays one)
     elif torch.compiler.is_compiling():
-        pass  # a dynamic int stays one (no operator.index, no range test: no specialisation)
+        pass  # another type (a numpy integer) is the op's to read there: operator.index fails in Dynamo
     elif _integer(offset) is None:  # True would count as 1
         raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")
-    elif not isinstance(offset, torch.SymInt):
-        offset = _int_arg(fn, "offset", offset)  # a numpy integer too; ValueError past int64
+    else:
+        offset = _int_arg(fn, "offset", offset)  # a numpy integer as an int
     batch_first, training = _bool_arg(fn, "batch_first", batch_first), _bool_arg(fn, "training", training)
     if not isinstance(p, torch.SymFloat):  # checked in eval mode too, with the op's message
         p = _float_arg(fn, "p", p)

@@ -16,11 +16,11 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 def _int_arg(fn: str, name: str, value: Any) -> int:
     """value as an int64 (Python or numpy integer, not bool), or ValueError naming it. Only
     the type is normalised here: the op checks the value."""
-    if isinstance(value, (int, torch.SymInt)) and not isinstance(value, bool) and torch.compiler.is_compiling():
-        return value  # possibly a dynamic int: operator.index would specialise it (a graph per value)
     if not isinstance(value, bool):
         try:
-            number = operator.index(value)
+            # An int as it is: under torch.compile possibly a dynamic one, which operator.index
+            # would specialise (a graph per value); the range test below only guards it.
+            number = value if isinstance(value, (int, torch.SymInt)) else operator.index(value)
         except TypeError:
             pass
         else:

@@ -18,7 +18,9 @@ def _candidates() -> list[Path]:
     found = []
     env = os.environ.get("POSENC_LIBRARY")
     if env:
-        found.append(Path(env))
+        if not Path(env).is_file():  # a typo would load the packaged library in its place, unnoticed
+            raise ImportError(f"posenc: POSENC_LIBRARY={env!r} is not a file (it names the libposenc to load)")
+        return [Path(env)]  # that library or none
     here = Path(__file__).resolve().parent
     for folder in (here / "lib", here):
         found.extend(folder / name for name in _LIB_NAMES)

@@ -360,3 +360,20 @@ def test_make_positions_refuses_positions_past_int64():
     assert make_positions(tokens, 2**62, offset=last - 2**62 - 3).max().item() == last  # the largest that fits
     with pytest.raises(ValueError, match="to fit in int64"):
         make_positions(tokens, 2**62, offset=last - 2**62 - 2)
+
+
+def test_make_positions_compiled_with_a_dynamic_offset_checks_as_eager():
+    """make_positions' offset is a SymInt (a graph per value before): its checks under
+    torch.compile accept what eager accepts (a symbolic offset got the conservative bound
+    padding_idx + offset <= 2**62: padding_idx 2**62 was refused from the dynamic graph on,
+    a review) and refuse with the value (they said 'got s6')."""
+    tokens = torch.tensor([[1, 5, 0, 7]])
+
+    def step(offset):
+        return posenc.functional.make_positions(tokens, 2**62, offset=offset)
+
+    compiled = torch.compile(step, backend="eager")
+    for offset in (3, 5, 7):
+        torch.testing.assert_close(compiled(offset), step(offset), rtol=0, atol=0)
+    with pytest.raises(Exception, match=r"expected offset in \[0, 2\*\*62\], got -1"):
+        compiled(-1)

@@ -32,6 +32,18 @@ def test_a_library_built_for_another_torch_is_refused(tmp_path):
     _library.check_torch_version(lib)
 
 
+def test_posenc_library_naming_no_file_is_refused(tmp_path, monkeypatch):
+    """POSENC_LIBRARY (the sanitizer runs' library) naming no file: an ImportError naming it
+    (the packaged library was loaded in its place, so a typo tested the wrong library)."""
+    monkeypatch.setenv("POSENC_LIBRARY", str(tmp_path / "libposenc-typo.so"))
+    with pytest.raises(ImportError, match=r"POSENC_LIBRARY=.*libposenc-typo\.so' is not a file"):
+        _library._candidates()
+    lib = tmp_path / "libposenc.so"
+    lib.write_bytes(b"")
+    monkeypatch.setenv("POSENC_LIBRARY", str(lib))
+    assert _library._candidates() == [lib]
+
+
 def test_one_version():
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert 'version = { attr = "posenc.__version__" }' in pyproject

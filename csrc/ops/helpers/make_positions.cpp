@@ -25,22 +25,18 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, c10::Sy
                     "make_positions: expected padding_idx within +-2**62, got ", padding_idx);
   // offset (transformers' past_key_values_length): the tokens before these, in a cache. Not
   // negative: a non-padding token would be numbered like padding. A SymInt: torch.compile
-  // keeps a decoding loop's offset dynamic (these comparisons guard, they do not specialise).
+  // keeps a decoding loop's offset dynamic (these comparisons guard, they do not specialise;
+  // a failing one shows the value, made concrete then).
+  const auto shown = [](const c10::SymInt& v) { return v.guard_int(__FILE__, __LINE__); };
   TORCH_CHECK_VALUE(offset >= 0 && offset <= kLimit, "make_positions: expected offset in [0, 2**62], got ",
-                    offset);
+                    shown(offset));
   // The largest position, padding_idx + offset + seq, must stay an int64 (it wrapped to
-  // negative positions for padding_idx = offset = 2**62). With a symbolic seq or offset
-  // (torch.compile's dynamic shapes), padding_idx + offset <= 2**62 keeps it below 2**63 for
-  // any seq.
-  const std::optional<int64_t> seq = tokens.sym_size(1).maybe_as_int();
-  const std::optional<int64_t> off = offset.maybe_as_int();
-  const bool concrete = seq.has_value() && off.has_value();
-  const int64_t room = concrete ? std::numeric_limits<int64_t>::max() - *off - *seq : kLimit;
-  TORCH_CHECK_VALUE(concrete ? padding_idx <= room : offset + padding_idx <= room,
+  // negative positions for padding_idx = offset = 2**62): padding_idx <= INT64_MAX - offset -
+  // seq, whose right side cannot wrap (0 <= offset <= 2**62, 0 <= seq < 2**62).
+  const c10::SymInt seq = tokens.sym_size(1);
+  TORCH_CHECK_VALUE(padding_idx <= c10::SymInt(std::numeric_limits<int64_t>::max()) - offset - seq,
                     "make_positions: expected the last position, padding_idx + offset + seq, to fit in int64, "
-                    "got padding_idx=", padding_idx, ", offset=", offset, ", seq=",
-                    seq.has_value() ? std::to_string(*seq)
-                                    : std::string("symbolic (then padding_idx + offset <= 2**62)"));
+                    "got padding_idx=", padding_idx, ", offset=", shown(offset), ", seq=", shown(seq));
   // Compared in int64: ne() with a scalar converts padding_idx into the tokens' dtype, which
   // wraps (300 as uint8 is 44: tokens 44 taken for padding).
   const at::Tensor mask = tokens.to(at::kLong).ne(padding_idx).to(at::kLong);
