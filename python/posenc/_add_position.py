@@ -50,10 +50,10 @@ def add_position(
             raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
     elif isinstance(offset, (int, torch.SymInt)) and not isinstance(offset, bool):
         offset = _int_arg(fn, "offset", offset)  # ValueError past int64 (a dynamic int stays one)
+    elif (isinstance(offset, bool) or not torch.compiler.is_compiling()) and _integer(offset) is None:
+        raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")  # True would count as 1
     elif torch.compiler.is_compiling():
         pass  # another type (a numpy integer) is the op's to read there: operator.index fails in Dynamo
-    elif _integer(offset) is None:  # True would count as 1
-        raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")
     else:
         offset = _int_arg(fn, "offset", offset)  # a numpy integer as an int
     batch_first, training = _bool_arg(fn, "batch_first", batch_first), _bool_arg(fn, "training", training)

@@ -231,3 +231,11 @@ def test_offset_as_a_numpy_integer_is_an_int(module_cls):
     x = torch.randn(2, 5, 8)
     pe = module_cls(8, 0.0, 10)
     torch.testing.assert_close(pe(x, offset=np.int64(3)), pe(x, offset=3), rtol=0, atol=0)
+
+
+def test_offset_true_is_refused_under_compile_too():
+    """True would count as 1 in the op's SymInt: refused in eager and under torch.compile
+    (whose branch leaves other types, numpy integers, to the op)."""
+    x, table = torch.randn(1, 2, 8), torch.randn(10, 8)
+    with pytest.raises(Exception, match=r"expected offset to be an int, got True"):
+        torch.compile(lambda x: add_position(x, table, offset=True), backend="eager")(x)
