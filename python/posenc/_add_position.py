@@ -15,7 +15,7 @@ __future__ import annotations`` here: TorchScript reads the annotations as types
 
 import math
 import numbers
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -330,6 +330,18 @@ class LearnedPositionalEncoding(_AddPositionModule):
         return f"{super().extra_repr()}, init_std={self.init_std}"
 
 
+def _empty_batch(op: "torch._ops.OpOverload", args: tuple, in_dims: tuple, out_dims: Any) -> Any:
+    """A vmap over no sample (batch size 0): the op's outputs with a leading 0, their per-sample
+    shapes and dtypes from its Meta kernel (no data read, no random number drawn)."""
+    device = next(a.device for a in args if isinstance(a, Tensor))
+    sample = [(torch.empty(a.shape[:d] + a.shape[d + 1:], dtype=a.dtype, device="meta") if d is not None
+               else a.to("meta")) if isinstance(a, Tensor) else a for a, d in zip(args, in_dims)]
+    outs = op(*sample)
+    empty = [torch.empty((0, *o.shape), dtype=o.dtype, device=device) for o in (outs if isinstance(outs, tuple) else
+                                                                                 (outs,))]
+    return (tuple(empty) if isinstance(outs, tuple) else empty[0]), out_dims
+
+
 def _dropout_batch_rule(op: "torch._ops.OpOverload", rng_output: bool):
     """vmap of an add_position op: one call per sample (as torch's fallback), but keeping
     vmap's ``randomness`` contract for the dropout draw, as torch's own dropout does: "error"
@@ -356,6 +368,8 @@ def _dropout_batch_rule(op: "torch._ops.OpOverload", rng_output: bool):
                 f"p={p}). Please either use the 'same' or 'different' randomness flags on vmap or perform the "
                 "randomness operation out of vmap")
         same = random and info.randomness == "same"
+        if info.batch_size == 0:
+            return _empty_batch(op, args, in_dims, (0, 0) if rng_output else 0)
 
         def sample(i):
             return [a.select(d, i) if d is not None else a for a, d in zip(args, in_dims)]
@@ -395,6 +409,8 @@ def _backward_batch_rule(info, in_dims, grad, rng, p):
     sample, so the samples cannot be one call (torch's fallback did the same loop, with a
     performance warning that asked users to file an issue on PyTorch)."""
     grad_dim, rng_dim = in_dims[0], in_dims[1]
+    if info.batch_size == 0:
+        return _empty_batch(torch.ops.posenc.add_position_backward.default, (grad, rng, p), tuple(in_dims) + (None,), 0)
     outs = []
     for i in range(info.batch_size):
         g = grad if grad_dim is None else grad.select(grad_dim, i)

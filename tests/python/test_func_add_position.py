@@ -385,3 +385,19 @@ def test_compile_vmap_grad_learned_table_fullgraph():
             expected = vmap(grad(ref, argnums=(0, 1)), in_dims=(None, 0, None, None))(table, xs, pos, offset)
             for a, b in zip(got, expected):
                 torch.testing.assert_close(a, b)
+
+
+@pytest.mark.parametrize("randomness", ["same", "different"])
+def test_vmap_over_no_sample(randomness):
+    """vmap over a batch of size 0 (forward, vmap(grad), with and without dropout): outputs
+    with a leading 0 of the per-sample shapes, and no random number drawn (the rules stacked
+    an empty list: "stack expects a non-empty TensorList")."""
+    xs = torch.empty(0, B, S, D, dtype=F64)
+    table = torch.randn(L, D, dtype=F64)
+    state = torch.get_rng_state()
+    for p in (0.0, P):
+        out = vmap(lambda x, p=p: F.add_position(x, table, p=p), randomness=randomness)(xs)
+        assert out.shape == (0, B, S, D) and out.dtype == F64
+        g = vmap(grad(lambda x, p=p: F.add_position(x, table, p=p).sum()), randomness=randomness)(xs)
+        assert g.shape == (0, B, S, D)
+    assert torch.equal(torch.get_rng_state(), state)
