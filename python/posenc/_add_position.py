@@ -48,14 +48,13 @@ def add_position(
         if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or offset.numel() != 1
                 or offset.is_meta):
             raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
-    elif isinstance(offset, (int, torch.SymInt)) and not isinstance(offset, bool):
-        offset = _int_arg(fn, "offset", offset)  # ValueError past int64 (a dynamic int stays one)
-    elif (isinstance(offset, bool) or not torch.compiler.is_compiling()) and _integer(offset) is None:
+    elif isinstance(offset, bool) or (not torch.compiler.is_compiling() and _integer(offset) is None):
         raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")  # True would count as 1
-    elif torch.compiler.is_compiling():
-        pass  # another type (a numpy integer) is the op's to read there: operator.index fails in Dynamo
-    else:
-        offset = _int_arg(fn, "offset", offset)  # a numpy integer as an int
+    elif isinstance(offset, (int, torch.SymInt)) or not torch.compiler.is_compiling():
+        # ValueError past int64; a numpy integer as an int; a dynamic int stays one. (Under
+        # torch.compile another type, a numpy integer, is the op's to read: operator.index
+        # fails in Dynamo.)
+        offset = _int_arg(fn, "offset", offset)
     batch_first, training = _bool_arg(fn, "batch_first", batch_first), _bool_arg(fn, "training", training)
     if not isinstance(p, torch.SymFloat):  # checked in eval mode too, with the op's message
         p = _float_arg(fn, "p", p)

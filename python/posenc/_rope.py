@@ -483,13 +483,14 @@ def rope_op_arguments(
     offsets = None
     if isinstance(offset, Tensor):
         offsets, offset = offset, 0
-    elif _integer(offset) is None:
+    elif (number := _integer(offset)) is None:
         raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
     else:
-        offset = _integer(offset)  # a numpy integer as an int
-    if seq_len is not None and _integer(seq_len) is None:
-        raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}")
-    seq_len = None if seq_len is None else _integer(seq_len)
+        offset = number  # a numpy integer as an int
+    if seq_len is not None:
+        if (number := _integer(seq_len)) is None:
+            raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}")
+        seq_len = number
     if seq_len is not None and seq_len < 0:
         raise ValueError(f"{fn}: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
     # -1: the op reads the longest position from the call.

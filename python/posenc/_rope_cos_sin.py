@@ -184,14 +184,14 @@ def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, val
 
 
 def _check_cos_sin_types(q: Tensor, k: Optional[Tensor], cos: Tensor, sin: Tensor, layout: str,
-                         interleaved: bool) -> None:
+                         interleaved: bool) -> bool:
     fn = "apply_rope_cos_sin"
     for name, value in (("q", q), ("cos", cos), ("sin", sin)) + ((("k", k),) if k is not None else ()):
         if not isinstance(value, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(value).__name__}")
     if not isinstance(layout, str):
         raise TypeError(f"{fn}: expected layout to be a str, got {layout!r}")
-    _bool_arg(fn, "interleaved", interleaved)
+    return _bool_arg(fn, "interleaved", interleaved)  # a numpy bool as a bool
 
 
 def apply_rope_cos_sin(
@@ -222,8 +222,7 @@ def apply_rope_cos_sin(
     rotated q, or (q, k) when k is given. Differentiable in q, k, cos and sin (the tables'
     gradients are sums over heads, composed of torch ops; x is saved only when they need it).
     """
-    _check_cos_sin_types(q, k, cos, sin, layout, interleaved)
-    interleaved = bool(interleaved)  # a numpy bool as the bool it was checked to be
+    interleaved = _check_cos_sin_types(q, k, cos, sin, layout, interleaved)
     cos, sin = place_beside(q, cos, sin)  # plain tables beside a DTensor q: replicated
     out_q, out_k = torch.ops.posenc.apply_rope_cos_sin(q, k, cos, sin, layout=layout, interleaved=interleaved)
     return out_q if k is None else (out_q, out_k)

@@ -17,12 +17,12 @@ _LAYOUTS = ("bshd", "bhsd", "thd")
 def _seq_len_arg(value: Any, name: str, fn: str) -> Any:
     if value is None:
         return None
-    if _integer(value) is None:
+    number = _integer(value)  # a numpy integer as an int
+    if number is None:
         raise TypeError(f"{fn}: expected {name} to be an int or None, got {value!r}")
-    value = _integer(value)  # a numpy integer as an int
-    if isinstance(value, int) and value < 0:
-        raise ValueError(f"{fn}: expected {name} >= 0 (the longest position + 1) or None, got {value}")
-    return value
+    if isinstance(number, int) and number < 0:
+        raise ValueError(f"{fn}: expected {name} >= 0 (the longest position + 1) or None, got {number}")
+    return number
 
 
 @with_rope_settings

@@ -274,6 +274,10 @@ RopeCall RopeCall::pop(torch::jit::Stack& stack) {
   return c;
 }
 
+void RopeCall::require_k(const char* op) const {
+  TORCH_CHECK_VALUE(k.has_value(), "posenc: ", op, ": expected k to be a tensor, got None or an undefined tensor");
+}
+
 void RopeCall::push(torch::jit::Stack& stack) const {
   for_each_argument(*this, [&](const char*, const auto& field) { stack.push_back(write(field)); });
 }

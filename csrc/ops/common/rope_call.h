@@ -94,6 +94,9 @@ struct RopeCall {
   // The int offset, for a backend (a concrete SymInt there).
   int64_t concrete_offset() const { return offset.guard_int(__FILE__, __LINE__); }
   int64_t concrete_seq_len() const { return seq_len.guard_int(__FILE__, __LINE__); }
+  // For the ops whose schema requires k (qk_norm_rope, rope_append_kv): a ValueError naming
+  // `op` when k is absent (an undefined tensor from C++ reads as None), before a kernel reads it.
+  void require_k(const char* op) const;
 };
 
 // The parsers RopeCall::pop uses, for ops with other argument lists (rope_frequencies).

@@ -91,8 +91,7 @@ QkNormRopeCall QkNormRopeCall::pop(torch::jit::Stack& stack, bool backward) {
   c.norm = parse_qk_norm(stack[i++].toStringRef());
   stack.erase(stack.begin() + first, stack.begin() + first + extra);
   c.rope = RopeCall::pop(stack);
-  TORCH_CHECK_VALUE(c.rope.k.has_value(), "posenc: ", backward ? "qk_norm_rope_backward" : "qk_norm_rope",
-                    ": expected k to be a tensor, got None or an undefined tensor");
+  c.rope.require_k(backward ? "qk_norm_rope_backward" : "qk_norm_rope");
   return c;
 }
 

@@ -60,8 +60,7 @@ RopeAppendKvCall RopeAppendKvCall::pop(torch::jit::Stack& stack) {
   c.norm = parse_qk_norm(stack[first + 11].toStringRef());
   stack.erase(stack.begin() + first, stack.begin() + first + kExtraArguments);
   c.rope = RopeCall::pop(stack);
-  TORCH_CHECK_VALUE(c.rope.k.has_value(),
-                    "posenc: rope_append_kv: expected k to be a tensor, got None or an undefined tensor");
+  c.rope.require_k("rope_append_kv");
   return c;
 }
 
