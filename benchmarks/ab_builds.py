@@ -32,6 +32,8 @@ CASES = {
     "shift": "rope_shift_kv of 2048 rows", "shift_mla": "the same of MLA's k_pe in a latent cache",
     "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
     "learned_bwd": "LearnedPositionalEncoding(512, 0.1) backward of x (32, 512, 512), training",
+    "pe_train": "PositionalEncoding(512, 0.1) forward of x (32, 512, 512), training, no_grad",
+    "learned_train": "the same, LearnedPositionalEncoding",
 }
 
 CHILD_TIME = r'''
@@ -105,6 +107,12 @@ with torch.no_grad():
         with torch.enable_grad():
             out = module(xg)
         fn = lambda: torch.autograd.grad(out, (xg, module.pe), g, retain_graph=True)
+    elif name in ("pe_train", "learned_train"):
+        import posenc
+        cls = posenc.PositionalEncoding if name == "pe_train" else posenc.LearnedPositionalEncoding
+        module = cls(512, 0.1, max_len=512, batch_first=True)
+        x = torch.randn(32, 512, 512, dtype=dt)
+        fn = lambda: module(x)
     elif name == "shift_mla":
         latent = torch.randn(1, 4096, 1, 576, dtype=dt); rows = torch.arange(2048, 4096)
         fn = lambda: F.rope_shift_kv(latent[..., 512:], rows, rows - 1024, rows=rows)
@@ -183,6 +191,13 @@ for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):  # add_
         out = module(x, positions=positions)
         add(out)
         add(torch.autograd.grad(out, (x, module.pe), torch.randn_like(out)))
+    if dt != torch.float64:  # the train forward without a saved mask; a float32 table; the regenerated mask
+        torch.manual_seed(2)
+        x = torch.randn(3, 300, 520, dtype=dt); x[0, 0, :3] = torch.tensor([float("nan"), float("inf"), -0.0])
+        with torch.no_grad():
+            add(posenc.PositionalEncoding(520, 0.3, max_len=400, batch_first=True).to(dt)(x))
+            add(posenc.PositionalEncoding(520, 0.3, max_len=400, batch_first=True)(x))
+        add(torch.ops.posenc.add_position_backward(x, torch.tensor([0x1234_5678_9ABC_DEF, 40]), 0.3))
 torch.save(outs, sys.argv[1])
 '''
 

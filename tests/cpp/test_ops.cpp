@@ -65,16 +65,22 @@ TEST(DropoutMask, CpuKernelDrawsTheSharedScalarBits) {
   const double p = 0.3;
   const auto params = posenc::math::make_dropout_params(p);
   const auto rng = torch::tensor({static_cast<int64_t>(seed), static_cast<int64_t>(offset)});
-  for (int64_t n : {1, 7, 8, 9, 63, 64, 65, 1023, 1024, 1025, 5000}) {
-    const auto grad = torch::ones({n}, torch::kDouble);
-    const auto got = posenc::ops::add_position_backward_op().call(grad, rng, p);
-    auto want = torch::empty({n}, torch::kDouble);
-    for (int64_t e = 0; e < n; ++e) {
-      const auto bits = posenc::math::dropout_block_bits(seed, offset, e / 8);
-      const bool keep = posenc::math::dropout_lane_bits(bits, static_cast<int>(e % 8)) >= params.threshold;
-      want[e] = keep ? params.scale : 0.0;
+  // float32 and bfloat16 take the fused AVX-512 pass on CPUs that have it (groups of 128 and
+  // 512 elements), float64 the 16-lane Philox of dropout_bits (groups of 16 and 64 blocks).
+  for (const auto dtype : {torch::kDouble, torch::kFloat, torch::kBFloat16}) {
+    for (int64_t n : {1, 7, 8, 9, 63, 64, 65, 127, 128, 129, 511, 512, 513, 1023, 1024, 1025, 5000}) {
+      const auto grad = torch::ones({n}, dtype);
+      const auto got = posenc::ops::add_position_backward_op().call(grad, rng, p);
+      auto want = torch::empty({n}, torch::kDouble);
+      for (int64_t e = 0; e < n; ++e) {
+        const auto bits = posenc::math::dropout_block_bits(seed, offset, e / 8);
+        const bool keep = posenc::math::dropout_lane_bits(bits, static_cast<int>(e % 8)) >= params.threshold;
+        want[e] = keep ? params.scale : 0.0;
+      }
+      // The kept value: the scale in the compute dtype, times 1, rounded once to the dtype.
+      const double scale = dtype == torch::kDouble ? params.scale : static_cast<float>(params.scale);
+      ASSERT_TRUE(torch::equal(got, want.mul(scale / params.scale).to(dtype))) << "n=" << n << " " << dtype;
     }
-    ASSERT_TRUE(torch::equal(got, want)) << "n=" << n;
   }
 }
 

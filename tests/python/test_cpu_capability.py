@@ -129,6 +129,15 @@ for name, x in (("bits", torch.randint(-2**15, 2**15, (2, 64, 4, 64), generator=
         y = x.clone()
         F.apply_rope(y, offset=5, interleaved=interleaved, inplace=True)
         out[("bf16_special_", name, interleaved)] = as_bits(y)
+# Dropout over random bit patterns in both half dtypes (the AVX-512 level's fused pass widens
+# and rounds them itself): a half-precision and a float32 table.
+for dtype in (torch.bfloat16, torch.float16):
+    x = torch.randint(-2**15, 2**15, (3, 9, 1030), generator=g, dtype=torch.int16).view(dtype)
+    for table in (rand(20, 1030, dtype=dtype), rand(20, 1030, dtype=torch.float32)):
+        torch.manual_seed(7)
+        with torch.no_grad():
+            y = F.add_position(x, table, p=0.3, batch_first=True)
+        out[("dropout_special", str(dtype), str(table.dtype))] = as_bits(y)
 torch.save(out, sys.argv[1])
 """
 

@@ -1,7 +1,7 @@
 // float32 <-> bfloat16 in the AVX2 kernels' vector paths, with ATen's bits: the one place
-// that rounds float32 to bfloat16 in a 256-bit register outside ATen's own conversions
+// that rounds float32 to bfloat16 in a 256- or 512-bit register outside ATen's own conversions
 // (RoPE's and qk_norm_rope's rows of split halves, add_position's bfloat16 paths,
-// sinusoidal_table's AVX2 sweep; its AVX-512 sweep writes the same steps 512 bits wide). Only for
+// sinusoidal_table's AVX2 and AVX-512 sweeps). Only for
 // the vector-ISA translation units (POSENC_ISA_SOURCES): every function lives in the ISA
 // namespace (posenc/math/host_device.h).
 #pragma once
@@ -52,6 +52,23 @@ inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
   }
   return _mm256_packus_epi32(rlo, rhi);
 }
+
+#if defined(__GNUC__) || defined(__clang__)
+// The same rounding 512 bits wide, for the AVX-512 paths compiled by target attribute in the
+// AVX2 build (called only where cpu_capability() is avx512): bf16_round_bits of 16 lanes
+// (no NaN blend), and narrow_bf16_512, 16 float32 values in element order to bfloat16 as
+// ATen rounds them (NaN -> 0xffff).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i bf16_round_bits_512(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)), u), 16);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m256i narrow_bf16_512(__m512 v) {
+  const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(bf16_round_bits_512(v), nan, _mm512_set1_epi32(0xffff)));
+}
+#endif
 #endif
 
 POSENC_ISA_NAMESPACE_END

@@ -31,7 +31,7 @@
 #include <immintrin.h>
 #endif
 
-#include "ops/common/cpu/half_lanes.h"  // bf16_round_bits
+#include "ops/common/cpu/half_lanes.h"  // bf16_round_bits, bf16_round_bits_512
 
 namespace posenc {
 namespace ops {
@@ -267,12 +267,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void sweep_octet_avx512(con
     } else if constexpr (std::is_same_v<T, c10::Half>) {
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
     } else {
-      // bfloat16: (bits + 0x7fff + ((bits >> 16) & 1)) >> 16, c10::round_to_nearest_even.
-      const __m512i bits = _mm512_castps_si512(v);
-      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-      const __m512i rounded =
-          _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7fff)), lsb), 16);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(rounded));
+      // bfloat16: c10::round_to_nearest_even (the table holds no NaN).
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_round_bits_512(v)));
     }
     unsigned uncertain = _mm256_cmpneq_epi32_mask(_mm256_castps_si256(s_lo), _mm256_castps_si256(s_hi)) |
                          _mm256_cmpneq_epi32_mask(_mm256_castps_si256(c_lo), _mm256_castps_si256(c_hi));
