@@ -77,19 +77,23 @@ struct PhiloxKeys8 {
 };
 
 // Ten rounds of philox4x32_10 (posenc/math/philox.h: same rounds and constants) on the 8
-// counters (v0, v1, v2, v3)[lane] at once.
-inline void philox8_rounds(const PhiloxKeys8& keys, __m256i& v0, __m256i& v1, __m256i& v2,
-                           __m256i& v3) {
+// counters (v[g][0..3])[lane] of each of kGroups groups at once: the groups are independent
+// chains the core overlaps (a standalone loop on the Zen 4 host, 1 thread: 0.35 ns per
+// element for one group, 0.27 for two, 0.25 for three or four).
+template <int kGroups>
+inline void philox8_rounds(const PhiloxKeys8& keys, __m256i (&v)[kGroups][4]) {
   const __m256i mul0 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul0));
   const __m256i mul1 = _mm256_set1_epi32(static_cast<int>(math::kPhiloxMul1));
   for (int round = 0; round < math::kPhiloxRounds; ++round) {
-    __m256i hi0, lo0, hi1, lo1;
-    mulhilo8(v0, mul0, hi0, lo0);
-    mulhilo8(v2, mul1, hi1, lo1);
-    v0 = _mm256_xor_si256(_mm256_xor_si256(hi1, v1), keys.k0[round]);
-    v1 = lo1;
-    v2 = _mm256_xor_si256(_mm256_xor_si256(hi0, v3), keys.k1[round]);
-    v3 = lo0;
+    for (int g = 0; g < kGroups; ++g) {
+      __m256i hi0, lo0, hi1, lo1;
+      mulhilo8(v[g][0], mul0, hi0, lo0);
+      mulhilo8(v[g][2], mul1, hi1, lo1);
+      v[g][0] = _mm256_xor_si256(_mm256_xor_si256(hi1, v[g][1]), keys.k0[round]);
+      v[g][1] = lo1;
+      v[g][2] = _mm256_xor_si256(_mm256_xor_si256(hi0, v[g][3]), keys.k1[round]);
+      v[g][3] = lo0;
+    }
   }
 }
 
@@ -125,29 +129,42 @@ inline void philox8_transpose(__m256i v0, __m256i v1, __m256i v2, __m256i v3,
 void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
                   uint16_t* bits) {
   alignas(32) uint32_t c0[kLanes], c1[kLanes], c2[kLanes], c3[kLanes];
-  __m256i v0, v1, v2, v3;
+  __m256i v[1][4];
   if (static_cast<uint32_t>(block0) <= 0xFFFFFFFFu - kLanes) {
     // The usual case: the 8 block indices share their high word.
-    philox8_counters(offset, block0, v0, v1, v2, v3);
+    philox8_counters(offset, block0, v[0][0], v[0][1], v[0][2], v[0][3]);
   } else {
     for (int i = 0; i < kLanes; ++i) math::dropout_counter(offset, block0 + i, c0[i], c1[i], c2[i], c3[i]);
-    v0 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0));
-    v1 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c1));
-    v2 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c2));
-    v3 = _mm256_load_si256(reinterpret_cast<const __m256i*>(c3));
+    v[0][0] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c0));
+    v[0][1] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c1));
+    v[0][2] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c2));
+    v[0][3] = _mm256_load_si256(reinterpret_cast<const __m256i*>(c3));
   }
-  philox8_rounds(PhiloxKeys8(seed), v0, v1, v2, v3);
+  philox8_rounds(PhiloxKeys8(seed), v);
   if (lanes == kLanes) {
     __m256i words[4];
-    philox8_transpose(v0, v1, v2, v3, words);
+    philox8_transpose(v[0][0], v[0][1], v[0][2], v[0][3], words);
     __m256i* out = reinterpret_cast<__m256i*>(bits);
     for (int k = 0; k < 4; ++k) _mm256_storeu_si256(out + k, words[k]);
   } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c0), v0);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c1), v1);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c2), v2);
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3), v3);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c0), v[0][0]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c1), v[0][1]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c2), v[0][2]);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(c3), v[0][3]);
     store_block_bits(c0, c1, c2, c3, lanes, bits);
+  }
+}
+
+// philox8_bits for 16 whole blocks whose indices share their high word, as two groups at once.
+void philox8_bits2(const PhiloxKeys8& keys, uint64_t offset, uint64_t block0, uint16_t* bits) {
+  __m256i v[2][4];
+  for (int g = 0; g < 2; ++g) philox8_counters(offset, block0 + kLanes * g, v[g][0], v[g][1], v[g][2], v[g][3]);
+  philox8_rounds(keys, v);
+  for (int g = 0; g < 2; ++g) {
+    __m256i words[4];
+    philox8_transpose(v[g][0], v[g][1], v[g][2], v[g][3], words);
+    __m256i* out = reinterpret_cast<__m256i*>(bits + g * kLanes * math::kDropoutBlock);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_si256(out + k, words[k]);
   }
 }
 
@@ -172,29 +189,33 @@ int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const
   const PhiloxKeys8 keys(draw.seed);
   uint64_t block = static_cast<uint64_t>(first / B);
   int64_t done = 0;
-  for (; done + kGroup <= n && static_cast<uint32_t>(block) <= 0xFFFFFFFFu - kLanes;
-       done += kGroup, block += kLanes) {
-    __m256i v0, v1, v2, v3, words[4];
-    philox8_counters(draw.offset, block, v0, v1, v2, v3);
-    philox8_rounds(keys, v0, v1, v2, v3);
-    philox8_transpose(v0, v1, v2, v3, words);
-    for (int k = 0; k < 4; ++k) {
-      // 0xFFFF where bits >= threshold (unsigned), widened to one 32-bit lane per element.
-      const __m256i keep16 = _mm256_cmpeq_epi16(_mm256_max_epu16(words[k], threshold), words[k]);
-      const __m256i keep[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(keep16)),
-                               _mm256_cvtepi16_epi32(_mm256_extracti128_si256(keep16, 1))};
-      for (int h = 0; h < 2; ++h) {
-        const int64_t at = done + 16 * k + 8 * h;
-        const __m256 factor = _mm256_and_ps(_mm256_castsi256_ps(keep[h]), scale);
-        __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + at), factor);
+  // Two groups of 8 blocks at a time (philox8_rounds: independent chains), then one.
+  while (done + kGroup <= n && static_cast<uint32_t>(block) <= 0xFFFFFFFFu - 2 * kLanes) {
+    const int groups = done + 2 * kGroup <= n ? 2 : 1;
+    __m256i c[2][4];
+    for (int g = 0; g < 2; ++g) philox8_counters(draw.offset, block + kLanes * g, c[g][0], c[g][1], c[g][2], c[g][3]);
+    philox8_rounds(keys, c);
+    for (int g = 0; g < groups; ++g, done += kGroup, block += kLanes) {
+      __m256i words[4];
+      philox8_transpose(c[g][0], c[g][1], c[g][2], c[g][3], words);
+      for (int k = 0; k < 4; ++k) {
+        // 0xFFFF where bits >= threshold (unsigned), widened to one 32-bit lane per element.
+        const __m256i keep16 = _mm256_cmpeq_epi16(_mm256_max_epu16(words[k], threshold), words[k]);
+        const __m256i keep[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(keep16)),
+                                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(keep16, 1))};
+        for (int h = 0; h < 2; ++h) {
+          const int64_t at = done + 16 * k + 8 * h;
+          const __m256 factor = _mm256_and_ps(_mm256_castsi256_ps(keep[h]), scale);
+          __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + at), factor);
 #if defined(__GNUC__)
-        // The product is rounded before the sum, as grad_x holds it: without this GCC
-        // contracts the mul and the add below into one FMA when v is not stored (kAcc
-        // only), and the table gradient would then differ with and without grad_x.
-        __asm__("" : "+x"(v));
+          // The product is rounded before the sum, as grad_x holds it: without this GCC
+          // contracts the mul and the add below into one FMA when v is not stored (kAcc
+          // only), and the table gradient would then differ with and without grad_x.
+          __asm__("" : "+x"(v));
 #endif
-        if constexpr (kStore) _mm256_storeu_ps(dst + at, v);
-        if constexpr (kAcc) _mm256_storeu_ps(acc + at, _mm256_add_ps(_mm256_loadu_ps(acc + at), v));
+          if constexpr (kStore) _mm256_storeu_ps(dst + at, v);
+          if constexpr (kAcc) _mm256_storeu_ps(acc + at, _mm256_add_ps(_mm256_loadu_ps(acc + at), v));
+        }
       }
     }
   }
@@ -650,6 +671,15 @@ void dropout_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t nbloc
            static_cast<uint32_t>(block0 + b) <= 0xFFFFFFFFu - kWideLanes;
          b += kWideLanes) {
       philox16_bits<1>(seed, offset, block0 + b, bits + b * math::kDropoutBlock);
+    }
+  }
+#endif
+#if defined(CPU_CAPABILITY_AVX2)
+  if (b + 2 * kLanes <= nblocks) {
+    const PhiloxKeys8 keys(seed);
+    for (; b + 2 * kLanes <= nblocks && static_cast<uint32_t>(block0 + b) <= 0xFFFFFFFFu - 2 * kLanes;
+         b += 2 * kLanes) {
+      philox8_bits2(keys, offset, block0 + b, bits + b * math::kDropoutBlock);
     }
   }
 #endif
