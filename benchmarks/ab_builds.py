@@ -32,6 +32,7 @@ CASES = {
     "shift": "rope_shift_kv of 2048 rows", "shift_mla": "the same of MLA's k_pe in a latent cache",
     "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
     "learned_bwd": "LearnedPositionalEncoding(512, 0.1) backward of x (32, 512, 512), training",
+    "table": "sinusoidal_table(arange(16384), 512)",
     "pe_train": "PositionalEncoding(512, 0.1) forward of x (32, 512, 512), training, no_grad",
     "learned_train": "the same, LearnedPositionalEncoding",
 }
@@ -107,6 +108,9 @@ with torch.no_grad():
         with torch.enable_grad():
             out = module(xg)
         fn = lambda: torch.autograd.grad(out, (xg, module.pe), g, retain_graph=True)
+    elif name == "table":
+        positions = torch.arange(16384)
+        fn = lambda: F.sinusoidal_table(positions, 512, dtype=dt)
     elif name in ("pe_train", "learned_train"):
         import posenc
         cls = posenc.PositionalEncoding if name == "pe_train" else posenc.LearnedPositionalEncoding

@@ -8,6 +8,7 @@ library (``posenc/math/rope.h``), the same code the kernels run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import numbers
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -16,6 +17,7 @@ import torch
 import types
 
 from torch import Tensor, nn
+from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._common import _bool_arg, _check_positive_int, _float_arg, _int_arg, _integer
 from posenc._dtensor import place_beside
@@ -218,6 +220,43 @@ def scaling_arguments(
     return rope_type, values
 
 
+def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
+                      seq_len: int, sections: Tuple[int, ...] = (),
+                      sections_mode: str = "axial") -> Tuple[List[float], float]:
+    """(inverse frequencies, attention factor) of op ``rope_frequencies``, as Python numbers.
+
+    Every argument is a Python constant, so the result is one too: under torch.compile and
+    torch.export it is evaluated while tracing (tracing modes set aside) and enters the graph
+    as a constant. The op itself cannot be in a graph: it has no tensor input to take a
+    device from, and Inductor cannot run an op that returns a float.
+    """
+    inv_freq, factor = _frequencies_cached(rotary_dim, base, rope_type, values, seq_len, sections, sections_mode)
+    return list(inv_freq), factor
+
+
+@functools.lru_cache(maxsize=64)
+def _frequencies_cached(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
+                        seq_len: int, sections: Tuple[int, ...],
+                        sections_mode: str) -> Tuple[Tuple[float, ...], float]:
+    """The op's answer, once per configuration (a model's layers call with the same one):
+    the op call and the read-back of up to 256 floats are not repeated per call."""
+    tracing = torch._C._get_tracing_state()  # torch.jit.trace would record the op (float output)
+    torch._C._set_tracing_state(None)
+    try:
+        with _disable_current_modes():
+            inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
+                                                                 seq_len, list(sections), sections_mode)
+            return tuple(inv_freq.tolist()), float(factor)
+    finally:
+        torch._C._set_tracing_state(tracing)
+
+
+# torch.compiler.assume_constant_result(_host_frequencies) sets this one attribute; it is
+# set by hand because that call imports torch._dynamo, and `import posenc` stays light
+# (tests/python/test_distributed.py). test_deploy.py's compile and export tests cover it.
+_host_frequencies._dynamo_marked_constant = True
+
+
 def rope_frequencies(
     rotary_dim: int,
     *,
@@ -241,11 +280,12 @@ def rope_frequencies(
         scaling, base=base, rotary_dim=None, head_dim=rotary_dim, sections=sections, sections_mode=sections_mode,
         fn=fn)
     rope_type, values = scaling_arguments(scaling)
-    return torch.ops.posenc.rope_frequencies(
+    # The op's answer as constants (_host_frequencies), eager and under torch.compile alike:
+    # the op cannot be in a graph (no tensor input to take a device from).
+    inv_freq, factor = _host_frequencies(
         rotary_dim if partial is None else partial, 10000.0 if base is None else _float_arg(fn, "base", base),
-        rope_type, values, _int_arg(fn, "seq_len", seq_len),
-        _sections(sections), sections_mode,
-    )
+        rope_type, tuple(values), _int_arg(fn, "seq_len", seq_len), tuple(_sections(sections)), sections_mode)
+    return torch.tensor(inv_freq, dtype=torch.float64), factor
 
 
 def _sections(sections: Optional[Sequence[int]]) -> List[int]:

@@ -10,53 +10,17 @@ types, the op checks values.
 
 from __future__ import annotations
 
-import functools
 import numbers
-from typing import List, Mapping, Optional, Tuple, Union
+from typing import Mapping, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._common import _bool_arg, _float_arg
 from posenc._dtensor import is_dtensor, place_beside
-from posenc._rope import (LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, heads_batch_rule, resolve_config_keys,
+from posenc._rope import (LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, _host_frequencies, heads_batch_rule,
+                          resolve_config_keys,
                           scaling_arguments)
-
-
-def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
-                      seq_len: int) -> Tuple[List[float], float]:
-    """(inverse frequencies, attention factor) of op ``rope_frequencies``, as Python numbers.
-
-    Every argument is a Python constant, so the result is one too: under torch.compile and
-    torch.export it is evaluated while tracing (tracing modes set aside) and enters the graph
-    as a constant. The op itself cannot be in a graph: it has no tensor input to take a
-    device from, and Inductor cannot run an op that returns a float.
-    """
-    inv_freq, factor = _frequencies_cached(rotary_dim, base, rope_type, values, seq_len)
-    return list(inv_freq), factor
-
-
-@functools.lru_cache(maxsize=64)
-def _frequencies_cached(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
-                        seq_len: int) -> Tuple[Tuple[float, ...], float]:
-    """The op's answer, once per configuration (a model's layers call with the same one):
-    the op call and the read-back of up to 256 floats are not repeated per call."""
-    tracing = torch._C._get_tracing_state()  # torch.jit.trace would record the op (float output)
-    torch._C._set_tracing_state(None)
-    try:
-        with _disable_current_modes():
-            inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
-                                                                 seq_len, [], "axial")
-            return tuple(inv_freq.tolist()), float(factor)
-    finally:
-        torch._C._set_tracing_state(tracing)
-
-
-# torch.compiler.assume_constant_result(_host_frequencies) sets this one attribute; it is
-# set by hand because that call imports torch._dynamo, and `import posenc` stays light
-# (tests/python/test_distributed.py). test_deploy.py's compile and export tests cover it.
-_host_frequencies._dynamo_marked_constant = True
 
 
 def rope_cos_sin(

@@ -222,6 +222,31 @@ def test_scaling_frequencies(scaling, rotary_dim):
     assert not torch.equal(inv, default_inv_freq(rotary_dim, 500000.0))  # scaling did something
 
 
+def test_frequencies_under_torch_compile():
+    """rope_frequencies in a compiled function (fullgraph): the op has no tensor input, so it
+    cannot be a graph node (it failed with "Could not find common device"); the values are
+    the eager call's, a fresh tensor per call."""
+    torch._dynamo.reset()
+    scaling = SCALINGS[-1]
+
+    def fn(x):
+        inv, attn = rope_frequencies(64, base=500000.0, scaling=scaling, seq_len=100)
+        axes, _ = rope_frequencies(48, sections=[8, 8, 8], sections_mode="mrope")
+        return x * attn, inv, axes
+
+    got = torch.compile(fn, fullgraph=True)(torch.ones(3))
+    want = fn(torch.ones(3))
+    for g, w in zip(got, want):
+        assert torch.equal(g, w) and g.dtype == w.dtype
+    torch.testing.assert_close(got[1], reference_inv_freq(64, 500000.0, scaling, 100)[0], atol=0, rtol=1e-13)
+    (a, _), (b, _) = rope_frequencies(64), rope_frequencies(64)
+    assert a.data_ptr() != b.data_ptr()  # callers may write into their tensor
+    # Under compile the eager ValueError reaches the caller as dynamo wraps errors raised
+    # while tracing: a RuntimeError whose message starts with the ValueError's.
+    with pytest.raises(RuntimeError, match="^ValueError: posenc: expected rotary_dim to be a positive even number, got 63"):
+        torch.compile(lambda: rope_frequencies(63), fullgraph=True)()
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: s["rope_type"])
 def test_scaled_rotation(device, scaling):
