@@ -33,6 +33,7 @@ CASES = {
     "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
     "learned_bwd": "LearnedPositionalEncoding(512, 0.1) backward of x (32, 512, 512), training",
     "table": "sinusoidal_table(arange(16384), 512)",
+    "pe_bwd": "PositionalEncoding(512, 0.1) backward of x (32, 512, 512), training (saved mask)",
     "pe_train": "PositionalEncoding(512, 0.1) forward of x (32, 512, 512), training, no_grad",
     "learned_train": "the same, LearnedPositionalEncoding",
 }
@@ -111,6 +112,13 @@ with torch.no_grad():
     elif name == "table":
         positions = torch.arange(16384)
         fn = lambda: F.sinusoidal_table(positions, 512, dtype=dt)
+    elif name == "pe_bwd":
+        import posenc
+        module = posenc.PositionalEncoding(512, 0.1, max_len=512, batch_first=True).to(dt)
+        xg = torch.randn(32, 512, 512, dtype=dt, requires_grad=True); g = torch.randn(32, 512, 512, dtype=dt)
+        with torch.enable_grad():
+            out = module(xg)
+        fn = lambda: torch.autograd.grad(out, xg, g, retain_graph=True)
     elif name in ("pe_train", "learned_train"):
         import posenc
         cls = posenc.PositionalEncoding if name == "pe_train" else posenc.LearnedPositionalEncoding

@@ -509,6 +509,35 @@ POSENC_AVX512_TARGET int64_t dropout_fused_avx512(const DropoutArgs& draw, int64
   }
   return done;
 }
+// The saved keep mask's product for `rows` rows of n elements (from a mask byte boundary):
+// 16 elements a time, their two mask bytes one AVX-512 mask register (bit i = element i,
+// pack_keep_bits' layout), dst[i] = src[i] * (kept ? scale : 0) when kStore, the products
+// added to acc in row order when kAcc; returns the count done (whole groups of 16). The same
+// factors, products and roundings as masked_bits_half_avx2 / masked_saved_rows_fast (whose
+// rounding ATen's conversions make: narrow_bf16_512, vcvtps2ph), without their mask table
+// and cross-lane widening.
+template <bool kStore, bool kAcc, typename scalar_t>
+POSENC_AVX512_TARGET int64_t masked_bits_avx512(const uint8_t* const* bits, const scalar_t* const* src,
+                                                scalar_t* const* dst, int64_t rows, int64_t n, float scale_f,
+                                                float* acc) {
+  const __m512 scale = _mm512_set1_ps(scale_f);
+  int64_t done = 0;
+  for (; done + 16 <= n; done += 16) {
+    __m512 a = kAcc ? _mm512_loadu_ps(acc + done) : _mm512_setzero_ps();
+    for (int64_t i = 0; i < rows; ++i) {
+      uint16_t m;
+      std::memcpy(&m, bits[i] + done / 8, sizeof(m));
+      __m512 v = _mm512_mul_ps(load16(src[i] + done), _mm512_maskz_mov_ps(static_cast<__mmask16>(m), scale));
+#if defined(__GNUC__)
+      __asm__("" : "+v"(v));  // rounded before the sum, as in masked_f32_avx2
+#endif
+      if constexpr (kStore) store16(dst[i] + done, v);
+      if constexpr (kAcc) a = _mm512_add_ps(a, v);
+    }
+    if constexpr (kAcc) _mm512_storeu_ps(acc + done, a);
+  }
+  return done;
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -570,6 +599,15 @@ int64_t dropout_fast(const DropoutArgs& draw, int64_t first, int64_t n, const sc
 template <bool kStore, bool kAcc, typename scalar_t, typename acc_t>
 int64_t masked_saved_fast(const DropoutArgs& draw, int64_t d, int64_t r, int64_t j, int64_t n,
                           const scalar_t* src, scalar_t* dst, acc_t* acc) {
+#if defined(POSENC_AVX512_PHILOX)
+  if constexpr (std::is_same_v<acc_t, float> &&
+                (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>)) {
+    if (draw.keep_bits != nullptr && cpu_has_avx512()) {
+      const uint8_t* bits = draw.keep_bits + r * keep_row_bytes(d) + j / 8;
+      return masked_bits_avx512<kStore, kAcc>(&bits, &src, &dst, 1, n, static_cast<float>(draw.scale), acc);
+    }
+  }
+#endif
 #if defined(CPU_CAPABILITY_AVX2)
   if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
     if (draw.keep_bits != nullptr) {
@@ -612,6 +650,13 @@ int64_t masked_saved_rows_fast(const DropoutArgs& draw, int64_t d, const int64_t
       src[i] = grad + r[i] * d + j;
       dst[i] = grad_x + r[i] * d + j;
     }
+#if defined(POSENC_AVX512_PHILOX)
+    if constexpr (!std::is_same_v<scalar_t, float>) {
+      if (cpu_has_avx512()) {
+        return masked_bits_avx512<true, true>(bits, src, dst, rows, n, static_cast<float>(draw.scale), acc);
+      }
+    }
+#endif
     const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
     int64_t done = 0;
     if constexpr (std::is_same_v<scalar_t, float>) {
