@@ -60,11 +60,13 @@ def add_position(
         p = _float_arg(fn, "p", p)
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"posenc: expected dropout probability p in [0, 1], got {p}")
-    if isinstance(offset, Tensor) and torch.compiler.is_compiling() and positions is None:
+    if isinstance(offset, Tensor) and (torch.compiler.is_compiling() or torch.jit.is_tracing()) and positions is None:
         # The op's SymInt offset would read the tensor's value (.item(): a graph per value,
-        # and no graph at all under aot_eager / inductor): rows offset .. offset + seq - 1 as
-        # positions instead, the same rows and bits (an offset past the table is then the
-        # kernel's IndexError for positions, not the host's ValueError).
+        # and no graph at all under aot_eager / inductor; torch.jit.trace would record the
+        # value as a constant, a traced decode step adding its trace-time rows ever after):
+        # rows offset .. offset + seq - 1 as positions instead, the same rows and bits (an
+        # offset past the table is then the kernel's IndexError for positions, not the
+        # host's ValueError).
         seq = x.shape[1] if batch_first and x.dim() == 3 else x.shape[0]
         positions = torch.arange(seq, device=x.device) + offset.reshape(()).to(device=x.device, dtype=torch.int64)
         offset = 0

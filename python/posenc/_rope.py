@@ -523,13 +523,23 @@ def rope_op_arguments(
     offsets = None
     if isinstance(offset, Tensor):
         offsets, offset = offset, 0
+        if offsets.dim() == 0:
+            # One offset for every sequence, as an int offset is: a 0-dim tensor is what a size
+            # (cache.shape[1]) is under torch.jit.trace, which records it as an input this way.
+            b = LAYOUT_AXES[config.layout][0]
+            count = q.shape[b] if b is not None and q.dim() > b else (
+                cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else 1)
+            offsets = offsets.reshape(1).expand(max(count, 0)).contiguous()
     elif (number := _integer(offset)) is None:
         raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
     else:
         offset = number  # a numpy integer as an int
     if seq_len is not None:
         if (number := _integer(seq_len)) is None:
-            raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}")
+            hint = (" (under torch.jit.trace a size is a 0-dim tensor, and a traced seq_len would be a constant: "
+                    "leave seq_len None and the op reads the call's longest position + 1 at run time)"
+                    if isinstance(seq_len, Tensor) else "")
+            raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}{hint}")
         seq_len = number
     if seq_len is not None and seq_len < 0:
         raise ValueError(f"{fn}: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
@@ -586,7 +596,9 @@ def apply_rope(
             one coordinate per axis, (n_axes, seq) or (n_axes, batch, seq) ((n_axes, tokens)
             for "thd", absolute per token); default ``0 .. seq-1`` on every axis.
         offset: added to every position: an int, or an int64 (batch,) tensor of
-            per-sequence offsets (one per sequence of ``cu_seqlens`` for "thd").
+            per-sequence offsets (one per sequence of ``cu_seqlens`` for "thd"); a 0-dim
+            int64 tensor is every sequence's offset (under ``torch.jit.trace`` a size such as
+            ``cache.shape[1]`` is one, and the trace then reads it at run time).
         cu_seqlens: int32/int64 cumulative lengths ``[0, n0, n0+n1, ..., tokens]`` for "thd";
             positions restart at 0 at each sequence start.
         base, rotary_dim, interleaved: frequencies ``base**(-2i/rotary_dim)`` (base default
@@ -693,7 +705,8 @@ class RotaryPositionalEncoding(nn.Module):
     ``q, k = rope(q, k)`` returns rotated copies (one kernel launch for both); ``x =
     rope(x)`` rotates one tensor (torchtune's ``RotaryPositionalEmbeddings`` call form).
     Positions are ``0 .. seq-1`` plus ``offset`` (an int, or an int64 (batch,) tensor of
-    per-sequence KV-cache lengths), or ``positions`` (int64 (seq,) or (batch, seq)).
+    per-sequence KV-cache lengths, or a 0-dim one for every sequence), or ``positions``
+    (int64 (seq,) or (batch, seq)).
 
     Args:
         dim: head_dim of q and k.

@@ -68,7 +68,8 @@ def rope_append_kv(
             device. "bshd": (batch, max_len, kv_heads, head_dim); "bhsd": (batch, kv_heads,
             max_len, head_dim) (Hugging Face's static cache); "thd": paged, (num_blocks,
             block_size, kv_heads, head_dim).
-        offset: the cache lengths so far, an int or an int64 (batch,) tensor: token s of row
+        offset: the cache lengths so far, an int or an int64 (batch,) tensor (0-dim: the
+            same for every row): token s of row
             b goes to cache row ``offset[b] + s`` (contiguous caches), rotated at that
             position unless ``positions`` are given. For "thd" an int added to the default
             positions (0 beside ``positions``: a ValueError otherwise).

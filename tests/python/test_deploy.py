@@ -8,6 +8,7 @@ TorchScript trace and compares them with Python) is examples/cpp/deploy_model.cp
 import io
 import math
 import sys
+import warnings
 import zipfile
 
 import pytest
@@ -377,6 +378,63 @@ def test_jit_trace_runs_at_other_lengths():
     for shape in ((2, 5, 16), (3, 17, 16), (1, 1, 16)):
         x = torch.randn(shape)
         torch.testing.assert_close(traced(x), model(x), rtol=0, atol=0)
+
+
+class DecodeStep(nn.Module):
+    """A decode step whose offset is the KV cache's length, read from a shape: an int in
+    eager mode, a 0-dim tensor under torch.jit.trace (PositionalEncoding baked its trace-time
+    value into the graph; RoPE read it as per-row offsets and the trace failed)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pe = posenc.PositionalEncoding(16, 0.0, max_len=64, batch_first=True)
+        self.learned = posenc.LearnedPositionalEncoding(16, 0.0, max_len=64, batch_first=True)
+        self.rope = posenc.RotaryPositionalEncoding(8, 64)
+        self.qk = posenc.QKNormRotary(8)
+
+    def forward(self, x, q, cache):
+        past = cache.shape[1]
+        k = q[:, :, :1]
+        return (self.pe(x, past), self.learned(x, past), self.rope(q, k, offset=past),
+                self.qk(q, k, offset=past), functional.add_position(x, self.pe.pe, offset=past))
+
+
+def test_jit_trace_reads_a_decode_offset_from_a_shape(tmp_path):
+    model = DecodeStep().eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the tracer's own warnings (deprecation, tensor checks)
+        traced = torch.jit.trace(model, (torch.randn(2, 1, 16), torch.randn(2, 1, 2, 8), torch.randn(2, 3, 16)))
+    torch.jit.save(traced, str(tmp_path / "decode.pt"))
+    loaded = torch.jit.load(str(tmp_path / "decode.pt"))
+    for past, seq in ((3, 1), (10, 1), (40, 5), (0, 2)):
+        args = (torch.randn(2, seq, 16), torch.randn(2, seq, 2, 8), torch.randn(2, past, 16))
+        want = model(*args)
+        for module in (traced, loaded):
+            got = module(*args)
+            for g, w in zip(flatten(got), flatten(want), strict=True):
+                assert torch.equal(g, w), (past, seq)
+    # A length-scaled seq_len from shapes cannot be traced (it would be a constant): the
+    # message says what to do instead.
+    rope = posenc.RotaryPositionalEncoding(8, 64, scaling={"rope_type": "dynamic", "factor": 2.0,
+                                                           "original_max_position_embeddings": 8})
+    with pytest.raises(TypeError, match="leave seq_len None and the op reads the call's longest position"):
+        torch.jit.trace(lambda q, c: rope(q, offset=3, seq_len=c.shape[1] + q.shape[1]),
+                        (torch.randn(2, 1, 2, 8), torch.randn(2, 3, 16)))
+
+
+def test_a_zero_dim_offset_tensor_is_every_sequences_offset():
+    q, k = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 1, 8)
+    for layout, qq, kk in (("bshd", q, k), ("bhsd", q.transpose(1, 2), k.transpose(1, 2))):
+        got = functional.apply_rope(qq, kk, offset=torch.tensor(7), layout=layout)
+        want = functional.apply_rope(qq, kk, offset=7, layout=layout)
+        assert all(torch.equal(g, w) for g, w in zip(got, want))
+    packed, cu = torch.randn(9, 2, 8), torch.tensor([0, 4, 9])
+    got = functional.apply_rope(packed, offset=torch.tensor(5), layout="thd", cu_seqlens=cu)
+    assert torch.equal(got, functional.apply_rope(packed, offset=torch.tensor([5, 5]), layout="thd", cu_seqlens=cu))
+
+
+def flatten(value):
+    return [value] if isinstance(value, torch.Tensor) else [t for v in value for t in flatten(v)]
 
 
 class TablesInEveryDtype(nn.Module):
