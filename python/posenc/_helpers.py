@@ -198,6 +198,12 @@ class Timesteps(nn.Module):
         self(torch.empty(0))  # the op checks the settings on no timesteps
 
     def forward(self, timesteps: Tensor) -> Tensor:
+        if torch.jit.is_scripting():
+            # torch.jit.script compiles this branch alone: the op timestep_embedding calls, with
+            # the settings the constructor checked (the function's keywords are not TorchScript).
+            return torch.ops.posenc.timestep_embedding(timesteps, self.num_channels, float(self.max_period),
+                                                       self.flip_sin_to_cos, float(self.downscale_freq_shift),
+                                                       float(self.scale))
         return timestep_embedding(
             timesteps,
             self.num_channels,

@@ -167,6 +167,17 @@ class QKNormRotary(torch.nn.Module):
                             weight_offset=self.weight_offset, norm=self.norm, positions=positions, offset=offset,
                             cu_seqlens=cu_seqlens, seq_len=seq_len, config=self.rope_config)
 
+    def __prepare_scriptable__(self) -> torch.nn.Module:
+        """Its forward takes keyword-only arguments, which TorchScript does not compile: say
+        what works instead (TorchScript's own message names no way out)."""
+        raise RuntimeError(
+            f"posenc: {type(self).__name__} cannot be compiled by torch.jit.script (its forward takes "
+            "keyword-only arguments, which TorchScript does not support). Export the model instead: "
+            "torch.jit.trace(model, example_inputs) for TorchScript, or torch.export.export + "
+            "torch._inductor.aoti_compile_and_package for AOTInductor (docs/deploy.md); or call "
+            "torch.ops.posenc.qk_norm_rope from scripted code"
+        )
+
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, eps={self.eps}, weight_offset={self.weight_offset}, norm={self.norm!r}"
 

@@ -433,6 +433,19 @@ def test_a_zero_dim_offset_tensor_is_every_sequences_offset():
     assert torch.equal(got, functional.apply_rope(packed, offset=torch.tensor([5, 5]), layout="thd", cu_seqlens=cu))
 
 
+def test_jit_script_of_timesteps_and_qk_norm_rotary():
+    """Timesteps scripts (its scripted branch calls the op the function calls, with the same
+    numbers); QKNormRotary cannot (keyword-only arguments) and says what to do instead."""
+    t = torch.tensor([0.0, 1.5, 999.0, 37.25])
+    for args in ((8, True, 0.0), (9, False, 1.0, 2.5, 500)):
+        module = posenc.Timesteps(*args)
+        scripted = torch.jit.script(module)
+        assert torch.equal(scripted(t), module(t))
+    with pytest.raises(RuntimeError, match="posenc: QKNormRotary cannot be compiled by torch.jit.script .* "
+                                           "torch.jit.trace"):
+        torch.jit.script(posenc.QKNormRotary(8))
+
+
 def flatten(value):
     return [value] if isinstance(value, torch.Tensor) else [t for v in value for t in flatten(v)]
 
