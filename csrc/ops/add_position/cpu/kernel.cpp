@@ -168,28 +168,22 @@ void philox8_bits2(const PhiloxKeys8& keys, uint64_t offset, uint64_t block0, ui
   }
 }
 
-// float32 dropout applied straight from the Philox registers in one pass, with no bits or
-// factors arrays in between (those were two more passes over an L1 chunk: bits ->
-// factors -> multiply, benchmarks/NOTES.md items 5 and 11): for elements [first, first +
-// done) of the call, v = src * (kept ? scale : 0), stored to dst (kStore) and/or added to
-// acc (kAcc). Does whole groups of 8 blocks (64 elements) from the start and returns `done`;
-// the caller does the rest through the general path. The same bits, keep test (bits16 >=
-// threshold) and product as dropout_factors + combine: bit for bit that path's results
-// (tests/python/test_add_position_dropout_bits.py).
-template <bool kStore, bool kAcc>
-int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const float* src,
-                        float* dst, float* acc) {
+// The AVX2 Philox walk of the one-pass dropout paths: for elements [first, first + done) of
+// the call (first a multiple of 8), whole groups of 8 blocks (64 elements) from the start,
+// two groups at a time (philox8_rounds: independent chains), calls piece(e, keep16) for
+// each 16 elements from e (relative to first) with keep16's 16-bit lanes 0xFFFF where
+// kept (bits >= threshold, unsigned); returns `done`, 0 where it does not apply (a threshold
+// of 65536: p rounds to 1, which the 16-bit compare cannot hold). The caller does the rest
+// through the general path.
+template <typename Piece>
+int64_t philox8_pieces(const DropoutArgs& draw, int64_t first, int64_t n, Piece&& piece) {
   constexpr int64_t B = math::kDropoutBlock;
   constexpr int64_t kGroup = kLanes * B;  // 64 elements
-  // A threshold of 65536 (p rounds to 1) does not fit the 16-bit compare: general path.
   if (first % B != 0 || draw.threshold > 0xFFFFu) return 0;
-  const __m256i threshold =
-      _mm256_set1_epi16(static_cast<short>(static_cast<uint16_t>(draw.threshold)));
-  const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
+  const __m256i threshold = _mm256_set1_epi16(static_cast<short>(static_cast<uint16_t>(draw.threshold)));
   const PhiloxKeys8 keys(draw.seed);
   uint64_t block = static_cast<uint64_t>(first / B);
   int64_t done = 0;
-  // Two groups of 8 blocks at a time (philox8_rounds: independent chains), then one.
   while (done + kGroup <= n && static_cast<uint32_t>(block) <= 0xFFFFFFFFu - 2 * kLanes) {
     const int groups = done + 2 * kGroup <= n ? 2 : 1;
     __m256i c[2][4];
@@ -199,27 +193,45 @@ int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const
       __m256i words[4];
       philox8_transpose(c[g][0], c[g][1], c[g][2], c[g][3], words);
       for (int k = 0; k < 4; ++k) {
-        // 0xFFFF where bits >= threshold (unsigned), widened to one 32-bit lane per element.
-        const __m256i keep16 = _mm256_cmpeq_epi16(_mm256_max_epu16(words[k], threshold), words[k]);
-        const __m256i keep[2] = {_mm256_cvtepi16_epi32(_mm256_castsi256_si128(keep16)),
-                                 _mm256_cvtepi16_epi32(_mm256_extracti128_si256(keep16, 1))};
-        for (int h = 0; h < 2; ++h) {
-          const int64_t at = done + 16 * k + 8 * h;
-          const __m256 factor = _mm256_and_ps(_mm256_castsi256_ps(keep[h]), scale);
-          __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + at), factor);
-#if defined(__GNUC__)
-          // The product is rounded before the sum, as grad_x holds it: without this GCC
-          // contracts the mul and the add below into one FMA when v is not stored (kAcc
-          // only), and the table gradient would then differ with and without grad_x.
-          __asm__("" : "+x"(v));
-#endif
-          if constexpr (kStore) _mm256_storeu_ps(dst + at, v);
-          if constexpr (kAcc) _mm256_storeu_ps(acc + at, _mm256_add_ps(_mm256_loadu_ps(acc + at), v));
-        }
+        piece(done + 16 * k, _mm256_cmpeq_epi16(_mm256_max_epu16(words[k], threshold), words[k]));
       }
     }
   }
   return done;
+}
+
+// keep16's lanes widened to 32 bits (elements 0-7, 8-15) AND the scale: the factors.
+inline void keep16_factors(__m256i keep16, __m256 scale, __m256& f0, __m256& f1) {
+  f0 = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_castsi256_si128(keep16))), scale);
+  f1 = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm256_extracti128_si256(keep16, 1))), scale);
+}
+
+// float32 dropout applied straight from the Philox registers in one pass, with no bits or
+// factors arrays in between (those were two more passes over an L1 chunk: bits ->
+// factors -> multiply, benchmarks/NOTES.md items 5 and 11): v = src * (kept ? scale : 0),
+// stored to dst (kStore) and/or added to acc (kAcc), over philox8_pieces' elements. The same
+// bits, keep test and product as dropout_factors + combine: bit for bit that path's results
+// (tests/python/test_add_position_dropout_bits.py).
+template <bool kStore, bool kAcc>
+int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const float* src,
+                        float* dst, float* acc) {
+  const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
+  return philox8_pieces(draw, first, n, [&](int64_t e, __m256i keep16) {
+    __m256 f[2];
+    keep16_factors(keep16, scale, f[0], f[1]);
+    for (int h = 0; h < 2; ++h) {
+      const int64_t at = e + 8 * h;
+      __m256 v = _mm256_mul_ps(_mm256_loadu_ps(src + at), f[h]);
+#if defined(__GNUC__)
+      // The product is rounded before the sum, as grad_x holds it: without this GCC
+      // contracts the mul and the add below into one FMA when v is not stored (kAcc
+      // only), and the table gradient would then differ with and without grad_x.
+      __asm__("" : "+x"(v));
+#endif
+      if constexpr (kStore) _mm256_storeu_ps(dst + at, v);
+      if constexpr (kAcc) _mm256_storeu_ps(acc + at, _mm256_add_ps(_mm256_loadu_ps(acc + at), v));
+    }
+  });
 }
 
 // The 8 factors of one byte of the saved keep mask: the byte broadcast to 8 lanes, lane i
@@ -314,52 +326,31 @@ int64_t masked_bits_half_avx2(const uint8_t* bits, float scale_f, int64_t n, con
   return done;
 }
 
-// dropout_fused_avx512's pass in float32 for CPUs without AVX-512: two groups of 8 Philox
-// counters at a time (philox8_rounds' chains), each 16 elements' keep mask one compare,
-// packed to 16 bits for the saved mask (pack_keep_bits' layout) and widened to the factors;
-// out = (x [+ t]) * factor. The same bits as the general path (dropout_factors +
-// pack_keep_bits + combine). Whole groups of 64 elements from a block boundary; returns the
-// count done. (In half precision the same pass with ATen's conversions measured no gain
+// dropout_fused_avx512's pass in float32 for CPUs without AVX-512: philox8_pieces' keep
+// masks, packed to 16 bits for the saved mask (pack_keep_bits' layout) and widened to the
+// factors; out = (x [+ t]) * factor. The same bits as the general path (dropout_factors +
+// pack_keep_bits + combine); returns the count done. (In half precision the same pass with ATen's conversions measured no gain
 // over the general path: 1.00-1.02x, POSENC_CPU_CAPABILITY=avx2 on the Zen 4 host.)
 template <bool kTable>
 int64_t dropout_fused_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const float* x, const float* t,
                                float* out, uint8_t* keep) {
-  constexpr int64_t B = math::kDropoutBlock, kGroup = kLanes * B;  // 64 elements
-  if (first % B != 0 || draw.threshold > 0xFFFFu) return 0;
-  const __m256i threshold = _mm256_set1_epi16(static_cast<short>(static_cast<uint16_t>(draw.threshold)));
   const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
-  const PhiloxKeys8 keys(draw.seed);
-  uint64_t block = static_cast<uint64_t>(first / B);
-  int64_t done = 0;
-  while (done + kGroup <= n && static_cast<uint32_t>(block) <= 0xFFFFFFFFu - 2 * kLanes) {
-    const int groups = done + 2 * kGroup <= n ? 2 : 1;
-    __m256i c[2][4];
-    for (int g = 0; g < 2; ++g) philox8_counters(draw.offset, block + kLanes * g, c[g][0], c[g][1], c[g][2], c[g][3]);
-    philox8_rounds(keys, c);
-    for (int g = 0; g < groups; ++g, done += kGroup, block += kLanes) {
-      __m256i words[4];
-      philox8_transpose(c[g][0], c[g][1], c[g][2], c[g][3], words);
-      for (int k = 0; k < 4; ++k) {
-        const int64_t at = done + 16 * k;
-        const __m256i keep16 = _mm256_cmpeq_epi16(_mm256_max_epu16(words[k], threshold), words[k]);
-        const __m128i keep_lo = _mm256_castsi256_si128(keep16), keep_hi = _mm256_extracti128_si256(keep16, 1);
-        if (keep != nullptr) {
-          const uint16_t m = static_cast<uint16_t>(_mm_movemask_epi8(_mm_packs_epi16(keep_lo, keep_hi)));
-          std::memcpy(keep + at / 8, &m, sizeof(m));
-        }
-        __m256 v0 = _mm256_loadu_ps(x + at), v1 = _mm256_loadu_ps(x + at + 8);
-        if constexpr (kTable) {
-          v0 = _mm256_add_ps(v0, _mm256_loadu_ps(t + at));
-          v1 = _mm256_add_ps(v1, _mm256_loadu_ps(t + at + 8));
-        }
-        const __m256 f0 = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cvtepi16_epi32(keep_lo)), scale);
-        const __m256 f1 = _mm256_and_ps(_mm256_castsi256_ps(_mm256_cvtepi16_epi32(keep_hi)), scale);
-        _mm256_storeu_ps(out + at, _mm256_mul_ps(v0, f0));
-        _mm256_storeu_ps(out + at + 8, _mm256_mul_ps(v1, f1));
-      }
+  return philox8_pieces(draw, first, n, [&](int64_t e, __m256i keep16) {
+    if (keep != nullptr) {
+      const __m128i packed = _mm_packs_epi16(_mm256_castsi256_si128(keep16), _mm256_extracti128_si256(keep16, 1));
+      const uint16_t m = static_cast<uint16_t>(_mm_movemask_epi8(packed));
+      std::memcpy(keep + e / 8, &m, sizeof(m));
     }
-  }
-  return done;
+    __m256 f0, f1;
+    keep16_factors(keep16, scale, f0, f1);
+    __m256 v0 = _mm256_loadu_ps(x + e), v1 = _mm256_loadu_ps(x + e + 8);
+    if constexpr (kTable) {
+      v0 = _mm256_add_ps(v0, _mm256_loadu_ps(t + e));
+      v1 = _mm256_add_ps(v1, _mm256_loadu_ps(t + e + 8));
+    }
+    _mm256_storeu_ps(out + e, _mm256_mul_ps(v0, f0));
+    _mm256_storeu_ps(out + e + 8, _mm256_mul_ps(v1, f1));
+  });
 }
 #else
 void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes,
