@@ -282,10 +282,13 @@ def rope_frequencies(
     rope_type, values = scaling_arguments(scaling)
     # The op's answer as constants (_host_frequencies), eager and under torch.compile alike:
     # the op cannot be in a graph (no tensor input to take a device from).
+    if isinstance(seq_len, Tensor) and torch.jit.is_tracing():
+        raise TypeError(f"{fn}: expected seq_len to be an int, got {seq_len!r} (under torch.jit.trace a size is a "
+                        "0-dim tensor, and the frequencies of a traced seq_len would be constants of the graph)")
     inv_freq, factor = _host_frequencies(
         rotary_dim if partial is None else partial, 10000.0 if base is None else _float_arg(fn, "base", base),
         rope_type, tuple(values), _int_arg(fn, "seq_len", seq_len), tuple(_sections(sections)), sections_mode)
-    return torch.tensor(inv_freq, dtype=torch.float64), factor
+    return torch.tensor(inv_freq, dtype=torch.float64, device="cpu"), factor
 
 
 def _sections(sections: Optional[Sequence[int]]) -> List[int]:
@@ -504,6 +507,19 @@ def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any)
     return config
 
 
+def per_sequence_offsets(q: Tensor, offset: Tensor, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
+    """A tensor offset as the ops' per-sequence offsets: a 0-dim one is every sequence's (as an
+    int offset is), expanded to one per sequence on q's device (under torch.jit.trace a size
+    such as cache.shape[1] is a 0-dim CPU tensor, which the trace then records as an input);
+    any other is the ops' to check."""
+    if offset.dim() != 0:
+        return offset
+    b = LAYOUT_AXES[layout][0]
+    count = q.shape[b] if b is not None and q.dim() > b else (
+        cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else 1)
+    return offset.to(q.device).reshape(1).expand(max(count, 0)).contiguous()
+
+
 def rope_op_arguments(
     q: Tensor,
     config: RopeConfig,
@@ -522,14 +538,7 @@ def rope_op_arguments(
         raise TypeError(f"{fn}: expected q to be a Tensor, got {type(q).__name__}")
     offsets = None
     if isinstance(offset, Tensor):
-        offsets, offset = offset, 0
-        if offsets.dim() == 0:
-            # One offset for every sequence, as an int offset is: a 0-dim tensor is what a size
-            # (cache.shape[1]) is under torch.jit.trace, which records it as an input this way.
-            b = LAYOUT_AXES[config.layout][0]
-            count = q.shape[b] if b is not None and q.dim() > b else (
-                cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else 1)
-            offsets = offsets.reshape(1).expand(max(count, 0)).contiguous()
+        offsets, offset = per_sequence_offsets(q, offset, config.layout, cu_seqlens), 0
     elif (number := _integer(offset)) is None:
         raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
     else:
@@ -882,7 +891,7 @@ class RotaryPositionalEncoding(nn.Module):
         position when it was read from tensors (so "dynamic" need not read it again)."""
         if q.dim() != (3 if self.layout == "thd" else 4):
             return  # the rope op raises for a wrong rank, with its own message
-        offsets = offset if isinstance(offset, Tensor) else None
+        offsets = per_sequence_offsets(q, offset, self.layout, cu_seqlens) if isinstance(offset, Tensor) else None
         if offsets is None and (isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt))):
             return  # apply_rope raises a TypeError naming offset
         if positions is None and offsets is None and cu_seqlens is None:

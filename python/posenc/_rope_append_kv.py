@@ -69,7 +69,7 @@ def rope_append_kv(
             max_len, head_dim) (Hugging Face's static cache); "thd": paged, (num_blocks,
             block_size, kv_heads, head_dim).
         offset: the cache lengths so far, an int or an int64 (batch,) tensor (0-dim: the
-            same for every row): token s of row
+            same for every row; "thd" takes an int): token s of row
             b goes to cache row ``offset[b] + s`` (contiguous caches), rotated at that
             position unless ``positions`` are given. For "thd" an int added to the default
             positions (0 beside ``positions``: a ValueError otherwise).

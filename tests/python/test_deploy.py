@@ -431,6 +431,18 @@ def test_a_zero_dim_offset_tensor_is_every_sequences_offset():
     packed, cu = torch.randn(9, 2, 8), torch.tensor([0, 4, 9])
     got = functional.apply_rope(packed, offset=torch.tensor(5), layout="thd", cu_seqlens=cu)
     assert torch.equal(got, functional.apply_rope(packed, offset=torch.tensor([5, 5]), layout="thd", cu_seqlens=cu))
+    # The modules' range check reads it as the int it stands for.
+    rope = posenc.RotaryPositionalEncoding(8, 16)
+    assert all(torch.equal(g, w) for g, w in zip(rope(q, k, offset=torch.tensor(5)), rope(q, k, offset=5)))
+    with pytest.raises(IndexError, match=r"positions in \[0, max_len=16\), found 103"):
+        rope(q, k, offset=torch.tensor(100))
+    # A traced size as rope_frequencies' seq_len would make its frequencies constants: refused.
+    dynamic = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
+    with pytest.raises(TypeError, match="rope_frequencies: expected seq_len to be an int, got tensor"):
+        torch.jit.trace(lambda x: functional.rope_frequencies(16, scaling=dynamic, seq_len=x.shape[0])[0],
+                        (torch.randn(4),))
+    with torch.device("meta"):  # float64 on the CPU, as documented, whatever the default device
+        assert functional.rope_frequencies(16)[0].device.type == "cpu"
 
 
 def test_jit_script_of_timesteps_and_qk_norm_rotary():
