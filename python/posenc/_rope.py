@@ -280,11 +280,11 @@ def rope_frequencies(
         scaling, base=base, rotary_dim=None, head_dim=rotary_dim, sections=sections, sections_mode=sections_mode,
         fn=fn)
     rope_type, values = scaling_arguments(scaling)
-    # The op's answer as constants (_host_frequencies), eager and under torch.compile alike:
-    # the op cannot be in a graph (no tensor input to take a device from).
     if isinstance(seq_len, Tensor) and torch.jit.is_tracing():
         raise TypeError(f"{fn}: expected seq_len to be an int, got {seq_len!r} (under torch.jit.trace a size is a "
                         "0-dim tensor, and the frequencies of a traced seq_len would be constants of the graph)")
+    # The op's answer as constants (_host_frequencies), eager and under torch.compile alike:
+    # the op cannot be in a graph (no tensor input to take a device from).
     inv_freq, factor = _host_frequencies(
         rotary_dim if partial is None else partial, 10000.0 if base is None else _float_arg(fn, "base", base),
         rope_type, tuple(values), _int_arg(fn, "seq_len", seq_len), tuple(_sections(sections)), sections_mode)
