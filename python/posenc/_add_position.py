@@ -68,7 +68,13 @@ def add_position(
         # offset past the table is then the kernel's IndexError for positions, not the
         # host's ValueError).
         seq = x.shape[1] if batch_first and x.dim() == 3 else x.shape[0]
-        positions = torch.arange(seq, device=x.device) + offset.reshape(()).to(device=x.device, dtype=torch.int64)
+        # No cast (a traced .to() records the example's dtype too): a graph fed a float offset
+        # later gets float positions, the op's TypeError, where a cast to int64 would truncate
+        # it silently (the checks above ran on the example). A CPU scalar adds on any device.
+        off = offset.reshape(())
+        if off.device != x.device and off.device.type != "cpu":
+            off = off.to(x.device)
+        positions = torch.arange(seq, device=x.device) + off
         offset = 0
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
     if is_dtensor(positions) and positions.dtype == torch.int64 and not torch.compiler.is_compiling():

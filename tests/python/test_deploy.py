@@ -413,6 +413,14 @@ def test_jit_trace_reads_a_decode_offset_from_a_shape(tmp_path):
             got = module(*args)
             for g, w in zip(flatten(got), flatten(want), strict=True):
                 assert torch.equal(g, w), (past, seq)
+    # A float offset fed to the traced graph is refused (a cast in the graph truncated it).
+    pe = posenc.PositionalEncoding(16, 0.0, max_len=64).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        traced_pe = torch.jit.trace(lambda x, o: pe(x, o), (torch.randn(2, 3, 16), torch.tensor(2)))
+    assert torch.equal(traced_pe(torch.ones(2, 3, 16), torch.tensor(5, dtype=torch.int32)), pe(torch.ones(2, 3, 16), 5))
+    with pytest.raises(RuntimeError, match="posenc: expected positions to have dtype torch.int64, got Float"):
+        traced_pe(torch.ones(2, 3, 16), torch.tensor(2.7))
     # A length-scaled seq_len from shapes cannot be traced (it would be a constant): the
     # message says what to do instead.
     rope = posenc.RotaryPositionalEncoding(8, 64, scaling={"rope_type": "dynamic", "factor": 2.0,
