@@ -819,6 +819,8 @@ class RotaryPositionalEncoding(nn.Module):
             positions = input_pos
         if q.dim() >= 1 and q.shape[-1] != self.dim:
             raise ValueError(f"expected q with head_dim {self.dim} (the module's dim), got shape {tuple(q.shape)}")
+        if isinstance(offset, Tensor):  # a 0-dim offset as per-sequence offsets, once for the check and the op
+            offset = per_sequence_offsets(q, offset, self.layout, cu_seqlens)
         longest = self._check_range(q, positions, offset, cu_seqlens)
         return apply_rope(
             q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, config=self.rope_config,
@@ -891,7 +893,7 @@ class RotaryPositionalEncoding(nn.Module):
         position when it was read from tensors (so "dynamic" need not read it again)."""
         if q.dim() != (3 if self.layout == "thd" else 4):
             return  # the rope op raises for a wrong rank, with its own message
-        offsets = per_sequence_offsets(q, offset, self.layout, cu_seqlens) if isinstance(offset, Tensor) else None
+        offsets = offset if isinstance(offset, Tensor) else None
         if offsets is None and (isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt))):
             return  # apply_rope raises a TypeError naming offset
         if positions is None and offsets is None and cu_seqlens is None:

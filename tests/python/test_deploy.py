@@ -400,7 +400,7 @@ class DecodeStep(nn.Module):
 
 
 def test_jit_trace_reads_a_decode_offset_from_a_shape(tmp_path):
-    model = DecodeStep().eval()
+    model = DecodeStep()  # dropout 0: its training mode changes nothing
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the tracer's own warnings (deprecation, tensor checks)
         traced = torch.jit.trace(model, (torch.randn(2, 1, 16), torch.randn(2, 1, 2, 8), torch.randn(2, 3, 16)))
@@ -414,7 +414,7 @@ def test_jit_trace_reads_a_decode_offset_from_a_shape(tmp_path):
             for g, w in zip(flatten(got), flatten(want), strict=True):
                 assert torch.equal(g, w), (past, seq)
     # A float offset fed to the traced graph is refused (a cast in the graph truncated it).
-    pe = posenc.PositionalEncoding(16, 0.0, max_len=64).eval()
+    pe = posenc.PositionalEncoding(16, 0.0, max_len=64)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         traced_pe = torch.jit.trace(lambda x, o: pe(x, o), (torch.randn(2, 3, 16), torch.tensor(2)))

@@ -226,7 +226,6 @@ def test_frequencies_under_torch_compile():
     """rope_frequencies in a compiled function (fullgraph): the op has no tensor input, so it
     cannot be a graph node (it failed with "Could not find common device"); the values are
     the eager call's, a fresh tensor per call."""
-    torch._dynamo.reset()
     scaling = SCALINGS[-1]
 
     def fn(x):
