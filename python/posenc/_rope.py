@@ -507,11 +507,16 @@ def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any)
     return config
 
 
-def per_sequence_offsets(q: Tensor, offset: Tensor, layout: str, cu_seqlens: Optional[Tensor]) -> Tensor:
+def per_sequence_offsets(
+    q: Tensor, offset: Tensor, layout: str, cu_seqlens: Optional[Tensor], fn: str = "apply_rope"
+) -> Tensor:
     """A tensor offset as the ops' per-sequence offsets: a 0-dim one is every sequence's (as an
     int offset is), expanded to one per sequence on q's device (under torch.jit.trace a size
     such as cache.shape[1] is a 0-dim CPU tensor, which the trace then records as an input);
-    any other is the ops' to check."""
+    any other shape is the ops' to check."""
+    if offset.dtype != torch.int64:  # named as the caller named it (the ops say "offsets")
+        raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got a tensor of dtype "
+                        f"{offset.dtype}")
     if offset.dim() != 0:
         return offset
     b = LAYOUT_AXES[layout][0]
@@ -538,7 +543,7 @@ def rope_op_arguments(
         raise TypeError(f"{fn}: expected q to be a Tensor, got {type(q).__name__}")
     offsets = None
     if isinstance(offset, Tensor):
-        offsets, offset = per_sequence_offsets(q, offset, config.layout, cu_seqlens), 0
+        offsets, offset = per_sequence_offsets(q, offset, config.layout, cu_seqlens, fn), 0
     elif (number := _integer(offset)) is None:
         raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
     else:
@@ -820,7 +825,7 @@ class RotaryPositionalEncoding(nn.Module):
         if q.dim() >= 1 and q.shape[-1] != self.dim:
             raise ValueError(f"expected q with head_dim {self.dim} (the module's dim), got shape {tuple(q.shape)}")
         if isinstance(offset, Tensor):  # a 0-dim offset as per-sequence offsets, once for the check and the op
-            offset = per_sequence_offsets(q, offset, self.layout, cu_seqlens)
+            offset = per_sequence_offsets(q, offset, self.layout, cu_seqlens, "RotaryPositionalEncoding")
         longest = self._check_range(q, positions, offset, cu_seqlens)
         return apply_rope(
             q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, config=self.rope_config,

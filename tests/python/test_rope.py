@@ -101,6 +101,25 @@ def test_positions_and_offsets(device, interleaved):
         check(ok, reference_rope(k.cpu(), "bshd", pos, inv, D, interleaved), torch.float64)
 
 
+@pytest.mark.parametrize("offset", [torch.tensor(True), torch.tensor(2, dtype=torch.int32), torch.tensor(2.0),
+                                    torch.tensor([1, 2], dtype=torch.int32)], ids=["bool", "int32", "float", "int32s"])
+def test_a_tensor_offset_of_another_dtype_is_refused_by_its_name(offset):
+    # The ops call a tensor offset "offsets"; the functions and the module name the argument the user passed.
+    from posenc import QKNormRotary, RotaryPositionalEncoding
+    from posenc.functional import qk_norm_rope
+
+    q = torch.randn(2, 3, 2, 8)
+    expected = rf"expected offset to be an int or an int64 tensor, got a tensor of dtype {offset.dtype}"
+    with pytest.raises(TypeError, match="apply_rope: " + expected):
+        apply_rope(q, q, offset=offset)
+    with pytest.raises(TypeError, match="qk_norm_rope: " + expected):
+        qk_norm_rope(q, q, torch.ones(8), torch.ones(8), offset=offset)
+    with pytest.raises(TypeError, match="RotaryPositionalEncoding: " + expected):
+        RotaryPositionalEncoding(8, max_len=16)(q, q, offset=offset)
+    with pytest.raises(TypeError, match=expected):
+        QKNormRotary(8)(q, q, offset=offset)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("interleaved", [False, True])
