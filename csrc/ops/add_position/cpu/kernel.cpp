@@ -371,8 +371,6 @@ void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes
 #define POSENC_AVX512_PHILOX 1
 constexpr int kWideLanes = 16;  // Philox counters per AVX-512 pass
 
-#define POSENC_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
-
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic push
 // GCC 12's avx512fintrin.h builds set1/setr from a self-initialised vector and then warns
@@ -456,33 +454,6 @@ POSENC_AVX512_TARGET void philox16_bits(uint64_t seed, uint64_t offset, uint64_t
   philox16_groups<kGroups>(seed, offset, block0, words);
   for (int g = 0; g < kGroups; ++g) {
     for (int k = 0; k < 4; ++k) _mm512_storeu_si512(bits + g * 128 + k * 32, words[g][k]);
-  }
-}
-
-// 16 values widened to float32 in element order, and narrowed back as ATen rounds (float16:
-// vcvtps2ph to nearest even, as cvtfp32_fp16; bfloat16: narrow_bf16_512).
-template <typename T>
-POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m512 load16(const T* p) {
-  if constexpr (std::is_same_v<T, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    if constexpr (std::is_same_v<T, c10::Half>) {
-      return _mm512_cvtph_ps(h);
-    } else {
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    }
-  }
-}
-
-template <typename T>
-POSENC_AVX512_TARGET __attribute__((always_inline)) inline void store16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_storeu_ps(p, v);
-  } else if constexpr (std::is_same_v<T, c10::Half>) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16_512(v));
   }
 }
 
@@ -581,11 +552,6 @@ POSENC_AVX512_TARGET int64_t masked_bits_avx512(const uint8_t* const* bits, cons
 #pragma GCC diagnostic pop
 #endif
 
-// AVX-512F/BW/VL present and not capped by POSENC_CPU_CAPABILITY (cpu_capability.h).
-bool cpu_has_avx512() {
-  static const bool has = cpu_capability() == CpuCapability::kAvx512;
-  return has;
-}
 #endif
 
 // masked_f32_avx2 where it applies: returns the count of leading elements it did, 0

@@ -13,6 +13,7 @@
 #include <immintrin.h>
 #endif
 
+#include "ops/common/cpu/cpu_capability.h"
 #include "posenc/math/host_device.h"
 
 namespace posenc {
@@ -57,16 +58,52 @@ inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
 // The same rounding 512 bits wide, for the AVX-512 paths compiled by target attribute in the
 // AVX2 build (called only where cpu_capability() is avx512): bf16_round_bits of 16 lanes
 // (no NaN blend), and narrow_bf16_512, 16 float32 values in element order to bfloat16 as
-// ATen rounds them (NaN -> 0xffff).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512i bf16_round_bits_512(__m512 v) {
+// ATen rounds them (NaN -> 0xffff). POSENC_AVX512_TARGET: the attribute of every such path.
+#define POSENC_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+
+POSENC_AVX512_TARGET inline __m512i bf16_round_bits_512(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   return _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)), u), 16);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m256i narrow_bf16_512(__m512 v) {
+POSENC_AVX512_TARGET inline __m256i narrow_bf16_512(__m512 v) {
   const __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
   return _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(bf16_round_bits_512(v), nan, _mm512_set1_epi32(0xffff)));
+}
+
+// 16 values widened to float32 in element order, and narrowed back as ATen rounds (float16:
+// vcvtps2ph to nearest even, as cvtfp32_fp16; bfloat16: narrow_bf16_512).
+template <typename T>
+POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m512 load16(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm512_loadu_ps(p);
+  } else {
+    const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    if constexpr (std::is_same_v<T, c10::Half>) {
+      return _mm512_cvtph_ps(h);
+    } else {
+      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+  }
+}
+
+template <typename T>
+POSENC_AVX512_TARGET __attribute__((always_inline)) inline void store16(T* p, __m512 v) {
+  if constexpr (std::is_same_v<T, float>) {
+    _mm512_storeu_ps(p, v);
+  } else if constexpr (std::is_same_v<T, c10::Half>) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  } else {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16_512(v));
+  }
+}
+
+// AVX-512F/BW/VL present and not capped by POSENC_CPU_CAPABILITY (cpu_capability.h): where the
+// AVX2 kernels take their AVX-512 paths.
+inline bool cpu_has_avx512() {
+  static const bool has = cpu_capability() == CpuCapability::kAvx512;
+  return has;
 }
 #endif
 #endif

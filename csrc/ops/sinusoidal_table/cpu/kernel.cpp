@@ -245,7 +245,7 @@ void sweep_octet(const SinusoidalTableArgs& a, const Steps& st, int64_t run, int
 // sweep_octet with the 8 pairs in one 512-bit register each for cos and sin: the same
 // products, bounds and roundings (so the same values), in a third of the instructions.
 template <typename T>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void sweep_octet_avx512(const SinusoidalTableArgs& a,
+POSENC_AVX512_TARGET void sweep_octet_avx512(const SinusoidalTableArgs& a,
                                                                               const Steps& st, int64_t run,
                                                                               int64_t n, int64_t i) {
   const int64_t d = a.d_model;
@@ -294,7 +294,7 @@ void progression_rows(const SinusoidalTableArgs& a, const Steps& st, int64_t fir
     const int64_t n = std::min(last, run + kRun) - run;
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
-    static const bool avx512 = cpu_capability() == CpuCapability::kAvx512;
+    const bool avx512 = cpu_has_avx512();
     for (const int64_t full = a.d_model / 2; i + 8 <= full; i += 8) {
       if (avx512) {
         sweep_octet_avx512<T>(a, st, run, n, i);
