@@ -134,6 +134,62 @@ def test_q_and_k_rotated_in_one_call_forward_and_one_backward(device, layout):
     torch.testing.assert_close(back_k, gk, atol=1e-5, rtol=1e-5)
 
 
+def bounds_reads(fn):
+    """How many times fn reads the call's position bounds (each read is one aten::aminmax pair,
+    and on CUDA a device sync)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], acc_events=True) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::aminmax")
+
+
+@pytest.mark.parametrize("op", ["apply_rope", "qk_norm_rope"])
+def test_length_scaled_types_read_the_longest_position_once_per_training_step(op):
+    """"dynamic" without seq_len reads the longest position from the index tensors (a sync on
+    CUDA): the forward reads it, and its backward and tangent use what it read."""
+    from posenc.functional import qk_norm_rope
+    import torch.autograd.forward_ad as fwAD
+
+    torch.manual_seed(0)
+    q = torch.randn(2, 6, 3, 16, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(2, 6, 1, 16, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(16, dtype=torch.float64) + 0.5
+    pos = torch.tensor([[0, 3, 9, 20, 40, 70], [1, 2, 3, 4, 5, 6]])
+    scaling = dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=16)
+
+    def call(a, b, **kw):
+        if op == "apply_rope":
+            return apply_rope(a, b, positions=pos, scaling=scaling, **kw)
+        return qk_norm_rope(a, b, w, w, positions=pos, scaling=scaling, **kw)
+
+    with torch.no_grad():
+        once = bounds_reads(lambda: call(q, k))
+    assert once == 2  # the positions' extremes and the positions' own, in one read
+    grads = torch.randn(2, 6, 3, 16, dtype=torch.float64), torch.randn(2, 6, 1, 16, dtype=torch.float64)
+
+    def step():
+        oq, ok = call(q, k)
+        return torch.autograd.grad((oq, ok), (q, k), grads)
+
+    assert bounds_reads(step) == once
+    # The same gradients as with the longest position given.
+    expected = torch.autograd.grad(call(q, k, seq_len=71), (q, k), grads)
+    for got, want in zip(step(), expected):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    # Forward mode: the tangent's call too.
+    tq = torch.randn_like(q)
+    with fwAD.dual_level():
+        def jvp():
+            out = call(fwAD.make_dual(q.detach(), tq), k.detach())
+            return fwAD.unpack_dual(out[0]).tangent
+
+        assert bounds_reads(jvp) == once
+        tangent = jvp()
+        want = fwAD.unpack_dual(call(fwAD.make_dual(q.detach(), tq), k.detach(), seq_len=71)[0]).tangent
+    torch.testing.assert_close(tangent, want, rtol=0, atol=0)
+
+
 def opcheck_cases(device):
     q = torch.randn(2, 5, 3, 8, device=device)
     k = torch.randn(2, 5, 1, 8, device=device)

@@ -33,6 +33,14 @@ RopePairFrequencies rope_pair_frequencies(int64_t rotary_dim, double base,
 // passed check_rope_structure. rope_position_bounds.cpp.
 std::tuple<int64_t, int64_t> rope_position_bounds_of(const RopeCall& call);
 
+// A call of a type that scales by length ("dynamic", "longrope") with seq_len -1 (read from
+// the call) gets the longest position + 1 as its seq_len, read once here: for the autograd
+// wrappers, whose forward, backward and tangent are separate calls that would each read it
+// (on CUDA a device sync each). Only for index tensors whose values can be read (CPU or CUDA,
+// not a fake, functional or batched wrapper: those calls are left to the kernels). Validates
+// the call first, as the op would. rope_position_bounds.cpp.
+void resolve_rope_seq_len(RopeCall& call);
+
 // One of q and k for a kernel: input and output pointers and strides of their
 // (batch, seq, heads, head_dim) views (rope_canonical_view); shared with apply_rope_cos_sin.
 void fill_rope_operand(RopeOperand& op, const at::Tensor& in, const at::Tensor& out);

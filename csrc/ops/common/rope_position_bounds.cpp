@@ -93,6 +93,25 @@ std::tuple<int64_t, int64_t> rope_position_bounds_of(const RopeCall& c) {
   return {v[0] + offset, v[1] + offset};
 }
 
+void resolve_rope_seq_len(RopeCall& c) {
+  const std::optional<int64_t> seq_len = c.seq_len.maybe_as_int();  // none: symbolic, a traced call
+  if (!math::rope_scales_by_length(c.scaling.type) || seq_len != std::optional<int64_t>(-1)) return;
+  // Tensors whose values this process reads: no subclass (Python key: FakeTensor, DTensor),
+  // no functionalization or functorch wrapper.
+  constexpr c10::DispatchKeySet wrappers({c10::DispatchKey::Python, c10::DispatchKey::Functionalize,
+                                          c10::DispatchKey::FuncTorchBatched,
+                                          c10::DispatchKey::FuncTorchGradWrapper});
+  for (const std::optional<at::Tensor>* t : {&c.positions, &c.offsets, &c.cu_seqlens}) {
+    if (!t->has_value()) continue;
+    const at::Tensor& v = **t;
+    if (!(v.is_cpu() || v.is_cuda()) || v.key_set().has_any(wrappers)) return;
+  }
+  if (c.q.key_set().has_any(wrappers)) return;
+  check_rope_structure(c);
+  check_rope_settings(c);
+  c.seq_len = std::get<1>(rope_position_bounds_of(c)) + 1;  // 0 when it rotates nothing
+}
+
 namespace {
 
 void rope_position_bounds_boxed(const c10::OperatorHandle&, torch::jit::Stack* stack) {

@@ -18,6 +18,7 @@
 #include "ops/common/autograd_node.h"
 #include "ops/common/inference_only.h"
 #include "ops/common/rope_call.h"
+#include "ops/common/rope_launch.h"  // resolve_rope_seq_len
 
 namespace posenc {
 namespace ops {
@@ -54,6 +55,7 @@ void rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const at::Tensor q = call.q;
   const std::optional<at::Tensor> k = call.k;
   std::shared_ptr<RopeBackward> node = ag::make_node<RopeBackward>(q, k);
+  if (node || ag::has_tangent(q, k)) resolve_rope_seq_len(call);  // read once, not again by the backward
   at::Tensor out_q, out_k;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
