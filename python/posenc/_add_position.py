@@ -15,13 +15,58 @@ __future__ import annotations`` here: TorchScript reads the annotations as types
 
 import math
 import numbers
-from typing import Any, Optional, Tuple
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
 from posenc._common import _bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg, _integer, _unhooked
 from posenc._dtensor import is_dtensor, place_beside
+
+
+def _offset_arg(fn: str, offset: Union[int, Tensor]) -> Union[int, Tensor]:
+    """add_position's offset checked: an int (a numpy integer as one, a dynamic int kept) or a
+    one-element integer tensor; TypeError / ValueError naming ``fn`` otherwise."""
+    if isinstance(offset, Tensor):
+        # The op's SymInt would truncate a float tensor (3.7 as 3); a meta one has no value.
+        if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or offset.numel() != 1
+                or offset.is_meta):
+            raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
+    elif isinstance(offset, bool) or (not torch.compiler.is_compiling() and _integer(offset) is None):
+        raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")  # True would count as 1
+    elif isinstance(offset, (int, torch.SymInt)) or not torch.compiler.is_compiling():
+        # ValueError past int64; a numpy integer as an int; a dynamic int stays one. (Under
+        # torch.compile another type, a numpy integer, is the op's to read: operator.index
+        # fails in Dynamo.)
+        offset = _int_arg(fn, "offset", offset)
+    return offset
+
+
+def _offset_as_rows(offset: Union[int, Tensor]) -> bool:
+    """Whether a tensor offset is added on the device as positions offset .. offset + seq - 1
+    (the same rows and bits) rather than read as the op's int: under torch.compile (the op's
+    SymInt would read the value, .item(): a graph per value, and no graph at all under
+    aot_eager / inductor), under torch.jit.trace (which would record the value as a
+    constant: a traced decode step would add its trace-time rows ever after), and for an
+    offset on a device in eager mode (reading it would be a device sync per call). A CPU
+    offset in eager mode is read (free). The rows are then checked as positions are: an
+    offset past the table is the kernel's IndexError for positions (a device-side assert on
+    CUDA; the modules' check_positions checks them first), not the host's ValueError."""
+    if not isinstance(offset, Tensor) or is_dtensor(offset):
+        return False
+    return torch.compiler.is_compiling() or torch.jit.is_tracing() or offset.device.type != "cpu"
+
+
+def _rows_of_offset(x: Tensor, offset: Tensor, batch_first: bool) -> Tensor:
+    """Positions offset .. offset + seq - 1 on x's device (_offset_as_rows)."""
+    seq = x.shape[1] if batch_first and x.dim() == 3 else x.shape[0]
+    # No cast (a traced .to() records the example's dtype too): a graph fed a float offset
+    # later gets float positions, the op's TypeError, where a cast to int64 would truncate
+    # it silently (_offset_arg checked the example). A CPU scalar adds on any device.
+    off = offset.reshape(())
+    if off.device != x.device and off.device.type != "cpu":
+        off = off.to(x.device)
+    return torch.arange(seq, device=x.device) + off
 
 
 def add_position(
@@ -43,39 +88,14 @@ def add_position(
     ``positions`` are range-checked as a whole (gathered: every rank raises the IndexError).
     """
     fn = "add_position"
-    if isinstance(offset, Tensor):
-        # The op's SymInt would truncate a float tensor (3.7 as 3); a meta one has no value.
-        if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or offset.numel() != 1
-                or offset.is_meta):
-            raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
-    elif isinstance(offset, bool) or (not torch.compiler.is_compiling() and _integer(offset) is None):
-        raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")  # True would count as 1
-    elif isinstance(offset, (int, torch.SymInt)) or not torch.compiler.is_compiling():
-        # ValueError past int64; a numpy integer as an int; a dynamic int stays one. (Under
-        # torch.compile another type, a numpy integer, is the op's to read: operator.index
-        # fails in Dynamo.)
-        offset = _int_arg(fn, "offset", offset)
+    offset = _offset_arg(fn, offset)
     batch_first, training = _bool_arg(fn, "batch_first", batch_first), _bool_arg(fn, "training", training)
     if not isinstance(p, torch.SymFloat):  # checked in eval mode too, with the op's message
         p = _float_arg(fn, "p", p)
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"posenc: expected dropout probability p in [0, 1], got {p}")
-    if isinstance(offset, Tensor) and (torch.compiler.is_compiling() or torch.jit.is_tracing()) and positions is None:
-        # The op's SymInt offset would read the tensor's value (.item(): a graph per value,
-        # and no graph at all under aot_eager / inductor; torch.jit.trace would record the
-        # value as a constant, a traced decode step adding its trace-time rows ever after):
-        # rows offset .. offset + seq - 1 as positions instead, the same rows and bits (an
-        # offset past the table is then the kernel's IndexError for positions, not the
-        # host's ValueError).
-        seq = x.shape[1] if batch_first and x.dim() == 3 else x.shape[0]
-        # No cast (a traced .to() records the example's dtype too): a graph fed a float offset
-        # later gets float positions, the op's TypeError, where a cast to int64 would truncate
-        # it silently (the checks above ran on the example). A CPU scalar adds on any device.
-        off = offset.reshape(())
-        if off.device != x.device and off.device.type != "cpu":
-            off = off.to(x.device)
-        positions = torch.arange(seq, device=x.device) + off
-        offset = 0
+    if positions is None and _offset_as_rows(offset):
+        positions, offset = _rows_of_offset(x, offset, batch_first), 0
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
     if is_dtensor(positions) and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
         # The kernel checks each rank's shard: one rank alone would raise (the others block
@@ -116,8 +136,9 @@ class _AddPositionModule(nn.Module):
     """Shared front end: ``forward(x, offset=0, positions=None) = dropout(x + pe[rows])``
     through the fused op, with the classic ``nn.Dropout`` child and argument checks.
 
-    ``check_positions`` (attribute, default True): range-check CUDA ``positions`` on the
-    host in eager mode, which costs one device sync. Set it to False in a hot loop whose
+    ``check_positions`` (attribute, default True): range-check CUDA ``positions`` (and the
+    rows of a CUDA tensor ``offset``, which is added on the device: reading it would be a sync
+    of its own) on the host in eager mode, which costs one device sync. Set it to False in a hot loop whose
     positions are known to be valid (or under CUDA graph capture); an out-of-range position
     then stops the kernel with a device-side assert (a RuntimeError at the next sync).
     """
@@ -156,7 +177,7 @@ class _AddPositionModule(nn.Module):
                 p = dropout.p if dropout.training else 0.0
                 return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
             return dropout(torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, 0.0))
-        pe, positions = self._host_side(x, offset, positions)
+        pe, positions, offset = self._host_side(x, offset, positions)
         fused = _fusable_dropout(dropout)
         # The child's own mode, as nn.Dropout reads it (module.train(); module.dropout.eval()
         # turns dropout off; module.eval(); module.dropout.train() is MC dropout).
@@ -172,14 +193,20 @@ class _AddPositionModule(nn.Module):
         self._scripted_fused_dropout = _fusable_dropout(self.dropout)
         return self
 
-    def _host_side(self, x: Tensor, offset: int, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
+    def _host_side(
+        self, x: Tensor, offset: Union[int, Tensor], positions: Optional[Tensor]
+    ) -> Tuple[Tensor, Optional[Tensor], Union[int, Tensor]]:
         """What eager mode checks on the host and places beside a DTensor x, for forward:
-        (pe, positions) to call the function with."""
+        (pe, positions, offset) to call the function with."""
+        if positions is None and self.check_positions:
+            offset = _offset_arg("add_position", offset)
+            if _offset_as_rows(offset):  # a device offset's rows, checked as positions are
+                positions, offset = _rows_of_offset(x, offset, self.batch_first), 0
         if positions is not None and self.check_positions:
             _check_positions_on_host(positions, self.max_len)
         if is_dtensor(x):
-            return self._beside_dtensor(x, positions)
-        return self.pe, positions
+            return (*self._beside_dtensor(x, positions), offset)
+        return self.pe, positions, offset
 
     def _beside_dtensor(self, x: Tensor, positions: Optional[Tensor]) -> Tuple[Tensor, Optional[Tensor]]:
         """(pe, positions) for a DTensor x, as the functions place their plain tensors: a plain

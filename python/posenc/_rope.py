@@ -522,7 +522,8 @@ def per_sequence_offsets(
     b = LAYOUT_AXES[layout][0]
     count = q.shape[b] if b is not None and q.dim() > b else (
         cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else 1)
-    return offset.to(q.device).reshape(1).expand(max(count, 0)).contiguous()
+    # A CPU offset is copied without a stream sync (pageable memory is staged at the call).
+    return offset.to(q.device, non_blocking=True).reshape(1).expand(max(count, 0)).contiguous()
 
 
 def rope_op_arguments(
@@ -754,9 +755,10 @@ class RotaryPositionalEncoding(nn.Module):
     the numbers. ``attention_scaling`` is yarn's or longrope's factor on cos and sin (1 for the
     other types).
 
-    ``check_positions`` (attribute, default True): positions given as CUDA tensors are
-    range-checked on the host in eager mode, one device sync; set it to False in a hot loop
-    whose positions are known to be valid.
+    ``check_positions`` (attribute, default True): positions given as CUDA tensors
+    (``positions``, a tensor ``offset`` such as a decode step's cache lengths, ``cu_seqlens``)
+    are range-checked on the host in eager mode, one device sync per call; set it to False in
+    a hot loop whose positions are known to be valid.
     """
 
     inv_freq: Tensor

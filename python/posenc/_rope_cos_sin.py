@@ -138,7 +138,8 @@ def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, val
         # is its own shard's (each rank scaled by another length).
         seq_len = int((positions.full_tensor() if is_dtensor(positions) else positions).max()) + 1
     inv_freq, factor = _host_frequencies(rotary_dim, base, rope_type, values, seq_len)
-    inv_freq = torch.tensor(inv_freq, dtype=torch.float64, device=positions.device)
+    # Copied without a stream sync (pageable host memory is staged at the call, so the list may go).
+    inv_freq = torch.tensor(inv_freq, dtype=torch.float64).to(positions.device, non_blocking=True)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos(), angles.sin()

@@ -589,17 +589,21 @@ def packed_shard(
     in its sequence (plus ``offsets``, the global call's int or per-sequence offsets). Then
     ``apply_rope(q_local, cu_seqlens=cu, offset=offs, layout="thd")`` equals
     ``apply_rope(q, cu_seqlens=cu_seqlens, offset=offsets, layout="thd")[indices]``.
-    Returns cu_seqlens (cu_seqlens's dtype) and int64 offsets, on cu_seqlens's device."""
+    Returns cu_seqlens (cu_seqlens's dtype) and int64 offsets, on cu_seqlens's device.
+    On a GPU it reads the device twice (the indices' range check, and the number of runs,
+    which sizes the outputs): a step of preparing a packed batch, not of a layer."""
     cu = cu_seqlens.to(torch.int64)
     idx = indices.to(device=cu.device, dtype=torch.int64).reshape(-1)
-    if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= int(cu[-1])):
-        raise ValueError(f"packed_shard: token indices must lie in [0, {int(cu[-1])}), got {idx.min()}..{idx.max()}")
+    if idx.numel():
+        lo, hi, total = torch.stack([idx.min(), idx.max(), cu[-1]]).tolist()  # one read back
+        if lo < 0 or hi >= total:
+            raise ValueError(f"packed_shard: token indices must lie in [0, {total}), got {lo}..{hi}")
     seq_id = torch.searchsorted(cu[1:], idx, right=True)
     new_run = torch.ones_like(idx, dtype=torch.bool)
     if idx.numel() > 1:
         new_run[1:] = (idx[1:] != idx[:-1] + 1) | (seq_id[1:] != seq_id[:-1])
     starts = torch.nonzero(new_run).reshape(-1)
-    lengths = torch.diff(torch.cat([starts, starts.new_tensor([idx.numel()])]))
+    lengths = torch.diff(torch.cat([starts, starts.new_full((1,), idx.numel())]))  # no host-to-device copy
     local_cu = torch.cat([lengths.new_zeros(1), torch.cumsum(lengths, 0)]).to(cu_seqlens.dtype)
     run_seq = seq_id[starts]
     local_offsets = idx[starts] - cu[run_seq]
