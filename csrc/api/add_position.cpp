@@ -57,9 +57,13 @@ void PositionalEncodingImpl::reset() {
   check_module_options("PositionalEncoding", options.d_model(), options.max_len(),
                        options.dropout());
   const torch::Tensor positions = torch::arange(options.max_len(), torch::kLong);
-  pe = register_buffer(
-      "pe", sinusoidal_table(positions, options.d_model(), options.base(), torch::kFloat)
-                .unsqueeze(0));
+  const torch::Tensor table =
+      sinusoidal_table(positions, options.d_model(), options.base(), torch::kFloat).unsqueeze(0);
+  if (pe.defined()) {
+    pe.set_data(table);  // a second reset() (options edited): register_buffer refuses a name twice
+  } else {
+    pe = register_buffer("pe", table);
+  }
 }
 
 void PositionalEncodingImpl::pretty_print(std::ostream& stream) const {
@@ -88,7 +92,13 @@ void LearnedPositionalEncodingImpl::reset() {
   TORCH_CHECK_VALUE(options.init_std() >= 0.0 && std::isfinite(options.init_std()),
                     "LearnedPositionalEncoding: expected init_std to be finite and >= 0, got ",
                     options.init_std());
-  pe = register_parameter("pe", torch::empty({1, options.max_len(), options.d_model()}));
+  const torch::Tensor table = torch::empty({1, options.max_len(), options.d_model()});
+  if (pe.defined()) {
+    torch::NoGradGuard no_grad;
+    pe.set_data(table);  // a second reset() (options edited): register_parameter refuses a name twice
+  } else {
+    pe = register_parameter("pe", table);
+  }
   reset_parameters();
 }
 
@@ -121,6 +131,11 @@ void LearnedPositionalEncodingImpl::load_table(const torch::Tensor& table) {
   TORCH_CHECK_VALUE(ok, "LearnedPositionalEncoding::load_table: expected a table of shape (",
                     options.max_len(), ", ", options.d_model(), ") or (1, ", options.max_len(),
                     ", ", options.d_model(), "), got ", table.sizes());
+  // copy_ would drop a complex table's imaginary part (with a warning only), and a meta table
+  // has no data to copy (a meta module loads one as a no-op), as the Python module refuses them.
+  TORCH_CHECK_TYPE(!table.is_complex() && (!table.is_meta() || pe.is_meta()),
+                   "LearnedPositionalEncoding::load_table: expected a real table that holds data, got dtype ",
+                   table.scalar_type(), " on ", table.device());
   torch::NoGradGuard no_grad;
   pe.copy_(table.reshape(pe.sizes()));
 }

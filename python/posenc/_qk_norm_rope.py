@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any, Optional, Tuple, Union
 
@@ -24,8 +25,10 @@ def check_norm_settings(fn: str, eps: Any, weight_offset: Any, norm: Any) -> Non
     for name, value in (("eps", eps), ("weight_offset", weight_offset)):
         if isinstance(value, bool) or not isinstance(value, numbers.Real):  # numpy's too, as the op takes them
             raise TypeError(f"{fn}: expected {name} to be a float, got {value!r}")
-    if not eps > 0:
+    if not 0 < eps < math.inf:  # comparisons, not math.isfinite: a float torch.compile made dynamic
         raise ValueError(f"{fn}: expected eps > 0 (added to the mean square), got {eps}")
+    if not -math.inf < weight_offset < math.inf:
+        raise ValueError(f"{fn}: expected a finite weight_offset, got {weight_offset}")
 
 
 @with_rope_settings

@@ -824,8 +824,11 @@ class RotaryPositionalEncoding(nn.Module):
                 raise ValueError("RotaryPositionalEncoding: got both positions and input_pos (torchtune's name "
                                  "for positions); pass one")
             positions = input_pos
-        if q.dim() >= 1 and q.shape[-1] != self.dim:
-            raise ValueError(f"expected q with head_dim {self.dim} (the module's dim), got shape {tuple(q.shape)}")
+        # The module's dim is q's and k's head_dim (its frequencies are for it), as in C++.
+        for name, t in (("q", q), ("k", k)):
+            if isinstance(t, Tensor) and (t.dim() == 0 or t.shape[-1] != self.dim):
+                raise ValueError(f"RotaryPositionalEncoding: expected {name} with head_dim {self.dim} (the module's "
+                                 f"dim), got shape {tuple(t.shape)}")
         if isinstance(offset, Tensor):  # a 0-dim offset as per-sequence offsets, once for the check and the op
             offset = per_sequence_offsets(q, offset, self.layout, cu_seqlens, "RotaryPositionalEncoding")
         longest = self._check_range(q, positions, offset, cu_seqlens)

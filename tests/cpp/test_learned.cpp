@@ -245,6 +245,10 @@ TEST(LearnedPositionalEncodingModule, LoadTable3dAndNamedParameters) {
   EXPECT_THROW(m->load_table(torch::randn({2, 12, 8})), c10::ValueError);
   EXPECT_THROW(m->load_table(torch::randn({1, 12, 9})), c10::ValueError);
   EXPECT_THROW(m->load_table(torch::randn({12})), c10::ValueError);
+  // A complex table would lose its imaginary part in copy_; a meta one holds no data.
+  EXPECT_THROW(m->load_table(torch::randn({12, 8}, torch::kComplexFloat)), c10::TypeError);
+  EXPECT_THROW(m->load_table(torch::empty({12, 8}, torch::Device(torch::kMeta))), c10::TypeError);
+  EXPECT_TRUE(torch::equal(m->pe, table));
   auto params = m->named_parameters();
   ASSERT_EQ(params.size(), 1u);
   EXPECT_EQ(params.keys(), (std::vector<std::string>{"pe"}));

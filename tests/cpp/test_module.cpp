@@ -35,6 +35,33 @@ TEST(PositionalEncodingModule, BufferIsTheCorrectlyRoundedTable) {
   EXPECT_TRUE(named.contains("pe"));
 }
 
+TEST(PositionalEncodingModule, ResetAgainRebuildsTheTableFromEditedOptions) {
+  // torch::nn's reset(): options edited, then reset() (register_buffer refused the name twice).
+  posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(8).max_len(10));
+  const torch::Tensor before = pe->pe;
+  pe->options.max_len(20).d_model(6);
+  pe->reset();
+  ASSERT_EQ(pe->pe.sizes(), (std::vector<int64_t>{1, 20, 6}));
+  EXPECT_LE((pe->pe.to(torch::kDouble) - reference_pe(20, 6)).abs().max().item<double>(), std::ldexp(1.0, -24));
+  auto named = pe->named_buffers();
+  ASSERT_EQ(named.size(), 1u);
+  EXPECT_TRUE(named["pe"].is_same(pe->pe));
+  EXPECT_TRUE(before.is_same(pe->pe));  // the registered buffer, its data replaced
+  pe->options.dropout(0.0);
+  auto x = torch::randn({2, 15, 6});
+  EXPECT_TRUE(torch::equal(pe->forward(x), x + pe->pe.slice(1, 0, 15)));
+
+  posenc::LearnedPositionalEncoding lpe(posenc::LearnedPositionalEncodingOptions(8).max_len(10));
+  lpe->options.max_len(20);
+  lpe->reset();
+  ASSERT_EQ(lpe->pe.sizes(), (std::vector<int64_t>{1, 20, 8}));
+  EXPECT_TRUE(lpe->pe.requires_grad());
+  auto params = lpe->named_parameters();
+  ASSERT_EQ(params.size(), 1u);
+  EXPECT_TRUE(params["pe"].is_same(lpe->pe));
+  EXPECT_GT(lpe->pe.abs().max().item<double>(), 0.0);  // initialised again
+}
+
 TEST(PositionalEncodingModule, ForwardEvalAddsRows) {
   posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(16).max_len(64).dropout(0.5));
   pe->eval();

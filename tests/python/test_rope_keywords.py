@@ -86,3 +86,24 @@ def test_opcheck_rope_rotary_width():
     opcheck(torch.ops.posenc.rope_rotary_width.default, (q, k), dict(rotary_offset=4),
             test_utils=("test_schema", "test_faketensor"))
     assert torch.ops.posenc.rope_rotary_width(q.to("meta"), rotary_dim=6) == 6
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(eps=float("inf")), r"expected eps > 0 \(added to the mean square\), got inf"),
+    (dict(eps=float("nan")), r"expected eps > 0 \(added to the mean square\), got nan"),
+    (dict(weight_offset=float("inf")), "expected a finite weight_offset, got inf"),
+])
+def test_qk_norm_rotary_refuses_non_finite_norm_settings_at_construction(kwargs, match):
+    # As the C++ module does (it raised only at the first forward in Python).
+    with pytest.raises(ValueError, match="QKNormRotary: " + match):
+        posenc.QKNormRotary(16, **kwargs)
+
+
+def test_rotary_module_checks_k_and_a_0_dim_q_against_its_dim():
+    # A ValueError naming the argument, as in C++ (the op's RuntimeError before).
+    rope = posenc.RotaryPositionalEncoding(8, max_len=16)
+    q = torch.randn(2, 3, 2, 8)
+    with pytest.raises(ValueError, match=r"expected k with head_dim 8 \(the module's dim\), got shape \(2, 3, 1, 6\)"):
+        rope(q, torch.randn(2, 3, 1, 6))
+    with pytest.raises(ValueError, match=r"expected q with head_dim 8 \(the module's dim\), got shape \(\)"):
+        rope(torch.tensor(1.0))
