@@ -219,7 +219,8 @@ def test_every_level_gives_the_same_bits(tmp_path):
 # inside the head): its sums of squares and backward products were contracted into FMAs by
 # the AVX2 build and not by the baseline until the ISA units were compiled with
 # -ffp-contract=off (CMakeLists.txt); its half-precision rows of 4 heads and more take vector
-# paths of their own (bfloat16: widened and narrowed in lane order, the weights permuted).
+# paths of their own (bfloat16: widened and narrowed in lane order, the weights permuted), and
+# on AVX-512 CPUs a backward of 16-lane rows (backward_heads_avx512).
 QK_NORM_SCRIPT = r"""
 import sys
 import torch
@@ -246,12 +247,14 @@ def test_qk_norm_rope_gives_the_same_bits_at_every_level(tmp_path):
     if len(levels) < 2:
         pytest.skip("this CPU runs only the baseline kernels (no AVX2 + FMA + F16C)")
     outs = {}
-    for level in levels[:2]:
+    for level in levels:  # avx512: the half-precision backward's 16-lane rows
         env = dict(os.environ, POSENC_CPU_CAPABILITY=level, PYTHONPATH=str(ROOT / "python"))
         path = tmp_path / f"qk_{level}.pt"
         proc = subprocess.run([sys.executable, "-c", QK_NORM_SCRIPT, str(path)], env=env,
                               capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-4000:]
         outs[level] = torch.load(path)
-    for a, b in zip(outs["default"], outs["avx2"]):
-        assert torch.equal(a, b)
+    for level in levels[1:]:
+        assert len(outs[level]) == len(outs["default"])
+        for a, b in zip(outs["default"], outs[level]):
+            assert torch.equal(a, b), level

@@ -371,13 +371,7 @@ void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes
 #define POSENC_AVX512_PHILOX 1
 constexpr int kWideLanes = 16;  // Philox counters per AVX-512 pass
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-// GCC 12's avx512fintrin.h builds set1/setr from a self-initialised vector and then warns
-// about it under -Wuninitialized; nothing here reads an uninitialised value.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+POSENC_AVX512_WARNINGS_BEGIN
 
 // The AVX-512 form of philox8_rounds for kGroups groups of 16 whole blocks from block0, whose
 // indices share their high word: the same rounds on 16 lanes per group, the two XORs of
@@ -548,9 +542,7 @@ POSENC_AVX512_TARGET int64_t masked_bits_avx512(const uint8_t* const* bits, cons
   }
   return done;
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+POSENC_AVX512_WARNINGS_END
 
 #endif
 

@@ -60,6 +60,18 @@ inline __m256i narrow_bf16_lanes(__m256 lo, __m256 hi) {
 // (no NaN blend), and narrow_bf16_512, 16 float32 values in element order to bfloat16 as
 // ATen rounds them (NaN -> 0xffff). POSENC_AVX512_TARGET: the attribute of every such path.
 #define POSENC_AVX512_TARGET __attribute__((target("avx512f,avx512bw,avx512vl")))
+// Around the AVX-512 paths of a kernel file: GCC 12's avx512fintrin.h builds set1/setr and the
+// zero-extending loads from a self-initialised vector and then warns about it under
+// -Wuninitialized; nothing there reads an uninitialised value.
+#if defined(__GNUC__) && !defined(__clang__)
+#define POSENC_AVX512_WARNINGS_BEGIN                                                     \
+  _Pragma("GCC diagnostic push") _Pragma("GCC diagnostic ignored \"-Wuninitialized\"") \
+      _Pragma("GCC diagnostic ignored \"-Wmaybe-uninitialized\"")
+#define POSENC_AVX512_WARNINGS_END _Pragma("GCC diagnostic pop")
+#else
+#define POSENC_AVX512_WARNINGS_BEGIN
+#define POSENC_AVX512_WARNINGS_END
+#endif
 
 POSENC_AVX512_TARGET inline __m512i bf16_round_bits_512(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
@@ -88,14 +100,23 @@ POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m512 load16(const T
   }
 }
 
+// The 16 half-precision values of v (T bfloat16 or float16), as ATen rounds them.
+template <typename T>
+POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m256i narrow16(__m512 v) {
+  static_assert(std::is_same_v<T, c10::Half> || std::is_same_v<T, c10::BFloat16>, "half precision only");
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    return narrow_bf16_512(v);
+  }
+}
+
 template <typename T>
 POSENC_AVX512_TARGET __attribute__((always_inline)) inline void store16(T* p, __m512 v) {
   if constexpr (std::is_same_v<T, float>) {
     _mm512_storeu_ps(p, v);
-  } else if constexpr (std::is_same_v<T, c10::Half>) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
   } else {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16_512(v));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow16<T>(v));
   }
 }
 

@@ -285,6 +285,94 @@ void backward_heads_vec(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
     }
   }
 }
+
+#if defined(__GNUC__) || defined(__clang__)
+// backward_heads_vec of half-precision rows on CPUs with AVX-512 (compiled by target
+// attribute, called where cpu_has_avx512()), for rows that are all rotary halves of whole
+// 16-lane vectors: the elementwise passes (the gradient turned back, the squares, the weight
+// gradient's terms, dx) 16 lanes wide, in half the instructions (the half-precision backward
+// was compute-bound: 8.6 ms on 1 thread where its bytes take 2.0). Each value is rounded
+// as there, and the sums keep backward_heads_vec's 8-lane order (the two 8-lane halves of
+// each 16-lane product added in element order; the squares of the second half staged, as
+// there all are), so the same bits (test_cpu_capability.py compares the levels).
+POSENC_AVX512_WARNINGS_BEGIN
+// acc + v's lanes 0-7, then + its lanes 8-15: an 8-lane sum's order over 16 lanes.
+POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m256 add8(__m256 acc, __m512 v) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(v)), hi);
+}
+
+template <typename scalar_t, int kG>
+POSENC_AVX512_TARGET void backward_heads_avx512(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
+                                                const scalar_t* const (&g)[kG], scalar_t* const (&dx)[kG],
+                                                const float* w, float* dw, const TokenAngles<float>& t,
+                                                bool stream) {
+  const int64_t D = a.rope.head_dim, half = D / 2;
+  const float eps = static_cast<float>(a.eps);
+  alignas(64) float gs[kG][kStagedRow];
+  alignas(64) float sq2[kG][kStagedRow / 2];  // the squares of the second half, in order
+  float r[kG], mean[kG];
+  for (int i = 0; i < kG; ++i) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t p = 0; p < half; p += 16) {
+      const __m512 x1 = load16(x[i] + p), x2 = load16(x[i] + half + p);
+      const __m512 g1 = load16(g[i] + p), g2 = load16(g[i] + half + p);
+      const __m512 c = _mm512_loadu_ps(t.cs + p), sn = _mm512_loadu_ps(t.sn + p);
+      // rotate_vec: g1 c - g2 s and g2 c + g1 s, each one product and one fused multiply-add.
+      _mm512_store_ps(gs[i] + p, _mm512_fmsub_ps(g1, c, _mm512_mul_ps(g2, sn)));
+      _mm512_store_ps(gs[i] + half + p, _mm512_fmadd_ps(g2, c, _mm512_mul_ps(g1, sn)));
+      acc = add8(acc, _mm512_mul_ps(x1, x1));
+      _mm512_store_ps(sq2[i] + p, _mm512_mul_ps(x2, x2));
+    }
+    for (int64_t p = 0; p < half; p += 8) acc = _mm256_add_ps(acc, _mm256_load_ps(sq2[i] + p));
+    float lanes[kLanes];
+    _mm256_storeu_ps(lanes, acc);
+    r[i] = math::qk_norm_inv_rms<float>(lanes_sum(lanes), D, eps);
+  }
+  // The weight gradient's terms (heads in order per feature) and mean(gu * w * xhat).
+  {
+    __m512 rv[kG];
+    __m256 part[kG];
+    for (int i = 0; i < kG; ++i) {
+      rv[i] = _mm512_set1_ps(r[i]);
+      part[i] = _mm256_setzero_ps();
+    }
+    for (int64_t e = 0; e < D; e += 16) {
+      __m512 d = _mm512_loadu_ps(dw + e);
+      const __m512 wv = _mm512_loadu_ps(w + e);
+      for (int i = 0; i < kG; ++i) {
+        const __m512 gv = _mm512_load_ps(gs[i] + e), xh = _mm512_mul_ps(load16(x[i] + e), rv[i]);
+        d = _mm512_add_ps(d, _mm512_mul_ps(gv, xh));
+        part[i] = add8(part[i], _mm512_mul_ps(_mm512_mul_ps(gv, wv), xh));
+      }
+      _mm512_storeu_ps(dw + e, d);
+    }
+    for (int i = 0; i < kG; ++i) {
+      float lanes[kLanes];
+      _mm256_storeu_ps(lanes, part[i]);
+      mean[i] = lanes_sum(lanes) / static_cast<float>(D);
+    }
+  }
+  // dx = r * (gu * w - xhat * mean), math::qk_norm_grad_input, narrowed as ATen rounds.
+  for (int i = 0; i < kG; ++i) {
+    const __m512 rv = _mm512_set1_ps(r[i]), mv = _mm512_set1_ps(mean[i]);
+    const bool streamed = stream && x[i] != dx[i] && row_can_stream<scalar_t>(dx[i], D);
+    for (int64_t j = 0; j < D; j += 16) {
+      const __m512 xh = _mm512_mul_ps(load16(x[i] + j), rv);
+      const __m512 v = _mm512_mul_ps(rv, _mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(gs[i] + j),
+                                                                     _mm512_loadu_ps(w + j)),
+                                                       _mm512_mul_ps(xh, mv)));
+      auto* out = reinterpret_cast<__m256i*>(dx[i] + j);
+      if (streamed) {
+        _mm256_stream_si256(out, narrow16<scalar_t>(v));
+      } else {
+        _mm256_storeu_si256(out, narrow16<scalar_t>(v));
+      }
+    }
+  }
+}
+POSENC_AVX512_WARNINGS_END
+#endif
 #endif
 
 template <typename scalar_t, typename acc_t, bool kC, bool kIl>
@@ -324,6 +412,8 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
 #if defined(CPU_CAPABILITY_AVX2)
     if constexpr (kC && !kIl && std::is_same_v<acc_t, float>) {
       int64_t h = 0;
+      // backward_heads_avx512's rows: all rotary halves, of whole 16-lane vectors.
+      [[maybe_unused]] const bool wide = cpu_has_avx512() && o == 0 && 2 * half == D && half % 16 == 0;
       auto group = [&](auto kG_tag) {
         constexpr int kG = decltype(kG_tag)::value;
         const scalar_t* x[kG];
@@ -341,6 +431,15 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
           prefetch_rows<scalar_t>(op, b, s, h, kG, D);
           prefetch_rows<scalar_t>(gop, b, s, h, kG, D);
         }
+#if defined(__GNUC__) || defined(__clang__)
+        if constexpr (!std::is_same_v<scalar_t, float>) {
+          if (wide) {
+            backward_heads_avx512<scalar_t, kG>(a, x, g, dx, w, dw, t, stream);
+            h += kG;
+            return;
+          }
+        }
+#endif
         backward_heads_vec<scalar_t, kG>(a, x, g, dx, w, dw, t, stream);
         h += kG;
       };

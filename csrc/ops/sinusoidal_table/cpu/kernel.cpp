@@ -235,13 +235,7 @@ void sweep_octet(const SinusoidalTableArgs& a, const Steps& st, int64_t run, int
   }
 }
 
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic push
-// GCC 12's avx512fintrin.h builds set1/setr from a self-initialised vector and then warns
-// about it under -Wuninitialized; nothing here reads an uninitialised value.
-#pragma GCC diagnostic ignored "-Wuninitialized"
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-#endif
+POSENC_AVX512_WARNINGS_BEGIN
 // sweep_octet with the 8 pairs in one 512-bit register each for cos and sin: the same
 // products, bounds and roundings (so the same values), in a third of the instructions.
 template <typename T>
@@ -279,9 +273,7 @@ POSENC_AVX512_TARGET void sweep_octet_avx512(const SinusoidalTableArgs& a,
     e = _mm512_add_pd(e, de);
   }
 }
-#if defined(__GNUC__) && !defined(__clang__)
-#pragma GCC diagnostic pop
-#endif
+POSENC_AVX512_WARNINGS_END
 #endif
 
 // Rows [first, last) of a table of float32 or narrower from the recurrence, run by run, and
