@@ -29,6 +29,7 @@ CASES = {
     "cossin_fwd": "apply_rope_cos_sin bhsd", "cossin_bwd": "its backward", "qknorm": "qk_norm_rope forward",
     "qknorm_bwd": "its backward",
     "append": "rope_append_kv prefill (1, 2048, 32, 8, 128)", "append_fp8": "the same, FP8 e4m3 caches",
+    "append_qknorm": "the same, QK-norm (float32 weights)",
     "shift": "rope_shift_kv of 2048 rows", "shift_mla": "the same of MLA's k_pe in a latent cache",
     "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
     "learned_bwd": "LearnedPositionalEncoding(512, 0.1) backward of x (32, 512, 512), training",
@@ -84,11 +85,13 @@ with torch.no_grad():
             with torch.enable_grad():
                 outs = F.qk_norm_rope(*ins)
             fn = lambda: torch.autograd.grad(outs, ins, (q, k), retain_graph=True)
-    elif name in ("append", "append_fp8"):
+    elif name in ("append", "append_fp8", "append_qknorm"):
         q = torch.randn(1, 2048, 32, 128, dtype=dt); k, v = (torch.randn(1, 2048, 8, 128, dtype=dt) for _ in "kv")
         fp8 = name == "append_fp8"
         kc, vc = (torch.zeros(1, 4096, 8, 128, dtype=torch.float8_e4m3fn if fp8 else dt) for _ in "kv")
         scales = dict(k_scale=0.05, v_scale=0.02) if fp8 else {}
+        if name == "append_qknorm":
+            scales = dict(q_weight=torch.rand(128) + 0.5, k_weight=torch.rand(128) + 0.5)
         fn = lambda: F.rope_append_kv(q, k, v, kc, vc, offset=torch.tensor([1000]), **scales)
     elif name.startswith("decode"):
         layout = "bhsd" if name.endswith("bhsd") else "bshd"

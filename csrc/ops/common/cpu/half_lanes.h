@@ -120,6 +120,13 @@ POSENC_AVX512_TARGET __attribute__((always_inline)) inline void store16(T* p, __
   }
 }
 
+// acc + v's lanes 0-7, then + its lanes 8-15: a sum over 8 lanes (qk_norm_rows.h kLanes) in
+// its order, fed 16 lanes at a time.
+POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m256 add8(__m256 acc, __m512 v) {
+  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+  return _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(v)), hi);
+}
+
 // AVX-512F/BW/VL present and not capped by POSENC_CPU_CAPABILITY (cpu_capability.h): where the
 // AVX2 kernels take their AVX-512 paths.
 inline bool cpu_has_avx512() {

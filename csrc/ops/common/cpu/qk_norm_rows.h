@@ -291,6 +291,55 @@ void nan_rows(const QkNormRopeArgs& a, const RopeOperand& op, int64_t b, int64_t
 
 // Every head row of `op` at token (b, s); `stream` as forward_row's (the caller fences:
 // stream_fence).
+#if defined(CPU_CAPABILITY_AVX2) && (defined(__GNUC__) || defined(__clang__))
+POSENC_AVX512_WARNINGS_BEGIN
+// forward_operand's group of 4 half-precision heads (norm "head") on CPUs with AVX-512
+// (compiled by target attribute, called where cpu_has_avx512()), for rows that are all
+// rotary halves of whole 16-lane vectors: the squares and the rows 16 lanes wide, each value
+// rounded as add_squares_rows and forward_pairs_vec round it, the sums in their 8-lane order
+// (add8), so the same bits (test_cpu_capability.py compares the levels).
+template <typename scalar_t>
+POSENC_AVX512_TARGET void forward_group_avx512(const QkNormRopeArgs& a, const scalar_t* const (&rows)[4],
+                                               scalar_t* const (&outs)[4], const float* w,
+                                               const TokenAngles<float>& t, bool stream) {
+  const int64_t D = a.rope.head_dim, half = D / 2;
+  __m256 acc[4];
+  for (int i = 0; i < 4; ++i) acc[i] = _mm256_setzero_ps();
+  for (int64_t e = 0; e < D; e += 16) {
+    for (int i = 0; i < 4; ++i) {
+      const __m512 x = load16(rows[i] + e);
+      acc[i] = add8(acc[i], _mm512_mul_ps(x, x));
+    }
+  }
+  alignas(32) float part[4][kLanes];
+  for (int i = 0; i < 4; ++i) _mm256_store_ps(part[i], acc[i]);
+  alignas(16) float r[4];
+  inv_rms4(part, D, static_cast<float>(a.eps), r);
+  for (int i = 0; i < 4; ++i) {
+    const __m512 rv = _mm512_set1_ps(r[i]);
+    const bool streamed = row_streams(stream, rows[i], outs[i]) && rows_can_stream<scalar_t>(outs[i], D);
+    for (int64_t p = 0; p < half; p += 16) {
+      // (x * r) * w, then rotate_vec: x1 c - x2 s and x2 c + x1 s, one product and one fma each.
+      const __m512 x1 = _mm512_mul_ps(_mm512_mul_ps(load16(rows[i] + p), rv), _mm512_loadu_ps(w + p));
+      const __m512 x2 = _mm512_mul_ps(_mm512_mul_ps(load16(rows[i] + half + p), rv), _mm512_loadu_ps(w + half + p));
+      const __m512 c = _mm512_loadu_ps(t.cs + p), sn = _mm512_loadu_ps(t.sn + p);
+      const __m256i y1 = narrow16<scalar_t>(_mm512_fmsub_ps(x1, c, _mm512_mul_ps(x2, sn)));
+      const __m256i y2 = narrow16<scalar_t>(_mm512_fmadd_ps(x2, c, _mm512_mul_ps(x1, sn)));
+      auto* o1 = reinterpret_cast<__m256i*>(outs[i] + p);
+      auto* o2 = reinterpret_cast<__m256i*>(outs[i] + half + p);
+      if (streamed) {
+        _mm256_stream_si256(o1, y1);
+        _mm256_stream_si256(o2, y2);
+      } else {
+        _mm256_storeu_si256(o1, y1);
+        _mm256_storeu_si256(o2, y2);
+      }
+    }
+  }
+}
+POSENC_AVX512_WARNINGS_END
+#endif
+
 template <typename scalar_t, typename acc_t, bool kC>
 void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t* w, int64_t b,
                      int64_t s, const TokenAngles<acc_t>& t, bool stream = false) {
@@ -314,10 +363,23 @@ void forward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const acc_t
         wl = w_lanes;
       }
     }
+#if defined(__GNUC__) || defined(__clang__)
+    // forward_group_avx512's rows: all rotary halves, of whole 16-lane vectors.
+    const bool wide = cpu_has_avx512() && !hidden && !a.rope.interleaved && a.rope.rotary_dim == D &&
+                      math::rope_rotary_begin(a.rope.settings) == 0 && D % 32 == 0;
+#endif
     for (; !hidden && h + kGroup <= op.heads; h += kGroup) {
       const scalar_t* rows[kGroup];
       for (int i = 0; i < kGroup; ++i) rows[i] = row_in<scalar_t>(op, b, s, h + i);
       prefetch_rows<scalar_t>(op, b, s, h, kGroup, D);
+#if defined(__GNUC__) || defined(__clang__)
+      if (wide) {
+        scalar_t* outs[kGroup];
+        for (int i = 0; i < kGroup; ++i) outs[i] = row_out<scalar_t>(op, b, s, h + i);
+        forward_group_avx512<scalar_t>(a, rows, outs, w, t, stream);
+        continue;
+      }
+#endif
       alignas(32) float part[kGroup][kLanes];
       for (int i = 0; i < kGroup; ++i) _mm256_store_ps(part[i], _mm256_setzero_ps());
       add_squares_rows<scalar_t, kGroup>(rows, D, part);

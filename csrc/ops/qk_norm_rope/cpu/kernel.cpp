@@ -296,11 +296,6 @@ void backward_heads_vec(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
 // each 16-lane product added in element order; the squares of the second half staged, as
 // there all are), so the same bits (test_cpu_capability.py compares the levels).
 POSENC_AVX512_WARNINGS_BEGIN
-// acc + v's lanes 0-7, then + its lanes 8-15: an 8-lane sum's order over 16 lanes.
-POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m256 add8(__m256 acc, __m512 v) {
-  const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
-  return _mm256_add_ps(_mm256_add_ps(acc, _mm512_castps512_ps256(v)), hi);
-}
 
 template <typename scalar_t, int kG>
 POSENC_AVX512_TARGET void backward_heads_avx512(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
