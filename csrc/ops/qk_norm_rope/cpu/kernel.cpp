@@ -287,16 +287,15 @@ void backward_heads_vec(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
 }
 
 #if defined(__GNUC__) || defined(__clang__)
-// backward_heads_vec of half-precision rows on CPUs with AVX-512 (compiled by target
-// attribute, called where cpu_has_avx512()), for rows that are all rotary halves of whole
-// 16-lane vectors: the elementwise passes (the gradient turned back, the squares, the weight
-// gradient's terms, dx) 16 lanes wide, in half the instructions (the half-precision backward
-// was compute-bound: 8.6 ms on 1 thread where its bytes take 2.0). Each value is rounded
-// as there, and the sums keep backward_heads_vec's 8-lane order (the two 8-lane halves of
-// each 16-lane product added in element order; the squares of the second half staged, as
-// there all are), so the same bits (test_cpu_capability.py compares the levels).
+// backward_heads_vec on CPUs with AVX-512 (compiled by target attribute, called where
+// cpu_has_avx512()), for rows that are all rotary halves of whole 16-lane vectors: the
+// elementwise passes (the gradient turned back, the squares, the weight gradient's terms,
+// dx) 16 lanes wide, in half the instructions (bfloat16 0.89x, float16 0.92x, float32
+// 0.93x: benchmarks/NOTES.md). Each value is rounded as there, and the sums keep
+// backward_heads_vec's 8-lane order (the two 8-lane halves of each 16-lane product added in
+// element order; the squares of the second half staged, as there all are), so the same bits
+// (test_cpu_capability.py compares the levels).
 POSENC_AVX512_WARNINGS_BEGIN
-
 template <typename scalar_t, int kG>
 POSENC_AVX512_TARGET void backward_heads_avx512(const QkNormRopeArgs& a, const scalar_t* const (&x)[kG],
                                                 const scalar_t* const (&g)[kG], scalar_t* const (&dx)[kG],
@@ -357,11 +356,20 @@ POSENC_AVX512_TARGET void backward_heads_avx512(const QkNormRopeArgs& a, const s
       const __m512 v = _mm512_mul_ps(rv, _mm512_sub_ps(_mm512_mul_ps(_mm512_load_ps(gs[i] + j),
                                                                      _mm512_loadu_ps(w + j)),
                                                        _mm512_mul_ps(xh, mv)));
-      auto* out = reinterpret_cast<__m256i*>(dx[i] + j);
-      if (streamed) {
-        _mm256_stream_si256(out, narrow16<scalar_t>(v));
+      if constexpr (std::is_same_v<scalar_t, float>) {
+        if (streamed) {  // rows 32-byte aligned (row_can_stream): two 256-bit streaming stores
+          _mm256_stream_ps(dx[i] + j, _mm512_castps512_ps256(v));
+          _mm256_stream_ps(dx[i] + j + 8, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        } else {
+          _mm512_storeu_ps(dx[i] + j, v);
+        }
       } else {
-        _mm256_storeu_si256(out, narrow16<scalar_t>(v));
+        auto* out = reinterpret_cast<__m256i*>(dx[i] + j);
+        if (streamed) {
+          _mm256_stream_si256(out, narrow16<scalar_t>(v));
+        } else {
+          _mm256_storeu_si256(out, narrow16<scalar_t>(v));
+        }
       }
     }
   }
@@ -427,12 +435,10 @@ void backward_operand(const QkNormRopeArgs& a, const RopeOperand& op, const Rope
           prefetch_rows<scalar_t>(gop, b, s, h, kG, D);
         }
 #if defined(__GNUC__) || defined(__clang__)
-        if constexpr (!std::is_same_v<scalar_t, float>) {
-          if (wide) {
-            backward_heads_avx512<scalar_t, kG>(a, x, g, dx, w, dw, t, stream);
-            h += kG;
-            return;
-          }
+        if (wide) {
+          backward_heads_avx512<scalar_t, kG>(a, x, g, dx, w, dw, t, stream);
+          h += kG;
+          return;
         }
 #endif
         backward_heads_vec<scalar_t, kG>(a, x, g, dx, w, dw, t, stream);
