@@ -155,16 +155,28 @@ void philox8_bits(uint64_t seed, uint64_t offset, uint64_t block0, int64_t lanes
   }
 }
 
+// The bits of kGroups groups of 8 whole blocks from block0, whose indices share their high
+// word: counters, the rounds of the groups as independent chains (philox8_rounds), then each
+// group's words in element order (words[g][k]: elements 16 k .. 16 k + 15 of group g's 64,
+// dropout_lane_bits order). The one AVX2 walk of philox8_bits2 and philox8_pieces.
+template <int kGroups>
+inline void philox8_groups(const PhiloxKeys8& keys, uint64_t offset, uint64_t block0,
+                           __m256i (&words)[kGroups][4]) {
+  __m256i v[kGroups][4];
+  for (int g = 0; g < kGroups; ++g) {
+    philox8_counters(offset, block0 + kLanes * g, v[g][0], v[g][1], v[g][2], v[g][3]);
+  }
+  philox8_rounds(keys, v);
+  for (int g = 0; g < kGroups; ++g) philox8_transpose(v[g][0], v[g][1], v[g][2], v[g][3], words[g]);
+}
+
 // philox8_bits for 16 whole blocks whose indices share their high word, as two groups at once.
 void philox8_bits2(const PhiloxKeys8& keys, uint64_t offset, uint64_t block0, uint16_t* bits) {
-  __m256i v[2][4];
-  for (int g = 0; g < 2; ++g) philox8_counters(offset, block0 + kLanes * g, v[g][0], v[g][1], v[g][2], v[g][3]);
-  philox8_rounds(keys, v);
+  __m256i words[2][4];
+  philox8_groups<2>(keys, offset, block0, words);
   for (int g = 0; g < 2; ++g) {
-    __m256i words[4];
-    philox8_transpose(v[g][0], v[g][1], v[g][2], v[g][3], words);
     __m256i* out = reinterpret_cast<__m256i*>(bits + g * kLanes * math::kDropoutBlock);
-    for (int k = 0; k < 4; ++k) _mm256_storeu_si256(out + k, words[k]);
+    for (int k = 0; k < 4; ++k) _mm256_storeu_si256(out + k, words[g][k]);
   }
 }
 
@@ -186,14 +198,11 @@ int64_t philox8_pieces(const DropoutArgs& draw, int64_t first, int64_t n, Piece&
   int64_t done = 0;
   while (done + kGroup <= n && static_cast<uint32_t>(block) <= 0xFFFFFFFFu - 2 * kLanes) {
     const int groups = done + 2 * kGroup <= n ? 2 : 1;
-    __m256i c[2][4];
-    for (int g = 0; g < 2; ++g) philox8_counters(draw.offset, block + kLanes * g, c[g][0], c[g][1], c[g][2], c[g][3]);
-    philox8_rounds(keys, c);
+    __m256i words[2][4];
+    philox8_groups<2>(keys, draw.offset, block, words);
     for (int g = 0; g < groups; ++g, done += kGroup, block += kLanes) {
-      __m256i words[4];
-      philox8_transpose(c[g][0], c[g][1], c[g][2], c[g][3], words);
       for (int k = 0; k < 4; ++k) {
-        piece(done + 16 * k, _mm256_cmpeq_epi16(_mm256_max_epu16(words[k], threshold), words[k]));
+        piece(done + 16 * k, _mm256_cmpeq_epi16(_mm256_max_epu16(words[g][k], threshold), words[g][k]));
       }
     }
   }
