@@ -59,8 +59,12 @@ void PositionalEncodingImpl::reset() {
   const torch::Tensor positions = torch::arange(options.max_len(), torch::kLong);
   const torch::Tensor table =
       sinusoidal_table(positions, options.d_model(), options.base(), torch::kFloat).unsqueeze(0);
-  if (pe.defined()) {
-    pe.set_data(table);  // a second reset() (options edited): register_buffer refuses a name twice
+  // A second reset() (options edited) replaces the registered buffer's data, on its device
+  // and in its dtype (register_buffer refuses a name twice). Decided by the registry, not by
+  // `pe`: clone() copies the module (its `pe` the original's tensor), clears the registry and
+  // calls reset(), which must register a new buffer and leave the original's alone.
+  if (named_buffers(/*recurse=*/false).contains("pe")) {
+    pe.set_data(table.to(pe.device(), pe.scalar_type()));
   } else {
     pe = register_buffer("pe", table);
   }
@@ -93,9 +97,9 @@ void LearnedPositionalEncodingImpl::reset() {
                     "LearnedPositionalEncoding: expected init_std to be finite and >= 0, got ",
                     options.init_std());
   const torch::Tensor table = torch::empty({1, options.max_len(), options.d_model()});
-  if (pe.defined()) {
+  if (named_parameters(/*recurse=*/false).contains("pe")) {  // a second reset(): as above
     torch::NoGradGuard no_grad;
-    pe.set_data(table);  // a second reset() (options edited): register_parameter refuses a name twice
+    pe.set_data(table.to(pe.device(), pe.scalar_type()));
   } else {
     pe = register_parameter("pe", table);
   }

@@ -522,8 +522,10 @@ def per_sequence_offsets(
     b = LAYOUT_AXES[layout][0]
     count = q.shape[b] if b is not None and q.dim() > b else (
         cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else 1)
-    # A CPU offset is copied without a stream sync (pageable memory is staged at the call).
-    return offset.to(q.device, non_blocking=True).reshape(1).expand(max(count, 0)).contiguous()
+    # A CPU offset is copied without a stream sync: pageable memory is staged at the call; a
+    # pinned one would be read later by the DMA (a race with the caller's next `offset += 1`),
+    # so that one is copied as before.
+    return offset.to(q.device, non_blocking=not offset.is_pinned()).reshape(1).expand(max(count, 0)).contiguous()
 
 
 def rope_op_arguments(
