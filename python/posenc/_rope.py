@@ -525,7 +525,9 @@ def per_sequence_offsets(
     # A CPU offset is copied without a stream sync: pageable memory is staged at the call; a
     # pinned one would be read later by the DMA (a race with the caller's next `offset += 1`),
     # so that one is copied as before.
-    return offset.to(q.device, non_blocking=not offset.is_pinned()).reshape(1).expand(max(count, 0)).contiguous()
+    # (torch.compile cannot trace is_pinned(): its graph copies as inductor does.)
+    pinned = not torch.compiler.is_compiling() and offset.is_pinned()
+    return offset.to(q.device, non_blocking=not pinned).reshape(1).expand(max(count, 0)).contiguous()
 
 
 def rope_op_arguments(

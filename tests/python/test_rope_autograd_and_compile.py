@@ -401,6 +401,22 @@ def test_a_decoding_loop_compiles_twice_not_per_offset():
         assert len(graphs) == 2, f"{name}: {len(graphs)} graphs for 10 values"
 
 
+def test_a_0_dim_offset_compiles_fullgraph():
+    # A decode step's offset as a 0-dim CPU tensor (every sequence's), compiled: no graph break,
+    # the eager numbers, a new value without a new graph.
+    q = torch.randn(2, 5, 3, 8)
+    k = torch.randn(2, 5, 1, 8)
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()  # this function's graphs
+    f = torch.compile(lambda q, k, o: apply_rope(q, k, offset=o), fullgraph=True, backend=counter)
+    for value in (3, 4, 9):
+        got, want = f(q, k, torch.tensor(value)), apply_rope(q, k, offset=value)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert counter.frame_count == 1
+
+
 def test_add_position_tensor_offset_compiles_once():
     """A one-element tensor offset (add_position's documented "an int or a one-element
     integer tensor"): the op's SymInt read its value (a graph per value), and aot_eager /
