@@ -9,7 +9,7 @@
 //
 // The levels: DEFAULT; AVX2; AVX512 = the AVX2 build plus its AVX-512 paths compiled by
 // target attribute (dropout's Philox and mask, sinusoidal_table's sweep, qk_norm_rope's
-// rows: common/cpu/half_lanes.h has their shared helpers), chosen inside the
+// rows, FP8 quantisation: common/cpu/half_lanes.h has their shared helpers), chosen inside the
 // AVX2 kernels when cpu_capability() is AVX512. The chosen level is the
 // best the CPU supports, capped by the environment variable POSENC_CPU_CAPABILITY
 // (default | avx2 | avx512, read once, like ATen's ATEN_CPU_CAPABILITY), so that one host
