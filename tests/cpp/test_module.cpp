@@ -66,37 +66,34 @@ TEST(PositionalEncodingModule, ResetAgainRebuildsTheTableFromEditedOptions) {
   EXPECT_EQ(lpe->pe.scalar_type(), torch::kDouble);
 }
 
+// clone() copies the module, clears its registry and calls reset(): the copy registers its
+// own table; the original keeps its (here edited / trained) values, dtype and registration.
+template <typename Holder>
+void expect_independent_clone(Holder& m, double value) {
+  {
+    torch::NoGradGuard no_grad;
+    m->pe.fill_(value);
+  }
+  auto copy = std::dynamic_pointer_cast<typename Holder::ContainedType>(m->clone());
+  ASSERT_TRUE(copy);
+  EXPECT_TRUE(torch::equal(copy->pe, m->pe));
+  EXPECT_FALSE(copy->pe.is_same(m->pe));
+  EXPECT_EQ(m->pe.min().template item<double>(), value);
+  EXPECT_EQ(copy->pe.scalar_type(), m->pe.scalar_type());
+  EXPECT_EQ(copy->pe.requires_grad(), m->pe.requires_grad());
+  auto params = copy->named_parameters(), buffers = copy->named_buffers();
+  ASSERT_EQ(params.size() + buffers.size(), 1u);
+  EXPECT_TRUE((params.size() ? params["pe"] : buffers["pe"]).is_same(copy->pe));
+}
+
 TEST(PositionalEncodingModule, CloneCopiesTheTableAndLeavesTheOriginalAlone) {
-  // clone() copies the module, clears its registry and calls reset(): the copy registers its
-  // own table; the original keeps its (here edited / trained) values, dtype and parameters.
   posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(8).max_len(10));
   pe->to(torch::kDouble);
-  {
-    torch::NoGradGuard no_grad;
-    pe->pe.fill_(7.0);
-  }
-  auto copy = std::dynamic_pointer_cast<posenc::PositionalEncodingImpl>(pe->clone());
-  ASSERT_TRUE(copy);
-  EXPECT_TRUE(torch::equal(copy->pe, pe->pe));
-  EXPECT_FALSE(copy->pe.is_same(pe->pe));
+  expect_independent_clone(pe, 7.0);
   EXPECT_EQ(pe->pe.scalar_type(), torch::kDouble);
-  EXPECT_EQ(pe->pe.min().item<double>(), 7.0);
-  ASSERT_EQ(copy->named_buffers().size(), 1u);
-  EXPECT_TRUE(copy->named_buffers()["pe"].is_same(copy->pe));
-
   posenc::LearnedPositionalEncoding lpe(posenc::LearnedPositionalEncodingOptions(8).max_len(10));
-  {
-    torch::NoGradGuard no_grad;
-    lpe->pe.fill_(42.0);
-  }
-  auto lcopy = std::dynamic_pointer_cast<posenc::LearnedPositionalEncodingImpl>(lpe->clone());
-  ASSERT_TRUE(lcopy);
-  EXPECT_TRUE(torch::equal(lcopy->pe, lpe->pe));
-  EXPECT_FALSE(lcopy->pe.is_same(lpe->pe));
-  EXPECT_EQ(lpe->pe.min().item<double>(), 42.0);  // trained values kept
-  EXPECT_TRUE(lcopy->pe.requires_grad());
-  ASSERT_EQ(lcopy->named_parameters().size(), 1u);
-  EXPECT_TRUE(lcopy->named_parameters()["pe"].is_same(lcopy->pe));
+  expect_independent_clone(lpe, 42.0);  // trained values kept
+  EXPECT_TRUE(lpe->pe.requires_grad());
 }
 
 TEST(PositionalEncodingModule, ForwardEvalAddsRows) {
