@@ -57,6 +57,13 @@ def _float_arg(fn: str, name: str, value: Any) -> float:
     raise ValueError(f"{fn}: expected {name} to be a real number, got {value!r}")
 
 
+def _specialised(value: Any) -> float:
+    """A number torch.compile made a symbol (a size or an argument that changed between calls,
+    or dynamic=True) as its value, a constant of the graph (a guard on it: a recompile per
+    value): .hex() needs the value. Outside torch.compile the number as a float."""
+    return float.fromhex(float(value).hex())
+
+
 def _bool_arg(fn: str, name: str, value: Any) -> bool:
     """value (a Python or numpy bool) as a bool, or TypeError naming it: bool() would take
     the string "False", 0.5 or a list as True."""

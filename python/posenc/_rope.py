@@ -19,7 +19,7 @@ import types
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from posenc._common import _bool_arg, _check_positive_int, _float_arg, _int_arg, _integer
+from posenc._common import _bool_arg, _check_positive_int, _float_arg, _int_arg, _integer, _specialised
 from posenc._dtensor import place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
@@ -283,11 +283,21 @@ def rope_frequencies(
     if isinstance(seq_len, Tensor) and torch.jit.is_tracing():
         raise TypeError(f"{fn}: expected seq_len to be an int, got {seq_len!r} (under torch.jit.trace a size is a "
                         "0-dim tensor, and the frequencies of a traced seq_len would be constants of the graph)")
+    seq_len = _int_arg(fn, "seq_len", seq_len)
+    if torch.compiler.is_compiling():
+        # seq_len may be a size torch.compile made a symbol (a recompile with another shape):
+        # specialised to its value for the types whose frequencies depend on it (a graph per
+        # length, as their tables have); 0 for the others, which do not read it (a negative
+        # one is left for the op's ValueError).
+        if rope_type in LENGTH_SCALED_TYPES:
+            seq_len = int(_specialised(seq_len))
+        elif seq_len >= 0:
+            seq_len = 0
     # The op's answer as constants (_host_frequencies), eager and under torch.compile alike:
     # the op cannot be in a graph (no tensor input to take a device from).
     inv_freq, factor = _host_frequencies(
         rotary_dim if partial is None else partial, 10000.0 if base is None else _float_arg(fn, "base", base),
-        rope_type, tuple(values), _int_arg(fn, "seq_len", seq_len), tuple(_sections(sections)), sections_mode)
+        rope_type, tuple(values), seq_len, tuple(_sections(sections)), sections_mode)
     return torch.tensor(inv_freq, dtype=torch.float64, device="cpu"), factor
 
 

@@ -16,7 +16,7 @@ from typing import Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._common import _bool_arg, _float_arg
+from posenc._common import _bool_arg, _float_arg, _specialised
 from posenc._dtensor import is_dtensor, place_beside
 from posenc._rope import (LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, _host_frequencies, heads_batch_rule,
                           resolve_config_keys,
@@ -108,13 +108,10 @@ def rope_cos_sin(
     base = 10000.0 if base is None else _float_arg(fn, "base", base)
     if torch.compiler.is_compiling():
         # A number torch.compile made a symbol (a dim, rotary_dim, base or scaling value that
-        # changed between calls, or dynamic=True) is specialised to its value (.hex() needs
-        # one: a guard, a recompile per value), as a constant one is: the frequencies are
-        # computed on the host (_host_frequencies), from constants.
-        def concrete(v: float) -> float:
-            return float.fromhex(float(v).hex())
-
-        rotary_dim, base, values = int(concrete(rotary_dim)), concrete(base), [concrete(v) for v in values]
+        # changed between calls, or dynamic=True) is specialised to its value, as a constant
+        # one is: the frequencies are computed on the host (_host_frequencies), from constants.
+        rotary_dim, base = int(_specialised(rotary_dim)), _specialised(base)
+        values = [_specialised(v) for v in values]
     args = (positions, rotary_dim, base, rope_type, tuple(values), _bool_arg(fn, "attention_scaling",
                                                                               attention_scaling), dtype)
     if rope_type in LENGTH_SCALED_TYPES and torch.compiler.is_compiling():

@@ -265,6 +265,31 @@ def test_frequencies_under_torch_compile():
         torch.compile(lambda: rope_frequencies(63), fullgraph=True)()
 
 
+@pytest.mark.parametrize("rope_type", ["dynamic", "default"])
+def test_frequencies_of_a_shape_derived_length_under_torch_compile(rope_type):
+    """seq_len from a shape: torch.compile recompiles with that size a symbol, which the
+    frequencies' host call cannot take (it raised "SymNodeVariable() is not a constant"):
+    "dynamic" gets a graph per length, the default type (which does not read it) one."""
+    from torch._dynamo.testing import CompileCounter
+
+    scaling = dict(rope_type="dynamic", factor=2.0, original_max_position_embeddings=4) if rope_type == "dynamic" \
+        else None
+
+    def fn(x):
+        inv, attn = rope_frequencies(16, scaling=scaling, seq_len=x.shape[0])
+        return x.sum() * inv * attn
+
+    counter = CompileCounter()
+    compiled = torch.compile(fn, fullgraph=True, backend=counter)
+    for n in (5, 6, 7, 9):
+        x = torch.ones(n, dtype=torch.float64)
+        assert torch.equal(compiled(x), fn(x))
+    if rope_type == "dynamic":
+        assert counter.frame_count == 4
+    else:  # 5, then a symbolic length (one graph when Dynamo already holds this code's shapes dynamic)
+        assert counter.frame_count <= 2
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: s["rope_type"])
 def test_scaled_rotation(device, scaling):
