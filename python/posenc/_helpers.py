@@ -5,7 +5,8 @@ timestep_embedding; exported by :mod:`posenc.functional` and :mod:`posenc.module
 __future__ import annotations`` here, as in modules.py: TorchScript reads a module's
 annotations as types."""
 
-from typing import Optional, Sequence, Union
+import numbers
+from typing import Any, Optional, Sequence, Union
 
 import torch
 from torch import Tensor, nn
@@ -167,6 +168,14 @@ def _as_grid(name: str, grid: GridLike) -> list[int]:
         raise ValueError(f"resample_position_table: expected {name} to be (h, w) of ints, got {grid!r}") from None
 
 
+def _python_number(value: Any) -> Any:
+    """A numpy number (np.int64, np.float32, ...) as the Python number of its value; anything
+    else as it is."""
+    if isinstance(value, numbers.Number) and not isinstance(value, (bool, int, float)) and hasattr(value, "item"):
+        return value.item()
+    return value
+
+
 class Timesteps(nn.Module):
     """diffusers' ``Timesteps`` module: ``forward(timesteps)`` is
     ``functional.timestep_embedding(timesteps, num_channels, max_period=max_period,
@@ -190,11 +199,13 @@ class Timesteps(nn.Module):
         max_period: float = 10000,
     ) -> None:
         super().__init__()
-        self.num_channels = num_channels
+        # numpy numbers as Python ones (torch.jit.script holds only those as attributes); the
+        # values as given otherwise (the op checks them below, with its messages).
+        self.num_channels = _python_number(num_channels)
         self.flip_sin_to_cos = _bool_arg("Timesteps", "flip_sin_to_cos", flip_sin_to_cos)
-        self.downscale_freq_shift = downscale_freq_shift
-        self.scale = scale
-        self.max_period = max_period
+        self.downscale_freq_shift = _python_number(downscale_freq_shift)
+        self.scale = _python_number(scale)
+        self.max_period = _python_number(max_period)
         self(torch.empty(0))  # the op checks the settings on no timesteps
 
     def forward(self, timesteps: Tensor) -> Tensor:

@@ -457,8 +457,10 @@ def test_jit_script_of_timesteps_and_qk_norm_rotary():
     """Timesteps scripts (its scripted branch calls the op the function calls, with the same
     numbers); QKNormRotary cannot (keyword-only arguments) and says what to do instead."""
     t = torch.tensor([0.0, 1.5, 999.0, 37.25])
-    for args in ((8, True, 0.0), (9, False, 1.0, 2.5, 500)):
-        module = posenc.Timesteps(*args)
+    import numpy as np
+
+    for args in ((8, True, 0.0), (9, False, 1.0, 2.5, 500), (np.int64(10), np.bool_(True), np.float32(0.5))):
+        module = posenc.Timesteps(*args)  # numpy numbers (a config read with numpy) too
         scripted = torch.jit.script(module)
         assert torch.equal(scripted(t), module(t))
     with pytest.raises(RuntimeError, match="posenc: QKNormRotary cannot be compiled by torch.jit.script .* "
