@@ -136,6 +136,10 @@ struct ParsedRope {
   int64_t seq_len_argument;  // rope_seq_len_argument of the scaling
   int64_t rotary_width;      // the op's (rope_rotary_width)
   RopeScaling scaling;       // options.scaling() with the model's defaults filled in
+  // What inv_freq() and attention_scaling() read besides: as reset() saw them, as forward does.
+  double base;
+  std::vector<int64_t> sections;
+  std::string sections_mode;
 };
 
 }  // namespace detail
@@ -199,23 +203,24 @@ void RotaryPositionalEncodingImpl::reset() {
   }
   const int64_t width = ops::call_rope_rotary_width(probe);
   parsed_ = std::make_shared<const detail::ParsedRope>(
-      detail::ParsedRope{std::move(call), seq_len_argument, width, s});
+      detail::ParsedRope{std::move(call), seq_len_argument, width, s, options.base(), options.sections(),
+                         options.sections_mode()});
   inv_freq();  // checks what the op's empty call could not (rope_frequencies' own checks)
 }
 
 
 int64_t RotaryPositionalEncodingImpl::rotary_width() const { return parsed_->rotary_width; }
 
+// The frequencies of the options reset() parsed (those forward rotates with), not of options
+// edited since.
 torch::Tensor RotaryPositionalEncodingImpl::inv_freq() const {
-  return std::get<0>(rope_frequencies(rotary_width(),
-                                      options.base(), parsed_->scaling, 0, options.sections(),
-                                      options.sections_mode()));
+  const detail::ParsedRope& p = *parsed_;
+  return std::get<0>(rope_frequencies(p.rotary_width, p.base, p.scaling, 0, p.sections, p.sections_mode));
 }
 
 double RotaryPositionalEncodingImpl::attention_scaling() const {
-  return std::get<1>(rope_frequencies(rotary_width(),
-                                      options.base(), parsed_->scaling, 0, options.sections(),
-                                      options.sections_mode()));
+  const detail::ParsedRope& p = *parsed_;
+  return std::get<1>(rope_frequencies(p.rotary_width, p.base, p.scaling, 0, p.sections, p.sections_mode));
 }
 
 void RotaryPositionalEncodingImpl::pretty_print(std::ostream& stream) const {

@@ -590,6 +590,23 @@ TEST(RotaryModule, ResetAfterChangingMaxLenIsAFreshModule) {
   }
 }
 
+TEST(RotaryModule, InvFreqIsWhatForwardRotatesWithUntilReset) {
+  // Options edited without reset(): forward still rotates with the parsed ones, and so do
+  // inv_freq() and attention_scaling() (they read the edited base and sections before).
+  auto q = torch::randn({1, 8, 2, 16}, torch::kDouble);
+  posenc::RotaryPositionalEncoding m(posenc::RotaryPositionalEncodingOptions(16).max_len(64));
+  const torch::Tensor inv = m->inv_freq();
+  const torch::Tensor out = std::get<0>(m(q, q));
+  m->options.base(500.0);
+  EXPECT_TRUE(torch::equal(m->inv_freq(), inv));
+  EXPECT_TRUE(torch::equal(std::get<0>(m(q, q)), out));
+  m->reset();
+  posenc::RotaryPositionalEncoding fresh(posenc::RotaryPositionalEncodingOptions(16).max_len(64).base(500.0));
+  EXPECT_TRUE(torch::equal(m->inv_freq(), fresh->inv_freq()));
+  EXPECT_FALSE(torch::equal(m->inv_freq(), inv));
+  EXPECT_TRUE(torch::equal(std::get<0>(m(q, q)), std::get<0>(fresh(q, q))));
+}
+
 // The modules work inside torch::nn::AnyModule / Sequential, which call forward with the
 // required arguments only (FORWARD_HAS_DEFAULT_ARGS).
 TEST(RotaryModule, ModulesWorkInAnyModuleAndSequential) {

@@ -204,7 +204,8 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
                                                       const torch::Tensor& k,
                                                       const RopePositions& where);
 
-  // The float64 inverse frequencies and the attention factor (yarn, longrope; 1 otherwise).
+  // The float64 inverse frequencies and the attention factor (yarn, longrope; 1 otherwise) of
+  // the options reset() parsed: what forward rotates with.
   torch::Tensor inv_freq() const;
   double attention_scaling() const;
 
