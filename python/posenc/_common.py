@@ -64,6 +64,12 @@ def _specialised(value: Any) -> float:
     return float.fromhex(float(value).hex())
 
 
+def _specialised_int(value: Any) -> int:
+    """_specialised for an int, exactly over int64: its high and low 32 bits (floor division
+    and remainder), each exact as a float, specialised apart."""
+    return int(_specialised(value // 2**32)) * 2**32 + int(_specialised(value % 2**32))
+
+
 def _bool_arg(fn: str, name: str, value: Any) -> bool:
     """value (a Python or numpy bool) as a bool, or TypeError naming it: bool() would take
     the string "False", 0.5 or a list as True."""

@@ -19,8 +19,9 @@ import types
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from posenc._common import _bool_arg, _check_positive_int, _float_arg, _int_arg, _integer, _specialised
-from posenc._dtensor import place_beside
+from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _int_arg, _integer, _specialised,
+                            _specialised_int)
+from posenc._dtensor import is_dtensor, place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts, the
@@ -284,20 +285,23 @@ def rope_frequencies(
         raise TypeError(f"{fn}: expected seq_len to be an int, got {seq_len!r} (under torch.jit.trace a size is a "
                         "0-dim tensor, and the frequencies of a traced seq_len would be constants of the graph)")
     seq_len = _int_arg(fn, "seq_len", seq_len)
+    rotary_dim = rotary_dim if partial is None else partial
+    base = 10000.0 if base is None else _float_arg(fn, "base", base)
     if torch.compiler.is_compiling():
-        # seq_len may be a size torch.compile made a symbol (a recompile with another shape):
-        # specialised to its value for the types whose frequencies depend on it (a graph per
-        # length, as their tables have); 0 for the others, which do not read it (a negative
-        # one is left for the op's ValueError).
-        if rope_type in LENGTH_SCALED_TYPES:
-            seq_len = int(_specialised(seq_len))
-        elif seq_len >= 0:
+        # Numbers torch.compile made symbols (a size, or an argument that changed between calls,
+        # or dynamic=True) are specialised to their values, as rope_cos_sin's are: the host
+        # call takes constants (a graph per value). seq_len only for the types that read it
+        # ("dynamic", "longrope"); 0 for the others (one graph for every length).
+        rotary_dim, base = _specialised_int(rotary_dim), _specialised(base)
+        values = [_specialised(v) for v in values]
+        if rope_type in LENGTH_SCALED_TYPES or seq_len < 0:  # a negative one: the op's ValueError
+            seq_len = _specialised_int(seq_len)
+        else:
             seq_len = 0
     # The op's answer as constants (_host_frequencies), eager and under torch.compile alike:
     # the op cannot be in a graph (no tensor input to take a device from).
-    inv_freq, factor = _host_frequencies(
-        rotary_dim if partial is None else partial, 10000.0 if base is None else _float_arg(fn, "base", base),
-        rope_type, tuple(values), seq_len, tuple(_sections(sections)), sections_mode)
+    inv_freq, factor = _host_frequencies(rotary_dim, base, rope_type, tuple(values), seq_len,
+                                         tuple(_sections(sections)), sections_mode)
     return torch.tensor(inv_freq, dtype=torch.float64, device="cpu"), factor
 
 
@@ -536,7 +540,7 @@ def per_sequence_offsets(
     # pinned one would be read later by the DMA (a race with the caller's next `offset += 1`),
     # so that one is copied as before.
     # (torch.compile cannot trace is_pinned(): its graph copies as inductor does.)
-    pinned = not torch.compiler.is_compiling() and offset.is_pinned()
+    pinned = not torch.compiler.is_compiling() and not is_dtensor(offset) and offset.is_pinned()
     return offset.to(q.device, non_blocking=not pinned).reshape(1).expand(max(count, 0)).contiguous()
 
 

@@ -196,6 +196,12 @@ def functions_take_plain_tensors_beside_dtensors():
     assert got_q.placements == (Shard(2),), got_q.placements
     close(got_q.full_tensor(), want_q, "apply_rope plain positions")
     close(got_k.full_tensor(), want_k, "apply_rope plain positions k")
+    # A 0-dim offset as a DTensor (every sequence's): is_pinned() has no DTensor rule.
+    from torch.distributed.tensor import Replicate
+
+    got_q, _ = F.apply_rope(distribute_tensor(q, mesh, [Shard(2)]), distribute_tensor(k, mesh, [Shard(2)]),
+                            offset=distribute_tensor(torch.tensor(4), mesh, [Replicate()]))
+    close(got_q.full_tensor(), F.apply_rope(q, k, offset=4)[0], "apply_rope 0-dim DTensor offset")
     cos, sin = F.rope_cos_sin(pos, 16, dtype=torch.float64)
     want = F.apply_rope_cos_sin(q.transpose(1, 2), None, cos, sin)
     got = F.apply_rope_cos_sin(distribute_tensor(q.transpose(1, 2), mesh, [Shard(1)]), None, cos, sin)

@@ -290,6 +290,31 @@ def test_frequencies_of_a_shape_derived_length_under_torch_compile(rope_type):
         assert counter.frame_count <= 2
 
 
+def test_frequencies_of_changing_settings_under_torch_compile():
+    """rotary_dim, base and scaling values that change between calls (Dynamo makes them symbols
+    on the recompile), or under dynamic=True: specialised, as rope_cos_sin's are, with the
+    eager numbers (they reached the host call as symbols)."""
+    calls = {
+        "rotary_dim": (lambda x, v: rope_frequencies(v)[0] * x, (8, 16, 32)),
+        "base": (lambda x, v: rope_frequencies(16, base=v)[0] * x, (100.0, 500.0, 900.0)),
+        "factor": (lambda x, v: rope_frequencies(16, scaling=dict(rope_type="yarn", factor=v,
+                                                                   original_max_position_embeddings=4.0))[0] * x,
+                   (2.0, 4.0, 8.0)),
+        "seq_len": (lambda x, v: rope_frequencies(16, scaling=dict(rope_type="dynamic", factor=2.0,
+                                                                    original_max_position_embeddings=4),
+                                                  seq_len=v)[0] * x, (3, 9, 2**63 - 1)),
+    }
+    for name, (fn, values) in calls.items():
+        for dynamic in (None, True):
+            compiled = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+            for v in values:
+                assert torch.equal(compiled(torch.ones(()), v), fn(torch.ones(()), v)), (name, v, dynamic)
+    # A negative length is the op's ValueError under compile too (Dynamo wraps it).
+    with pytest.raises(Exception, match="expected seq_len >= 0, got -7"):
+        torch.compile(lambda x: rope_frequencies(16, seq_len=x.shape[0] - 10)[0], dynamic=True, fullgraph=True)(
+            torch.ones(3))
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("scaling", SCALINGS, ids=lambda s: s["rope_type"])
 def test_scaled_rotation(device, scaling):
