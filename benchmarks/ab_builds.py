@@ -33,6 +33,7 @@ CASES = {
     "shift": "rope_shift_kv of 2048 rows", "shift_mla": "the same of MLA's k_pe in a latent cache",
     "decode": "20 rope_append_kv decode steps (8, 1, 32, 8, 128), cache 2048", "decode_bhsd": "the same, bhsd",
     "learned_bwd": "LearnedPositionalEncoding(512, 0.1) backward of x (32, 512, 512), training",
+    "learned_bwd_5000": "the same, max_len 5000 (the default), the module in x's dtype (.to(dtype))",
     "table": "sinusoidal_table(arange(16384), 512)",
     "pe_bwd": "PositionalEncoding(512, 0.1) backward of x (32, 512, 512), training (saved mask)",
     "pe_train": "PositionalEncoding(512, 0.1) forward of x (32, 512, 512), training, no_grad",
@@ -105,9 +106,11 @@ with torch.no_grad():
     elif name == "shift":
         kc = torch.randn(1, 4096, 8, 128, dtype=dt); rows = torch.arange(2048, 4096)
         fn = lambda: F.rope_shift_kv(kc, rows, rows - 1024, rows=rows)
-    elif name == "learned_bwd":
+    elif name in ("learned_bwd", "learned_bwd_5000"):
         import posenc
         module = posenc.LearnedPositionalEncoding(512, 0.1, max_len=512)
+        if name == "learned_bwd_5000":
+            module = posenc.LearnedPositionalEncoding(512, 0.1).to(dt)
         xg = torch.randn(32, 512, 512, dtype=dt, requires_grad=True); g = torch.randn(32, 512, 512, dtype=dt)
         with torch.enable_grad():
             out = module(xg)

@@ -166,9 +166,9 @@ TEST(AddPosition, SavedCpuMaskGivesTheRegeneratedMasksGradients) {
     EXPECT_TRUE(torch::equal(posenc::ops::add_position_backward_op().call(g, key, 0.3),
                              posenc::ops::add_position_backward_op().call(g, mask, 0.3)));
     auto [gx_key, gt_key] = posenc::ops::add_position_backward_with_table_op().call(
-        g, key, pos, 0, true, 0.3, 12, true);
+        g, key, pos, 0, true, 0.3, 12, true, std::nullopt);
     auto [gx_mask, gt_mask] = posenc::ops::add_position_backward_with_table_op().call(
-        g, mask, pos, 0, true, 0.3, 12, true);
+        g, mask, pos, 0, true, 0.3, 12, true, std::nullopt);
     EXPECT_TRUE(torch::equal(gx_key, gx_mask) && torch::equal(gt_key, gt_mask)) << "d=" << d;
     // The C++ module API's gradients come from the saved mask: equal to the key path's.
     const auto xg = x.clone().requires_grad_(true);

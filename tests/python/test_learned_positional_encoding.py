@@ -1,4 +1,5 @@
 """LearnedPositionalEncoding and the vision/fairseq helpers, against references written out here."""
+import functools
 import math
 
 import numpy as np
@@ -479,6 +480,52 @@ def test_fused_backward_is_bitwise_independent_of_thread_count(positions, state)
         torch.set_num_threads(threads)
     for gx, gt in results[1:]:
         assert torch.equal(gx, results[0][0]) and torch.equal(gt, results[0][1])
+
+
+@pytest.mark.parametrize("grad_dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("table_dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+@pytest.mark.parametrize("backend", ["kernel", "composite"])
+def test_fused_backward_table_dtype_is_the_sum_rounded_once(grad_dtype, table_dtype, positions, backend):
+    """table_dtype (autograd passes the table's): the table gradient is the float32 (float64)
+    sum the op returns without it, rounded once to table_dtype, bit for bit; rows that receive
+    no gradient are zeros (the CPU kernel writes the others straight in grad's dtype). Odd
+    sizes, both layouts, offsets at both ends of the table and in between, with and without
+    dropout, empty batches."""
+    op = torch.ops.posenc.add_position_backward_with_table.default
+    keys = torch._C.DispatchKeySet(torch._C.DispatchKey.CompositeExplicitAutograd)
+    call = op if backend == "kernel" else functools.partial(op.redispatch, keys)
+    L = 50
+    for B, S, d, offset, batch_first, p in [(3, 37, 40, 5, True, 0.3), (2, 50, 13, 0, False, 0.0),
+                                            (4, 9, 72, 41, True, 0.0), (0, 7, 16, 3, True, 0.3),
+                                            (5, 1, 8, 49, False, 0.2)]:
+        grad = torch.randn((B, S, d) if batch_first else (S, B, d)).to(grad_dtype)
+        rng = torch.tensor([1234, 8])
+        pos = make_pos(positions, B, S, L, "cpu")
+        off = 0 if pos is not None else offset
+        for need_x in (True, False):
+            gx0, gt0 = call(grad, rng, pos, off, batch_first, p, L, need_x)
+            gx, gt = call(grad, rng, pos, off, batch_first, p, L, need_x, table_dtype=table_dtype)
+            assert gt.dtype == table_dtype and gt.shape == (L, d)
+            assert torch.equal(gx, gx0) and torch.equal(gt, gt0.to(table_dtype)), (B, S, d, off, need_x)
+            if pos is None:  # the rows outside offset .. offset + S - 1 get nothing
+                assert not gt[:off].any() and not gt[off + S:].any()
+    meta = torch.ones(2, 5, 8, device="meta", dtype=grad_dtype)
+    _, gt_meta = op(meta, torch.empty(2, dtype=torch.long, device="meta"), None, 1, True, 0.0, 9, True,
+                    table_dtype=table_dtype)
+    assert gt_meta.dtype == table_dtype and gt_meta.shape == (9, 8)
+
+
+def test_fused_backward_table_dtype_checks_and_opcheck():
+    op = torch.ops.posenc.add_position_backward_with_table.default
+    grad, rng = torch.randn(2, 6, 24, dtype=torch.bfloat16), torch.tensor([3, 4])
+    for bad in (torch.int64, torch.complex64, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match=r"table_dtype to be float32, float64, float16 or bfloat16, got"):
+            op(grad, rng, None, 0, True, 0.1, 8, True, table_dtype=bad)
+    for pos in (None, torch.randint(0, 8, (6,)), torch.randint(0, 8, (2, 6))):
+        for table_dtype in (torch.bfloat16, torch.float32, torch.float16):
+            torch.library.opcheck(op, (grad, rng, pos, 2 if pos is None else 0, True, 0.1, 8, True),
+                                  {"table_dtype": table_dtype})
 
 
 @pytest.mark.parametrize("batch_first", [True, False])

@@ -62,11 +62,13 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
       {at::Tag::nondeterministic_seeded});
   m.def("add_position_backward(Tensor grad, Tensor rng, float p) -> Tensor");
   // Returns (grad_x, grad_table): grad_x is empty unless need_x; grad_table is
-  // (table_len, d) in float32 (float64 for float64 grad).
+  // (table_len, d), summed in float32 (float64 for float64 grad) and returned in table_dtype
+  // (None: that float32/float64 sum), rounded once: autograd asks for the table's dtype, so
+  // a bfloat16 table's gradient is never a float32 table converted afterwards.
   m.def(
       "add_position_backward_with_table(Tensor grad, Tensor rng, Tensor? positions, "
-      "SymInt offset, bool batch_first, float p, SymInt table_len, bool need_x) "
-      "-> (Tensor, Tensor)");
+      "SymInt offset, bool batch_first, float p, SymInt table_len, bool need_x, "
+      "ScalarType? table_dtype=None) -> (Tensor, Tensor)");
 }
 
 // ---- Argument checks, shared by the CPU, CUDA and Meta kernels so that every backend
@@ -236,6 +238,15 @@ AddPositionArgs check_add_position_backward_inputs(const at::Tensor& grad, const
 
 namespace {
 
+// The dtype of the table gradient: table_dtype, or the accumulation dtype when None.
+at::ScalarType table_gradient_dtype(const at::Tensor& grad, std::optional<at::ScalarType> table_dtype) {
+  const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK_TYPE(!table_dtype.has_value() || is_supported_float(*table_dtype),
+                   "posenc: add_position_backward_with_table: expected table_dtype to be float32, float64, "
+                   "float16 or bfloat16, got ", table_dtype.value_or(acc));
+  return table_dtype.value_or(acc);
+}
+
 // The same, when offset, table_len and grad's sizes are concrete (the composite and Meta
 // kernels; symbolic sizes only trace, and the real kernels check at run time).
 void check_add_position_backward_inputs_if_concrete(const at::Tensor& grad, const at::Tensor& rng,
@@ -343,7 +354,8 @@ at::Tensor add_position_backward_meta(const at::Tensor& grad, const at::Tensor& 
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_meta(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
-    c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
+    c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x,
+    std::optional<at::ScalarType> table_dtype) {
   check_not_mixed_with_meta("add_position_backward_with_table",
                             {{"grad", &grad}, {"rng", &rng}, {"positions", optional_ptr(positions)}});
   check_dropout_probability(p);
@@ -353,11 +365,11 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_meta(
                     "posenc: expected table_len >= 0, got ", table_len);
   TORCH_CHECK(grad.dim() == 3, "posenc: expected grad to be a 3-D tensor, got shape ",
               grad.sym_sizes());
-  const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType out_dtype = table_gradient_dtype(grad, table_dtype);
   at::Tensor grad_x = need_x ? at::empty_symint(grad.sym_sizes(), grad.options())
                              : at::empty({0}, grad.options());
   at::Tensor grad_table =
-      at::empty_symint({std::move(table_len), grad.sym_size(2)}, grad.options().dtype(acc));
+      at::empty_symint({std::move(table_len), grad.sym_size(2)}, grad.options().dtype(out_dtype));
   return {grad_x, grad_table};
 }
 
@@ -510,14 +522,17 @@ at::Tensor add_position_backward_composite(const at::Tensor& grad_in, const at::
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
     const at::Tensor& grad, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
-    c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x) {
+    c10::SymInt offset, bool batch_first, double p, c10::SymInt table_len, bool need_x,
+    std::optional<at::ScalarType> table_dtype) {
   // The checks of the fused kernels (offset range, rng, p, positions layout).
   check_add_position_backward_inputs_if_concrete(grad, rng, positions, offset, batch_first, p,
                                                  table_len);
+  const at::ScalarType out_dtype = table_gradient_dtype(grad, table_dtype);
   warn_aten_fallback("add_position_backward_with_table", grad.device());
   const at::Tensor masked = p > 0.0 ? add_position_backward_op().call(grad, rng, p) : grad;
   at::Tensor grad_table = table_gradient_composite(masked, positions.value_or(at::Tensor()),
-                                                   offset, batch_first, table_len);
+                                                   offset, batch_first, table_len)
+                              .to(out_dtype);
   at::Tensor grad_x = !need_x ? at::empty({0}, grad.options())
                               : (p > 0.0 ? masked : grad.clone(at::MemoryFormat::Contiguous));
   return {grad_x, grad_table};
@@ -628,9 +643,11 @@ at::Tensor add_position_backward_cpu(const at::Tensor& grad_in, const at::Tensor
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
     const at::Tensor& grad_in, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
-    int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x) {
+    int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x,
+    std::optional<at::ScalarType> table_dtype) {
   const AddPositionArgs g = check_add_position_backward_inputs(
       grad_in, rng, positions, offset, batch_first, p, table_len);
+  const at::ScalarType out_dtype = table_gradient_dtype(grad_in, table_dtype);
   at::Tensor pos;
   if (positions.has_value()) {
     pos = positions->contiguous();
@@ -642,13 +659,26 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor grad_x = need_x ? empty_output(grad.sizes(), grad.options())
                              : at::empty({0}, grad.options());
-  at::Tensor grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
-  if (grad.numel() == 0) return {grad_x, grad_table};
+  if (grad.numel() == 0) return {grad_x, at::zeros({table_len, g.d}, grad.options().dtype(out_dtype))};
+  // Without positions the kernel writes rows offset .. offset + seq - 1 once each, in the
+  // accumulation dtype or in grad's (a bfloat16 or float16 table of bfloat16 or float16 x):
+  // only the other rows are zeroed, and no float32 table is converted afterwards. With
+  // positions it adds into a zeroed table in the accumulation dtype.
+  const bool rows_once = !pos.defined() && (out_dtype == acc || out_dtype == grad.scalar_type());
+  at::Tensor grad_table;
+  if (rows_once) {
+    grad_table = empty_output({table_len, g.d}, grad.options().dtype(out_dtype));
+    grad_table.narrow(0, 0, offset).zero_();
+    grad_table.narrow(0, offset + g.seq, table_len - offset - g.seq).zero_();
+  } else {
+    grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
+  }
   cpu::add_position_backward_stub::get()(
       g, grad.scalar_type(), grad.const_data_ptr(),
       pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr, draw,
-      need_x ? grad_x.mutable_data_ptr() : nullptr, grad_table.mutable_data_ptr());
-  return {grad_x, grad_table};
+      need_x ? grad_x.mutable_data_ptr() : nullptr, grad_table.mutable_data_ptr(),
+      /*table_in_grad_dtype=*/out_dtype != acc && rows_once);
+  return {grad_x, grad_table.to(out_dtype)};
 }
 
 }  // namespace
@@ -740,9 +770,11 @@ at::Tensor add_position_backward_cuda(const at::Tensor& grad_in, const at::Tenso
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
     const at::Tensor& grad_in, const at::Tensor& rng, const std::optional<at::Tensor>& positions,
-    int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x) {
+    int64_t offset, bool batch_first, double p, int64_t table_len, bool need_x,
+    std::optional<at::ScalarType> table_dtype) {
   const AddPositionArgs g = check_add_position_backward_inputs(
       grad_in, rng, positions, offset, batch_first, p, table_len);
+  const at::ScalarType out_dtype = table_gradient_dtype(grad_in, table_dtype);
   const c10::cuda::CUDAGuard device_guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();
   const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -750,10 +782,13 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
                              : at::empty({0}, grad.options());
   const bool sorted = positions.has_value() && positions->dim() == 2;
   // The table gradient starts at zero, except on the (seq,) positions path, which builds it
-  // from the per-s sums (scatter_rows_into_table) and would discard a zeroed table.
+  // from the per-s sums (scatter_rows_into_table) and would discard a zeroed table. Without
+  // positions in another dtype than the accumulation's, the sums go to a (seq, d) buffer and
+  // only those rows are converted (no float32 table converted whole).
+  const bool rows_in_buffer = !positions.has_value() && out_dtype != acc;
   at::Tensor grad_table;
-  if (grad.numel() == 0 || !positions.has_value() || sorted) {
-    grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
+  if (grad.numel() == 0 || (!positions.has_value() && !rows_in_buffer) || sorted) {
+    grad_table = at::zeros({table_len, g.d}, grad.options().dtype(grad.numel() == 0 ? out_dtype : acc));
   }
   if (grad.numel() == 0) return {grad_x, grad_table};
   const auto params = math::make_dropout_params(p);
@@ -779,18 +814,23 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
           args, grad.const_data_ptr(), gx, grad_table.mutable_data_ptr(), start.mutable_data_ptr(),
           carry.mutable_data_ptr(), runs, rows.const_data_ptr<int64_t>(), table_len, stream));
     });
-    return {grad_x, grad_table};
+    return {grad_x, grad_table.to(out_dtype)};
   }
   // Sums per s: straight into rows offset + s of the table, or into a buffer when the
-  // (seq,) positions may send two s to one row.
-  at::Tensor sums = positions.has_value() ? at::empty({g.seq, g.d}, grad.options().dtype(acc))
-                                          : grad_table.narrow(0, offset, g.seq);
+  // (seq,) positions may send two s to one row or the table is in another dtype.
+  at::Tensor sums = positions.has_value() || rows_in_buffer
+                        ? at::empty({g.seq, g.d}, grad.options().dtype(acc))
+                        : grad_table.narrow(0, offset, g.seq);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_table_cuda", [&] {
     C10_CUDA_CHECK(launch_add_position_backward_table<scalar_t>(args, grad.const_data_ptr(), gx,
                                                                 sums.mutable_data_ptr(), stream));
   });
   if (positions.has_value()) grad_table = scatter_rows_into_table(positions->contiguous(), sums, table_len);
-  return {grad_x, grad_table};
+  if (rows_in_buffer) {
+    grad_table = at::zeros({table_len, g.d}, grad.options().dtype(out_dtype));
+    grad_table.narrow(0, offset, g.seq).copy_(sums);
+  }
+  return {grad_x, grad_table.to(out_dtype)};
 }
 
 }  // namespace

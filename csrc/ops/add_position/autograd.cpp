@@ -81,7 +81,7 @@ struct AddPositionBackward : ag::Node {
       const bool masked_x = want_x && p > 0.0;
       auto [gx, gt] = add_position_backward_with_table_op().call(
           grad, mask_state, pos.defined() ? std::optional<at::Tensor>(pos) : std::nullopt,
-          offset, batch_first, p, table_len, masked_x);
+          offset, batch_first, p, table_len, masked_x, table_dtype);
       grad_table = as_table(gt);
       if (want_x) grad_x = masked_x ? gx : grad;
     } else {

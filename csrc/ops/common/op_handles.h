@@ -50,7 +50,7 @@ using AddPositionForwardSig = std::tuple<at::Tensor, at::Tensor>(
 using AddPositionBackwardSig = at::Tensor(const at::Tensor&, const at::Tensor&, double);
 using AddPositionBackwardWithTableSig = std::tuple<at::Tensor, at::Tensor>(
     const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::SymInt, bool,
-    double, c10::SymInt, bool);
+    double, c10::SymInt, bool, std::optional<at::ScalarType>);
 using SinusoidalTableSig = at::Tensor(const at::Tensor&, c10::SymInt, double, c10::string_view);
 
 // The helpers (ops/helpers/*.cpp) and the add-position modules' range check.

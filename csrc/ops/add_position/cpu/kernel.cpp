@@ -962,7 +962,7 @@ void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_
 template <typename scalar_t, typename acc_t>
 void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
                                 const int64_t* positions, const DropoutArgs& draw,
-                                scalar_t* grad_x, acc_t* grad_table) {
+                                scalar_t* grad_x, acc_t* grad_table, scalar_t* grad_table_rounded) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
   const int64_t d = g.d;
@@ -1072,9 +1072,22 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
               for (int64_t b = 0; b < g.batch; ++b) add_row(b, s);
           }
           for (int64_t s = s0; s < s1; ++s) {
-            const int64_t pos = positions != nullptr ? positions[s] : g.offset + s;
-            acc_t* t_row = grad_table + pos * d + j_begin;
             const acc_t* a_row = acc + (s - s0) * wc;
+            if (unique) {
+              // Row offset + s is this sum alone (wc == d): written, not added, in grad's
+              // dtype when asked (one rounding, as a conversion of the float32 row).
+              const int64_t row = (g.offset + s) * d;
+              if (grad_table_rounded == nullptr) {
+                std::copy(a_row, a_row + d, grad_table + row);
+                continue;
+              }
+              for (int64_t k = 0; k < d; k += W) {
+                const int64_t m = std::min<int64_t>(W, d - k);
+                store_as<scalar_t, acc_t>(load_as<acc_t, acc_t>(a_row + k, m), grad_table_rounded + row + k, m);
+              }
+              continue;
+            }
+            acc_t* t_row = grad_table + positions[s] * d + j_begin;
             for (int64_t k = 0; k < wc; ++k) t_row[k] += a_row[k];
           }
         }
@@ -1158,7 +1171,7 @@ POSENC_INSTANTIATE(c10::BFloat16, float)
 #define POSENC_INSTANTIATE_BACKWARD(scalar_t, acc_t)                                      \
   template void add_position_backward_rows<scalar_t, acc_t>(                                \
       const AddPositionArgs&, const scalar_t*, const int64_t*, const DropoutArgs&,       \
-      scalar_t*, acc_t*);
+      scalar_t*, acc_t*, scalar_t*);
 POSENC_INSTANTIATE_BACKWARD(float, float)
 POSENC_INSTANTIATE_BACKWARD(double, double)
 POSENC_INSTANTIATE_BACKWARD(c10::Half, float)
@@ -1196,13 +1209,15 @@ void add_position_forward_kernel(const AddPositionArgs& g, c10::ScalarType dtype
 
 void add_position_backward_kernel(const AddPositionArgs& g, c10::ScalarType dtype,
                                   const void* grad, const int64_t* positions,
-                                  const DropoutArgs& draw, void* grad_x, void* grad_table) {
+                                  const DropoutArgs& draw, void* grad_x, void* grad_table,
+                                  bool table_in_grad_dtype) {
   dispatch_floating(dtype, "posenc_add_position_backward_table_cpu", [&](auto* tag) {
     using scalar_t = std::remove_pointer_t<decltype(tag)>;
     using acc_t = at::opmath_type<scalar_t>;
-    add_position_backward_rows<scalar_t, acc_t>(g, static_cast<const scalar_t*>(grad), positions,
-                                                draw, static_cast<scalar_t*>(grad_x),
-                                                static_cast<acc_t*>(grad_table));
+    add_position_backward_rows<scalar_t, acc_t>(
+        g, static_cast<const scalar_t*>(grad), positions, draw, static_cast<scalar_t*>(grad_x),
+        table_in_grad_dtype ? nullptr : static_cast<acc_t*>(grad_table),
+        table_in_grad_dtype ? static_cast<scalar_t*>(grad_table) : nullptr);
   });
 }
 

@@ -91,11 +91,14 @@ using AddPositionForwardFn = void (*)(const AddPositionArgs& g, c10::ScalarType 
                                       const int64_t* positions, const DropoutArgs& draw, void* out);
 POSENC_DECLARE_DISPATCH(AddPositionForwardFn, add_position_forward_stub)
 
-// add_position_backward_rows; grad_x null when not wanted, grad_table in the opmath dtype,
-// zeroed.
+// add_position_backward_rows; grad_x null when not wanted. grad_table (table_len, d): in the
+// opmath dtype, zeroed, or without positions, where rows offset .. offset + seq - 1 are written
+// (not added) and the rest left as they are, also in grad's dtype (table_in_grad_dtype: no
+// positions only).
 using AddPositionBackwardFn = void (*)(const AddPositionArgs& g, c10::ScalarType dtype,
                                        const void* grad, const int64_t* positions,
-                                       const DropoutArgs& draw, void* grad_x, void* grad_table);
+                                       const DropoutArgs& draw, void* grad_x, void* grad_table,
+                                       bool table_in_grad_dtype);
 POSENC_DECLARE_DISPATCH(AddPositionBackwardFn, add_position_backward_stub)
 
 // dropout_backward of grad as rows x d into out.
