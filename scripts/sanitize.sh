@@ -89,12 +89,20 @@ echo "== sanitize: pytest (CPU tests)"
 # same kernels through the same dispatcher entry as the eager tests here. And the
 # torch.compile tests (-k "not compile": 90 tests, a third of the suite's time without the
 # sanitizers): a compiled graph calls the same kernels, and the Meta kernels they trace
-# through stay covered by the opcheck tests, which run here.
+# through stay covered by the opcheck tests, which run here. And the demo's smoke test
+# (test_demo.py: `python -m posenc demo --quick` in a child process, 55 s without the
+# sanitizers, most of it torch.compile and the benchmark loops over the same kernels), the
+# training runs (-k "not learns": hundreds of steps of kernels the gradient tests run once,
+# 62 s under the sanitizers), the benchmark harness's row (test_bench_table.py) and the
+# conftest's own guards (test_conftest_guards.py: pytest in child processes, no posenc op).
+# --durations: the slowest tests, for the next trim.
 rm -rf "$BUILD/inductor-cache"
 san_env LD_PRELOAD="$preload" TORCHINDUCTOR_CACHE_DIR="$BUILD/inductor-cache" \
-  "$PY" -m pytest tests/python -q -p no:cacheprovider --capture=sys -n "${TEST_JOBS:-2}" -m "not cuda" -k "not compile" \
+  "$PY" -m pytest tests/python -q -p no:cacheprovider --capture=sys -n "${TEST_JOBS:-2}" -m "not cuda" -k "not compile and not learns" \
   --ignore-glob="tests/python/test_integrations_*.py" --ignore=tests/python/test_qk_norm_rope_transformers.py \
   --ignore-glob="tests/python/test_docs*.py" --ignore=tests/python/test_readme.py \
   --ignore-glob="tests/python/test_example*.py" --ignore=tests/python/test_distributed.py \
-  --ignore=tests/python/test_deploy.py --ignore=tests/python/test_rope_append_kv_deploy.py
+  --ignore=tests/python/test_deploy.py --ignore=tests/python/test_rope_append_kv_deploy.py \
+  --ignore=tests/python/test_demo.py --ignore=tests/python/test_bench_table.py \
+  --ignore=tests/python/test_conftest_guards.py --durations=15
 echo "sanitize: clean, $(( $(date +%s) - start )) s in all"

@@ -63,8 +63,9 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
   m.def("add_position_backward(Tensor grad, Tensor rng, float p) -> Tensor");
   // Returns (grad_x, grad_table): grad_x is empty unless need_x; grad_table is
   // (table_len, d), summed in float32 (float64 for float64 grad) and returned in table_dtype
-  // (None: that float32/float64 sum), rounded once: autograd asks for the table's dtype, so
-  // a bfloat16 table's gradient is never a float32 table converted afterwards.
+  // (None: that float32/float64 sum), rounded once. Autograd asks for the table's dtype:
+  // without positions and with the table in grad's dtype, the CPU kernel writes the touched
+  // rows in that dtype from its sums (no float32 table zero-filled and converted afterwards).
   m.def(
       "add_position_backward_with_table(Tensor grad, Tensor rng, Tensor? positions, "
       "SymInt offset, bool batch_first, float p, SymInt table_len, bool need_x, "
