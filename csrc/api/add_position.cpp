@@ -7,6 +7,7 @@
 
 #include <cmath>
 
+#include "module_state.h"
 #include "ops/common/op_handles.h"
 #include "posenc/sinusoidal_table.h"
 
@@ -70,6 +71,10 @@ void PositionalEncodingImpl::reset() {
   }
 }
 
+void PositionalEncodingImpl::load(torch::serialize::InputArchive& archive) {
+  detail::load_same_shapes(*this, archive);
+}
+
 void PositionalEncodingImpl::pretty_print(std::ostream& stream) const {
   stream << "posenc::PositionalEncoding(d_model=" << options.d_model()
          << ", dropout=" << options.dropout() << ", max_len=" << options.max_len()
@@ -104,6 +109,10 @@ void LearnedPositionalEncodingImpl::reset() {
     pe = register_parameter("pe", table);
   }
   reset_parameters();
+}
+
+void LearnedPositionalEncodingImpl::load(torch::serialize::InputArchive& archive) {
+  detail::load_same_shapes(*this, archive);
 }
 
 void LearnedPositionalEncodingImpl::reset_parameters() {

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <ostream>
 
+#include "module_state.h"
 #include "ops/common/op_handles.h"
 #include "ops/qk_norm_rope/qk_norm_rope.h"
 
@@ -49,8 +50,19 @@ void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::
 }
 
 void QkNormWeightImpl::reset() {
-  weight = register_parameter("weight", torch::full({size}, init, torch::kFloat32));
+  const torch::Tensor initial = torch::full({size}, init, torch::kFloat32);
+  // Decided by the registry, as PositionalEncodingImpl::reset (clone() clears it first).
+  if (named_parameters(/*recurse=*/false).contains("weight")) {
+    torch::NoGradGuard no_grad;
+    weight.set_data(initial.to(weight.device(), weight.scalar_type()));
+  } else {
+    weight = register_parameter("weight", initial);
+  }
 }
+
+void QkNormWeightImpl::load(torch::serialize::InputArchive& archive) { detail::load_same_shapes(*this, archive); }
+
+void QKNormRotaryImpl::load(torch::serialize::InputArchive& archive) { detail::load_same_shapes(*this, archive); }
 
 QKNormRotaryImpl::QKNormRotaryImpl(const QKNormRotaryOptions& options_) : options(options_) {
   reset();
@@ -89,7 +101,7 @@ void QKNormRotaryImpl::reset() {
                                     {"k_norm", &k_norm, lk}}) {
     if (named_children().find(name) == nullptr) {
       *member = register_module(name, QkNormWeight(size, init));
-    } else if ((*member)->size != size) {
+    } else if ((*member)->size != size || (*member)->weight.numel() != size) {
       *member = replace_module(name, QkNormWeight(size, init));
     }
   }

@@ -767,10 +767,10 @@ class RotaryPositionalEncoding(nn.Module):
             in :func:`posenc.functional.apply_rope`; positions are then (n_axes, ...) and
             every coordinate must lie in ``[0, max_len)``.
 
-    ``inv_freq`` is a non-persistent float32 buffer (Hugging Face's name and convention, so
-    state_dicts stay clean) holding the frequencies for inspection; the kernel evaluates them
-    itself in float64 from the configuration, so a dtype cast of the module does not change
-    the numbers. ``attention_scaling`` is yarn's or longrope's factor on cos and sin (1 for the
+    ``inv_freq`` is a non-persistent buffer (Hugging Face's name and convention, so
+    state_dicts stay clean), float32 until a dtype cast of the module converts it, holding the
+    frequencies for inspection; the kernel evaluates them itself in float64 from the
+    configuration, so a dtype cast of the module does not change the numbers. ``attention_scaling`` is yarn's or longrope's factor on cos and sin (1 for the
     other types).
 
     ``check_positions`` (attribute, default True): positions given as CUDA tensors

@@ -91,8 +91,16 @@ TEST(LearnedPositionalEncodingModule, LoadTableAndSaveLoad) {
   torch::save(a, path);
   posenc::LearnedPositionalEncoding b(posenc::LearnedPositionalEncodingOptions(8).max_len(12));
   torch::load(b, path);
-  std::remove(path.c_str());
   EXPECT_TRUE(torch::equal(a->pe, b->pe));
+  // Another max_len: refused, the trained table kept (and load_table still works).
+  posenc::LearnedPositionalEncoding c(posenc::LearnedPositionalEncodingOptions(8).max_len(5));
+  const auto kept = c->pe.clone();
+  EXPECT_THROW(torch::load(c, path), c10::Error);
+  std::remove(path.c_str());
+  EXPECT_TRUE(torch::equal(c->pe, kept));
+  EXPECT_TRUE(c->pe.requires_grad());
+  c->load_table(torch::ones({5, 8}));
+  EXPECT_TRUE(torch::equal(c->pe[0], torch::ones({5, 8})));
 }
 
 TEST(Helpers, MakePositions) {

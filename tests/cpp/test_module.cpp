@@ -194,6 +194,31 @@ TEST(PositionalEncodingModule, SaveLoadRoundTrip) {
   EXPECT_TRUE(torch::equal(a->pe, b->pe));
 }
 
+// An archive of another max_len or d_model: refused (Python's load_state_dict refuses the
+// same), the module left as it was; LibTorch's own load took it, leaving a 64-row table under
+// options saying 32.
+TEST(PositionalEncodingModule, LoadRefusesAnArchiveOfOtherShapesAndKeepsTheTable) {
+  const std::string path = ::testing::TempDir() + "posenc_module_64.pt";
+  torch::save(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(16).max_len(64)), path);
+  for (auto options : {posenc::PositionalEncodingOptions(16).max_len(32),
+                       posenc::PositionalEncodingOptions(8).max_len(64)}) {
+    posenc::PositionalEncoding b(options);
+    const auto table = b->pe.clone();
+    try {
+      torch::load(b, path);
+      ADD_FAILURE() << "a wrongly sized archive was loaded";
+    } catch (const c10::Error& e) {
+      EXPECT_NE(std::string(e.what()).find("size mismatch for pe: copying a tensor with shape [1, 64, 16]"),
+                std::string::npos) << e.what();
+    }
+    EXPECT_TRUE(torch::equal(b->pe, table));
+    EXPECT_EQ(b->named_buffers()["pe"].data_ptr(), b->pe.data_ptr());
+    b->eval();
+    EXPECT_EQ(b(torch::zeros({1, 3, options.d_model()})).size(2), options.d_model());
+  }
+  std::remove(path.c_str());
+}
+
 TEST(PositionalEncodingModule, RejectsBadOptions) {
   EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(0)), c10::Error);
   EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(8).max_len(0)),

@@ -202,4 +202,33 @@ TEST(QKNormRotaryModule, ResetReparsesOptionsAndKeepsWeights) {
   EXPECT_TRUE(torch::equal(std::get<0>((*clone).forward(q, k)), std::get<0>(want)));
   EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(16).rope(posenc::ApplyRopeOptions().offset(5))),
                c10::ValueError);
+  // reset() of a norm weight a second time sets it back to its initial value (it registered
+  // the parameter twice and threw).
+  m->q_norm->reset();
+  // (its init, 1 - weight_offset, is the one it was built with: offset 0)
+  EXPECT_TRUE(torch::equal(m->q_norm->weight, torch::ones({16}, torch::kDouble)));
+  EXPECT_EQ(m->q_norm->weight.scalar_type(), torch::kDouble);
+}
+
+// An archive of another head_dim: refused, both weights left as they were (LibTorch's own
+// load took a [16] weight into a module of head_dim 8, whose reset() then kept it).
+TEST(QKNormRotaryModule, LoadRefusesWeightsOfOtherSizes) {
+  const std::string path = ::testing::TempDir() + "posenc_qknorm_16.pt";
+  posenc::QKNormRotary a(posenc::QKNormRotaryOptions(16));
+  torch::save(a, path);
+  posenc::QKNormRotary b(posenc::QKNormRotaryOptions(8));
+  {
+    torch::NoGradGuard no_grad;
+    b->q_norm->weight.uniform_(0.5, 1.5);
+  }
+  const auto q_weight = b->q_norm->weight.clone(), k_weight = b->k_norm->weight.clone();
+  EXPECT_THROW(torch::load(b, path), c10::Error);
+  EXPECT_TRUE(torch::equal(b->q_norm->weight, q_weight) && torch::equal(b->k_norm->weight, k_weight));
+  auto q = torch::randn({1, 3, 2, 8}), k = torch::randn({1, 3, 1, 8});
+  EXPECT_EQ(std::get<0>(b(q, k)).sizes(), q.sizes());
+  // The same head_dim loads.
+  posenc::QKNormRotary c(posenc::QKNormRotaryOptions(16));
+  torch::load(c, path);
+  std::remove(path.c_str());
+  EXPECT_TRUE(torch::equal(c->q_norm->weight, a->q_norm->weight));
 }

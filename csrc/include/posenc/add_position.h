@@ -55,6 +55,9 @@ class PositionalEncodingImpl : public torch::nn::Cloneable<PositionalEncodingImp
 
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
+  // torch::load: refuses an archive whose `pe` has another shape (other max_len or d_model),
+  // as Python's load_state_dict does, leaving the module as it was.
+  void load(torch::serialize::InputArchive& archive) override;
 
   // dropout(x + pe[offset : offset + seq]), or dropout(x + pe[positions]) when positions
   // (int64, (seq,) or (batch, seq)) are given. One signature, as in Python, so that the
@@ -95,6 +98,8 @@ class LearnedPositionalEncodingImpl
   void reset() override;
   void reset_parameters();
   void pretty_print(std::ostream& stream) const override;
+  // As PositionalEncodingImpl::load.
+  void load(torch::serialize::InputArchive& archive) override;
 
   // As PositionalEncodingImpl::forward.
   torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0,

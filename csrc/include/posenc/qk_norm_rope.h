@@ -43,7 +43,10 @@ void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::
 class QkNormWeightImpl : public torch::nn::Cloneable<QkNormWeightImpl> {
  public:
   QkNormWeightImpl(int64_t size, double init) : size(size), init(init) { reset(); }
+  // Registers `weight` (size values of init), or on a second call sets it back to init.
   void reset() override;
+  // torch::load: refuses a weight of another size (as PositionalEncodingImpl::load).
+  void load(torch::serialize::InputArchive& archive) override;
   int64_t size;
   double init;
   torch::Tensor weight;
@@ -83,6 +86,8 @@ class QKNormRotaryImpl : public torch::nn::Cloneable<QKNormRotaryImpl> {
   explicit QKNormRotaryImpl(const QKNormRotaryOptions& options);
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
+  // torch::load: refuses norm weights of other sizes, leaving both as they were.
+  void load(torch::serialize::InputArchive& archive) override;
   std::tuple<torch::Tensor, torch::Tensor> forward(const torch::Tensor& q, const torch::Tensor& k,
                                                    const RopePositions& where = {});
 

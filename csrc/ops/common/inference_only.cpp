@@ -5,6 +5,7 @@
 #include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 #include <c10/util/SmallVector.h>
+#include <torch/csrc/autograd/VariableTypeUtils.h>  // increment_version
 #include <torch/csrc/autograd/variable.h>
 
 #include <string>

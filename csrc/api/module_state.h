@@ -1,0 +1,17 @@
+// The C++ modules' archive loading (torch::load), shared by the modules that hold tensors.
+#pragma once
+
+#include <torch/nn/module.h>
+#include <torch/serialize/input-archive.h>
+
+namespace posenc {
+namespace detail {
+
+// torch::nn::Module::load, refusing an archive whose parameters or buffers have other shapes
+// than the module's (LibTorch's own load takes any shape: a module built for max_len 32 then
+// held a 64-row table under options saying 32), as Python's load_state_dict refuses a size
+// mismatch: a RuntimeError naming the tensor and both shapes, the module left as it was.
+void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive);
+
+}  // namespace detail
+}  // namespace posenc
