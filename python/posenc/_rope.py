@@ -770,8 +770,9 @@ class RotaryPositionalEncoding(nn.Module):
     ``inv_freq`` is a non-persistent buffer (Hugging Face's name and convention, so
     state_dicts stay clean), float32 until a dtype cast of the module converts it, holding the
     frequencies for inspection; the kernel evaluates them itself in float64 from the
-    configuration, so a dtype cast of the module does not change the numbers. ``attention_scaling`` is yarn's or longrope's factor on cos and sin (1 for the
-    other types).
+    configuration, so a dtype cast of the module does not change the numbers.
+    ``attention_scaling`` is yarn's or longrope's factor on cos and sin (1 for the other
+    types).
 
     ``check_positions`` (attribute, default True): positions given as CUDA tensors
     (``positions``, a tensor ``offset`` such as a decode step's cache lengths, ``cu_seqlens``)
