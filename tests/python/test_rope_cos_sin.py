@@ -338,7 +338,12 @@ def _valid():
         (dict(q=[1.0]), TypeError, "expected q to be a Tensor, got list"),
         (dict(k=3), TypeError, "expected k to be a Tensor, got int"),
         (dict(cos=None), TypeError, "expected cos to be a Tensor, got NoneType"),
-        (dict(q=torch.zeros(2, 4, 5, 8, dtype=torch.long)), TypeError, "q to be a floating-point tensor, got torch.int64"),
+        (dict(q=torch.zeros(2, 4, 5, 8, dtype=torch.long)), TypeError,
+         "q to be a float16, bfloat16, float32 or float64 tensor, got torch.int64"),
+        # float8: the error named a kernel (q) or came from autograd at backward (cos, sin)
+        (dict(q=torch.zeros(2, 4, 5, 8).to(torch.float8_e4m3fn)), TypeError, "q to be a float16, .* got torch.float8_e4m3fn"),
+        (dict(cos=torch.zeros(5, 8).to(torch.float8_e4m3fn)), TypeError, "cos to be a float16, .* got torch.float8_e4m3fn"),
+        (dict(sin=torch.zeros(5, 8).to(torch.float8_e5m2)), TypeError, "sin to be a float16, .* got torch.float8_e5m2"),
         (dict(layout="sbhd"), ValueError, "unknown layout 'sbhd'; expected one of bhsd, bshd"),
         (dict(interleaved=1), TypeError, "interleaved to be a bool, got 1"),
         (dict(q=torch.zeros(2, 5, 8)), ValueError, r"q of shape \(batch, heads, seq, head_dim\) .* got \(2, 5, 8\)"),

@@ -79,6 +79,10 @@ inline std::string py_dtype(c10::ScalarType t) {
     case c10::ScalarType::ComplexHalf: return "torch.complex32";
     case c10::ScalarType::ComplexFloat: return "torch.complex64";
     case c10::ScalarType::ComplexDouble: return "torch.complex128";
+    case c10::ScalarType::Float8_e4m3fn: return "torch.float8_e4m3fn";
+    case c10::ScalarType::Float8_e5m2: return "torch.float8_e5m2";
+    case c10::ScalarType::Float8_e4m3fnuz: return "torch.float8_e4m3fnuz";
+    case c10::ScalarType::Float8_e5m2fnuz: return "torch.float8_e5m2fnuz";
     default: return std::string("torch.") + c10::toString(t);
   }
 }
