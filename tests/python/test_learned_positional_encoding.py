@@ -510,6 +510,15 @@ def test_fused_backward_table_dtype_is_the_sum_rounded_once(grad_dtype, table_dt
             assert torch.equal(gx, gx0) and torch.equal(gt, gt0.to(table_dtype)), (B, S, d, off, need_x)
             if pos is None:  # the rows outside offset .. offset + S - 1 get nothing
                 assert not gt[:off].any() and not gt[off + S:].any()
+        if pos is not None and B > 0:
+            # Positions in a window of the table (the CPU kernel sums only the rows between the
+            # smallest and the largest position, then converts them into a table zeroed elsewhere).
+            for lo, hi in ((17, 29), (0, 3), (L - 4, L - 1), (11, 11)):
+                win = torch.randint(lo, hi + 1, pos.shape)
+                _, gt0 = call(grad, rng, win, 0, batch_first, p, L, False)
+                _, gt = call(grad, rng, win, 0, batch_first, p, L, False, table_dtype=table_dtype)
+                assert torch.equal(gt, gt0.to(table_dtype)), (lo, hi)
+                assert not gt[:int(win.min())].any() and not gt[int(win.max()) + 1:].any()
     meta = torch.ones(2, 5, 8, device="meta", dtype=grad_dtype)
     _, gt_meta = op(meta, torch.empty(2, dtype=torch.long, device="meta"), None, 1, True, 0.0, 9, True,
                     table_dtype=table_dtype)

@@ -192,15 +192,20 @@ AddPositionArgs make_geometry(const at::Tensor& x, const std::optional<at::Tenso
 }
 
 // Throws IndexError naming the first position outside [0, table_len). CPU tensors only.
-void check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len) {
+// Returns the smallest and largest position ({0, -1} for none).
+std::pair<int64_t, int64_t> check_positions_in_range_cpu(const at::Tensor& positions, int64_t table_len) {
   const at::Tensor pos = positions.contiguous();
   const int64_t* data = pos.const_data_ptr<int64_t>();
   const int64_t n = pos.numel();
+  int64_t lo = n > 0 ? table_len : 0, hi = -1;
   for (int64_t i = 0; i < n; ++i) {
     if (data[i] < 0 || data[i] >= table_len) {
       throw_position_out_of_range(table_len, data[i], c10::str(" at flat index ", i));
     }
+    lo = std::min(lo, data[i]);
+    hi = std::max(hi, data[i]);
   }
+  return {lo, hi};
 }
 
 }  // namespace
@@ -650,9 +655,10 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
       grad_in, rng, positions, offset, batch_first, p, table_len);
   const at::ScalarType out_dtype = table_gradient_dtype(grad_in, table_dtype);
   at::Tensor pos;
+  std::pair<int64_t, int64_t> span{0, -1};  // the rows positions read
   if (positions.has_value()) {
     pos = positions->contiguous();
-    check_positions_in_range_cpu(pos, g.table_len);
+    span = check_positions_in_range_cpu(pos, g.table_len);
   }
   at::Tensor mask;
   const cpu::DropoutArgs draw = p > 0.0 ? backward_draw(rng, p, mask) : cpu::DropoutArgs{};
@@ -664,21 +670,35 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
   // Without positions the kernel writes rows offset .. offset + seq - 1 once each, in the
   // accumulation dtype or in grad's (a bfloat16 or float16 table of bfloat16 or float16 x):
   // only the other rows are zeroed, and no float32 table is converted afterwards. With
-  // positions it adds into a zeroed table in the accumulation dtype.
+  // positions it adds into zeroed rows in the accumulation dtype: the table itself, or, for a
+  // table in another dtype, only the rows between the smallest and the largest position
+  // (g.table_row_base: the first), converted into a table zeroed elsewhere.
   const bool rows_once = !pos.defined() && (out_dtype == acc || out_dtype == grad.scalar_type());
-  at::Tensor grad_table;
+  const bool window = pos.defined() && out_dtype != acc;
+  at::Tensor grad_table, sums;
+  AddPositionArgs args = g;
   if (rows_once) {
     grad_table = empty_output({table_len, g.d}, grad.options().dtype(out_dtype));
     grad_table.narrow(0, 0, offset).zero_();
     grad_table.narrow(0, offset + g.seq, table_len - offset - g.seq).zero_();
+    sums = grad_table;
+  } else if (window) {
+    args.table_row_base = span.first;
+    sums = at::zeros({span.second - span.first + 1, g.d}, grad.options().dtype(acc));
   } else {
-    grad_table = at::zeros({table_len, g.d}, grad.options().dtype(acc));
+    grad_table = sums = at::zeros({table_len, g.d}, grad.options().dtype(acc));
   }
   cpu::add_position_backward_stub::get()(
-      g, grad.scalar_type(), grad.const_data_ptr(),
+      args, grad.scalar_type(), grad.const_data_ptr(),
       pos.defined() ? pos.const_data_ptr<int64_t>() : nullptr, draw,
-      need_x ? grad_x.mutable_data_ptr() : nullptr, grad_table.mutable_data_ptr(),
+      need_x ? grad_x.mutable_data_ptr() : nullptr, sums.mutable_data_ptr(),
       /*table_in_grad_dtype=*/out_dtype != acc && rows_once);
+  if (window) {
+    grad_table = empty_output({table_len, g.d}, grad.options().dtype(out_dtype));
+    grad_table.narrow(0, 0, span.first).zero_();
+    grad_table.narrow(0, span.second + 1, table_len - span.second - 1).zero_();
+    grad_table.narrow(0, span.first, sums.size(0)).copy_(sums);
+  }
   return {grad_x, grad_table.to(out_dtype)};
 }
 

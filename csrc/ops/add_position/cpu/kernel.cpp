@@ -1087,7 +1087,7 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
               }
               continue;
             }
-            acc_t* t_row = grad_table + positions[s] * d + j_begin;
+            acc_t* t_row = grad_table + (positions[s] - g.table_row_base) * d + j_begin;
             for (int64_t k = 0; k < wc; ++k) t_row[k] += a_row[k];
           }
         }
@@ -1109,7 +1109,8 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
       for (int64_t j0 = c * width; j0 < j_end; j0 += kChunk) {
         const int64_t n = std::min(kChunk, j_end - j0);
         for (int64_t r = 0; r < rows; ++r) {
-          masked_row_into(r, j0, n, factors, grad_table + row_position(g, positions, r) * d + j0);
+          const int64_t row = row_position(g, positions, r) - g.table_row_base;
+          masked_row_into(r, j0, n, factors, grad_table + row * d + j0);
         }
       }
     }

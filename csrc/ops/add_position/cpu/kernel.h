@@ -29,6 +29,9 @@ struct AddPositionArgs {
   bool has_positions = false;
   int64_t positions_batch_stride = 0;  // 0 for (S,) positions, seq for (B, S)
   int64_t offset = 0;
+  // The backward's table gradient holds rows table_row_base .. (a window of the table: the
+  // rows positions read); the forward's table is whole.
+  int64_t table_row_base = 0;
 };
 
 namespace cpu {
