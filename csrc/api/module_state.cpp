@@ -9,38 +9,48 @@
 
 namespace posenc {
 namespace detail {
+namespace {
+
+// Throws when a tensor of the archive has another shape than the module's, naming it by its
+// path from the module load was called on (q_norm.weight), before anything is written.
+void check_archive_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive,
+                          const std::string& prefix, const std::string& top) {
+  auto check = [&](const std::string& key, const torch::Tensor& held, bool is_buffer) {
+    torch::Tensor stored;
+    if (!held.defined() || !archive.try_read(key, stored, is_buffer) || !stored.defined()) return;
+    TORCH_CHECK(stored.sizes() == held.sizes(), "posenc: error loading ", top, ": size mismatch for ", prefix,
+                key, ": copying a tensor with shape ", stored.sizes(), " from the archive, the shape in the module is ",
+                held.sizes(), " (build the module with the options it was saved with)");
+  };
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) check(item.key(), item.value(), false);
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) check(item.key(), item.value(), true);
+  for (const auto& child : module.named_children()) {
+    torch::serialize::InputArchive sub;
+    if (archive.try_read(child.key(), sub)) check_archive_shapes(*child.value(), sub, prefix + child.key() + ".", top);
+  }
+}
+
+}  // namespace
 
 void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive) {
-  // The module's tensors, and aliases of them as they are now: the archive's reads replace a
-  // tensor's storage and sizes in place (set_, or set_data across devices), which the alias
-  // keeps, so the module can be put back as it was.
-  std::vector<std::pair<std::string, torch::Tensor>> held;
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) held.emplace_back(item.key(), item.value());
-  for (const auto& item : module.named_buffers(/*recurse=*/true)) held.emplace_back(item.key(), item.value());
-  std::vector<torch::Tensor> before;
-  before.reserve(held.size());
-  for (const auto& [name, tensor] : held) before.push_back(tensor.defined() ? tensor.detach() : tensor);
-  auto restore = [&] {
-    torch::NoGradGuard no_grad;
-    for (size_t i = 0; i < held.size(); ++i) {
-      if (before[i].defined()) held[i].second.set_data(before[i]);
-    }
-  };
+  check_archive_shapes(module, archive, "", module.name());
+  // Then LibTorch's load; should it fail part way (a missing tensor), the module's tensors
+  // are put back as they were: aliases keep their storage and sizes, which the archive's
+  // reads replace in place (set_, or set_data across devices).
+  std::vector<std::pair<torch::Tensor, torch::Tensor>> held;  // (the module's tensor, its alias)
+  for (const auto& item : module.named_parameters(/*recurse=*/true)) held.emplace_back(item.value(), torch::Tensor());
+  for (const auto& item : module.named_buffers(/*recurse=*/true)) held.emplace_back(item.value(), torch::Tensor());
+  for (auto& [tensor, alias] : held) {
+    if (tensor.defined()) alias = tensor.detach();
+  }
   try {
     module.torch::nn::Module::load(archive);
   } catch (...) {
-    restore();
-    throw;
-  }
-  for (size_t i = 0; i < held.size(); ++i) {
-    const torch::Tensor& now = held[i].second;
-    if (before[i].defined() && now.defined() && now.sizes() != before[i].sizes()) {
-      const std::string shape_then = c10::str(before[i].sizes()), shape_now = c10::str(now.sizes());
-      restore();
-      TORCH_CHECK(false, "posenc: error loading ", module.name(), ": size mismatch for ", held[i].first,
-                  ": copying a tensor with shape ", shape_now, " from the archive, the shape in the module is ",
-                  shape_then, " (build the module with the options it was saved with)");
+    torch::NoGradGuard no_grad;
+    for (auto& [tensor, alias] : held) {
+      if (alias.defined()) tensor.set_data(alias);
     }
+    throw;
   }
 }
 

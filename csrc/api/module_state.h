@@ -10,7 +10,9 @@ namespace detail {
 // torch::nn::Module::load, refusing an archive whose parameters or buffers have other shapes
 // than the module's (LibTorch's own load takes any shape: a module built for max_len 32 then
 // held a 64-row table under options saying 32), as Python's load_state_dict refuses a size
-// mismatch: a RuntimeError naming the tensor and both shapes, the module left as it was.
+// mismatch: a c10::Error (RuntimeError in Python) naming the tensor by its path from the
+// module (q_norm.weight) and both shapes, before anything is written; should LibTorch's load
+// fail part way, the module is put back as it was.
 void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive);
 
 }  // namespace detail

@@ -244,9 +244,14 @@ AddPositionArgs check_add_position_backward_inputs(const at::Tensor& grad, const
 
 namespace {
 
+// The dtype the backends accumulate in: float64 for float64, else float32.
+at::ScalarType accumulate_dtype(const at::Tensor& x) {
+  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+}
+
 // The dtype of the table gradient: table_dtype, or the accumulation dtype when None.
 at::ScalarType table_gradient_dtype(const at::Tensor& grad, std::optional<at::ScalarType> table_dtype) {
-  const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType acc = accumulate_dtype(grad);
   TORCH_CHECK_TYPE(!table_dtype.has_value() || is_supported_float(*table_dtype),
                    "posenc: add_position_backward_with_table: expected table_dtype to be float32, float64, "
                    "float16 or bfloat16, got ", table_dtype.value_or(acc));
@@ -434,10 +439,6 @@ at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor
 }
 
 namespace {
-
-at::ScalarType accumulate_dtype(const at::Tensor& x) {
-  return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-}
 
 // keep ? scale : 0 in the accumulation dtype (scale rounded once to it, as the kernels do).
 at::Tensor keep_factors(const at::Tensor& keep, double scale, at::ScalarType acc) {
@@ -663,7 +664,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
   at::Tensor mask;
   const cpu::DropoutArgs draw = p > 0.0 ? backward_draw(rng, p, mask) : cpu::DropoutArgs{};
   const at::Tensor grad = grad_in.contiguous();
-  const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType acc = accumulate_dtype(grad);
   at::Tensor grad_x = need_x ? empty_output(grad.sizes(), grad.options())
                              : at::empty({0}, grad.options());
   if (grad.numel() == 0) return {grad_x, at::zeros({table_len, g.d}, grad.options().dtype(out_dtype))};
@@ -798,7 +799,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
   const at::ScalarType out_dtype = table_gradient_dtype(grad_in, table_dtype);
   const c10::cuda::CUDAGuard device_guard(grad_in.device());
   const at::Tensor grad = grad_in.contiguous();
-  const at::ScalarType acc = grad.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  const at::ScalarType acc = accumulate_dtype(grad);
   at::Tensor grad_x = need_x ? at::empty(grad.sizes(), grad.options())
                              : at::empty({0}, grad.options());
   const bool sorted = positions.has_value() && positions->dim() == 2;

@@ -94,10 +94,11 @@ using AddPositionForwardFn = void (*)(const AddPositionArgs& g, c10::ScalarType 
                                       const int64_t* positions, const DropoutArgs& draw, void* out);
 POSENC_DECLARE_DISPATCH(AddPositionForwardFn, add_position_forward_stub)
 
-// add_position_backward_rows; grad_x null when not wanted. grad_table (table_len, d): in the
-// opmath dtype, zeroed, or without positions, where rows offset .. offset + seq - 1 are written
-// (not added) and the rest left as they are, also in grad's dtype (table_in_grad_dtype: no
-// positions only).
+// add_position_backward_rows; grad_x null when not wanted. grad_table: with positions, rows
+// g.table_row_base .. of the table (the whole table, or a window of it) in the opmath dtype,
+// zeroed, added into; without positions the (table_len, d) table, whose rows offset .. offset
+// + seq - 1 are written (not added) and the rest left as they are, in the opmath dtype or in
+// grad's (table_in_grad_dtype: no positions only).
 using AddPositionBackwardFn = void (*)(const AddPositionArgs& g, c10::ScalarType dtype,
                                        const void* grad, const int64_t* positions,
                                        const DropoutArgs& draw, void* grad_x, void* grad_table,
