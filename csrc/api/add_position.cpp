@@ -60,15 +60,9 @@ void PositionalEncodingImpl::reset() {
   const torch::Tensor positions = torch::arange(options.max_len(), torch::kLong);
   const torch::Tensor table =
       sinusoidal_table(positions, options.d_model(), options.base(), torch::kFloat).unsqueeze(0);
-  // A second reset() (options edited) replaces the registered buffer's data, on its device
-  // and in its dtype (register_buffer refuses a name twice). Decided by the registry, not by
-  // `pe`: clone() copies the module (its `pe` the original's tensor), clears the registry and
-  // calls reset(), which must register a new buffer and leave the original's alone.
-  if (named_buffers(/*recurse=*/false).contains("pe")) {
-    pe.set_data(table.to(pe.device(), pe.scalar_type()));
-  } else {
-    pe = register_buffer("pe", table);
-  }
+  // A second reset() (options edited) replaces the buffer's data; clone()'s reset() registers
+  // a new buffer and leaves the original's alone.
+  detail::register_or_replace(*this, "pe", pe, table, /*buffer=*/true);
 }
 
 void PositionalEncodingImpl::load(torch::serialize::InputArchive& archive) {
@@ -102,12 +96,7 @@ void LearnedPositionalEncodingImpl::reset() {
                     "LearnedPositionalEncoding: expected init_std to be finite and >= 0, got ",
                     options.init_std());
   const torch::Tensor table = torch::empty({1, options.max_len(), options.d_model()});
-  if (named_parameters(/*recurse=*/false).contains("pe")) {  // a second reset(): as above
-    torch::NoGradGuard no_grad;
-    pe.set_data(table.to(pe.device(), pe.scalar_type()));
-  } else {
-    pe = register_parameter("pe", table);
-  }
+  detail::register_or_replace(*this, "pe", pe, table, /*buffer=*/false);  // as above
   reset_parameters();
 }
 

@@ -54,5 +54,17 @@ void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive&
   }
 }
 
+void register_or_replace(torch::nn::Module& module, const std::string& name, torch::Tensor& member,
+                         const torch::Tensor& value, bool buffer) {
+  const bool registered = buffer ? module.named_buffers(/*recurse=*/false).contains(name)
+                                 : module.named_parameters(/*recurse=*/false).contains(name);
+  if (registered) {
+    torch::NoGradGuard no_grad;
+    member.set_data(value.to(member.device(), member.scalar_type()));
+  } else {
+    member = buffer ? module.register_buffer(name, value) : module.register_parameter(name, value);
+  }
+}
+
 }  // namespace detail
 }  // namespace posenc

@@ -4,6 +4,8 @@
 #include <torch/nn/module.h>
 #include <torch/serialize/input-archive.h>
 
+#include <string>
+
 namespace posenc {
 namespace detail {
 
@@ -14,6 +16,14 @@ namespace detail {
 // module (q_norm.weight) and both shapes, before anything is written; should LibTorch's load
 // fail part way, the module is put back as it was.
 void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive);
+
+// reset()'s tensor `name` (a buffer when `buffer`, else a parameter): registered with value
+// the first time (the constructor's reset(), or a clone's, whose registry clone() cleared:
+// decided by the registry, not by `member`, which a clone shares with its original until
+// then), its data replaced by value on a later reset(), on the tensor's device and in its
+// dtype (register_buffer / register_parameter refuse a name twice).
+void register_or_replace(torch::nn::Module& module, const std::string& name, torch::Tensor& member,
+                         const torch::Tensor& value, bool buffer);
 
 }  // namespace detail
 }  // namespace posenc

@@ -50,14 +50,8 @@ void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::
 }
 
 void QkNormWeightImpl::reset() {
-  const torch::Tensor initial = torch::full({size}, init, torch::kFloat32);
-  // Decided by the registry, as PositionalEncodingImpl::reset (clone() clears it first).
-  if (named_parameters(/*recurse=*/false).contains("weight")) {
-    torch::NoGradGuard no_grad;
-    weight.set_data(initial.to(weight.device(), weight.scalar_type()));
-  } else {
-    weight = register_parameter("weight", initial);
-  }
+  detail::register_or_replace(*this, "weight", weight, torch::full({size}, init, torch::kFloat32),
+                              /*buffer=*/false);
 }
 
 void QkNormWeightImpl::load(torch::serialize::InputArchive& archive) { detail::load_same_shapes(*this, archive); }

@@ -249,6 +249,16 @@ at::ScalarType accumulate_dtype(const at::Tensor& x) {
   return x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
 }
 
+// A (table_len, d) table gradient whose rows outside first .. first + count - 1 are zeros;
+// those rows are left for the caller to write (the only rows any gradient reached).
+at::Tensor table_zeroed_outside(int64_t table_len, int64_t d, int64_t first, int64_t count,
+                                const at::TensorOptions& options) {
+  at::Tensor table = at::empty({table_len, d}, options);
+  table.narrow(0, 0, first).zero_();
+  table.narrow(0, first + count, table_len - first - count).zero_();
+  return table;
+}
+
 // The dtype of the table gradient: table_dtype, or the accumulation dtype when None.
 at::ScalarType table_gradient_dtype(const at::Tensor& grad, std::optional<at::ScalarType> table_dtype) {
   const at::ScalarType acc = accumulate_dtype(grad);
@@ -679,10 +689,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
   at::Tensor grad_table, sums;
   AddPositionArgs args = g;
   if (rows_once) {
-    grad_table = empty_output({table_len, g.d}, grad.options().dtype(out_dtype));
-    grad_table.narrow(0, 0, offset).zero_();
-    grad_table.narrow(0, offset + g.seq, table_len - offset - g.seq).zero_();
-    sums = grad_table;
+    grad_table = sums = table_zeroed_outside(table_len, g.d, offset, g.seq, grad.options().dtype(out_dtype));
   } else if (window) {
     args.table_row_base = span.first;
     sums = at::zeros({span.second - span.first + 1, g.d}, grad.options().dtype(acc));
@@ -695,9 +702,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cpu(
       need_x ? grad_x.mutable_data_ptr() : nullptr, sums.mutable_data_ptr(),
       /*table_in_grad_dtype=*/out_dtype != acc && rows_once);
   if (window) {
-    grad_table = empty_output({table_len, g.d}, grad.options().dtype(out_dtype));
-    grad_table.narrow(0, 0, span.first).zero_();
-    grad_table.narrow(0, span.second + 1, table_len - span.second - 1).zero_();
+    grad_table = table_zeroed_outside(table_len, g.d, span.first, sums.size(0), grad.options().dtype(out_dtype));
     grad_table.narrow(0, span.first, sums.size(0)).copy_(sums);
   }
   return {grad_x, grad_table.to(out_dtype)};
@@ -849,7 +854,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
   });
   if (positions.has_value()) grad_table = scatter_rows_into_table(positions->contiguous(), sums, table_len);
   if (rows_in_buffer) {
-    grad_table = at::zeros({table_len, g.d}, grad.options().dtype(out_dtype));
+    grad_table = table_zeroed_outside(table_len, g.d, offset, g.seq, grad.options().dtype(out_dtype));
     grad_table.narrow(0, offset, g.seq).copy_(sums);
   }
   return {grad_x, grad_table.to(out_dtype)};
