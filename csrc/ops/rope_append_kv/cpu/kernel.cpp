@@ -53,17 +53,28 @@ struct StagingRow {
 };
 
 #if defined(CPU_CAPABILITY_AVX2)
+// The float32 -> FP8 rounding's constants on a float32's bits (e4m3fn or e5m2), c10's, for
+// quantize8 and quantize_avx512: the mantissa bits dropped, the smallest normal FP8 value
+// (below it, subnormals), the magic number whose float addition rounds a subnormal, and the
+// exponent rebias plus the round-to-nearest-even half.
+template <bool kE4M3>
+struct Fp8Bits {
+  static constexpr int kShift = kE4M3 ? 20 : 21;
+  static constexpr uint32_t kNormalMin = (kE4M3 ? 121u : 113u) << 23;
+  static constexpr uint32_t kDenormMask = (kE4M3 ? 141u : 134u) << 23;
+  static constexpr uint32_t kBias = (kE4M3 ? (uint32_t)(7 - 127) << 23 : (uint32_t)(15 - 127) << 23) +
+                                    (kE4M3 ? 0x7FFFFu : 0xFFFFFu);
+};
+
 // kv_quantize on 8 lanes, c10's conversion step by step: the division and the saturation as
 // IEEE vector operations, the rounding as exact integer arithmetic on the bits (one float
 // addition for subnormals, as c10's), so the same bits as the scalar form. NaN lanes give
 // c10's NaN (0x7F) with their sign.
 template <bool kE4M3>
 inline void quantize8(const float* in, uint8_t* out, __m256 scale) {
-  constexpr int kShift = kE4M3 ? 20 : 21;
-  constexpr uint32_t kNormalMin = (kE4M3 ? 121u : 113u) << 23;  // below: FP8 subnormals
-  constexpr uint32_t kDenormMask = (kE4M3 ? 141u : 134u) << 23;
-  constexpr uint32_t kBias = (kE4M3 ? (uint32_t)(7 - 127) << 23 : (uint32_t)(15 - 127) << 23) +
-                             (kE4M3 ? 0x7FFFFu : 0xFFFFFu);
+  using B = Fp8Bits<kE4M3>;
+  constexpr int kShift = B::kShift;
+  constexpr uint32_t kNormalMin = B::kNormalMin, kDenormMask = B::kDenormMask, kBias = B::kBias;
   const __m256 y = _mm256_div_ps(_mm256_loadu_ps(in), scale);
   const __m256i bits = _mm256_castps_si256(y);
   const __m256i sign = _mm256_and_si256(bits, _mm256_set1_epi32(INT32_MIN));
@@ -96,11 +107,9 @@ POSENC_AVX512_WARNINGS_BEGIN
 // truncating narrow (every lane holds a byte); the same bits. Returns the values done.
 template <bool kE4M3>
 POSENC_AVX512_TARGET int64_t quantize_avx512(const float* in, uint8_t* out, int64_t n, float scale_value) {
-  constexpr int kShift = kE4M3 ? 20 : 21;
-  constexpr uint32_t kNormalMin = (kE4M3 ? 121u : 113u) << 23;
-  constexpr uint32_t kDenormMask = (kE4M3 ? 141u : 134u) << 23;
-  constexpr uint32_t kBias = (kE4M3 ? (uint32_t)(7 - 127) << 23 : (uint32_t)(15 - 127) << 23) +
-                             (kE4M3 ? 0x7FFFFu : 0xFFFFFu);
+  using B = Fp8Bits<kE4M3>;
+  constexpr int kShift = B::kShift;
+  constexpr uint32_t kNormalMin = B::kNormalMin, kDenormMask = B::kDenormMask, kBias = B::kBias;
   const __m512 scale = _mm512_set1_ps(scale_value);
   const __m512 most = _mm512_set1_ps(kv_format_max(kE4M3 ? KvCacheFormat::kFloat8E4M3 : KvCacheFormat::kFloat8E5M2));
   const __m512i denorm_mask = _mm512_set1_epi32(static_cast<int>(kDenormMask));
