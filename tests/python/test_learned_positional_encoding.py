@@ -525,6 +525,44 @@ def test_fused_backward_table_dtype_is_the_sum_rounded_once(grad_dtype, table_dt
     assert gt_meta.dtype == table_dtype and gt_meta.shape == (9, 8)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_fused_backward_2d_positions_sum_in_row_order(dtype, batch_first, p):
+    """(B, S) positions: each table row is the float32 sum of the gradient rows that read it,
+    added in memory order (the kernel's walk), bit for bit. Rows that all hold the same strictly
+    increasing positions (Hugging Face's expanded position_ids) take the kernel's (S,) path,
+    which must keep those bits; duplicates, unequal rows and descending rows must not."""
+    op = torch.ops.posenc.add_position_backward_with_table.default
+    B, S, d, L = 4, 23, 40, 64
+    ar = torch.arange(S)
+    cases = {
+        "hf": (ar + 5).expand(B, S),
+        "steps of 3": (3 * ar[:20]).expand(B, 20),
+        "one token": torch.full((B, 1), 9),
+        "one row": (ar + 2).unsqueeze(0),
+        "duplicate": torch.cat([ar[:10], ar[9:S - 1]]).expand(B, S),
+        "one row differs": torch.stack([ar + 1, ar + 1, ar, ar + 1]),
+        "descending": (S - 1 - ar).expand(B, S),
+        "random": torch.randint(0, L, (B, S)),
+    }
+    for name, pos in cases.items():
+        b, s = pos.shape
+        grad = torch.randn((b, s, d) if batch_first else (s, b, d)).to(dtype)
+        rng = torch.tensor([4321, 12])
+        gx, gt = op(grad, rng, pos, 0, batch_first, p, L, True)
+        gt16 = op(grad, rng, pos, 0, batch_first, p, L, False, table_dtype=torch.bfloat16)[1]
+        keep = keep_mask(4321, 12, grad.shape, p) if p > 0 else torch.ones(grad.shape, dtype=torch.bool)
+        terms = torch.where(keep, grad.float() * torch.tensor(1.0 / (1.0 - p)), torch.zeros(()))
+        want = torch.zeros(L, d)
+        flat_pos = (pos if batch_first else pos.t()).reshape(-1)
+        for r, row in enumerate(terms.reshape(-1, d)):  # memory order, float32 adds
+            want[flat_pos[r]] += row
+        assert torch.equal(gt, want), name
+        assert torch.equal(gt16, want.to(torch.bfloat16)), name
+        assert torch.equal(gx, terms.to(dtype)), name
+
+
 def test_fused_backward_table_dtype_checks_and_opcheck():
     op = torch.ops.posenc.add_position_backward_with_table.default
     grad, rng = torch.randn(2, 6, 24, dtype=torch.bfloat16), torch.tensor([3, 4])

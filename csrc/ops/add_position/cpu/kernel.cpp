@@ -1007,13 +1007,13 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
     // measured: benchmarks/NOTES.md, CPU items 12 and 13). Without
     // positions the blocks are also capped at seq / threads rows, so that every thread gets
     // one.
-    // Without positions every s has its own row, so s blocks can be split over threads;
-    // with (S,) positions two s may share a row, so threads own columns instead. Each table
+    // Without positions (or with distinct ones) every s has its own row, so s blocks can be
+    // split over threads; otherwise two s may share a row, so threads own columns. Each table
     // entry is summed in a fixed order (b ascending into acc, then s ascending into the
     // table): deterministic, whatever the loop order below. The loop order follows memory:
     // with batch_first, rows (b, s0..s1) are contiguous, so b is the outer loop.
     constexpr int64_t kAccElems = 131072;
-    const bool unique = positions == nullptr;
+    const bool unique = positions == nullptr || g.positions_distinct;
     const int64_t threads = std::max<int64_t>(1, at::get_num_threads());
     const int64_t width = unique ? d : std::max<int64_t>(64, ((d + threads - 1) / threads + 15) / 16 * 16);
     const int64_t ranges = (d + width - 1) / width;
@@ -1074,9 +1074,10 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
           for (int64_t s = s0; s < s1; ++s) {
             const acc_t* a_row = acc + (s - s0) * wc;
             if (unique) {
-              // Row offset + s is this sum alone (wc == d): written, not added, in grad's
-              // dtype when asked (one rounding, as a conversion of the float32 row).
-              const int64_t row = (g.offset + s) * d;
+              // Row offset + s (positions[s]) is this sum alone (wc == d): written, not
+              // added, in grad's dtype when asked (one rounding, as a conversion of the
+              // float32 row).
+              const int64_t row = (positions != nullptr ? positions[s] - g.table_row_base : g.offset + s) * d;
               if (grad_table_rounded == nullptr) {
                 std::copy(a_row, a_row + d, grad_table + row);
                 continue;

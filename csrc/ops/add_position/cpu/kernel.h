@@ -28,6 +28,9 @@ struct AddPositionArgs {
   bool batch_first = true;
   bool has_positions = false;
   int64_t positions_batch_stride = 0;  // 0 for (S,) positions, seq for (B, S)
+  // The backward: (S,) positions strictly increasing, so every s has its own table row (set
+  // also for (B, S) positions whose rows are all that one row, with positions_batch_stride 0).
+  bool positions_distinct = false;
   int64_t offset = 0;
   // The backward's table gradient holds rows table_row_base .. (a window of the table: the
   // rows positions read); the forward's table is whole.
