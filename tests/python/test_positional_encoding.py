@@ -280,14 +280,23 @@ def test_reset_parameters_after_to_empty():
         metas = [posenc.PositionalEncoding(8, 0.0, 16), posenc.QKNormRotary(8, num_heads=2, num_kv_heads=1),
                  posenc.QKNormRotary(8, num_heads=2, num_kv_heads=1, weight_offset=1.0),
                  posenc.RotaryPositionalEncoding(8, 16), posenc.LearnedPositionalEncoding(8, 0.0, 16)]
-    for want, module in zip(fresh, metas):
+    for want, module in zip(fresh, metas, strict=True):
         module.to_empty(device="cpu")
+        with torch.no_grad():  # what to_empty left, made visible: NaN wherever it is not reset
+            for t in list(module.buffers()) + list(module.parameters()):
+                if t.is_floating_point():
+                    t.fill_(float("nan"))
         for m in module.modules():
             if hasattr(m, "reset_parameters"):
                 m.reset_parameters()
-        for (name, a), (_, b) in zip(list(want.named_buffers()) + list(want.named_parameters()),
-                                     list(module.named_buffers()) + list(module.named_parameters())):
-            if not isinstance(want, posenc.LearnedPositionalEncoding):  # a random init
+        wanted = list(want.named_buffers()) + list(want.named_parameters())
+        got = list(module.named_buffers()) + list(module.named_parameters())
+        assert [n for n, _ in wanted] == [n for n, _ in got], type(want).__name__
+        for (name, a), (_, b) in zip(wanted, got, strict=True):
+            if isinstance(want, posenc.LearnedPositionalEncoding) and name == "pe":  # a random init
+                assert b.shape == a.shape and torch.isfinite(b).all(), name
+                assert 0.8 < b.std().item() / a.std().item() < 1.25 and not torch.equal(a, b)
+            else:
                 assert torch.equal(a, b), (type(want).__name__, name)
     q, k = torch.randn(1, 5, 2, 8), torch.randn(1, 5, 1, 8)
     assert torch.equal(metas[0](torch.zeros(1, 5, 8)), fresh[0](torch.zeros(1, 5, 8)))

@@ -184,6 +184,9 @@ def test_empty_tensors(device, dtype):
         k = torch.randn(shape_k, device=device).to(dtype)
         oq, ok = apply_rope(q, k)
         assert oq.shape == q.shape and ok.shape == k.shape
+        # The non-empty one of a pair is still rotated (k without heads beside a q with some).
+        inv = default_inv_freq(8, 10000.0)
+        check(oq, reference_rope(q.cpu().double(), "bshd", grid_positions(*shape_q[:2]), inv, 8, False), dtype)
     q = torch.randn(0, 2, 8, device=device).to(dtype)
     out = apply_rope(q, cu_seqlens=torch.tensor([0], device=device), layout="thd")
     assert out.shape == (0, 2, 8)

@@ -2,6 +2,9 @@
 partial_rotary_factor, Qwen-VL's mrope_section / mrope_interleaved, "mrope"), Hugging Face's
 (1, seq) position_ids, and torchtune's ``input_pos=``."""
 
+import importlib.util
+import os
+
 import pytest
 import torch
 
@@ -123,11 +126,24 @@ def test_torchtune_input_pos():
         rope(q, input_pos=input_pos + 64)
 
 
+def torchtune_position_embeddings():
+    """torchtune's own torchtune/modules/position_embeddings.py (it imports only torch). The
+    package itself does not import with --no-deps (its __init__ wants datasets and an older
+    torchao), so the file is loaded on its own from the installed wheel (requirements-peers.txt)."""
+    spec = importlib.util.find_spec("torchtune")  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torchtune is not installed (requirements-peers.txt)")
+    path = os.path.join(spec.submodule_search_locations[0], "modules", "position_embeddings.py")
+    module_spec = importlib.util.spec_from_file_location("torchtune_position_embeddings", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module
+
+
 def test_real_torchtune_rotary_positional_embeddings():
-    """torchtune's own RotaryPositionalEmbeddings (when torchtune imports; it does not with
-    --no-deps here, its torchao import wants an older torchao) and posenc's module given to a
-    torchtune attention as pos_embeddings: the same rotation, to float32 rounding."""
-    position_embeddings = pytest.importorskip("torchtune.modules.position_embeddings")
+    """torchtune's own RotaryPositionalEmbeddings and posenc's module given to a torchtune
+    attention as pos_embeddings: the same rotation, to float32 rounding."""
+    position_embeddings = torchtune_position_embeddings()
     theirs = position_embeddings.RotaryPositionalEmbeddings(64, max_seq_len=128)
     ours = posenc.RotaryPositionalEncoding(64, max_len=128, interleaved=True)
     x = torch.randn(2, 10, 4, 64)

@@ -61,7 +61,12 @@ def test_narrow_tables_are_the_float64_table_rounded_bit_for_bit(case, dtype):
     make, d, *base = TABLE_CASES[case]
     base = base[0] if base else 10000.0
     pos = make()
-    want = sinusoidal_table(pos, d, base=base, dtype=torch.float64).to(dtype)
+    exact = sinusoidal_table(pos, d, base=base, dtype=torch.float64)
+    # The float64 table itself against the formula (independent of posenc): the angles of both
+    # differ by their roundings, a few ulps of the largest |position| times the frequency.
+    pmax = pos.double().abs().max().item()
+    torch.testing.assert_close(exact, reference_table(pos, d, base=base), atol=pmax * 2.0**-50 + 1e-13, rtol=0)
+    want = exact.to(dtype)
     for threads in (1, 2):  # other runs per task: other anchors, the same bits
         before = torch.get_num_threads()
         torch.set_num_threads(threads)
