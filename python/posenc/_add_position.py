@@ -282,8 +282,9 @@ class PositionalEncoding(_AddPositionModule):
 
     @property
     def base(self) -> float:
-        """The wavelength base ``pe`` was built with (read-only: it made the table; build a new
-        module, or assign ``pe``, to change the table)."""
+        """The wavelength base the constructor and :meth:`reset_parameters` build ``pe`` with
+        (read-only). A loaded (``load_state_dict``) or assigned ``pe`` is used as it is, whatever
+        base made it; this attribute does not follow it."""
         return self._base
 
     def __setstate__(self, state: dict) -> None:

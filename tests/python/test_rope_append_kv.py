@@ -3,13 +3,17 @@ float64 reference in plain PyTorch (rope_reference.py's rotation, then index cop
 the caches): both contiguous layouts, the paged cache with -1 slots, int and tensor offsets,
 positions, GQA, partial rotary, interleaved pairs, a scaling type, every dtype, strides, in
 place and return_k; bad inputs (rows out of range: IndexError with the caches unchanged);
-opcheck and torch.compile with the mutated caches."""
+opcheck and torch.compile with the mutated caches. Every RoPE setting (each scaling type,
+rotary_offset, multi-axis sections) against the formula: formula_rope."""
+
+import math
 
 import pytest
 import torch
 from torch.library import opcheck
 
 import posenc  # noqa: F401
+from multi_axis_reference import generic_multi_axis_rope
 from posenc.functional import apply_rope, rope_append_kv
 from rope_reference import reference_inv_freq, rope_gptj, rope_neox
 
@@ -37,22 +41,62 @@ def cache_view(c, layout):
     return c.transpose(1, 2) if layout == "bhsd" else c
 
 
+def formula_inv_freq(rot, base, scaling, seq_len, head_dim):
+    """(inv_freq float64, attention factor): rope_reference's, plus the types it lacks, from
+    transformers' modeling_rope_utils: "longrope" (_compute_longrope_parameters, with the
+    long factors once seq_len passes original_max_position_embeddings, as
+    dynamic_rope_update switches them) and "proportional" (_compute_proportional_rope_parameters)."""
+    kind = None if scaling is None else scaling["rope_type"]
+    if kind == "longrope":
+        orig, factor = scaling["original_max_position_embeddings"], scaling.get("factor")
+        attn = scaling.get("attention_factor")
+        if attn is None:
+            attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
+        ext = torch.tensor(scaling["short_factor"], dtype=F64)
+        return 1.0 / (ext * base ** (torch.arange(0, rot, 2, dtype=F64) / rot)), attn
+    if kind == "proportional":
+        assert rot == head_dim
+        angles = int(scaling["partial_rotary_factor"] * head_dim // 2)
+        inv = 1.0 / base ** (torch.arange(0, 2 * angles, 2, dtype=F64) / head_dim)
+        inv = torch.cat((inv, torch.zeros(head_dim // 2 - angles, dtype=F64)))
+        return inv / scaling.get("factor", 1.0), 1.0
+    return reference_inv_freq(rot, base, scaling, seq_len)
+
+
+def formula_rope(x, pos, seq_len, *, base=10000.0, interleaved=False, rotary_dim=None, rotary_offset=0,
+                 scaling=None, sections=None, sections_mode="axial"):
+    """x (B, S, H, D) float64 rotated: features [rotary_offset, rotary_offset + rotary_dim) by
+    the frequencies of formula_inv_freq, the others passed through; with sections,
+    multi_axis_reference's generic model. pos: (B or 1, S), with sections (n_axes, B or 1, S)."""
+    if sections is not None:
+        return generic_multi_axis_rope(x, pos, sections, sections_mode, base, interleaved)
+    begin = rotary_offset
+    rot = x.shape[-1] - begin if rotary_dim is None else rotary_dim
+    inv, attn = formula_inv_freq(rot, base, scaling, seq_len, x.shape[-1])
+    rope = rope_gptj if interleaved else rope_neox
+    return torch.cat((x[..., :begin], rope(x[..., begin:], pos, inv, rot, attn)), dim=-1)
+
+
 def reference(q, k, v, k_cache, v_cache, *, offset=0, positions=None, slot_mapping=None, layout="bshd",
-              base=10000.0, interleaved=False, rotary_dim=None, scaling=None):
-    """(q, k rotated, k_cache, v_cache after the write) in float64: rope_reference's rotation,
-    then index copies."""
+              seq_len=None, **rope):
+    """(q, k rotated, k_cache, v_cache after the write) in float64: the formula's rotation
+    (formula_rope) at the positions the docstring gives (the cache rows offset + s unless
+    positions are given; "thd": offset + token index; sections: on every axis), then index
+    copies. seq_len (dynamic, longrope): the longest position + 1 of the call unless given."""
     qv, kv, vv = (tokens_view(t, layout).to(F64) for t in (q, k, v))
     B, S = qv.shape[:2]
     offs = offset.to(torch.int64) if isinstance(offset, torch.Tensor) else torch.full((B,), offset)
     rows = offs[:, None] + torch.arange(S)[None, :]  # (B, S)
+    axes = None if rope.get("sections") is None else len(rope["sections"])
     if positions is None:
-        pos = rows
-    else:
+        pos = rows if axes is None else rows.expand(axes, B, S)
+    elif axes is None:
         pos = positions.reshape(-1, S).expand(B, S) if layout != "thd" else positions.reshape(1, S)
-    rot = qv.shape[-1] if rotary_dim is None else rotary_dim
-    inv, attn = reference_inv_freq(rot, base, scaling, int(pos.max()) + 1 if pos.numel() else 0)
-    rope = rope_gptj if interleaved else rope_neox
-    q_ref, k_ref = rope(qv, pos, inv, rot, attn), rope(kv, pos, inv, rot, attn)
+    else:
+        pos = positions.reshape(axes, -1, S)
+    if seq_len is None:
+        seq_len = int(pos.max()) + 1 if pos.numel() else 0
+    q_ref, k_ref = formula_rope(qv, pos, seq_len, **rope), formula_rope(kv, pos, seq_len, **rope)
     kc, vc = k_cache.to(F64).clone(), v_cache.to(F64).clone()
     kcv, vcv = cache_view(kc, layout), cache_view(vc, layout)
     if layout == "thd":
@@ -165,10 +209,81 @@ def test_multi_axis_matches_apply_rope():
     q, k, v, kc, vc = make("bshd", dtype=torch.float32)
     positions = torch.randint(0, 50, (3, 5))  # (n_axes, seq)
     kw = dict(positions=positions, sections=[2, 2, 4], sections_mode="mrope")
+    check(q, k, v, kc.clone(), vc.clone(), offset=3, **kw)  # the formula (multi_axis_reference)
     out_q, out_k = rope_append_kv(q, k, v, kc, vc, offset=3, return_k=True, **kw)
     ref_q, ref_k = apply_rope(q, k, **kw)
     assert torch.equal(out_q, ref_q) and torch.equal(out_k, ref_k)
     assert torch.equal(kc[:, 3:8], ref_k) and torch.equal(vc[:, 3:8], v)
+
+
+D_FORMULA = 20  # head_dim of test_rope_settings_against_the_formula: 10 rotary pairs
+YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 8}
+# Each RoPE setting rope_append_kv takes, one per case; "positions": explicit positions (else
+# the cache rows / offset + token index). The calls' longest position + 1 is 11 ("bshd",
+# "bhsd": offsets [1, 0, 6], 5 tokens), 18 ("thd": offset 11, 7 tokens) or 30 (positions).
+FORMULA_CASES = {
+    "default": dict(scaling={"rope_type": "default"}, base=500.0),
+    "linear": dict(scaling={"rope_type": "linear", "factor": 2.5}, interleaved=True),
+    "dynamic": dict(scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4}),
+    "dynamic_unscaled": dict(scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64}),
+    "dynamic_by_seq_len": dict(scaling={"rope_type": "dynamic", "factor": 3.0, "original_max_position_embeddings": 64},
+                               seq_len=200),
+    "dynamic_positions": dict(scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 16},
+                              positions=True),
+    "yarn": dict(scaling=YARN, base=500.0),
+    "yarn_mscale": dict(scaling={**YARN, "factor": 8.0, "mscale": 1.0, "mscale_all_dim": 0.5, "beta_fast": 16.0,
+                                 "beta_slow": 2.0, "truncate": False}, interleaved=True),
+    "yarn_attention_factor": dict(scaling={**YARN, "attention_factor": 0.8}, rotary_dim=12),
+    "llama3": dict(scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                            "original_max_position_embeddings": 8}, base=500000.0),
+    "longrope_short": dict(scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(10)],
+                                    "long_factor": [2.0 + i / 4 for i in range(10)], "factor": 4.0,
+                                    "original_max_position_embeddings": 64}),
+    "longrope_long": dict(scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 8 for i in range(10)],
+                                   "long_factor": [2.0 + i / 4 for i in range(10)], "factor": 4.0,
+                                   "original_max_position_embeddings": 8}, interleaved=True),
+    "longrope_long_by_seq_len": dict(scaling={"rope_type": "longrope", "short_factor": [1.0, 1.5, 2.0, 3.0],
+                                              "long_factor": [4.0, 5.0, 7.0, 9.0], "attention_factor": 1.3,
+                                              "original_max_position_embeddings": 32}, rotary_dim=8, seq_len=33),
+    "longrope_positions": dict(scaling={"rope_type": "longrope", "short_factor": [1.0 + i / 4 for i in range(6)],
+                                        "long_factor": [3.0 + i for i in range(6)], "factor": 16.0,
+                                        "original_max_position_embeddings": 20}, rotary_offset=8, positions=True),
+    "proportional": dict(scaling={"rope_type": "proportional", "partial_rotary_factor": 0.5, "factor": 2.0}),
+    "rotary_offset": dict(rotary_offset=8),
+    "rotary_offset_dim_scaled": dict(rotary_offset=4, rotary_dim=8, interleaved=True,
+                                     scaling={"rope_type": "linear", "factor": 2.0}),
+    "rotary_dim": dict(rotary_dim=6, positions=True),
+    "mrope": dict(sections=[2, 3, 5], sections_mode="mrope", positions=True),
+    "mrope_interleaved": dict(sections=[4, 3, 3], sections_mode="mrope_interleaved", interleaved=True,
+                              positions=True),
+    "axial_default_positions": dict(sections=[2, 4], sections_mode="axial", base=100.0),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+@pytest.mark.parametrize("case", list(FORMULA_CASES))
+def test_rope_settings_against_the_formula(case, layout, dtype):
+    """q, the returned k, the k cache rows and the v cache rows against formula_rope (float64,
+    from the formulas: rope_reference, multi_axis_reference, transformers' longrope and
+    proportional), for contiguous and paged caches."""
+    torch.manual_seed(12)
+    rope = dict(FORMULA_CASES[case])
+    explicit = rope.pop("positions", False)
+    S = 7 if layout == "thd" else 5
+    q, k, v, kc, vc = make(layout, S=S, Hq=6, Hkv=3, D=D_FORMULA, Dv=12, dtype=dtype)
+    if layout == "thd":
+        where = dict(slot_mapping=torch.tensor([5, -1, 0, 19, 12, -1, 6]), offset=0 if explicit else 11)
+    else:
+        where = dict(offset=torch.tensor([1, 0, 6]))
+    if explicit:
+        shape = (S,) if layout == "thd" else (3, S)
+        if "sections" in rope:
+            shape = (len(rope["sections"]),) + shape
+        positions = torch.randint(0, 30, shape)
+        positions.view(-1)[1] = 29
+        where["positions"] = positions
+    check(q, k, v, kc, vc, layout=layout, **where, **rope)
 
 
 def test_strided_inputs_and_caches():
