@@ -52,7 +52,7 @@ def formula_inv_freq(rot, base, scaling, seq_len, head_dim):
         attn = scaling.get("attention_factor")
         if attn is None:
             attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
-        ext = torch.tensor(scaling["short_factor"], dtype=F64)
+        ext = torch.tensor(scaling["long_factor" if seq_len > orig else "short_factor"], dtype=F64)
         return 1.0 / (ext * base ** (torch.arange(0, rot, 2, dtype=F64) / rot)), attn
     if kind == "proportional":
         assert rot == head_dim

@@ -13,6 +13,7 @@ from torch.library import opcheck
 
 import posenc  # noqa: F401
 from posenc.functional import rope_append_kv
+from test_rope_append_kv import reference
 
 FP8 = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -87,10 +88,15 @@ def where_kw(layout, S, g):
 
 def expected_caches(q, k, v, kc, vc, fmt_k, fmt_v, k_scale, v_scale, **kw):
     """The contract: the float32 call into float32 caches that start as NaN (so the written
-    rows show), quantised; unwritten rows keep the caches' bits."""
+    rows show), quantised; unwritten rows keep the caches' bits. That float32 call itself
+    (its q and rows) against the formula: test_rope_append_kv's float64 reference."""
     ref_k = torch.full(kc.shape, math.nan)
     ref_v = torch.full(vc.shape, math.nan)
-    rope_append_kv(q.float(), k.float(), v.float(), ref_k, ref_v, **kw)
+    formula = reference(q.float(), k.float(), v.float(), ref_k, ref_v, **kw)
+    q32 = rope_append_kv(q.float(), k.float(), v.float(), ref_k, ref_v, **kw)
+    big = max(q.float().abs().max().item(), k.float().abs().max().item())  # inputs up to ~1000
+    for got, want in zip((q32, ref_k, ref_v), formula[:1] + formula[2:]):
+        torch.testing.assert_close(got.double(), want, atol=2e-6 * big, rtol=2e-6, equal_nan=True)
     out = []
     for ref, cache, fmt, scale in ((ref_k, kc, fmt_k, k_scale), (ref_v, vc, fmt_v, v_scale)):
         written = ~ref.isnan()
