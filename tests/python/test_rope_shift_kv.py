@@ -6,16 +6,26 @@ configuration), ...) equals rope(k at new positions, new configuration) within f
 rounding, where a configuration is the RoPE settings with the seq_len its length-scaled type
 scales for (dynamic NTK, longrope's short -> long switch). Then every layout (contiguous with
 rows, paged with -1 slots), dtype, FP8 caches (against dequantise - rotate - requantise in
-plain PyTorch, bit for bit), RoPE features, rows not listed keep their bits, errors naming
-the argument, opcheck, torch.compile, the ATen fallback, CUDA against the CPU."""
+plain PyTorch), RoPE features, rows not listed keep their bits, errors naming the argument,
+opcheck, torch.compile, the ATen fallback, CUDA against the CPU.
+
+Every expected value is computed here in float64 plain PyTorch from the formulas, not by
+posenc: the frequencies of rope_reference.reference_inv_freq (Hugging Face's scaling types),
+multi_axis_reference.generic_inv_freq_and_axis (multi-axis RoPE), and below "longrope" and
+"proportional" from transformers' modeling_rope_utils; a shifted row is turned by (the new
+angle at the new position - the old angle at the old position), its rotated features times
+new attention factor / old attention factor (the factor written once stays once)."""
+
+import math
 
 import pytest
 import torch
 from torch.library import opcheck
 
 import posenc  # noqa: F401
-from posenc.functional import apply_rope, rope_append_kv, rope_frequencies, rope_shift_kv
-from rope_reference import scaling_samples
+from posenc.functional import apply_rope, rope_append_kv, rope_shift_kv
+from multi_axis_reference import generic_inv_freq_and_axis
+from rope_reference import reference_inv_freq, scaling_samples
 
 F64 = torch.float64
 D = 16
@@ -31,6 +41,126 @@ TOL = {
 def rand(*shape, dtype=F64, seed=None):
     g = torch.Generator().manual_seed(seed) if seed is not None else None
     return (torch.rand(*shape, dtype=F64, generator=g) * 4 - 2).to(dtype)
+
+
+# ---- The independent reference (float64, plain PyTorch)
+
+
+def longrope_inv_freq(dim, base, scaling, seq_len):
+    """transformers' _compute_longrope_parameters (and dynamic_rope_update's switch):
+    inv_freq[i] = 1 / (ext[i] * base**(2i/dim)), ext = long_factor when seq_len >
+    original_max_position_embeddings, else short_factor; attention factor = given, else
+    sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)."""
+    orig = scaling["original_max_position_embeddings"]
+    ext = torch.tensor(scaling["long_factor"] if seq_len > orig else scaling["short_factor"], dtype=F64)
+    inv = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=F64) / dim))
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        factor = scaling["factor"]
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return inv, attn
+
+
+def proportional_inv_freq(head_dim, base, scaling):
+    """transformers' _compute_proportional_rope_parameters (Gemma 4): over the whole head,
+    inv_freq[i] = base**(-2i/head_dim) / factor for i < int(partial_rotary_factor * head_dim // 2),
+    else 0 (those pairs never turn); attention factor 1."""
+    angles = int(scaling["partial_rotary_factor"] * head_dim // 2)
+    inv = base ** (-torch.arange(0, 2 * angles, 2, dtype=F64) / head_dim)
+    return torch.cat([inv, torch.zeros(head_dim // 2 - angles, dtype=F64)]) / scaling.get("factor", 1.0), 1.0
+
+
+def rotary_part(cfg, head_dim):
+    """(first rotated feature, rotated width) of a configuration over heads of head_dim features."""
+    offset = cfg.get("rotary_offset", 0)
+    if cfg.get("sections"):
+        return offset, 2 * sum(cfg["sections"])
+    return offset, cfg.get("rotary_dim") or head_dim - offset
+
+
+def frequencies(cfg, width, seq_len):
+    """(inv_freq (width/2,), axis of each pair (width/2,), attention factor) in float64."""
+    base = cfg.get("base", 10000.0)
+    scaling = cfg.get("scaling")
+    if cfg.get("sections"):
+        assert scaling is None
+        inv, axis = generic_inv_freq_and_axis(cfg["sections"], cfg.get("sections_mode", "axial"), base)
+        return inv, axis, 1.0
+    kind = None if scaling is None else scaling["rope_type"]
+    if kind == "longrope":
+        inv, attn = longrope_inv_freq(width, base, scaling, seq_len)
+    elif kind == "proportional":
+        inv, attn = proportional_inv_freq(width, base, scaling)
+    else:
+        inv, attn = reference_inv_freq(width, base, scaling, seq_len)
+    return inv, torch.zeros(width // 2, dtype=torch.int64), attn
+
+
+def angles(positions, inv, axis, multi_axis):
+    """float64 angles (batch or 1, n, pairs) of positions (n,) / (batch, n), or with a leading
+    axis of n_axes for multi-axis RoPE: pair p turns by positions[axis[p]] * inv[p]."""
+    pos = positions.to(F64)
+    if not multi_axis:
+        pos = pos[None]
+    if pos.dim() == 2:
+        pos = pos[:, None, :]
+    return (pos[axis] * inv[:, None, None]).permute(1, 2, 0)
+
+
+def turn(x, angle, offset, interleaved, scale=1.0):
+    """x (..., head_dim) float64 with its pairs turned by angle (..., pairs) (broadcast) and the
+    turned features times scale: pairs (offset + p, offset + p + pairs) (halves, rotate_half) or
+    (offset + 2p, offset + 2p + 1) (interleaved); the other features as they are."""
+    half = angle.shape[-1]
+    p = torch.arange(half)
+    i1, i2 = (offset + 2 * p, offset + 2 * p + 1) if interleaved else (offset + p, offset + p + half)
+    a, b = x[..., i1], x[..., i2]
+    c, s = angle.cos(), angle.sin()
+    out = x.clone()
+    out[..., i1] = (a * c - b * s) * scale
+    out[..., i2] = (b * c + a * s) * scale
+    return out
+
+
+def longest(positions):
+    """The default seq_len of a call: its longest position + 1."""
+    return int(positions.max()) + 1 if positions.numel() else 0
+
+
+def rope_ref(k, positions, seq_len=None, **cfg):
+    """k (batch, n, heads, head_dim) rotated at positions by the configuration (attention factor
+    included), in float64: what apply_rope / rope_append_kv write."""
+    offset, width = rotary_part(cfg, k.shape[-1])
+    multi = bool(cfg.get("sections"))
+    inv, axis, attn = frequencies(cfg, width, longest(positions) if seq_len is None else seq_len)
+    return turn(k.to(F64), angles(positions, inv, axis, multi)[:, :, None, :], offset, cfg.get("interleaved", False),
+                attn)
+
+
+def shift_ref(x, old, new, from_seq_len=None, to_seq_len=None, **cfg):
+    """Rows x (batch, n, heads, head_dim) written at old, moved to new, in float64: turned back
+    by the old angle (divided by the old attention factor) and forward by the new one (times
+    the new attention factor)."""
+    offset, width = rotary_part(cfg, x.shape[-1])
+    multi = bool(cfg.get("sections"))
+    inv_old, axis, attn_old = frequencies(cfg, width, longest(old) if from_seq_len is None else from_seq_len)
+    inv_new, _, attn_new = frequencies(cfg, width, longest(new) if to_seq_len is None else to_seq_len)
+    angle = angles(new, inv_new, axis, multi) - angles(old, inv_old, axis, multi)
+    return turn(x.to(F64), angle[:, :, None, :], offset, cfg.get("interleaved", False), attn_new / attn_old)
+
+
+def test_the_reference_agrees_with_rope_reference():
+    """The helpers above against rope_reference's own rotation (rope_neox, rope_gptj)."""
+    from rope_reference import reference_rope
+
+    k = rand(2, 12, 3, D, seed=9)
+    pos = torch.arange(30, 42)
+    for name in ("default", "linear", "dynamic", "yarn", "llama3"):
+        for interleaved in (False, True):
+            inv, attn = reference_inv_freq(D, 10000.0, SCALINGS[name], 42)
+            want = reference_rope(k, "bshd", pos.expand(2, 12), inv, D, interleaved, attn)
+            got = rope_ref(k, pos, scaling=SCALINGS[name], interleaved=interleaved)
+            torch.testing.assert_close(got, want, atol=1e-13, rtol=1e-13)
 
 
 # ---- The contract
@@ -50,16 +180,24 @@ MOVES = {
 @pytest.mark.parametrize("name", list(SCALINGS))
 @pytest.mark.parametrize("move", list(MOVES))
 def test_the_contract_every_scaling_type(name, move):
-    """rope_shift_kv(rope(k, old), old -> new) == rope(k, new), for the cache written by
-    apply_rope and by rope_append_kv (what a decoder's cache holds)."""
+    """rope_shift_kv(rope(k, old), old -> new) == rope(k, new) (the float64 reference), for the
+    cache written by the reference, by apply_rope and by rope_append_kv (what a decoder's cache
+    holds)."""
     old, old_len, new, new_len = MOVES[move]
     scaling = SCALINGS[name]
     k = rand(2, 12, 3, D, dtype=torch.float32, seed=1)
-    want = apply_rope(k, positions=new, seq_len=new_len, scaling=scaling)
-    cache = apply_rope(k, positions=old, seq_len=old_len, scaling=scaling)
-    out = rope_shift_kv(cache, old, new, from_seq_len=old_len, to_seq_len=new_len, scaling=scaling)
-    assert out is cache
-    torch.testing.assert_close(cache, want, atol=3e-6, rtol=3e-6)
+    want = rope_ref(k, new, new_len, scaling=scaling)
+    written = rope_ref(k, old, old_len, scaling=scaling)
+    # The reference's two readings agree: the turn by the angle difference (shift_ref, what
+    # the layout tests below use) of the keys written at old is the keys written at new (to the
+    # float64 rounding of angles up to ~1.7e4 rad, "far").
+    torch.testing.assert_close(shift_ref(written, old, new, old_len, new_len, scaling=scaling), want,
+                               atol=1e-10, rtol=1e-10)
+    for cache in (written.float(),
+                  apply_rope(k, positions=old, seq_len=old_len, scaling=scaling)):
+        out = rope_shift_kv(cache, old, new, from_seq_len=old_len, to_seq_len=new_len, scaling=scaling)
+        assert out is cache
+        torch.testing.assert_close(cache.to(F64), want, atol=3e-6, rtol=3e-6)
     # The same cache written by rope_append_kv at rows 3 .. 14 of a longer cache.
     kc, vc = torch.zeros(2, 20, 3, D), torch.zeros(2, 20, 3, D)
     q = torch.zeros(2, 12, 3, D)
@@ -67,7 +205,7 @@ def test_the_contract_every_scaling_type(name, move):
     before = kc.clone()
     rope_shift_kv(kc, old, new, rows=torch.arange(3, 15), from_seq_len=old_len, to_seq_len=new_len,
                   scaling=scaling)
-    torch.testing.assert_close(kc[:, 3:15], want, atol=3e-6, rtol=3e-6)
+    torch.testing.assert_close(kc[:, 3:15].to(F64), want, atol=3e-6, rtol=3e-6)
     assert torch.equal(kc[:, :3], before[:, :3]) and torch.equal(kc[:, 15:], before[:, 15:])
 
 
@@ -76,9 +214,9 @@ def test_a_length_scaled_type_is_not_a_rotation_by_the_delta():
     scaling = SCALINGS["dynamic"]
     old, old_len, new, new_len = MOVES["short_to_long"]
     k = rand(1, 12, 1, D, dtype=F64, seed=2)
-    want = apply_rope(k, positions=new, seq_len=new_len, scaling=scaling)
-    cache = apply_rope(k, positions=old, seq_len=old_len, scaling=scaling)
-    delta = apply_rope(cache, positions=new - old, seq_len=new_len, scaling=scaling)
+    want = rope_ref(k, new, new_len, scaling=scaling)
+    cache = rope_ref(k, old, old_len, scaling=scaling)
+    delta = rope_ref(cache, new - old, new_len, scaling=scaling)
     assert (delta - want).abs().max() > 1e-2
     rope_shift_kv(cache, old, new, from_seq_len=old_len, to_seq_len=new_len, scaling=scaling)
     torch.testing.assert_close(cache, want, atol=1e-12, rtol=1e-12)
@@ -88,9 +226,9 @@ def test_seq_len_defaults_to_the_longest_position():
     scaling = SCALINGS["longrope"]
     old, new = torch.arange(0, 12), torch.arange(30, 42)
     k = rand(1, 12, 2, D, dtype=F64, seed=3)
-    cache = apply_rope(k, positions=old, scaling=scaling)  # seq_len 12: short factors
+    cache = rope_ref(k, old, 12, scaling=scaling)  # seq_len 12: short factors
     rope_shift_kv(cache, old, new, scaling=scaling)  # from 12, to 42: long factors
-    torch.testing.assert_close(cache, apply_rope(k, positions=new, scaling=scaling), atol=1e-12, rtol=1e-12)
+    torch.testing.assert_close(cache, rope_ref(k, new, 42, scaling=scaling), atol=1e-12, rtol=1e-12)
 
 
 # ---- Layouts, rows, dtypes, RoPE features
@@ -98,30 +236,25 @@ def test_seq_len_defaults_to_the_longest_position():
 
 def reference(cache, layout, old, new, *, rows=None, slot_mapping=None, from_seq_len=None,
               to_seq_len=None, **cfg):
-    """The cache after the shift, in float64: the rows gathered, turned back by the old angle
-    and forward by the new one (apply_rope in float64; the attention factor of each direction
-    divided out once more), scattered back."""
+    """The cache after the shift, in float64 plain PyTorch: the rows gathered, turned by
+    shift_ref (the new angle at the new position minus the old angle at the old one),
+    scattered back. seq_len defaults to the longest position given + 1 at each end."""
     c = cache.to(F64).clone()
     cv = c.transpose(1, 2) if layout == "bhsd" else c
-    rot = cfg.get("rotary_dim") or (D - cfg.get("rotary_offset", 0))
-    _, attn = rope_frequencies(rot, scaling=cfg.get("scaling"))
-
-    def turn(x, o, n):  # x (batch, n, heads, D)
-        back = apply_rope(x, positions=o, seq_len=from_seq_len, inverse=True, **cfg)
-        return apply_rope(back, positions=n, seq_len=to_seq_len, **cfg) / attn**2
-
+    lens = dict(from_seq_len=longest(old) if from_seq_len is None else from_seq_len,
+                to_seq_len=longest(new) if to_seq_len is None else to_seq_len)
     if layout == "thd":
         keep = slot_mapping >= 0
         slots = slot_mapping[keep]
         flat = cv.reshape(-1, *cv.shape[2:])
         x = flat[slots].unsqueeze(0)
-        flat[slots] = turn(x, old[keep], new[keep])[0]
+        flat[slots] = shift_ref(x, old[..., keep], new[..., keep], **lens, **cfg)[0]
         return c
     B, n = cv.shape[0], old.shape[-1]
     r = torch.arange(n) if rows is None else rows
     r = r.reshape(-1, n).expand(B, n)
     b = torch.arange(B)[:, None].expand(B, n)
-    cv[b, r] = turn(cv[b, r], old, new)
+    cv[b, r] = shift_ref(cv[b, r], old, new, **lens, **cfg)
     return c
 
 
@@ -186,6 +319,8 @@ def test_one_call_has_the_bits_of_calls_of_one_row(dtype, per_row, scaling):
         rope_shift_kv(by_row, old[..., i:i + 1], new[..., i:i + 1], rows=rows[..., i:i + 1], **kw)
     assert not torch.equal(whole, cache)
     assert torch.equal(whole, by_row)
+    want = reference(cache, "bshd", old, new, rows=rows, **kw)
+    torch.testing.assert_close(whole.to(F64), want, **TOL[dtype])
 
 
 def test_default_rows_are_the_first_n():
@@ -200,6 +335,21 @@ def test_paged_cache_with_skipped_slots(dtype):
     old = torch.tensor([40, 41, 42, 43, 44, 45])
     new = torch.tensor([4, 5, 6, 7, 8, 9])
     check(cache, "thd", old, new, slot_mapping=slots, scaling=SCALINGS["llama3"])
+
+
+@pytest.mark.parametrize("layout", ["bshd", "bhsd", "thd"])
+@pytest.mark.parametrize("name", ["dynamic", "longrope"])
+@pytest.mark.parametrize("lengths", [None, (46, 12)])
+def test_length_scaled_types_in_every_layout(layout, name, lengths):
+    """Each end with its own frequencies (given seq_lens, or each end's longest position + 1)."""
+    cache = make_cache(layout, torch.float32)
+    old, new = torch.tensor([40, 41, 42, 43, 44, 45]), torch.tensor([4, 5, 6, 7, 8, 9])
+    kw = {} if lengths is None else dict(from_seq_len=lengths[0], to_seq_len=lengths[1])
+    if layout == "thd":
+        kw["slot_mapping"] = torch.tensor([3, -1, 9, 0, 17, 5])
+    else:
+        kw["rows"] = torch.tensor([1, 2, 3, 4, 8, 9])
+    check(cache, layout, old, new, scaling=SCALINGS[name], interleaved=layout == "bhsd", **kw)
 
 
 @pytest.mark.parametrize("kw", [
@@ -274,25 +424,35 @@ def quantise(x32, scale, dtype):
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 @pytest.mark.parametrize("scale", [None, 0.03, "tensor"])
 def test_fp8_cache_is_dequantise_rotate_requantise(fp8, layout, scale):
-    """Bit for bit: dequantise in plain PyTorch (value * scale in float32), the shift of that
-    float32 cache by the op, requantise in plain PyTorch (divide, saturate, round to nearest
-    even): the FP8 path rotates exactly as the float32 one."""
+    """Dequantise in plain PyTorch (value * scale in float32), the float64 reference shift of
+    that, requantise in plain PyTorch (divide, saturate, round to nearest even): every FP8 code
+    is that of the reference turn, or where the reference lies within float32 rounding of a
+    rounding boundary between two codes, one of the two. And bit for bit: the FP8 path rotates
+    exactly as the op's float32 one (the same float32 cache shifted by the op, requantised)."""
     s = 1.0 if scale is None else 0.03
     k_scale = torch.tensor([s]) if scale == "tensor" else scale
     cache = quantise(make_cache(layout, torch.float32, seed=4) * 20, s, fp8)
-    cfg = dict(scaling=SCALINGS["yarn"], rotary_dim=12, rotary_offset=2, layout=layout)
+    cfg = dict(scaling=SCALINGS["yarn"], rotary_dim=12, rotary_offset=2)
     if layout == "thd":
         idx = dict(slot_mapping=torch.tensor([3, -1, 9, 0, 17]))
     else:
         idx = dict(rows=torch.tensor([[1, 2, 3, 4, 5], [0, 9, 8, 7, 6], [5, 4, 3, 2, 1]]))
     old, new = torch.tensor([30, 31, 32, 33, 34]), torch.tensor([2, 3, 4, 5, 6])
     f32 = cache.to(torch.float32) * torch.tensor(s, dtype=torch.float32)
-    rope_shift_kv(f32, old, new, **idx, **cfg)
-    want = quantise(f32, s, fp8)
+    exact = reference(f32, layout, old, new, **idx, **cfg)
+    # float32 rounding of the turn: a few ulp of the largest value
+    slack = exact.abs().max() * 2**-20
+    low, high = quantise((exact - slack).float(), s, fp8), quantise((exact + slack).float(), s, fp8)
     before = cache.clone()
-    rope_shift_kv(cache, old, new, k_scale=k_scale, **idx, **cfg)
-    assert torch.equal(cache.view(torch.uint8), want.view(torch.uint8))
+    rope_shift_kv(cache, old, new, k_scale=k_scale, layout=layout, **idx, **cfg)
+    got = cache.float()
+    assert ((low.float() <= got) & (got <= high.float())).all()
+    assert (low.view(torch.uint8) != high.view(torch.uint8)).sum() <= 2  # the bracket is one code elsewhere
+    untouched = exact == f32.to(F64)
+    assert torch.equal(cache.view(torch.uint8)[untouched], before.view(torch.uint8)[untouched])
     assert not torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+    rope_shift_kv(f32, old, new, layout=layout, **idx, **cfg)
+    assert torch.equal(cache.view(torch.uint8), quantise(f32, s, fp8).view(torch.uint8))
 
 
 def test_fp8_against_the_contract():
@@ -305,7 +465,7 @@ def test_fp8_against_the_contract():
     rope_append_kv(torch.zeros(1, 12, 2, D), k, k, kc, kc.clone(), positions=torch.arange(12) + 20,
                    k_scale=0.01, v_scale=0.01)
     rope_shift_kv(kc, torch.arange(12) + 20, torch.arange(12), k_scale=0.01)
-    want = apply_rope(k, positions=torch.arange(12))
+    want = rope_ref(k, torch.arange(12)).float()
     norm = want[..., :D // 2].hypot(want[..., D // 2:]).repeat(1, 1, 1, 2)
     err = (kc.to(torch.float32) * 0.01 - want).abs()
     assert (err <= norm * 2**-3 + 0.01 * 2**-9).all(), (err / norm).max()
