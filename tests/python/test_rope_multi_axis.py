@@ -325,18 +325,26 @@ def test_bad_inputs():
         apply_rope(q.to("meta"), positions=pos.to("meta"), sections=[4, 2, 1], rotary_dim=16)
 
 
-def test_transformers_qwen2_vl_rotary_embedding():
+@pytest.mark.parametrize("rope", [
+    dict(rope_type="default"),
+    dict(rope_type="linear", factor=2.0),
+    dict(rope_type="yarn", factor=2.0, original_max_position_embeddings=64),
+    dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=64),
+], ids=lambda rope: rope["rope_type"])
+def test_transformers_qwen2_vl_rotary_embedding(rope):
     """The real Qwen2-VL text rotary embedding (transformers, when installed): its M-RoPE
     cos/sin with its apply_rotary_pos_emb against apply_rope(sections_mode="mrope") on the
-    same (3, batch, seq) position ids, to float32 rounding."""
+    same (3, batch, seq) position ids, to float32 rounding; with a scaling type, transformers
+    scales the frequencies of the whole rotary width (and yarn its attention factor) before
+    the sections pick the axes, and so must posenc."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
 
     head_dim, heads = 32, 2
     section = [4, 6, 6]
     config = transformers.Qwen2VLTextConfig(
-        hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section},
+        hidden_size=head_dim * heads, num_attention_heads=heads, num_key_value_heads=1, max_position_embeddings=128,
+        rope_parameters={**rope, "rope_theta": 10000.0, "mrope_section": section},
     )
     emb = qwen2_vl.Qwen2VLRotaryEmbedding(config)
     g = torch.Generator().manual_seed(7)
