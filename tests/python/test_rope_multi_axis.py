@@ -52,6 +52,8 @@ QWEN_CASES = [
     (qwen3vl_mrope_interleaved, "mrope_interleaved", 128, [24, 20, 20], 5e6),
     (qwen3vl_mrope_interleaved, "mrope_interleaved", 64, [12, 10, 10], 5e6),
     (qwen3vl_mrope_interleaved, "mrope_interleaved", 20, [4, 3, 3], 5e6),
+    # 3 x 3 > 8 pairs, but axis 1's last pair is 7: transformers' slice(1, 9, 3) turns 1, 4, 7
+    (qwen3vl_mrope_interleaved, "mrope_interleaved", 16, [3, 3, 2], 5e6),
 ]
 
 
@@ -312,7 +314,7 @@ def test_bad_inputs():
         apply_rope(q, positions=pos, sections=[4, 2, 2], sections_mode="qwen")
     with pytest.raises(ValueError, match="sections_mode 'mrope' needs sections"):
         apply_rope(q, sections_mode="mrope")
-    with pytest.raises(ValueError, match="mrope_interleaved.*axis 1"):
+    with pytest.raises(ValueError, match="mrope_interleaved.*axis 1 every 3-th pair from pair 1, 4 of them up to pair 10"):
         apply_rope(q, positions=pos, sections=[1, 4, 3], sections_mode="mrope_interleaved")
     with pytest.raises(TypeError, match="sections to be a list of ints"):
         apply_rope(q, positions=pos, sections=[4.0, 2, 2])

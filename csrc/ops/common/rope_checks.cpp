@@ -186,10 +186,12 @@ void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSection
                     " summing to ", sum, " (Qwen2-VL's mrope_section counts pairs: [16, 24, 24] "
                     "for head_dim 128; FLUX's axes_dim counts features: halve it)");
   if (mode == math::RopeSectionsMode::kMropeInterleaved) {
+    // Axis a >= 1 turns pairs a, a + n, ..., a + n (sections[a] - 1) (transformers' Qwen3-VL
+    // slice(a, n * sections[a], n)); the last of them must exist.
     for (int64_t a = 1; a < n; ++a) {
-      TORCH_CHECK_VALUE(n * sections[a] <= half, "posenc: sections_mode 'mrope_interleaved' ",
-                        "gives axis ", a, " every ", n, "-th pair among the first ",
-                        n * sections[a], ", but there are only ", half,
+      TORCH_CHECK_VALUE(a + n * (sections[a] - 1) < half, "posenc: sections_mode 'mrope_interleaved' ",
+                        "gives axis ", a, " every ", n, "-th pair from pair ", a, ", ", sections[a],
+                        " of them up to pair ", a + n * (sections[a] - 1), ", but there are only ", half,
                         " pairs; got sections=", c10::IntArrayRef(sections));
     }
   }
