@@ -261,6 +261,75 @@ TEST(ApplyRope, RotaryOffsetRotatesTheFeaturesItNames) {
                c10::ValueError);
 }
 
+// The C++ front end's options against the formula, in float64 (not against other posenc
+// calls, which would share a front end that dropped or misread an option): base,
+// interleaved pairs, rotary_dim, rotary_offset, offset, per-row offsets, (B, S) positions,
+// inverse, and the "bhsd" layout.
+torch::Tensor reference_rope(const torch::Tensor& x, const torch::Tensor& pos, double base, bool interleaved,
+                             int64_t rot_offset, int64_t rot_dim, bool inverse) {
+  // x (B, S, H, D) float64; pos (B, S): features [rot_offset, rot_offset + rot_dim) turn.
+  auto inv = 1.0 / torch::pow(torch::tensor(base, torch::kDouble),
+                              torch::arange(0, rot_dim, 2, torch::kDouble) / static_cast<double>(rot_dim));
+  auto angle = (pos.to(torch::kDouble).unsqueeze(-1) * inv).unsqueeze(2) * (inverse ? -1.0 : 1.0);
+  const auto c = angle.cos(), s = angle.sin();
+  auto part = x.slice(-1, rot_offset, rot_offset + rot_dim);
+  torch::Tensor turned;
+  if (interleaved) {
+    auto x1 = part.slice(-1, 0, rot_dim, 2), x2 = part.slice(-1, 1, rot_dim, 2);
+    turned = torch::stack({x1 * c - x2 * s, x2 * c + x1 * s}, -1).flatten(-2);
+  } else {
+    auto x1 = part.slice(-1, 0, rot_dim / 2), x2 = part.slice(-1, rot_dim / 2);
+    turned = torch::cat({x1 * c - x2 * s, x2 * c + x1 * s}, -1);
+  }
+  auto out = x.clone();
+  out.slice(-1, rot_offset, rot_offset + rot_dim).copy_(turned);
+  return out;
+}
+
+TEST(ApplyRope, OptionsAgainstTheFormula) {
+  torch::manual_seed(5);
+  const int64_t B = 2, S = 5, D = 16;
+  auto q = torch::randn({B, S, 3, D}, torch::kDouble);
+  auto k = torch::randn({B, S, 1, D}, torch::kDouble);
+  auto positions = torch::randint(0, 300, {B, S}, torch::kLong);
+  auto offsets = torch::tensor({7, 40}, torch::kLong);
+  int cases = 0;
+  for (double base : {500.0, 1e6}) {
+    for (bool interleaved : {false, true}) {
+      for (auto [rot_offset, rot_dim] : {std::pair<int64_t, int64_t>{0, 16}, {0, 6}, {4, 12}, {10, 6}}) {
+        for (int where = 0; where < 3; ++where) {  // offset; per-row offsets; (B, S) positions
+          for (bool inverse : {false, true}) {
+            auto o = posenc::ApplyRopeOptions().base(base).interleaved(interleaved).rotary_offset(rot_offset)
+                         .inverse(inverse);
+            if (rot_offset + rot_dim != D || rot_offset == 0) o.rotary_dim(rot_dim);
+            torch::Tensor pos;
+            if (where == 0) {
+              o.offset(3);
+              pos = (torch::arange(S, torch::kLong) + 3).expand({B, S});
+            } else if (where == 1) {
+              o.offsets(offsets);
+              pos = torch::arange(S, torch::kLong).unsqueeze(0) + offsets.unsqueeze(1);
+            } else {
+              o.positions(positions);
+              pos = positions;
+            }
+            auto [oq, ok] = posenc::apply_rope(q, k, o);
+            auto wq = reference_rope(q, pos, base, interleaved, rot_offset, rot_dim, inverse);
+            auto wk = reference_rope(k, pos, base, interleaved, rot_offset, rot_dim, inverse);
+            EXPECT_TRUE(torch::allclose(oq, wq, 1e-12, 1e-12)) << base << interleaved << rot_offset << rot_dim << where;
+            EXPECT_TRUE(torch::allclose(ok, wk, 1e-12, 1e-12)) << base << interleaved << rot_offset << rot_dim << where;
+            // The same call on "bhsd" tensors.
+            auto bq = posenc::apply_rope(q.transpose(1, 2).contiguous(), o.layout("bhsd"));
+            EXPECT_TRUE(torch::allclose(bq.transpose(1, 2), wq, 1e-12, 1e-12));
+            ++cases;
+          }
+        }
+      }
+    }
+  }
+  EXPECT_EQ(cases, 96);
+}
+
 }  // namespace
 
 // ---- One description of a RoPE call, and multi-axis RoPE.
