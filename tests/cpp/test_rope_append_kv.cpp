@@ -9,25 +9,44 @@
 namespace {
 
 TEST(RopeAppendKv, ContiguousCacheMatchesApplyRopeAndCopies) {
+  // Every RoPE option reaches the op as apply_rope's does (apply_rope itself is held to the
+  // formula: test_rope.cpp, ApplyRope.OptionsAgainstTheFormula).
   torch::manual_seed(0);
   const int64_t B = 2, S = 3, Hq = 4, Hkv = 2, D = 16, L = 10;
   const auto q = torch::randn({B, S, Hq, D}), k = torch::randn({B, S, Hkv, D}),
              v = torch::randn({B, S, Hkv, D});
-  auto kc = torch::randn({B, L, Hkv, D}), vc = torch::randn({B, L, Hkv, D});
-  const auto kc0 = kc.clone(), vc0 = vc.clone();
   const auto offsets = torch::tensor({1, 6}, torch::kLong);
-  auto [out_q, out_k] = posenc::rope_append_kv(
-      q, k, v, kc, vc, posenc::RopeAppendKvOptions().rope(posenc::ApplyRopeOptions().offsets(offsets).base(500.0)).return_k(true));
-  auto [ref_q, ref_k] = posenc::apply_rope(q, k, posenc::ApplyRopeOptions().offsets(offsets).base(500.0));
-  EXPECT_TRUE(torch::equal(out_q, ref_q));
-  EXPECT_TRUE(torch::equal(out_k, ref_k));
-  auto want_k = kc0.clone(), want_v = vc0.clone();
-  want_k[0].slice(0, 1, 4).copy_(ref_k[0]);
-  want_k[1].slice(0, 6, 9).copy_(ref_k[1]);
-  want_v[0].slice(0, 1, 4).copy_(v[0]);
-  want_v[1].slice(0, 6, 9).copy_(v[1]);
-  EXPECT_TRUE(torch::equal(kc, want_k));
-  EXPECT_TRUE(torch::equal(vc, want_v));
+  posenc::RopeScaling llama3;
+  llama3.rope_type = "llama3";
+  llama3.factor = 8.0;
+  llama3.low_freq_factor = 1.0;
+  llama3.high_freq_factor = 4.0;
+  llama3.original_max_position_embeddings = 8;
+  const auto base = posenc::ApplyRopeOptions().offsets(offsets).base(500.0);
+  int variant = 0;
+  for (const auto& rope : {base, posenc::ApplyRopeOptions(base).interleaved(true),
+                           posenc::ApplyRopeOptions(base).rotary_dim(6),
+                           posenc::ApplyRopeOptions(base).rotary_offset(10).interleaved(true),
+                           posenc::ApplyRopeOptions(base).positions(torch::tensor({{4, 2, 9}, {0, 1, 30}})),
+                           posenc::ApplyRopeOptions(base).scaling(llama3)}) {
+    auto kc = torch::randn({B, L, Hkv, D}), vc = torch::randn({B, L, Hkv, D});
+    const auto kc0 = kc.clone(), vc0 = vc.clone();
+    auto [out_q, out_k] = posenc::rope_append_kv(q, k, v, kc, vc, posenc::RopeAppendKvOptions().rope(rope).return_k(true));
+    // Given positions are where the tokens turn; offsets then only say where they are written
+    // (apply_rope adds offsets to positions).
+    auto [ref_q, ref_k] = posenc::apply_rope(
+        q, k, rope.positions().has_value() ? posenc::ApplyRopeOptions(rope).offsets(std::nullopt) : rope);
+    EXPECT_TRUE(torch::equal(out_q, ref_q)) << variant;
+    EXPECT_TRUE(torch::equal(out_k, ref_k)) << variant;
+    auto want_k = kc0.clone(), want_v = vc0.clone();
+    want_k[0].slice(0, 1, 4).copy_(ref_k[0]);
+    want_k[1].slice(0, 6, 9).copy_(ref_k[1]);
+    want_v[0].slice(0, 1, 4).copy_(v[0]);
+    want_v[1].slice(0, 6, 9).copy_(v[1]);
+    EXPECT_TRUE(torch::equal(kc, want_k)) << variant;
+    EXPECT_TRUE(torch::equal(vc, want_v)) << variant;
+    ++variant;
+  }
 }
 
 // FP8 caches: the float32 call's cache rows divided by the scale, saturated, rounded to
