@@ -35,6 +35,7 @@ CASES = {
     "learned_bwd": "LearnedPositionalEncoding(512, 0.1) backward of x (32, 512, 512), training",
     "learned_bwd_5000": "the same, max_len 5000 (the default), the module in x's dtype (.to(dtype))",
     "learned_bwd_pos": "the same with (32, 512) positions 2 .. 513 (RoBERTa's, padding_idx 1)",
+    "learned_bwd_pad": "the same, rows right-padded to 512 from 256-512 tokens (padding at 1)",
     "table": "sinusoidal_table(arange(16384), 512)",
     "pe_bwd": "PositionalEncoding(512, 0.1) backward of x (32, 512, 512), training (saved mask)",
     "pe_train": "PositionalEncoding(512, 0.1) forward of x (32, 512, 512), training, no_grad",
@@ -107,12 +108,15 @@ with torch.no_grad():
     elif name == "shift":
         kc = torch.randn(1, 4096, 8, 128, dtype=dt); rows = torch.arange(2048, 4096)
         fn = lambda: F.rope_shift_kv(kc, rows, rows - 1024, rows=rows)
-    elif name in ("learned_bwd", "learned_bwd_5000", "learned_bwd_pos"):
+    elif name in ("learned_bwd", "learned_bwd_5000", "learned_bwd_pos", "learned_bwd_pad"):
         import posenc
         module = posenc.LearnedPositionalEncoding(512, 0.1, max_len=512)
         if name != "learned_bwd":
             module = posenc.LearnedPositionalEncoding(512, 0.1).to(dt)
         pos = torch.arange(2, 514).expand(32, 512) if name == "learned_bwd_pos" else None
+        if name == "learned_bwd_pad":
+            lengths = torch.randint(256, 513, (32, 1), generator=torch.Generator().manual_seed(0))
+            pos = torch.where(torch.arange(512) < lengths, torch.arange(2, 514), 1)
         xg = torch.randn(32, 512, 512, dtype=dt, requires_grad=True); g = torch.randn(32, 512, 512, dtype=dt)
         with torch.enable_grad():
             out = module(xg, positions=pos)
