@@ -16,19 +16,17 @@ TEST(RopeAppendKv, ContiguousCacheMatchesApplyRopeAndCopies) {
   const auto q = torch::randn({B, S, Hq, D}), k = torch::randn({B, S, Hkv, D}),
              v = torch::randn({B, S, Hkv, D});
   const auto offsets = torch::tensor({1, 6}, torch::kLong);
-  posenc::RopeScaling llama3;
-  llama3.rope_type = "llama3";
-  llama3.factor = 8.0;
-  llama3.low_freq_factor = 1.0;
-  llama3.high_freq_factor = 4.0;
-  llama3.original_max_position_embeddings = 8;
+  posenc::RopeScaling yarn;  // its attention factor scales q and the cached k alike
+  yarn.rope_type = "yarn";
+  yarn.factor = 4.0;
+  yarn.original_max_position_embeddings = 8;
   const auto base = posenc::ApplyRopeOptions().offsets(offsets).base(500.0);
   int variant = 0;
   for (const auto& rope : {base, posenc::ApplyRopeOptions(base).interleaved(true),
                            posenc::ApplyRopeOptions(base).rotary_dim(6),
                            posenc::ApplyRopeOptions(base).rotary_offset(10).interleaved(true),
                            posenc::ApplyRopeOptions(base).positions(torch::tensor({{4, 2, 9}, {0, 1, 30}})),
-                           posenc::ApplyRopeOptions(base).scaling(llama3)}) {
+                           posenc::ApplyRopeOptions(base).scaling(yarn)}) {
     auto kc = torch::randn({B, L, Hkv, D}), vc = torch::randn({B, L, Hkv, D});
     const auto kc0 = kc.clone(), vc0 = vc.clone();
     auto [out_q, out_k] = posenc::rope_append_kv(q, k, v, kc, vc, posenc::RopeAppendKvOptions().rope(rope).return_k(true));
