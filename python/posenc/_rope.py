@@ -658,7 +658,8 @@ def apply_rope(
             EVA-02 / timm, torchtune vision); "mrope": contiguous sections of one frequency
             list over ``rotary_dim`` (Qwen2-VL / Qwen2.5-VL ``mrope_section``);
             "mrope_interleaved": the same frequencies, pair p on axis ``p % n_axes`` within
-            the first ``n_axes * sections[a]`` pairs, else axis 0 (Qwen3-VL).
+            the first ``n_axes * sections[a]`` pairs, else axis 0 (Qwen3-VL); each axis
+            a >= 1 must get all its ``sections[a]`` pairs.
         inplace: rotate q and k in their own storage (inference; no autograd) and return them.
         inverse: rotate by minus each angle (the transpose of the rotation), undoing the
             same call without it: ``apply_rope(apply_rope(x, ...), ..., inverse=True)`` is x

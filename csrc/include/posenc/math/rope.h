@@ -452,7 +452,7 @@ constexpr int kRopeMaxAxes = 4;
 POSENC_ISA_NAMESPACE_BEGIN
 
 // The axis of pair p (sections checked: positive, summing to half = rotary_dim / 2, and for
-// mrope_interleaved n_axes * sections[a] <= half for a >= 1).
+// mrope_interleaved axis a >= 1's last pair, a + n_axes * (sections[a] - 1), below half).
 POSENC_HOST_DEVICE int rope_pair_axis(int64_t p, const int64_t* sections, int n_axes,
                                       RopeSectionsMode mode) {
   if (mode == RopeSectionsMode::kMropeInterleaved) {
