@@ -489,15 +489,18 @@ def test_rotary_buffers_cast_replaced_or_edited_after_patching(fused_calls):
                                                       position_ids=positions)
     assert len(fused_calls) == 2
     torch.testing.assert_close(got.float(), want.float(), rtol=0.02, atol=0.02)  # bfloat16 roundings; the bug: 0.95
-    # A float32 model whose inv_freq is edited in place, or replaced, after patching.
-    for edit in ("in place", "replaced"):
+    # A float32 model whose inv_freq is edited in place, or replaced, or whose attention
+    # scaling is set, after patching (the last was fused with the checked one: logits 0.26 off).
+    for edit in ("in place", "replaced", "attention_scaling"):
         model = tiny_model("qwen3")
         integration.apply_posenc_rope(model, qk_norm=True)
         rotary = model.model.rotary_emb
         if edit == "in place":
             rotary.inv_freq.mul_(0.25)
-        else:
+        elif edit == "replaced":
             rotary.inv_freq = rotary.inv_freq * 0.25
+        else:
+            rotary.attention_scaling = 2.0
         fused_calls.clear()
         got = logits(model, tokens)
         integration.revert_posenc_qk_norm(model)

@@ -350,7 +350,7 @@ def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
 
 def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Optional[tuple]:
     """(eps, the parsed RoPE configuration, the rotary module, its inv_freq buffer name, that
-    buffer, its version, the norms' class) for a layer whose norms and RoPE the fused op
+    buffer, its version, its attention scaling's attribute name and value, the norms' class) for a layer whose norms and RoPE the fused op
     provably computes as transformers does; computed once when the layer is patched. Provably:
     both norms are the model's own RMS norm (one class, defined beside the attention: a norm put
     in its place computes something else) and share one eps; the model's tables depend on the
@@ -363,7 +363,7 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
     from the outer dict), a model cast to bfloat16 (its ``inv_freq`` rounded: transformers turns
     by the rounded frequencies), an edited buffer. A call is fused only while the module still
     holds that same buffer (``model.to(...)`` replaces it) at that version (in-place edits; read
-    in eager mode: torch.compile cannot guard on versions). None otherwise: the layer then runs
+    in eager mode: torch.compile cannot guard on versions) and that attention scaling. None otherwise: the layer then runs
     its own norms and rotates with the given (cos, sin)."""
     eps = _norm_eps(attn.q_norm)
     norm_class = type(attn.q_norm)
@@ -401,7 +401,7 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
             continue
         if (ours.shape == model_freq.shape and torch.allclose(model_freq, ours, rtol=2.0**-17, atol=0.0)
                 and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
-            return eps, config, rotary, buffer, inv_freq, inv_freq._version, norm_class
+            return eps, config, rotary, buffer, inv_freq, inv_freq._version, scaling_name, scaling, norm_class
     return None
 
 
@@ -413,7 +413,7 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     settings = attn.__dict__.get("_posenc_fused")
     if settings is None:
         return None
-    eps, config, rotary, buffer, inv_freq, version, norm_class = settings
+    eps, config, rotary, buffer, inv_freq, version, scaling_name, scaling, norm_class = settings
     # The norms the fused op computes: still the model's own class, and no hook would miss
     # their call (as PositionalEncoding calls a hooked dropout child).
     if any(type(n) is not norm_class or not _unhooked(n) for n in (attn.q_norm, attn.k_norm)):
@@ -421,6 +421,8 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     if rotary._buffers.get(buffer) is not inv_freq:  # replaced: model.to(dtype or device), reassigned
         return None
     if not torch.compiler.is_compiling() and inv_freq._version != version:  # edited in place
+        return None
+    if getattr(rotary, scaling_name, None) != scaling:  # reassigned (compiled code guards on it)
         return None
     if not isinstance(positions, Tensor) or positions.dtype != torch.int64:  # the op's dtype (int32 falls back)
         return None
