@@ -350,21 +350,22 @@ def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
 
 def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Optional[tuple]:
     """(eps, the parsed RoPE configuration, the rotary module, its inv_freq buffer name, that
-    buffer, its version, its attention scaling's attribute name and value, the norms' class)
-    for a layer whose norms and RoPE the fused op provably computes as transformers does; computed once when the layer is patched. Provably:
-    both norms are the model's own RMS norm (one class, defined beside the attention: a norm put
-    in its place computes something else) and share one eps; the model's tables depend on the
-    positions and the config only (not "dynamic" or "longrope", whose transformers tables change
-    with the call's length and the rotary module's history); and the rotary module's float32
-    ``inv_freq`` and ``attention_scaling`` are the ones posenc computes from the parsed config
-    (to 2**-17 relative: transformers rounds float32 powers). That last check is what the config
-    alone cannot tell: a model whose rotary ignores a key (Qwen3's default RoPE turns the whole
-    head_dim whatever ``partial_rotary_factor`` says; a nested yarn dict's ``truncate`` read
-    from the outer dict), a model cast to bfloat16 (its ``inv_freq`` rounded: transformers turns
-    by the rounded frequencies), an edited buffer. A call is fused only while the module still
-    holds that same buffer (``model.to(...)`` replaces it) at that version (in-place edits; read
-    in eager mode: torch.compile cannot guard on versions) and that attention scaling. None
-    otherwise: the layer then runs its own norms and rotates with the given (cos, sin)."""
+    buffer, its version, its attention scaling's attribute name and value, the norms' class) for
+    a layer whose norms and RoPE the fused op provably computes as transformers does; computed
+    once when the layer is patched. Provably: both norms are the model's own RMS norm (one
+    class, defined beside the attention: a norm put in its place computes something else) and
+    share one eps; the model's tables depend on the positions and the config only (not "dynamic"
+    or "longrope", whose transformers tables change with the call's length and the rotary
+    module's history); and the rotary module's float32 ``inv_freq`` and ``attention_scaling``
+    are the ones posenc computes from the parsed config (to 2**-17 relative: transformers rounds
+    float32 powers). That last check is what the config alone cannot tell: a model whose rotary
+    ignores a key (Qwen3's default RoPE turns the whole head_dim whatever
+    ``partial_rotary_factor`` says; a nested yarn dict's ``truncate`` read from the outer dict),
+    a model cast to bfloat16 (its ``inv_freq`` rounded: transformers turns by the rounded
+    frequencies), an edited buffer. A call is fused only while the module still holds that same
+    buffer (``model.to(...)`` replaces it) at that version (in-place edits; read in eager mode:
+    torch.compile cannot guard on versions) and that attention scaling. None otherwise: the
+    layer then runs its own norms and rotates with the given (cos, sin)."""
     eps = _norm_eps(attn.q_norm)
     norm_class = type(attn.q_norm)
     if (eps is None or eps != _norm_eps(attn.k_norm) or source is None or type(attn.k_norm) is not norm_class
