@@ -25,12 +25,17 @@ TEST(RopeShiftKv, ShiftedKeysEqualKeysRotatedAtTheNewPositions) {
   const int64_t B = 2, L = 12, H = 2, D = 8;
   const auto k = torch::randn({B, L, H, D});
   const auto old_pos = torch::arange(0, L, torch::kLong), new_pos = torch::arange(30, 30 + L, torch::kLong);
-  auto rope = posenc::ApplyRopeOptions().scaling(longrope());
-  auto cache = posenc::apply_rope(k, posenc::ApplyRopeOptions(rope).positions(old_pos));
-  const auto want = posenc::apply_rope(k, posenc::ApplyRopeOptions(rope).positions(new_pos));
-  auto out = posenc::rope_shift_kv_(cache, old_pos, new_pos, posenc::RopeShiftKvOptions().rope(rope));
-  EXPECT_TRUE(out.is_same(cache));
-  EXPECT_TRUE(torch::allclose(cache, want, 3e-6, 3e-6));
+  // And every RoPE option reaches the op (apply_rope is held to the formula: test_rope.cpp).
+  for (const auto& rope : {posenc::ApplyRopeOptions().scaling(longrope()),
+                           posenc::ApplyRopeOptions().base(500.0).interleaved(true),
+                           posenc::ApplyRopeOptions().rotary_offset(2).base(1e6),
+                           posenc::ApplyRopeOptions().rotary_dim(4).interleaved(true)}) {
+    auto cache = posenc::apply_rope(k, posenc::ApplyRopeOptions(rope).positions(old_pos));
+    const auto want = posenc::apply_rope(k, posenc::ApplyRopeOptions(rope).positions(new_pos));
+    auto out = posenc::rope_shift_kv_(cache, old_pos, new_pos, posenc::RopeShiftKvOptions().rope(rope));
+    EXPECT_TRUE(out.is_same(cache));
+    EXPECT_TRUE(torch::allclose(cache, want, 3e-6, 3e-6)) << rope.base() << rope.interleaved() << rope.rotary_offset();
+  }
 }
 
 TEST(RopeShiftKv, PagedCacheSkipsMinusOneSlots) {
