@@ -76,6 +76,42 @@ def reference_inv_freq(dim, base=10000.0, scaling=None, seq_len=0):
     raise ValueError(kind)
 
 
+def longrope_inv_freq(dim, base, scaling, seq_len):
+    """transformers' _compute_longrope_parameters (and dynamic_rope_update's switch):
+    inv_freq[i] = 1 / (ext[i] * base**(2i/dim)), ext = long_factor when seq_len >
+    original_max_position_embeddings, else short_factor; attention factor = given, else
+    sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)."""
+    orig = scaling["original_max_position_embeddings"]
+    ext = torch.tensor(scaling["long_factor"] if seq_len > orig else scaling["short_factor"], dtype=F64)
+    inv = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=F64) / dim))
+    attn = scaling.get("attention_factor")
+    if attn is None:
+        factor = scaling["factor"]
+        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
+    return inv, attn
+
+
+def proportional_inv_freq(head_dim, base, scaling):
+    """transformers' _compute_proportional_rope_parameters (Gemma 4): over the whole head,
+    inv_freq[i] = base**(-2i/head_dim) / factor for i < int(partial_rotary_factor * head_dim // 2),
+    else 0 (those pairs never turn); attention factor 1."""
+    angles = int(scaling["partial_rotary_factor"] * head_dim // 2)
+    inv = base ** (-torch.arange(0, 2 * angles, 2, dtype=F64) / head_dim)
+    return torch.cat([inv, torch.zeros(head_dim // 2 - angles, dtype=F64)]) / scaling.get("factor", 1.0), 1.0
+
+
+def formula_inv_freq(rot, base, scaling, seq_len, head_dim):
+    """(inv_freq float64, attention factor) of every scaling type: reference_inv_freq's, and
+    longrope's and proportional's above (proportional turns over the whole head: rot == head_dim)."""
+    kind = None if scaling is None else scaling["rope_type"]
+    if kind == "longrope":
+        return longrope_inv_freq(rot, base, scaling, seq_len)
+    if kind == "proportional":
+        assert rot == head_dim
+        return proportional_inv_freq(head_dim, base, scaling)
+    return reference_inv_freq(rot, base, scaling, seq_len)
+
+
 def rotate_half(x):
     x1, x2 = x[..., : x.shape[-1] // 2], x[..., x.shape[-1] // 2 :]
     return torch.cat((-x2, x1), dim=-1)

@@ -20,7 +20,7 @@ import torch
 import posenc  # noqa: F401
 from multi_axis_reference import generic_multi_axis_rope
 from posenc.functional import qk_norm_rope, rope_append_kv
-from rope_reference import default_inv_freq, reference_inv_freq
+from rope_reference import default_inv_freq, formula_inv_freq, reference_inv_freq
 
 F64 = torch.float64
 
@@ -37,25 +37,6 @@ def rms_norm64(x, w, eps, weight_offset, norm):
     else:
         ms, wv = x.pow(2).mean((-2, -1), keepdim=True), w.view(x.shape[-2], x.shape[-1])
     return x * torch.rsqrt(ms + eps) * (wv + weight_offset)
-
-
-def inv_freq64(rot, base, scaling, seq_len, head_dim):
-    """(inv_freq, attention factor) in float64 from transformers' modeling_rope_utils; longrope
-    and proportional written out here, the others from rope_reference.reference_inv_freq."""
-    kind = None if scaling is None else scaling["rope_type"]
-    if kind == "longrope":
-        orig, factor = scaling["original_max_position_embeddings"], scaling["factor"]
-        attn = math.sqrt(1 + math.log(factor) / math.log(orig)) if factor > 1 else 1.0
-        ext = torch.tensor(scaling["long_factor" if seq_len > orig else "short_factor"], dtype=F64)
-        return 1.0 / (ext * base ** (torch.arange(0, rot, 2, dtype=F64) / rot)), attn
-    if kind == "proportional":
-        # Gemma's: the first partial_rotary_factor * head_dim / 2 pairs turn at exponents over
-        # the whole head, the rest of the pairs at frequency 0 (they pass through).
-        angles = int(scaling["partial_rotary_factor"] * head_dim // 2)
-        inv = 1.0 / base ** (torch.arange(0, 2 * angles, 2, dtype=F64) / head_dim)
-        inv = torch.cat((inv, torch.zeros(head_dim // 2 - angles, dtype=F64)))
-        return inv / scaling.get("factor", 1.0), 1.0
-    return reference_inv_freq(rot, base, scaling, seq_len)
 
 
 def rotate64(x, pos, inv, attn, begin, rot, interleaved):
@@ -81,7 +62,7 @@ def rope64(x, pos, *, base=10000.0, scaling=None, rotary_dim=None, rotary_offset
     if sections is not None:
         return generic_multi_axis_rope(x, pos, sections, sections_mode, base, interleaved)
     rot = x.shape[-1] - rotary_offset if rotary_dim is None else rotary_dim
-    inv, attn = inv_freq64(rot, base, scaling, int(pos.max()) + 1, x.shape[-1])
+    inv, attn = formula_inv_freq(rot, base, scaling, int(pos.max()) + 1, x.shape[-1])
     return rotate64(x.to(F64), pos, inv, attn, rotary_offset, rot, interleaved)
 
 
@@ -119,9 +100,10 @@ def qk_inputs(norm, dtype, seed):
 
 
 def positions_for(rope, rows):
-    """The call's positions: the rows (B, S) as given, or every axis at them (multi-axis)."""
+    """The call's positions: the rows (B, S) as given, or (multi-axis) axis a at
+    rows * (a + 1) + 5 a: axes that differ, so a pair that reads the wrong axis is seen."""
     sections = rope.get("sections")
-    return rows if sections is None else rows.expand(len(sections), *rows.shape)
+    return rows if sections is None else torch.stack([rows * (a + 1) + 5 * a for a in range(len(sections))])
 
 
 @pytest.mark.parametrize("norm,weight_offset,eps", [("head", 1.0, 1e-6), ("hidden", 0.0, 1e-5)])

@@ -459,12 +459,14 @@ def test_fused_backward_op_vector_widths_and_alignment(device, dtype, positions,
     assert gx2.numel() == 0 and torch.equal(gt2, gt)
 
 
-@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+@pytest.mark.parametrize("positions", [None, "1d", "2d", "2d_distinct"])
 @pytest.mark.parametrize("state", ["key", "saved_mask"])
 def test_fused_backward_is_bitwise_independent_of_thread_count(positions, state):
-    """The accumulator blocks depend on the thread count; the sums' order must not."""
+    """The accumulator blocks depend on the thread count; the sums' order must not. (2d_distinct:
+    Hugging Face's expanded position_ids, which take the path without positions.)"""
     grad = torch.randn(16, 300, 96)
-    pos = {None: None, "1d": torch.randint(0, 40, (300,)), "2d": torch.randint(0, 40, (16, 300))}[positions]
+    pos = {None: None, "1d": torch.randint(0, 40, (300,)), "2d": torch.randint(0, 40, (16, 300)),
+           "2d_distinct": (torch.arange(300) + 50).expand(16, 300)}[positions]
     rng = torch.tensor([5, 6])
     if state == "saved_mask":
         rng = torch.ops.posenc.add_position_forward(grad, torch.randn(400, 96), pos, 0, True, 0.2, True)[1]
@@ -528,11 +530,15 @@ def test_fused_backward_table_dtype_is_the_sum_rounded_once(grad_dtype, table_dt
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("batch_first", [True, False])
 @pytest.mark.parametrize("p", [0.0, 0.3])
-def test_fused_backward_2d_positions_sum_in_row_order(dtype, batch_first, p):
+@pytest.mark.parametrize("saved_mask", [False, True])
+def test_fused_backward_2d_positions_sum_in_row_order(dtype, batch_first, p, saved_mask):
     """(B, S) positions: each table row is the float32 sum of the gradient rows that read it,
     added in memory order (the kernel's walk), bit for bit. Rows that all hold the same strictly
     increasing positions (Hugging Face's expanded position_ids) take the kernel's (S,) path,
-    which must keep those bits; duplicates, unequal rows and descending rows must not."""
+    which must keep those bits; rows with a duplicate or rows that differ must not take it
+    (their sums would be added in another order). The dropout mask regenerated from its key
+    or read from the bits the forward saved."""
+    torch.manual_seed(11)
     op = torch.ops.posenc.add_position_backward_with_table.default
     B, S, d, L = 4, 23, 40, 64
     ar = torch.arange(S)
@@ -550,9 +556,14 @@ def test_fused_backward_2d_positions_sum_in_row_order(dtype, batch_first, p):
         b, s = pos.shape
         grad = torch.randn((b, s, d) if batch_first else (s, b, d)).to(dtype)
         rng = torch.tensor([4321, 12])
+        keep = keep_mask(4321, 12, grad.shape, p) if p > 0 else torch.ones(grad.shape, dtype=torch.bool)
+        if saved_mask and p > 0:  # the bits the forward saved (of dropout(grad + 0): kept where nonzero)
+            out, rng = torch.ops.posenc.add_position_forward(grad, torch.zeros(L, d, dtype=dtype), pos, 0,
+                                                             batch_first, p, True)
+            keep = out != 0
+            assert (grad != 0).all() and 0.15 < 1 - keep.double().mean().item() < 0.45
         gx, gt = op(grad, rng, pos, 0, batch_first, p, L, True)
         gt16 = op(grad, rng, pos, 0, batch_first, p, L, False, table_dtype=torch.bfloat16)[1]
-        keep = keep_mask(4321, 12, grad.shape, p) if p > 0 else torch.ones(grad.shape, dtype=torch.bool)
         terms = torch.where(keep, grad.float() * torch.tensor(1.0 / (1.0 - p)), torch.zeros(()))
         want = torch.zeros(L, d)
         flat_pos = (pos if batch_first else pos.t()).reshape(-1)

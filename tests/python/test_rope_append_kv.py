@@ -6,7 +6,6 @@ place and return_k; bad inputs (rows out of range: IndexError with the caches un
 opcheck and torch.compile with the mutated caches. Every RoPE setting (each scaling type,
 rotary_offset, multi-axis sections) against the formula: formula_rope."""
 
-import math
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from torch.library import opcheck
 import posenc  # noqa: F401
 from multi_axis_reference import generic_multi_axis_rope
 from posenc.functional import apply_rope, rope_append_kv
-from rope_reference import reference_inv_freq, rope_gptj, rope_neox
+from rope_reference import formula_inv_freq, rope_gptj, rope_neox
 
 F64 = torch.float64
 TOL = {
@@ -39,28 +38,6 @@ def tokens_view(x, layout):
 def cache_view(c, layout):
     """(batch or block, row or index, heads, head_dim) view of a cache."""
     return c.transpose(1, 2) if layout == "bhsd" else c
-
-
-def formula_inv_freq(rot, base, scaling, seq_len, head_dim):
-    """(inv_freq float64, attention factor): rope_reference's, plus the types it lacks, from
-    transformers' modeling_rope_utils: "longrope" (_compute_longrope_parameters, with the
-    long factors once seq_len passes original_max_position_embeddings, as
-    dynamic_rope_update switches them) and "proportional" (_compute_proportional_rope_parameters)."""
-    kind = None if scaling is None else scaling["rope_type"]
-    if kind == "longrope":
-        orig, factor = scaling["original_max_position_embeddings"], scaling.get("factor")
-        attn = scaling.get("attention_factor")
-        if attn is None:
-            attn = 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(orig))
-        ext = torch.tensor(scaling["long_factor" if seq_len > orig else "short_factor"], dtype=F64)
-        return 1.0 / (ext * base ** (torch.arange(0, rot, 2, dtype=F64) / rot)), attn
-    if kind == "proportional":
-        assert rot == head_dim
-        angles = int(scaling["partial_rotary_factor"] * head_dim // 2)
-        inv = 1.0 / base ** (torch.arange(0, 2 * angles, 2, dtype=F64) / head_dim)
-        inv = torch.cat((inv, torch.zeros(head_dim // 2 - angles, dtype=F64)))
-        return inv / scaling.get("factor", 1.0), 1.0
-    return reference_inv_freq(rot, base, scaling, seq_len)
 
 
 def formula_rope(x, pos, seq_len, *, base=10000.0, interleaved=False, rotary_dim=None, rotary_offset=0,

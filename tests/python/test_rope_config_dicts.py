@@ -141,8 +141,8 @@ def torchtune_position_embeddings():
 
 
 def test_real_torchtune_rotary_positional_embeddings():
-    """torchtune's own RotaryPositionalEmbeddings and posenc's module given to a torchtune
-    attention as pos_embeddings: the same rotation, to float32 rounding."""
+    """torchtune's own RotaryPositionalEmbeddings and posenc's module, called as a torchtune
+    attention calls its pos_embeddings (x, input_pos=...): the same rotation, to float32 rounding."""
     position_embeddings = torchtune_position_embeddings()
     theirs = position_embeddings.RotaryPositionalEmbeddings(64, max_seq_len=128)
     ours = posenc.RotaryPositionalEncoding(64, max_len=128, interleaved=True)
@@ -170,8 +170,8 @@ def torchtune_rotary_positional_embeddings(x, input_pos, dim, base=10000, max_se
 
 def test_torchtune_rotary_positional_embeddings_formula():
     """The call form a torchtune attention makes (pos_embeddings(x, input_pos=...)), against
-    torchtune's forward written out, so it runs where torchtune does not import (the test
-    above skips here)."""
+    torchtune's forward written out, so it runs where torchtune is not installed (the test
+    above then skips)."""
     ours = posenc.RotaryPositionalEncoding(64, max_len=128, interleaved=True)
     x = torch.randn(2, 10, 4, 64)
     input_pos = torch.randint(0, 128, (2, 10))

@@ -16,7 +16,6 @@ multi_axis_reference.generic_inv_freq_and_axis (multi-axis RoPE), and below "lon
 angle at the new position - the old angle at the old position), its rotated features times
 new attention factor / old attention factor (the factor written once stays once)."""
 
-import math
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from torch.library import opcheck
 import posenc  # noqa: F401
 from posenc.functional import apply_rope, rope_append_kv, rope_shift_kv
 from multi_axis_reference import generic_inv_freq_and_axis
-from rope_reference import reference_inv_freq, scaling_samples
+from rope_reference import longrope_inv_freq, proportional_inv_freq, reference_inv_freq, scaling_samples
 
 F64 = torch.float64
 D = 16
@@ -44,30 +43,6 @@ def rand(*shape, dtype=F64, seed=None):
 
 
 # ---- The independent reference (float64, plain PyTorch)
-
-
-def longrope_inv_freq(dim, base, scaling, seq_len):
-    """transformers' _compute_longrope_parameters (and dynamic_rope_update's switch):
-    inv_freq[i] = 1 / (ext[i] * base**(2i/dim)), ext = long_factor when seq_len >
-    original_max_position_embeddings, else short_factor; attention factor = given, else
-    sqrt(1 + ln(factor) / ln(original)) (1 for factor <= 1)."""
-    orig = scaling["original_max_position_embeddings"]
-    ext = torch.tensor(scaling["long_factor"] if seq_len > orig else scaling["short_factor"], dtype=F64)
-    inv = 1.0 / (ext * base ** (torch.arange(0, dim, 2, dtype=F64) / dim))
-    attn = scaling.get("attention_factor")
-    if attn is None:
-        factor = scaling["factor"]
-        attn = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(orig))
-    return inv, attn
-
-
-def proportional_inv_freq(head_dim, base, scaling):
-    """transformers' _compute_proportional_rope_parameters (Gemma 4): over the whole head,
-    inv_freq[i] = base**(-2i/head_dim) / factor for i < int(partial_rotary_factor * head_dim // 2),
-    else 0 (those pairs never turn); attention factor 1."""
-    angles = int(scaling["partial_rotary_factor"] * head_dim // 2)
-    inv = base ** (-torch.arange(0, 2 * angles, 2, dtype=F64) / head_dim)
-    return torch.cat([inv, torch.zeros(head_dim // 2 - angles, dtype=F64)]) / scaling.get("factor", 1.0), 1.0
 
 
 def rotary_part(cfg, head_dim):

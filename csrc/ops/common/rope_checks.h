@@ -37,7 +37,8 @@ void check_rope_base(double base);
 // apply_rope_cos_sin) refuses a larger one with this message, on every device.
 void check_rope_rotary_dim_supported(int64_t rotary_dim);
 // sections for rotary_dim (even, resolved): 1..kRopeMaxAxes positive counts summing to
-// rotary_dim / 2 (interleaved M-RoPE: n_axes * sections[a] <= rotary_dim / 2 for a >= 1).
+// rotary_dim / 2 (interleaved M-RoPE: axis a >= 1's last pair, a + n_axes * (sections[a] - 1),
+// below rotary_dim / 2).
 void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSectionsMode mode,
                          int64_t rotary_dim);
 
