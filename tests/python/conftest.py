@@ -1,6 +1,8 @@
 import functools
+import importlib.util
 import inspect
 import math
+import os
 import random
 import re
 
@@ -137,3 +139,17 @@ def pytest_collection_modifyitems(config, items):
                 f"{item.nodeid}: tests torch.cuda.is_available() in its body but has no cuda marker, "
                 "so its CUDA branch runs nowhere (CI has no GPU, the GPU check selects -m cuda): "
                 "move that branch into a test marked cuda")
+
+
+def torchtune_position_embeddings():
+    """torchtune's own torchtune/modules/position_embeddings.py (it imports only torch). The
+    package itself does not import with --no-deps (its __init__ wants datasets and an older
+    torchao), so the file is loaded on its own from the installed wheel (requirements-peers.txt)."""
+    spec = importlib.util.find_spec("torchtune")  # finds the package without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("torchtune is not installed (requirements-peers.txt)")
+    path = os.path.join(spec.submodule_search_locations[0], "modules", "position_embeddings.py")
+    module_spec = importlib.util.spec_from_file_location("torchtune_position_embeddings", path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    return module

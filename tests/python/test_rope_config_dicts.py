@@ -2,13 +2,11 @@
 partial_rotary_factor, Qwen-VL's mrope_section / mrope_interleaved, "mrope"), Hugging Face's
 (1, seq) position_ids, and torchtune's ``input_pos=``."""
 
-import importlib.util
-import os
-
 import pytest
 import torch
 
 import posenc
+from conftest import torchtune_position_embeddings
 from multi_axis_reference import qwen2vl_mrope, qwen3vl_mrope_interleaved
 from posenc.functional import apply_rope, rope_frequencies
 
@@ -124,20 +122,6 @@ def test_torchtune_input_pos():
         rope(q, positions=input_pos, input_pos=input_pos)
     with pytest.raises(IndexError, match="max_len=64"):
         rope(q, input_pos=input_pos + 64)
-
-
-def torchtune_position_embeddings():
-    """torchtune's own torchtune/modules/position_embeddings.py (it imports only torch). The
-    package itself does not import with --no-deps (its __init__ wants datasets and an older
-    torchao), so the file is loaded on its own from the installed wheel (requirements-peers.txt)."""
-    spec = importlib.util.find_spec("torchtune")  # finds the package without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("torchtune is not installed (requirements-peers.txt)")
-    path = os.path.join(spec.submodule_search_locations[0], "modules", "position_embeddings.py")
-    module_spec = importlib.util.spec_from_file_location("torchtune_position_embeddings", path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    return module
 
 
 def test_real_torchtune_rotary_positional_embeddings():

@@ -8,7 +8,7 @@ import torch
 from torch.library import opcheck
 
 import posenc
-from conftest import DEVICES, DTYPES
+from conftest import DEVICES, DTYPES, torchtune_position_embeddings
 from multi_axis_reference import (
     eva_timm_positions,
     eva_timm_rope,
@@ -134,6 +134,22 @@ def test_torchtune_vision_rotary(device, append_cls_token):
     assert torch.equal(pos, torchtune_vision_positions(g, tiles, append_cls_token))
     out = apply_rope(x, positions=pos.to(device), sections=[8, 8], interleaved=True)
     close(out, ref)
+
+
+@pytest.mark.parametrize("append_cls_token", [True, False])
+def test_real_torchtune_vision_rotary(append_cls_token):
+    """torchtune's own VisionRotaryPositionalEmbeddings (CLIP's vision encoder passes dim =
+    head_dim // 2) against apply_rope on the grid written as the test above writes it."""
+    position_embeddings = torchtune_position_embeddings()
+    g, tiles = 4, 2
+    theirs = position_embeddings.VisionRotaryPositionalEmbeddings(
+        patch_size=14, tile_size=14 * g, max_num_tiles=tiles, dim=16, append_cls_token=append_cls_token)
+    x = torch.randn(2, tiles * (g * g + 1), 3, 32, generator=torch.Generator().manual_seed(5))
+    patches = grid_positions(g, g).flip(0) + 1
+    cls = torch.zeros(2, 1, dtype=torch.long)
+    pos = torch.cat([patches, cls] if append_cls_token else [cls, patches], 1).repeat(1, tiles)
+    out = apply_rope(x, positions=pos, sections=[8, 8], interleaved=True)
+    torch.testing.assert_close(out, theirs(x), rtol=2e-5, atol=2e-5)
 
 
 # ---- The generic model on every supported combination.
