@@ -328,6 +328,30 @@ def test_resample_position_table_matches_timm(old, new, prefix, mode):
     assert torch.equal(got[:, :prefix], pe[:, :prefix])
 
 
+@pytest.mark.parametrize("old,new,prefix,mode,antialias,dtype", [
+    ((8, 8), (12, 12), 1, "bicubic", True, torch.float32),
+    ((16, 16), (5, 7), 1, "bilinear", True, torch.float32),  # downsampling: antialias matters
+    ((16, 16), (5, 7), 1, "bicubic", False, torch.bfloat16),
+    ((7, 5), (3, 9), 4, "bicubic", True, torch.float64),
+    ((6, 6), (9, 9), 0, "bilinear", False, torch.float16),
+    ((5, 5), (7, 3), 8, "nearest", False, torch.float32),
+    ((6, 6), (6, 6), 1, "bicubic", True, torch.float32),  # equal grids: timm returns the table itself
+])
+def test_resample_position_table_matches_real_timm(old, new, prefix, mode, antialias, dtype):
+    """The real timm resample_abs_pos_embed (timm when installed: ViTs' dynamic_img_size and
+    checkpoint loading call it) gives the same bits, prefix rows included, in every dtype."""
+    pos_embed = pytest.importorskip("timm.layers.pos_embed")
+    pe = torch.randn(1, prefix + old[0] * old[1], 24, dtype=torch.float64).to(dtype)
+    square = old[0] == old[1]
+    want = pos_embed.resample_abs_pos_embed(pe, list(new), None if square else list(old), num_prefix_tokens=prefix,
+                                            interpolation=mode, antialias=antialias)
+    got = resample_position_table(pe, new, old_grid=None if square else old, num_prefix_tokens=prefix, mode=mode,
+                                  antialias=antialias)
+    assert got.dtype == dtype and got.shape == (1, prefix + new[0] * new[1], 24)
+    assert torch.equal(got, want)
+    assert got.data_ptr() != pe.data_ptr()  # posenc's result never aliases pe (timm's may)
+
+
 def test_resample_rejects_mismatched_grid():
     with pytest.raises(ValueError, match=r"old_grid \(4, 5\) has 20 cells but the table has 16 patch rows"):
         resample_position_table(torch.randn(1, 17, 8), (6, 6), old_grid=(4, 5))
