@@ -514,6 +514,31 @@ def test_rotary_buffers_cast_replaced_or_edited_after_patching(fused_calls):
     assert not fused_calls
 
 
+def test_compiled_patched_model_fuses_and_refuses_an_in_place_edit():
+    """torch.compile of a patched model: the unpatched model's logits, through the fused op.
+    An in-place edit of inv_freq after patching, which eager calls see by the buffer's version
+    and answer with the layer's own path, is invisible to compiled code: it kept fusing the
+    checked frequencies (logits 0.2 off, silently). Compiled calls now compare the buffer
+    with the copy checked at patching and raise; replacing the buffer recompiles."""
+    model = tiny_model("qwen3")
+    unpatched = copy.deepcopy(model)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    tokens = ids(2, 8)
+    compiled = torch.compile(model)
+    torch.testing.assert_close(logits(compiled, tokens), logits(unpatched, tokens), **TOL)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        logits(compiled, tokens)  # compiled already: the profile holds the graph's calls alone
+    assert sum(e.name == "posenc::qk_norm_rope" for e in prof.events()) == 2  # both layers fused
+    rotary = model.model.rotary_emb
+    rotary.inv_freq.mul_(0.25)
+    with pytest.raises(RuntimeError, match="inv_freq was edited in place after apply_posenc_rope"):
+        logits(compiled, tokens)
+    # Replaced instead (as the docs advise): compiled code sees it and turns as the model does.
+    rotary.inv_freq = rotary.inv_freq.clone()
+    unpatched.model.rotary_emb.inv_freq.mul_(0.25)
+    torch.testing.assert_close(logits(compiled, tokens), logits(unpatched, tokens), **TOL)
+
+
 def test_hooked_or_replaced_norms_run_as_the_model_runs_them(fused_calls):
     """The fused path reads q_norm's and k_norm's weights and never calls them: a forward hook
     on a norm (added after patching) stopped firing (logits 0.022 off, found by a review), and

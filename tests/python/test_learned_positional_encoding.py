@@ -303,6 +303,20 @@ def test_sinusoidal_2d_table_matches_mae(h, w, dim, prefix):
         sinusoidal_2d_table(4, 4, 10)
 
 
+@pytest.mark.parametrize("h,w,dim,prefix", [(4, 4, 16, 1), (3, 5, 8, 0), (7, 2, 24, 1)])
+def test_sinusoidal_2d_table_is_transformers_vit_mae_with_its_halves_swapped(h, w, dim, prefix):
+    """transformers 5's ViT-MAE table (build_2d_sinusoidal_position_embedding, when installed)
+    lays the row coordinate out first, MAE's original the column (docs/guide/sinusoidal.md
+    says so): posenc's table with the two halves of its columns swapped, bit for bit."""
+    vit_mae = pytest.importorskip("transformers.models.vit_mae.modeling_vit_mae")
+    if not hasattr(vit_mae, "build_2d_sinusoidal_position_embedding"):
+        pytest.skip("this transformers has no build_2d_sinusoidal_position_embedding")
+    want = vit_mae.build_2d_sinusoidal_position_embedding(h, w, dim, cls_token=bool(prefix), dtype=torch.float64)
+    got = sinusoidal_2d_table(h, w, dim, num_prefix_tokens=prefix, dtype=torch.float64)
+    assert not torch.equal(got, want)  # the layouts differ ...
+    assert torch.equal(torch.cat([got[:, dim // 2:], got[:, :dim // 2]], 1), want)  # ... by the halves' order
+
+
 def timm_resample(posemb, new_size, old_size=None, num_prefix_tokens=1, interpolation="bicubic", antialias=True):
     """timm's resample_abs_pos_embed, written out from its documented behaviour."""
     if old_size is None:

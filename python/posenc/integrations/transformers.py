@@ -350,7 +350,8 @@ def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
 
 def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Optional[tuple]:
     """(eps, the parsed RoPE configuration, the rotary module, its inv_freq buffer name, that
-    buffer, its version, its attention scaling's attribute name and value, the norms' class) for
+    buffer, its version and a copy of its values, its attention scaling's attribute name and
+    value, the norms' class) for
     a layer whose norms and RoPE the fused op provably computes as transformers does; computed
     once when the layer is patched. Provably: both norms are the model's own RMS norm (one
     class, defined beside the attention: a norm put in its place computes something else) and
@@ -364,8 +365,9 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
     a model cast to bfloat16 (its ``inv_freq`` rounded: transformers turns by the rounded
     frequencies), an edited buffer. A call is fused only while the module still holds that same
     buffer (``model.to(...)`` replaces it) at that version (in-place edits; read in eager mode:
-    torch.compile cannot guard on versions) and that attention scaling. None otherwise: the
-    layer then runs its own norms and rotates with the given (cos, sin)."""
+    torch.compile cannot guard on versions: compiled code compares the buffer with a copy taken
+    here and refuses an edit) and that attention scaling. None otherwise: the layer then runs
+    its own norms and rotates with the given (cos, sin)."""
     eps = _norm_eps(attn.q_norm)
     norm_class = type(attn.q_norm)
     if (eps is None or eps != _norm_eps(attn.k_norm) or source is None or type(attn.k_norm) is not norm_class
@@ -402,7 +404,8 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
             continue
         if (ours.shape == model_freq.shape and torch.allclose(model_freq, ours, rtol=2.0**-17, atol=0.0)
                 and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
-            return eps, config, rotary, buffer, inv_freq, inv_freq._version, scaling_name, scaling, norm_class
+            return (eps, config, rotary, buffer, inv_freq, inv_freq._version, inv_freq.detach().clone(),
+                    scaling_name, scaling, norm_class)
     return None
 
 
@@ -414,7 +417,7 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     settings = attn.__dict__.get("_posenc_fused")
     if settings is None:
         return None
-    eps, config, rotary, buffer, inv_freq, version, scaling_name, scaling, norm_class = settings
+    eps, config, rotary, buffer, inv_freq, version, checked, scaling_name, scaling, norm_class = settings
     # The norms the fused op computes: still the model's own class, and no hook would miss
     # their call (as PositionalEncoding calls a hooked dropout child).
     if any(type(n) is not norm_class or not _unhooked(n) for n in (attn.q_norm, attn.k_norm)):
@@ -431,6 +434,14 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
         return None
     if positions.dim() == 2 and positions.shape[0] not in (1, input_shape[0]):
         return None
+    if torch.compiler.is_compiling():
+        # Compiled code can neither read the buffer's version nor leave the fused path on a
+        # value without a host sync: a call that fuses refuses an in-place edit (a device-side
+        # assert on CUDA, as torch's index checks) instead of turning by the checked frequencies.
+        torch._assert_async((inv_freq == checked).all(),
+                            f"posenc: the rotary module's {buffer} was edited in place after apply_posenc_rope("
+                            "qk_norm=True), which compiled code cannot follow: replace the buffer instead, or "
+                            "revert_posenc_qk_norm and patch again")
     return dict(eps=eps, positions=positions, config=config)
 
 
