@@ -104,6 +104,46 @@ def test_flux_pos_embed(device):
     close(apply_rope(x, positions=ids.to(device).T, sections=[8, 28, 28], interleaved=True, layout="bhsd"), ref)
 
 
+@pytest.mark.parametrize("axes, theta", [((16, 56, 56), 10000), ((4, 6, 6), 10000), ((8, 8, 8, 8), 2000)])
+def test_real_diffusers_flux_pos_embed(axes, theta):
+    """The real diffusers FluxPosEmbed + apply_rotary_emb (diffusers when installed; the test
+    above is a written-out copy): sections = axes_dim // 2, adjacent pairs, to float32 rounding."""
+    embeddings = pytest.importorskip("diffusers.models.embeddings")
+    torch.manual_seed(5)
+    S = 13
+    ids = torch.randint(0, 64, (S, len(axes)))
+    ids[:, 0] = torch.randint(0, 2, (S,))
+    x = torch.randn(1, 3, S, sum(axes))
+    cos, sin = embeddings.FluxPosEmbed(theta=theta, axes_dim=list(axes))(ids.float())
+    want = embeddings.apply_rotary_emb(x, (cos, sin), use_real=True, use_real_unbind_dim=-1)
+    got = apply_rope(x, positions=ids.T, sections=[a // 2 for a in axes], interleaved=True, base=float(theta),
+                     layout="bhsd")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("sections, head_dim", [([12, 10, 10], 64), ([24, 20, 20], 128), ([3, 3, 2], 16)])
+def test_real_transformers_qwen3_vl_interleaved_mrope(sections, head_dim):
+    """The real transformers Qwen3-VL text rotary (mrope_interleaved) and its
+    apply_rotary_pos_emb, against apply_rope with the sections given and with its config's
+    rope_parameters as scaling, at positions up to 300 (float32 angles: ~3e-5)."""
+    transformers = pytest.importorskip("transformers")
+    qwen3_vl = pytest.importorskip("transformers.models.qwen3_vl.modeling_qwen3_vl")
+    torch.manual_seed(6)
+    heads = 2
+    config = transformers.Qwen3VLTextConfig(
+        hidden_size=head_dim * heads, head_dim=head_dim, num_attention_heads=heads, num_key_value_heads=1,
+        max_position_embeddings=512, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                      "mrope_section": sections, "mrope_interleaved": True})
+    rotary = qwen3_vl.Qwen3VLTextRotaryEmbedding(config)
+    pos = torch.randint(0, 300, (3, 2, 11))
+    q, k = torch.randn(2, heads, 11, head_dim), torch.randn(2, 1, 11, head_dim)
+    want = qwen3_vl.apply_rotary_pos_emb(q, k, *rotary(q, pos))
+    got = apply_rope(q, k, positions=pos, sections=sections, sections_mode="mrope_interleaved", base=5e6, layout="bhsd")
+    from_config = apply_rope(q, k, positions=pos, scaling=dict(config.rope_parameters), layout="bhsd")
+    for g, w in zip(got + from_config, want + want):
+        torch.testing.assert_close(g, w, rtol=0, atol=5e-5)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("grid, prefix", [((7, 5), 1), ((4, 4), 5), ((3, 6), 0)])
 def test_eva02_timm(device, grid, prefix):

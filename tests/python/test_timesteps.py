@@ -127,3 +127,9 @@ def test_matches_real_diffusers():
         ref = embeddings.Timesteps(**kwargs)
         assert torch.equal(posenc.Timesteps(**config)(t), ref(t))
         assert posenc.Timesteps(**config).state_dict().keys() == ref.state_dict().keys()
+    # Every config (max_period too) through the function Timesteps calls, get_timestep_embedding.
+    for config in CONFIGS:
+        channels = config["num_channels"]
+        kwargs = {k: v for k, v in config.items() if k != "num_channels"}
+        assert torch.equal(timestep_embedding(t, channels, **kwargs),
+                           embeddings.get_timestep_embedding(t, channels, **kwargs)), config
