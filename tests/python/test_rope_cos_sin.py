@@ -144,20 +144,23 @@ def test_rope_cos_sin_transformers5_dict_keys():
     torch.testing.assert_close(cos8, hf_cos_sin(pos[None], 8)[0][0], rtol=1e-12, atol=1e-12)
 
 
-def test_rope_cos_sin_matches_transformers_rotary_embedding():
+@pytest.mark.parametrize("seq", [50, 200])  # below and above max_position_embeddings (dynamic rescales above)
+def test_rope_cos_sin_matches_transformers_rotary_embedding(seq):
     """Against the real LlamaRotaryEmbedding, which computes in float32: float32 rounding of
     angles up to ~200 rad (absolute error ~ position * 2**-24)."""
     transformers = pytest.importorskip("transformers")
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     for params in ({"rope_type": "default", "rope_theta": 10000.0},
+                   {"rope_type": "linear", "rope_theta": 10000.0, "factor": 2.0},
+                   {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
                    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
                    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0}):
         config = transformers.LlamaConfig(hidden_size=64, num_attention_heads=2, max_position_embeddings=96,
                                           rope_parameters=params)
         rotary = LlamaRotaryEmbedding(config)
-        pos = torch.arange(200)[None]
+        pos = torch.arange(seq)[None]
         hf_cos, hf_sin = rotary(torch.zeros(1, dtype=torch.float32), pos)
         cos, sin = F.rope_cos_sin(pos, 32, scaling=params, max_position_embeddings=96)
         torch.testing.assert_close(cos, hf_cos, rtol=0, atol=1e-4)
