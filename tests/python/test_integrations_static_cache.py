@@ -88,6 +88,35 @@ def test_static_cache_written_by_rope_append_kv(batch, cache, padded, counted):
         torch.testing.assert_close(got.values, want.values, **TOL)
 
 
+def test_compiled_forward_writes_the_static_cache():
+    """A StaticCache is what torch.compile'd decoding uses: the patched model's forward compiled
+    (left-padded batch of 2) generates the unpatched model's greedy tokens and cache contents,
+    each layer's step through one rope_append_kv in the compiled graph (counted by the
+    profiler in a second, already compiled generation: the prefill and 7 steps, 2 layers)."""
+    model = tiny_qwen3()
+    ids = torch.randint(2, 128, (2, PROMPT), generator=torch.Generator().manual_seed(1))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0
+    tokens, want_cache = generate(model, ids, static_cache(model), attention_mask=mask, disable_compile=True)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    try:
+        model.forward = torch.compile(model.forward)
+        generate(model, ids, static_cache(model), attention_mask=mask, disable_compile=True)  # compiles
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            got_tokens, got_cache = generate(model, ids, static_cache(model), attention_mask=mask, disable_compile=True)
+    finally:
+        del model.forward
+        integration.revert_posenc_qk_norm(model)
+    names = [e.name for e in prof.events()]
+    assert names.count("posenc::rope_append_kv") == NEW * model.config.num_hidden_layers
+    assert not any(n.startswith("posenc::qk_norm_rope") for n in names)
+    assert torch.equal(got_tokens, tokens)
+    for got, want in zip(got_cache.layers, want_cache.layers):
+        assert int(got.cumulative_length) == int(want.cumulative_length) == PROMPT + NEW - 1
+        torch.testing.assert_close(got.keys, want.keys, **TOL)
+        torch.testing.assert_close(got.values, want.values, **TOL)
+
+
 def test_sliding_layers_keep_their_path(counted):
     """A StaticSlidingWindowLayer keeps qk_norm_rope + its own update; the full layer beside
     it takes rope_append_kv."""
