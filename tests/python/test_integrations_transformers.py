@@ -146,6 +146,33 @@ def test_logits_gradients_and_generation_match(model_type, count_posenc_calls):
     assert not count_posenc_calls
 
 
+def test_compiled_patched_model_trains_as_the_unpatched_one():
+    """torch.compile of a patched Llama (training mode, as fine-tuning runs it): the unpatched
+    model's loss and gradients, with the rotation inside the compiled graph (the profiler
+    counts posenc's op in a second, already compiled step)."""
+    model = tiny_model("llama")
+    ids = torch.randint(2, 128, (2, 13), generator=torch.Generator().manual_seed(1))
+
+    def step(fn):
+        model.zero_grad(set_to_none=True)
+        loss = fn(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+
+    loss, grads = step(model)
+    integration.apply_posenc_rope(model)
+    compiled = torch.compile(model)
+    step(compiled)  # compiles
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        got_loss, got_grads = step(compiled)
+    # per layer, the forward and the backward (the same op with transpose=True)
+    assert sum(e.name == "posenc::apply_rope_cos_sin" for e in prof.events()) == 2 * model.config.num_hidden_layers
+    torch.testing.assert_close(got_loss, loss, **TOL)
+    assert got_grads.keys() == grads.keys() and len(grads) > 0
+    for name in grads:
+        torch.testing.assert_close(got_grads[name], grads[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
+
+
 def test_patch_is_per_type_idempotent_and_reversible():
     llama = importlib.import_module("transformers.models.llama.modeling_llama")
     gptj = importlib.import_module("transformers.models.gptj.modeling_gptj")
