@@ -148,8 +148,9 @@ def test_logits_gradients_and_generation_match(model_type, count_posenc_calls):
 
 def test_compiled_patched_model_trains_as_the_unpatched_one():
     """torch.compile of a patched Llama (training mode, as fine-tuning runs it): the unpatched
-    model's loss and gradients, with the rotation inside the compiled graph (the profiler
-    counts posenc's op in a second, already compiled step)."""
+    model's loss and gradients, with each layer's rotation inside a graph dynamo captured and
+    the profiler counting posenc's op in a second, already compiled step. Backend aot_eager
+    (test_integrations_transformers_qk_norm.py's compile test says why)."""
     model = tiny_model("llama")
     ids = torch.randint(2, 128, (2, 13), generator=torch.Generator().manual_seed(1))
 
@@ -161,8 +162,14 @@ def test_compiled_patched_model_trains_as_the_unpatched_one():
 
     loss, grads = step(model)
     integration.apply_posenc_rope(model)
-    compiled = torch.compile(model)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    counter = CompileCounterWithBackend("aot_eager")  # the graphs dynamo captured
+    compiled = torch.compile(model, backend=counter)
     step(compiled)  # compiles
+    in_graphs = [sum("posenc.apply_rope_cos_sin" in str(n.target) for n in g.graph.nodes) for g in counter.graphs]
+    assert sum(in_graphs) == model.config.num_hidden_layers, in_graphs  # each layer's rotation compiled
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         got_loss, got_grads = step(compiled)
     # per layer, the forward and the backward (the same op with transpose=True)

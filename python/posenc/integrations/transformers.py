@@ -37,7 +37,8 @@ without them (a layer called on its own, any caller that passes only
 posenc's (a bfloat16 cast, an edited buffer), or while a norm is hooked or replaced (a
 hook would miss its call; another module computes something else), the layer's own norms and
 then :func:`posenc.functional.apply_rope_cos_sin` on the given (cos, sin), so every call path
-computes what the unpatched layer computes; no ``position_embeddings`` is a ValueError naming
+computes what the unpatched layer computes (compiled code, which cannot see a buffer edited in
+place, raises instead: docs/integrations.md); no ``position_embeddings`` is a ValueError naming
 it. With a ``transformers.StaticCache`` (``generate(..., cache_implementation="static")``), a
 fused layer whose cache layer is a plain ``StaticLayer`` also writes its keys and values there
 in the same call, :func:`posenc.functional.rope_append_kv` with ``q_weight`` / ``k_weight``, at
@@ -415,7 +416,7 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     for every token (the decoder layer passes the ones its model computed position_embeddings
     from); None otherwise."""
     settings = attn.__dict__.get("_posenc_fused")
-    if settings is None:
+    if settings is None or len(settings) != 10:  # 10: a layer pickled by an older posenc has 9 (no copy)
         return None
     eps, config, rotary, buffer, inv_freq, version, checked, scaling_name, scaling, norm_class = settings
     # The norms the fused op computes: still the model's own class, and no hook would miss
