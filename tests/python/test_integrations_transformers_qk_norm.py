@@ -331,11 +331,11 @@ def test_copies_and_pickles_stay_patched(fused_calls):
         integration.revert_posenc_qk_norm(twin)
         assert type(twin.model.layers[0].self_attn) is type(tiny_model("qwen3").model.layers[0].self_attn)
         torch.testing.assert_close(logits(twin, tokens), want, rtol=0, atol=0)
-    # A layer pickled by posenc before 2026-12-06 holds settings without the buffer's copy
-    # (9 items, not 10): it runs its own path, as an unfusable layer does, instead of failing.
+    # A layer pickled by posenc before 2026-12-06 holds its settings as a plain tuple, without
+    # the buffer's copy: it runs its own path, as an unfusable layer does, instead of failing.
     old = pickle.loads(pickle.dumps(model))
     for layer in old.model.layers:
-        settings = layer.self_attn._posenc_fused
+        settings = tuple(layer.self_attn._posenc_fused)
         layer.self_attn._posenc_fused = settings[:6] + settings[7:]
     del fused_calls[:]
     torch.testing.assert_close(logits(old, tokens), want, **TOL)

@@ -75,7 +75,7 @@ import copyreg
 import importlib
 import inspect
 import threading
-from typing import Any, Callable, Dict, Iterator, Optional, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -349,26 +349,39 @@ def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
     return None
 
 
-def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Optional[tuple]:
-    """(eps, the parsed RoPE configuration, the rotary module, its inv_freq buffer name, that
-    buffer, its version and a copy of its values, its attention scaling's attribute name and
-    value, the norms' class) for
-    a layer whose norms and RoPE the fused op provably computes as transformers does; computed
-    once when the layer is patched. Provably: both norms are the model's own RMS norm (one
-    class, defined beside the attention: a norm put in its place computes something else) and
-    share one eps; the model's tables depend on the positions and the config only (not "dynamic"
-    or "longrope", whose transformers tables change with the call's length and the rotary
-    module's history); and the rotary module's float32 ``inv_freq`` and ``attention_scaling``
-    are the ones posenc computes from the parsed config (to 2**-17 relative: transformers rounds
-    float32 powers). That last check is what the config alone cannot tell: a model whose rotary
-    ignores a key (Qwen3's default RoPE turns the whole head_dim whatever
-    ``partial_rotary_factor`` says; a nested yarn dict's ``truncate`` read from the outer dict),
-    a model cast to bfloat16 (its ``inv_freq`` rounded: transformers turns by the rounded
-    frequencies), an edited buffer. A call is fused only while the module still holds that same
-    buffer (``model.to(...)`` replaces it) at that version (in-place edits; read in eager mode:
-    torch.compile cannot guard on versions: compiled code compares the buffer with a copy taken
-    here and refuses an edit) and that attention scaling. None otherwise: the layer then runs
-    its own norms and rotates with the given (cos, sin)."""
+class _FusedSettings(NamedTuple):
+    """What a fusable layer's calls check and use (_fused_settings). A layer pickled by an older
+    posenc holds a plain tuple instead: it runs its own path (_fused_arguments)."""
+
+    eps: float
+    config: Any  # the parsed RopeConfig
+    rotary: Any  # the rotary module whose tables the layer receives
+    buffer: str  # its inv_freq buffer's name
+    inv_freq: Tensor  # that buffer, as checked
+    version: int  # its version then (eager calls compare it)
+    checked: Tensor  # a copy of its values then (compiled calls compare them)
+    scaling_name: str  # the rotary module's attention scaling attribute
+    scaling: float  # and its value then
+    norm_class: type  # the class of q_norm and k_norm
+
+
+def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Optional[_FusedSettings]:
+    """The settings (_FusedSettings) of a layer whose norms and RoPE the fused op provably
+    computes as transformers does; computed once when the layer is patched. Provably: both norms
+    are the model's own RMS norm (one class, defined beside the attention: a norm put in its
+    place computes something else) and share one eps; the model's tables depend on the positions
+    and the config only (not "dynamic" or "longrope", whose transformers tables change with the
+    call's length and the rotary module's history); and the rotary module's float32 ``inv_freq``
+    and ``attention_scaling`` are the ones posenc computes from the parsed config (to 2**-17
+    relative: transformers rounds float32 powers). That last check is what the config alone
+    cannot tell: a model whose rotary ignores a key (Qwen3's default RoPE turns the whole
+    head_dim whatever ``partial_rotary_factor`` says; a nested yarn dict's ``truncate`` read
+    from the outer dict), a model cast to bfloat16 (its ``inv_freq`` rounded: transformers turns
+    by the rounded frequencies), an edited buffer. A call is fused only while the module still
+    holds that same buffer (``model.to(...)`` replaces it) at that version (in-place edits; read
+    in eager mode: torch.compile cannot guard on versions: compiled code compares the buffer
+    with a copy taken here and refuses an edit) and that attention scaling. None otherwise: the
+    layer then runs its own norms and rotates with the given (cos, sin)."""
     eps = _norm_eps(attn.q_norm)
     norm_class = type(attn.q_norm)
     if (eps is None or eps != _norm_eps(attn.k_norm) or source is None or type(attn.k_norm) is not norm_class
@@ -405,8 +418,8 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
             continue
         if (ours.shape == model_freq.shape and torch.allclose(model_freq, ours, rtol=2.0**-17, atol=0.0)
                 and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
-            return (eps, config, rotary, buffer, inv_freq, inv_freq._version, inv_freq.detach().clone(),
-                    scaling_name, scaling, norm_class)
+            return _FusedSettings(eps, config, rotary, buffer, inv_freq, inv_freq._version,
+                                  inv_freq.detach().clone(), scaling_name, scaling, norm_class)
     return None
 
 
@@ -416,7 +429,7 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     for every token (the decoder layer passes the ones its model computed position_embeddings
     from); None otherwise."""
     settings = attn.__dict__.get("_posenc_fused")
-    if settings is None or len(settings) != 10:  # 10: a layer pickled by an older posenc has 9 (no copy)
+    if not isinstance(settings, _FusedSettings):  # None, or a plain tuple pickled by an older posenc
         return None
     eps, config, rotary, buffer, inv_freq, version, checked, scaling_name, scaling, norm_class = settings
     # The norms the fused op computes: still the model's own class, and no hook would miss
