@@ -746,12 +746,14 @@ class RotaryPositionalEncoding(nn.Module):
         dim: head_dim of q and k.
         max_len: positions must lie in ``[0, max_len)``; an IndexError is raised otherwise
             (the functional :func:`posenc.functional.apply_rope` has no limit). Position
-            tensors are read for it in eager mode only: under torch.compile, torch.export
-            and torch.jit.trace (and on CUDA with ``check_positions`` False) the module
-            rotates at the positions given, beyond ``max_len`` too, as the function does
-            (an int ``offset`` is checked in eager mode, under torch.compile and by an
-            exported program's ``module()``, not in a traced module or an AOTInductor
-            package: docs/deploy.md).
+            tensors are read for it in eager mode; under torch.compile and torch.export
+            (an AOTInductor package too) their bounds stay on the device and a position
+            outside the range is a RuntimeError (a device-side assert on CUDA), with no
+            host sync. A module traced by torch.jit.trace (or on CUDA with
+            ``check_positions`` False) rotates at the positions given, beyond ``max_len``
+            too, as the function does. An int ``offset`` is checked in eager mode, under
+            torch.compile and by an exported program's ``module()``, not in a traced
+            module or an AOTInductor package: docs/deploy.md.
         base: RoPE base ("rope_theta"; default 10000, or the scaling dict's ``rope_theta``).
         interleaved: rotate adjacent pairs (GPT-J, Meta LLaMA, torchtune) instead of halves
             (GPT-NeoX, Hugging Face ``rotate_half``).
@@ -918,9 +920,13 @@ class RotaryPositionalEncoding(nn.Module):
         self, q: Tensor, positions: Optional[Tensor], offset: Union[int, Tensor], cu_seqlens: Optional[Tensor]
     ) -> Optional[int]:
         """Positions must lie in [0, max_len). Free for an int offset; with index tensors
-        the op posenc::rope_position_bounds reads them back (a sync on CUDA), only when
-        check_positions is set (CUDA) and not under torch.compile. Returns the longest
-        position when it was read from tensors (so "dynamic" need not read it again)."""
+        the op posenc::rope_position_bounds reads them back (a sync on CUDA) in eager mode,
+        only when check_positions is set (CUDA). Under torch.compile and torch.export the op
+        posenc::rope_position_extremes keeps the bounds on the device and
+        torch._assert_async refuses the call (a RuntimeError; a device-side assert on CUDA),
+        with no host sync; torch.jit.trace keeps neither (the kernels' own checks remain).
+        Returns the longest position when it was read from tensors (so "dynamic" need not
+        read it again)."""
         if q.dim() != (3 if self.layout == "thd" else 4):
             return  # the rope op raises for a wrong rank, with its own message
         offsets = offset if isinstance(offset, Tensor) else None
@@ -933,17 +939,27 @@ class RotaryPositionalEncoding(nn.Module):
             lo, hi = (offset, offset + seq - 1) if batch > 0 and seq > 0 else (0, -1)
         else:
             tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
-            on_cuda = any(t.is_cuda for t in tensors)
-            # torch.jit.trace cannot record an op that returns ints: a traced module, like a
-            # compiled one, keeps the kernels' own checks.
-            if (torch.compiler.is_compiling() or torch.jit.is_tracing() or (on_cuda and not self.check_positions)
+            # torch.jit.trace records neither an op that returns ints nor an assert (its graph
+            # drops ops whose results are unused): a traced module keeps the kernels' checks.
+            if (torch.jit.is_tracing() or (any(t.is_cuda for t in tensors) and not self.check_positions)
                     or q.is_meta or any(t.is_meta for t in tensors)):
-                return None  # nothing to read: traced, unchecked, or shapes only (meta)
-            lo, hi = torch.ops.posenc.rope_position_bounds(
-                q, positions=positions, offsets=offsets, offset=0 if offsets is not None else offset,
+                return None  # traced, unchecked, or shapes only (meta)
+            arguments = dict(
+                positions=positions, offsets=offsets, offset=0 if offsets is not None else offset,
                 cu_seqlens=cu_seqlens, rotary_dim=self.rotary_dim, layout=self.layout,
                 sections=list(self.rope_config.sections), sections_mode=self.sections_mode,
             )
+            if torch.compiler.is_compiling():
+                # Bounds read to the host would break the graph (and sync): they stay a
+                # tensor, and the call is refused on the device.
+                lo, hi = torch.ops.posenc.rope_position_extremes(q, **arguments).unbind()
+                torch._assert_async(
+                    (hi < lo) | ((lo >= 0) & (hi < self.max_len)),
+                    f"RotaryPositionalEncoding: expected positions in [0, max_len={self.max_len}) (a compiled or "
+                    f"exported module checks them on the device), got a position outside it",
+                )
+                return None
+            lo, hi = torch.ops.posenc.rope_position_bounds(q, **arguments)
         if hi >= lo and (lo < 0 or hi >= self.max_len):
             torch.ops.posenc.position_range_check(lo, hi, self.max_len)  # raises the one IndexError
         return hi if positions is not None or offsets is not None or cu_seqlens is not None else None
@@ -1061,3 +1077,15 @@ def bounds_batch_rule(op: Any) -> Any:
 
 for _name in ("rope_position_bounds", "position_bounds"):
     torch.library.register_vmap(f"posenc::{_name}", bounds_batch_rule(getattr(torch.ops.posenc, _name).default))
+
+
+def _extremes_batch_rule(info: Any, in_dims: Tuple[Optional[int], ...], *args: Any, **kwargs: Any) -> Any:
+    """vmap rule of posenc::rope_position_extremes: each vmapped sample's own extremes,
+    (batch, 2), from the op on each slice."""
+    op = torch.ops.posenc.rope_position_extremes.default
+    parts = [op(*[a.select(d, i) if isinstance(a, Tensor) and isinstance(d, int) else a
+                  for a, d in zip(args, in_dims)], **kwargs) for i in range(info.batch_size)]
+    return (torch.stack(parts) if parts else args[0].new_empty((0, 2), dtype=torch.int64)), 0
+
+
+torch.library.register_vmap("posenc::rope_position_extremes", _extremes_batch_rule)

@@ -57,7 +57,8 @@ worst to R, so no placement gives a silently wrong answer):
 
 ``sinusoidal_table``: positions R or S(d) -> the table S(d) (never on the d_model dimension).
 
-``position_bounds`` / ``rope_position_bounds`` read values (a host-side check): for DTensor
+``position_bounds`` / ``rope_position_bounds`` read values (a host-side check; the device-side
+    ``rope_position_extremes`` alike): for DTensor
     arguments they gather the index tensors (small, int64) and compute the global bounds on
     every rank, so a range error is raised on every rank alike and "dynamic" scaling sees the
     global longest position. q and k are not gathered (only their global shape matters).
@@ -335,8 +336,9 @@ def _is_spec(value) -> bool:
 
 
 def _bounds_handler(cls, op_call, types, args, kwargs):
-    """position_bounds / rope_position_bounds of DTensor arguments: the bounds of the global
-    tensors, on every rank (a torch_dispatch rule of DTensor for these ops)."""
+    """position_bounds / rope_position_bounds / rope_position_extremes of DTensor arguments:
+    the bounds of the global tensors, on every rank (a torch_dispatch rule of DTensor for
+    these ops; rope_position_extremes returns a plain tensor)."""
     names = [arg.name for arg in op_call._schema.arguments]
     new_args = []
     for name, value in zip(names, args):
@@ -376,6 +378,7 @@ def register_sharding_rules() -> None:
     # Public API (torch.library) for what DTensor's private _custom_op_handlers table does.
     torch.library.register_torch_dispatch(ops.position_bounds.default, DTensor, _bounds_handler)
     torch.library.register_torch_dispatch(ops.rope_position_bounds.default, DTensor, _bounds_handler)
+    torch.library.register_torch_dispatch(ops.rope_position_extremes.default, DTensor, _bounds_handler)
     _registered = True
 
 

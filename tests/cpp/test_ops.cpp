@@ -371,6 +371,8 @@ TEST(Dispatcher, UndefinedOptionalTensorIsNone) {
        with({"k"}, index)},
       {"posenc::rope_position_bounds", "", [&] { return std::map<std::string, c10::IValue>{{"q", q}}; },
        with({"k"}, index)},
+      {"posenc::rope_position_extremes", "", [&] { return std::map<std::string, c10::IValue>{{"q", q}}; },
+       with({"k"}, index)},
       {"posenc::qk_norm_rope", "",
        [&] { return std::map<std::string, c10::IValue>{{"q", q}, {"k", k}, {"q_weight", w}, {"k_weight", w}}; },
        index},

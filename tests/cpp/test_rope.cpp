@@ -341,7 +341,8 @@ TEST(ApplyRope, OptionsAgainstTheFormula) {
 namespace {
 
 TEST(RopeCall, ArgumentListMatchesEverySchema) {
-  for (const char* name : {"posenc::rope", "posenc::rope_", "posenc::rope_position_bounds"}) {
+  for (const char* name : {"posenc::rope", "posenc::rope_", "posenc::rope_position_bounds",
+                           "posenc::rope_position_extremes"}) {
     const auto op = c10::Dispatcher::singleton().findSchemaOrThrow(name, "");
     EXPECT_NO_THROW(posenc::ops::check_rope_schema_matches(op.schema())) << name;
   }

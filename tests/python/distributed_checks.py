@@ -512,6 +512,9 @@ def sinusoidal_table_and_bounds():
     dq = distribute_tensor(q, mesh, [Shard(1)])
     assert torch.ops.posenc.rope_position_bounds(dq, None, distribute_tensor(pos, mesh, [Shard(1)])) == (0, 11)
     assert torch.ops.posenc.rope_position_bounds(dq, offset=4) == (4, 9)
+    # The device-side form (a compiled module's check): the global bounds, as a plain tensor.
+    ext = torch.ops.posenc.rope_position_extremes(dq, None, distribute_tensor(pos, mesh, [Shard(1)]), offset=2)
+    assert ext.tolist() == [2, 13], ext
 
 
 @check

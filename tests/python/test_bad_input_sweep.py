@@ -180,9 +180,10 @@ def other_call(rng):
                                             pick(rng, [0, 100], [2**62, -1]))
     if kind == 1:
         q = tensor(rng, (1, 3, 2, 8))
-        return lambda: ops.rope_position_bounds(q, None, index(rng, (3,), 10) if rng.random() < 0.5 else None,
-                                                index(rng, (1,), 10) if rng.random() < 0.5 else None,
-                                                pick(rng, [0, 3], HUGE), cu_seqlens=None, layout="bshd")
+        bounds = ops.rope_position_bounds if rng.random() < 0.5 else ops.rope_position_extremes  # host / device
+        return lambda: bounds(q, None, index(rng, (3,), 10) if rng.random() < 0.5 else None,
+                              index(rng, (1,), 10) if rng.random() < 0.5 else None,
+                              pick(rng, [0, 3], HUGE), cu_seqlens=None, layout="bshd")
     positions = index(rng, pick(rng, [(4,), (2, 3)], [(0,)]), 50)
     return lambda: ops.sinusoidal_table(positions, pick(rng, [4, 7], [0, -3, 2**40]), pick(rng, [10000.0], [NAN, 1.0]))
 

@@ -190,7 +190,7 @@ class EveryOp(nn.Module):
         d = 32
         self.fixed = posenc.PositionalEncoding(d, 0.0, 128)
         self.learned = posenc.LearnedPositionalEncoding(d, 0.0, 128)
-        self.rope = posenc.RotaryPositionalEncoding(8, 128, scaling=YARN)
+        self.rope = posenc.RotaryPositionalEncoding(8, 100, scaling=YARN)  # below the tables' 128
         self.mrope = posenc.RotaryPositionalEncoding(8, 128, sections=[1, 1, 2], sections_mode="mrope")
         self.time = posenc.Timesteps(d, flip_sin_to_cos=True, downscale_freq_shift=0.0)
 
@@ -224,7 +224,7 @@ def every_op_inputs(batch, seq):
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="AOTInductor's CPU compile is tested on Linux")
-def test_aoti_package_runs_every_op(tmp_path):
+def test_aoti_package_runs_every_op(tmp_path, capfd):
     model = EveryOp().eval()
     example = every_op_inputs(2, 6)
     batch, seq = torch.export.Dim("batch", min=1, max=16), torch.export.Dim("seq", min=2, max=64)
@@ -241,6 +241,16 @@ def test_aoti_package_runs_every_op(tmp_path):
         for g, w in zip(got[:5], want[:5]):  # the kernels are the ones eager runs
             torch.testing.assert_close(g, w, rtol=1e-6, atol=1e-6)
         assert torch.equal(got[5], want[5])
+    # A position beyond the rotary module's max_len (within the tables'): the eager module's
+    # IndexError, the package's RuntimeError (it used to rotate there, unchecked).
+    bad = every_op_inputs(2, 6)
+    bad[1][1, 4] = 110
+    with pytest.raises(IndexError, match="max_len=100"):
+        model(*bad)
+    capfd.readouterr()
+    with pytest.raises(RuntimeError):
+        loaded(*bad)
+    assert "RotaryPositionalEncoding: expected positions in [0, max_len=100)" in capfd.readouterr().err  # its C++ log
 
 
 @pytest.mark.cuda

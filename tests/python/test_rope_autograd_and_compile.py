@@ -1,4 +1,4 @@
-"""RoPE: gradcheck, opcheck on rope / rope_ / rope_frequencies / rope_position_bounds, in place, what backward saves,
+"""RoPE: gradcheck, opcheck on rope / rope_ / rope_frequencies / rope_position_bounds(/_extremes), in place, what backward saves,
 torch.compile(fullgraph=True) and torch.export."""
 
 import pytest
@@ -236,6 +236,105 @@ def test_opcheck_rope_position_bounds(device):
     opcheck(torch.ops.posenc.rope_position_bounds.default, args,
             test_utils=("test_schema", "test_autograd_registration"))
     assert torch.ops.posenc.rope_position_bounds(*args) == (5, 10)
+
+
+def extremes_cases(device):
+    """RoPE calls with index tensors (and some without): (q, keyword arguments)."""
+    g = torch.Generator().manual_seed(5)
+    q4, q3 = torch.randn(2, 3, 1, 4, device=device), torch.randn(7, 1, 4, device=device)
+    cu = torch.tensor([0, 3, 3, 7], device=device)
+    return [
+        (q4, dict(positions=torch.tensor([[0, 1, 2], [5, 6, 7]], device=device), offsets=torch.tensor([3, 1],
+                                                                                                      device=device),
+                  offset=2)),
+        (q4, dict(positions=torch.randint(-9, 60, (3,), generator=g).to(device), offset=4)),
+        (q4, dict(offsets=torch.tensor([0, 40], device=device))),
+        (q4, dict(offset=7)),
+        (q4[:0], dict(positions=torch.zeros(0, 3, dtype=torch.long, device=device))),
+        (q3, dict(cu_seqlens=cu, layout="thd")),
+        (q3, dict(cu_seqlens=cu, offsets=torch.tensor([5, 100, 2], device=device), layout="thd")),
+        (q3, dict(cu_seqlens=torch.tensor([0, 0, 7], device=device), layout="thd")),
+        (q3[:0], dict(cu_seqlens=torch.tensor([0, 0], device=device), layout="thd")),
+        (q4, dict(positions=torch.randint(0, 30, (2, 2, 3), generator=g).to(device), sections=[1, 1],
+                  sections_mode="mrope")),
+        (q3, dict(positions=torch.randint(0, 30, (2, 7), generator=g).to(device), cu_seqlens=cu,
+                  offsets=torch.tensor([1, 2, 3], device=device), sections=[1, 1], layout="thd")),
+    ]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_position_extremes_are_the_bounds_left_on_the_device(device):
+    """rope_position_extremes: rope_position_bounds' (smallest, largest) position as an
+    int64 (2,) tensor on q's device, without a read-back (a compiled or exported
+    RotaryPositionalEncoding asserts on it); no token: high below low. opcheck runs its
+    Meta kernel (fake tensors) against the real one."""
+    for q, kwargs in extremes_cases(device):
+        got = torch.ops.posenc.rope_position_extremes(q, **kwargs)
+        lo, hi = torch.ops.posenc.rope_position_bounds(q, **kwargs)
+        assert got.dtype == torch.int64 and got.shape == (2,) and got.device == q.device
+        if hi >= lo:
+            assert got.tolist() == [lo, hi], kwargs
+        else:
+            assert got[1] < got[0], kwargs
+        opcheck(torch.ops.posenc.rope_position_extremes.default, (q,), kwargs)
+
+
+def test_rope_position_extremes_under_vmap():
+    """Its vmap rule: each vmapped sample's extremes."""
+    q = torch.randn(1, 5, 2, 8)
+    pos = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(1))
+    ext = torch.vmap(lambda p: torch.ops.posenc.rope_position_extremes(q, positions=p, offset=3))(pos)
+    assert ext.tolist() == [[p.min().item() + 3, p.max().item() + 3] for p in pos]
+    empty = torch.vmap(lambda p: torch.ops.posenc.rope_position_extremes(q, positions=p))(pos[:0])
+    assert empty.shape == (0, 2)
+
+
+@pytest.mark.parametrize("case", ["positions", "offsets", "thd", "mrope"])
+def test_compiled_module_refuses_positions_beyond_max_len(case):
+    """A compiled RotaryPositionalEncoding skipped its [0, max_len) check for position
+    tensors (it cannot read them without a graph break): positions beyond max_len were
+    rotated as if allowed, where the eager module raises IndexError. Now the bounds stay on
+    the device and torch._assert_async refuses the call, with no graph break; in range, the
+    compiled module computes what the eager one does."""
+    torch._dynamo.reset()
+    max_len = 32
+    mrope = case == "mrope"
+    rope = posenc.RotaryPositionalEncoding(8, max_len=max_len, sections=[1, 1, 2] if mrope else None,
+                                           sections_mode="mrope" if mrope else "axial",
+                                           layout="thd" if case == "thd" else "bshd")
+    g = torch.Generator().manual_seed(3)
+    if case == "thd":
+        q = torch.randn(9, 2, 8, generator=g)
+        cu = torch.tensor([0, 4, 9])
+
+        def call(m, bad):
+            return m(q, offset=torch.tensor([2, 40 if bad else 23]), cu_seqlens=cu)
+    elif case == "offsets":
+        q = torch.randn(2, 4, 2, 8, generator=g)
+
+        def call(m, bad):
+            return m(q, offset=torch.tensor([28 + bad, 3]))  # 29 + 3 tokens: position 32
+    else:
+        q = torch.randn(2, 5, 2, 8, generator=g)
+        pos = torch.randint(0, max_len, (3, 2, 5) if mrope else (2, 5), generator=g)
+
+        def call(m, bad):
+            p = pos.clone()
+            if bad:
+                p.view(-1)[7] = max_len
+            return m(q, positions=p)
+
+    with pytest.raises(IndexError, match=f"max_len={max_len}"):
+        call(rope, True)
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    counter = CompileCounterWithBackend("aot_eager")  # the compiled tests' backend: test_qk_norm_rope_transformers
+    compiled = torch.compile(rope, backend=counter, fullgraph=True)
+    assert torch.equal(call(compiled, False), call(rope, False))
+    with pytest.raises(RuntimeError, match=rf"expected positions in \[0, max_len={max_len}\)"):
+        call(compiled, True)
+    targets = [n.target for gm in counter.graphs for n in gm.graph.nodes]
+    assert torch.ops.posenc.rope_position_extremes in targets and torch._assert_async in targets, targets
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -1,4 +1,4 @@
-// The rope op family's host side: the schemas of rope, rope_, rope_position_bounds and
+// The rope op family's host side: the schemas of rope, rope_, rope_position_bounds(/_extremes) and
 // rope_scaling_spec; the Meta kernels; the ATen composite (devices without a kernel); the
 // CPU and CUDA registrations. The call they all read is RopeCall (common/rope_call.h); the checks and
 // the launch preparation shared with qk_norm_rope and rope_append_kv are in common/.
@@ -29,6 +29,9 @@ namespace ops {
 //   rope_                 the same rotation in place (inference).
 //   rope_position_bounds  (smallest, largest) position a call rotates ((0, -1): none),
 //                         read back to the host; the modules' range check.
+//   rope_position_extremes  the same bounds as an int64 tensor (2,) on q's device, not
+//                         read back (hi < lo: none); the modules' range check under
+//                         torch.compile, torch.export and torch.jit.trace.
 //   rope_rotary_width     how many features of a head the call rotates (rotary_dim
 //                         resolved: head_dim - rotary_offset, or 2 * sum(sections)), after
 //                         the call's checks: the one statement of that rule, which the
@@ -40,6 +43,7 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
   m.def(("rope(Tensor q, Tensor? k=None, " + tail + ") -> (Tensor, Tensor)").c_str());
   m.def(("rope_(Tensor(a!) q, Tensor(b!)? k=None, " + tail + ") -> ()").c_str());
   m.def(("rope_position_bounds(Tensor q, Tensor? k=None, " + tail + ") -> (int, int)").c_str());
+  m.def(("rope_position_extremes(Tensor q, Tensor? k=None, " + tail + ") -> Tensor").c_str());
   m.def(("rope_rotary_width(Tensor q, Tensor? k=None, " + tail + ") -> int").c_str());
   m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[], str[], int[], int[])",
         &rope_scaling_spec);
@@ -78,11 +82,17 @@ void rope_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   checked_meta_call("rope_", stack);
 }
 
+void rope_position_extremes_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
+  const RopeCall c = checked_meta_call("rope_position_extremes", stack);
+  stack->emplace_back(at::empty({2}, c.q.options().dtype(at::kLong)));
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(posenc, Meta, m) {
   m.impl("rope", torch::CppFunction::makeFromBoxedFunction<&rope_meta>());
   m.impl("rope_", torch::CppFunction::makeFromBoxedFunction<&rope_inplace_meta>());
+  m.impl("rope_position_extremes", torch::CppFunction::makeFromBoxedFunction<&rope_position_extremes_meta>());
 }
 
 }  // namespace ops
