@@ -780,7 +780,8 @@ class RotaryPositionalEncoding(nn.Module):
     ``check_positions`` (attribute, default True): positions given as CUDA tensors
     (``positions``, a tensor ``offset`` such as a decode step's cache lengths, ``cu_seqlens``)
     are range-checked on the host in eager mode, one device sync per call; set it to False in
-    a hot loop whose positions are known to be valid.
+    a hot loop whose positions are known to be valid (compiled or exported, False also drops
+    the device-side assert).
     """
 
     inv_freq: Tensor
@@ -956,7 +957,9 @@ class RotaryPositionalEncoding(nn.Module):
                 torch._assert_async(
                     (hi < lo) | ((lo >= 0) & (hi < self.max_len)),
                     f"RotaryPositionalEncoding: expected positions in [0, max_len={self.max_len}) (a compiled or "
-                    f"exported module checks them on the device), got a position outside it",
+                    f"exported module checks them on the device), got a position outside it, or index tensors "
+                    f"the op refuses (an offset or position beyond 2**53, cu_seqlens not from 0 to the number of "
+                    f"tokens)",
                 )
                 return None
             lo, hi = torch.ops.posenc.rope_position_bounds(q, **arguments)
@@ -1080,12 +1083,18 @@ for _name in ("rope_position_bounds", "position_bounds"):
 
 
 def _extremes_batch_rule(info: Any, in_dims: Tuple[Optional[int], ...], *args: Any, **kwargs: Any) -> Any:
-    """vmap rule of posenc::rope_position_extremes: each vmapped sample's own extremes,
-    (batch, 2), from the op on each slice."""
+    """vmap rule of posenc::rope_position_extremes: the op on each vmapped slice, the
+    smallest low and the largest high, unbatched (as bounds_batch_rule: the module's assert,
+    which has no batching rule, checks every sample at once). A slice without tokens is
+    (int64 max, int64 min), so it drops out; an invalid one (int64 min, int64 max) wins."""
     op = torch.ops.posenc.rope_position_extremes.default
     parts = [op(*[a.select(d, i) if isinstance(a, Tensor) and isinstance(d, int) else a
                   for a, d in zip(args, in_dims)], **kwargs) for i in range(info.batch_size)]
-    return (torch.stack(parts) if parts else args[0].new_empty((0, 2), dtype=torch.int64)), 0
+    if not parts:
+        info64 = torch.iinfo(torch.int64)
+        return args[0].new_tensor([info64.max, info64.min], dtype=torch.int64), None
+    stacked = torch.stack(parts)
+    return torch.stack([stacked[:, 0].min(), stacked[:, 1].max()]), None
 
 
 torch.library.register_vmap("posenc::rope_position_extremes", _extremes_batch_rule)

@@ -280,13 +280,51 @@ def test_rope_position_extremes_are_the_bounds_left_on_the_device(device):
 
 
 def test_rope_position_extremes_under_vmap():
-    """Its vmap rule: each vmapped sample's extremes."""
+    """Its vmap rule: the extremes over every vmapped sample, unbatched (the module's assert
+    has no batching rule). A compiled vmap(grad) of the module with positions ran before the
+    device check existed, and broke with a batched verdict: it runs, and refuses a sample's
+    bad position."""
     q = torch.randn(1, 5, 2, 8)
     pos = torch.randint(0, 50, (4, 5), generator=torch.Generator().manual_seed(1))
     ext = torch.vmap(lambda p: torch.ops.posenc.rope_position_extremes(q, positions=p, offset=3))(pos)
-    assert ext.tolist() == [[p.min().item() + 3, p.max().item() + 3] for p in pos]
+    assert ext.tolist() == [[pos.min().item() + 3, pos.max().item() + 3]] * 4
     empty = torch.vmap(lambda p: torch.ops.posenc.rope_position_extremes(q, positions=p))(pos[:0])
     assert empty.shape == (0, 2)
+    rope = posenc.RotaryPositionalEncoding(8, max_len=50)
+    qs = torch.randn(3, 1, 5, 2, 8, dtype=torch.float64)
+    w = torch.randn(1, 5, 2, 8, dtype=torch.float64)
+    torch._dynamo.reset()
+    per_sample = torch.compile(torch.func.vmap(torch.func.grad(lambda x, p: (rope(x, positions=p) * w).sum())),
+                               backend="aot_eager", fullgraph=True)
+    got = per_sample(qs, pos[:3])
+    want = torch.stack([torch.func.grad(lambda x: (rope(x, positions=p) * w).sum())(x) for x, p in zip(qs, pos[:3])])
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    bad = pos[:3].clone()
+    bad[1, 2] = 50
+    with pytest.raises(RuntimeError, match=r"expected positions in \[0, max_len=50\)"):
+        per_sample(qs, bad)
+
+
+def test_rope_position_extremes_of_index_tensors_the_op_refuses():
+    """rope_position_bounds refuses (ValueError, on the host) operands beyond 2**53 and bad
+    cu_seqlens; the device form reads nothing back, so it answers (int64 min, int64 max),
+    which no [0, max_len) admits (the CUDA kernels do not check index values: a compiled
+    module on CUDA would otherwise rotate a call eager refuses)."""
+    q4, q3 = torch.randn(1, 1, 1, 4), torch.randn(6, 1, 4)
+    invalid = [torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max]
+    calls = [
+        (q4, dict(positions=torch.tensor([-2**63]), offsets=torch.tensor([-2**63 + 3]))),  # the sum wraps to 3
+        (q4, dict(positions=torch.tensor([2**53 + 1]))),
+        (q3, dict(cu_seqlens=torch.tensor([0, 4, 2, 6]), layout="thd")),  # decreasing
+        (q3, dict(cu_seqlens=torch.tensor([0, 2, 7]), layout="thd")),  # 7 of 6 tokens
+        (q3, dict(cu_seqlens=torch.tensor([1, 2, 6]), layout="thd")),
+    ]
+    for q, kwargs in calls:
+        with pytest.raises(ValueError):
+            torch.ops.posenc.rope_position_bounds(q, **kwargs)
+        assert torch.ops.posenc.rope_position_extremes(q, **kwargs).tolist() == invalid, kwargs
+    ok = torch.ops.posenc.rope_position_extremes(q4, positions=torch.tensor([2**53]))
+    assert ok.tolist() == [2**53, 2**53]  # the domain's edge is valid
 
 
 @pytest.mark.parametrize("case", ["positions", "offsets", "thd", "mrope"])

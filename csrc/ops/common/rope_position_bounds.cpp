@@ -126,11 +126,21 @@ at::Tensor rope_position_extremes_of(const RopeCall& c) {
   const int64_t seq = qv.size(1);  // tokens for 'thd'
   if (batch == 0 || seq == 0) return at::tensor({kMax, kMin}, options);
   if (!has_index_tensors(c)) return at::tensor({offset, offset + seq - 1}, options);
-  // Nothing is read back: the operands and cu_seqlens are checked by the op that rotates
-  // (every operand lies in [-2**53, 2**53] there, so these sums of valid ones cannot wrap).
+  // Nothing is read back. What rope_position_bounds_of checks on the host (each operand in
+  // [-2**53, 2**53], so that no sum wraps; cu_seqlens from 0 to the token count, never
+  // decreasing) is a verdict on the device: an invalid call's bounds are (int64 min, int64
+  // max), which no range admits (the CUDA kernels do not check index values themselves).
   const TensorExtremes e = tensor_extremes(c, batch, seq);
-  const at::Tensor both = at::stack({e.lo, e.hi}).to(c.q.device());
-  return at::where(both.select(0, 1) >= both.select(0, 0), both + offset, both);
+  at::Tensor valid = at::ones({}, e.lo.options().dtype(at::kBool));
+  for (size_t i = 0; i < e.operands.size(); i += 2) {
+    valid = valid & (e.operands[i] >= -kRopeMaxPosition) & (e.operands[i + 1] <= kRopeMaxPosition);
+  }
+  if (e.cu_summary.defined()) {
+    valid = valid & (e.cu_summary[0] == 0) & (e.cu_summary[1] == seq) & (e.cu_summary[2] >= 0);
+  }
+  const at::Tensor both = at::stack({e.lo, e.hi});
+  const at::Tensor bounds = at::where(both.select(0, 1) >= both.select(0, 0), both + offset, both);
+  return at::where(valid, bounds, at::tensor({kMin, kMax}, bounds.options())).to(c.q.device());
 }
 
 }  // namespace
