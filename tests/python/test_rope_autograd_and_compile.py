@@ -297,7 +297,7 @@ def test_rope_position_extremes_under_vmap():
     per_sample = torch.compile(torch.func.vmap(torch.func.grad(lambda x, p: (rope(x, positions=p) * w).sum())),
                                backend="aot_eager", fullgraph=True)
     got = per_sample(qs, pos[:3])
-    want = torch.stack([torch.func.grad(lambda x: (rope(x, positions=p) * w).sum())(x) for x, p in zip(qs, pos[:3])])
+    want = torch.stack([torch.func.grad(lambda x, p: (rope(x, positions=p) * w).sum())(x, p) for x, p in zip(qs, pos[:3])])
     torch.testing.assert_close(got, want, rtol=0, atol=0)
     bad = pos[:3].clone()
     bad[1, 2] = 50
