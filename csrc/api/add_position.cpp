@@ -128,11 +128,13 @@ torch::Tensor LearnedPositionalEncodingImpl::forward(
 }
 
 void LearnedPositionalEncodingImpl::load_table(const torch::Tensor& table) {
+  // pe's shape, not the options' (edited since reset() they would reshape the table's
+  // values into pe's rows scrambled).
+  const int64_t max_len = pe.size(1), d_model = pe.size(2);
   const bool ok = (table.dim() == 2 || (table.dim() == 3 && table.size(0) == 1)) &&
-                  table.size(-2) == options.max_len() && table.size(-1) == options.d_model();
+                  table.size(-2) == max_len && table.size(-1) == d_model;
   TORCH_CHECK_VALUE(ok, "LearnedPositionalEncoding::load_table: expected a table of shape (",
-                    options.max_len(), ", ", options.d_model(), ") or (1, ", options.max_len(),
-                    ", ", options.d_model(), "), got ", table.sizes());
+                    max_len, ", ", d_model, ") or (1, ", max_len, ", ", d_model, "), got ", table.sizes());
   // copy_ would drop a complex table's imaginary part (with a warning only), and a meta table
   // has no data to copy (a meta module loads one as a no-op), as the Python module refuses them.
   TORCH_CHECK_TYPE(!table.is_complex() && (!table.is_meta() || pe.is_meta()),

@@ -16,6 +16,7 @@ namespace posenc {
 namespace detail {
 struct ParsedQkNormRope {
   ops::QkNormRopeCall call;  // every setting; the tensors and positions unset
+  RopeScaling scaling;       // what decides a given seq_len's argument (rope_seq_len_argument)
 };
 }  // namespace detail
 
@@ -114,7 +115,7 @@ void QKNormRotaryImpl::reset() {
     probe.q = at::empty({0, 0, 1, o.head_dim()});
   }
   ops::call_rope_rotary_width(probe);
-  parsed_ = std::make_shared<const detail::ParsedQkNormRope>(detail::ParsedQkNormRope{std::move(call)});
+  parsed_ = std::make_shared<const detail::ParsedQkNormRope>(detail::ParsedQkNormRope{std::move(call), r.scaling()});
 }
 
 void QKNormRotaryImpl::pretty_print(std::ostream& stream) const {
@@ -130,7 +131,7 @@ std::tuple<torch::Tensor, torch::Tensor> QKNormRotaryImpl::forward(const torch::
   call.rope.k = k;
   detail::set_rope_positions(call.rope, where);
   if (where.seq_len().has_value()) {
-    call.rope.seq_len = detail::rope_seq_len_argument(options.rope().scaling(), where.seq_len());
+    call.rope.seq_len = detail::rope_seq_len_argument(parsed_->scaling, where.seq_len());
   }
   call.q_weight = q_norm->weight;
   call.k_weight = k_norm->weight;

@@ -136,10 +136,14 @@ struct ParsedRope {
   int64_t seq_len_argument;  // rope_seq_len_argument of the scaling
   int64_t rotary_width;      // the op's (rope_rotary_width)
   RopeScaling scaling;       // options.scaling() with the model's defaults filled in
-  // What inv_freq() and attention_scaling() read besides: as reset() saw them, as forward does.
+  // What inv_freq(), attention_scaling() and forward read besides: as reset() saw them
+  // (options edited since, without a reset(), change nothing; check_positions, a switch of
+  // the range check's cost, is read live).
   double base;
   std::vector<int64_t> sections;
   std::string sections_mode;
+  int64_t dim;
+  int64_t max_len;
 };
 
 }  // namespace detail
@@ -204,7 +208,7 @@ void RotaryPositionalEncodingImpl::reset() {
   const int64_t width = ops::call_rope_rotary_width(probe);
   parsed_ = std::make_shared<const detail::ParsedRope>(
       detail::ParsedRope{std::move(call), seq_len_argument, width, s, options.base(), options.sections(),
-                         options.sections_mode()});
+                         options.sections_mode(), options.dim(), options.max_len()});
   inv_freq();  // checks what the op's empty call could not (rope_frequencies' own checks)
 }
 
@@ -239,15 +243,16 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward(
 
 std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_at(
     const torch::Tensor& q, const torch::Tensor& k, const RopePositions& where) {
+  const detail::ParsedRope& parsed = *parsed_;  // the options as reset() parsed them
   // The module's dim is q's and k's head_dim: the frequencies (inv_freq()) and rotary_dim
   // were set up for it, so another width would be rotated with other numbers.
   // An undefined k: q alone is rotated (Python's rope(x)); the second output is undefined.
-  TORCH_CHECK_VALUE(q.dim() >= 1 && q.size(-1) == options.dim() &&
-                        (!k.defined() || (k.dim() >= 1 && k.size(-1) == options.dim())),
-                    "RotaryPositionalEncoding: expected q and k with head_dim ", options.dim(),
+  TORCH_CHECK_VALUE(q.dim() >= 1 && q.size(-1) == parsed.dim &&
+                        (!k.defined() || (k.dim() >= 1 && k.size(-1) == parsed.dim)),
+                    "RotaryPositionalEncoding: expected q and k with head_dim ", parsed.dim,
                     " (the module's dim), got shapes ", q.sizes(), " and ",
                     k.defined() ? c10::str(k.sizes()) : std::string("(none)"));
-  const int64_t max_len = options.max_len();
+  const int64_t max_len = parsed.max_len;
   // The range check reads index tensors back to the host: a sync for CUDA ones, skipped
   // when the options turn check_positions off. A q of the wrong rank is left to
   // apply_rope's own message.
@@ -255,8 +260,7 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
     return t.has_value() && !t->is_cpu();
   };
   const auto on_meta = [](const std::optional<torch::Tensor>& t) { return t.has_value() && t->is_meta(); };
-  const detail::ParsedRope& parsed = *parsed_;
-  ops::RopeCall call = parsed.call;  // the options, parsed once by reset()
+  ops::RopeCall call = parsed.call;
   call.q = q;
   call.k = k.defined() ? std::optional<torch::Tensor>(k) : std::nullopt;
   detail::set_rope_positions(call, where);
@@ -265,7 +269,7 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
   bool bounded = false;
   const ops::RopeLayoutAxes axes = ops::rope_layout_axes(call.layout);
   const int64_t rank = axes.batch < 0 ? 3 : 4;  // packed tokens have no batch dim
-  if (!call.positions && !call.offsets && !call.cu_seqlens && options.sections().empty() &&
+  if (!call.positions && !call.offsets && !call.cu_seqlens && parsed.sections.empty() &&
       q.dim() == 4 && axes.batch >= 0) {
     // Positions offset .. offset + seq - 1 (the decode step): the range is arithmetic, as
     // the bounds op would compute it (no token, no bound), without a dispatcher round trip.

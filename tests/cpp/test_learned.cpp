@@ -92,6 +92,13 @@ TEST(LearnedPositionalEncodingModule, LoadTableAndSaveLoad) {
   posenc::LearnedPositionalEncoding b(posenc::LearnedPositionalEncodingOptions(8).max_len(12));
   torch::load(b, path);
   EXPECT_TRUE(torch::equal(a->pe, b->pe));
+  // Options edited without reset(): the table is checked against pe's shape (a (6, 16) table
+  // passed the edited options' check and was reshaped into pe's 12 rows of 8, scrambled).
+  a->options.max_len(6).d_model(16);
+  EXPECT_THROW(a->load_table(torch::randn({6, 16})), c10::ValueError);
+  a->load_table(table);
+  EXPECT_TRUE(torch::equal(a->pe[0], table));
+  a->options.max_len(12).d_model(8);
   // Another max_len: refused, the trained table kept (and load_table still works).
   posenc::LearnedPositionalEncoding c(posenc::LearnedPositionalEncodingOptions(8).max_len(5));
   const auto kept = c->pe.clone();

@@ -211,6 +211,25 @@ TEST(QKNormRotaryModule, ResetReparsesOptionsAndKeepsWeights) {
   EXPECT_EQ(m->q_norm->weight.scalar_type(), torch::kDouble);
 }
 
+TEST(QKNormRotaryModule, AGivenSeqLenIsReadWithTheParsedScaling) {
+  // forward decided a given seq_len's argument from the live options: a "dynamic" module
+  // whose options were edited to another type (no reset()) passed seq_len as 0, so the
+  // parsed "dynamic" rotation never rescaled. Now the parsed scaling decides it.
+  auto q = torch::randn({1, 4, 2, 16}, torch::kDouble), k = torch::randn({1, 4, 1, 16}, torch::kDouble);
+  posenc::RopeScaling dynamic;
+  dynamic.rope_type = "dynamic";
+  dynamic.factor = 2.0;
+  dynamic.original_max_position_embeddings = 8.0;
+  posenc::QKNormRotary m(posenc::QKNormRotaryOptions(16).rope(posenc::ApplyRopeOptions().scaling(dynamic)));
+  m->to(torch::kDouble);
+  const auto at = posenc::RopePositions().offset(2).seq_len(64);
+  const auto want = m(q, k, at);
+  m->options.rope().scaling(posenc::RopeScaling());
+  const auto got = m(q, k, at);
+  EXPECT_TRUE(torch::equal(std::get<0>(got), std::get<0>(want)));
+  EXPECT_TRUE(torch::equal(std::get<1>(got), std::get<1>(want)));
+}
+
 // An archive of another head_dim: refused, both weights left as they were (LibTorch's own
 // load took a [16] weight into a module of head_dim 8, whose reset() then kept it).
 TEST(QKNormRotaryModule, LoadRefusesWeightsOfOtherSizes) {

@@ -677,6 +677,28 @@ TEST(RotaryModule, InvFreqIsWhatForwardRotatesWithUntilReset) {
   EXPECT_TRUE(torch::equal(std::get<0>(m(q, q)), std::get<0>(fresh(q, q))));
 }
 
+TEST(RotaryModule, MaxLenAndDimAreTheParsedOnesUntilReset) {
+  // forward read max_len, dim and sections from the live options and the rest (the yarn
+  // baseline reset() derived from max_len) from the parsed ones: after options.max_len(8192)
+  // without reset(), positions up to 8191 were rotated with the baseline of 4096, numbers no
+  // module of either max_len computes. Now all of them are the parsed ones until reset().
+  auto q = torch::randn({1, 4, 2, 16}, torch::kDouble);
+  posenc::RopeScaling yarn;
+  yarn.rope_type = "yarn";
+  yarn.factor = 4.0;
+  posenc::RotaryPositionalEncoding m(posenc::RotaryPositionalEncodingOptions(16).max_len(4096).scaling(yarn));
+  m->options.max_len(8192).dim(8);
+  const auto beyond = torch::arange(5000, 5004, torch::kLong);
+  EXPECT_THROW(m(q, q, beyond), c10::IndexError);
+  const auto inside = torch::arange(100, 104, torch::kLong);
+  posenc::RotaryPositionalEncoding same(posenc::RotaryPositionalEncodingOptions(16).max_len(4096).scaling(yarn));
+  EXPECT_TRUE(torch::equal(std::get<0>(m(q, q, inside)), std::get<0>(same(q, q, inside))));
+  m->options.dim(16);
+  m->reset();
+  posenc::RotaryPositionalEncoding fresh(posenc::RotaryPositionalEncodingOptions(16).max_len(8192).scaling(yarn));
+  EXPECT_TRUE(torch::equal(std::get<0>(m(q, q, beyond)), std::get<0>(fresh(q, q, beyond))));
+}
+
 // The modules work inside torch::nn::AnyModule / Sequential, which call forward with the
 // required arguments only (FORWARD_HAS_DEFAULT_ARGS).
 TEST(RotaryModule, ModulesWorkInAnyModuleAndSequential) {

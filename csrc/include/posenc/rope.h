@@ -183,7 +183,9 @@ struct ParsedRope;  // the options as the op reads them (api/rope.cpp)
 // RoPE as a module. It holds no parameters or buffers (the kernel evaluates the frequencies
 // from the options), so it saves nothing; inv_freq() returns them for inspection. reset()
 // (run by the constructor) parses and checks the options once, into the call every forward
-// starts from: after changing `options`, call reset(), as for torch::nn's modules.
+// starts from: after changing `options`, call reset(), as for torch::nn's modules (until then
+// forward, inv_freq() and attention_scaling() keep the parsed ones; check_positions, the
+// range check's switch, is read at each call).
 class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositionalEncodingImpl> {
  public:
   explicit RotaryPositionalEncodingImpl(const RotaryPositionalEncodingOptions& options);
