@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import torch
 import types
+import warnings
 
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
@@ -773,7 +774,10 @@ class RotaryPositionalEncoding(nn.Module):
     ``inv_freq`` is a non-persistent buffer (Hugging Face's name and convention, so
     state_dicts stay clean), float32 until a dtype cast of the module converts it, holding the
     frequencies for inspection; the kernel evaluates them itself in float64 from the
-    configuration, so a dtype cast of the module does not change the numbers.
+    configuration, so a dtype cast of the module does not change the numbers, and an edit
+    of ``inv_freq`` changes nothing: eager calls warn when it differs from the
+    configuration's (beyond a dtype cast's rounding; build a module with the base or scaling
+    you want).
     ``attention_scaling`` is yarn's or longrope's factor on cos and sin (1 for the other
     types).
 
@@ -855,10 +859,37 @@ class RotaryPositionalEncoding(nn.Module):
         if isinstance(offset, Tensor):  # a 0-dim offset as per-sequence offsets, once for the check and the op
             offset = per_sequence_offsets(q, offset, self.layout, cu_seqlens, "RotaryPositionalEncoding")
         longest = self._check_range(q, positions, offset, cu_seqlens)
+        self._check_inv_freq()
         return apply_rope(
             q, k, positions=positions, offset=offset, cu_seqlens=cu_seqlens, config=self.rope_config,
             seq_len=seq_len if seq_len is not None or longest is None else max(longest + 1, 0),
         )
+
+    def _check_inv_freq(self) -> None:
+        """``inv_freq`` is for inspection (the kernels evaluate the frequencies from the
+        configuration): an edit of it (in place, or a replacement, as Hugging Face users patch
+        theirs) would be silently ignored, so it is compared with the configuration's when its
+        version or identity changed (eager mode; one compare of rotary_dim / 2 values, a sync
+        on CUDA, once per change) and a difference beyond a dtype cast's rounding is a
+        warning, once per change."""
+        if torch.compiler.is_compiling() or torch.jit.is_tracing():
+            return  # traced: the version is not the run's (the transformers path asserts instead)
+        buf = self.inv_freq
+        seen = getattr(self, "_inv_freq_seen", None)
+        if (seen is not None and seen[0] is buf and seen[1] == buf._version) or type(buf) is not Tensor or (
+                buf.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(buf)):
+            return  # unchanged, a subclass (DTensor), shapes only (meta), or under a torch.func transform
+        want = self._frequencies()[0].double()
+        self._inv_freq_seen = (buf, buf._version)
+        # Within a cast's rounding (module.half() then .float() keeps half-precision values):
+        # bfloat16's relative 2**-8, float16's subnormal spacing 2**-24.
+        if buf.shape != want.shape or not torch.allclose(buf.detach().cpu().double(), want, rtol=2**-8, atol=2**-24):
+            warnings.warn(
+                "RotaryPositionalEncoding: inv_freq differs from the frequencies of the module's "
+                f"configuration (base={self.base}, scaling={self._scaling}): it is not read by forward (the "
+                "kernels evaluate the frequencies from the configuration), so an edit of it changes nothing. "
+                "Build a module with the base or scaling you want; after to_empty(), reset_parameters() "
+                "restores it", UserWarning, stacklevel=2)
 
     def __setstate__(self, state: dict) -> None:
         """A module pickled before its configuration was parsed once (posenc before

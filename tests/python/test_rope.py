@@ -685,3 +685,47 @@ def test_large_call_streams_with_the_bits_of_small_calls(dtype, interleaved, rot
     assert torch.equal(out_q.detach(), torch.cat(parts_q, seq_dim))
     assert torch.equal(out_k, torch.cat(parts_k, seq_dim))
     assert torch.equal(grad_q, torch.cat(parts_g, seq_dim))
+
+
+def test_an_edited_inv_freq_is_warned_about_not_ignored_silently():
+    """forward never reads inv_freq (the kernels evaluate the frequencies from the
+    configuration): an edit of it, as Hugging Face users patch theirs, changed nothing and
+    said nothing (the rotation stayed the configured one, 3.7 away from the edited one's).
+    Now the buffer is compared with the configuration's when its version or identity
+    changed: an edit is a UserWarning, once per change; a dtype round trip, a copy, a
+    pickle and reset_parameters are not."""
+    import copy
+    import io
+    import warnings
+
+    rope = posenc.RotaryPositionalEncoding(16, max_len=64, scaling={"rope_type": "linear", "factor": 2.0})
+    q = torch.randn(1, 4, 2, 16)
+    want = rope(q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # none of these warns
+        rope.half().float()
+        assert torch.equal(rope(q), want)
+        copy.deepcopy(rope)(q)
+        buffer = io.BytesIO()
+        torch.save(rope, buffer)
+        buffer.seek(0)
+        torch.load(buffer, weights_only=False)(q)
+        torch.func.functional_call(rope, {"inv_freq": rope.inv_freq.clone()}, (q,))
+    rope.inv_freq.mul_(0.5)
+    with pytest.warns(UserWarning, match=r"inv_freq differs from the frequencies of the module's configuration"):
+        got = rope(q)
+    assert torch.equal(got, want)  # what the warning says: the configured rotation
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rope(q)  # once per change
+        rope.reset_parameters()
+        rope(q)
+    with pytest.warns(UserWarning, match="inv_freq differs"):
+        torch.func.functional_call(rope, {"inv_freq": rope.inv_freq * 2}, (q,))
+    with torch.device("meta"):
+        empty = posenc.RotaryPositionalEncoding(16, max_len=64)
+    empty.to_empty(device="cpu")
+    with torch.no_grad():
+        empty.inv_freq.fill_(float("nan"))
+    with pytest.warns(UserWarning, match=r"reset_parameters\(\) restores it"):
+        empty(q)
