@@ -523,6 +523,34 @@ def test_rotary_buffers_cast_replaced_or_edited_after_patching(fused_calls):
     assert not fused_calls
 
 
+def test_a_rotary_module_replaced_or_hooked_or_norm_eps_edited_after_patching(fused_calls):
+    """The fused path checked the rotary module it found when patching, not the one the model
+    holds at the call, and never the norms' eps again: a rotary module put in the model's
+    place (another rope_theta: logits 0.15 off), a forward hook on it (tables halved: 0.36)
+    and an edited variance_epsilon (0.49) were ignored (found by a review). Such layers now run
+    their own path (the tables they are given, their own norms), as the unpatched model does."""
+    tokens = ids(2, 8)
+    for case in ("rotary replaced", "rotary hooked", "eps edited"):
+        model = tiny_model("qwen3")
+        unpatched = copy.deepcopy(model)
+        integration.apply_posenc_rope(model, qk_norm=True)
+        assert logits(model, tokens) is not None and len(fused_calls) == 2  # fused until the change
+        for m in (model, unpatched):
+            if case == "rotary replaced":
+                config = copy.deepcopy(m.config)
+                config.rope_parameters = dict(config.rope_parameters, rope_theta=1e6)
+                m.model.rotary_emb = type(m.model.rotary_emb)(config)
+            elif case == "rotary hooked":
+                m.model.rotary_emb.register_forward_hook(lambda module, args, out: tuple(t * 0.5 for t in out))
+            else:
+                for layer in m.model.layers:
+                    layer.self_attn.q_norm.variance_epsilon = layer.self_attn.k_norm.variance_epsilon = 0.5
+        fused_calls.clear()
+        got, want = logits(model, tokens), logits(unpatched, tokens)
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, case=case: f"{case}: {m}")
+        assert not fused_calls, case
+
+
 def test_compiled_patched_model_fuses_and_refuses_an_in_place_edit():
     """torch.compile of a patched model: the unpatched model's logits, through the fused op.
     An in-place edit of inv_freq after patching, which eager calls see by the buffer's version

@@ -333,7 +333,8 @@ def _norm_eps(norm: Any) -> Optional[float]:
 
 def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
     """(module, buffer name, attribute name) of the rotary embedding whose tables ``attn``
-    receives: of the model's modules with an inv_freq buffer (``rotaries``), the one holding
+    receives: of the model's modules with an inv_freq buffer (``rotaries``: (holder,
+    attribute, module) triples, module's values alone here), the one holding
     ``<layer_type>_inv_freq`` (transformers 5's
     per-layer-type rotary, Gemma 3), else the one holding ``inv_freq``; with its
     ``attention_scaling``. None when there is no such module or more than one (then the layer
@@ -341,7 +342,7 @@ def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
     layer_type = getattr(attn, "layer_type", None)
     names = ([(f"{layer_type}_inv_freq", f"{layer_type}_attention_scaling")] if isinstance(layer_type, str) else [])
     for buffer, scaling in names + [("inv_freq", "attention_scaling")]:
-        found = [m for m in rotaries if isinstance(m._buffers.get(buffer), Tensor)]
+        found = list({id(m): m for _, _, m in rotaries if isinstance(m._buffers.get(buffer), Tensor)}.values())
         if len(found) == 1:
             return found[0], buffer, scaling
         if found:
@@ -363,9 +364,14 @@ class _FusedSettings(NamedTuple):
     scaling_name: str  # the rotary module's attention scaling attribute
     scaling: float  # and its value then
     norm_class: type  # the class of q_norm and k_norm
+    # The module holding the rotary module and its attribute name there: a rotary module put in
+    # its place after patching computes the tables the layer receives (None: pickled by an older
+    # posenc, which did not look; such a layer runs its own path).
+    holder: Any = None
+    attribute: str = ""
 
 
-def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Optional[_FusedSettings]:
+def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]], rotaries: list) -> Optional[_FusedSettings]:
     """The settings (_FusedSettings) of a layer whose norms and RoPE the fused op provably
     computes as transformers does; computed once when the layer is patched. Provably: both norms
     are the model's own RMS norm (one class, defined beside the attention: a norm put in its
@@ -380,8 +386,10 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
     by the rounded frequencies), an edited buffer. A call is fused only while the module still
     holds that same buffer (``model.to(...)`` replaces it) at that version (in-place edits; read
     in eager mode: torch.compile cannot guard on versions: compiled code compares the buffer
-    with a copy taken here and refuses an edit) and that attention scaling. None otherwise: the
-    layer then runs its own norms and rotates with the given (cos, sin)."""
+    with a copy taken here and refuses an edit) and that attention scaling, while the model
+    still holds that rotary module, unhooked, and both norms keep that eps. None otherwise: the
+    layer then runs its own norms and rotates with the given (cos, sin). (An edit through
+    ``.data`` moves no version, as autograd does not see it either: not followed.)"""
     eps = _norm_eps(attn.q_norm)
     norm_class = type(attn.q_norm)
     if (eps is None or eps != _norm_eps(attn.k_norm) or source is None or type(attn.k_norm) is not norm_class
@@ -418,8 +426,9 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]]) -> Option
             continue
         if (ours.shape == model_freq.shape and torch.allclose(model_freq, ours, rtol=2.0**-17, atol=0.0)
                 and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
+            holder, attribute = next((h, a) for h, a, m in rotaries if m is rotary)
             return _FusedSettings(eps, config, rotary, buffer, inv_freq, inv_freq._version,
-                                  inv_freq.detach().clone(), scaling_name, scaling, norm_class)
+                                  inv_freq.detach().clone(), scaling_name, scaling, norm_class, holder, attribute)
     return None
 
 
@@ -431,10 +440,15 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     settings = attn.__dict__.get("_posenc_fused")
     if not isinstance(settings, _FusedSettings):  # None, or a plain tuple pickled by an older posenc
         return None
-    eps, config, rotary, buffer, inv_freq, version, checked, scaling_name, scaling, norm_class = settings
-    # The norms the fused op computes: still the model's own class, and no hook would miss
-    # their call (as PositionalEncoding calls a hooked dropout child).
-    if any(type(n) is not norm_class or not _unhooked(n) for n in (attn.q_norm, attn.k_norm)):
+    eps, config, rotary, buffer, inv_freq, version, checked, scaling_name, scaling, norm_class, holder, attribute = (
+        settings)
+    # The norms the fused op computes: still the model's own class with the eps checked, and no
+    # hook would miss their call (as PositionalEncoding calls a hooked dropout child).
+    if any(type(n) is not norm_class or not _unhooked(n) or _norm_eps(n) != eps for n in (attn.q_norm, attn.k_norm)):
+        return None
+    # The tables the layer receives still come from the checked rotary module, as it computes
+    # them: not one put in its place, no hook changing its inputs or outputs.
+    if holder is None or holder._modules.get(attribute) is not rotary or not _unhooked(rotary):
         return None
     if rotary._buffers.get(buffer) is not inv_freq:  # replaced: model.to(dtype or device), reassigned
         return None
@@ -623,10 +637,12 @@ def _apply_qk_norm(model: Any) -> None:
                 raise ValueError(f"apply_posenc_rope(qk_norm=True): {type(attn).__name__}.{name} has no weight of "
                                  f"shape ({want},) (norm {norm!r}); got {getattr(weight, 'shape', None)}")
         todo.append((attn, _qk_norm_class(type(attn), norm, weight_offset)))
-    rotaries = [m for m in model.modules() if any(name.endswith("inv_freq") for name in m._buffers)]
+    rotaries = [(holder, name, m) for holder in model.modules() for name, m in holder._modules.items()
+                if m is not None and any(b.endswith("inv_freq") for b in m._buffers)]
     for attn, cls in todo:
         attn.__class__ = cls  # weights, buffers, hooks and state_dict stay as they are
-        attn._posenc_fused = _fused_settings(attn, _rotary_source(rotaries, attn))  # parsed once (revert removes it)
+        # parsed once (revert removes it)
+        attn._posenc_fused = _fused_settings(attn, _rotary_source(rotaries, attn), rotaries)
 
 
 def revert_posenc_qk_norm(model: Any) -> None:
