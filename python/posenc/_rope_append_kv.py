@@ -77,6 +77,8 @@ def rope_append_kv(
             for "thd"); default: their cache rows ("thd": ``offset + 0 .. tokens-1``).
         slot_mapping: "thd" only: int64 (tokens,), the cache slot of each token, ``block *
             block_size + index``; -1: rotated but not written (padding, speculative tokens).
+            A slot given twice is a ValueError on the CPU; on CUDA it is not checked (as a
+            repeated index of ``index_put_``: the slot's contents are then unspecified).
         base, interleaved, rotary_dim, scaling, sections, sections_mode, seq_len: the RoPE
             settings of :func:`apply_rope`.
         inplace: rotate q (and k, with ``return_k``) in their own storage.
