@@ -654,8 +654,10 @@ def apply_rope(
         sections: multi-axis RoPE (M-RoPE, axial 2-D/3-D RoPE): the number of rotary pairs
             each position axis turns, summing to ``rotary_dim // 2``. ``offset`` is added on
             every axis.
-        sections_mode: how the pairs are split. "axial" (default): contiguous sections,
-            each its own 1-D RoPE of width ``2 * sections[a]`` (FLUX ``axes_dim // 2``,
+        sections_mode: how the pairs are split. "axial" (default): contiguous sections of
+            pairs, each with the frequencies of its own 1-D RoPE of width ``2 * sections[a]``
+            (a pair is features (i, i + rotary_dim / 2) as in 1-D RoPE, or (2i, 2i + 1) with
+            ``interleaved``) (FLUX ``axes_dim // 2``,
             EVA-02 / timm, torchtune vision); "mrope": contiguous sections of one frequency
             list over ``rotary_dim`` (Qwen2-VL / Qwen2.5-VL ``mrope_section``);
             "mrope_interleaved": the same frequencies, pair p on axis ``p % n_axes`` within

@@ -235,7 +235,9 @@ def _rope_cos_sin_rule(a: dict) -> list:
     """apply_rope_cos_sin: linear in q and k, so heads-sharded, Partial, batch-sharded (with
     per-row tables sharded alike) and sequence-sharded (tables sharded on their seq dim)."""
     q, k, cos = a["q"], a["k"], a["cos"]
-    _, s_dim, h_dim = LAYOUT_AXES["bhsd" if a["layout"] == "bhsd" else "bshd"]
+    if a["layout"] not in ("bshd", "bhsd"):  # the op's layouts; any other it refuses, replicated
+        return [([R, R], dict(q=R, k=R, cos=R, sin=R))]
+    _, s_dim, h_dim = LAYOUT_AXES[a["layout"]]
     strategies = []
 
     def add(qk, tables=R):
