@@ -777,9 +777,9 @@ class RotaryPositionalEncoding(nn.Module):
     state_dicts stay clean), float32 until a dtype cast of the module converts it, holding the
     frequencies for inspection; the kernel evaluates them itself in float64 from the
     configuration, so a dtype cast of the module does not change the numbers, and an edit
-    of ``inv_freq`` changes nothing: eager calls warn when it differs from the
-    configuration's (beyond a dtype cast's rounding; build a module with the base or scaling
-    you want).
+    of ``inv_freq`` changes nothing: eager calls warn when a CPU ``inv_freq`` differs from
+    the configuration's (beyond a dtype cast's rounding; on other devices it is not read, as
+    that would sync; build a module with the base or scaling you want).
     ``attention_scaling`` is yarn's or longrope's factor on cos and sin (1 for the other
     types).
 
@@ -787,7 +787,7 @@ class RotaryPositionalEncoding(nn.Module):
     (``positions``, a tensor ``offset`` such as a decode step's cache lengths, ``cu_seqlens``)
     are range-checked on the host in eager mode, one device sync per call; set it to False in
     a hot loop whose positions are known to be valid (compiled or exported, False also drops
-    the device-side assert).
+    the device-side assert for CUDA index tensors; CPU ones are always checked).
     """
 
     inv_freq: Tensor
@@ -870,22 +870,25 @@ class RotaryPositionalEncoding(nn.Module):
     def _check_inv_freq(self) -> None:
         """``inv_freq`` is for inspection (the kernels evaluate the frequencies from the
         configuration): an edit of it (in place, or a replacement, as Hugging Face users patch
-        theirs) would be silently ignored, so it is compared with the configuration's when its
-        version or identity changed (eager mode; one compare of rotary_dim / 2 values, a sync
-        on CUDA, once per change) and a difference beyond a dtype cast's rounding is a
-        warning, once per change."""
+        theirs) would be silently ignored, so a CPU buffer is compared with the configuration's
+        frequencies when its version or identity changed (eager mode; rotary_dim / 2 values)
+        and a difference beyond a dtype cast's rounding is a warning, once per change. A
+        buffer on another device is not compared: reading it would sync, and DDP's buffer
+        broadcast moves its version every step (DataParallel replaces it)."""
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return  # traced: the version is not the run's (the transformers path asserts instead)
-        buf = self.inv_freq
-        seen = getattr(self, "_inv_freq_seen", None)
-        if (seen is not None and seen[0] is buf and seen[1] == buf._version) or type(buf) is not Tensor or (
-                buf.is_meta or torch._C._functorch.is_functorch_wrapped_tensor(buf)):
-            return  # unchanged, a subclass (DTensor), shapes only (meta), or under a torch.func transform
+        buf = self._buffers.get("inv_freq")
+        if type(buf) is not Tensor or buf.device.type != "cpu" or torch._C._functorch.is_functorch_wrapped_tensor(buf):
+            return  # a subclass (DTensor), another device (or meta), or under a torch.func transform
+        version = None if buf.is_inference() else buf._version  # inference tensors have none
+        seen = self.__dict__.get("_inv_freq_seen")
+        if seen is not None and seen[0] is buf and seen[1] == version:
+            return
+        self._inv_freq_seen = (buf, version)
         want = self._frequencies()[0].double()
-        self._inv_freq_seen = (buf, buf._version)
-        # Within a cast's rounding (module.half() then .float() keeps half-precision values):
-        # bfloat16's relative 2**-8, float16's subnormal spacing 2**-24.
-        if buf.shape != want.shape or not torch.allclose(buf.detach().cpu().double(), want, rtol=2**-8, atol=2**-24):
+        # Within casts' rounding (module.half() then .to(torch.bfloat16) keeps both roundings):
+        # twice bfloat16's relative 2**-8, float16's subnormal spacing 2**-24.
+        if buf.shape != want.shape or not torch.allclose(buf.double(), want, rtol=2**-7, atol=2**-24):
             warnings.warn(
                 "RotaryPositionalEncoding: inv_freq differs from the frequencies of the module's "
                 f"configuration (base={self.base}, scaling={self._scaling}): it is not read by forward (the "

@@ -549,6 +549,20 @@ def test_a_rotary_module_replaced_or_hooked_or_norm_eps_edited_after_patching(fu
         got, want = logits(model, tokens), logits(unpatched, tokens)
         torch.testing.assert_close(got, want, **TOL, msg=lambda m, case=case: f"{case}: {m}")
         assert not fused_calls, case
+    # The layer holds its model weakly: a copy of one layer alone points at the original model,
+    # whose rotary module is not the copy's (it runs its own path), and the copy is the layer's
+    # size, not the model's.
+    model = tiny_model("qwen3")
+    integration.apply_posenc_rope(model, qk_norm=True)
+    layer = copy.deepcopy(model.model.layers[0])
+    assert sum(p.numel() for p in layer.parameters()) == sum(p.numel() for p in model.model.layers[0].parameters())
+    attn, hidden, positions, cos_sin = attention_inputs(model, 8)
+    fused_calls.clear()
+    with torch.no_grad():
+        got, _ = layer.self_attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+        want, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
+    torch.testing.assert_close(got, want, **TOL)
+    assert len(fused_calls) == 1  # the model's own layer only
 
 
 def test_compiled_patched_model_fuses_and_refuses_an_in_place_edit():

@@ -729,3 +729,9 @@ def test_an_edited_inv_freq_is_warned_about_not_ignored_silently():
         empty.inv_freq.fill_(float("nan"))
     with pytest.warns(UserWarning, match=r"reset_parameters\(\) restores it"):
         empty(q)
+    # Built or called under inference mode: its inv_freq is then an inference tensor, which has
+    # no version counter (reading it raised in every forward, found by a review).
+    with torch.inference_mode():
+        served = posenc.RotaryPositionalEncoding(16, max_len=64, scaling={"rope_type": "linear", "factor": 2.0})
+        assert torch.equal(served(q), want)
+    assert torch.equal(served(q), want)

@@ -116,6 +116,15 @@ std::tuple<int64_t, int64_t> rope_position_bounds_of(const RopeCall& c) {
 
 namespace {
 
+// (lo, hi) as an int64 tensor (2,) filled on the device (at::tensor of a list would copy
+// from the host: a sync on CUDA).
+at::Tensor filled_pair(const at::TensorOptions& options, int64_t lo, int64_t hi) {
+  at::Tensor pair = at::empty({2}, options);
+  pair.select(0, 0).fill_(lo);
+  pair.select(0, 1).fill_(hi);
+  return pair;
+}
+
 at::Tensor rope_position_extremes_of(const RopeCall& c) {
   constexpr int64_t kMax = std::numeric_limits<int64_t>::max();
   constexpr int64_t kMin = std::numeric_limits<int64_t>::min();
@@ -124,8 +133,8 @@ at::Tensor rope_position_extremes_of(const RopeCall& c) {
   const at::Tensor qv = rope_canonical_view(c.q, c.layout);
   const int64_t batch = qv.size(0);
   const int64_t seq = qv.size(1);  // tokens for 'thd'
-  if (batch == 0 || seq == 0) return at::tensor({kMax, kMin}, options);
-  if (!has_index_tensors(c)) return at::tensor({offset, offset + seq - 1}, options);
+  if (batch == 0 || seq == 0) return filled_pair(options, kMax, kMin);
+  if (!has_index_tensors(c)) return filled_pair(options, offset, offset + seq - 1);
   // Nothing is read back. What rope_position_bounds_of checks on the host (each operand in
   // [-2**53, 2**53], so that no sum wraps; cu_seqlens from 0 to the token count, never
   // decreasing) is a verdict on the device: an invalid call's bounds are (int64 min, int64
@@ -138,9 +147,11 @@ at::Tensor rope_position_extremes_of(const RopeCall& c) {
   if (e.cu_summary.defined()) {
     valid = valid & (e.cu_summary[0] == 0) & (e.cu_summary[1] == seq) & (e.cu_summary[2] >= 0);
   }
-  const at::Tensor both = at::stack({e.lo, e.hi});
-  const at::Tensor bounds = at::where(both.select(0, 1) >= both.select(0, 0), both + offset, both);
-  return at::where(valid, bounds, at::tensor({kMin, kMax}, bounds.options())).to(c.q.device());
+  const at::Tensor tokens = e.hi >= e.lo;
+  // Scalar operands, not tensors made from host values (a copy: a sync on CUDA).
+  const at::Tensor lo = at::where(valid, at::where(tokens, e.lo + offset, e.lo), at::Scalar(kMin));
+  const at::Tensor hi = at::where(valid, at::where(tokens, e.hi + offset, e.hi), at::Scalar(kMax));
+  return at::stack({lo, hi}).to(c.q.device());
 }
 
 }  // namespace

@@ -75,6 +75,7 @@ import copyreg
 import importlib
 import inspect
 import threading
+import weakref
 from typing import Any, Callable, Dict, Iterator, NamedTuple, Optional, Tuple, Union
 
 import torch
@@ -327,7 +328,12 @@ def _rope_parameters(attn: Any) -> Optional[dict]:
 
 
 def _norm_eps(norm: Any) -> Optional[float]:
-    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))  # Qwen3 / OLMo 2, Gemma 3
+    # Qwen3 / OLMo 2, Gemma 3; read from the instance first (every call reads it: a missing
+    # attribute through nn.Module.__getattr__ costs microseconds).
+    attributes = norm.__dict__
+    eps = attributes.get("variance_epsilon", attributes.get("eps"))
+    if eps is None:
+        eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
 
@@ -350,6 +356,30 @@ def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
     return None
 
 
+class _HolderRef:
+    """A weak reference to the module holding a layer's rotary module (_FusedSettings.holder):
+    a strong one would make every patched layer keep its whole model alive (a reference cycle,
+    freed only by the garbage collector) and copy it with the layer. A deepcopy of the model
+    points at the copied holder; a pickle holds the holder itself (a model's pickle holds it
+    anyway); a copy of a layer alone points at the original, whose rotary module is not the
+    layer's copy: that layer runs its own path."""
+
+    __slots__ = ("_ref", "__weakref__")
+
+    def __init__(self, module: Any) -> None:
+        self._ref = weakref.ref(module) if module is not None else None
+
+    def __call__(self) -> Any:
+        return self._ref() if self._ref is not None else None
+
+    def __reduce__(self) -> Tuple[Any, Tuple[Any]]:
+        return _HolderRef, (self(),)
+
+    def __deepcopy__(self, memo: dict) -> "_HolderRef":
+        module = self()
+        return _HolderRef(memo.get(id(module), module))
+
+
 class _FusedSettings(NamedTuple):
     """What a fusable layer's calls check and use (_fused_settings). A layer pickled by an older
     posenc holds a plain tuple instead: it runs its own path (_fused_arguments)."""
@@ -367,7 +397,7 @@ class _FusedSettings(NamedTuple):
     # The module holding the rotary module and its attribute name there: a rotary module put in
     # its place after patching computes the tables the layer receives (None: pickled by an older
     # posenc, which did not look; such a layer runs its own path).
-    holder: Any = None
+    holder: Optional[_HolderRef] = None
     attribute: str = ""
 
 
@@ -428,7 +458,8 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]], rotaries:
                 and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
             holder, attribute = next((h, a) for h, a, m in rotaries if m is rotary)
             return _FusedSettings(eps, config, rotary, buffer, inv_freq, inv_freq._version,
-                                  inv_freq.detach().clone(), scaling_name, scaling, norm_class, holder, attribute)
+                                  inv_freq.detach().clone(), scaling_name, scaling, norm_class, _HolderRef(holder),
+                                  attribute)
     return None
 
 
@@ -448,6 +479,7 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
         return None
     # The tables the layer receives still come from the checked rotary module, as it computes
     # them: not one put in its place, no hook changing its inputs or outputs.
+    holder = holder() if isinstance(holder, _HolderRef) else None
     if holder is None or holder._modules.get(attribute) is not rotary or not _unhooked(rotary):
         return None
     if rotary._buffers.get(buffer) is not inv_freq:  # replaced: model.to(dtype or device), reassigned
