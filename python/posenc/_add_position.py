@@ -140,7 +140,9 @@ class _AddPositionModule(nn.Module):
     rows of a CUDA tensor ``offset``, which is added on the device: reading it would be a sync
     of its own) on the host in eager mode, which costs one device sync. Set it to False in a hot loop whose
     positions are known to be valid (or under CUDA graph capture); an out-of-range position
-    then stops the kernel with a device-side assert (a RuntimeError at the next sync).
+    then stops the kernel with a device-side assert (a RuntimeError at the next sync). DTensor
+    positions are checked whatever it says (their global bounds, gathered: one rank's kernel
+    raising alone would leave the others blocked in their next collective).
     """
 
     pe: Tensor

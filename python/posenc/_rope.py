@@ -786,8 +786,9 @@ class RotaryPositionalEncoding(nn.Module):
     ``check_positions`` (attribute, default True): positions given as CUDA tensors
     (``positions``, a tensor ``offset`` such as a decode step's cache lengths, ``cu_seqlens``)
     are range-checked on the host in eager mode, one device sync per call; set it to False in
-    a hot loop whose positions are known to be valid (compiled or exported, False also drops
-    the device-side assert for CUDA index tensors; CPU ones are always checked).
+    a hot loop whose positions are known to be valid (compiled or exported, the check is a
+    few small kernels per call and a device-side assert: False drops them for CUDA index
+    tensors; CPU ones are always checked).
     """
 
     inv_freq: Tensor
