@@ -180,8 +180,8 @@ RopeCall RopeShiftKvCall::end(bool to) const {
   const c10::SymInt batch = paged() ? c10::SymInt(1) : cv.sym_size(0);
   const at::ScalarType dtype = is_rope_float(k_cache.scalar_type()) ? k_cache.scalar_type() : at::kFloat;
   // A stand-in q of the items' shape without memory (one element, expanded): RoPE's checks
-  // and launch read its sizes, never its values.
-  r.q = k_cache.new_zeros({1, 1, 1, 1}, at::TensorOptions(dtype))
+  // and launch read its sizes, never its values (so not filled: a kernel launch on CUDA).
+  r.q = k_cache.new_empty({1, 1, 1, 1}, at::TensorOptions(dtype))
             .expand_symint({batch, from_positions.sym_size(-1), cv.sym_size(2), cv.sym_size(3)});
   r.k = std::nullopt;
   r.layout = RopeLayout::kBSHD;
