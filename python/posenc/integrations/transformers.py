@@ -331,8 +331,9 @@ def _norm_eps(norm: Any) -> Optional[float]:
     # Qwen3 / OLMo 2, Gemma 3; read from the instance first (every call reads it: a missing
     # attribute through nn.Module.__getattr__ costs microseconds).
     attributes = norm.__dict__
-    eps = attributes.get("variance_epsilon", attributes.get("eps"))
-    if eps is None:
+    if "variance_epsilon" in attributes:
+        eps = attributes["variance_epsilon"]
+    else:  # as before: variance_epsilon wherever it lives (a class attribute, a property), else eps
         eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
@@ -361,8 +362,9 @@ class _HolderRef:
     a strong one would make every patched layer keep its whole model alive (a reference cycle,
     freed only by the garbage collector) and copy it with the layer. A deepcopy of the model
     points at the copied holder; a pickle holds the holder itself (a model's pickle holds it
-    anyway); a copy of a layer alone points at the original, whose rotary module is not the
-    layer's copy: that layer runs its own path."""
+    anyway; a lone layer's pickle is the model's size, and once loaded, its holder gone, the
+    layer runs its own path); a copy of a layer alone points at the original, whose rotary
+    module is not the layer's copy: that layer runs its own path."""
 
     __slots__ = ("_ref", "__weakref__")
 
@@ -479,7 +481,8 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
         return None
     # The tables the layer receives still come from the checked rotary module, as it computes
     # them: not one put in its place, no hook changing its inputs or outputs.
-    holder = holder() if isinstance(holder, _HolderRef) else None
+    # (a module: held strongly by a settings tuple of an earlier build)
+    holder = holder() if isinstance(holder, _HolderRef) else holder if isinstance(holder, torch.nn.Module) else None
     if holder is None or holder._modules.get(attribute) is not rotary or not _unhooked(rotary):
         return None
     if rotary._buffers.get(buffer) is not inv_freq:  # replaced: model.to(dtype or device), reassigned
