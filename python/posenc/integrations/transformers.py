@@ -338,20 +338,20 @@ def _norm_eps(norm: Any) -> Optional[float]:
     return float(eps) if isinstance(eps, (int, float)) and not isinstance(eps, bool) else None
 
 
-def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str]]:
-    """(module, buffer name, attribute name) of the rotary embedding whose tables ``attn``
-    receives: of the model's modules with an inv_freq buffer (``rotaries``: (holder,
-    attribute, module) triples, module's values alone here), the one holding
-    ``<layer_type>_inv_freq`` (transformers 5's
-    per-layer-type rotary, Gemma 3), else the one holding ``inv_freq``; with its
-    ``attention_scaling``. None when there is no such module or more than one (then the layer
+def _rotary_source(rotaries: list, attn: Any) -> Optional[Tuple[Any, str, str, Any, str]]:
+    """(module, buffer name, attention scaling's attribute name, the module holding it, its
+    name there) of the rotary embedding whose tables ``attn`` receives: of the model's modules
+    with an inv_freq buffer (``rotaries``: (holder, name, module) triples), the one holding
+    ``<layer_type>_inv_freq`` (transformers 5's per-layer-type rotary, Gemma 3), else the one
+    holding ``inv_freq``. None when there is no such module or more than one (then the layer
     rotates with the tables it is given)."""
     layer_type = getattr(attn, "layer_type", None)
     names = ([(f"{layer_type}_inv_freq", f"{layer_type}_attention_scaling")] if isinstance(layer_type, str) else [])
     for buffer, scaling in names + [("inv_freq", "attention_scaling")]:
-        found = list({id(m): m for _, _, m in rotaries if isinstance(m._buffers.get(buffer), Tensor)}.values())
+        found = {id(m): (m, holder, name) for holder, name, m in rotaries if isinstance(m._buffers.get(buffer), Tensor)}
         if len(found) == 1:
-            return found[0], buffer, scaling
+            module, holder, name = next(iter(found.values()))
+            return module, buffer, scaling, holder, name
         if found:
             return None
     return None
@@ -403,7 +403,7 @@ class _FusedSettings(NamedTuple):
     attribute: str = ""
 
 
-def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]], rotaries: list) -> Optional[_FusedSettings]:
+def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]]) -> Optional[_FusedSettings]:
     """The settings (_FusedSettings) of a layer whose norms and RoPE the fused op provably
     computes as transformers does; computed once when the layer is patched. Provably: both norms
     are the model's own RMS norm (one class, defined beside the attention: a norm put in its
@@ -427,7 +427,7 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]], rotaries:
     if (eps is None or eps != _norm_eps(attn.k_norm) or source is None or type(attn.k_norm) is not norm_class
             or norm_class.__module__ != attn._posenc_base.__module__):
         return None
-    rotary, buffer, scaling_name = source
+    rotary, buffer, scaling_name, holder, attribute = source
     inv_freq = rotary._buffers[buffer]
     scaling = getattr(rotary, scaling_name, None)
     if (inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or isinstance(scaling, bool)
@@ -458,7 +458,6 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str]], rotaries:
             continue
         if (ours.shape == model_freq.shape and torch.allclose(model_freq, ours, rtol=2.0**-17, atol=0.0)
                 and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
-            holder, attribute = next((h, a) for h, a, m in rotaries if m is rotary)
             return _FusedSettings(eps, config, rotary, buffer, inv_freq, inv_freq._version,
                                   inv_freq.detach().clone(), scaling_name, scaling, norm_class, _HolderRef(holder),
                                   attribute)
@@ -481,8 +480,7 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
         return None
     # The tables the layer receives still come from the checked rotary module, as it computes
     # them: not one put in its place, no hook changing its inputs or outputs.
-    # (a module: held strongly by a settings tuple of an earlier build)
-    holder = holder() if isinstance(holder, _HolderRef) else holder if isinstance(holder, torch.nn.Module) else None
+    holder = holder() if isinstance(holder, _HolderRef) else None
     if holder is None or holder._modules.get(attribute) is not rotary or not _unhooked(rotary):
         return None
     if rotary._buffers.get(buffer) is not inv_freq:  # replaced: model.to(dtype or device), reassigned
@@ -677,7 +675,7 @@ def _apply_qk_norm(model: Any) -> None:
     for attn, cls in todo:
         attn.__class__ = cls  # weights, buffers, hooks and state_dict stay as they are
         # parsed once (revert removes it)
-        attn._posenc_fused = _fused_settings(attn, _rotary_source(rotaries, attn), rotaries)
+        attn._posenc_fused = _fused_settings(attn, _rotary_source(rotaries, attn))
 
 
 def revert_posenc_qk_norm(model: Any) -> None:
