@@ -48,13 +48,15 @@ def _offset_as_rows(offset: Union[int, Tensor]) -> bool:
     SymInt would read the value, .item(): a graph per value, and no graph at all under
     aot_eager / inductor), under torch.jit.trace (which would record the value as a
     constant: a traced decode step would add its trace-time rows ever after), and for an
-    offset on a device in eager mode (reading it would be a device sync per call). A CPU
+    offset on a device in eager mode (reading it would be a device sync per call), and for
+    one a torch.func transform wraps (under vmap a value per sample, which no int holds). A CPU
     offset in eager mode is read (free). The rows are then checked as positions are: an
     offset past the table is the kernel's IndexError for positions (a device-side assert on
     CUDA; the modules' check_positions checks them first), not the host's ValueError."""
     if not isinstance(offset, Tensor) or is_dtensor(offset):
         return False
-    return torch.compiler.is_compiling() or torch.jit.is_tracing() or offset.device.type != "cpu"
+    return (torch.compiler.is_compiling() or torch.jit.is_tracing() or offset.device.type != "cpu"
+            or torch._C._functorch.is_functorch_wrapped_tensor(offset))
 
 
 def _rows_of_offset(x: Tensor, offset: Tensor, batch_first: bool) -> Tensor:

@@ -540,8 +540,10 @@ def per_sequence_offsets(
     # A CPU offset is copied without a stream sync: pageable memory is staged at the call; a
     # pinned one would be read later by the DMA (a race with the caller's next `offset += 1`),
     # so that one is copied as before.
-    # (torch.compile cannot trace is_pinned(): its graph copies as inductor does.)
-    pinned = not torch.compiler.is_compiling() and not is_dtensor(offset) and offset.is_pinned()
+    # (torch.compile cannot trace is_pinned(): its graph copies as inductor does. Under a
+    # torch.func transform the wrapper cannot tell, so the copy blocks.)
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(offset)
+    pinned = not torch.compiler.is_compiling() and not is_dtensor(offset) and (wrapped or offset.is_pinned())
     return offset.to(q.device, non_blocking=not pinned).reshape(1).expand(max(count, 0)).contiguous()
 
 

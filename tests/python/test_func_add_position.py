@@ -255,6 +255,26 @@ def test_vmap_same_randomness_draws_once_and_never_rewinds_the_generator(dtype, 
 
 # ---- the modules, as a user has them (training mode)
 
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_vmap_over_per_sample_tensor_offsets(batch_first):
+    """A 0-dim offset batched by vmap (one decode offset per sample) is added as rows on the
+    device: the op's int offset cannot read a batched value (it raised the dispatcher's
+    RuntimeError). Gradients to x and the table follow the same rows."""
+    table = torch.randn(L, D, dtype=F64)
+    xs = torch.stack([x_of(batch_first, seed=i) for i in range(3)])
+    offsets = torch.tensor([0, 4, 2])
+    got = vmap(lambda x, o: F.add_position(x, table, offset=o, batch_first=batch_first))(xs, offsets)
+    for i in range(3):
+        assert torch.equal(got[i], xs[i] + rows_of(table, None, int(offsets[i]), batch_first))
+    g = vmap(grad(lambda t, x, o: F.add_position(x, t, offset=o, batch_first=batch_first).square().sum()),
+             in_dims=(None, 0, 0))(table, xs, offsets)
+    for i in range(3):
+        want = grad(lambda t: (xs[i] + rows_of(t, None, int(offsets[i]), batch_first)).square().sum())(table)
+        torch.testing.assert_close(g[i], want, rtol=1e-12, atol=1e-12)
+    with pytest.raises(IndexError):  # offset 5 + 3 rows > 7
+        vmap(lambda x, o: F.add_position(x, table, offset=o, batch_first=batch_first))(xs, torch.tensor([0, 5, 2]))
+
+
 def test_positional_encoding_grad_in_training_mode():
     torch.manual_seed(0)
     m = posenc.PositionalEncoding(8, dropout=0.1, max_len=16)  # training mode, no .eval()

@@ -147,6 +147,26 @@ def test_the_module_under_vmap_with_batched_positions():
         vmap(lambda x, p: rope(x, positions=p))(q, pos)
 
 
+def test_vmap_over_per_sample_tensor_offsets():
+    """A 0-dim offset batched by vmap (one decode offset per sample): its pinned-memory test
+    had no batching rule (RuntimeError), in apply_rope, qk_norm_rope and the module alike."""
+    q, k = torch.randn(3, 1, 4, 2, 6, dtype=F64), torch.randn(3, 1, 4, 1, 6, dtype=F64)
+    offsets = torch.tensor([0, 5, 2])
+    rope = posenc.RotaryPositionalEncoding(6, max_len=16)
+    w = torch.randn(6, dtype=F64)
+    inv, _ = reference_inv_freq(6)
+    for f in (lambda a, b, o: apply_rope(a, b, offset=o), lambda a, b, o: rope(a, b, offset=o)):
+        got_q, got_k = vmap(f)(q, k, offsets)
+        for i in range(3):
+            pos = grid(1, 4, offset=int(offsets[i]))
+            torch.testing.assert_close(got_q[i], reference_rope(q[i], "bshd", pos, inv, 6, False), rtol=1e-12, atol=1e-12)
+            torch.testing.assert_close(got_k[i], reference_rope(k[i], "bshd", pos, inv, 6, False), rtol=1e-12, atol=1e-12)
+    got_q, got_k = vmap(lambda a, b, o: posenc.functional.qk_norm_rope(a, b, w, w, offset=o))(q, k, offsets)
+    for i in range(3):
+        want_q, want_k = posenc.functional.qk_norm_rope(q[i], k[i], w, w, offset=int(offsets[i]))
+        assert torch.equal(got_q[i], want_q) and torch.equal(got_k[i], want_k)
+
+
 def test_inplace_refuses_gradients_and_tangents():
     q = torch.randn(1, 2, 1, 4, dtype=F64)
     with pytest.raises(RuntimeError, match="inplace=True rotates q and k in their own storage"):
