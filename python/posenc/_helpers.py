@@ -11,7 +11,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from posenc._common import _bool_arg, _float_arg, _int_arg, _tensor_arg
+from posenc._common import _bool_arg, _float_arg, _int_arg, _table_dtype, _tensor_arg
 
 
 def timestep_embedding(
@@ -102,8 +102,7 @@ def sinusoidal_2d_table(
     else 0, dtype=torch.float64)`` (its ``base_size`` defaults to 16: pass it).
     """
     fn = "sinusoidal_2d_table"
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{fn}: expected a floating-point dtype, got {dtype!r}")
+    dtype = _table_dtype(fn, dtype)
     return torch.ops.posenc.sinusoidal_2d_table(
         _int_arg(fn, "grid_h", grid_h),
         _int_arg(fn, "grid_w", grid_w),

@@ -443,7 +443,7 @@ TEST(Helpers, MessagesReadLikePython) {
   EXPECT_TRUE(contains(m, "sinusoidal_2d_table: expected base to be a finite number > 1, got 1.0"))
       << m;
   m = message_of([] { posenc::sinusoidal_2d_table(2, 2, 8, 100.0, 0, torch::kLong); });
-  EXPECT_TRUE(contains(m, "expected a floating-point dtype, got torch.int64")) << m;
+  EXPECT_TRUE(contains(m, "expected dtype to be float16, bfloat16, float32 or float64, got torch.int64")) << m;
   m = message_of([] { posenc::resample_position_table(torch::randn({1, 17, 8}), 6, 6, 4, 5); });
   EXPECT_TRUE(contains(m, "old_grid (4, 5) has 20 cells but the table has 16 patch rows")) << m;
   m = message_of([] {

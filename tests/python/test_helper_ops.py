@@ -233,7 +233,7 @@ def test_opcheck_helper_ops(device):
      "expected base to be a finite number > 1, got 1.0"),
     (lambda: sinusoidal_2d_table(2, 2, 8, dtype=torch.int64),
      lambda: ops.sinusoidal_2d_table(2, 2, 8, dtype=torch.int64),
-     TypeError, "sinusoidal_2d_table: expected a floating-point dtype, got torch.int64"),
+     TypeError, "sinusoidal_2d_table: expected dtype to be float16, bfloat16, float32 or float64, got torch.int64"),
     (lambda: resample_position_table(torch.randn(1, 17, 8), (0, 3)),
      lambda: ops.resample_position_table(torch.randn(1, 17, 8), [0, 3]), ValueError,
      r"expected new_grid to be positive, got \(0, 3\)"),

@@ -915,8 +915,13 @@ def test_helpers_refuse_values_they_would_silently_misuse(call, message):
 
 
 def test_helper_types_and_accepted_forms():
-    with pytest.raises(TypeError, match="expected a floating-point dtype, got torch.int64"):
+    with pytest.raises(TypeError, match="expected dtype to be float16, bfloat16, float32 or float64, got torch.int64"):
         sinusoidal_2d_table(2, 2, 8, dtype=torch.int64)  # as sinusoidal_table: TypeError
+    for dtype in (torch.float8_e4m3fn, torch.complex64, "float32"):  # float8 was accepted (sinusoidal_table refuses it)
+        with pytest.raises(TypeError, match="sinusoidal_2d_table: expected dtype to be float16, bfloat16, float32 or"):
+            sinusoidal_2d_table(2, 2, 8, dtype=dtype)
+    with pytest.raises(TypeError, match="expected dtype to be float16, bfloat16, float32 or float64, got torch.float8"):
+        torch.ops.posenc.sinusoidal_2d_table(2, 2, 8, dtype=torch.float8_e5m2)
     pe = torch.randn(1, 17, 8)
     # Two-element tensors and arrays are grids; numpy and 0-d tensor numbers are numbers.
     assert resample_position_table(pe, torch.tensor([2, 3])).shape == (1, 7, 8)

@@ -109,13 +109,14 @@ def test_odd_d_model_ends_with_sine():
 
 @pytest.mark.parametrize("bad", [0, -3])
 def test_rejects_bad_d_model(bad):
-    with pytest.raises(ValueError, match="d_model"):
+    with pytest.raises(ValueError, match=rf"sinusoidal_table: expected d_model > 0, got {bad}$"):
         sinusoidal_table(torch.arange(3), bad)
 
 
 @pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), 1.0, 0.5])
 def test_rejects_bad_base(bad):
-    with pytest.raises(ValueError, match=rf"base to be a finite number > 1, got {bad:g}"):
+    # Named by the function, the value as Python writes it (1.0, not 1).
+    with pytest.raises(ValueError, match=rf"sinusoidal_table: expected base to be a finite number > 1, got {bad!r}$"):
         sinusoidal_table(torch.arange(3), 4, base=bad)
 
 

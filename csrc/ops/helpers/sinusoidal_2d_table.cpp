@@ -109,8 +109,9 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
                       ", interpolation_scale=", py_float(interpolation_scale));
   }
   const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
-  TORCH_CHECK_TYPE(at::isFloatingType(out_dtype), kFn, "a floating-point dtype, got ",
-                   py_dtype(out_dtype));
+  TORCH_CHECK_TYPE(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat ||
+                       out_dtype == at::kDouble,
+                   kFn, "dtype to be float16, bfloat16, float32 or float64, got ", py_dtype(out_dtype));
   int64_t cells = 0, rows = 0, elements = 0;
   const bool overflows = c10::mul_overflows(grid_h, grid_w, &cells) ||
                          c10::add_overflows(cells, num_prefix_tokens, &rows) ||

@@ -45,13 +45,14 @@ at::ScalarType table_dtype(c10::string_view name) {
 
 // The checks of every backend.
 void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, double base) {
-  TORCH_CHECK_VALUE(d_model > 0, "posenc: expected d_model > 0, got ", d_model);
+  TORCH_CHECK_VALUE(d_model > 0, "posenc: sinusoidal_table: expected d_model > 0, got ", d_model);
   // base <= 1 would give every column the same or a growing frequency: no longer the
   // geometric ladder of wavelengths 2 pi .. 2 pi base (RoPE refuses the same values).
   TORCH_CHECK_VALUE(std::isfinite(base) && base > 1.0,
-                    "posenc: expected base to be a finite number > 1, got ", base);
+                    "posenc: sinusoidal_table: expected base to be a finite number > 1, got ",
+                    py_float(base));
   TORCH_CHECK_TYPE(!positions.is_complex() && positions.scalar_type() != at::kBool,
-                   "posenc: expected integer or floating-point positions, got ",
+                   "posenc: sinusoidal_table: expected integer or floating-point positions, got ",
                    positions.scalar_type());
 }
 
