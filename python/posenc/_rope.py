@@ -881,7 +881,21 @@ class RotaryPositionalEncoding(nn.Module):
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return  # traced: the version is not the run's (the transformers path asserts instead)
         buf = self._buffers.get("inv_freq")
-        if type(buf) is not Tensor or buf.device.type != "cpu" or torch._C._functorch.is_functorch_wrapped_tensor(buf):
+        if buf is None:
+            buf = self._parameters.get("inv_freq")
+            if type(buf) is nn.Parameter and buf.requires_grad:
+                # Learnable frequencies: no gradient would reach it, and its optimizer steps
+                # would change nothing, whatever its device. Once per Parameter.
+                seen = self.__dict__.get("_inv_freq_seen")
+                if seen is None or seen[0] is not buf:
+                    self._inv_freq_seen = (buf, None)
+                    warnings.warn(
+                        "RotaryPositionalEncoding: inv_freq is a Parameter, but forward does not read it (the "
+                        "kernels evaluate the frequencies from the configuration): it gets no gradient and training "
+                        "it changes nothing. posenc has no learnable RoPE frequencies", UserWarning, stacklevel=2)
+                return
+        if (type(buf) not in (Tensor, nn.Parameter) or buf.device.type != "cpu"
+                or torch._C._functorch.is_functorch_wrapped_tensor(buf)):
             return  # a subclass (DTensor), another device (or meta), or under a torch.func transform
         version = None if buf.is_inference() else buf._version  # inference tensors have none
         seen = self.__dict__.get("_inv_freq_seen")

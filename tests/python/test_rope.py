@@ -735,3 +735,30 @@ def test_an_edited_inv_freq_is_warned_about_not_ignored_silently():
         served = posenc.RotaryPositionalEncoding(16, max_len=64, scaling={"rope_type": "linear", "factor": 2.0})
         assert torch.equal(served(q), want)
     assert torch.equal(served(q), want)
+
+
+def test_an_inv_freq_made_a_parameter_is_warned_about():
+    """inv_freq made a Parameter (learnable frequencies, as some fine-tuning recipes do with
+    Hugging Face's buffer) left the buffer slot empty, and the edit check skipped it: no
+    gradient reached it and training it changed nothing, silently. Now a trainable one is a
+    UserWarning, once per Parameter (also on a device: no value is read)."""
+    import warnings
+
+    rope = posenc.RotaryPositionalEncoding(16, max_len=64)
+    q = torch.randn(1, 4, 2, 16)
+    want = rope(q)
+    rope.inv_freq = torch.nn.Parameter(rope.inv_freq.clone())
+    with pytest.warns(UserWarning, match="inv_freq is a Parameter, but forward does not read it"):
+        assert torch.equal(rope(q), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rope(q)  # once per Parameter
+        rope.inv_freq = torch.nn.Parameter(rope.inv_freq.detach().clone(), requires_grad=False)
+        rope(q)  # frozen, the configuration's values: nothing to say
+    with torch.no_grad():
+        rope.inv_freq.mul_(2)  # a frozen edited one is an edit, as a buffer's
+    with pytest.warns(UserWarning, match="inv_freq differs from the frequencies"):
+        assert torch.equal(rope(q), want)
+    rope.inv_freq = torch.nn.Parameter(rope.inv_freq.detach())
+    with pytest.warns(UserWarning, match="gets no gradient and training it changes nothing"):
+        rope(q)
