@@ -91,11 +91,13 @@ def resolve_config_keys(
     if isinstance(scaling, Mapping) and any(key in scaling for key in CONFIG_KEYS + ("type",)):
         scaling = dict(scaling)
 
-        def take(key: str, current: Any, given: Any, name: str, explicit: bool) -> Any:
+        def take(key: str, current: Any, given: Any, name: str, explicit: bool, value: Any = None) -> Any:
+            """given (the dict's key's value, or what it sets: then value is the key's own)."""
             if given is None:
                 return current
             if explicit and current != given:
-                raise ValueError(f"{fn}: {name}={current!r} disagrees with the scaling dict's {key}={given!r}; "
+                shown = f"{key}={given!r}" if value is None else f"{key}={value!r} ({name} {given!r})"
+                raise ValueError(f"{fn}: {name}={current!r} disagrees with the scaling dict's {shown}; "
                                  f"pass one of them")
             return given
 
@@ -113,7 +115,7 @@ def resolve_config_keys(
             if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
                 raise ValueError(f"{fn}: expected scaling key 'partial_rotary_factor' in (0, 1], got {factor!r}")
             rotary_dim = take("partial_rotary_factor", rotary_dim, int(head_dim * factor), "rotary_dim",
-                              rotary_dim is not None)
+                              rotary_dim is not None, factor)
         section = scaling.pop("mrope_section", None)
         interleaved = scaling.pop("mrope_interleaved", None)
         if interleaved is not None and not isinstance(interleaved, bool):

@@ -35,7 +35,9 @@ def test_partial_rotary_factor_sets_rotary_dim():
     cfg = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}
     assert torch.equal(apply_rope(q, scaling=cfg), apply_rope(q, rotary_dim=8))
     assert torch.equal(apply_rope(q, scaling=cfg, rotary_dim=8), apply_rope(q, rotary_dim=8))
-    with pytest.raises(ValueError, match=r"rotary_dim=16 disagrees with the scaling dict's partial_rotary_factor=8"):
+    # The dict's value as given, and the rotary_dim it sets (it said partial_rotary_factor=8).
+    with pytest.raises(ValueError, match=r"rotary_dim=16 disagrees with the scaling dict's "
+                                         r"partial_rotary_factor=0\.25 \(rotary_dim 8\); pass one of them"):
         apply_rope(q, scaling=cfg, rotary_dim=16)
     rope = posenc.RotaryPositionalEncoding(32, scaling=cfg)
     assert rope.rotary_dim == 8 and torch.equal(rope(q), apply_rope(q, rotary_dim=8))
