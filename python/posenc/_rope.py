@@ -544,8 +544,8 @@ def per_sequence_offsets(
     # so that one is copied as before.
     # (torch.compile cannot trace is_pinned(): its graph copies as inductor does. Under a
     # torch.func transform the wrapper cannot tell, so the copy blocks.)
-    wrapped = torch._C._functorch.is_functorch_wrapped_tensor(offset)
-    pinned = not torch.compiler.is_compiling() and not is_dtensor(offset) and (wrapped or offset.is_pinned())
+    pinned = not torch.compiler.is_compiling() and not is_dtensor(offset) and (
+        torch._C._functorch.is_functorch_wrapped_tensor(offset) or offset.is_pinned())
     return offset.to(q.device, non_blocking=not pinned).reshape(1).expand(max(count, 0)).contiguous()
 
 
