@@ -3,7 +3,10 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <limits>
+
 #include "ops/common/cpu/rope_rows.h"  // row_streams, the CPU kernels' streaming rule
+#include "ops/rope_append_kv/cpu/kernel.h"  // kv_cache_row, the CPU and CUDA kernels' cache row
 #include "posenc/posenc.h"
 
 namespace {
@@ -144,4 +147,32 @@ TEST(RopeRows, RowsWrittenInPlaceNeverStream) {
   EXPECT_TRUE(cpu::row_streams(true, row, other));    // out of place: a cache row, q's output
   EXPECT_FALSE(cpu::row_streams(false, row, other));  // a small call (below kStreamBytes)
   EXPECT_FALSE(cpu::row_streams(false, row, row));
+}
+
+// kv_cache_row, shared by the CPU and CUDA kernels: a per-sequence offset outside [-2**53,
+// 2**53] is no row. The CPU op refuses one before its kernel; the CUDA kernel computed
+// offset + offsets[b] + s before its assert, a signed overflow (undefined) for one near
+// +-2**63 (a review of the CUDA code). Now the sum is formed only inside the domain.
+TEST(RopeAppendKv, CacheRowOfAnOffsetOutsideTheDomainIsNone) {
+  namespace ops = posenc::ops;
+  constexpr int64_t kMax = int64_t{1} << 53;
+  int64_t offsets[2] = {0, 4};
+  ops::KvCacheArgs a;
+  a.offsets = offsets;
+  a.max_len = 16;
+  a.offset = 3;
+  int64_t outer = -1, inner = -1;
+  ASSERT_TRUE(ops::kv_cache_row(a, 1, 2, &outer, &inner));
+  EXPECT_EQ(outer, 1);
+  EXPECT_EQ(inner, 9);
+  for (const int64_t bad : {std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min(), kMax + 1,
+                            -kMax - 1}) {
+    offsets[1] = bad;
+    a.offset = bad > 0 ? -kMax : kMax;  // within the host's check; the sum would be near +-2**63 - 2**53
+    EXPECT_FALSE(ops::kv_cache_row(a, 1, 0, &outer, &inner)) << bad;
+  }
+  offsets[1] = kMax;  // the domain's edge: a row when the sum lies in the cache
+  a.offset = -kMax + 5;
+  ASSERT_TRUE(ops::kv_cache_row(a, 1, 2, &outer, &inner));
+  EXPECT_EQ(inner, 7);
 }
