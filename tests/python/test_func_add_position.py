@@ -269,7 +269,7 @@ def test_vmap_over_per_sample_tensor_offsets(batch_first):
     g = vmap(grad(lambda t, x, o: F.add_position(x, t, offset=o, batch_first=batch_first).square().sum()),
              in_dims=(None, 0, 0))(table, xs, offsets)
     for i in range(3):
-        want = grad(lambda t: (xs[i] + rows_of(t, None, int(offsets[i]), batch_first)).square().sum())(table)
+        want = grad(lambda t, i=i: (xs[i] + rows_of(t, None, int(offsets[i]), batch_first)).square().sum())(table)
         torch.testing.assert_close(g[i], want, rtol=1e-12, atol=1e-12)
     with pytest.raises(IndexError):  # offset 5 + 3 rows > 7
         vmap(lambda x, o: F.add_position(x, table, offset=o, batch_first=batch_first))(xs, torch.tensor([0, 5, 2]))
