@@ -879,7 +879,9 @@ class RotaryPositionalEncoding(nn.Module):
         frequencies when its version or identity changed (eager mode; rotary_dim / 2 values)
         and a difference beyond a dtype cast's rounding is a warning, once per change. A
         buffer on another device is not compared: reading it would sync, and DDP's buffer
-        broadcast moves its version every step (DataParallel replaces it)."""
+        broadcast moves its version every step (DataParallel replaces it). An ``inv_freq``
+        made a trainable Parameter is a warning too (once per Parameter): it gets no
+        gradient."""
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return  # traced: the version is not the run's (the transformers path asserts instead)
         buf = self._buffers.get("inv_freq")

@@ -167,6 +167,21 @@ def test_vmap_over_per_sample_tensor_offsets():
         assert torch.equal(got_q[i], want_q) and torch.equal(got_k[i], want_k)
 
 
+def test_vmap_of_the_in_place_ops_is_refused():
+    """What docs/guide/func.md says: the ops that write in place have no batching rule, and
+    vmap says so (PyTorch's RuntimeError), never a silent per-sample write."""
+    q, k = torch.randn(2, 1, 3, 2, 8), torch.randn(2, 1, 3, 1, 8)
+    calls = {
+        "rope_": lambda q, k: apply_rope(q.clone(), k.clone(), inplace=True),
+        "rope_append_kv": lambda q, k: posenc.functional.rope_append_kv(q, k, k, torch.zeros(1, 8, 1, 8),
+                                                                      torch.zeros(1, 8, 1, 8)),
+        "rope_shift_kv_": lambda q, k: posenc.functional.rope_shift_kv(k.clone(), torch.arange(3), torch.arange(3) + 1),
+    }
+    for op, f in calls.items():
+        with pytest.raises(RuntimeError, match=f"Batching rule not implemented for posenc::{op}"):
+            vmap(f)(q, k)
+
+
 def test_inplace_refuses_gradients_and_tangents():
     q = torch.randn(1, 2, 1, 4, dtype=F64)
     with pytest.raises(RuntimeError, match="inplace=True rotates q and k in their own storage"):

@@ -86,8 +86,8 @@ POSENC_HOST_DEVICE bool kv_cache_row(const KvCacheArgs& a, int64_t b, int64_t s,
                                      int64_t* inner) {
   if (a.slot_mapping != nullptr) return kv_cache_slot(a.slot_mapping[s], a.num_slots, a.block_size, outer, inner);
   // A per-sequence offset outside [-2**53, 2**53] is no row (the CPU op refuses it first; on
-  // CUDA the kernel asserts): summed, one near +-2**63 could wrap into the cache's rows.
-  // (a.offset is checked on the host; s < 2**62.)
+  // CUDA the kernel asserts): one just outside could sum into the cache's rows, one near
+  // +-2**63 would overflow (undefined). (a.offset is checked on the host; s < 2**62.)
   const int64_t o = a.offsets != nullptr ? a.offsets[b] : 0;
   if (o < -kRopeMaxPosition || o > kRopeMaxPosition) return false;
   const int64_t row = a.offset + o + s;
