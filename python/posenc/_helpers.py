@@ -135,7 +135,8 @@ def resample_position_table(
     ``resample_abs_pos_embed`` does. ``old_grid`` defaults to the square grid the table
     implies. Grids are (h, w) (any two-element sequence, tensor or array of ints) or one
     int n for (n, n). Returns (1, prefix + new_h * new_w, d). ``mode``: "bicubic",
-    "bilinear" or "nearest" (``antialias`` applies to the first two). Op
+    "bilinear" or "nearest" (``antialias`` applies to the first two; transformers' ViT /
+    DeiT ``interpolate_pos_encoding`` is ``antialias=False``). Op
     ``torch.ops.posenc.resample_position_table`` (the C++ ``posenc::resample_position_table``
     calls it too).
 

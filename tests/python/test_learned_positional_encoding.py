@@ -317,6 +317,49 @@ def test_sinusoidal_2d_table_is_transformers_vit_mae_with_its_halves_swapped(h, 
     assert torch.equal(torch.cat([got[:, dim // 2:], got[:, :dim // 2]], 1), want)  # ... by the halves' order
 
 
+@pytest.mark.parametrize("model, prefix", [("vit", 1), ("deit", 2)])
+def test_resample_is_transformers_interpolate_pos_encoding_without_antialias(model, prefix):
+    """transformers' ViT / DeiT interpolate_pos_encoding resample by size, bicubic, without
+    antialias (timm's default has it): resample_position_table(..., antialias=False) gives its
+    bits, as docs/guide/learned.md says; the default differs (by up to ~0.9 on N(0, 1) rows)."""
+    transformers = pytest.importorskip("transformers")
+    config_cls, model_cls = {"vit": ("ViTConfig", "ViTModel"), "deit": ("DeiTConfig", "DeiTModel")}[model]
+    config = getattr(transformers, config_cls)(image_size=32, patch_size=8, hidden_size=16, num_hidden_layers=1,
+                                               num_attention_heads=2, intermediate_size=32)
+    embeddings = getattr(transformers, model_cls)(config, add_pooling_layer=False).embeddings
+    torch.manual_seed(3)
+    with torch.no_grad():
+        embeddings.position_embeddings.normal_()
+    table = embeddings.position_embeddings.detach()
+    for h, w in ((48, 48), (64, 40), (24, 24), (16, 40)):
+        want = embeddings.interpolate_pos_encoding(torch.zeros(1, prefix + (h // 8) * (w // 8), 16), h, w).detach()
+        got = resample_position_table(table, (h // 8, w // 8), num_prefix_tokens=prefix, antialias=False)
+        assert torch.equal(got, want), (h, w)
+    assert not torch.equal(resample_position_table(table, (6, 6), num_prefix_tokens=prefix),
+                           embeddings.interpolate_pos_encoding(torch.zeros(1, prefix + 36, 16), 48, 48).detach())
+
+
+def test_the_padding_row_frozen_as_nn_embedding_padding_idx():
+    """fairseq / RoBERTa / XLM-R keep their positions' padding row (make_positions' padding_idx)
+    at zero gradient (nn.Embedding(padding_idx=...)); posenc's table gradient gives it the
+    padding tokens' gradient (test_make_positions_feed_the_learned_module_with_padding). The
+    hook docs/guide/learned.md gives freezes it: the table's gradient is then nn.Embedding's."""
+    torch.manual_seed(9)
+    padding_idx, d = 1, 8
+    tokens = torch.tensor([[5, 6, 7, 1, 1], [1, 1, 8, 9, 4]])
+    pos = make_positions(tokens, padding_idx)
+    m = posenc.LearnedPositionalEncoding(d, 0.0, max_len=padding_idx + 6)
+    m.pe.register_hook(lambda g: g.index_fill(1, torch.tensor([padding_idx]), 0))
+    embedding = torch.nn.Embedding(padding_idx + 6, d, padding_idx=padding_idx)
+    with torch.no_grad():
+        embedding.weight.copy_(m.pe[0])
+    x, g = torch.randn(2, 5, d), torch.randn(2, 5, d)
+    m(x, positions=pos).backward(g)
+    (x + embedding(pos)).backward(g)
+    assert torch.equal(m.pe.grad[0, padding_idx], torch.zeros(d))
+    torch.testing.assert_close(m.pe.grad[0], embedding.weight.grad, atol=1e-6, rtol=0)
+
+
 def timm_resample(posemb, new_size, old_size=None, num_prefix_tokens=1, interpolation="bicubic", antialias=True):
     """timm's resample_abs_pos_embed, written out from its documented behaviour."""
     if old_size is None:
