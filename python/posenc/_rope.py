@@ -89,7 +89,7 @@ def resolve_config_keys(
     orders: an explicit "mrope" or "mrope_interleaved" then decides). Returns (scaling
     without those keys, base, rotary_dim, sections, sections_mode); base None means 10000."""
     if isinstance(scaling, Mapping) and any(key in scaling for key in CONFIG_KEYS + ("type",)):
-        if "rope_type" not in scaling and "type" not in scaling:  # the dict as given in the message
+        if scaling.get("rope_type", scaling.get("type")) is None:  # the dict as given in the message
             raise ValueError(f"rope: the scaling dict needs 'rope_type', one of {', '.join(ROPE_TYPES)}; "
                              f"got {dict(scaling)}")
         scaling = dict(scaling)

@@ -182,8 +182,8 @@ def apply_rope_cos_sin(
     ``out = x * cos + rotate(x) * sin``, computed in float32 (float64 for float64 q; the tables
     are converted) and rounded once to q's dtype (transformers' ``apply_rotary_pos_emb`` promotes
     a bfloat16 q with float32 tables to a float32 result; its models cast the tables to q's
-    dtype first, where the two agree up to that one rounding), in one fused kernel for q and
-    k. Returns the
+    dtype first and round each product and the sum in it, a few steps of q's dtype from this
+    one rounding), in one fused kernel for q and k. Returns the
     rotated q, or (q, k) when k is given. Differentiable in q, k, cos and sin (the tables'
     gradients are sums over heads, composed of torch ops; x is saved only when they need it).
     """

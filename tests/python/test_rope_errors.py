@@ -99,6 +99,8 @@ def test_layout_and_scaling_names():
     # The dict as given (it showed what was left after rope_theta and partial_rotary_factor: {}).
     with pytest.raises(ValueError, match=r"needs 'rope_type'.*got \{'rope_theta': 500.0, 'partial_rotary_factor': 0.5\}"):
         apply_rope(q, scaling={"rope_theta": 500.0, "partial_rotary_factor": 0.5})
+    with pytest.raises(ValueError, match=r"needs 'rope_type'.*got \{'rope_type': None, 'rope_theta': 5.0\}"):
+        apply_rope(q, scaling={"rope_type": None, "rope_theta": 5.0})
     with pytest.raises(ValueError, match=r"unknown rope scaling key\(s\) \['fator'\]"):
         apply_rope(q, scaling={"rope_type": "linear", "fator": 2.0})
     with pytest.raises(ValueError, match="'llama3' needs the key 'low_freq_factor'"):
