@@ -2,6 +2,7 @@
 // LearnedPositionalEncoding. They call the ops through the dispatcher.
 #include "posenc/add_position.h"
 
+#include <ATen/core/grad_mode.h>
 #include <c10/util/Exception.h>
 #include <torch/nn/module.h>
 
@@ -95,6 +96,13 @@ void LearnedPositionalEncodingImpl::reset() {
   TORCH_CHECK_VALUE(options.init_std() >= 0.0 && std::isfinite(options.init_std()),
                     "LearnedPositionalEncoding: expected init_std to be finite and >= 0, got ",
                     options.init_std());
+  padding_row_ = std::nullopt;
+  if (const auto p = options.padding_idx()) {
+    TORCH_CHECK_VALUE(*p >= -options.max_len() && *p < options.max_len(),
+                      "LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = [",
+                      -options.max_len(), ", ", options.max_len(), "), got ", *p);
+    padding_row_ = *p < 0 ? *p + options.max_len() : *p;  // as torch::nn::Embedding
+  }
   const torch::Tensor table = torch::empty({1, options.max_len(), options.d_model()});
   detail::register_or_replace(*this, "pe", pe, table, /*buffer=*/false);  // as above
   reset_parameters();
@@ -111,18 +119,29 @@ void LearnedPositionalEncodingImpl::reset_parameters() {
   const double std = options.init_std();
   const double hi = std::erf(2.0 / std::sqrt(2.0));  // 2 * Phi(2) - 1
   pe.uniform_(-hi, hi).erfinv_().mul_(std * std::sqrt(2.0)).clamp_(-2.0 * std, 2.0 * std);
+  if (padding_row_) pe.select(1, *padding_row_).zero_();
 }
 
 void LearnedPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
   stream << "posenc::LearnedPositionalEncoding(d_model=" << options.d_model()
          << ", dropout=" << options.dropout() << ", max_len=" << options.max_len()
          << ", batch_first=" << (options.batch_first() ? "true" : "false")
-         << ", init_std=" << options.init_std() << ")";
+         << ", init_std=" << options.init_std();
+  if (padding_row_) stream << ", padding_idx=" << *padding_row_;
+  stream << ")";
 }
 
 torch::Tensor LearnedPositionalEncodingImpl::forward(
     const torch::Tensor& x, int64_t offset, const std::optional<torch::Tensor>& positions) {
-  return add_position_module_forward(x, pe, offset, positions, options.batch_first(),
+  torch::Tensor table = pe;
+  if (padding_row_ && at::GradMode::is_enabled()) {
+    // The same values, the padding row read detached: no gradient reaches it (as the
+    // Python module; torch::nn::Embedding's padding_idx).
+    const auto rows = torch::arange(pe.size(1), pe.options().dtype(torch::kLong));
+    const auto keep = (rows != *padding_row_).view({1, -1, 1});
+    table = torch::where(keep, pe, pe.detach());
+  }
+  return add_position_module_forward(x, table, offset, positions, options.batch_first(),
                                      is_training() ? options.dropout() : 0.0,
                                      options.check_positions());
 }

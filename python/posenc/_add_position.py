@@ -180,17 +180,23 @@ class _AddPositionModule(nn.Module):
         a recomputation (activation checkpointing) must see the hooks its forward saw."""
         dropout = self.dropout
         if torch.jit.is_scripting():  # what TorchScript compiles: the op the function calls
+            pe = self._table(self.pe)
             if self._scripted_fused_dropout and hasattr(dropout, "p"):
                 p = dropout.p if dropout.training else 0.0
-                return torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, p)
-            return dropout(torch.ops.posenc.add_position(x, self.pe, positions, offset, self.batch_first, 0.0))
+                return torch.ops.posenc.add_position(x, pe, positions, offset, self.batch_first, p)
+            return dropout(torch.ops.posenc.add_position(x, pe, positions, offset, self.batch_first, 0.0))
         pe, positions, offset = self._host_side(x, offset, positions)
+        pe = self._table(pe)
         fused = _fusable_dropout(dropout)
         # The child's own mode, as nn.Dropout reads it (module.train(); module.dropout.eval()
         # turns dropout off; module.eval(); module.dropout.train() is MC dropout).
         p = dropout.p if fused and dropout.training else 0.0
         y = functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p)
         return y if fused else dropout(y)
+
+    def _table(self, pe: Tensor) -> Tensor:
+        """The table forward adds (LearnedPositionalEncoding: its padding row frozen)."""
+        return pe
 
     def __prepare_scriptable__(self) -> "_AddPositionModule":
         """Called by ``torch.jit.script`` before it compiles forward: records whether the
@@ -318,7 +324,14 @@ class LearnedPositionalEncoding(_AddPositionModule):
     A ViT-style ``pos_embed`` of shape (1, N, d) loads directly through ``load_state_dict``
     (key ``pe``); a BERT/GPT-2 table of shape (max_len, d) (``position_embeddings.weight``,
     ``wpe.weight``) loads through :meth:`load_table`.
+
+    ``padding_idx`` (``nn.Embedding``'s, as fairseq, RoBERTa and XLM-R give their position
+    tables: :func:`~posenc.functional.make_positions` puts padding tokens on that row): the
+    row is zeroed by :meth:`reset_parameters` and gets no gradient (forward adds it as it is,
+    so a loaded or edited row is added). A negative value counts from the end.
     """
+
+    padding_idx: Optional[int] = None  # modules pickled before the argument have none
 
     def __init__(
         self,
@@ -328,12 +341,23 @@ class LearnedPositionalEncoding(_AddPositionModule):
         *,
         batch_first: bool = True,
         init_std: float = 0.02,
+        padding_idx: Optional[int] = None,
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
         max_len = _check_positive_int("max_len", max_len)
         if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not 0 <= init_std < math.inf:
             raise ValueError(f"expected init_std to be a finite non-negative number, got {init_std!r}")
         self.init_std = float(init_std)
+        if padding_idx is not None:
+            index = _integer(padding_idx)
+            if index is None:
+                raise TypeError(f"LearnedPositionalEncoding: expected padding_idx to be an int or None, got "
+                                f"{padding_idx!r}")
+            if not -max_len <= index < max_len:
+                raise ValueError(f"LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = "
+                                 f"[{-max_len}, {max_len}), got {index}")
+            padding_idx = index + max_len if index < 0 else index  # as nn.Embedding
+        self.padding_idx = padding_idx
         self.pe = nn.Parameter(torch.empty(1, max_len, self.d_model))
         self.reset_parameters()
 
@@ -342,6 +366,22 @@ class LearnedPositionalEncoding(_AddPositionModule):
             nn.init.zeros_(self.pe)  # trunc_normal_ divides by its (zero) width
         else:
             nn.init.trunc_normal_(self.pe, std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
+        if self.padding_idx is not None:
+            with torch.no_grad():
+                self.pe[:, self.padding_idx].zero_()
+
+    def _table(self, pe: Tensor) -> Tensor:
+        """pe with no gradient reaching row padding_idx (the same values: the row is read
+        detached); pe itself without padding_idx or gradients (no copy)."""
+        padding_idx = self.padding_idx
+        if padding_idx is None or not torch.is_grad_enabled():
+            return pe
+        if not torch.jit.is_scripting():  # (TorchScript compiles no DTensor test)
+            if is_dtensor(pe):
+                raise RuntimeError("LearnedPositionalEncoding: padding_idx with a distributed (DTensor) table is "
+                                   "not supported; freeze the row with a hook on pe's gradient instead")
+        keep = (torch.arange(pe.shape[-2], device=pe.device) != padding_idx).view(1, -1, 1)
+        return torch.where(keep, pe, pe.detach())
 
     @torch.no_grad()
     def load_table(self, table: Tensor) -> None:
@@ -369,7 +409,8 @@ class LearnedPositionalEncoding(_AddPositionModule):
             self.pe.copy_(table.reshape(self.pe.shape))
 
     def extra_repr(self) -> str:
-        return f"{super().extra_repr()}, init_std={self.init_std}"
+        padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return f"{super().extra_repr()}, init_std={self.init_std}{padding}"
 
 
 def _empty_batch(op: "torch._ops.OpOverload", args: tuple, in_dims: tuple, out_dims: Any) -> Any:

@@ -59,7 +59,9 @@ def make_positions(tokens: Tensor, padding_idx: int, *, offset: int = 0) -> Tens
     (transformers' ``create_position_ids_from_input_ids(..., past_key_values_length)``:
     padding stays at ``padding_idx``, which adding the offset to the result would move).
     Returns int64 positions of the same shape, ready for ``positions=`` (with a table of at
-    least ``padding_idx + offset + seq + 1`` rows). Op ``torch.ops.posenc.make_positions``
+    least ``padding_idx + offset + seq + 1`` rows; a learned one as fairseq's and RoBERTa's:
+    ``LearnedPositionalEncoding(..., padding_idx=padding_idx)``, whose padding row gets no
+    gradient). Op ``torch.ops.posenc.make_positions``
     (the C++ ``posenc::make_positions`` calls it too).
     """
     fn = "make_positions"

@@ -59,6 +59,46 @@ TEST(LearnedPositionalEncodingModule, TableGradientIsBatchSumAndDeterministic) {
   EXPECT_TRUE(torch::equal(grads[0], grads[2]));
 }
 
+// padding_idx as torch::nn::Embedding's (fairseq, RoBERTa): the row starts at zero and gets
+// no gradient; forward adds it as it is; a negative one counts from the end; out of range
+// throws (c10::ValueError); the row follows reset() only.
+TEST(LearnedPositionalEncodingModule, PaddingIdxIsEmbeddings) {
+  torch::manual_seed(4);
+  for (const int64_t padding_idx : {int64_t{1}, int64_t{-9}}) {
+    posenc::LearnedPositionalEncoding m(posenc::LearnedPositionalEncodingOptions(8).max_len(9).dropout(0.0)
+                                            .padding_idx(padding_idx));
+    const int64_t row = padding_idx < 0 ? padding_idx + 9 : padding_idx;
+    EXPECT_TRUE(torch::equal(m->pe[0][row], torch::zeros({8})));
+    std::ostringstream printed;
+    m->pretty_print(printed);
+    EXPECT_NE(printed.str().find("padding_idx=" + std::to_string(row)), std::string::npos)
+        << printed.str();
+    {
+      torch::NoGradGuard no_grad;
+      m->pe[0][row].fill_(0.5);  // a loaded row is added as it is
+    }
+    torch::nn::Embedding embedding(torch::nn::EmbeddingOptions(9, 8).padding_idx(row));
+    {
+      torch::NoGradGuard no_grad;
+      embedding->weight.copy_(m->pe[0]);
+    }
+    const auto pos = torch::tensor({{0, 1, 2, 1}, {3, 1, 8, 4}}, torch::kLong);
+    for (int call = 0; call < 2; ++call) {
+      const auto x = torch::randn({2, 4, 8}), g = torch::randn({2, 4, 8});
+      const auto y = m(x, 0, pos);
+      EXPECT_TRUE(torch::equal(y, x + m->pe[0].detach().index({pos})));
+      y.backward(g);
+      (x + embedding(pos)).backward(g);
+    }
+    EXPECT_TRUE(torch::equal(m->pe.grad()[0][row], torch::zeros({8})));
+    EXPECT_TRUE(torch::allclose(m->pe.grad()[0], embedding->weight.grad(), 0.0, 1e-6));
+  }
+  for (const int64_t bad : {int64_t{9}, int64_t{-10}}) {
+    const auto options = posenc::LearnedPositionalEncodingOptions(8).max_len(9).padding_idx(bad);
+    EXPECT_THROW(posenc::LearnedPositionalEncoding{options}, c10::ValueError);
+  }
+}
+
 // create_graph: the gradients of x and of the table are linear in the incoming gradient g
 // with the forward's mask, so d/dg of <grad_x, v> + <grad_table, w> is (v + w[rows]) * mask * scale.
 TEST(LearnedPositionalEncodingModule, SecondDerivativeFollowsTheFormula) {

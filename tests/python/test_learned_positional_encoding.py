@@ -361,6 +361,43 @@ def test_the_padding_row_frozen_as_nn_embedding_padding_idx():
     torch.testing.assert_close(m.pe.grad[0], embedding.weight.grad, atol=1e-6, rtol=0)
 
 
+@pytest.mark.parametrize("padding_idx", [1, -7])
+def test_padding_idx_is_nn_embeddings(padding_idx):
+    """padding_idx as nn.Embedding's (fairseq, RoBERTa, XLM-R): the row starts at zero and
+    gets no gradient, over accumulated calls, eager, scripted and compiled; forward adds it as
+    it is. Without it the row got the padding tokens' gradient (a fine-tune drifted)."""
+    torch.manual_seed(10)
+    d, max_len = 8, 7
+    m = posenc.LearnedPositionalEncoding(d, 0.0, max_len=max_len, padding_idx=padding_idx)
+    row = padding_idx % max_len
+    assert m.padding_idx == row and f"padding_idx={row}" in repr(m) and list(m.state_dict()) == ["pe"]
+    assert torch.equal(m.pe[0, row].detach(), torch.zeros(d))
+    assert m.pe[0].detach().abs().sum(1).count_nonzero() == max_len - 1
+    tokens = torch.tensor([[5, 6, 7, 1, 1], [1, 1, 8, 9, 4]])
+    pos = make_positions(tokens, 1) if row == 1 else torch.tensor([[0, 1, 2, 6, 6], [6, 3, 4, 5, 2]])
+    with torch.no_grad():
+        m.pe[0, row] = 0.5  # a loaded or edited row is added as it is
+    embedding = torch.nn.Embedding(max_len, d, padding_idx=row)
+    with torch.no_grad():
+        embedding.weight.copy_(m.pe[0])
+    for call in (m, torch.jit.script(m), torch.compile(m, backend="aot_eager", fullgraph=True)):
+        m.pe.grad, embedding.weight.grad = None, None
+        for _ in range(2):  # accumulated
+            x, g = torch.randn(2, 5, d), torch.randn(2, 5, d)
+            y = call(x, positions=pos)
+            assert torch.equal(y, x + m.pe[0, pos].detach())
+            y.backward(g)
+            (x + embedding(pos)).backward(g)
+        assert torch.equal(m.pe.grad[0, row], torch.zeros(d))
+        torch.testing.assert_close(m.pe.grad[0], embedding.weight.grad, atol=1e-6, rtol=0)
+    with torch.no_grad():
+        assert torch.equal(m(x, positions=pos), x + m.pe[0, pos])
+    for bad, error in ((7, ValueError), (-8, ValueError), (1.5, TypeError), (True, TypeError)):
+        with pytest.raises(error, match="LearnedPositionalEncoding: expected padding_idx"):
+            posenc.LearnedPositionalEncoding(d, 0.0, max_len=max_len, padding_idx=bad)
+    assert posenc.LearnedPositionalEncoding(d, 0.0, max_len=max_len).padding_idx is None
+
+
 def timm_resample(posemb, new_size, old_size=None, num_prefix_tokens=1, interpolation="bicubic", antialias=True):
     """timm's resample_abs_pos_embed, written out from its documented behaviour."""
     if old_size is None:

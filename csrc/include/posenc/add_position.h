@@ -85,6 +85,9 @@ struct LearnedPositionalEncodingOptions {
   // Std of the truncated-normal initialisation (cut at +-2 std), the BERT/ViT convention.
   TORCH_ARG(double, init_std) = 0.02;
   TORCH_ARG(bool, check_positions) = true;
+  // torch::nn::Embedding's: the row is zeroed by reset_parameters() and gets no gradient
+  // (fairseq, RoBERTa, XLM-R; make_positions puts padding tokens there). Negative: from the end.
+  TORCH_ARG(std::optional<int64_t>, padding_idx) = std::nullopt;
 };
 
 // Learned absolute position embeddings (BERT, GPT-2, ViT) with fused dropout: the
@@ -111,6 +114,10 @@ class LearnedPositionalEncodingImpl
 
   LearnedPositionalEncodingOptions options;
   torch::Tensor pe;
+
+ private:
+  // options.padding_idx as a row of pe (negative ones counted from the end), set by reset().
+  std::optional<int64_t> padding_row_;
 
  protected:
   // The defaults for torch::nn::AnyModule / Sequential, which call forward(x).
