@@ -134,7 +134,7 @@ void LearnedPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
 torch::Tensor LearnedPositionalEncodingImpl::forward(
     const torch::Tensor& x, int64_t offset, const std::optional<torch::Tensor>& positions) {
   torch::Tensor table = pe;
-  if (padding_row_ && at::GradMode::is_enabled()) {
+  if (padding_row_ && at::GradMode::is_enabled() && pe.requires_grad()) {
     // The same values, the padding row read detached: no gradient reaches it (as the
     // Python module; torch::nn::Embedding's padding_idx).
     const auto rows = torch::arange(pe.size(1), pe.options().dtype(torch::kLong));

@@ -328,7 +328,9 @@ class LearnedPositionalEncoding(_AddPositionModule):
     ``padding_idx`` (``nn.Embedding``'s, as fairseq, RoBERTa and XLM-R give their position
     tables: :func:`~posenc.functional.make_positions` puts padding tokens on that row): the
     row is zeroed by :meth:`reset_parameters` and gets no gradient (forward adds it as it is,
-    so a loaded or edited row is added). A negative value counts from the end.
+    so a loaded or edited row is added; it is read detached in each call with grad enabled:
+    a graph traced or exported under no_grad has no freeze). A negative value counts from
+    the end.
     """
 
     padding_idx: Optional[int] = None  # modules pickled before the argument have none
@@ -368,19 +370,19 @@ class LearnedPositionalEncoding(_AddPositionModule):
             nn.init.trunc_normal_(self.pe, std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
         if self.padding_idx is not None:
             with torch.no_grad():
-                self.pe[:, self.padding_idx].zero_()
+                self.pe[..., self.padding_idx, :].zero_()
 
     def _table(self, pe: Tensor) -> Tensor:
         """pe with no gradient reaching row padding_idx (the same values: the row is read
-        detached); pe itself without padding_idx or gradients (no copy)."""
+        detached, its forward-mode tangent too); pe itself without padding_idx, under no_grad
+        or for a frozen table (no copy). Decided per call: a graph traced or exported under
+        no_grad has no freeze (torch.compile guards on grad mode)."""
         padding_idx = self.padding_idx
-        if padding_idx is None or not torch.is_grad_enabled():
+        if padding_idx is None or not torch.is_grad_enabled() or not pe.requires_grad:
             return pe
+        keep = (torch.arange(pe.shape[-2], device=pe.device) != padding_idx).view(-1, 1)
         if not torch.jit.is_scripting():  # (TorchScript compiles no DTensor test)
-            if is_dtensor(pe):
-                raise RuntimeError("LearnedPositionalEncoding: padding_idx with a distributed (DTensor) table is "
-                                   "not supported; freeze the row with a hook on pe's gradient instead")
-        keep = (torch.arange(pe.shape[-2], device=pe.device) != padding_idx).view(1, -1, 1)
+            keep = place_beside(pe, keep)[0]  # a DTensor pe (FSDP2, TP): the mask replicated beside it
         return torch.where(keep, pe, pe.detach())
 
     @torch.no_grad()

@@ -908,6 +908,33 @@ def positional_encoding_takes_dtensors():
 
 
 @check
+def learned_padding_idx_with_a_dtensor_table():
+    """LearnedPositionalEncoding(padding_idx=...) with its table distributed (replicated,
+    sharded over positions or features): the padding row's freeze (a mask replicated beside the
+    table) gives the plain module's values and table gradient, the padding row's zero."""
+    import posenc
+    from torch.distributed.tensor import DTensor
+
+    mesh, Replicate, Shard, _, distribute_tensor = env()
+    x = rand(2, 6, 8, seed=191)
+    pos = torch.tensor([[0, 1, 2, 1, 1, 5], [1, 3, 4, 5, 6, 7]])
+    for placement in (Replicate(), Shard(1), Shard(2)):
+        plain = posenc.LearnedPositionalEncoding(8, dropout=0.0, max_len=8, padding_idx=1).double()
+        sharded = posenc.LearnedPositionalEncoding(8, dropout=0.0, max_len=8, padding_idx=1).double()
+        sharded.pe = torch.nn.Parameter(distribute_tensor(plain.pe.detach().clone(), mesh, [placement]))
+        out = sharded(distribute_tensor(x, mesh, [Replicate()]), positions=pos)
+        want = plain(x, positions=pos)
+        assert isinstance(out, DTensor)
+        close(out.full_tensor(), want, f"padding_idx {placement}")
+        grad = rand(*x.shape, seed=192)
+        want.backward(grad)
+        out.backward(distribute_tensor(grad, mesh, out.placements))
+        got = sharded.pe.grad.full_tensor()
+        close(got, plain.pe.grad, f"padding_idx {placement} table grad")
+        assert torch.equal(got[0, 1], torch.zeros(8, dtype=torch.float64)), placement
+
+
+@check
 def sharded_values_read_whole():
     """Values read on the host from sharded tensors are the global tensor's (a review found each
     rank reading its own shard): rope_cos_sin's "dynamic" scale (the longest position: rank 0
