@@ -339,28 +339,6 @@ def test_resample_is_transformers_interpolate_pos_encoding_without_antialias(mod
                            embeddings.interpolate_pos_encoding(torch.zeros(1, prefix + 36, 16), 48, 48).detach())
 
 
-def test_the_padding_row_frozen_as_nn_embedding_padding_idx():
-    """fairseq / RoBERTa / XLM-R keep their positions' padding row (make_positions' padding_idx)
-    at zero gradient (nn.Embedding(padding_idx=...)); posenc's table gradient gives it the
-    padding tokens' gradient (test_make_positions_feed_the_learned_module_with_padding). The
-    hook docs/guide/learned.md gives freezes it: the table's gradient is then nn.Embedding's."""
-    torch.manual_seed(9)
-    padding_idx, d = 1, 8
-    tokens = torch.tensor([[5, 6, 7, 1, 1], [1, 1, 8, 9, 4]])
-    pos = make_positions(tokens, padding_idx)
-    m = posenc.LearnedPositionalEncoding(d, 0.0, max_len=padding_idx + 6)
-    m.pe.register_hook(lambda g: g.index_fill(1, torch.tensor([padding_idx], device=g.device), 0))
-    embedding = torch.nn.Embedding(padding_idx + 6, d, padding_idx=padding_idx)
-    with torch.no_grad():
-        embedding.weight.copy_(m.pe[0])
-    for _ in range(2):  # accumulated: the hook runs on each call's gradient
-        x, g = torch.randn(2, 5, d), torch.randn(2, 5, d)
-        m(x, positions=pos).backward(g)
-        (x + embedding(pos)).backward(g)
-    assert torch.equal(m.pe.grad[0, padding_idx], torch.zeros(d))
-    torch.testing.assert_close(m.pe.grad[0], embedding.weight.grad, atol=1e-6, rtol=0)
-
-
 @pytest.mark.parametrize("padding_idx", [1, -7])
 def test_padding_idx_is_nn_embeddings(padding_idx):
     """padding_idx as nn.Embedding's (fairseq, RoBERTa, XLM-R): the row starts at zero and
