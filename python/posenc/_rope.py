@@ -68,6 +68,10 @@ PARTIAL_ROTARY_KEY_TYPES = _types_with("partial_rotary_key")
 CONFIG_KEYS = ("rope_theta", "partial_rotary_factor", "mrope_section", "mrope_interleaved")
 
 
+def _missing_rope_type(scaling: Mapping) -> ValueError:
+    return ValueError(f"rope: the scaling dict needs 'rope_type', one of {', '.join(ROPE_TYPES)}; got {dict(scaling)}")
+
+
 def resolve_config_keys(
     scaling: Optional[Mapping[str, Any]],
     *,
@@ -90,8 +94,7 @@ def resolve_config_keys(
     without those keys, base, rotary_dim, sections, sections_mode); base None means 10000."""
     if isinstance(scaling, Mapping) and any(key in scaling for key in CONFIG_KEYS + ("type",)):
         if scaling.get("rope_type", scaling.get("type")) is None:  # the dict as given in the message
-            raise ValueError(f"rope: the scaling dict needs 'rope_type', one of {', '.join(ROPE_TYPES)}; "
-                             f"got {dict(scaling)}")
+            raise _missing_rope_type(scaling)
         scaling = dict(scaling)
 
         def take(key: str, current: Any, given: Any, name: str, explicit: bool, value: Any = None) -> Any:
@@ -168,9 +171,7 @@ def scaling_arguments(
         raise TypeError(f"rope: expected scaling to be None or a dict, got {type(scaling).__name__}")
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type is None:
-        raise ValueError(
-            f"rope: the scaling dict needs 'rope_type', one of {', '.join(ROPE_TYPES)}; got {dict(scaling)}"
-        )
+        raise _missing_rope_type(scaling)
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"rope: unknown rope scaling type {rope_type!r}; expected one of {', '.join(ROPE_TYPES)}")
     unknown = sorted(set(scaling) - set(SCALING_KEYS) - set(SCALING_LIST_KEYS) - set(CONFIG_KEYS)

@@ -29,6 +29,7 @@
 #include "ops/add_position/cpu/kernel.h"
 #include "ops/common/aten_fallback.h"
 #include "ops/common/cpu/cpu_support.h"
+#include "ops/common/float_types.h"
 #include "ops/common/meta_support.h"
 #include "ops/common/op_handles.h"
 #include "ops/common/position_range.h"
@@ -76,10 +77,6 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
 // rejects the same inputs with the same message.
 
 namespace {
-
-bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
 
 const char* layout_name(bool batch_first) {
   return batch_first ? "(batch, seq, d_model) with batch_first=True"

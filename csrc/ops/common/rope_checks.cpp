@@ -6,13 +6,11 @@
 #include <cmath>
 #include <tuple>
 
+#include "ops/common/float_types.h"
+
 namespace posenc {
 namespace ops {
 namespace {
-
-bool is_supported_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
 
 const char* layout_shape(RopeLayout layout) {
   switch (layout) {

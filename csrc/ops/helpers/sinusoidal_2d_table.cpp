@@ -17,6 +17,7 @@
 #include <string>
 #include <utility>
 
+#include "ops/common/float_types.h"
 #include "ops/common/py_format.h"
 
 namespace posenc {
@@ -109,9 +110,8 @@ at::Tensor sinusoidal_2d_table(int64_t grid_h, int64_t grid_w, int64_t dim, doub
                       ", interpolation_scale=", py_float(interpolation_scale));
   }
   const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
-  TORCH_CHECK_TYPE(out_dtype == at::kHalf || out_dtype == at::kBFloat16 || out_dtype == at::kFloat ||
-                       out_dtype == at::kDouble,
-                   kFn, "dtype to be float16, bfloat16, float32 or float64, got ", py_dtype(out_dtype));
+  TORCH_CHECK_TYPE(is_supported_float(out_dtype), kFn, "dtype to be float16, bfloat16, float32 or float64, got ",
+                   py_dtype(out_dtype));
   int64_t cells = 0, rows = 0, elements = 0;
   const bool overflows = c10::mul_overflows(grid_h, grid_w, &cells) ||
                          c10::add_overflows(cells, num_prefix_tokens, &rows) ||
