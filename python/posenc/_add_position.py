@@ -14,13 +14,13 @@ __future__ import annotations`` here: TorchScript reads the annotations as types
 """
 
 import math
-import numbers
 from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor, nn
 
-from posenc._common import _bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg, _integer, _unhooked
+from posenc._common import (_bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg, _integer, _real,
+                             _unhooked)
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -156,10 +156,13 @@ class _AddPositionModule(nn.Module):
 
     def __init__(self, d_model: int, dropout: float, batch_first: bool) -> None:
         super().__init__()
-        self.d_model = _check_positive_int("d_model", d_model)
+        # The constructor's width (an attribute, which a scripted module keeps; a property
+        # would not be: TorchScript hands back the property object). What forward, load_table
+        # and repr read is pe's last size, which follows a replaced table.
+        self.d_model = _check_positive_int("d_model", d_model, f"{type(self).__name__}: ")
         self.batch_first = _bool_arg(type(self).__name__, "batch_first", batch_first)
         # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
-        self.dropout = nn.Dropout(p=_check_probability("dropout", dropout))
+        self.dropout = nn.Dropout(p=_check_probability("dropout", dropout, f"{type(self).__name__}: "))
 
     @property
     def max_len(self) -> int:
@@ -237,7 +240,7 @@ class _AddPositionModule(nn.Module):
         return pe, positions
 
     def extra_repr(self) -> str:
-        return f"d_model={self.d_model}, max_len={self.max_len}, batch_first={self.batch_first}"
+        return f"d_model={self.pe.shape[-1]}, max_len={self.max_len}, batch_first={self.batch_first}"
 
 
 class PositionalEncoding(_AddPositionModule):
@@ -276,9 +279,9 @@ class PositionalEncoding(_AddPositionModule):
         base: float = 10000.0,
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
-        max_len = _check_positive_int("max_len", max_len)
-        if isinstance(base, bool) or not isinstance(base, numbers.Real) or not 1 < base < math.inf:
-            raise ValueError(f"expected base to be a finite number > 1, got {base!r}")
+        max_len = _check_positive_int("max_len", max_len, f"{type(self).__name__}: ")
+        if not 1 < _real(f"{type(self).__name__}: ", "base", base, "a finite number > 1") < math.inf:
+            raise ValueError(f"{type(self).__name__}: expected base to be a finite number > 1, got {base!r}")
         self._base = float(base)
         self.register_buffer("pe", torch.empty(1, max_len, self.d_model, dtype=torch.float32))
         self.reset_parameters()
@@ -346,9 +349,9 @@ class LearnedPositionalEncoding(_AddPositionModule):
         padding_idx: Optional[int] = None,
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
-        max_len = _check_positive_int("max_len", max_len)
-        if isinstance(init_std, bool) or not isinstance(init_std, numbers.Real) or not 0 <= init_std < math.inf:
-            raise ValueError(f"expected init_std to be a finite non-negative number, got {init_std!r}")
+        max_len = _check_positive_int("max_len", max_len, f"{type(self).__name__}: ")
+        if not 0 <= _real(f"{type(self).__name__}: ", "init_std", init_std, "a finite non-negative number") < math.inf:
+            raise ValueError(f"{type(self).__name__}: expected init_std to be a finite non-negative number, got {init_std!r}")
         self.init_std = float(init_std)
         if padding_idx is not None:
             index = _integer(padding_idx)
@@ -388,13 +391,14 @@ class LearnedPositionalEncoding(_AddPositionModule):
     @torch.no_grad()
     def load_table(self, table: Tensor) -> None:
         """Copy a (max_len, d_model) or (1, max_len, d_model) table into ``pe``."""
-        if not isinstance(table, Tensor) or table.dim() not in (2, 3) or (
-            table.dim() == 3 and table.shape[0] != 1
-        ) or tuple(table.shape[-2:]) != tuple(self.pe.shape[1:]):
-            shape = tuple(table.shape) if isinstance(table, Tensor) else type(table).__name__
+        if not isinstance(table, Tensor):
+            raise TypeError(f"load_table: expected table to be a Tensor, got {type(table).__name__}")
+        if table.dim() not in (2, 3) or (table.dim() == 3 and table.shape[0] != 1) or (
+            tuple(table.shape[-2:]) != tuple(self.pe.shape[1:])
+        ):
             raise ValueError(
-                f"load_table: expected a table of shape ({self.max_len}, {self.d_model}) or "
-                f"(1, {self.max_len}, {self.d_model}), got {shape}"
+                f"load_table: expected a table of shape ({self.max_len}, {self.pe.shape[-1]}) or "
+                f"(1, {self.max_len}, {self.pe.shape[-1]}), got {tuple(table.shape)}"
             )
         if table.is_complex() or (table.is_meta and not self.pe.is_meta):  # copy_ would drop the imaginary
             # part / has no data to copy (a meta module, deferred init, loads a meta table as a no-op)

@@ -14,8 +14,9 @@ _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
 def _int_arg(fn: str, name: str, value: Any) -> int:
-    """value as an int64 (Python or numpy integer, not bool), or ValueError naming it. Only
-    the type is normalised here: the op checks the value."""
+    """value as an int64 (Python or numpy integer, not bool): TypeError naming it for another
+    type, ValueError outside int64. Only the type is normalised here: the op checks the
+    value."""
     if not isinstance(value, bool):
         try:
             # An int as it is: under torch.compile possibly a dynamic one, which operator.index
@@ -27,7 +28,7 @@ def _int_arg(fn: str, name: str, value: Any) -> int:
             if _INT64_MIN <= number <= _INT64_MAX:
                 return number
             raise ValueError(f"{fn}: expected {name} to fit in int64, got {number}")
-    raise ValueError(f"{fn}: expected {name} to be an int, got {value!r}")
+    raise TypeError(f"{fn}: expected {name} to be an int, got {value!r}")
 
 
 def _integer(value: Any) -> Any:
@@ -47,14 +48,14 @@ def _integer(value: Any) -> Any:
 
 def _float_arg(fn: str, name: str, value: Any) -> float:
     """value (a real number: Python, numpy or a one-element tensor; not bool or str) as a
-    float, or ValueError naming it. Only the type is normalised here: the op checks the
+    float, or TypeError naming it. Only the type is normalised here: the op checks the
     value (finite, positive, ...)."""
     if not isinstance(value, (bool, str, bytes)):
         try:
             return float(value)
         except (TypeError, ValueError, RuntimeError, OverflowError):
             pass
-    raise ValueError(f"{fn}: expected {name} to be a real number, got {value!r}")
+    raise TypeError(f"{fn}: expected {name} to be a real number, got {value!r}")
 
 
 def _specialised(value: Any) -> float:
@@ -94,16 +95,29 @@ def _table_dtype(fn: str, dtype: Any) -> torch.dtype:
     return dtype
 
 
-def _check_positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
-        raise ValueError(f"expected {name} to be a positive integer, got {value!r}")
+def _real(fn: str, name: str, value: Any, expected: str) -> float:
+    """A constructor's number (Python or numpy, not bool; no tensor) as a float, or TypeError
+    naming it as ``expected`` describes it. The caller checks the value (ValueError)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{fn}expected {name} to be {expected}, got {value!r}")
+    return float(value)
+
+
+def _check_positive_int(name: str, value: Any, fn: str = "") -> int:
+    """value as a positive int: TypeError for another type (torch's convention: nn.Linear(2.0,
+    3) raises TypeError), ValueError for one <= 0. ``fn``: a message prefix ("name: ")."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{fn}expected {name} to be a positive integer, got {value!r}")
+    if value <= 0:
+        raise ValueError(f"{fn}expected {name} to be a positive integer, got {value!r}")
     return int(value)
 
 
-def _check_probability(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not 0.0 <= value <= 1.0:
-        raise ValueError(f"expected {name} to be a probability in [0, 1], got {value!r}")
-    return float(value)
+def _check_probability(name: str, value: Any, fn: str = "") -> float:
+    number = _real(fn, name, value, "a probability in [0, 1]")
+    if not 0.0 <= number <= 1.0:
+        raise ValueError(f"{fn}expected {name} to be a probability in [0, 1], got {value!r}")
+    return number
 
 
 def _unhooked(module: torch.nn.Module) -> bool:

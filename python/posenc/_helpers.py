@@ -38,6 +38,8 @@ def timestep_embedding(
     t = _tensor_arg(fn, "t", t)
     try:
         dim = _int_arg(fn, "dim", dim)  # ints and numpy ints; not 2.5, True or "8"
+    except TypeError:
+        raise TypeError(f"{fn}: expected dim to be a positive int, got {dim!r}") from None
     except ValueError:
         raise ValueError(f"{fn}: expected dim to be a positive int, got {dim!r}") from None
     return torch.ops.posenc.timestep_embedding(
@@ -160,14 +162,22 @@ def resample_position_table(
 
 def _as_grid(name: str, grid: GridLike) -> list[int]:
     """[h, w] of ints (an int n means (n, n); any two-element sequence, tensor or array of
-    ints works); floats and bools are refused, not truncated. The op checks the values."""
+    ints works); floats and bools are refused (TypeError), not truncated; another length is a
+    ValueError. The op checks the values."""
+    message = f"resample_position_table: expected {name} to be (h, w) of ints, got {grid!r}"
     pair = grid if hasattr(grid, "__len__") and not isinstance(grid, (str, bytes)) else (grid, grid)
     try:
-        if len(pair) != 2:
-            raise ValueError
+        size = len(pair)
+    except TypeError:  # a 0-d tensor
+        raise TypeError(message) from None
+    if size != 2:
+        raise ValueError(message)
+    try:
         return [_int_arg("resample_position_table", name, v) for v in pair]
-    except (TypeError, ValueError):
-        raise ValueError(f"resample_position_table: expected {name} to be (h, w) of ints, got {grid!r}") from None
+    except TypeError:
+        raise TypeError(message) from None
+    except ValueError:  # past int64
+        raise ValueError(message) from None
 
 
 def _python_number(value: Any) -> Any:

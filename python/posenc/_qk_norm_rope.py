@@ -19,7 +19,9 @@ NORMS = ("head", "hidden")
 
 def check_norm_settings(fn: str, eps: Any, weight_offset: Any, norm: Any) -> None:
     """The norm's settings as the ops take them (qk_norm_rope, rope_append_kv's QK-norm)."""
-    if not isinstance(norm, str) or norm not in NORMS:
+    if not isinstance(norm, str):
+        raise TypeError(f"{fn}: expected norm to be a str, 'head' or 'hidden'; got {norm!r}")
+    if norm not in NORMS:
         raise ValueError(f"{fn}: unknown norm {norm!r}; expected 'head' (each head's vector: Qwen3, Gemma 3) "
                          f"or 'hidden' (each token's whole projection: OLMo 2)")
     for name, value in (("eps", eps), ("weight_offset", weight_offset)):
@@ -130,15 +132,15 @@ class QKNormRotary(torch.nn.Module):
         **rope: Any,
     ) -> None:
         super().__init__()
-        head_dim = _check_positive_int("head_dim", head_dim)
+        head_dim = _check_positive_int("head_dim", head_dim, "QKNormRotary: ")
         check_norm_settings("QKNormRotary", eps, weight_offset, norm)
         if norm == "hidden" and (num_heads is None or num_kv_heads is None):
             raise ValueError("QKNormRotary: norm='hidden' normalises each token's whole projection: pass num_heads "
                              "and num_kv_heads (the weights have num_heads * head_dim and num_kv_heads * head_dim "
                              "values)")
         if norm == "hidden":
-            num_heads, num_kv_heads = _check_positive_int("num_heads", num_heads), _check_positive_int(
-                "num_kv_heads", num_kv_heads)
+            num_heads, num_kv_heads = _check_positive_int("num_heads", num_heads, "QKNormRotary: "), _check_positive_int(
+                "num_kv_heads", num_kv_heads, "QKNormRotary: ")
         lq = head_dim if norm == "head" else num_heads * head_dim
         lk = head_dim if norm == "head" else num_kv_heads * head_dim
         for name, size in (("num_heads", lq), ("num_kv_heads", lk)):  # as the C++ module refuses it

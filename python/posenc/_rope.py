@@ -20,7 +20,7 @@ import warnings
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _int_arg, _integer, _specialised,
+from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _int_arg, _integer, _real, _specialised,
                             _specialised_int)
 from posenc._dtensor import is_dtensor, place_beside
 
@@ -118,7 +118,7 @@ def resolve_config_keys(
         own_key = scaling.get("rope_type", scaling.get("type")) in PARTIAL_ROTARY_KEY_TYPES
         factor = None if own_key else scaling.pop("partial_rotary_factor", None)
         if factor is not None:
-            if isinstance(factor, bool) or not isinstance(factor, numbers.Real) or not 0 < factor <= 1:
+            if not 0 < _real(f"{fn}: ", "scaling key 'partial_rotary_factor'", factor, "a number in (0, 1]") <= 1:
                 raise ValueError(f"{fn}: expected scaling key 'partial_rotary_factor' in (0, 1], got {factor!r}")
             rotary_dim = take("partial_rotary_factor", rotary_dim, int(head_dim * factor), "rotary_dim",
                               rotary_dim is not None, factor)
@@ -152,6 +152,14 @@ def resolve_config_keys(
     return scaling, base, rotary_dim, sections, "axial" if sections_mode is None else sections_mode
 
 
+def _scaling_mapping(fn: str, scaling: Any) -> Optional[Mapping]:
+    """``scaling`` if it is None or a mapping (a dict, a transformers config's rope_scaling);
+    TypeError naming it otherwise."""
+    if scaling is not None and not isinstance(scaling, Mapping):
+        raise TypeError(f"{fn}: expected scaling to be None or a dict, got {type(scaling).__name__}")
+    return scaling
+
+
 def scaling_arguments(
     scaling: Optional[Mapping], max_position_embeddings: Optional[int] = None
 ) -> Tuple[str, list]:
@@ -165,10 +173,8 @@ def scaling_arguments(
     keys (LIST_KEY_TYPES: "longrope"'s ``short_factor``, ``long_factor``) follow the keys in
     ``values``.
     """
-    if scaling is None:
+    if _scaling_mapping("rope", scaling) is None:
         return "default", []
-    if not isinstance(scaling, Mapping):
-        raise TypeError(f"rope: expected scaling to be None or a dict, got {type(scaling).__name__}")
     rope_type = scaling.get("rope_type", scaling.get("type"))
     if rope_type is None:
         raise _missing_rope_type(scaling)
@@ -484,7 +490,9 @@ class RopeConfig:
         if base is not None and not isinstance(base, torch.SymFloat):
             base = _float_arg(fn, "base", base)
         layout = "bshd" if layout is None else layout
-        if not isinstance(layout, str) or layout not in LAYOUTS:
+        if not isinstance(layout, str):
+            raise TypeError(f"{fn}: expected layout to be a str, one of {', '.join(LAYOUTS)}; got {layout!r}")
+        if layout not in LAYOUTS:
             raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
         if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
             raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
@@ -810,9 +818,10 @@ class RotaryPositionalEncoding(nn.Module):
         **rope: Any,
     ) -> None:
         super().__init__()
-        self.dim = _check_positive_int("dim", dim)
-        self._max_len = _check_positive_int("max_len", max_len)
-        scaling = rope.get("scaling")
+        fn = "RotaryPositionalEncoding"
+        self.dim = _check_positive_int("dim", dim, f"{fn}: ")
+        self._max_len = _check_positive_int("max_len", max_len, f"{fn}: ")
+        scaling = _scaling_mapping(fn, rope.get("scaling"))
         self._scaling = None if scaling is None else dict(scaling)
         # The configuration, parsed once (a transformers dict's rope_theta,
         # partial_rotary_factor and mrope_section resolved; the model defaults max_len gives

@@ -16,7 +16,7 @@ from typing import Mapping, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._common import _bool_arg, _float_arg, _specialised
+from posenc._common import _bool_arg, _check_positive_int, _float_arg, _specialised
 from posenc._dtensor import is_dtensor, place_beside
 from posenc._rope import (LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, _host_frequencies, heads_batch_rule,
                           resolve_config_keys,
@@ -70,19 +70,13 @@ def rope_cos_sin(
         raise TypeError(f"{fn}: expected positions to be an integer tensor (int64 position_ids), got {positions.dtype}")
     if positions.dim() not in (1, 2):
         raise ValueError(f"{fn}: expected positions of shape (seq,) or (batch, seq), got {tuple(positions.shape)}")
-    if isinstance(dim, bool) or not isinstance(dim, numbers.Integral) or dim <= 0:
-        raise ValueError(f"{fn}: expected dim (the head dimension) to be a positive int, got {dim!r}")
-    dim = int(dim)
+    dim = _check_positive_int("dim (the head dimension)", dim, f"{fn}: ")
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral)):
         raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{fn}: expected dtype to be a floating-point torch.dtype, got {dtype!r}")
-    if max_position_embeddings is not None and (
-        isinstance(max_position_embeddings, bool) or not isinstance(max_position_embeddings, numbers.Integral)
-        or max_position_embeddings <= 0
-    ):
-        raise ValueError(f"{fn}: expected max_position_embeddings to be a positive int or None, "
-                         f"got {max_position_embeddings!r}")
+    if max_position_embeddings is not None:
+        max_position_embeddings = _check_positive_int("max_position_embeddings", max_position_embeddings, f"{fn}: ")
     scaling, base, rotary_dim, sections, _ = resolve_config_keys(
         scaling, base=base, rotary_dim=None if rotary_dim is None else int(rotary_dim), head_dim=dim,
         sections=None, sections_mode=None, fn=fn)

@@ -91,15 +91,24 @@ def test_dropout_outside_unit_interval(module_cls, p):
         add_position(torch.randn(1, 2, 4), torch.randn(5, 4), p=p)
 
 
-@pytest.mark.parametrize("kw", [{"d_model": 0}, {"d_model": -4}, {"max_len": 0}, {"d_model": 2.5}])
-def test_d_model_and_max_len_positive(module_cls, kw):
+@pytest.mark.parametrize("kw, error", [({"d_model": 0}, ValueError), ({"d_model": -4}, ValueError),
+                                        ({"max_len": 0}, ValueError), ({"d_model": 2.5}, TypeError),
+                                        ({"max_len": "8"}, TypeError), ({"d_model": True}, TypeError)])
+def test_d_model_and_max_len_positive(module_cls, kw, error):
+    """A value <= 0 is a ValueError, another type a TypeError (torch's convention: nn.Linear(2.5, 3))."""
     args = {"d_model": 8, "dropout": 0.1, "max_len": 10, **kw}
     name = next(iter(kw))
-    with pytest.raises(ValueError, match=rf"expected {name} to be a positive integer, got {kw[name]!r}"):
+    with pytest.raises(error, match=rf"{module_cls.__name__}: expected {name} to be a positive integer, got {kw[name]!r}"):
         module_cls(**args)
     # The same check through the positional arguments (d_model, dropout, max_len).
-    with pytest.raises(ValueError, match=rf"expected {name} to be a positive integer, got {kw[name]!r}"):
+    with pytest.raises(error, match=rf"expected {name} to be a positive integer, got {kw[name]!r}"):
         module_cls(args["d_model"], args["dropout"], args["max_len"])
+
+
+@pytest.mark.parametrize("p", ["0.1", None, True, torch.tensor(0.1)])
+def test_dropout_of_another_type(module_cls, p):
+    with pytest.raises(TypeError, match=rf"{module_cls.__name__}: expected dropout to be a probability in \[0, 1\]"):
+        module_cls(16, p)
 
 
 def test_table_shape_and_device_mismatch():
@@ -192,9 +201,11 @@ def test_a_meta_tensor_among_real_ones_is_refused():
     assert gx.shape == (4, 8, 16) and gt.shape == (8, 16) and gx.is_meta
 
 
-@pytest.mark.parametrize("bad", [0.0, -2.0, float("inf"), float("nan"), True, "x", None])
-def test_sinusoidal_base_must_be_a_finite_number_above_one(bad):
-    with pytest.raises(ValueError, match=r"expected base to be a finite number > 1, got"):
+@pytest.mark.parametrize("bad, error", [(0.0, ValueError), (-2.0, ValueError), (float("inf"), ValueError),
+                                        (float("nan"), ValueError), (True, TypeError), ("x", TypeError),
+                                        (None, TypeError)])
+def test_sinusoidal_base_must_be_a_finite_number_above_one(bad, error):
+    with pytest.raises(error, match=r"PositionalEncoding: expected base to be a finite number > 1, got"):
         posenc.PositionalEncoding(16, 0.1, 32, base=bad)
 
 

@@ -271,16 +271,18 @@ def test_value_checks_live_in_the_ops(python_call, op_call, error, message):
 
 
 def test_python_only_normalises_types():
-    """What the op cannot represent is refused in Python, with ValueError naming the argument
-    (as before); a non-tensor where a tensor goes is a TypeError."""
+    """What the op cannot represent is refused in Python, naming the argument: a value past
+    int64 is a ValueError, an argument of another type (a float for an int, a str or None for
+    a number, a non-tensor where a tensor goes) a TypeError."""
+    with pytest.raises(ValueError, match="padding_idx to fit in int64"):
+        make_positions(torch.ones(2, 3, dtype=torch.long), 2**70)
     for call, message in (
-        (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 2**70), "padding_idx to fit in int64"),
         (lambda: sinusoidal_2d_table(2.0, 2, 8), "grid_h to be an int, got 2.0"),
         (lambda: sinusoidal_2d_table(2, 2, 8, base="big"), "base to be a real number, got 'big'"),
         (lambda: timestep_embedding(torch.rand(2), 8, scale=None), "scale to be a real number, got None"),
         (lambda: resample_position_table(torch.randn(1, 17, 8), (4.0, 4)), r"new_grid to be \(h, w\) of ints"),
     ):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(TypeError, match=message):
             call()
     with pytest.raises(TypeError, match="make_positions: expected tokens to be a Tensor, got list"):
         make_positions([[1, 2]], 0)

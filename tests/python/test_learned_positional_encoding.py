@@ -45,6 +45,19 @@ def test_bert_style_embedding_reference_and_load_table():
         assert torch.equal(m(x, positions=pos), x + emb(pos))
     with pytest.raises(ValueError, match=r"expected a table of shape \(30, 16\) or \(1, 30, 16\), got \(31, 16\)"):
         m.load_table(torch.randn(31, 16))
+    with pytest.raises(TypeError, match="load_table: expected table to be a Tensor, got list"):
+        m.load_table([[1.0] * 16] * 30)
+
+
+def test_a_replaced_table_is_the_one_load_table_and_repr_describe():
+    """max_len and the width follow pe (forward does): load_table's message named the
+    constructor's d_model after pe was replaced by a wider one."""
+    m = posenc.LearnedPositionalEncoding(8, 0.0, 16)
+    m.pe = torch.nn.Parameter(torch.randn(1, 20, 12))
+    assert m.max_len == 20 and "d_model=12, max_len=20" in repr(m)
+    assert m(torch.randn(1, 3, 12)).shape == (1, 3, 12)
+    with pytest.raises(ValueError, match=r"expected a table of shape \(20, 12\) or \(1, 20, 12\), got \(3, 3\)"):
+        m.load_table(torch.randn(3, 3))
 
 
 def test_vit_pos_embed_loads_directly():
@@ -957,19 +970,28 @@ def test_make_positions_feed_the_learned_module_with_padding():
     (lambda: sinusoidal_2d_table(2, 2, 8, base=0), "expected base to be a finite number > 1, got 0"),
     (lambda: sinusoidal_2d_table(2, 2, 8, base=1.0), "expected base to be a finite number > 1, got 1.0"),
     (lambda: sinusoidal_2d_table(2, 2, 8, base=float("nan")), "expected base to be a finite number > 1, got nan"),
-    (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1.5), "expected padding_idx to be an int, got 1.5"),
     (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 2**63 - 1), r"padding_idx within \+-2\*\*62"),
     (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1, offset=-1), r"offset in \[0, 2\*\*62\], got -1"),
+    (lambda: resample_position_table(torch.randn(1, 17, 8), (2, 3, 4)), r"new_grid to be \(h, w\) of ints"),
+])
+def test_helpers_refuse_values_they_would_silently_misuse(call, message):
+    """NaN or base <= 1 gave NaN or identical columns, and a huge padding_idx wrapped around
+    int64 (floats and bools: test_helpers_refuse_types_they_would_silently_misuse)."""
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1.5), "expected padding_idx to be an int, got 1.5"),
     (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 1, offset=2.0), "expected offset to be an int, got 2.0"),
     (lambda: resample_position_table(torch.randn(1, 17, 8), (2.7, 3.9)), r"new_grid to be \(h, w\) of ints, got \(2.7, 3.9\)"),
     (lambda: resample_position_table(torch.randn(1, 17, 8), (True, True)), r"new_grid to be \(h, w\) of ints"),
-    (lambda: resample_position_table(torch.randn(1, 17, 8), (2, 3, 4)), r"new_grid to be \(h, w\) of ints"),
     (lambda: resample_position_table(torch.randn(1, 17, 8), 3, num_prefix_tokens=True), "num_prefix_tokens to be an int, got True"),
 ])
-def test_helpers_refuse_values_they_would_silently_misuse(call, message):
-    """Floats were truncated, bools taken as 1, NaN or base <= 1 gave NaN or identical
-    columns, and a huge padding_idx wrapped around int64."""
-    with pytest.raises(ValueError, match=message):
+def test_helpers_refuse_types_they_would_silently_misuse(call, message):
+    """Floats were truncated and bools taken as 1: a TypeError, as torch gives for an argument
+    of the wrong type."""
+    with pytest.raises(TypeError, match=message):
         call()
 
 

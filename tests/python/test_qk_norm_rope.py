@@ -416,6 +416,8 @@ def test_bad_inputs():
         torch.ops.posenc.qk_norm_rope(q, k, wq, wk, weight_offset=float("inf"))
     with pytest.raises(ValueError, match="unknown norm 'rms'"):
         qk_norm_rope(q, k, wq, wk, norm="rms")
+    with pytest.raises(TypeError, match="qk_norm_rope: expected norm to be a str, 'head' or 'hidden'; got 1"):
+        qk_norm_rope(q, k, wq, wk, norm=1)
     with pytest.raises(ValueError, match="unknown norm 'rms'"):
         torch.ops.posenc.qk_norm_rope(q, k, wq, wk, norm="rms")
     with pytest.raises(TypeError, match="expected q_weight to be a Tensor"):

@@ -88,6 +88,11 @@ def test_layout_and_scaling_names():
     q, k = qk()
     with pytest.raises(ValueError, match="unknown layout 'bsdh'; expected one of bshd, bhsd, sbhd, thd"):
         apply_rope(q, k, layout="bsdh")
+    with pytest.raises(TypeError, match="expected layout to be a str, one of bshd, bhsd, sbhd, thd; got 0"):
+        apply_rope(q, k, layout=0)
+    for scaling in ("linear", [("rope_type", "linear"), ("factor", 2.0)]):  # dict() read the first as pairs
+        with pytest.raises(TypeError, match="RotaryPositionalEncoding: expected scaling to be None or a dict, got"):
+            posenc.RotaryPositionalEncoding(8, 16, scaling=scaling)
     with pytest.raises(ValueError, match="unknown layout 'hsd'; expected one of 'bshd', 'bhsd', 'sbhd' or 'thd'"):
         torch.ops.posenc.rope(q, k, layout="hsd")
     with pytest.raises(ValueError, match="unknown rope scaling type 'ntk'; expected one of default, linear, dynamic, yarn, llama3"):

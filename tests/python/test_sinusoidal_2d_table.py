@@ -205,7 +205,7 @@ def test_bad_types_are_refused_in_python():
         ({"interpolation_scale": None}, "expected interpolation_scale to be a real number, got None"),
         ({"interpolation_scale": torch.ones(2)}, "expected interpolation_scale to be a real number"),
     ):
-        with pytest.raises(ValueError, match=message):
+        with pytest.raises(TypeError, match=message):
             sinusoidal_2d_table(4, 4, 8, **kwargs)
 
 

@@ -80,7 +80,7 @@ def test_constructor_is_diffusers():
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(num_channels=0, flip_sin_to_cos=True, downscale_freq_shift=0), ValueError,
      "timestep_embedding: expected dim to be a positive int, got 0"),
-    (dict(num_channels=2.5, flip_sin_to_cos=True, downscale_freq_shift=0), ValueError,
+    (dict(num_channels=2.5, flip_sin_to_cos=True, downscale_freq_shift=0), TypeError,
      "expected dim to be a positive int, got 2.5"),
     (dict(num_channels=2, flip_sin_to_cos=True, downscale_freq_shift=1), ValueError,
      r"half of dim \(1\) minus downscale_freq_shift \(1.0\) must not be zero"),
@@ -88,7 +88,7 @@ def test_constructor_is_diffusers():
      "expected scale to be a finite number, got nan"),
     (dict(num_channels=8, flip_sin_to_cos=True, downscale_freq_shift=0, max_period=0), ValueError,
      "expected max_period to be a finite number > 0, got 0.0"),
-    (dict(num_channels=8, flip_sin_to_cos=True, downscale_freq_shift=None), ValueError,
+    (dict(num_channels=8, flip_sin_to_cos=True, downscale_freq_shift=None), TypeError,
      "expected downscale_freq_shift to be a real number, got None"),
 ])
 def test_bad_settings_fail_at_construction(kwargs, error, message):
