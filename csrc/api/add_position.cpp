@@ -118,7 +118,11 @@ void LearnedPositionalEncodingImpl::reset_parameters() {
   torch::NoGradGuard no_grad;
   const double std = options.init_std();
   const double hi = std::erf(2.0 / std::sqrt(2.0));  // 2 * Phi(2) - 1
-  pe.uniform_(-hi, hi).erfinv_().mul_(std * std::sqrt(2.0)).clamp_(-2.0 * std, 2.0 * std);
+  if (std == 0.0) {
+    pe.zero_();  // +0 everywhere, as Python's zeros_ (the scaled draw left -0 on negative draws)
+  } else {
+    pe.uniform_(-hi, hi).erfinv_().mul_(std * std::sqrt(2.0)).clamp_(-2.0 * std, 2.0 * std);
+  }
   if (padding_row_) pe.select(1, *padding_row_).zero_();
 }
 

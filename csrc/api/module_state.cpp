@@ -4,54 +4,58 @@
 #include <c10/util/Exception.h>
 
 #include <string>
-#include <utility>
 #include <vector>
 
 namespace posenc {
 namespace detail {
 namespace {
 
-// Throws when a tensor of the archive has another shape than the module's, naming it by its
-// path from the module load was called on (q_norm.weight), before anything is written.
-void check_archive_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive,
-                          const std::string& prefix, const std::string& top) {
-  auto check = [&](const std::string& key, const torch::Tensor& held, bool is_buffer) {
-    torch::Tensor stored;
-    if (!held.defined() || !archive.try_read(key, stored, is_buffer) || !stored.defined()) return;
+// A module tensor and what the archive holds for it.
+struct Pending {
+  torch::Tensor held, stored;
+};
+
+// Reads every parameter and buffer of `module` and its children from `archive` (LibTorch's
+// Module::load order and keys), checking each against the module's tensor, naming it by its
+// path from the module load was called on (q_norm.weight); nothing is written.
+void read_archive(torch::nn::Module& module, torch::serialize::InputArchive& archive, const std::string& prefix,
+                  const std::string& top, std::vector<Pending>& out) {
+  auto read = [&](const std::string& key, const torch::Tensor& held, bool is_buffer) {
+    if (!held.defined()) return;
+    torch::Tensor stored;  // undefined: try_read hands over the archive's tensor as it is
+    TORCH_CHECK(archive.try_read(key, stored, is_buffer) && stored.defined(), "posenc: error loading ", top,
+                ": no tensor ", prefix, key, " in the archive");
     TORCH_CHECK(stored.sizes() == held.sizes(), "posenc: error loading ", top, ": size mismatch for ", prefix,
                 key, ": copying a tensor with shape ", stored.sizes(), " from the archive, the shape in the module is ",
                 held.sizes(), " (build the module with the options it was saved with)");
+    TORCH_CHECK_TYPE(!stored.is_complex() || held.is_complex(), "posenc: error loading ", top, ": ", prefix, key,
+                     " is complex (", stored.scalar_type(), ") in the archive and real (", held.scalar_type(),
+                     ") in the module: copying would drop its imaginary part");
+    out.push_back({held, stored});
   };
-  for (const auto& item : module.named_parameters(/*recurse=*/false)) check(item.key(), item.value(), false);
-  for (const auto& item : module.named_buffers(/*recurse=*/false)) check(item.key(), item.value(), true);
+  for (const auto& item : module.named_parameters(/*recurse=*/false)) read(item.key(), item.value(), false);
+  for (const auto& item : module.named_buffers(/*recurse=*/false)) read(item.key(), item.value(), true);
   for (const auto& child : module.named_children()) {
+    if (!child.value()->is_serializable()) continue;
     torch::serialize::InputArchive sub;
-    if (archive.try_read(child.key(), sub)) check_archive_shapes(*child.value(), sub, prefix + child.key() + ".", top);
+    TORCH_CHECK(archive.try_read(child.key(), sub), "posenc: error loading ", top, ": no submodule ", prefix,
+                child.key(), " in the archive");
+    read_archive(*child.value(), sub, prefix + child.key() + ".", top, out);
   }
 }
 
 }  // namespace
 
 void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive) {
-  check_archive_shapes(module, archive, "", module.name());
-  // Then LibTorch's load; should it fail part way (a missing tensor), the module's tensors
-  // are put back as they were: aliases keep their storage and sizes, which the archive's
-  // reads replace in place (set_, or set_data across devices).
-  std::vector<std::pair<torch::Tensor, torch::Tensor>> held;  // (the module's tensor, its alias)
-  for (const auto& item : module.named_parameters(/*recurse=*/true)) held.emplace_back(item.value(), torch::Tensor());
-  for (const auto& item : module.named_buffers(/*recurse=*/true)) held.emplace_back(item.value(), torch::Tensor());
-  for (auto& [tensor, alias] : held) {
-    if (tensor.defined()) alias = tensor.detach();
-  }
-  try {
-    module.torch::nn::Module::load(archive);
-  } catch (...) {
-    torch::NoGradGuard no_grad;
-    for (auto& [tensor, alias] : held) {
-      if (alias.defined()) tensor.set_data(alias);
-    }
-    throw;
-  }
+  std::vector<Pending> pending;
+  read_archive(module, archive, "", module.name(), pending);
+  // Then copied in, as Python's load_state_dict does (LibTorch's load set_ the module's
+  // tensor to the archive's storage: an archive of another dtype was read as the module's
+  // dtype's bytes, a float64 table loaded into a float32 module as garbage): the values cast
+  // to each tensor's dtype, on its device, into its own storage (aliases and the registry
+  // keep seeing it; requires_grad as it was).
+  torch::NoGradGuard no_grad;
+  for (auto& [held, stored] : pending) held.copy_(stored);
 }
 
 void register_or_replace(torch::nn::Module& module, const std::string& name, torch::Tensor& member,

@@ -9,12 +9,12 @@
 namespace posenc {
 namespace detail {
 
-// torch::nn::Module::load, refusing an archive whose parameters or buffers have other shapes
-// than the module's (LibTorch's own load takes any shape: a module built for max_len 32 then
-// held a 64-row table under options saying 32), as Python's load_state_dict refuses a size
-// mismatch: a c10::Error (RuntimeError in Python) naming the tensor by its path from the
-// module (q_norm.weight) and both shapes, before anything is written; should LibTorch's load
-// fail part way, the module is put back as it was.
+// torch::nn::Module::load as Python's load_state_dict: every tensor the module holds is read
+// from the archive and checked before anything is written (a missing tensor, another shape:
+// LibTorch's own load takes any shape, so a module built for max_len 32 held a 64-row table
+// under options saying 32; a complex tensor into a real one), a c10::Error naming the tensor
+// by its path from the module (q_norm.weight); then each is copied into the module's tensor,
+// cast to its dtype on its device (LibTorch's load reinterpreted an archive of another dtype).
 void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive);
 
 // reset()'s tensor `name` (a buffer when `buffer`, else a parameter): registered with value

@@ -5,7 +5,10 @@
 #include <c10/util/safe_numerics.h>
 
 #include <cmath>
+#include <optional>
 #include <ostream>
+#include <string>
+#include <utility>
 
 #include "module_state.h"
 #include "ops/common/op_handles.h"
@@ -68,10 +71,13 @@ void QKNormRotaryImpl::reset() {
   TORCH_CHECK_VALUE(o.head_dim() > 0, "QKNormRotary: expected head_dim > 0, got ", o.head_dim());
   ops::parse_qk_norm(o.norm());  // names norm and what it may be
   const bool hidden = o.norm() == "hidden";
-  TORCH_CHECK_VALUE(!hidden || (o.num_heads().value_or(0) > 0 && o.num_kv_heads().value_or(0) > 0),
-                    "QKNormRotary: norm='hidden' normalises each token's whole projection: expected "
-                    "num_heads and num_kv_heads > 0 (the weights have num_heads * head_dim and "
-                    "num_kv_heads * head_dim values)");
+  for (auto [name, count] : {std::pair<const char*, std::optional<int64_t>>{"num_heads", o.num_heads()},
+                              {"num_kv_heads", o.num_kv_heads()}}) {
+    TORCH_CHECK_VALUE(!hidden || count.value_or(0) > 0,
+                      "QKNormRotary: norm='hidden' normalises each token's whole projection: expected ", name,
+                      " > 0 (the weights have num_heads * head_dim and num_kv_heads * head_dim values), got ",
+                      count.has_value() ? std::to_string(*count) : std::string("none"));
+  }
   TORCH_CHECK_VALUE(std::isfinite(o.weight_offset()), "QKNormRotary: expected a finite weight_offset, got ",
                     o.weight_offset());
   TORCH_CHECK_VALUE(std::isfinite(o.eps()) && o.eps() > 0.0,
@@ -97,7 +103,11 @@ void QKNormRotaryImpl::reset() {
     if (named_children().find(name) == nullptr) {
       *member = register_module(name, QkNormWeight(size, init));
     } else if ((*member)->size != size || (*member)->weight.numel() != size) {
-      *member = replace_module(name, QkNormWeight(size, init));
+      // On the old weight's device and in its dtype (a module moved by to() stays there).
+      const auto like = (*member)->weight.options();
+      QkNormWeight fresh(size, init);
+      fresh->to(like.device(), like.dtype().toScalarType());
+      *member = replace_module(name, fresh);
     }
   }
   QkNormRopeOptions parsed;

@@ -115,9 +115,13 @@ std::tuple<torch::Tensor, torch::Tensor> apply_rope_cos_sin(const torch::Tensor&
                                                             const torch::Tensor& sin,
                                                             const std::string& layout,
                                                             bool interleaved) {
-  return ops::apply_rope_cos_sin_op().call(
+  auto out = ops::apply_rope_cos_sin_op().call(
       q, k.defined() ? std::optional<torch::Tensor>(k) : std::nullopt, cos, sin, layout,
       interleaved, /*transpose=*/false);
+  // The op returns an empty tensor for a missing k; C++ callers get an undefined one, as
+  // apply_rope and the module give (an optional tensor is an undefined one: docs/cpp.md).
+  if (!k.defined()) std::get<1>(out) = torch::Tensor();
+  return out;
 }
 
 torch::Tensor rope_grid_positions(const std::vector<int64_t>& grid, int64_t num_prefix_tokens,
@@ -228,11 +232,12 @@ double RotaryPositionalEncodingImpl::attention_scaling() const {
 }
 
 void RotaryPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
-  stream << "posenc::RotaryPositionalEncoding(dim=" << options.dim()
-         << ", max_len=" << options.max_len() << ", base=" << options.base()
-         << ", interleaved=" << (options.interleaved() ? "true" : "false")
-         << ", rotary_dim=" << rotary_width()
-         << ", scaling=" << options.scaling().rope_type << ", layout=" << options.layout() << ")";
+  // The settings forward uses: as reset() parsed them (options edited since change nothing).
+  const detail::ParsedRope& parsed = *parsed_;
+  stream << "posenc::RotaryPositionalEncoding(dim=" << parsed.dim << ", max_len=" << parsed.max_len
+         << ", base=" << parsed.base << ", interleaved=" << (parsed.call.interleaved ? "true" : "false")
+         << ", rotary_dim=" << parsed.rotary_width << ", scaling=" << parsed.scaling.rope_type
+         << ", layout=" << ops::rope_layout_name(parsed.call.layout) << ")";
 }
 
 std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward(

@@ -9,6 +9,10 @@ prefix="$1"; python="$2"
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 torch_dir="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch"
 build="$root/build/example-app"
+# The installed package names no directory of the machine that built it: the -rpath-link to
+# torch's CUDA libraries is computed from the torch the application finds (posencConfig.cmake).
+! grep -n "$root\|site-packages" "$prefix"/lib/cmake/posenc/posencTargets*.cmake ||
+  { echo "the installed posencTargets names this machine's paths (above)"; exit 1; }
 cmake -S "$root/examples/cpp" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release \
   -Dposenc_DIR="$prefix/lib/cmake/posenc" -DTorch_DIR="$torch_dir" > "$build.configure.log" 2>&1 ||
   { cat "$build.configure.log"; exit 1; }

@@ -121,6 +121,14 @@ TEST(LearnedPositionalEncodingModule, SecondDerivativeFollowsTheFormula) {
   EXPECT_TRUE(torch::allclose(dg, want, 1e-12, 1e-12));
 }
 
+// init_std 0: a table of +0, as Python's zeros_ (the scaled draw left -0 where it was
+// negative: -0 + -0 is -0 where Python's module gives +0).
+TEST(LearnedPositionalEncodingModule, ZeroInitStdIsPositiveZeros) {
+  posenc::LearnedPositionalEncoding m(posenc::LearnedPositionalEncodingOptions(4).max_len(64).init_std(0.0));
+  EXPECT_FALSE(torch::signbit(m->pe).any().item<bool>());
+  EXPECT_TRUE(torch::equal(m->pe, torch::zeros({1, 64, 4})));
+}
+
 TEST(LearnedPositionalEncodingModule, LoadTableAndSaveLoad) {
   posenc::LearnedPositionalEncoding a(posenc::LearnedPositionalEncodingOptions(8).max_len(12));
   auto table = torch::randn({12, 8});
@@ -148,6 +156,15 @@ TEST(LearnedPositionalEncodingModule, LoadTableAndSaveLoad) {
   EXPECT_TRUE(c->pe.requires_grad());
   c->load_table(torch::ones({5, 8}));
   EXPECT_TRUE(torch::equal(c->pe[0], torch::ones({5, 8})));
+  // A float32 archive into a float64 module: cast (LibTorch's load failed with "setStorage:
+  // out of bounds", reading float64 from float32 bytes), the parameter kept trainable.
+  torch::save(a, path);
+  posenc::LearnedPositionalEncoding d(posenc::LearnedPositionalEncodingOptions(8).max_len(12));
+  d->to(torch::kDouble);
+  torch::load(d, path);
+  std::remove(path.c_str());
+  EXPECT_TRUE(torch::equal(d->pe, a->pe.to(torch::kDouble)));
+  EXPECT_TRUE(d->pe.requires_grad() && d->pe.is_leaf());
 }
 
 TEST(Helpers, MakePositions) {

@@ -219,6 +219,28 @@ TEST(PositionalEncodingModule, LoadRefusesAnArchiveOfOtherShapesAndKeepsTheTable
   std::remove(path.c_str());
 }
 
+// An archive of another dtype is cast into the module's tensors, as Python's load_state_dict
+// copies (LibTorch's load set_ the module's tensor to the archive's storage: a float64 table
+// loaded into a float32 module was read as float32 bytes, garbage, and a half one gave NaN).
+TEST(PositionalEncodingModule, LoadCastsAnArchiveOfAnotherDtype) {
+  const std::string path = ::testing::TempDir() + "posenc_module_f64.pt";
+  posenc::PositionalEncoding wide(posenc::PositionalEncodingOptions(4).max_len(6));
+  wide->to(torch::kDouble);
+  wide->pe.mul_(1.0 + 1e-9);  // not a float32 value: the cast must round it
+  torch::save(wide, path);
+  for (auto dtype : {torch::kFloat, torch::kHalf, torch::kBFloat16}) {
+    posenc::PositionalEncoding b(posenc::PositionalEncodingOptions(4).max_len(6));
+    b->to(dtype);
+    const auto* storage = b->pe.data_ptr();
+    torch::load(b, path);
+    EXPECT_EQ(b->pe.scalar_type(), dtype);
+    EXPECT_TRUE(torch::equal(b->pe, wide->pe.to(dtype)));
+    EXPECT_EQ(b->pe.data_ptr(), storage);  // copied into the module's own tensor
+    EXPECT_EQ(b->named_buffers()["pe"].data_ptr(), storage);
+  }
+  std::remove(path.c_str());
+}
+
 TEST(PositionalEncodingModule, RejectsBadOptions) {
   EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(0)), c10::Error);
   EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(8).max_len(0)),

@@ -232,6 +232,33 @@ TEST(QKNormRotaryModule, AGivenSeqLenIsReadWithTheParsedScaling) {
 
 // An archive of another head_dim: refused, both weights left as they were (LibTorch's own
 // load took a [16] weight into a module of head_dim 8, whose reset() then kept it).
+// Weights resized by reset() are made on the module's device in its dtype (they were CPU
+// float32 whatever to() had done: a float64 module then refused its own weights).
+TEST(QKNormRotaryModule, ResizedWeightsFollowTheModulesDtype) {
+  posenc::QKNormRotary m(posenc::QKNormRotaryOptions(8));
+  m->to(torch::kDouble);
+  m->options.norm("hidden").num_heads(3).num_kv_heads(1);  // k_norm keeps its size (8), q_norm grows
+  m->reset();
+  EXPECT_EQ(m->q_norm->weight.scalar_type(), torch::kDouble);
+  EXPECT_EQ(m->k_norm->weight.scalar_type(), torch::kDouble);
+  EXPECT_EQ(m->q_norm->weight.numel(), 24);
+  auto q = torch::randn({1, 2, 3, 8}, torch::kDouble), k = torch::randn({1, 2, 1, 8}, torch::kDouble);
+  EXPECT_EQ(std::get<0>(m(q, k)).scalar_type(), torch::kDouble);
+  // A count that is missing or not positive is named with its value.
+  for (auto [heads, kv_heads, named] : {std::tuple<int64_t, int64_t, const char*>{0, 1, "expected num_heads > 0"},
+                                        {3, -2, "expected num_kv_heads > 0"}}) {
+    m->options.num_heads(heads).num_kv_heads(kv_heads);
+    try {
+      m->reset();
+      ADD_FAILURE() << "num_heads " << heads << ", num_kv_heads " << kv_heads << " were taken";
+    } catch (const c10::ValueError& e) {
+      const std::string what = e.what();
+      EXPECT_NE(what.find(named), std::string::npos) << what;
+      EXPECT_NE(what.find("got " + std::to_string(heads > 0 ? kv_heads : heads)), std::string::npos) << what;
+    }
+  }
+}
+
 TEST(QKNormRotaryModule, LoadRefusesWeightsOfOtherSizes) {
   const std::string path = ::testing::TempDir() + "posenc_qknorm_16.pt";
   posenc::QKNormRotary a(posenc::QKNormRotaryOptions(16));

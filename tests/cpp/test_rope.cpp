@@ -1,5 +1,6 @@
 // GoogleTest: posenc::RotaryPositionalEncoding, apply_rope and the shared RoPE math.
 #include <gtest/gtest.h>
+#include <sstream>
 #include <torch/torch.h>
 
 #include <cmath>
@@ -699,6 +700,22 @@ TEST(RotaryModule, MaxLenAndDimAreTheParsedOnesUntilReset) {
   EXPECT_TRUE(torch::equal(std::get<0>(m(q, q, beyond)), std::get<0>(fresh(q, q, beyond))));
 }
 
+// What the module prints is what forward uses: the parsed settings (it printed options
+// edited since reset(), beside the parsed rotary_dim).
+TEST(RotaryModule, PrintsTheSettingsForwardUses) {
+  posenc::RotaryPositionalEncoding m(posenc::RotaryPositionalEncodingOptions(8).max_len(16));
+  m->options.max_len(4).base(500.0).dim(4);
+  std::ostringstream printed;
+  m->pretty_print(printed);
+  EXPECT_EQ(printed.str(), "posenc::RotaryPositionalEncoding(dim=8, max_len=16, base=10000, interleaved=false, "
+                           "rotary_dim=8, scaling=default, layout=bshd)");
+  m->options.dim(8);
+  m->reset();
+  std::ostringstream after;
+  m->pretty_print(after);
+  EXPECT_NE(after.str().find("max_len=4, base=500,"), std::string::npos) << after.str();
+}
+
 // The modules work inside torch::nn::AnyModule / Sequential, which call forward with the
 // required arguments only (FORWARD_HAS_DEFAULT_ARGS).
 TEST(RotaryModule, ModulesWorkInAnyModuleAndSequential) {
@@ -767,6 +784,11 @@ TEST(RotaryModule, RotatesQAloneWhenKIsUndefined) {
   auto [alone, none] = rope(q, torch::Tensor(), std::nullopt, 4);
   EXPECT_FALSE(none.defined());
   EXPECT_TRUE(torch::equal(alone, posenc::apply_rope(q, posenc::ApplyRopeOptions().offset(4))));
+  // apply_rope_cos_sin too (its op's empty second output was handed on, defined).
+  auto cos = torch::randn({5, 8}, torch::kDouble), sin = torch::randn({5, 8}, torch::kDouble);
+  auto [rotated, no_k] = posenc::apply_rope_cos_sin(q, torch::Tensor(), cos, sin, "bshd");
+  EXPECT_FALSE(no_k.defined());
+  EXPECT_TRUE(torch::equal(rotated, std::get<0>(posenc::apply_rope_cos_sin(q, q, cos, sin, "bshd"))));
 }
 
 // In place into a view with the negative bit (z.conj().imag): refused before any write (ATen's

@@ -135,7 +135,7 @@ torch::Tensor rope_grid_positions(const std::vector<int64_t>& grid,
 // head_dim passes through). layout "bhsd" (batch, heads, seq, head_dim) or "bshd"; tables
 // (seq, rotary_dim) or (batch or 1, seq, rotary_dim), broadcast over heads; interleaved:
 // adjacent pairs (GPT-J's rotate_every_two). One fused op (posenc::apply_rope_cos_sin) with
-// autograd; returns (q rotated, k rotated or an empty tensor).
+// autograd; returns (q rotated, k rotated or undefined).
 std::tuple<torch::Tensor, torch::Tensor> apply_rope_cos_sin(const torch::Tensor& q,
                                                             const torch::Tensor& k,
                                                             const torch::Tensor& cos,
