@@ -17,6 +17,7 @@ import math
 from typing import Any, Optional, Tuple, Union
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from posenc._common import (_bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg, _integer, _real,
@@ -350,8 +351,9 @@ class LearnedPositionalEncoding(_AddPositionModule):
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
         max_len = _check_positive_int("max_len", max_len, f"{type(self).__name__}: ")
-        if not 0 <= _real(f"{type(self).__name__}: ", "init_std", init_std, "a finite non-negative number") < math.inf:
-            raise ValueError(f"{type(self).__name__}: expected init_std to be a finite non-negative number, got {init_std!r}")
+        fn, expected = f"{type(self).__name__}: ", "a finite non-negative number"
+        if not 0 <= _real(fn, "init_std", init_std, expected) < math.inf:
+            raise ValueError(f"{fn}expected init_std to be {expected}, got {init_std!r}")
         self.init_std = float(init_std)
         if padding_idx is not None:
             index = _integer(padding_idx)
@@ -377,12 +379,22 @@ class LearnedPositionalEncoding(_AddPositionModule):
 
     def _table(self, pe: Tensor) -> Tensor:
         """pe with no gradient reaching row padding_idx (the same values: the row is read
-        detached, its forward-mode tangent too); pe itself without padding_idx, under no_grad
-        or for a frozen table (no copy). Decided per call: a graph traced or exported under
-        no_grad has no freeze (torch.compile guards on grad mode)."""
+        detached, its forward-mode tangent too, so jacfwd and jacrev agree); pe itself without
+        padding_idx, or for a table nothing differentiates (no copy): under no_grad or frozen,
+        and no forward-mode tangent or torch.func transform on it (torch.func.jvp's table does
+        not require grad: its tangent was kept where a dual of a trainable one lost it).
+        Decided per call: a graph traced or exported under no_grad has no freeze
+        (torch.compile guards on grad mode)."""
         padding_idx = self.padding_idx
-        if padding_idx is None or not torch.is_grad_enabled() or not pe.requires_grad:
+        if padding_idx is None:
             return pe
+        if not (torch.is_grad_enabled() and pe.requires_grad):
+            untracked = True  # scripted or compiled: grad mode alone decides
+            if not torch.jit.is_scripting():
+                untracked = torch.compiler.is_compiling() or not (
+                    torch._C._functorch.is_functorch_wrapped_tensor(pe) or fwAD.unpack_dual(pe).tangent is not None)
+            if untracked:
+                return pe
         keep = (torch.arange(pe.shape[-2], device=pe.device) != padding_idx).view(-1, 1)
         if not torch.jit.is_scripting():  # (TorchScript compiles no DTensor test)
             keep = place_beside(pe, keep)[0]  # a DTensor pe (FSDP2, TP): the mask replicated beside it

@@ -139,8 +139,8 @@ class QKNormRotary(torch.nn.Module):
                              "and num_kv_heads (the weights have num_heads * head_dim and num_kv_heads * head_dim "
                              "values)")
         if norm == "hidden":
-            num_heads, num_kv_heads = _check_positive_int("num_heads", num_heads, "QKNormRotary: "), _check_positive_int(
-                "num_kv_heads", num_kv_heads, "QKNormRotary: ")
+            num_heads = _check_positive_int("num_heads", num_heads, "QKNormRotary: ")
+            num_kv_heads = _check_positive_int("num_kv_heads", num_kv_heads, "QKNormRotary: ")
         lq = head_dim if norm == "head" else num_heads * head_dim
         lk = head_dim if norm == "head" else num_kv_heads * head_dim
         for name, size in (("num_heads", lq), ("num_kv_heads", lk)):  # as the C++ module refuses it

@@ -837,7 +837,9 @@ class RotaryPositionalEncoding(nn.Module):
         # The frequencies (rope_frequencies checks what an empty call does not reach).
         inv_freq, factor = self._frequencies()
         self._attention_scaling = float(factor)
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        # On the default device (`with torch.device("meta")`, torch.set_default_device), as the
+        # module's other tensors would be: the op, which takes no tensor, returns a CPU one.
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device(), torch.float32), persistent=False)
 
     def _frequencies(self) -> Tuple[Tensor, float]:
         c = self.rope_config
@@ -898,6 +900,15 @@ class RotaryPositionalEncoding(nn.Module):
         if torch.compiler.is_compiling() or torch.jit.is_tracing():
             return  # traced: the version is not the run's (the transformers path asserts instead)
         buf = self._buffers.get("inv_freq")
+        if buf is None and torch.nn.utils.parametrize.is_parametrized(self, "inv_freq"):
+            # A parametrization's output is not read either. Once per module.
+            if self.__dict__.get("_inv_freq_seen") != "parametrized":
+                self._inv_freq_seen = "parametrized"
+                warnings.warn(
+                    "RotaryPositionalEncoding: inv_freq is parametrized, but forward does not read it (the kernels "
+                    "evaluate the frequencies from the configuration): the parametrization changes nothing",
+                    UserWarning, stacklevel=2)
+            return
         if buf is None:
             buf = self._parameters.get("inv_freq")
             if type(buf) is nn.Parameter and buf.requires_grad:

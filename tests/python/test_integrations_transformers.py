@@ -146,6 +146,35 @@ def test_logits_gradients_and_generation_match(model_type, count_posenc_calls):
     assert not count_posenc_calls
 
 
+@pytest.mark.parametrize("model_type", ["llama", "gptj", "deepseek_v3", "deepseek_v4"])
+def test_autocast_outputs_in_transformers_promoted_dtype(model_type):
+    """Under torch.autocast q and k are bfloat16 and the rotary tables float32: transformers'
+    rotation gives float32 (type promotion), posenc's op gave q's bfloat16. The replacements
+    now cast first, so the patched model computes what the unpatched one does: the logits
+    and loss agree to float32 rounding. (The gradients agree to bfloat16 rounding only:
+    transformers' autograd rounds each of the rotation's two gradient terms to bfloat16 and
+    sums them there; posenc sums in float32 and rounds once.)"""
+    model = tiny_model(model_type)
+    ids = torch.randint(2, 128, (2, 13), generator=torch.Generator().manual_seed(1))
+
+    def forward():
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(input_ids=ids, labels=ids)
+        return out.logits.detach().float(), out.loss.detach()
+
+    logits, loss = forward()
+    integration.apply_posenc_rope(model)
+    got_logits, got_loss = forward()
+    torch.testing.assert_close(got_logits, logits, **TOL)
+    torch.testing.assert_close(got_loss, loss, **TOL)
+    q = torch.randn(1, 2, 5, 8, dtype=torch.bfloat16)
+    cos, sin = torch.randn(1, 5, 8), torch.randn(1, 5, 8)
+    for out in integration.posenc_apply_rotary_pos_emb(q, q, cos, sin):
+        assert out.dtype == torch.float32
+        torch.testing.assert_close(out, q.float() * cos[:, None] + torch.cat([-q[..., 4:], q[..., :4]], -1) * sin[:, None],
+                                   **TOL)
+
+
 def test_compiled_patched_model_trains_as_the_unpatched_one():
     """torch.compile of a patched Llama (training mode, as fine-tuning runs it): the unpatched
     model's loss and gradients, with each layer's rotation inside a graph dynamo captured and

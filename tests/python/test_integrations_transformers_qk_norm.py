@@ -397,6 +397,43 @@ def test_training_mode_with_attention_dropout_matches_unpatched(model_type, fuse
     assert not torch.equal(model(tokens).logits.detach(), want_logits)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "olmo2"])
+def test_autocast_training_matches_unpatched(model_type, fused_calls):
+    """Mixed precision (torch.autocast to bfloat16, float32 weights): transformers' norms
+    multiply by float32 weights and its rotation by float32 tables, so its q and k are
+    float32; the fused op returned bfloat16 (logits 5e-3 off, gradients 9e-3). Such a call
+    now takes the layer's own norms and the given tables, cast as transformers casts them."""
+    model = tiny_model(model_type).train()
+    tokens = ids(2, 9)
+
+    def step():
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", torch.bfloat16):
+            out = model(tokens, labels=tokens)
+        out.loss.backward()
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    want_logits, want_grads = step()
+    integration.apply_posenc_rope(model, qk_norm=True)
+    try:
+        got_logits, got_grads = step()
+        assert not fused_calls
+        # Without autocast the same model fuses.
+        model(tokens)
+        assert len(fused_calls) == model.config.num_hidden_layers
+    finally:
+        integration.revert_posenc_qk_norm(model)
+    torch.testing.assert_close(got_logits, want_logits, **TOL)
+    if model_type == "olmo2":
+        # OLMo 2's norm returns bfloat16 ((weight * x).to(input_dtype)): the rotation's input
+        # is bfloat16, and transformers' autograd rounds each of its two gradient terms to
+        # bfloat16 before summing them (posenc sums in float32): the gradients agree to
+        # bfloat16 rounding, as the plain patch's do (test_integrations_transformers.py).
+        return
+    for n in want_grads:
+        torch.testing.assert_close(got_grads[n], want_grads[n], rtol=1e-4, atol=1e-6, msg=lambda m, n=n: f"{n}: {m}")
+
+
 def test_gemma3_multimodal(fused_calls):
     """model_type "gemma3" (Gemma3ForConditionalGeneration): the text model's attention is
     patched (the vision tower's has no q_norm), text-only and with an image."""

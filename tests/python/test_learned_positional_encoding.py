@@ -389,6 +389,33 @@ def test_padding_idx_is_nn_embeddings(padding_idx):
     assert posenc.LearnedPositionalEncoding(d, 0.0, max_len=max_len).padding_idx is None
 
 
+def test_padding_idx_drops_the_rows_tangent_in_every_forward_mode():
+    """The padding row's forward-mode tangent is dropped with its gradient whatever way the
+    table is differentiated, so jacfwd and jacrev agree: it was dropped for a dual of a
+    trainable table and kept under torch.func.jvp (whose table does not require grad)."""
+    import torch.autograd.forward_ad as fwAD
+    from torch.func import functional_call, jacfwd, jacrev, jvp
+
+    torch.manual_seed(11)
+    m = posenc.LearnedPositionalEncoding(4, 0.0, max_len=6, padding_idx=2).double()
+    pos, x = torch.tensor([1, 2, 3]), torch.randn(1, 3, 4, dtype=torch.double)
+    table, tangent = m.pe.detach().clone(), torch.randn_like(m.pe)
+
+    def f(pe):
+        return functional_call(m, {"pe": pe}, (x,), {"positions": pos})
+
+    want = tangent[0, pos].clone().unsqueeze(0)
+    want[:, 1] = 0  # position 2 is the padding row
+    out, got = jvp(f, (table,), (tangent,))
+    assert torch.equal(out, x + table[0, pos]) and torch.equal(got, want)
+    for primal in (table, table.clone().requires_grad_()):  # a plain table and a trainable one
+        with fwAD.dual_level():
+            dual = fwAD.make_dual(primal, tangent)
+            assert torch.equal(fwAD.unpack_dual(f(dual)).tangent, want)
+    assert torch.equal(jacfwd(f)(table), jacrev(f)(table))
+    assert torch.equal(jacrev(f)(table)[0, 1, :, 0, 2], torch.zeros(4, 4))
+
+
 def timm_resample(posemb, new_size, old_size=None, num_prefix_tokens=1, interpolation="bicubic", antialias=True):
     """timm's resample_abs_pos_embed, written out from its documented behaviour."""
     if old_size is None:

@@ -762,3 +762,44 @@ def test_an_inv_freq_made_a_parameter_is_warned_about():
     rope.inv_freq = torch.nn.Parameter(rope.inv_freq.detach())
     with pytest.warns(UserWarning, match="gets no gradient and training it changes nothing"):
         rope(q)
+
+
+def test_a_parametrized_inv_freq_is_warned_about():
+    """A parametrization of inv_freq (torch.nn.utils.parametrize) left neither a buffer nor a
+    parameter of that name, so the edit check skipped it: a doubling changed nothing, silently."""
+    import warnings
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return 2 * x
+
+    rope = posenc.RotaryPositionalEncoding(16, max_len=64)
+    q = torch.randn(1, 4, 2, 16)
+    want = rope(q)
+    torch.nn.utils.parametrize.register_parametrization(rope, "inv_freq", Double())
+    with pytest.warns(UserWarning, match="inv_freq is parametrized, but forward does not read it"):
+        assert torch.equal(rope(q), want)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        rope(q)  # once per module
+
+
+@pytest.mark.parametrize("context", ["device", "default_device"])
+def test_inv_freq_is_made_on_the_default_device(context):
+    """Under `with torch.device("meta")` or set_default_device the module's inv_freq was a CPU
+    tensor (the frequencies' op takes no tensor): meta construction allocated and mixed devices."""
+    if context == "device":
+        with torch.device("meta"):
+            rope = posenc.RotaryPositionalEncoding(16, max_len=64)
+    else:
+        before = torch.get_default_device()
+        torch.set_default_device("meta")
+        try:
+            rope = posenc.RotaryPositionalEncoding(16, max_len=64)
+        finally:
+            torch.set_default_device(before)
+    assert rope.inv_freq.is_meta and rope.inv_freq.dtype == torch.float32
+    rope.to_empty(device="cpu")
+    rope.reset_parameters()
+    torch.testing.assert_close(rope.inv_freq, posenc.RotaryPositionalEncoding(16, max_len=64).inv_freq,
+                               rtol=0, atol=0)

@@ -431,6 +431,36 @@ def test_timm_rotary_embedding_cat():
     torch.testing.assert_close(got, want, rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("name, base, flip", [("vit_medium_patch16_rope_reg1_gap_256", 10000.0, False),
+                                               ("vit_small_patch16_rope_224", 100.0, True)])
+def test_timm_rope_vit_families_take_their_documented_recipe(name, base, flip):
+    """Which recipe each family of timm's ROPE ViTs takes (docs/integrations.md), read from the
+    models timm builds: the register/GAP models are EVA-02's (ij indexing, base 10000; the
+    docs gave every vit_*_patch16_rope_* the naver models' xy and base 100: 7.2 off), exact at
+    their reference grid only (another grid scales positions to fractions posenc cannot take);
+    the naver models are xy, base 100, at any grid."""
+    timm = pytest.importorskip("timm")
+    sincos = pytest.importorskip("timm.layers.pos_embed_sincos")
+    model = timm.create_model(name, pretrained=False, depth=1)
+    rope = model.rope
+    assert isinstance(rope, sincos.RotaryEmbeddingCat)
+    h, w = rope.feat_shape
+    head_dim = model.blocks[0].attn.head_dim
+    x = torch.randn(1, 2, h * w, head_dim, dtype=torch.float64)
+    want = sincos.apply_rot_embed_cat(x, rope.get_embed().double())
+    pos = grid_positions(h, w).flip(0) if flip else grid_positions(h, w)
+    got = apply_rope(x, positions=pos, sections=[head_dim // 4] * 2, interleaved=True, base=base, layout="bhsd")
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    if rope.ref_feat_shape is not None:  # at another grid timm's positions are fractions
+        other = sincos.RotaryEmbeddingCat(dim=rope.dim, in_pixels=False, feat_shape=[h // 2, w // 2],
+                                          ref_feat_shape=list(rope.ref_feat_shape))
+        x = x[:, :, : (h // 2) * (w // 2)]
+        want = sincos.apply_rot_embed_cat(x, other.get_embed().double())
+        got = apply_rope(x, positions=grid_positions(h // 2, w // 2), sections=[head_dim // 4] * 2,
+                         interleaved=True, base=base, layout="bhsd")
+        assert (got - want).abs().max() > 0.1
+
+
 def test_timm_rope_vit_settings():
     """timm's ROPE ViTs (vit_*_patch16_rope_*): RotaryEmbeddingCat with grid_indexing='xy' and
     temperature 100, as docs/integrations.md gives them: the patches' grid_positions with the

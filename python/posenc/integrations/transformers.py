@@ -111,6 +111,26 @@ __all__ = [
 ]
 
 
+def _promoted(x: Optional[Tensor], *others: Tensor) -> Optional[Tensor]:
+    """x in the dtype transformers' arithmetic gives it: its rotation ``x * cos +
+    rotate_half(x) * sin`` (and a norm's ``weight * x``) is in torch's promotion of the
+    operands' dtypes (float32 for bfloat16 q and k under autocast, whose rotary tables and
+    norm weights stay float32), where posenc's ops return x's own dtype: x is cast first, as
+    the peer's arithmetic casts it. Without autocast the model casts its tables to x's dtype:
+    x as it is."""
+    if x is None:
+        return None
+    dtype = _promoted_dtype(x, *others)
+    return x if dtype == x.dtype else x.to(dtype)
+
+
+def _promoted_dtype(*tensors: Tensor) -> torch.dtype:
+    dtype = tensors[0].dtype
+    for other in tensors[1:]:
+        dtype = torch.promote_types(dtype, other.dtype)
+    return dtype
+
+
 def posenc_apply_rotary_pos_emb(
     q: Tensor,
     k: Tensor,
@@ -136,7 +156,8 @@ def posenc_apply_rotary_pos_emb(
     else:
         raise ValueError(f"posenc apply_rotary_pos_emb: expected unsqueeze_dim 1 (q, k as (batch, heads, seq, "
                          f"head_dim)) or 2 ((batch, seq, heads, head_dim)), got {unsqueeze_dim!r}")
-    return posenc.functional.apply_rope_cos_sin(q, k, cos, sin, layout=layout)
+    return posenc.functional.apply_rope_cos_sin(_promoted(q, cos, sin), _promoted(k, cos, sin), cos, sin,
+                                                layout=layout)
 
 
 def posenc_gptj_apply_rotary_pos_emb(tensor: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
@@ -145,7 +166,8 @@ def posenc_gptj_apply_rotary_pos_emb(tensor: Tensor, sin: Tensor, cos: Tensor) -
     pairs (``rotate_every_two``)."""
     cos = torch.repeat_interleave(cos, 2, dim=-1)
     sin = torch.repeat_interleave(sin, 2, dim=-1)
-    return posenc.functional.apply_rope_cos_sin(tensor, None, cos, sin, layout="bshd", interleaved=True)
+    return posenc.functional.apply_rope_cos_sin(_promoted(tensor, cos, sin), None, cos, sin, layout="bshd",
+                                                interleaved=True)
 
 
 def _layout(unsqueeze_dim: int, fn: str) -> str:
@@ -167,7 +189,8 @@ def posenc_deepseek_apply_rotary_pos_emb_interleave(
     layout = _layout(unsqueeze_dim, "apply_rotary_pos_emb_interleave")
     half = cos.shape[-1] // 2
     cos2, sin2 = (t[..., :half].repeat_interleave(2, dim=-1) for t in (cos, sin))
-    q, k = posenc.functional.apply_rope_cos_sin(q, k, cos2, sin2, layout=layout, interleaved=True)
+    q, k = posenc.functional.apply_rope_cos_sin(_promoted(q, cos, sin), _promoted(k, cos, sin), cos2, sin2,
+                                                layout=layout, interleaved=True)
     return (torch.cat([q[..., 0::2], q[..., 1::2]], dim=-1), torch.cat([k[..., 0::2], k[..., 1::2]], dim=-1))
 
 
@@ -179,8 +202,8 @@ def posenc_deepseek_v4_apply_rotary_pos_emb(x: Tensor, cos: Tensor, sin: Tensor,
     layout = _layout(unsqueeze_dim, "apply_rotary_pos_emb")
     rope_dim = 2 * cos.shape[-1]
     cos2, sin2 = (t.repeat_interleave(2, dim=-1) for t in (cos, sin))
-    rotated = posenc.functional.apply_rope_cos_sin(x[..., -rope_dim:], None, cos2, sin2, layout=layout,
-                                                   interleaved=True)
+    rotated = posenc.functional.apply_rope_cos_sin(_promoted(x[..., -rope_dim:], cos, sin), None, cos2, sin2,
+                                                   layout=layout, interleaved=True)
     return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
 
 
@@ -556,6 +579,11 @@ class _PosencQKNormAttention:
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         fused = _fused_arguments(self, kwargs.get("position_ids"), input_shape)
+        if fused is not None and _promoted_dtype(query_states, self.q_norm.weight, self.k_norm.weight,
+                                                 *position_embeddings) != query_states.dtype:
+            # transformers' norms and rotation promote (weights or tables in another dtype:
+            # autocast): its numbers in its dtype are the unfused path's.
+            fused = None
         layer = None
         if fused is not None:
             query_states = query_states.view(hidden_shape).transpose(1, 2)
@@ -582,7 +610,7 @@ class _PosencQKNormAttention:
                 key_states = self.k_norm(key_states.view(hidden_shape)).transpose(1, 2)
             cos, sin = position_embeddings
             query_states, key_states = posenc.functional.apply_rope_cos_sin(
-                query_states, key_states, cos, sin, layout="bhsd")
+                _promoted(query_states, cos, sin), _promoted(key_states, cos, sin), cos, sin, layout="bhsd")
 
         if cache is not None and layer is None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
