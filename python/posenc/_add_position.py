@@ -375,7 +375,10 @@ class LearnedPositionalEncoding(_AddPositionModule):
             nn.init.trunc_normal_(self.pe, std=self.init_std, a=-2 * self.init_std, b=2 * self.init_std)
         if self.padding_idx is not None:
             with torch.no_grad():
-                self.pe[..., self.padding_idx, :].zero_()
+                # Through a mask beside pe, not pe[..., p, :].zero_(): on a table sharded over
+                # positions (FSDP2's Shard(1)) DTensor's indexing gathers, and the zeros went
+                # to a copy (the row stayed random, and frozen).
+                self.pe.masked_fill_(~self._padding_keep(self.pe), 0.0)
 
     def _table(self, pe: Tensor) -> Tensor:
         """pe with no gradient reaching row padding_idx (the same values: the row is read
@@ -395,10 +398,17 @@ class LearnedPositionalEncoding(_AddPositionModule):
                     torch._C._functorch.is_functorch_wrapped_tensor(pe) or fwAD.unpack_dual(pe).tangent is not None)
             if untracked:
                 return pe
+        return torch.where(self._padding_keep(pe), pe, pe.detach())
+
+    def _padding_keep(self, pe: Tensor) -> Tensor:
+        """(max_len, 1) bool: False at row padding_idx; replicated beside a DTensor pe (FSDP2,
+        tensor parallel)."""
+        padding_idx = self.padding_idx
+        assert padding_idx is not None
         keep = (torch.arange(pe.shape[-2], device=pe.device) != padding_idx).view(-1, 1)
         if not torch.jit.is_scripting():  # (TorchScript compiles no DTensor test)
-            keep = place_beside(pe, keep)[0]  # a DTensor pe (FSDP2, TP): the mask replicated beside it
-        return torch.where(keep, pe, pe.detach())
+            keep = place_beside(pe, keep)[0]
+        return keep
 
     @torch.no_grad()
     def load_table(self, table: Tensor) -> None:

@@ -23,3 +23,9 @@ def place_beside(like: Tensor, *tensors: Optional[Tensor]) -> Tuple[Optional[Ten
     from posenc.distributed import replicate_like
 
     return tuple(replicate_like(like, t) for t in tensors)
+
+
+def is_sharded(t: object) -> bool:
+    """Whether t is a DTensor some rank holds only a part of (a placement other than
+    Replicate): a value check of its local shard would raise on that rank alone."""
+    return is_dtensor(t) and any(not p.is_replicate() for p in t.placements)

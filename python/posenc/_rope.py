@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _int_arg, _integer, _real, _specialised,
                             _specialised_int)
-from posenc._dtensor import is_dtensor, place_beside
+from posenc._dtensor import is_dtensor, is_sharded, place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts, the
@@ -616,6 +616,11 @@ def rope_op_arguments(
         arguments["offset"] = offset
     if compiling or not (type(seq_len) is int and seq_len == 0):
         arguments["seq_len"] = seq_len
+    if not compiling and (is_sharded(positions) or is_sharded(offsets)):
+        # The kernel checks each rank's shard (positions and offsets within 2**53): one rank
+        # alone would raise, the others going on to block in their next collective. The
+        # bounds op gathers them (distributed.py) and raises on every rank.
+        torch.ops.posenc.rope_position_bounds(q, **arguments)
     return arguments
 
 

@@ -932,6 +932,13 @@ def learned_padding_idx_with_a_dtensor_table():
         got = sharded.pe.grad.full_tensor()
         close(got, plain.pe.grad, f"padding_idx {placement} table grad")
         assert torch.equal(got[0, 1], torch.zeros(8, dtype=torch.float64)), placement
+        # reset_parameters on the distributed table zeroes the padding row (on a table sharded
+        # over positions, pe[..., 1, :].zero_() wrote to DTensor's gathered copy: the row
+        # stayed random), as FSDP2's deferred init (meta, to_empty, reset) calls it.
+        sharded.reset_parameters()
+        table = sharded.pe.full_tensor()
+        assert torch.equal(table[0, 1], torch.zeros(8, dtype=torch.float64)), placement
+        assert table[0, 0].abs().sum() > 0 and not torch.signbit(table[0, 1]).any(), placement
 
 
 @check
@@ -977,6 +984,28 @@ def sharded_values_read_whole():
         else:
             raise AssertionError(f"{name}: position 9 >= max_len 8 on rank 1's shard not refused on rank "
                                  f"{dist.get_rank()}")
+    # The RoPE functions' own limit (positions and offsets within 2**53), checked by the kernel
+    # on each rank's shard: rank 1 alone raised (rank 0 went on to its next collective).
+    q = rand(2, 8, 2, 16, seed=183)
+    far = torch.arange(8)
+    far[6] = 2**60  # in rank 1's half
+    w = torch.ones(16, dtype=torch.float64)
+    rope_calls = {
+        "apply_rope positions": lambda: F.apply_rope(distribute_tensor(q, mesh, [Shard(1)]),
+                                                     positions=distribute_tensor(far, mesh, [Shard(0)])),
+        "apply_rope offsets": lambda: F.apply_rope(distribute_tensor(q, mesh, [Shard(0)]),
+                                                   offset=distribute_tensor(torch.tensor([0, 2**60]), mesh, [Shard(0)])),
+        "qk_norm_rope positions": lambda: F.qk_norm_rope(
+            distribute_tensor(q, mesh, [Shard(1)]), distribute_tensor(q, mesh, [Shard(1)]), w, w,
+            positions=distribute_tensor(far, mesh, [Shard(0)])),
+    }
+    for name, call in rope_calls.items():
+        try:
+            call()
+        except ValueError as e:
+            assert "2**53" in str(e), str(e)
+        else:
+            raise AssertionError(f"{name}: 2**60 on rank 1's shard not refused on rank {dist.get_rank()}")
 
     class Counter(torch.nn.Module):
         def __init__(self):
