@@ -267,10 +267,11 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
         if with_compile:
             fns["compiled"] = torch.compile(ref)
             fns["compiled"] = (lambda c: (lambda: c(x)))(fns["compiled"])
+        # The floor in the same alternation (NOTES.md: the memory floor is clone() of the same
+        # bytes, interleaved with the op), each column from a cold cache as bench_table's.
+        fns["floor"] = clone
         with torch.no_grad():
-            t = time_interleaved(fns, device, reps)
-            # Timed apart, after the others (its allocations do not sit between theirs).
-            t["floor"] = time_ms(clone, device, reps)
+            t = time_interleaved(fns, device, reps, cold=fns)
         rows.append(Row(device, tag, shape, "train forward" if training else "eval forward", kind,
                         t["ours"], t["ref"], t.get("compiled"), t["floor"], nbytes, copy_gbps))
 
@@ -290,10 +291,17 @@ def bench_shape(device: str, dtype: torch.dtype, shape: tuple, p: float = 0.1, r
     fns = {"ours": backward_of(module), "ref": backward_of(ref)}
     if with_compile:
         fns["compiled"] = backward_of(torch.compile(ref))
-    t = time_interleaved(fns, device, reps)
-    t["floor"] = time_ms(clone, device, reps)
+    # The bytes backward must move: grad read, grad_x written, the saved keep mask read (1 bit
+    # per element; CUDA regenerates it), and for the learned table its float32 gradient
+    # written; the floor clones as many bytes.
+    backward_bytes = nbytes + (x.numel() // 8 if device == "cpu" else 0)
+    if kind == "learned":
+        backward_bytes += S * d * 4
+    back_src = torch.empty(backward_bytes // 2, dtype=torch.uint8, device=device)
+    fns["floor"] = back_src.clone
+    t = time_interleaved(fns, device, reps, cold=fns)
     rows.append(Row(device, tag, shape, "train backward", kind, t["ours"], t["ref"],
-                    t.get("compiled"), t["floor"], nbytes, copy_gbps))
+                    t.get("compiled"), t["floor"], backward_bytes, copy_gbps))
     return rows
 
 
@@ -316,8 +324,9 @@ def format_table(rows: Iterable[Row]) -> str:
             f"{copy}{100 * r.floor_ms / r.ours_ms:6.0f}% {r.ref_ms:9.3f} {comp} "
             f"{r.ref_ms / r.ours_ms:10.2f} {comp_ratio}"
         )
-    lines.append("%floor: time of x.clone() (one read + one write of x) over posenc's time; "
-                 "GB/s counts x read + output written"
+    lines.append("%floor: time of a clone() of the bytes the row moves (forward: x read + output written; "
+                 "backward: grad read + grad_x written + the CPU's saved mask bits + the learned table's "
+                 "float32 gradient), interleaved, over posenc's time; GB/s counts those bytes"
                  + ("; %copy: GB/s over the measured device-to-device copy bandwidth "
                     "(targets: eval >= 85%, training >= 80%)." if with_copy else "."))
     return "\n".join(lines)

@@ -18,7 +18,7 @@ os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 import torch  # noqa: E402
 
 import posenc  # noqa: E402
-from harness import time_interleaved, time_ms  # noqa: E402
+from harness import time_interleaved  # noqa: E402
 
 
 def rotate_half(x):
@@ -85,9 +85,11 @@ def bench(device, dtype, shape, reps, with_compile):
         print(f"liger vs posenc, max |difference| of rotated q: {diff:.3g}", flush=True)
         fns["liger"] = lambda: liger_call(liger, q_liger, k_liger, cos_table, sin_table)
     rows = []
+    # The floor (clone of q and k) in the same alternation, each column from a cold cache
+    # (NOTES.md; bench_table.py's columns).
+    fns["copy"] = lambda: (q.clone(), k.clone())
     with torch.no_grad():
-        t = time_interleaved(fns, device, reps)
-        t["copy"] = time_ms(lambda: (q.clone(), k.clone()), device, reps)
+        t = time_interleaved(fns, device, reps, cold=fns)
     rows.append(("forward", t))
 
     qg, kg = q.detach().requires_grad_(True), k.detach().requires_grad_(True)
@@ -105,8 +107,8 @@ def bench(device, dtype, shape, reps, with_compile):
     if liger is not None:
         # Liger rotates its input in place: give it a non-leaf copy (clone is free in backward).
         bfns["liger"] = backward_of(lambda a, b: liger_call(liger, a.clone(), b.clone(), cos_table, sin_table))
-    t = time_interleaved(bfns, device, reps)
-    t["copy"] = rows[0][1]["copy"]
+    bfns["copy"] = fns["copy"]
+    t = time_interleaved(bfns, device, reps, cold=bfns)
     rows.append(("backward", t))
     tag = str(dtype).replace("torch.", "")
     return [dict(device=device, dtype=tag, shape=shape, case=case, bytes=nbytes,

@@ -59,8 +59,14 @@ void PositionalEncodingImpl::reset() {
   check_module_options("PositionalEncoding", options.d_model(), options.max_len(),
                        options.dropout());
   const torch::Tensor positions = torch::arange(options.max_len(), torch::kLong);
-  const torch::Tensor table =
-      sinusoidal_table(positions, options.d_model(), options.base(), torch::kFloat).unsqueeze(0);
+  // float64 on the CPU, rounded once to the buffer's dtype: the default dtype when it is
+  // registered (as Python's module), the module's own on a later reset() (a float64 module
+  // gets the float64 table, not float32 values widened).
+  torch::Tensor table =
+      sinusoidal_table(positions, options.d_model(), options.base(), torch::kDouble).unsqueeze(0);
+  if (!named_buffers(/*recurse=*/false).contains("pe")) {
+    table = table.to(c10::typeMetaToScalarType(torch::get_default_dtype()));
+  }
   // A second reset() (options edited) replaces the buffer's data; clone()'s reset() registers
   // a new buffer and leaves the original's alone.
   detail::register_or_replace(*this, "pe", pe, table, /*buffer=*/true);

@@ -88,7 +88,7 @@ def export(out_dir: Path) -> None:
     traced = torch.jit.trace(model, example)
     traced.save(str(out_dir / "model_traced.pt"))
 
-    # Python's outputs at two sizes (neither is the traced one), and a bad call.
+    # Python's outputs at two sizes (neither is the traced one); the C++ app makes the bad call.
     compiled = torch._inductor.aoti_load_package(package)
     loaded = torch.jit.load(str(out_dir / "model_traced.pt"))
     reference = {}

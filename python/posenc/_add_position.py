@@ -20,8 +20,8 @@ import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
-from posenc._common import (_bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg, _integer, _real,
-                             _unhooked)
+from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg,
+                             _integer, _real, _unhooked)
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -248,9 +248,11 @@ class PositionalEncoding(_AddPositionModule):
     r"""Fixed sinusoidal positional encoding with fused dropout.
 
     A drop-in replacement for the classic ``PositionalEncoding(d_model, dropout,
-    max_len=5000)`` of the Annotated Transformer: same arguments, a persistent float32
-    buffer ``pe`` of shape (1, max_len, d_model) (so ``state_dict()`` holds exactly
-    ``pe``), and ``forward(x) = dropout(x + pe[:, :S])``, computed in one pass.
+    max_len=5000)`` of the Annotated Transformer: same arguments, a persistent buffer ``pe``
+    of shape (1, max_len, d_model) in the default dtype (so ``state_dict()`` holds exactly
+    ``pe``), and ``forward(x) = dropout(x + pe[:, :S])``, computed in one pass. The output
+    keeps x's dtype (the classic ``x + pe`` promotes half x with a float32 ``pe`` to
+    float32).
 
     Args:
         d_model: embedding width. Odd values work: the last column is a sine.
@@ -284,17 +286,24 @@ class PositionalEncoding(_AddPositionModule):
         if not 1 < _real(f"{type(self).__name__}: ", "base", base, "a finite number > 1") < math.inf:
             raise ValueError(f"{type(self).__name__}: expected base to be a finite number > 1, got {base!r}")
         self._base = float(base)
-        self.register_buffer("pe", torch.empty(1, max_len, self.d_model, dtype=torch.float32))
+        # In the default dtype (float32 unless torch.set_default_dtype), as the classic
+        # module's torch.zeros(max_len, d_model) is.
+        self.register_buffer("pe", torch.empty(1, max_len, self.d_model))
         self.reset_parameters()
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Build ``pe`` in place, on its device (what ``__init__`` calls): the sinusoidal
-        table (float64 values rounded once to float32), cast to ``pe``'s dtype as ``.to()``
-        would. What ``to_empty`` leaves uninitialised (meta-device construction, FSDP's
-        ``param_init_fn``) and an edited table become the table again."""
-        positions = torch.arange(self.pe.shape[-2], dtype=torch.int64, device=self.pe.device)
-        table = functional.sinusoidal_table(positions, self.pe.shape[-1], base=self.base)
+        """Build ``pe`` in place (what ``__init__`` calls): the sinusoidal table computed on
+        the CPU in float64 (libm's bits, whatever ``pe``'s device: CUDA's sin and cos are
+        not glibc's), rounded once to ``pe``'s dtype and copied to its device. What
+        ``to_empty`` leaves uninitialised (meta-device construction, FSDP's
+        ``param_init_fn``) and an edited table become the table again; a meta ``pe`` has no
+        values to build."""
+        if self.pe.is_meta:
+            return
+        positions = torch.arange(self.pe.shape[-2], dtype=torch.int64)
+        dtype = self.pe.dtype if self.pe.dtype in _TABLE_DTYPES else torch.float64  # rounded once either way
+        table = functional.sinusoidal_table(positions, self.pe.shape[-1], base=self.base, dtype=dtype)
         self.pe.copy_(table.view(self.pe.shape))
 
     @property

@@ -241,6 +241,17 @@ TEST(PositionalEncodingModule, LoadCastsAnArchiveOfAnotherDtype) {
   std::remove(path.c_str());
 }
 
+// reset() of a float64 module writes the float64 table (it wrote float32 values, widened).
+TEST(PositionalEncodingModule, ResetOfAFloat64ModuleIsTheFloat64Table) {
+  posenc::PositionalEncoding m(posenc::PositionalEncodingOptions(12).max_len(40));
+  EXPECT_EQ(m->pe.scalar_type(), torch::kFloat);
+  m->to(torch::kDouble);
+  m->reset();
+  const auto want = posenc::sinusoidal_table(torch::arange(40, torch::kLong), 12, 10000.0, torch::kDouble);
+  EXPECT_EQ(m->pe.scalar_type(), torch::kDouble);
+  EXPECT_TRUE(torch::equal(m->pe[0], want));
+}
+
 TEST(PositionalEncodingModule, RejectsBadOptions) {
   EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(0)), c10::Error);
   EXPECT_THROW(posenc::PositionalEncoding(posenc::PositionalEncodingOptions(8).max_len(0)),

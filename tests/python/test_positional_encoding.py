@@ -322,3 +322,23 @@ def test_base_argument_builds_the_buffer(d, base):
     x = torch.randn(2, 9, d)
     assert torch.equal(pe.eval()(x, offset=5), reference_add(x, pe.pe, offset=5))
     assert f"base={base}" in repr(pe)
+
+
+def test_pe_follows_the_default_dtype_as_the_classic_modules_buffer():
+    """Under torch.set_default_dtype(torch.float64) the classic module's pe is float64; posenc's
+    was always float32, so a float64 checkpoint was rounded on load and saved back rounded.
+    Now pe is made in the default dtype: the float64 table, libm's values."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        m = posenc.PositionalEncoding(12, 0.1, max_len=40)
+        learned = posenc.LearnedPositionalEncoding(12, 0.1, max_len=40)
+    finally:
+        torch.set_default_dtype(before)
+    assert m.pe.dtype == learned.pe.dtype == torch.float64
+    want = posenc.functional.sinusoidal_table(torch.arange(40), 12, dtype=torch.float64)
+    assert torch.equal(m.pe[0], want)
+    checkpoint = {"pe": want[None] * (1 + 2**-40)}  # not a float32 value
+    m.load_state_dict(checkpoint)
+    assert torch.equal(m.state_dict()["pe"], checkpoint["pe"])
+    assert posenc.PositionalEncoding(12, 0.1, max_len=40).pe.dtype == torch.float32  # the default again
