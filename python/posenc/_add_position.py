@@ -86,7 +86,7 @@ def add_position(
 
     ``x`` is (batch, seq, d) when ``batch_first`` else (seq, batch, d); ``table`` is
     (max_len, d) or (1, max_len, d). Without ``positions`` rows ``offset .. offset+seq-1``
-    are added. ``positions`` is (seq,) or (batch, seq) whatever ``batch_first`` (as torch's
+    are added. ``positions`` is (seq,), (1, seq) or (batch, seq) whatever ``batch_first`` (as torch's
     ``key_padding_mask``): with ``batch_first=False`` pass (batch, seq) too (a (seq, batch)
     tensor of a square x would be read transposed). Dropout applies only when ``training``;
     backward uses the forward's mask (saved as bits on the CPU, regenerated from its Philox

@@ -39,7 +39,7 @@ worst to R, so no placement gives a silently wrong answer):
 
 ``add_position_forward`` / ``add_position`` (x: batch b, seq s, hidden 2; table ``(L, d)`` or ``(1, L, d)``):
     * all R;
-    * without dropout (p == 0): x S(b) with (batch, seq) positions S(0) ((seq,) positions R);
+    * without dropout (p == 0): x S(b) with (batch, seq) positions S(0) ((seq,) and (1, seq) positions R);
       x S(2) with the table S(-1) (hidden sharding, tensor parallel); x S(s) only with
       positions given and sharded alike (sequence parallel). The table is never sharded on
       its position dimension inside the op (FSDP2 gathers it before the forward).
@@ -74,7 +74,7 @@ from __future__ import annotations
 
 import numbers
 import threading
-from typing import Iterable, Optional, Sequence, Tuple, Union
+from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -187,6 +187,12 @@ def _qk_norm_rope_rule(a: dict, backward: bool, in_place: bool = False) -> list:
     return strategies
 
 
+def _batch_positions(pos: Any, batch: int) -> Any:
+    """add_position's positions beside a batch-sharded x: (batch, seq) ones sharded alike;
+    (seq,) and (1, seq) ones, which serve every row, replicated."""
+    return Shard(0) if pos is not None and pos.ndim == 2 and pos.shape[0] == batch and batch != 1 else R
+
+
 def _add_position_rule(a: dict, outputs: int) -> list:
     """Strategies for add_position_forward (outputs 2: out, rng) and add_position (1)."""
     x, table, pos = a["x"], a["table"], a["positions"]
@@ -198,7 +204,7 @@ def _add_position_rule(a: dict, outputs: int) -> list:
 
     add(R, R)
     if a["p"] == 0 and x.ndim == 3:
-        add(Shard(b_dim), Shard(b_dim), R, Shard(0) if pos is not None and pos.ndim == 2 else R)
+        add(Shard(b_dim), Shard(b_dim), R, _batch_positions(pos, x.shape[b_dim]))
         add(Shard(2), Shard(2), Shard(table.ndim - 1), R)
         if pos is not None and pos.ndim >= 1:
             add(Shard(s_dim), Shard(s_dim), R, Shard(pos.ndim - 1))
@@ -224,7 +230,7 @@ def _backward_with_table_rule(a: dict) -> list:
     add(R, R, R)
     add(P, P, P)
     if a["p"] == 0 and grad.ndim == 3:
-        add(Shard(b_dim), P, Shard(b_dim), Shard(0) if pos is not None and pos.ndim == 2 else R)
+        add(Shard(b_dim), P, Shard(b_dim), _batch_positions(pos, grad.shape[b_dim]))
         add(Shard(2), Shard(1), Shard(2))
         if pos is not None and pos.ndim >= 1:
             add(Shard(s_dim), P, Shard(s_dim), Shard(pos.ndim - 1))

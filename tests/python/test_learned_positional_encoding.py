@@ -1,4 +1,5 @@
 """LearnedPositionalEncoding and the vision/fairseq helpers, against references written out here."""
+import contextlib
 import functools
 import math
 
@@ -102,10 +103,10 @@ def test_table_gradient_is_batch_sum_and_bitwise_deterministic(device):
 
 
 def make_pos(kind, B, S, L, device, low=0):
-    """None, (S,) or (batch, S) positions drawn in [low, L) on the CPU, moved to device."""
+    """None, (S,), (1, S) or (batch, S) positions drawn in [low, L) on the CPU, moved to device."""
     if kind is None:
         return None
-    shape = (S,) if kind == "1d" else (B, S)
+    shape = {"1d": (S,), "shared": (1, S), "2d": (B, S)}[kind]
     return torch.randint(low, L, shape).to(device)
 
 
@@ -131,7 +132,7 @@ def dropout_masked_grad(y, g, p):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("positions", [None, "1d", "2d"])  # three CUDA code paths
+@pytest.mark.parametrize("positions", [None, "1d", "shared", "2d"])  # three CUDA code paths ((1, S) takes (S,)'s)
 @pytest.mark.parametrize("p", [0.0, 0.2])
 def test_deterministic_mode_does_not_complain(device, positions, p):
     torch.manual_seed(0)
@@ -161,7 +162,7 @@ def test_deterministic_mode_does_not_complain(device, positions, p):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+@pytest.mark.parametrize("positions", [None, "1d", "shared", "2d"])
 def test_table_gradient_with_dropout_is_bitwise_repeatable(device, positions):
     """Same seed, same inputs: bitwise the same table gradient (no racing float atomics),
     with heavily repeated positions so that many terms land in each row."""
@@ -192,7 +193,7 @@ def test_table_gradient_with_dropout_is_bitwise_repeatable(device, positions):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+@pytest.mark.parametrize("positions", [None, "1d", "shared", "2d"])
 def test_mixed_precision_accumulates_table_gradient_in_float32(device, dtype, positions):
     """x in half precision, float32 table: the table gradient is float32 and summed in
     float32 (a half-precision sum of ~100 terms would be off by ~1e-2)."""
@@ -778,7 +779,7 @@ def test_export_learned_module_with_positions():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("positions", [None, "1d", "2d"])
+@pytest.mark.parametrize("positions", [None, "1d", "shared", "2d"])
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_opcheck_add_position_with_trainable_table(device, positions, p):
     """opcheck with the table requiring grad (the fused table-gradient backward). With p > 0
@@ -1056,3 +1057,36 @@ def test_load_table_of_a_meta_module_takes_a_meta_table():
     assert module.pe.is_meta
     with pytest.raises(TypeError, match="real table that holds data"):
         posenc.LearnedPositionalEncoding(4, 0.0, max_len=5).load_table(torch.empty(5, 4, device="meta"))
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("p", [0.0, 0.3])
+def test_one_row_of_positions_serves_every_batch_row(batch_first, p):
+    """(1, seq) positions (Hugging Face's position_ids of one sequence) as (seq,) ones, as the
+    RoPE ops take them: the op refused them. Forward, the saved-mask backward and the table
+    gradient equal the (seq,) call's, on the CPU kernels and through the ATen fallback."""
+    from aten_fallback_mode import ThroughTheFallback
+
+    torch.manual_seed(12)
+    table = torch.randn(9, 8, dtype=torch.float64, requires_grad=True)
+    x = torch.randn((3, 5, 8) if batch_first else (5, 3, 8), dtype=torch.float64, requires_grad=True)
+    pos = torch.tensor([4, 0, 8, 4, 2])
+    g = torch.randn_like(x)
+
+    def run(positions, fallback=False):
+        torch.manual_seed(3)
+        mode = ThroughTheFallback() if fallback else contextlib.nullcontext()
+        with mode:
+            y = posenc.functional.add_position(x, table, positions=positions, batch_first=batch_first, p=p)
+            gx, gt = torch.autograd.grad(y, (x, table), g)
+        return y, gx, gt
+
+    want = run(pos)
+    for fallback in (False, True):
+        got = run(pos[None], fallback)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    m = posenc.LearnedPositionalEncoding(8, 0.0, max_len=9, batch_first=batch_first).double()
+    assert torch.equal(m(x, positions=pos[None]), m(x, positions=pos))
+    with pytest.raises(RuntimeError, match=r"\(1, seq\) serves every row"):
+        posenc.functional.add_position(x, table, positions=pos[None].expand(2, 5), batch_first=batch_first)

@@ -22,7 +22,7 @@ namespace posenc {
 
 // dropout(x + table[positions], p), fused. x: (batch, seq, d) if batch_first, else
 // (seq, batch, d); table: (max_len, d) or (1, max_len, d). Without positions, rows
-// offset .. offset + seq - 1 are added; positions: int64 (seq,) or (batch, seq).
+// offset .. offset + seq - 1 are added; positions: int64 (seq,), (1, seq) or (batch, seq).
 // Differentiable in x and table; backward uses the forward's dropout mask (saved as bits on the
 // CPU, regenerated from its Philox (seed, offset) on CUDA).
 at::Tensor add_position(const at::Tensor& x, const at::Tensor& table,
@@ -60,7 +60,7 @@ class PositionalEncodingImpl : public torch::nn::Cloneable<PositionalEncodingImp
   void load(torch::serialize::InputArchive& archive) override;
 
   // dropout(x + pe[offset : offset + seq]), or dropout(x + pe[positions]) when positions
-  // (int64, (seq,) or (batch, seq)) are given. One signature, as in Python, so that the
+  // (int64, (seq,), (1, seq) or (batch, seq)) are given. One signature, as in Python, so that the
   // TORCH_MODULE holder's operator() works: pe(x), pe(x, 128), pe(x, 0, positions).
   torch::Tensor forward(const torch::Tensor& x, int64_t offset = 0,
                         const std::optional<torch::Tensor>& positions = std::nullopt);

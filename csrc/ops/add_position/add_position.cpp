@@ -156,10 +156,13 @@ void check_add_position_structure(const at::Tensor& x, const at::Tensor& table,
                 x.device(), ", got positions on ", pos.device());
     const auto batch = x.sym_size(batch_first ? 0 : 1);
     const auto seq = x.sym_size(batch_first ? 1 : 0);
+    // (1, seq): Hugging Face's position_ids of one sequence, shared by the batch rows (as
+    // the RoPE ops take them).
     const bool ok = (pos.dim() == 1 && pos.sym_size(0) == seq) ||
-                    (pos.dim() == 2 && pos.sym_size(0) == batch && pos.sym_size(1) == seq);
+                    (pos.dim() == 2 && (pos.sym_size(0) == batch || pos.sym_size(0) == 1) &&
+                     pos.sym_size(1) == seq);
     TORCH_CHECK(ok, "posenc: expected positions of shape (seq,) = (", seq, ",) or (batch, seq) = (",
-                batch, ", ", seq, "), got shape ", pos.sym_sizes());
+                batch, ", ", seq, "), got shape ", pos.sym_sizes(), " ((1, seq) serves every row)");
   }
 }
 
@@ -177,7 +180,8 @@ AddPositionArgs make_geometry(const at::Tensor& x, const std::optional<at::Tenso
     TORCH_CHECK_VALUE(offset == 0, "posenc: pass either offset or positions, not both (got offset=",
                       offset, " with positions)");
     g.has_positions = true;
-    g.positions_batch_stride = positions->dim() == 2 ? g.seq : 0;
+    // 0: one row of positions for every batch row ((seq,) or (1, seq)).
+    g.positions_batch_stride = positions->dim() == 2 && positions->size(0) != 1 ? g.seq : 0;
   } else {
     TORCH_CHECK_VALUE(offset >= 0, "posenc: expected offset >= 0, got ", offset);
     // offset <= len - seq, not offset + seq <= len: a huge offset must not wrap around.
@@ -437,10 +441,9 @@ at::Tensor table_gradient_composite(const at::Tensor& grad_x, const at::Tensor& 
     return at::constant_pad_nd_symint(summed, {0, 0, offset, table_len - offset - seq}, 0);
   }
   const at::Tensor rows = batch_first ? grad_x : grad_x.transpose(0, 1);  // (B, S, d)
-  const at::Tensor pos =
-      positions.dim() == 1
-          ? positions.unsqueeze(0).expand_symint({rows.sym_size(0), rows.sym_size(1)})
-          : positions;
+  // (seq,) and (1, seq) positions serve every batch row.
+  const at::Tensor pos = (positions.dim() == 1 ? positions.unsqueeze(0) : positions)
+                             .expand_symint({rows.sym_size(0), rows.sym_size(1)});
   return scatter_rows_into_table(pos.reshape(-1),
                                  rows.reshape_symint({-1, rows.sym_size(2)}).to(acc), table_len);
 }
@@ -825,7 +828,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
   const at::ScalarType acc = accumulate_dtype(grad);
   at::Tensor grad_x = need_x ? at::empty(grad.sizes(), grad.options())
                              : at::empty({0}, grad.options());
-  const bool sorted = positions.has_value() && positions->dim() == 2;
+  const bool sorted = positions.has_value() && g.positions_batch_stride != 0;  // (batch, seq) positions
   // The table gradient starts at zero, except on the (seq,) positions path, which builds it
   // from the per-s sums (scatter_rows_into_table) and would discard a zeroed table. Without
   // positions in another dtype than the accumulation's, the sums go to a (seq, d) buffer and
@@ -870,7 +873,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
     C10_CUDA_CHECK(launch_add_position_backward_table<scalar_t>(args, grad.const_data_ptr(), gx,
                                                                 sums.mutable_data_ptr(), stream));
   });
-  if (positions.has_value()) grad_table = scatter_rows_into_table(positions->contiguous(), sums, table_len);
+  if (positions.has_value()) grad_table = scatter_rows_into_table(positions->reshape({-1}), sums, table_len);
   if (rows_in_buffer) {
     grad_table = table_zeroed_outside(table_len, g.d, offset, g.seq, grad.options().dtype(out_dtype));
     grad_table.narrow(0, offset, g.seq).copy_(sums);
