@@ -49,13 +49,21 @@ void read_archive(torch::nn::Module& module, torch::serialize::InputArchive& arc
 void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive) {
   std::vector<Pending> pending;
   read_archive(module, archive, "", module.name(), pending);
-  // Then copied in, as Python's load_state_dict does (LibTorch's load set_ the module's
-  // tensor to the archive's storage: an archive of another dtype was read as the module's
-  // dtype's bytes, a float64 table loaded into a float32 module as garbage): the values cast
-  // to each tensor's dtype, on its device, into its own storage (aliases and the registry
-  // keep seeing it; requires_grad as it was).
+  // Then the values, cast to each tensor's dtype (LibTorch's load set_ the module's tensor
+  // to the archive's storage: an archive of another dtype was read as the module's dtype's
+  // bytes, a float64 table loaded into a float32 module as garbage). On the same device they
+  // are copied into the tensor's own storage, as Python's load_state_dict does (aliases and
+  // the registry keep seeing it); on another they move the tensor to the archive's device,
+  // as LibTorch's load does (torch::load(module, path, device) moves the whole model).
+  // requires_grad is kept either way.
   torch::NoGradGuard no_grad;
-  for (auto& [held, stored] : pending) held.copy_(stored);
+  for (auto& [held, stored] : pending) {
+    if (held.device() == stored.device()) {
+      held.copy_(stored);
+    } else {
+      held.set_data(stored.to(held.scalar_type()));
+    }
+  }
 }
 
 void register_or_replace(torch::nn::Module& module, const std::string& name, torch::Tensor& member,

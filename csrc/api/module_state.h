@@ -14,7 +14,8 @@ namespace detail {
 // LibTorch's own load takes any shape, so a module built for max_len 32 held a 64-row table
 // under options saying 32; a complex tensor into a real one), a c10::Error naming the tensor
 // by its path from the module (q_norm.weight); then each is copied into the module's tensor,
-// cast to its dtype on its device (LibTorch's load reinterpreted an archive of another dtype).
+// cast to its dtype (LibTorch's load reinterpreted an archive of another dtype), on the
+// archive's device as LibTorch's load moves tensors (torch::load(module, path, device)).
 void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive& archive);
 
 // reset()'s tensor `name` (a buffer when `buffer`, else a parameter): registered with value

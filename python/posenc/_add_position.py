@@ -283,8 +283,9 @@ class PositionalEncoding(_AddPositionModule):
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
         max_len = _check_positive_int("max_len", max_len, f"{type(self).__name__}: ")
-        if not 1 < _real(f"{type(self).__name__}: ", "base", base, "a finite number > 1") < math.inf:
-            raise ValueError(f"{type(self).__name__}: expected base to be a finite number > 1, got {base!r}")
+        fn, expected = f"{type(self).__name__}: ", "a finite number > 1"
+        if not 1 < _real(fn, "base", base, expected) < math.inf:
+            raise ValueError(f"{fn}expected base to be {expected}, got {base!r}")
         self._base = float(base)
         # In the default dtype (float32 unless torch.set_default_dtype), as the classic
         # module's torch.zeros(max_len, d_model) is.
@@ -301,10 +302,15 @@ class PositionalEncoding(_AddPositionModule):
         values to build."""
         if self.pe.is_meta:
             return
-        positions = torch.arange(self.pe.shape[-2], dtype=torch.int64)
+        positions = torch.arange(self.pe.shape[-2], dtype=torch.int64, device="cpu")  # not the default device
         dtype = self.pe.dtype if self.pe.dtype in _TABLE_DTYPES else torch.float64  # rounded once either way
         table = functional.sinusoidal_table(positions, self.pe.shape[-1], base=self.base, dtype=dtype)
-        self.pe.copy_(table.view(self.pe.shape))
+        table = table.view(self.pe.shape)
+        if is_dtensor(self.pe):  # distribute_module: each rank's part of the whole table
+            from torch.distributed.tensor import distribute_tensor
+
+            table = distribute_tensor(table.to(self.pe.device), self.pe.device_mesh, self.pe.placements)
+        self.pe.copy_(table)
 
     @property
     def base(self) -> float:
@@ -395,15 +401,16 @@ class LearnedPositionalEncoding(_AddPositionModule):
         padding_idx, or for a table nothing differentiates (no copy): under no_grad or frozen,
         and no forward-mode tangent or torch.func transform on it (torch.func.jvp's table does
         not require grad: its tangent was kept where a dual of a trainable one lost it).
-        Decided per call: a graph traced or exported under no_grad has no freeze
-        (torch.compile guards on grad mode)."""
+        Decided per call: a graph traced or exported under no_grad has no freeze. Compiled,
+        the freeze is always taken (a tangent traced under torch.compile cannot be told
+        apart; the where fuses into the add)."""
         padding_idx = self.padding_idx
         if padding_idx is None:
             return pe
         if not (torch.is_grad_enabled() and pe.requires_grad):
-            untracked = True  # scripted or compiled: grad mode alone decides
+            untracked = True  # scripted: grad mode alone decides
             if not torch.jit.is_scripting():
-                untracked = torch.compiler.is_compiling() or not (
+                untracked = not torch.compiler.is_compiling() and not (
                     torch._C._functorch.is_functorch_wrapped_tensor(pe) or fwAD.unpack_dual(pe).tangent is not None)
             if untracked:
                 return pe

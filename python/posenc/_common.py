@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import math
 import numbers
 import operator
 from typing import Any
@@ -100,7 +101,10 @@ def _real(fn: str, name: str, value: Any, expected: str) -> float:
     naming it as ``expected`` describes it. The caller checks the value (ValueError)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}expected {name} to be {expected}, got {value!r}")
-    return float(value)
+    try:
+        return float(value)
+    except OverflowError:  # an int past float's range: its sign's infinity, for the value check
+        return math.copysign(math.inf, value)
 
 
 def _check_positive_int(name: str, value: Any, fn: str = "") -> int:

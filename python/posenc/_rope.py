@@ -616,10 +616,12 @@ def rope_op_arguments(
         arguments["offset"] = offset
     if compiling or not (type(seq_len) is int and seq_len == 0):
         arguments["seq_len"] = seq_len
-    if not compiling and (is_sharded(positions) or is_sharded(offsets)):
+    if check_inputs and not compiling and (is_sharded(positions) or is_sharded(offsets)):
         # The kernel checks each rank's shard (positions and offsets within 2**53): one rank
         # alone would raise, the others going on to block in their next collective. The
-        # bounds op gathers them (distributed.py) and raises on every rank.
+        # bounds op gathers them (distributed.py) and raises on every rank: one gather and
+        # one read-back per call, so asked for (check_inputs), as the cu_seqlens check is;
+        # the module gathers its bounds for its own range check anyway.
         torch.ops.posenc.rope_position_bounds(q, **arguments)
     return arguments
 
@@ -697,7 +699,9 @@ def apply_rope(
             default the kernel checks them on the device, as ATen's indexing checks its
             indices: a bad ``cu_seqlens`` (or a position or offset outside [-2**53, 2**53])
             stops it with a device-side assert, a ``RuntimeError`` at the next
-            synchronisation. CPU index tensors are always checked by the op.
+            synchronisation. CPU index tensors are always checked by the op. DTensor
+            positions or offsets sharded over ranks: also their gathered bounds, so an
+            out-of-range one raises on every rank (docs/distributed.md).
         seq_len: for "dynamic" and "longrope" scaling, the length they scale for (longest position + 1);
             default: read from the call. Pass the global length when the call sees a shard
             of the sequence (context parallel; see docs/distributed.md), or

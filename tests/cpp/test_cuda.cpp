@@ -3,6 +3,9 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <cstdio>
+#include <string>
+
 #include "posenc/posenc.h"
 
 namespace {
@@ -82,6 +85,29 @@ TEST(Cuda, RotaryMatchesTheCpu) {
   posenc::apply_rope_(qt_cuda, std::nullopt,
                       posenc::ApplyRopeOptions().layout("thd").cu_seqlens(cu.cuda()).offsets(offsets.cuda()));
   EXPECT_TRUE(torch::allclose(qt_cuda.cpu(), want, 1e-5, 1e-5));
+}
+
+}  // namespace
+
+namespace {
+
+// torch::load(module, path, torch::kCUDA) moves a CPU module's tensors to the GPU, cast to
+// the module's dtype, as LibTorch's load moves any module's (posenc's load copies on one
+// device and follows the archive's device across them).
+TEST(Cuda, LoadOntoTheGpuMovesAndCasts) {
+  POSENC_REQUIRE_CUDA();
+  const std::string path = ::testing::TempDir() + "posenc_cuda_load.pt";
+  posenc::PositionalEncoding saved(posenc::PositionalEncodingOptions(8).max_len(16));
+  saved->to(torch::kDouble);
+  saved->reset();
+  torch::save(saved, path);
+  posenc::PositionalEncoding m(posenc::PositionalEncodingOptions(8).max_len(16));
+  torch::load(m, path, torch::kCUDA);
+  std::remove(path.c_str());
+  EXPECT_TRUE(m->pe.is_cuda());
+  EXPECT_EQ(m->pe.scalar_type(), torch::kFloat);
+  EXPECT_TRUE(torch::equal(m->pe.cpu(), saved->pe.to(torch::kFloat)));
+  EXPECT_EQ(m->named_buffers()["pe"].data_ptr(), m->pe.data_ptr());
 }
 
 }  // namespace

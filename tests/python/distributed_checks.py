@@ -939,6 +939,14 @@ def learned_padding_idx_with_a_dtensor_table():
         table = sharded.pe.full_tensor()
         assert torch.equal(table[0, 1], torch.zeros(8, dtype=torch.float64)), placement
         assert table[0, 0].abs().sum() > 0 and not torch.signbit(table[0, 1]).any(), placement
+        # PositionalEncoding's reset of a distributed buffer (it mixed a plain table into the
+        # DTensor's copy_ and raised): each rank's part of the table.
+        fixed = posenc.PositionalEncoding(8, dropout=0.0, max_len=8).double()
+        fixed.reset_parameters()  # the float64 table (.double() widened the float32 one)
+        want_pe = fixed.pe.detach().clone()
+        fixed.pe = distribute_tensor(torch.zeros_like(want_pe), mesh, [placement])
+        fixed.reset_parameters()
+        assert torch.equal(fixed.pe.full_tensor(), want_pe), placement
 
 
 @check
@@ -985,19 +993,24 @@ def sharded_values_read_whole():
             raise AssertionError(f"{name}: position 9 >= max_len 8 on rank 1's shard not refused on rank "
                                  f"{dist.get_rank()}")
     # The RoPE functions' own limit (positions and offsets within 2**53), checked by the kernel
-    # on each rank's shard: rank 1 alone raised (rank 0 went on to its next collective).
+    # on each rank's shard: rank 1 alone raised (rank 0 went on to its next collective). With
+    # check_inputs=True the functions gather the bounds first (the module always does).
     q = rand(2, 8, 2, 16, seed=183)
     far = torch.arange(8)
     far[6] = 2**60  # in rank 1's half
     w = torch.ones(16, dtype=torch.float64)
     rope_calls = {
         "apply_rope positions": lambda: F.apply_rope(distribute_tensor(q, mesh, [Shard(1)]),
-                                                     positions=distribute_tensor(far, mesh, [Shard(0)])),
+                                                     positions=distribute_tensor(far, mesh, [Shard(0)]),
+                                                     check_inputs=True),
         "apply_rope offsets": lambda: F.apply_rope(distribute_tensor(q, mesh, [Shard(0)]),
-                                                   offset=distribute_tensor(torch.tensor([0, 2**60]), mesh, [Shard(0)])),
+                                                   offset=distribute_tensor(torch.tensor([0, 2**60]), mesh, [Shard(0)]),
+                                                   check_inputs=True),
         "qk_norm_rope positions": lambda: F.qk_norm_rope(
             distribute_tensor(q, mesh, [Shard(1)]), distribute_tensor(q, mesh, [Shard(1)]), w, w,
-            positions=distribute_tensor(far, mesh, [Shard(0)])),
+            positions=distribute_tensor(far, mesh, [Shard(0)]), check_inputs=True),
+        "RotaryPositionalEncoding positions": lambda: posenc.RotaryPositionalEncoding(16, max_len=2**62)(
+            distribute_tensor(q, mesh, [Shard(1)]), positions=distribute_tensor(far, mesh, [Shard(0)])),
     }
     for name, call in rope_calls.items():
         try:

@@ -173,6 +173,23 @@ def test_autocast_outputs_in_transformers_promoted_dtype(model_type):
         assert out.dtype == torch.float32
         torch.testing.assert_close(out, q.float() * cos[:, None] + torch.cat([-q[..., 4:], q[..., :4]], -1) * sin[:, None],
                                    **TOL)
+    # Each replacement returns the dtype transformers' own function does (DeepSeek V4's casts
+    # back to x's: it was given float32, and the cat made the whole head float32).
+    integration.revert_posenc_rope()
+    module = importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    for name, replacement, _ in integration._PATCHES[model_type]:
+        theirs = getattr(module, name)
+        if model_type == "gptj":
+            x, tables = torch.randn(1, 5, 2, 8, dtype=torch.bfloat16), (torch.randn(1, 5, 4), torch.randn(1, 5, 4))
+            args = (x, *tables)
+        elif model_type == "deepseek_v4":
+            x = torch.randn(1, 2, 5, 16, dtype=torch.bfloat16)
+            args = (x, torch.randn(1, 5, 4), torch.randn(1, 5, 4))
+        else:
+            args = (q, q, cos, sin)
+        want, got = theirs(*args), replacement(*args)
+        for w, g in zip(want if isinstance(want, tuple) else (want,), got if isinstance(got, tuple) else (got,)):
+            assert g.dtype == w.dtype, (name, g.dtype, w.dtype)
 
 
 def test_compiled_patched_model_trains_as_the_unpatched_one():

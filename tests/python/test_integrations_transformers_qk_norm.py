@@ -409,15 +409,19 @@ def test_autocast_training_matches_unpatched(model_type, fused_calls):
     def step():
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", torch.bfloat16):
-            out = model(tokens, labels=tokens)
+            out = model(tokens, labels=tokens, use_cache=True)
         out.loss.backward()
-        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        cached = [layer.keys.dtype for layer in out.past_key_values.layers]
+        return out.logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}, cached
 
-    want_logits, want_grads = step()
+    want_logits, want_grads, want_cached = step()
     integration.apply_posenc_rope(model, qk_norm=True)
     try:
-        got_logits, got_grads = step()
+        got_logits, got_grads, got_cached = step()
         assert not fused_calls
+        # The cache holds keys in transformers' dtype (OLMo 2's rotation casts back to
+        # bfloat16: a float32 cache took twice the memory; Qwen3's promotes to float32).
+        assert got_cached == want_cached, (got_cached, want_cached)
         # Without autocast the same model fuses.
         model(tokens)
         assert len(fused_calls) == model.config.num_hidden_layers

@@ -415,6 +415,9 @@ def test_padding_idx_drops_the_rows_tangent_in_every_forward_mode():
             assert torch.equal(fwAD.unpack_dual(f(dual)).tangent, want)
     assert torch.equal(jacfwd(f)(table), jacrev(f)(table))
     assert torch.equal(jacrev(f)(table)[0, 1, :, 0, 2], torch.zeros(4, 4))
+    # Compiled too (the shortcut for an untracked table kept the row's tangent there).
+    compiled = torch.compile(lambda t, u: jvp(f, (t,), (u,))[1], backend="eager")
+    assert torch.equal(compiled(table, tangent), want)
 
 
 def timm_resample(posemb, new_size, old_size=None, num_prefix_tokens=1, interpolation="bicubic", antialias=True):

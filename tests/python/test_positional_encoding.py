@@ -342,3 +342,19 @@ def test_pe_follows_the_default_dtype_as_the_classic_modules_buffer():
     m.load_state_dict(checkpoint)
     assert torch.equal(m.state_dict()["pe"], checkpoint["pe"])
     assert posenc.PositionalEncoding(12, 0.1, max_len=40).pe.dtype == torch.float32  # the default again
+
+
+def test_reset_builds_the_table_on_the_cpu_under_another_default_device():
+    """reset_parameters builds the table on the CPU (libm's bits) whatever the default device:
+    its positions followed torch.set_default_device, so a CPU pe reset under a meta default
+    device raised (no data to copy), and under a CUDA one the table would be CUDA's sin/cos."""
+    m = posenc.PositionalEncoding(16, 0.1, max_len=32)
+    want = m.pe.clone()
+    m.pe.zero_()
+    before = torch.get_default_device()
+    torch.set_default_device("meta")
+    try:
+        m.reset_parameters()
+    finally:
+        torch.set_default_device(before)
+    assert torch.equal(m.pe, want)

@@ -124,6 +124,15 @@ def test_rope_cos_sin_dynamic_and_max_position_embeddings():
     short = torch.tensor([[0, 5, 100]])  # within max_position_embeddings: the unscaled table
     torch.testing.assert_close(F.rope_cos_sin(short, 32, scaling=dynamic, max_position_embeddings=128, dtype=F64),
                                F.rope_cos_sin(short, 32, dtype=F64), rtol=0, atol=0)
+    # A dynamic dict that states another baseline than the model's: transformers scales by
+    # max_position_embeddings and ignores the key, posenc read the key (tables 1.5 off): refused.
+    with pytest.raises(ValueError, match=r"transformers reads the config's max_position_embeddings \(128\) and "
+                                         r"ignores the dict's original_max_position_embeddings \(64\)"):
+        F.rope_cos_sin(pos, 32, scaling={**dynamic, "original_max_position_embeddings": 64},
+                       max_position_embeddings=128)
+    cos, _ = F.rope_cos_sin(pos, 32, scaling={**dynamic, "original_max_position_embeddings": 128},
+                            max_position_embeddings=128, dtype=F64)
+    torch.testing.assert_close(cos, want_cos, rtol=1e-12, atol=1e-12)  # the same length twice: one reading
     yarn = {"rope_type": "yarn", "factor": 4.0}
     cos, sin = F.rope_cos_sin(pos, 32, scaling=yarn, max_position_embeddings=96, dtype=F64)
     want_cos, want_sin = hf_cos_sin(pos, 32, scaling=yarn, max_pos=96)

@@ -202,8 +202,9 @@ def posenc_deepseek_v4_apply_rotary_pos_emb(x: Tensor, cos: Tensor, sin: Tensor,
     layout = _layout(unsqueeze_dim, "apply_rotary_pos_emb")
     rope_dim = 2 * cos.shape[-1]
     cos2, sin2 = (t.repeat_interleave(2, dim=-1) for t in (cos, sin))
-    rotated = posenc.functional.apply_rope_cos_sin(_promoted(x[..., -rope_dim:], cos, sin), None, cos2, sin2,
-                                                   layout=layout, interleaved=True)
+    # In x's dtype, as transformers' V4 rotation casts back (`.to(x.dtype)`): no promotion.
+    rotated = posenc.functional.apply_rope_cos_sin(x[..., -rope_dim:], None, cos2, sin2, layout=layout,
+                                                   interleaved=True)
     return torch.cat([x[..., :-rope_dim], rotated], dim=-1)
 
 
@@ -326,6 +327,9 @@ _QK_NORM_TYPES: Dict[str, Tuple[str, float]] = {
     "olmo2": ("hidden", 0.0),
 }
 QK_NORM_MODEL_TYPES: Tuple[str, ...] = tuple(_QK_NORM_TYPES)
+# The modeling modules whose apply_rotary_pos_emb returns q's and k's own dtype (OLMo 2:
+# `q_embed.to(q_type)`); the others' rotation promotes with the tables' dtype (_promoted).
+_ROTATION_KEEPS_DTYPE = frozenset({"transformers.models.olmo2.modeling_olmo2"})
 
 # What the rewritten forward assumes of transformers' attention forward (transformers 5.x):
 # its leading parameters, and the attributes and functions it uses. Checked once per class.
@@ -556,6 +560,7 @@ class _PosencQKNormAttention:
     _posenc_eager: Callable
     _posenc_attention_functions: Any
     _posenc_sliding_window: bool
+    _posenc_rotation_keeps_dtype: bool
 
     def forward(self, hidden_states: Tensor, position_embeddings: Optional[Tuple[Tensor, Tensor]] = None,
                 attention_mask: Optional[Tensor] = None, cache: Any = None, **kwargs: Any):
@@ -609,8 +614,10 @@ class _PosencQKNormAttention:
                 query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
                 key_states = self.k_norm(key_states.view(hidden_shape)).transpose(1, 2)
             cos, sin = position_embeddings
+            if not cls._posenc_rotation_keeps_dtype:  # the model's rotation promotes (not OLMo 2's)
+                query_states, key_states = _promoted(query_states, cos, sin), _promoted(key_states, cos, sin)
             query_states, key_states = posenc.functional.apply_rope_cos_sin(
-                _promoted(query_states, cos, sin), _promoted(key_states, cos, sin), cos, sin, layout="bhsd")
+                query_states, key_states, cos, sin, layout="bhsd")
 
         if cache is not None and layer is None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
@@ -671,6 +678,7 @@ def _qk_norm_class(base: type, norm: str, weight_offset: float) -> type:
             "_posenc_eager": staticmethod(eager),
             "_posenc_attention_functions": functions,
             "_posenc_sliding_window": "sliding_window" in code.co_names,
+            "_posenc_rotation_keeps_dtype": base.__module__ in _ROTATION_KEEPS_DTYPE,
         })
         _QK_NORM_CLASSES[key] = cls
         return cls
