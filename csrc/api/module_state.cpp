@@ -31,6 +31,8 @@ void read_archive(torch::nn::Module& module, torch::serialize::InputArchive& arc
     TORCH_CHECK_TYPE(!stored.is_complex() || held.is_complex(), "posenc: error loading ", top, ": ", prefix, key,
                      " is complex (", stored.scalar_type(), ") in the archive and real (", held.scalar_type(),
                      ") in the module: copying would drop its imaginary part");
+    TORCH_CHECK(!stored.is_meta() || held.is_meta(), "posenc: error loading ", top, ": ", prefix, key,
+                " is on the meta device in the archive (no data) and on ", held.device(), " in the module");
     out.push_back({held, stored});
   };
   for (const auto& item : module.named_parameters(/*recurse=*/false)) read(item.key(), item.value(), false);
@@ -58,7 +60,7 @@ void load_same_shapes(torch::nn::Module& module, torch::serialize::InputArchive&
   // requires_grad is kept either way.
   torch::NoGradGuard no_grad;
   for (auto& [held, stored] : pending) {
-    if (held.device() == stored.device()) {
+    if (held.device() == stored.device() || held.is_meta()) {  // a meta module has nothing to write
       held.copy_(stored);
     } else {
       held.set_data(stored.to(held.scalar_type()));

@@ -309,7 +309,8 @@ class PositionalEncoding(_AddPositionModule):
         if is_dtensor(self.pe):  # distribute_module: each rank's part of the whole table
             from torch.distributed.tensor import distribute_tensor
 
-            table = distribute_tensor(table.to(self.pe.device), self.pe.device_mesh, self.pe.placements)
+            table = distribute_tensor(table.to(self.pe.device), self.pe.device_mesh, self.pe.placements,
+                                      src_data_rank=None)  # every rank built the same table
         self.pe.copy_(table)
 
     @property

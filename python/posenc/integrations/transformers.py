@@ -584,10 +584,12 @@ class _PosencQKNormAttention:
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
         fused = _fused_arguments(self, kwargs.get("position_ids"), input_shape)
-        if fused is not None and _promoted_dtype(query_states, self.q_norm.weight, self.k_norm.weight,
-                                                 *position_embeddings) != query_states.dtype:
+        if (fused is not None and not cls._posenc_rotation_keeps_dtype
+                and _promoted_dtype(query_states, self.q_norm.weight, self.k_norm.weight,
+                                    *position_embeddings) != query_states.dtype):
             # transformers' norms and rotation promote (weights or tables in another dtype:
-            # autocast): its numbers in its dtype are the unfused path's.
+            # autocast): its numbers in its dtype are the unfused path's. (OLMo 2's cast back
+            # to q's dtype, and its rotary returns float32 tables for any model dtype: it fuses.)
             fused = None
         layer = None
         if fused is not None:
