@@ -160,10 +160,10 @@ class _AddPositionModule(nn.Module):
         # The constructor's width (an attribute, which a scripted module keeps; a property
         # would not be: TorchScript hands back the property object). What forward, load_table
         # and repr read is pe's last size, which follows a replaced table.
-        self.d_model = _check_positive_int("d_model", d_model, f"{type(self).__name__}: ")
+        self.d_model = _check_positive_int(type(self).__name__, "d_model", d_model)
         self.batch_first = _bool_arg(type(self).__name__, "batch_first", batch_first)
         # An nn.Dropout child as in the classic class: `module.dropout.p` stays settable.
-        self.dropout = nn.Dropout(p=_check_probability("dropout", dropout, f"{type(self).__name__}: "))
+        self.dropout = nn.Dropout(p=_check_probability(type(self).__name__, "dropout", dropout))
 
     @property
     def max_len(self) -> int:
@@ -282,10 +282,10 @@ class PositionalEncoding(_AddPositionModule):
         base: float = 10000.0,
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
-        max_len = _check_positive_int("max_len", max_len, f"{type(self).__name__}: ")
-        fn, expected = f"{type(self).__name__}: ", "a finite number > 1"
+        max_len = _check_positive_int(type(self).__name__, "max_len", max_len)
+        fn, expected = type(self).__name__, "a finite number > 1"
         if not 1 < _real(fn, "base", base, expected) < math.inf:
-            raise ValueError(f"{fn}expected base to be {expected}, got {base!r}")
+            raise ValueError(f"{fn}: expected base to be {expected}, got {base!r}")
         self._base = float(base)
         # In the default dtype (float32 unless torch.set_default_dtype), as the classic
         # module's torch.zeros(max_len, d_model) is.
@@ -366,10 +366,10 @@ class LearnedPositionalEncoding(_AddPositionModule):
         padding_idx: Optional[int] = None,
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
-        max_len = _check_positive_int("max_len", max_len, f"{type(self).__name__}: ")
-        fn, expected = f"{type(self).__name__}: ", "a finite non-negative number"
+        max_len = _check_positive_int(type(self).__name__, "max_len", max_len)
+        fn, expected = type(self).__name__, "a finite non-negative number"
         if not 0 <= _real(fn, "init_std", init_std, expected) < math.inf:
-            raise ValueError(f"{fn}expected init_std to be {expected}, got {init_std!r}")
+            raise ValueError(f"{fn}: expected init_std to be {expected}, got {init_std!r}")
         self.init_std = float(init_std)
         if padding_idx is not None:
             index = _integer(padding_idx)

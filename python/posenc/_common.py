@@ -54,7 +54,9 @@ def _float_arg(fn: str, name: str, value: Any) -> float:
     if not isinstance(value, (bool, str, bytes)):
         try:
             return float(value)
-        except (TypeError, ValueError, RuntimeError, OverflowError):
+        except OverflowError:  # an int past float's range: a number, its sign's infinity for the op's check
+            return math.inf if value > 0 else -math.inf
+        except (TypeError, ValueError, RuntimeError):
             pass
     raise TypeError(f"{fn}: expected {name} to be a real number, got {value!r}")
 
@@ -97,30 +99,31 @@ def _table_dtype(fn: str, dtype: Any) -> torch.dtype:
 
 
 def _real(fn: str, name: str, value: Any, expected: str) -> float:
-    """A constructor's number (Python or numpy, not bool; no tensor) as a float, or TypeError
-    naming it as ``expected`` describes it. The caller checks the value (ValueError)."""
+    """A constructor's number (Python or numpy, not bool; no tensor) as a float (an int past
+    float's range as its sign's infinity), or TypeError naming it as ``expected`` describes
+    it. The caller checks the value (ValueError)."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{fn}expected {name} to be {expected}, got {value!r}")
+        raise TypeError(f"{fn}: expected {name} to be {expected}, got {value!r}")
     try:
         return float(value)
-    except OverflowError:  # an int past float's range: its sign's infinity, for the value check
-        return math.copysign(math.inf, value)
+    except OverflowError:
+        return math.inf if value > 0 else -math.inf
 
 
-def _check_positive_int(name: str, value: Any, fn: str = "") -> int:
+def _check_positive_int(fn: str, name: str, value: Any) -> int:
     """value as a positive int: TypeError for another type (torch's convention: nn.Linear(2.0,
-    3) raises TypeError), ValueError for one <= 0. ``fn``: a message prefix ("name: ")."""
+    3) raises TypeError), ValueError for one <= 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise TypeError(f"{fn}expected {name} to be a positive integer, got {value!r}")
+        raise TypeError(f"{fn}: expected {name} to be a positive integer, got {value!r}")
     if value <= 0:
-        raise ValueError(f"{fn}expected {name} to be a positive integer, got {value!r}")
+        raise ValueError(f"{fn}: expected {name} to be a positive integer, got {value!r}")
     return int(value)
 
 
-def _check_probability(name: str, value: Any, fn: str = "") -> float:
+def _check_probability(fn: str, name: str, value: Any) -> float:
     number = _real(fn, name, value, "a probability in [0, 1]")
     if not 0.0 <= number <= 1.0:
-        raise ValueError(f"{fn}expected {name} to be a probability in [0, 1], got {value!r}")
+        raise ValueError(f"{fn}: expected {name} to be a probability in [0, 1], got {value!r}")
     return number
 
 

@@ -132,15 +132,15 @@ class QKNormRotary(torch.nn.Module):
         **rope: Any,
     ) -> None:
         super().__init__()
-        head_dim = _check_positive_int("head_dim", head_dim, "QKNormRotary: ")
+        head_dim = _check_positive_int("QKNormRotary", "head_dim", head_dim)
         check_norm_settings("QKNormRotary", eps, weight_offset, norm)
         if norm == "hidden" and (num_heads is None or num_kv_heads is None):
             raise ValueError("QKNormRotary: norm='hidden' normalises each token's whole projection: pass num_heads "
                              "and num_kv_heads (the weights have num_heads * head_dim and num_kv_heads * head_dim "
                              "values)")
         if norm == "hidden":
-            num_heads = _check_positive_int("num_heads", num_heads, "QKNormRotary: ")
-            num_kv_heads = _check_positive_int("num_kv_heads", num_kv_heads, "QKNormRotary: ")
+            num_heads = _check_positive_int("QKNormRotary", "num_heads", num_heads)
+            num_kv_heads = _check_positive_int("QKNormRotary", "num_kv_heads", num_kv_heads)
         lq = head_dim if norm == "head" else num_heads * head_dim
         lk = head_dim if norm == "head" else num_kv_heads * head_dim
         for name, size in (("num_heads", lq), ("num_kv_heads", lk)):  # as the C++ module refuses it

@@ -118,7 +118,7 @@ def resolve_config_keys(
         own_key = scaling.get("rope_type", scaling.get("type")) in PARTIAL_ROTARY_KEY_TYPES
         factor = None if own_key else scaling.pop("partial_rotary_factor", None)
         if factor is not None:
-            if not 0 < _real(f"{fn}: ", "scaling key 'partial_rotary_factor'", factor, "a number in (0, 1]") <= 1:
+            if not 0 < _real(fn, "scaling key 'partial_rotary_factor'", factor, "a number in (0, 1]") <= 1:
                 raise ValueError(f"{fn}: expected scaling key 'partial_rotary_factor' in (0, 1], got {factor!r}")
             rotary_dim = take("partial_rotary_factor", rotary_dim, int(head_dim * factor), "rotary_dim",
                               rotary_dim is not None, factor)
@@ -828,8 +828,8 @@ class RotaryPositionalEncoding(nn.Module):
     ) -> None:
         super().__init__()
         fn = "RotaryPositionalEncoding"
-        self.dim = _check_positive_int("dim", dim, f"{fn}: ")
-        self._max_len = _check_positive_int("max_len", max_len, f"{fn}: ")
+        self.dim = _check_positive_int(fn, "dim", dim)
+        self._max_len = _check_positive_int(fn, "max_len", max_len)
         scaling = _scaling_mapping(fn, rope.get("scaling"))
         self._scaling = None if scaling is None else dict(scaling)
         # The configuration, parsed once (a transformers dict's rope_theta,

@@ -69,13 +69,13 @@ def rope_cos_sin(
         raise TypeError(f"{fn}: expected positions to be an integer tensor (int64 position_ids), got {positions.dtype}")
     if positions.dim() not in (1, 2):
         raise ValueError(f"{fn}: expected positions of shape (seq,) or (batch, seq), got {tuple(positions.shape)}")
-    dim = _check_positive_int("dim (the head dimension)", dim, f"{fn}: ")
+    dim = _check_positive_int(fn, "dim (the head dimension)", dim)
     if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, numbers.Integral)):
         raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise TypeError(f"{fn}: expected dtype to be a floating-point torch.dtype, got {dtype!r}")
     if max_position_embeddings is not None:
-        max_position_embeddings = _check_positive_int("max_position_embeddings", max_position_embeddings, f"{fn}: ")
+        max_position_embeddings = _check_positive_int(fn, "max_position_embeddings", max_position_embeddings)
     scaling, base, rotary_dim, sections, _ = resolve_config_keys(
         scaling, base=base, rotary_dim=None if rotary_dim is None else int(rotary_dim), head_dim=dim,
         sections=None, sections_mode=None, fn=fn)

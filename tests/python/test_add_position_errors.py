@@ -83,7 +83,7 @@ def test_integer_x(pe):
         pe(torch.ones(2, 3, 16, dtype=torch.long))
 
 
-@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan")])
+@pytest.mark.parametrize("p", [-0.1, 1.5, float("nan"), 10**400])  # an int past float's range: a value, not a type
 def test_dropout_outside_unit_interval(module_cls, p):
     with pytest.raises(ValueError, match=r"dropout to be a probability in \[0, 1\]"):
         module_cls(16, p)
