@@ -166,8 +166,12 @@ void RotaryPositionalEncodingImpl::reset() {
                     options.dim());
   TORCH_CHECK_VALUE(options.max_len() > 0, "RotaryPositionalEncoding: expected max_len > 0, got ",
                     options.max_len());
-  // The model's defaults, as transformers fills them from the config, max_len standing for
-  // max_position_embeddings: which type takes which is in its facts (POSENC_ROPE_TYPES).
+  // The model's defaults, as transformers fills them from the config, from its
+  // max_position_embeddings (default max_len): which type takes which is in its facts
+  // (POSENC_ROPE_TYPES).
+  const int64_t model_len = options.max_position_embeddings().value_or(options.max_len());
+  TORCH_CHECK_VALUE(model_len > 0, "RotaryPositionalEncoding: expected max_position_embeddings > 0, got ",
+                    model_len);
   // Filled into a copy: `options` stays as the user gave it, so a reset() after changing
   // max_len derives them again (written back, they read as given: a stale baseline).
   RopeScaling s = options.scaling();
@@ -184,11 +188,11 @@ void RotaryPositionalEncodingImpl::reset() {
                       orig.has_value() ? std::to_string(*orig) : std::string("none"));
   }
   if ((facts & math::kRopeOriginalFromModel) && !orig.has_value()) {
-    s.original_max_position_embeddings = static_cast<double>(options.max_len());
+    s.original_max_position_embeddings = static_cast<double>(model_len);
   }
   if ((facts & math::kRopeFactorFromModel) && !s.factor.has_value() &&
       !s.attention_factor.has_value() && orig.has_value()) {
-    s.factor = static_cast<double>(options.max_len()) / *orig;
+    s.factor = static_cast<double>(model_len) / *orig;
   }
   // The options as the op reads them, parsed once (names, the scaling dict); every forward
   // copies this call and sets its tensors and positions.

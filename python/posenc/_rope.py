@@ -791,8 +791,14 @@ class RotaryPositionalEncoding(nn.Module):
             "llama3", "longrope" or "proportional"). "dynamic" needs
             ``original_max_position_embeddings`` below ``max_len`` (the trained context,
             Hugging Face's ``max_position_embeddings``: positions beyond it are what it
-            rescales); for "yarn" it defaults to ``max_len``, and "longrope"'s ``factor`` to
-            ``max_len / original_max_position_embeddings``.
+            rescales); for "yarn" it defaults to ``max_position_embeddings``, and
+            "longrope"'s ``factor`` to ``max_position_embeddings /
+            original_max_position_embeddings``.
+        max_position_embeddings: the model's length those defaults come from, as
+            transformers fills them from its config (keyword only; default ``max_len``).
+            Give it when ``max_len`` (the range check) is not the model's length: a Phi-3
+            dict without ``factor`` would otherwise take its attention factor from
+            ``max_len``.
         layout: "bshd" (default), "bhsd", "sbhd" or "thd" (packed, with ``cu_seqlens``).
         sections, sections_mode: multi-axis RoPE (Qwen2-VL M-RoPE, axial 2-D/3-D RoPE), as
             in :func:`posenc.functional.apply_rope`; positions are then (n_axes, ...) and
@@ -824,20 +830,25 @@ class RotaryPositionalEncoding(nn.Module):
         dim: int,
         max_len: int = 4096,
         base: Optional[float] = None,
+        *,
+        max_position_embeddings: Optional[int] = None,
         **rope: Any,
     ) -> None:
         super().__init__()
         fn = "RotaryPositionalEncoding"
         self.dim = _check_positive_int(fn, "dim", dim)
         self._max_len = _check_positive_int(fn, "max_len", max_len)
+        model_len = self._max_len if max_position_embeddings is None else _check_positive_int(
+            fn, "max_position_embeddings", max_position_embeddings)
         scaling = _scaling_mapping(fn, rope.get("scaling"))
         self._scaling = None if scaling is None else dict(scaling)
         # The configuration, parsed once (a transformers dict's rope_theta,
-        # partial_rotary_factor and mrope_section resolved; the model defaults max_len gives
-        # the scaling keys) and passed on at every call; the settings below read it
-        # (read-only: a changed setting would have to be parsed again: build a new module).
+        # partial_rotary_factor and mrope_section resolved; the model defaults
+        # max_position_embeddings gives the scaling keys) and passed on at every call; the
+        # settings below read it (read-only: a changed setting would have to be parsed again:
+        # build a new module).
         self.rope_config = RopeConfig.parse(
-            head_dim=self.dim, base=base, max_position_embeddings=self.max_len, fn="RotaryPositionalEncoding",
+            head_dim=self.dim, base=base, max_position_embeddings=model_len, fn="RotaryPositionalEncoding",
             **rope)
         c = self.rope_config
         self._rotary_width = rotary_width(c)

@@ -432,6 +432,17 @@ TEST(RopeLongrope, ModuleFillsFactorAndSwitchesToLongFactors) {
   posenc::RopeScaling bad = s;
   bad.long_factor = {1.0};
   EXPECT_THROW(bad.values(), c10::ValueError);
+  // max_position_embeddings apart from max_len (the range check): the factor, and so the
+  // attention factor, come from the model's length, not from a narrower max_len.
+  posenc::RotaryPositionalEncoding narrow(
+      posenc::RotaryPositionalEncodingOptions(8).max_len(32).max_position_embeddings(64).scaling(s));
+  EXPECT_DOUBLE_EQ(narrow->attention_scaling(), rope->attention_scaling());
+  EXPECT_TRUE(torch::equal(std::get<0>(narrow->forward_at(q, q, posenc::RopePositions())), out));
+  posenc::RotaryPositionalEncoding by_max_len(posenc::RotaryPositionalEncodingOptions(8).max_len(32).scaling(s));
+  EXPECT_NE(by_max_len->attention_scaling(), rope->attention_scaling());
+  EXPECT_THROW(posenc::RotaryPositionalEncoding(
+                   posenc::RotaryPositionalEncodingOptions(8).max_len(32).max_position_embeddings(0).scaling(s)),
+               c10::ValueError);
 }
 
 TEST(ApplyRopeCosSin, MatchesApplyRopeAndBackwardIsTheTranspose) {

@@ -119,6 +119,28 @@ def test_attention_factor_and_frequencies(extra, max_len):
         assert attn == pytest.approx(want_attn, rel=1e-15)
 
 
+def test_the_models_length_apart_from_max_len():
+    """max_position_embeddings= gives the model's length the scaling defaults come from; max_len
+    (the range check) stood for it, so a module whose max_len was set below the model's took a
+    Phi-3 dict's attention factor (no factor in the dict) from max_len, silently."""
+    D = 24
+    scaling = longrope_dict(D)
+    narrow = posenc.RotaryPositionalEncoding(D, max_len=128, max_position_embeddings=2048, scaling=scaling)
+    model = posenc.RotaryPositionalEncoding(D, max_len=2048, scaling=scaling)
+    assert narrow.attention_scaling == model.attention_scaling == pytest.approx(
+        reference_longrope(D, scaling, 0, max_position_embeddings=2048)[1], rel=1e-15)
+    assert posenc.RotaryPositionalEncoding(D, max_len=128, scaling=scaling).attention_scaling != model.attention_scaling
+    q = torch.randn(2, 100, 3, D, dtype=F64)
+    assert torch.equal(narrow(q, offset=20), model(q, offset=20))
+    # yarn's original_max_position_embeddings likewise.
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    narrow = posenc.RotaryPositionalEncoding(D, max_len=128, max_position_embeddings=512, scaling=yarn)
+    assert torch.equal(narrow(q), posenc.RotaryPositionalEncoding(D, max_len=512, scaling=yarn)(q))
+    for bad, error in ((0, ValueError), (2048.0, TypeError)):
+        with pytest.raises(error, match="RotaryPositionalEncoding: expected max_position_embeddings to be a positive"):
+            posenc.RotaryPositionalEncoding(D, max_len=128, max_position_embeddings=bad, scaling=scaling)
+
+
 def test_module_partial_rotary_and_packed_sequences():
     """Phi-3's partial_rotary_factor (lists of rotary_dim / 2), the module's max_len as
     max_position_embeddings, and packed "thd" sequences whose longest position decides."""
