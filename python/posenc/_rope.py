@@ -54,6 +54,10 @@ LIST_KEY_TYPES = _types_with("list_keys")
 # original_max_position_embeddings (neither factor nor attention_factor given).
 ORIGINAL_FROM_MODEL_TYPES = _types_with("original_from_model")
 FACTOR_FROM_MODEL_TYPES = _types_with("factor_from_model")
+# "dynamic": scaled by the call's length beyond original_max_position_embeddings, whose
+# default is the model's length (transformers reads only the model's; the module refuses a
+# default at max_len, rope_cos_sin a dict disagreeing with the model's).
+LENGTH_BASELINE_TYPES = tuple(t for t in LENGTH_SCALED_TYPES if t in ORIGINAL_FROM_MODEL_TYPES)
 # The types that read partial_rotary_factor as their own scaling key ("proportional").
 PARTIAL_ROTARY_KEY_TYPES = _types_with("partial_rotary_key")
 
@@ -852,7 +856,7 @@ class RotaryPositionalEncoding(nn.Module):
             **rope)
         c = self.rope_config
         self._rotary_width = rotary_width(c)
-        if c.rope_type in LENGTH_SCALED_TYPES and c.rope_type in ORIGINAL_FROM_MODEL_TYPES:
+        if c.rope_type in LENGTH_BASELINE_TYPES:
             _check_length_baseline(self._scaling, c.rope_type, self.max_len)
         # The frequencies (rope_frequencies checks what an empty call does not reach).
         inv_freq, factor = self._frequencies()

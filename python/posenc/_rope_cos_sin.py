@@ -18,7 +18,7 @@ from torch import Tensor
 
 from posenc._common import _bool_arg, _check_positive_int, _float_arg, _specialised
 from posenc._dtensor import is_dtensor, place_beside
-from posenc._rope import (LENGTH_SCALED_TYPES, ORIGINAL_FROM_MODEL_TYPES, PARTIAL_ROTARY_KEY_TYPES,
+from posenc._rope import (LENGTH_BASELINE_TYPES, LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES,
                           _host_frequencies, heads_batch_rule, resolve_config_keys, scaling_arguments)
 
 
@@ -89,7 +89,7 @@ def rope_cos_sin(
     # the types' facts (scaling_arguments, LENGTH_SCALED_TYPES), as for apply_rope.
     rope_type, values = scaling_arguments(scaling, max_position_embeddings)
     given = scaling.get("original_max_position_embeddings") if isinstance(scaling, Mapping) else None
-    if (rope_type in LENGTH_SCALED_TYPES and rope_type in ORIGINAL_FROM_MODEL_TYPES and given is not None
+    if (rope_type in LENGTH_BASELINE_TYPES and given is not None
             and max_position_embeddings is not None and given != max_position_embeddings):
         # "dynamic": transformers' rule scales by config.max_position_embeddings and ignores
         # the dict's key; posenc reads the key. Both given and different: two readings.

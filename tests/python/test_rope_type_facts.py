@@ -150,7 +150,7 @@ def test_model_defaults_follow_the_facts(rope_type):
         assert same(tables(no_factor, MAX_LEN), tables(filled))
         assert same(module(no_factor), plain(filled))
     else:
-        if rope_type in _rope.LENGTH_SCALED_TYPES and rope_type in _rope.ORIGINAL_FROM_MODEL_TYPES:
+        if rope_type in _rope.LENGTH_BASELINE_TYPES:
             # "dynamic": transformers scales by the model's length and ignores the dict's key,
             # so a dict stating another length beside the model's is refused first.
             got = tables(no_factor, MAX_LEN)
