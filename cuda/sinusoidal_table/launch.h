@@ -12,9 +12,10 @@ namespace posenc {
 namespace ops {
 
 // out[i, j] (numel = rows * d_model values of dtype: float64, float32, bfloat16 or float16)
-// = the encoding of positions[i] (float64) at column j, on `stream`.
-cudaError_t launch_sinusoidal_table(const double* positions, void* out, c10::ScalarType dtype,
-                                    int64_t numel, int64_t d_model, double log_base,
+// = the encoding of positions[i] (float64) at column j of frequency freq[j] (d_model float64
+// values on the device, the host's: sinusoid_frequencies), on `stream`.
+cudaError_t launch_sinusoidal_table(const double* positions, const double* freq, void* out,
+                                    c10::ScalarType dtype, int64_t numel, int64_t d_model,
                                     cudaStream_t stream);
 
 }  // namespace ops

@@ -286,6 +286,87 @@ def test_qk_norm_rope_inplace_refuses_aliases_it_could_not_see(path):
         call(path, "qk_norm_rope_", q, k, wq, wk, positions=positions)
 
 
+# ---- Meta kernels and tracing: the same refusals -------------------------------------------------
+
+
+def meta_cases():
+    """(name, call, expected message) over views of one Meta buffer: what the CPU refuses."""
+    buf = torch.empty(256, device="meta", dtype=F64)
+    q, k = buf[:48].view(1, 3, 2, 8), buf[8:56].view(1, 3, 2, 8)
+    w = torch.ones(8, device="meta", dtype=F64)
+    other = torch.empty(1, 6, 2, 8, device="meta", dtype=F64)
+    return [
+        ("rope_", lambda: torch.ops.posenc.rope_(q, k), "rope_: expected q and k in separate memory"),
+        ("qk_norm_rope_", lambda: torch.ops.posenc.qk_norm_rope_(q, k, w, w),
+         "qk_norm_rope_: expected q and k in separate memory"),
+        ("rope_append_kv", lambda: torch.ops.posenc.rope_append_kv(
+            buf[200:248].view(1, 3, 2, 8), buf[:48].view(1, 3, 2, 8), buf[:48].view(1, 3, 2, 8),
+            buf[:96].view(1, 6, 2, 8), other, offset=0),
+         "rope_append_kv: expected k_cache and k in separate memory"),
+        ("rope_append_kv_", lambda: torch.ops.posenc.rope_append_kv_(
+            buf[200:248].view(1, 3, 2, 8), buf[100:148].view(1, 3, 2, 8), buf[100:148].view(1, 3, 2, 8),
+            other, other.clone(), None, True, offset=0),
+         "rope_append_kv_: expected k and v in separate memory"),
+        ("rope_shift_kv_", lambda: torch.ops.posenc.rope_shift_kv_(
+            buf[:96].view(1, 6, 2, 8), buf[:2].view(torch.int64), buf[2:4].view(torch.int64)),
+         "rope_shift_kv_: expected k_cache and from_positions in separate memory"),
+    ]
+
+
+@pytest.mark.parametrize("case", range(5))
+def test_meta_kernels_refuse_what_the_cpu_kernels_refuse(case):
+    # The Meta kernels are what torch.compile and torch.export trace with: a call they accepted
+    # ran under aot_eager (on functionalization's copies) while eager refused it.
+    name, fn, message = meta_cases()[case]
+    with pytest.raises(RuntimeError, match=message):
+        fn()
+
+
+def test_meta_kernels_accept_views_that_share_no_byte():
+    # Fused q, k, v slices of one Meta buffer interleave without sharing a byte, as on the CPU.
+    qkv = torch.empty(2, 5, 8, 16, device="meta", dtype=F64)
+    q, k, v = qkv[:, :, :4], qkv[:, :, 4:6], qkv[:, :, 6:]
+    caches = torch.empty(2, 9, 2, 2, 16, device="meta", dtype=F64)
+    torch.ops.posenc.rope_append_kv_(q, k, v, caches[:, :, 0], caches[:, :, 1], None, True, offset=2)
+    torch.ops.posenc.rope_(q, k)
+
+
+def test_compile_refuses_what_eager_refuses():
+    buf = rand(100)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def rotate(buf):
+        torch.ops.posenc.rope_(buf[:48].view(1, 3, 2, 8), buf[8:56].view(1, 3, 2, 8))
+        return buf
+
+    before = buf.clone()
+    with pytest.raises(Exception, match="rope_: expected q and k in separate memory"):
+        rotate(buf)
+    assert torch.equal(buf, before)
+
+
+def test_compiled_writes_into_a_view_at_a_symbolic_offset_are_refused():
+    # Layer 1 of stacked caches under dynamic shapes: Inductor (torch 2.11) hands a custom op
+    # its written view at storage offset 0 (pytorch/pytorch#198068), so the shift turned layer
+    # 0's keys, silently. Refused when traced (the backend cannot be told there); a view at a
+    # static offset is written where it lies.
+    def shift_layer1(k_caches, from_positions, to_positions):
+        torch.ops.posenc.rope_shift_kv_(k_caches[1], from_positions, to_positions)
+
+    k_caches = rand(2, 2, 32, 2, 16)
+    from_positions, to_positions = torch.arange(5) + 3, torch.arange(5)
+    before = k_caches.clone()
+    with pytest.raises(Exception, match=r"rope_shift_kv_: k_cache is a view at a symbolic storage offset"):
+        torch.compile(shift_layer1, backend="aot_eager", fullgraph=True, dynamic=True)(
+            k_caches, from_positions, to_positions)
+    assert torch.equal(k_caches, before)
+    want = k_caches.clone()
+    shift_layer1(want, from_positions, to_positions)
+    torch.compile(shift_layer1, backend="aot_eager", fullgraph=True, dynamic=False)(
+        k_caches, from_positions, to_positions)
+    assert torch.equal(k_caches, want) and not torch.equal(want[1], before[1]) and torch.equal(want[0], before[0])
+
+
 # ---- the proof itself ----------------------------------------------------------------------------
 
 

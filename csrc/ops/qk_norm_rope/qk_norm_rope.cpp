@@ -310,7 +310,7 @@ void qk_norm_rope_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   }
 }
 
-// qk_norm_rope_: the checks only (the in-place proof reads strides, not data).
+// qk_norm_rope_: the checks only, the in-place proof included (it reads strides, not data).
 void qk_norm_rope_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const QkNormRopeCall c = QkNormRopeCall::pop(*stack, /*backward=*/false);
   check_not_mixed_with_meta("qk_norm_rope_", {{"q", &c.rope.q}, {"k", optional_ptr(c.rope.k)},
@@ -319,6 +319,7 @@ void qk_norm_rope_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* st
                                               {"offsets", optional_ptr(c.rope.offsets)},
                                               {"cu_seqlens", optional_ptr(c.rope.cu_seqlens)}});
   check_qk_norm_rope(c, /*backward=*/false);
+  check_qk_norm_rope_inplace(c);
 }
 
 }  // namespace

@@ -79,7 +79,7 @@ void rope_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 }
 
 void rope_inplace_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  checked_meta_call("rope_", stack);
+  check_rope_inplace(checked_meta_call("rope_", stack));
 }
 
 void rope_position_extremes_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {

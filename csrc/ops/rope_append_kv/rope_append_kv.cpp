@@ -475,12 +475,12 @@ POSENC_REGISTER_WRITTEN_LAYERS("rope_append_kv_")
 POSENC_REGISTER_WRITTEN_LAYERS("rope_append_kv_.keep_k")
 
 // ---- Meta kernels
-// The real kernels' checks and q's (and k's) shape, so torch.compile and torch.export trace
+// The real kernels' checks (the memory proof included) and q's (and k's) shape, so torch.compile and torch.export trace
 // the op (the caches are mutated arguments of the schema: functionalization handles them).
 
 namespace {
 
-RopeAppendKvCall checked_append_kv_meta_call(const char* op, torch::jit::Stack* stack) {
+RopeAppendKvCall checked_append_kv_meta_call(const char* op, torch::jit::Stack* stack, bool in_place) {
   RopeAppendKvCall c = RopeAppendKvCall::pop(*stack);
   check_rope_append_kv(c);
   check_not_mixed_with_meta(op, {{"q", &c.rope.q}, {"k", optional_ptr(c.rope.k)}, {"v", &c.v},
@@ -490,17 +490,18 @@ RopeAppendKvCall checked_append_kv_meta_call(const char* op, torch::jit::Stack* 
                                  {"offset", optional_ptr(c.rope.offsets)},
                                  {"q_weight", optional_ptr(c.q_weight)},
                                  {"k_weight", optional_ptr(c.k_weight)}});
+  check_rope_append_kv_overlap(c, in_place);
   return c;
 }
 
 void rope_append_kv_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
-  const RopeAppendKvCall c = checked_append_kv_meta_call("rope_append_kv", stack);
+  const RopeAppendKvCall c = checked_append_kv_meta_call("rope_append_kv", stack, /*in_place=*/false);
   stack->emplace_back(at::empty_like(c.rope.q));
   stack->emplace_back(c.return_k ? at::empty_like(*c.rope.k) : at::empty({0}, c.rope.q.options()));
 }
 
 void rope_append_kv_inplace_meta(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
-  check_keep_k_overload(op, checked_append_kv_meta_call("rope_append_kv_", stack));
+  check_keep_k_overload(op, checked_append_kv_meta_call("rope_append_kv_", stack, /*in_place=*/true));
 }
 
 }  // namespace

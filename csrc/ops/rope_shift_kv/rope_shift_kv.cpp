@@ -454,7 +454,7 @@ TORCH_LIBRARY_IMPL(posenc, Autograd, m) {
 
 POSENC_REGISTER_WRITTEN_LAYERS("rope_shift_kv_")
 
-// ---- The Meta kernel: the real kernels' checks (the cache is a mutated argument of the
+// ---- The Meta kernel: the real kernels' checks, the memory proof included (the cache is a mutated argument of the
 // schema: functionalization handles it).
 
 namespace {
@@ -468,6 +468,7 @@ void rope_shift_kv_meta(const c10::OperatorHandle&, torch::jit::Stack* stack) {
                                                {"slot_mapping", optional_ptr(c.slot_mapping)},
                                                {"k_scale", optional_ptr(c.k_scale)}});
   check_rope_shift_kv(c);
+  check_rope_shift_kv_overlap(c);
 }
 
 }  // namespace

@@ -56,6 +56,15 @@ void check_sinusoidal_table_args(const at::Tensor& positions, int64_t d_model, d
                    positions.scalar_type());
 }
 
+// Column j's frequency (math::sinusoid_inv_freq) for j in [0, d_model), by the host's libm:
+// the composite, the CPU and the CUDA kernels all turn by these bits.
+std::vector<double> sinusoid_frequencies(int64_t d_model, double base) {
+  const double log_base = std::log(base);
+  std::vector<double> freq(static_cast<size_t>(d_model));
+  for (int64_t j = 0; j < d_model; ++j) freq[j] = math::sinusoid_inv_freq(j, d_model, log_base);
+  return freq;
+}
+
 // ---- Meta kernel: the shape (positions..., d_model) in dtype, with symbolic sizes, after
 // the same argument checks as the real kernels (when d_model is concrete).
 at::Tensor sinusoidal_table_meta(const at::Tensor& positions, c10::SymInt d_model, double base,
@@ -76,9 +85,7 @@ at::Tensor sinusoidal_table_composite(const at::Tensor& positions, int64_t d_mod
   const at::ScalarType out = table_dtype(dtype);
   check_sinusoidal_table_args(positions, d_model, base);
   warn_aten_fallback("sinusoidal_table", positions.device());
-  const double log_base = std::log(base);
-  std::vector<double> freq(static_cast<size_t>(d_model));
-  for (int64_t j = 0; j < d_model; ++j) freq[j] = math::sinusoid_inv_freq(j, d_model, log_base);
+  const std::vector<double> freq = sinusoid_frequencies(d_model, base);
   const at::ScalarType wide = fallback_wide_dtype(positions.device());
   const at::Tensor angle = positions.to(wide).unsqueeze(-1) *
                            at::tensor(freq, at::kDouble).to(positions.device(), wide);
@@ -96,9 +103,7 @@ at::Tensor sinusoidal_table_cpu(const at::Tensor& positions, int64_t d_model, do
   shape.push_back(d_model);
   at::Tensor out = at::empty(shape, positions.options().dtype(out_dtype));
   if (pos.numel() == 0) return out;
-  const double log_base = std::log(base);
-  std::vector<double> freq(static_cast<size_t>(d_model));
-  for (int64_t j = 0; j < d_model; ++j) freq[j] = math::sinusoid_inv_freq(j, d_model, log_base);
+  const std::vector<double> freq = sinusoid_frequencies(d_model, base);
   SinusoidalTableArgs args;
   args.positions = pos.const_data_ptr<double>();
   args.rows = pos.numel();
@@ -145,8 +150,16 @@ at::Tensor sinusoidal_table_cuda(const at::Tensor& positions, int64_t d_model, d
   std::vector<int64_t> shape(positions.sizes().begin(), positions.sizes().end());
   shape.push_back(d_model);
   at::Tensor out = at::empty(shape, positions.options().dtype(out_dtype));
-  C10_CUDA_CHECK(launch_sinusoidal_table(pos.const_data_ptr<double>(), out.mutable_data_ptr(), out_dtype, out.numel(),
-                                         d_model, std::log(base), at::cuda::getCurrentCUDAStream()));
+  if (out.numel() == 0) return out;
+  // The host's frequencies (sinusoid_frequencies), copied from pinned memory without a sync
+  // (the caching host allocator keeps the buffer until the copy has run).
+  const std::vector<double> freq = sinusoid_frequencies(d_model, base);
+  at::Tensor host_freq = at::empty({d_model}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
+  std::copy(freq.begin(), freq.end(), host_freq.mutable_data_ptr<double>());
+  const at::Tensor device_freq = host_freq.to(positions.device(), /*non_blocking=*/true);
+  C10_CUDA_CHECK(launch_sinusoidal_table(pos.const_data_ptr<double>(), device_freq.const_data_ptr<double>(),
+                                         out.mutable_data_ptr(), out_dtype, out.numel(), d_model,
+                                         at::cuda::getCurrentCUDAStream()));
   return out;
 }
 

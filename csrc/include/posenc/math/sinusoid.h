@@ -24,9 +24,11 @@ POSENC_HOST_DEVICE double sinusoid_inv_freq(int64_t column, int64_t d_model,
   return exp(-two_i * log_base / static_cast<double>(d_model));
 }
 
-POSENC_HOST_DEVICE double sinusoid_value(double position, int64_t column,
-                                         int64_t d_model, double log_base) {
-  const double angle = position * sinusoid_inv_freq(column, d_model, log_base);
+// The entry of `column` at `position`, given that column's frequency (sinusoid_inv_freq,
+// computed once on the host by every backend: a device's exp may differ from the host's libm
+// in the last bit, which moves the angle at position p by about p ulps).
+POSENC_HOST_DEVICE double sinusoid_value(double position, int64_t column, double freq) {
+  const double angle = position * freq;
   return (column & 1) ? cos(angle) : sin(angle);
 }
 

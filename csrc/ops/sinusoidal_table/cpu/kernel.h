@@ -22,7 +22,7 @@ struct SinusoidalTableArgs {
 
 namespace cpu {
 
-// out[r, j] = math::sinusoid_value(positions[r], j, ...) evaluated in float64 by libm and
+// out[r, j] = math::sinusoid_value(positions[r], j, freq[j]) evaluated in float64 by libm and
 // rounded once to dtype (float64, float32, bfloat16 or float16; a narrow dtype through
 // float32, as ATen's cast of a float64 tensor rounds).
 using SinusoidalTableFn = void (*)(const SinusoidalTableArgs& a, c10::ScalarType dtype);
