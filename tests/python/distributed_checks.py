@@ -992,6 +992,22 @@ def sharded_values_read_whole():
         else:
             raise AssertionError(f"{name}: position 9 >= max_len 8 on rank 1's shard not refused on rank "
                                  f"{dist.get_rank()}")
+    # Replicated positions (plain ones beside a DTensor x become those) are sharded with x by
+    # the rule: their bounds too are checked whole (a review proposed checking sharded ones only;
+    # rank 1 then raised alone and rank 0 blocked).
+    good = torch.tensor([0, 1, 2, 7])
+    for name, call in calls.items():
+        want = call(distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(good, mesh, [Shard(0)]))
+        for positions in (good, distribute_tensor(good, mesh, [Replicate()])):
+            out = call(distribute_tensor(x, mesh, [Shard(1)]), positions)
+            close(out.full_tensor(), want.full_tensor(), f"{name} replicated positions")
+        try:
+            call(distribute_tensor(x, mesh, [Shard(1)]), distribute_tensor(bad, mesh, [Replicate()]))
+        except IndexError as e:
+            assert "found 9" in str(e), str(e)
+        else:
+            raise AssertionError(f"{name}: replicated position 9 >= max_len 8 not refused on rank "
+                                 f"{dist.get_rank()}")
     # The RoPE functions' own limit (positions and offsets within 2**53), checked by the kernel
     # on each rank's shard: rank 1 alone raised (rank 0 went on to its next collective). With
     # check_inputs=True the functions gather the bounds first (the module always does).

@@ -32,6 +32,12 @@ POSENC_HOST_DEVICE double sinusoid_value(double position, int64_t column, double
   return (column & 1) ? cos(angle) : sin(angle);
 }
 
+// The same with the frequency computed here (this side's exp).
+POSENC_HOST_DEVICE double sinusoid_value(double position, int64_t column, int64_t d_model,
+                                         double log_base) {
+  return sinusoid_value(position, column, sinusoid_inv_freq(column, d_model, log_base));
+}
+
 POSENC_ISA_NAMESPACE_END
 
 }  // namespace math
