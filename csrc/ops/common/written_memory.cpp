@@ -7,8 +7,6 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
-#include <cctype>
-#include <string>
 #include <cstdint>
 #include <utility>
 #include <vector>
@@ -95,15 +93,6 @@ const char* overlap_detail(const at::Tensor& a, const at::Tensor& b) {
                                             : "overlapping tensors";
 }
 
-// Whether a symbolic value is one symbol ("s23", "u0": an input's own storage offset) rather
-// than an expression of sizes ("16*s6", "s1*s2 + 8").
-bool is_plain_symbol(const c10::SymInt& v) {
-  if (!v.is_heap_allocated()) return false;
-  const std::string text = v.toSymNodeImplUnowned()->str();
-  return text.size() >= 2 && std::isalpha(static_cast<unsigned char>(text[0])) &&
-         std::all_of(text.begin() + 1, text.end(), [](char c) { return std::isdigit(static_cast<unsigned char>(c)); });
-}
-
 const at::Tensor* tensor_or_null(const std::optional<at::Tensor>& t) {
   return t.has_value() ? &*t : nullptr;
 }
@@ -146,23 +135,23 @@ bool provably_no_internal_overlap(const at::Tensor& t) {
 
 void check_written_memory(const char* op, std::initializer_list<MemoryOperand> written,
                           std::initializer_list<MemoryOperand> read, const char* remedy) {
-  // A written view at a storage offset computed in the traced graph from dynamic sizes
-  // (torch.compile's and torch.export's dynamic shapes: layer i of stacked caches,
-  // k_caches[i]; qkv.unbind(0)[1]): Inductor's re-inplacing of a custom op regenerates that
-  // view at offset 0 (pytorch/pytorch#198068, torch 2.11), so the op would write at the start
-  // of the base buffer, silently. The backend is not known here: refused when traced,
-  // whichever backend. A view handed to the graph as an input carries its offset as a symbol
-  // of its own (one symbol, no arithmetic), which Inductor passes as it is: accepted.
+  // A written view at a symbolic storage offset (torch.compile's and torch.export's dynamic
+  // shapes: layer i of stacked caches, k_caches[i]; qkv.unbind(0)[1]; kpool[n:].view(...)):
+  // Inductor's re-inplacing of a custom op regenerates that view at offset 0
+  // (pytorch/pytorch#198068, torch 2.11), so the op would write at the start of the base
+  // buffer, silently. Neither the backend nor where the symbol comes from (an input view's own
+  // offset, which Inductor keeps, or one computed in the graph: torch.export fixes its inputs'
+  // offsets, and a lone symbol can be a size) can be told here: refused when traced.
   for (const MemoryOperand& w : written) {
     if (w.tensor == nullptr || !w.tensor->defined()) continue;
     const c10::SymInt offset = w.tensor->sym_storage_offset();
-    TORCH_CHECK(offset.maybe_as_int().has_value() || is_plain_symbol(offset), "posenc: ", op, ": ", w.name,
-                " is a view at a storage offset computed from dynamic sizes (", offset,
+    TORCH_CHECK(offset.maybe_as_int().has_value(), "posenc: ", op, ": ", w.name,
+                " is a view at a symbolic storage offset (", offset,
                 ": torch.compile or torch.export with dynamic shapes), which Inductor's in-place "
-                "custom-op calls drop (pytorch/pytorch#198068: the op would write at offset 0 of the "
-                "base buffer); take the view outside the compiled region (pass ", w.name,
-                " in as an argument), mark those sizes static, or (rope_, qk_norm_rope_) rotate out "
-                "of place");
+                "custom-op calls can drop (pytorch/pytorch#198068: the op would write at offset 0 of "
+                "the base buffer); pass ", w.name, " as a tensor of its own (a layer's own cache, not "
+                "a slice of a stacked buffer at a dynamic offset), mark those sizes static, or "
+                "(rope_, qk_norm_rope_) rotate out of place");
   }
   // Other tensors with symbolic sizes, strides or offsets have no numbers to prove anything
   // with: the real kernel's own check decides when the call runs. Concrete Meta and fake
