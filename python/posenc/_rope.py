@@ -384,19 +384,21 @@ _CONFIG_KEYWORDS: Dict[str, Any] = dict(
     layout=Optional[str], sections=Optional[Sequence[int]], sections_mode=Optional[str])
 _CONFIG_DEFAULTS = dict.fromkeys(_CONFIG_KEYWORDS)
 # The plain settings (POSENC_ROPE_SETTINGS in posenc/math/rope.h, each declared once there):
-# the schema's arguments after sections_mode, with their schema types. Every RoPE function
-# and module takes each as a keyword (``with_rope_settings``; default None: the schema's).
+# the schema's arguments after sections_mode, with their schema types' names ("int", "float":
+# strings, which torch.compile traces; torch 2.15's cannot trace str() of a schema type).
+# Every RoPE function and module takes each as a keyword (``with_rope_settings``; default
+# None: the schema's).
 _ROPE_ARGUMENTS = torch.ops.posenc.rope.default._schema.arguments
-PLAIN_SETTINGS = {a.name: a.type for a in
+PLAIN_SETTINGS = {a.name: str(a.type) for a in
                   _ROPE_ARGUMENTS[[a.name for a in _ROPE_ARGUMENTS].index("sections_mode") + 1:]}
-_CONFIG_KEYWORDS.update({name: Optional[int] if str(t) == "int" else Optional[float]
+_CONFIG_KEYWORDS.update({name: Optional[int] if t == "int" else Optional[float]
                          for name, t in PLAIN_SETTINGS.items()})
 _CONFIG_DEFAULTS.update(dict.fromkeys(PLAIN_SETTINGS))
 
 
 def _plain_setting(fn: str, name: str, value: Any) -> Any:
     """A plain setting's value by its schema type (int or float); the op checks the value."""
-    want = str(PLAIN_SETTINGS[name])
+    want = PLAIN_SETTINGS[name]
     if want == "int" and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
         raise TypeError(f"{fn}: expected {name} to be an int, got {value!r}")
     if want == "float" and (isinstance(value, bool) or not isinstance(value, numbers.Real)):

@@ -17,6 +17,7 @@ tests/python/test_examples_func.py). This test checks that every included file e
 """
 
 import importlib
+import importlib.util
 import pathlib
 import re
 import sys
@@ -45,6 +46,8 @@ def documented_objects():
     """The object of each autodoc directive's target, by import."""
     objects = []
     for target in AUTODOC.findall(all_text()):
+        if target.startswith("posenc.integrations.transformers") and importlib.util.find_spec("transformers") is None:
+            continue  # imports transformers (public_names skips the test without it)
         try:
             objects.append(importlib.import_module(target))
             continue

@@ -26,6 +26,8 @@
 
 #include <memory>
 #include <optional>
+#include <type_traits>
+#include <utility>
 
 namespace posenc {
 namespace ops {
@@ -35,20 +37,41 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
+// How torch holds a Node: std::shared_ptr up to torch 2.14 (deleted through deleteNode, which
+// unwinds a long graph without recursion), c10::intrusive_ptr from torch 2.15 (the pointer
+// type of an Edge's function says which). The library builds against either.
+constexpr bool kSharedNodes =
+    std::is_same_v<decltype(std::declval<torch::autograd::Edge&>().function), std::shared_ptr<Node>>;
+template <class T>
+using NodePtr = std::conditional_t<kSharedNodes, std::shared_ptr<T>, c10::intrusive_ptr<T>>;
+
+// A new node of type T, held as torch holds nodes.
+template <class T>
+NodePtr<T> new_node() {
+  if constexpr (kSharedNodes) {
+    // deleteNode by argument-dependent lookup (n's base class is torch's Node): looked up only
+    // where it exists, the torch versions that hold nodes by shared_ptr.
+    return NodePtr<T>(new T(), [](T* n) { deleteNode(n); });
+  } else {
+    return c10::make_intrusive<T>();
+  }
+}
+
 // The node of an op whose differentiable inputs are `inputs` (one edge each, in order: the
-// gradients Node::apply returns), or nullptr when none requires grad under grad mode.
+// gradients Node::apply returns), or a null one when none requires grad under grad mode.
 template <class T, class... Inputs>
-std::shared_ptr<T> make_node(const Inputs&... inputs) {
-  if (!torch::autograd::compute_requires_grad(inputs...)) return nullptr;
-  std::shared_ptr<T> node(new T(), torch::autograd::deleteNode);
+NodePtr<T> make_node(const Inputs&... inputs) {
+  if (!torch::autograd::compute_requires_grad(inputs...)) return NodePtr<T>();
+  NodePtr<T> node = new_node<T>();
   node->set_next_edges(torch::autograd::collect_next_edges(inputs...));
   return node;
 }
 
-// Records `outputs` as the node's outputs (output i gets the gradient apply reads at i).
-template <class... Outputs>
-void record(const std::shared_ptr<Node>& node, const Outputs&... outputs) {
-  if (node) torch::autograd::set_history(torch::autograd::flatten_tensor_args(outputs...), node);
+// Records `outputs` as the node's outputs (output i gets the gradient apply reads at i); node:
+// a NodePtr<T> of make_node.
+template <class Ptr, class... Outputs>
+void record(const Ptr& node, const Outputs&... outputs) {
+  if (node) torch::autograd::set_history(torch::autograd::flatten_tensor_args(outputs...), NodePtr<Node>(node));
 }
 
 // A tensor's tangent (forward AD, level 0: torch.func.jvp's too), undefined when it has none.
