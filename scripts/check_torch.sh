@@ -15,6 +15,10 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 jobs="${MAX_JOBS:-2}"
 
 mkdir -p "$work"
+work="$(cd "$work" && pwd)"  # absolute: the tests run from inside it
+case "$work/" in
+  "$root/"*) echo "check_torch.sh: the work dir must lie outside this checkout ($root)" >&2; exit 2 ;;
+esac
 if [ ! -x "$work/venv/bin/python" ]; then
   python3 -m venv "$work/venv"
 fi

@@ -66,12 +66,14 @@ def test_compiled_training_matches_eager_across_recompiles():
     want = train(eager, eager, lengths)
     torch._dynamo.reset()
     got = train(compiled, torch.compile(compiled), lengths)
-    assert eager.training and compiled.training
     for (wl, wg, wp), (gl, gg, gp) in zip(want, got):
         torch.testing.assert_close(gl, wl, atol=1e-6, rtol=1e-5)
         for name in wg:
             torch.testing.assert_close(gg[name], wg[name], atol=1e-6, rtol=1e-5, msg=name)
             torch.testing.assert_close(gp[name], wp[name], atol=1e-6, rtol=1e-5, msg=name)
-    # The steps did train, and dropout did drop (the masks agreed, not an empty p).
+    # The steps did train, and dropout did drop in the models as trained (train mode): the
+    # masks agreed, not an inactive dropout.
     assert not torch.equal(want[0][2]["emb.weight"], want[-1][2]["emb.weight"])
-    assert eager.pe.dropout.p == 0.3
+    for model in (eager, compiled):
+        dropped = (model.pe(torch.randn(2, 64, D) + 10) == 0).double().mean().item()
+        assert 0.2 < dropped < 0.4, dropped

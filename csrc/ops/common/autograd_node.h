@@ -37,9 +37,9 @@ using torch::autograd::Node;
 using torch::autograd::SavedVariable;
 using torch::autograd::variable_list;
 
-// How torch holds a Node: std::shared_ptr up to torch 2.14 (deleted through deleteNode, which
-// unwinds a long graph without recursion), c10::intrusive_ptr from torch 2.15 (the pointer
-// type of an Edge's function says which). The library builds against either.
+// How torch holds a Node: std::shared_ptr in torch 2.11 (deleted through deleteNode, which
+// unwinds a long graph without recursion), c10::intrusive_ptr in torch 2.15 (the pointer type
+// of an Edge's function says which, whatever the release). The library builds against either.
 constexpr bool kSharedNodes =
     std::is_same_v<decltype(std::declval<torch::autograd::Edge&>().function), std::shared_ptr<Node>>;
 template <class T>

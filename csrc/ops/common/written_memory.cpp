@@ -153,25 +153,19 @@ void check_written_memory(const char* op, std::initializer_list<MemoryOperand> w
                 "a slice of a stacked buffer at a dynamic offset), mark those sizes static, or "
                 "(rope_, qk_norm_rope_) rotate out of place");
   }
-  // Other tensors with symbolic sizes, strides or offsets have no numbers to prove anything
-  // with: the real kernel's own check decides when the call runs. Concrete Meta and fake
-  // tensors are checked as real ones (the views of one storage compare by offset), so tracing
-  // refuses what eager refuses.
-  for (const auto* group : {&written, &read}) {
-    for (const MemoryOperand& x : *group) {
-      if (x.tensor != nullptr && x.tensor->defined() && x.tensor->unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
-        return;
-      }
-    }
-  }
+  // A tensor with symbolic sizes, strides or offsets has no numbers to prove anything with:
+  // its checks are left to the real kernel, which runs them when the call runs; the pairs of
+  // concrete Meta and fake tensors are checked as real ones (the views of one storage compare
+  // by offset), so tracing refuses what eager refuses wherever the sizes are known.
+  const auto symbolic = [](const at::Tensor& t) { return t.unsafeGetTensorImpl()->has_symbolic_sizes_strides(); };
   for (auto w = written.begin(); w != written.end(); ++w) {
-    if (w->tensor == nullptr) continue;
+    if (w->tensor == nullptr || symbolic(*w->tensor)) continue;
     TORCH_CHECK(provably_no_internal_overlap(*w->tensor), "posenc: ", op, ": expected ", w->name,
                 " without internal overlap (it is written, and an expanded tensor or a view "
                 "whose elements cannot be proven distinct cannot be), got ",
                 w->tensor->sizes(), " with strides ", w->tensor->strides(), "; ", remedy);
     auto check = [&](const MemoryOperand& x, const char* role) {
-      if (x.tensor == nullptr) return;
+      if (x.tensor == nullptr || (x.tensor->defined() && symbolic(*x.tensor))) return;
       TORCH_CHECK(provably_disjoint(*w->tensor, *x.tensor), "posenc: ", op, ": expected ",
                   w->name, " and ", x.name, " in separate memory (", w->name, " is written, ",
                   x.name, " ", role, "), got ", overlap_detail(*w->tensor, *x.tensor), "; ",
