@@ -176,7 +176,11 @@ void RotaryPositionalEncodingImpl::reset() {
   // max_len derives them again (written back, they read as given: a stale baseline).
   RopeScaling s = options.scaling();
   const unsigned facts = math::rope_type_facts(ops::parse_rope_type(s.rope_type));
-  const auto& orig = s.original_max_position_embeddings;
+  const auto& given = s.original_max_position_embeddings;
+  // The baseline: the dict's, else the model's length when given apart from max_len.
+  const std::optional<double> orig = given.has_value() ? given
+      : options.max_position_embeddings().has_value() ? std::optional<double>(static_cast<double>(model_len))
+      : std::nullopt;
   if ((facts & math::kRopeScalesByLength) && (facts & math::kRopeOriginalFromModel)) {
     // Such a type rescales only positions beyond original_max_position_embeddings, and the
     // module refuses positions at or beyond max_len: a baseline there (or the default,
@@ -187,12 +191,12 @@ void RotaryPositionalEncodingImpl::reset() {
                       "below max_len=", options.max_len(), ", got ",
                       orig.has_value() ? std::to_string(*orig) : std::string("none"));
   }
-  if ((facts & math::kRopeOriginalFromModel) && !orig.has_value()) {
+  if ((facts & math::kRopeOriginalFromModel) && !given.has_value()) {
     s.original_max_position_embeddings = static_cast<double>(model_len);
   }
   if ((facts & math::kRopeFactorFromModel) && !s.factor.has_value() &&
-      !s.attention_factor.has_value() && orig.has_value()) {
-    s.factor = static_cast<double>(model_len) / *orig;
+      !s.attention_factor.has_value() && given.has_value()) {
+    s.factor = static_cast<double>(model_len) / *given;
   }
   // The options as the op reads them, parsed once (names, the scaling dict); every forward
   // copies this call and sets its tensors and positions.

@@ -747,12 +747,13 @@ def rotary_width(config: RopeConfig) -> int:
     return torch.ops.posenc.rope_rotary_width(q, **dict(config.op_kwargs), **extra)
 
 
-def _check_length_baseline(scaling: dict, rope_type: str, max_len: int) -> None:
+def _check_length_baseline(scaling: dict, rope_type: str, max_len: int, model_len: Optional[int]) -> None:
     """A type that scales by length with original_max_position_embeddings defaulting to the
-    model's ("dynamic") rescales only when a call's positions pass that baseline, and the
-    module refuses positions at or beyond max_len: a baseline at or above max_len (or the
-    default, max_len) would make the scaling a silent no-op."""
-    orig = scaling.get("original_max_position_embeddings")
+    model's ("dynamic") rescales only when a call's positions pass that baseline (the dict's,
+    else ``model_len``: max_position_embeddings when given apart from max_len), and the module
+    refuses positions at or beyond max_len: a baseline at or above max_len (or the default,
+    max_len) would make the scaling a silent no-op."""
+    orig = scaling.get("original_max_position_embeddings", model_len)
     if orig is None:
         raise ValueError(
             f"RotaryPositionalEncoding: {rope_type!r} scaling needs 'original_max_position_embeddings' "
@@ -795,7 +796,8 @@ class RotaryPositionalEncoding(nn.Module):
             default ``dim`` (``2 * sum(sections)`` with sections).
         scaling: None or a Hugging Face ``rope_scaling`` dict ("linear", "dynamic", "yarn",
             "llama3", "longrope" or "proportional"). "dynamic" needs
-            ``original_max_position_embeddings`` below ``max_len`` (the trained context,
+            ``original_max_position_embeddings`` (in the dict, or ``max_position_embeddings``
+            below) below ``max_len`` (the trained context,
             Hugging Face's ``max_position_embeddings``: positions beyond it are what it
             rescales); for "yarn" it defaults to ``max_position_embeddings``, and
             "longrope"'s ``factor`` to ``max_position_embeddings /
@@ -859,7 +861,8 @@ class RotaryPositionalEncoding(nn.Module):
         c = self.rope_config
         self._rotary_width = rotary_width(c)
         if c.rope_type in LENGTH_BASELINE_TYPES:
-            _check_length_baseline(self._scaling, c.rope_type, self.max_len)
+            _check_length_baseline(self._scaling, c.rope_type, self.max_len,
+                                   None if max_position_embeddings is None else model_len)
         # The frequencies (rope_frequencies checks what an empty call does not reach).
         inv_freq, factor = self._frequencies()
         self._attention_scaling = float(factor)

@@ -443,6 +443,22 @@ TEST(RopeLongrope, ModuleFillsFactorAndSwitchesToLongFactors) {
   EXPECT_THROW(posenc::RotaryPositionalEncoding(
                    posenc::RotaryPositionalEncodingOptions(8).max_len(32).max_position_embeddings(0).scaling(s)),
                c10::ValueError);
+  // "dynamic" takes the model's length given apart from max_len as its baseline (it refused a
+  // dict without the key although the model's length was given).
+  posenc::RopeScaling dynamic;
+  dynamic.rope_type = "dynamic";
+  dynamic.factor = 2.0;
+  posenc::RopeScaling keyed = dynamic;
+  keyed.original_max_position_embeddings = 16;
+  auto long_q = torch::randn({1, 40, 2, 8}, torch::kDouble);
+  posenc::RotaryPositionalEncoding by_model(
+      posenc::RotaryPositionalEncodingOptions(8).max_len(64).max_position_embeddings(16).scaling(dynamic));
+  posenc::RotaryPositionalEncoding by_key(posenc::RotaryPositionalEncodingOptions(8).max_len(64).scaling(keyed));
+  EXPECT_TRUE(torch::equal(std::get<0>(by_model->forward_at(long_q, long_q, posenc::RopePositions())),
+                           std::get<0>(by_key->forward_at(long_q, long_q, posenc::RopePositions()))));
+  EXPECT_THROW(posenc::RotaryPositionalEncoding(
+                   posenc::RotaryPositionalEncodingOptions(8).max_len(64).scaling(dynamic)),
+               c10::ValueError);
 }
 
 TEST(ApplyRopeCosSin, MatchesApplyRopeAndBackwardIsTheTranspose) {

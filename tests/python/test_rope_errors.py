@@ -131,6 +131,15 @@ def test_layout_and_scaling_names():
         posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "dynamic", "factor": 2.0})
     with pytest.raises(ValueError, match=r"original_max_position_embeddings=64 >= max_len=64 would never apply"):
         posenc.RotaryPositionalEncoding(8, max_len=64, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 64})
+    # The model's length given apart from max_len is the baseline transformers reads (its
+    # dynamic rule takes config.max_position_embeddings): the dict needs no key then.
+    dynamic = {"rope_type": "dynamic", "factor": 2.0}
+    by_model = posenc.RotaryPositionalEncoding(8, max_len=64, max_position_embeddings=16, scaling=dynamic)
+    keyed = posenc.RotaryPositionalEncoding(8, max_len=64, scaling={**dynamic, "original_max_position_embeddings": 16})
+    long_q = torch.randn(1, 40, 2, 8, dtype=torch.float64)
+    assert torch.equal(by_model(long_q), keyed(long_q))
+    with pytest.raises(ValueError, match=r"original_max_position_embeddings=64 >= max_len=64 would never apply"):
+        posenc.RotaryPositionalEncoding(8, max_len=64, max_position_embeddings=64, scaling=dynamic)
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

@@ -171,7 +171,7 @@ struct RotaryPositionalEncodingOptions {
   TORCH_ARG(std::optional<int64_t>, max_position_embeddings) = std::nullopt;
   // As ApplyRopeOptions' (POSENC_ROPE_CONFIG_OPTIONS, POSENC_ROPE_SETTINGS). Scaling: "yarn"'s
   // original_max_position_embeddings and "longrope"'s factor default as above; "dynamic" needs
-  // original_max_position_embeddings given and below max_len (it rescales only positions
+  // original_max_position_embeddings (given, or max_position_embeddings) below max_len (it rescales only positions
   // beyond it). Multi-axis RoPE: every coordinate must lie in [0, max_len).
 #define POSENC_X(type, name, default_value, ...) TORCH_ARG(type, name) = default_value;
   POSENC_ROPE_CONFIG_OPTIONS(POSENC_X)
