@@ -54,9 +54,11 @@ void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::
 }
 
 void QkNormWeightImpl::reset() {
-  detail::register_or_replace(*this, "weight", weight, torch::full({size}, init, torch::kFloat32),
-                              /*buffer=*/false);
+  // The default dtype (torch::full infers it from a double), as Python's QKNormRotary.
+  detail::register_or_replace(*this, "weight", weight, torch::full({size}, init), /*buffer=*/false);
 }
+
+void QkNormWeightImpl::pretty_print(std::ostream& stream) const { stream << "posenc::QkNormWeight(" << size << ")"; }
 
 void QkNormWeightImpl::load(torch::serialize::InputArchive& archive) { detail::load_same_shapes(*this, archive); }
 

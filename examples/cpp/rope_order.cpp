@@ -5,7 +5,7 @@
 // without a positional encoding it stays at chance (0.5); rotating q and k with
 // posenc::RotaryPositionalEncoding (gradients flow through the op) makes attention scores
 // depend on relative positions and it learns the task. Exits non-zero if not.
-#include <posenc/posenc.h>
+#include <posenc/modules.h>  // every posenc module (posenc.h: everything)
 #include <torch/torch.h>
 
 #include <cstdio>

@@ -21,7 +21,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg,
-                             _integer, _real, _unhooked)
+                             _integer, _optional_tensor_args, _real, _tensor_arg, _unhooked)
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -94,6 +94,8 @@ def add_position(
     ``positions`` are range-checked as a whole (gathered: every rank raises the IndexError).
     """
     fn = "add_position"
+    _tensor_arg(fn, "x", x), _tensor_arg(fn, "table", table)
+    _optional_tensor_args(fn, positions=positions)
     offset = _offset_arg(fn, offset)
     batch_first, training = _bool_arg(fn, "batch_first", batch_first), _bool_arg(fn, "training", training)
     if not isinstance(p, torch.SymFloat):  # checked in eval mode too, with the op's message
@@ -194,8 +196,10 @@ class _AddPositionModule(nn.Module):
         fused = _fusable_dropout(dropout)
         # The child's own mode, as nn.Dropout reads it (module.train(); module.dropout.eval()
         # turns dropout off; module.eval(); module.dropout.train() is MC dropout).
-        p = dropout.p if fused and dropout.training else 0.0
-        y = functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p)
+        # p is checked in eval mode too, as nn.Dropout's F.dropout checks it.
+        p, training = (dropout.p, dropout.training) if fused else (0.0, False)
+        y = functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p,
+                                    training=training)
         return y if fused else dropout(y)
 
     def _table(self, pe: Tensor) -> Tensor:

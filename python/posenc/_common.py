@@ -47,6 +47,14 @@ def _integer(value: Any) -> Any:
         return None
 
 
+def _in_int64(fn: str, name: str, number: Any) -> Any:
+    """An int from ``_integer`` checked to fit in int64 (ValueError naming it otherwise; the
+    op's schema would refuse it with "expected int, found int"). A dynamic int is kept."""
+    if isinstance(number, int) and not _INT64_MIN <= number <= _INT64_MAX:
+        raise ValueError(f"{fn}: expected {name} to fit in int64, got {number}")
+    return number
+
+
 def _float_arg(fn: str, name: str, value: Any) -> float:
     """value (a real number: Python, numpy or a one-element tensor; not bool or str) as a
     float, or TypeError naming it. Only the type is normalised here: the op checks the
@@ -86,6 +94,14 @@ def _tensor_arg(fn: str, name: str, value: Any) -> Tensor:
     if not isinstance(value, Tensor):
         raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(value).__name__}")
     return value
+
+
+def _optional_tensor_args(fn: str, **values: Any) -> None:
+    """TypeError naming the first of ``values`` that is neither None nor a Tensor (the op's
+    schema would refuse it with a RuntimeError naming the op, not the function)."""
+    for name, value in values.items():
+        if value is not None and not isinstance(value, Tensor):
+            raise TypeError(f"{fn}: expected {name} to be a Tensor or None, got {type(value).__name__}")
 
 
 _TABLE_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)

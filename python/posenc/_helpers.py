@@ -6,6 +6,7 @@ __future__ import annotations`` here, as in modules.py: TorchScript reads a modu
 annotations as types."""
 
 import numbers
+from collections.abc import Mapping, Set as AbstractSet
 from typing import Any, Optional, Sequence, Union
 
 import torch
@@ -89,8 +90,9 @@ def sinusoidal_2d_table(
     Returns (num_prefix_tokens + grid_h * grid_w, dim): zero rows for the prefix (class)
     tokens, then the patches in row-major (h, w) order. As in MAE the first dim/2 columns
     encode the patch's column index w and the last dim/2 its row index h, each as [sin | cos]
-    halves of dim/4 frequencies ``1 / base**(i / (dim/4))``, in float64, rounded once to
-    ``dtype``. ``dim`` must be a multiple of 4. Built on the host, then moved to ``device``.
+    halves of dim/4 frequencies ``1 / base**(i / (dim/4))``, in float64, converted to ``dtype``
+    by ``Tensor.to`` (through float32 for float16 and bfloat16, as torch converts). ``dim``
+    must be a multiple of 4. Built on the host, then moved to ``device``.
     Op ``torch.ops.posenc.sinusoidal_2d_table`` (the C++ ``posenc::sinusoidal_2d_table``
     calls it too: the same bits).
 
@@ -165,6 +167,8 @@ def _as_grid(name: str, grid: GridLike) -> list[int]:
     ints works); floats and bools are refused (TypeError), not truncated; another length is a
     ValueError. The op checks the values."""
     message = f"resample_position_table: expected {name} to be (h, w) of ints, got {grid!r}"
+    if isinstance(grid, (AbstractSet, Mapping)):  # unordered: which is h?
+        raise TypeError(message)
     pair = grid if hasattr(grid, "__len__") and not isinstance(grid, (str, bytes)) else (grid, grid)
     try:
         size = len(pair)
@@ -211,6 +215,10 @@ class Timesteps(nn.Module):
         max_period: float = 10000,
     ) -> None:
         super().__init__()
+        for name, value in (("num_channels", num_channels), ("downscale_freq_shift", downscale_freq_shift),
+                            ("scale", scale), ("max_period", max_period)):
+            if isinstance(value, Tensor):  # a setting, kept as an attribute: a number, as in diffusers
+                raise TypeError(f"Timesteps: expected {name} to be a number, got a Tensor")
         # numpy numbers as Python ones (torch.jit.script holds only those as attributes); the
         # values as given otherwise (the op checks them below, with its messages).
         self.num_channels = _python_number(num_channels)

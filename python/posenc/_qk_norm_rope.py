@@ -94,6 +94,9 @@ class _NormWeight(torch.nn.Module):
         self.init_value = float(init)
         self.weight = torch.nn.Parameter(torch.full((size,), self.init_value, device=device, dtype=dtype))
 
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}"
+
     @torch.no_grad()
     def reset_parameters(self) -> None:
         """The weight's initial value again (after ``to_empty``: meta-device construction)."""
@@ -138,8 +141,10 @@ class QKNormRotary(torch.nn.Module):
             raise ValueError("QKNormRotary: norm='hidden' normalises each token's whole projection: pass num_heads "
                              "and num_kv_heads (the weights have num_heads * head_dim and num_kv_heads * head_dim "
                              "values)")
-        if norm == "hidden":
+        # Checked when given, also where norm="head" does not read them (a typo is not ignored).
+        if num_heads is not None:
             num_heads = _check_positive_int("QKNormRotary", "num_heads", num_heads)
+        if num_kv_heads is not None:
             num_kv_heads = _check_positive_int("QKNormRotary", "num_kv_heads", num_kv_heads)
         lq = head_dim if norm == "head" else num_heads * head_dim
         lk = head_dim if norm == "head" else num_kv_heads * head_dim
@@ -155,6 +160,7 @@ class QKNormRotary(torch.nn.Module):
         self.head_dim, self.eps, self.weight_offset, self.norm = head_dim, eps, weight_offset, norm
         # RoPE's configuration, parsed once (RopeConfig) and passed on at each call.
         self.rope_config = RopeConfig.parse(head_dim=head_dim, fn="QKNormRotary", **rope)
+        self._rope_keywords = tuple((name, value) for name, value in rope.items() if value is not None)
         rotary_width(self.rope_config)  # the op checks the values now, for heads of head_dim features
 
     def __setstate__(self, state: dict) -> None:
@@ -184,7 +190,12 @@ class QKNormRotary(torch.nn.Module):
         )
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.head_dim}, eps={self.eps}, weight_offset={self.weight_offset}, norm={self.norm!r}"
+        extra = f"head_dim={self.head_dim}, eps={self.eps}, weight_offset={self.weight_offset}, norm={self.norm!r}"
+        if self.norm == "hidden":
+            extra += (f", num_heads={self.q_norm.weight.shape[0] // self.head_dim}, "
+                      f"num_kv_heads={self.k_norm.weight.shape[0] // self.head_dim}")
+        # RoPE's keywords as given to the constructor (a module unpickled from before they were kept: none).
+        return extra + "".join(f", {name}={value!r}" for name, value in getattr(self, "_rope_keywords", ()))
 
 
 # vmap: the samples join the heads when each head is normalised alone (norm "head", weights

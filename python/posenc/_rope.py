@@ -20,8 +20,8 @@ import warnings
 from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
-from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _int_arg, _integer, _real, _specialised,
-                            _specialised_int)
+from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _in_int64, _int_arg, _integer,
+                            _optional_tensor_args, _real, _specialised, _specialised_int, _tensor_arg)
 from posenc._dtensor import is_dtensor, is_sharded, place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
@@ -403,7 +403,7 @@ def _plain_setting(fn: str, name: str, value: Any) -> Any:
         raise TypeError(f"{fn}: expected {name} to be an int, got {value!r}")
     if want == "float" and (isinstance(value, bool) or not isinstance(value, numbers.Real)):
         raise TypeError(f"{fn}: expected {name} to be a real number, got {value!r}")
-    return int(value) if want == "int" else float(value)
+    return _in_int64(fn, name, int(value)) if want == "int" else float(value)
 
 
 def rotary_begin(settings: Tuple[Tuple[str, Any], ...]) -> int:
@@ -500,8 +500,10 @@ class RopeConfig:
             raise TypeError(f"{fn}: expected layout to be a str, one of {', '.join(LAYOUTS)}; got {layout!r}")
         if layout not in LAYOUTS:
             raise ValueError(f"{fn}: unknown layout {layout!r}; expected one of {', '.join(LAYOUTS)}")
-        if rotary_dim is not None and (isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int)):
-            raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
+        if rotary_dim is not None:
+            if (number := _integer(rotary_dim)) is None:
+                raise TypeError(f"{fn}: expected rotary_dim to be an int or None, got {rotary_dim!r}")
+            rotary_dim = _in_int64(fn, "rotary_dim", number)  # a numpy integer as an int
         scaling, base, rotary_dim, sections, sections_mode = resolve_config_keys(
             scaling, base=base, rotary_dim=rotary_dim, head_dim=head_dim, sections=sections,
             sections_mode=sections_mode, fn=fn)
@@ -583,20 +585,22 @@ def rope_op_arguments(
     configuration, as keyword arguments; ``fn`` names the function in messages."""
     if not isinstance(q, Tensor):
         raise TypeError(f"{fn}: expected q to be a Tensor, got {type(q).__name__}")
+    _optional_tensor_args(fn, positions=positions, cu_seqlens=cu_seqlens)
+    check_inputs = _bool_arg(fn, "check_inputs", check_inputs)
     offsets = None
     if isinstance(offset, Tensor):
         offsets, offset = per_sequence_offsets(q, offset, config.layout, cu_seqlens, fn), 0
     elif (number := _integer(offset)) is None:
         raise TypeError(f"{fn}: expected offset to be an int or an int64 tensor, got {offset!r}")
     else:
-        offset = number  # a numpy integer as an int
+        offset = _in_int64(fn, "offset", number)  # a numpy integer as an int
     if seq_len is not None:
         if (number := _integer(seq_len)) is None:
             hint = (" (under torch.jit.trace a size is a 0-dim tensor, and a traced seq_len would be a constant: "
                     "leave seq_len None and the op reads the call's longest position + 1 at run time)"
                     if isinstance(seq_len, Tensor) else "")
             raise TypeError(f"{fn}: expected seq_len to be an int or None, got {seq_len!r}{hint}")
-        seq_len = number
+        seq_len = _in_int64(fn, "seq_len", number)
     if seq_len is not None and seq_len < 0:
         raise ValueError(f"{fn}: expected seq_len >= 0 (the longest position + 1), got {seq_len}")
     # -1: the op reads the longest position from the call.
@@ -723,6 +727,7 @@ def apply_rope(
     int ``offset`` and CPU index tensors are checked by the op; CUDA index tensors by the
     kernel, on the device (see ``check_inputs``).
     """
+    _optional_tensor_args("apply_rope", k=k)
     config = config_of(q, config, "apply_rope", **rope)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len)
@@ -897,6 +902,8 @@ class RotaryPositionalEncoding(nn.Module):
         attention's ``pos_embeddings``. ``seq_len``: as in :func:`posenc.functional.apply_rope`
         ("dynamic" scaling's length; the global one for a shard of the sequence), default the
         longest position of the call."""
+        _tensor_arg("RotaryPositionalEncoding", "q", q)
+        _optional_tensor_args("RotaryPositionalEncoding", k=k)
         if input_pos is not None:
             if positions is not None:
                 raise ValueError("RotaryPositionalEncoding: got both positions and input_pos (torchtune's name "
@@ -1043,6 +1050,8 @@ class RotaryPositionalEncoding(nn.Module):
         offsets = offset if isinstance(offset, Tensor) else None
         if offsets is None and (isinstance(offset, bool) or not isinstance(offset, (int, torch.SymInt))):
             return  # apply_rope raises a TypeError naming offset
+        if offsets is None:
+            _in_int64("RotaryPositionalEncoding", "offset", offset)  # before offset + seq overflows int64
         if positions is None and offsets is None and cu_seqlens is None:
             # Positions offset .. offset + seq - 1: no tensor to read, traceable.
             b, s, _ = LAYOUT_AXES[self.layout]

@@ -8,7 +8,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._common import _bool_arg
+from posenc._common import _bool_arg, _optional_tensor_args
 from posenc._qk_norm_rope import check_norm_settings
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
@@ -110,6 +110,7 @@ def rope_append_kv(
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
+    _optional_tensor_args(fn, slot_mapping=slot_mapping, q_weight=q_weight, k_weight=k_weight)
     if (q_weight is None) != (k_weight is None):
         raise ValueError(f"{fn}: expected q_weight and k_weight together (QK-norm) or neither, got "
                          f"{'q_weight' if k_weight is None else 'k_weight'} alone")

@@ -43,7 +43,8 @@ def rope_cos_sin(
             ``rope_parameters`` dict ("default", "linear", "dynamic", "yarn", "llama3", "longrope",
             "proportional"), rotary
             width default ``dim`` (or ``int(dim * partial_rotary_factor)`` from the dict).
-        dtype: the tables' dtype (angles are computed in float64, rounded once).
+        dtype: the tables' dtype (angles, cos and sin are computed in float64, then converted by
+            ``Tensor.to(dtype)``: through float32 for float16 and bfloat16, as torch converts).
         attention_scaling: multiply cos and sin by the scaling's attention factor (yarn's or
             longrope's ``attention_factor``, yarn's mscale; 1 for the others), as transformers does.
         max_position_embeddings: the model's ``max_position_embeddings``: the default of
@@ -124,9 +125,29 @@ def rope_cos_sin(
     return _tables(*args)
 
 
+def _check_position_range(positions: Tensor) -> None:
+    """Positions within [-2**53, 2**53], as apply_rope's op requires: past it the float64
+    angle rounds the position (2**60 + 1 got 2**60's tables). A CPU tensor is read here (a
+    ValueError); on another device, or under torch.compile, the check stays on the device
+    (torch._assert_async: a device-side assert, no host sync). A DTensor's shards are not
+    checked (one rank alone would raise); meta tensors hold no values."""
+    if positions.numel() == 0 or positions.is_meta or is_dtensor(positions):
+        return
+    limit = 2**53
+    if positions.is_cpu and not torch.compiler.is_compiling():
+        lo, hi = (int(v) for v in positions.aminmax())
+        if lo < -limit or hi > limit:
+            raise ValueError(f"rope_cos_sin: expected positions within [-2**53, 2**53] (integers exact in the "
+                             f"float64 angle), got values in [{lo}, {hi}]")
+        return
+    torch._assert_async(((positions >= -limit) & (positions <= limit)).all(),
+                        "rope_cos_sin: expected positions within [-2**53, 2**53] (integers exact in the float64 angle)")
+
+
 def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
             attention_scaling: bool, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """rope_cos_sin's tables from its checked, parsed arguments."""
+    _check_position_range(positions)
     seq_len = 0
     if rope_type in LENGTH_SCALED_TYPES and positions.numel():
         if positions.is_meta:

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from posenc._common import _integer
+from posenc._common import _in_int64, _integer
 from posenc._rope import RopeConfig, config_of, with_rope_settings
 from posenc._rope_append_kv import _scale_arg
 
@@ -22,7 +22,7 @@ def _seq_len_arg(value: Any, name: str, fn: str) -> Any:
         raise TypeError(f"{fn}: expected {name} to be an int or None, got {value!r}")
     if isinstance(number, int) and number < 0:
         raise ValueError(f"{fn}: expected {name} >= 0 (the longest position + 1) or None, got {number}")
-    return number
+    return _in_int64(fn, name, number)
 
 
 @with_rope_settings

@@ -80,6 +80,7 @@ import torch
 from torch import Tensor
 
 import posenc  # noqa: F401  (loads the ops)
+from posenc._common import _int_arg, _tensor_arg
 from posenc._rope import LAYOUT_AXES, LENGTH_SCALED_TYPES
 
 __all__ = [
@@ -411,6 +412,11 @@ def sequence_positions(like: Tensor, seq_dim: int, offset: int = 0, batch_dim: O
     else replicated): what a sequence-sharded call needs. int64 ``(S,)``, or ``(B, S)`` with
     ``batch_dim`` (then sharded on the batch as well where ``like`` is). A plain ``like``
     gives a plain tensor."""
+    fn = "sequence_positions"
+    like, seq_dim = _tensor_arg(fn, "like", like), _int_arg(fn, "seq_dim", seq_dim)
+    offset = _int_arg(fn, "offset", offset)
+    if batch_dim is not None:
+        batch_dim = _int_arg(fn, "batch_dim", batch_dim)
     seq = like.shape[seq_dim]
     device = like.to_local().device if isinstance(like, DTensor) else like.device
     positions = torch.arange(offset, offset + seq, dtype=torch.int64, device=device)
@@ -519,8 +525,14 @@ def context_parallel_indices(seq_len: int, world_size: int, rank: int, load_bala
     * a rearrange-index tensor (``(seq,)``, ``(1, seq)`` or ``(batch, seq)``, e.g. a
       load balancer's ``_generate_indices()``) or a load balancer object itself: the
       rearranged sequence split into contiguous chunks; ``(batch, seq)`` gives ``(batch, S_local)``.
+      Each row must be a permutation of ``0 .. seq_len - 1`` (checked: one read of the
+      device when the indices are on a GPU).
     """
-    _check_rank(world_size, rank)
+    fn = "context_parallel_indices"
+    seq_len = _int_arg(fn, "seq_len", seq_len)
+    if seq_len < 0:
+        raise ValueError(f"{fn}: expected seq_len >= 0, got {seq_len}")
+    world_size, rank = _check_rank(world_size, rank, fn)
     if load_balance is None or load_balance is False:
         chunks = torch.arange(seq_len, device=device).chunk(world_size)
         return chunks[rank] if rank < len(chunks) else torch.arange(0, device=device)
@@ -535,13 +547,25 @@ def context_parallel_indices(seq_len: int, world_size: int, rank: int, load_bala
     if isinstance(load_balance, str):
         raise ValueError(f"context_parallel_indices: unknown load_balance {load_balance!r}; expected None, "
                          f"'head_tail', an index tensor or a load balancer")
-    indices = load_balance if isinstance(load_balance, Tensor) else load_balance._generate_indices()
+    if isinstance(load_balance, Tensor):
+        indices = load_balance
+    elif callable(getattr(load_balance, "_generate_indices", None)):
+        indices = load_balance._generate_indices()
+    else:
+        raise TypeError(f"{fn}: expected load_balance to be None, a bool, 'head_tail', an index tensor or a load "
+                        f"balancer (an object with _generate_indices()), got {load_balance!r}")
+    if indices.is_floating_point() or indices.is_complex() or indices.dtype == torch.bool:
+        raise TypeError(f"{fn}: expected integer rearrange indices, got {indices.dtype}")
     indices = indices.to(device=device if device is not None else indices.device, dtype=torch.int64)
-    if indices.shape[-1] != seq_len:
-        raise ValueError(f"context_parallel_indices: expected rearrange indices of length {seq_len}, got shape "
-                         f"{tuple(indices.shape)}")
+    if indices.dim() not in (1, 2) or indices.shape[-1] != seq_len:
+        raise ValueError(f"{fn}: expected rearrange indices of shape (seq_len,) or (batch, seq_len) with "
+                         f"seq_len={seq_len}, got shape {tuple(indices.shape)}")
     if indices.dim() == 2 and indices.shape[0] == 1:
         indices = indices[0]
+    # Each row a permutation (a repeated or missing index would give a rank the wrong tokens).
+    if not bool((indices.sort(dim=-1).values == torch.arange(seq_len, device=indices.device)).all()):
+        raise ValueError(f"{fn}: expected each row of the rearrange indices to be a permutation of "
+                         f"0 .. seq_len - 1 = {seq_len - 1}")
     if seq_len % world_size != 0:
         raise ValueError(f"context_parallel_indices: rearranged sequences split evenly; seq_len={seq_len} does "
                          f"not divide by world_size={world_size}")
@@ -560,6 +584,15 @@ def context_parallel_positions(seq_len: int, world_size: int, rank: int, load_ba
     ``positions=`` with the local q/k or x: the results are the slices of the unsplit
     call's. With per-row indices (``(batch, seq)`` rearrangements) 2-D positions are read as
     ``(batch, seq)``: give multi-axis ones as ``(n_axes, batch, seq)``."""
+    fn = "context_parallel_positions"
+    offset = _int_arg(fn, "offset", offset)
+    if positions is not None:
+        positions = _tensor_arg(fn, "positions", positions)
+        if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+            raise TypeError(f"{fn}: expected integer positions, got {positions.dtype}")
+        if positions.dim() == 0 or positions.shape[-1] != _int_arg(fn, "seq_len", seq_len):
+            raise ValueError(f"{fn}: expected positions of the unsplit sequence, with seq_len={seq_len} entries "
+                             f"in their last dimension, got shape {tuple(positions.shape)}")
     indices = context_parallel_indices(seq_len, world_size, rank, load_balance, device=device)
     if positions is None:
         return indices + offset
@@ -580,6 +613,7 @@ def shard_sequence(x: Tensor, dim: int, world_size: int, rank: int, load_balance
     """``rank``'s shard of dimension ``dim`` of the full tensor ``x`` under the split of
     :func:`context_parallel_indices` (the local q, k or x of a context-parallel rank).
     Batch-dependent rearrangements ((batch, seq) indices) need ``x`` with the batch first."""
+    x, dim = _tensor_arg("shard_sequence", "x", x), _int_arg("shard_sequence", "dim", dim)
     indices = context_parallel_indices(x.shape[dim], world_size, rank, load_balance, device=x.device)
     if indices.dim() == 1:
         return x.index_select(dim, indices)
@@ -603,12 +637,28 @@ def packed_shard(
     Returns cu_seqlens (cu_seqlens's dtype) and int64 offsets, on cu_seqlens's device.
     On a GPU it reads the device twice (the indices' range check, and the number of runs,
     which sizes the outputs): a step of preparing a packed batch, not of a layer."""
+    fn = "packed_shard"
+    for name, t in (("cu_seqlens", cu_seqlens), ("indices", indices)) + (
+            (("offsets", offsets),) if isinstance(offsets, Tensor) else ()):
+        _tensor_arg(fn, name, t)
+        if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            raise TypeError(f"{fn}: expected {name} to be an integer tensor, got {t.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.numel() == 0:
+        raise ValueError(f"{fn}: expected cu_seqlens of shape (num_seqs + 1,), got {tuple(cu_seqlens.shape)}")
+    num_seqs = cu_seqlens.numel() - 1
+    if isinstance(offsets, Tensor) and offsets.shape != (num_seqs,):
+        raise ValueError(f"{fn}: expected offsets of shape (num_seqs,) = ({num_seqs},), got {tuple(offsets.shape)}")
     cu = cu_seqlens.to(torch.int64)
     idx = indices.to(device=cu.device, dtype=torch.int64).reshape(-1)
-    if idx.numel():
-        lo, hi, total = torch.stack([idx.min(), idx.max(), cu[-1]]).tolist()  # one read back
-        if lo < 0 or hi >= total:
-            raise ValueError(f"packed_shard: token indices must lie in [0, {total}), got {lo}..{hi}")
+    # One read back: cu_seqlens' start, its order and total, and the indices' range.
+    bad_cu = (cu[1:] < cu[:-1]).any() if num_seqs else cu.new_zeros((), dtype=torch.bool)
+    zero = cu.new_zeros(())
+    first, unordered, lo, hi, total = torch.stack([
+        cu[0], bad_cu.long(), idx.min() if idx.numel() else zero, idx.max() if idx.numel() else zero, cu[-1]]).tolist()
+    if first != 0 or unordered:
+        raise ValueError(f"{fn}: expected cu_seqlens to start at 0 and not decrease, got {cu_seqlens.tolist()}")
+    if idx.numel() and (lo < 0 or hi >= total):
+        raise ValueError(f"{fn}: token indices must lie in [0, {total}), got {lo}..{hi}")
     seq_id = torch.searchsorted(cu[1:], idx, right=True)
     new_run = torch.ones_like(idx, dtype=torch.bool)
     if idx.numel() > 1:
@@ -627,9 +677,11 @@ def packed_shard(
     return local_cu, local_offsets
 
 
-def _check_rank(world_size: int, rank: int) -> None:
+def _check_rank(world_size: int, rank: int, fn: str) -> Tuple[int, int]:
+    world_size, rank = _int_arg(fn, "world_size", world_size), _int_arg(fn, "rank", rank)
     if world_size < 1 or not 0 <= rank < world_size:
-        raise ValueError(f"expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+        raise ValueError(f"{fn}: expected 0 <= rank < world_size, got rank={rank}, world_size={world_size}")
+    return world_size, rank
 
 
 register_sharding_rules()

@@ -4,10 +4,13 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <sstream>
 #include <string>
 #include <torch/torch.h>
 
-#include "posenc/posenc.h"
+// The two umbrella headers alone: every function and module this file uses is declared by them.
+#include "posenc/functional.h"
+#include "posenc/modules.h"
 
 namespace {
 
@@ -257,6 +260,23 @@ TEST(QKNormRotaryModule, ResizedWeightsFollowTheModulesDtype) {
       EXPECT_NE(what.find("got " + std::to_string(heads > 0 ? kv_heads : heads)), std::string::npos) << what;
     }
   }
+}
+
+// The weights are made in the default dtype, as Python's QKNormRotary makes them (they were
+// float32 whatever it was: a float64 default then refused float64 q as mixed dtypes).
+TEST(QKNormRotaryModule, WeightsTakeTheDefaultDtype) {
+  const caffe2::TypeMeta saved = torch::get_default_dtype();
+  torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
+  posenc::QKNormRotary m(posenc::QKNormRotaryOptions(8));
+  torch::set_default_dtype(saved);
+  EXPECT_EQ(m->q_norm->weight.scalar_type(), torch::kDouble);
+  EXPECT_EQ(m->k_norm->weight.scalar_type(), torch::kDouble);
+  auto q = torch::randn({1, 2, 3, 8}, torch::kDouble), k = torch::randn({1, 2, 1, 8}, torch::kDouble);
+  EXPECT_EQ(std::get<0>(m(q, k)).scalar_type(), torch::kDouble);
+  EXPECT_EQ(posenc::QKNormRotary(posenc::QKNormRotaryOptions(8))->q_norm->weight.scalar_type(), torch::kFloat);
+  std::ostringstream printed;
+  printed << *m->q_norm;
+  EXPECT_EQ(printed.str(), "posenc::QkNormWeight(8)");
 }
 
 TEST(QKNormRotaryModule, LoadRefusesWeightsOfOtherSizes) {

@@ -319,6 +319,58 @@ def _calls_with_misused_arguments():
             torch.randn(5, 4, device="meta"))),
         ("meta device", lambda: F.rope_cos_sin(torch.arange(5, device="meta"), 8, scaling=dict(
             rope_type="dynamic", factor=2.0, original_max_position_embeddings=2))),
+        # Ints past int64 reached the op's schema ("Expected a value of type 'int' ... found
+        # type 'int'", a RuntimeError naming the op, or position_range_check's "lo").
+        ("offset to fit in int64", lambda: F.apply_rope(q, offset=2**63)),
+        ("rotary_dim to fit in int64", lambda: F.apply_rope(q, rotary_dim=2**63)),
+        ("rotary_offset to fit in int64", lambda: F.apply_rope(q, rotary_offset=2**63)),
+        ("seq_len to fit in int64", lambda: F.apply_rope(q, seq_len=2**63, scaling=dict(
+            rope_type="dynamic", factor=2.0, original_max_position_embeddings=2))),
+        ("offset to fit in int64", lambda: F.qk_norm_rope(q, q, torch.ones(8), torch.ones(8), offset=-(2**63) - 1)),
+        ("offset to fit in int64", lambda: posenc.RotaryPositionalEncoding(8)(q, offset=2**63)),
+        ("offset to fit in int64", lambda: F.rope_append_kv(q, q[:, :, :2], q[:, :, :2], cache, cache.clone(),
+                                                            offset=2**63)),
+        ("from_seq_len to fit in int64", lambda: F.rope_shift_kv(cache, torch.arange(2), torch.arange(2),
+                                                                 rows=torch.arange(2), from_seq_len=2**63)),
+        # Non-tensors where a tensor goes: a TypeError naming the argument, not the schema's
+        # RuntimeError (or an AttributeError from the module).
+        ("expected x to be a Tensor", lambda: F.add_position([[1.0]], table)),
+        ("expected table to be a Tensor", lambda: F.add_position(x, [[1.0]])),
+        ("expected x to be a Tensor", lambda: posenc.PositionalEncoding(4)([[1.0]])),
+        ("expected q to be a Tensor", lambda: posenc.RotaryPositionalEncoding(8)([1.0])),
+        ("expected k to be a Tensor or None", lambda: F.apply_rope(q, [1.0])),
+        ("expected positions to be a Tensor or None", lambda: F.apply_rope(q, positions=[0, 1, 2])),
+        ("expected cu_seqlens to be a Tensor or None", lambda: F.apply_rope(q[0], cu_seqlens=[0, 3], layout="thd")),
+        ("expected q_weight to be a Tensor or None", lambda: F.rope_append_kv(
+            q, q[:, :, :2], q[:, :, :2], cache, cache.clone(), q_weight=[1.0] * 8, k_weight=torch.ones(8))),
+        # Flags and settings taken loosely: "False" was True, True was 1, 2.5 heads were ignored.
+        ("check_inputs", lambda: F.apply_rope(q, check_inputs="False")),
+        ("check_inputs", lambda: F.qk_norm_rope(q, q, torch.ones(8), torch.ones(8), check_inputs="no")),
+        ("num_heads", lambda: posenc.QKNormRotary(8, num_heads=2.5)),
+        ("num_kv_heads", lambda: posenc.QKNormRotary(8, num_kv_heads="x")),
+        ("num_channels", lambda: posenc.Timesteps(torch.tensor(8), True, 0)),
+        # A set or dict has no order: {4, 3} was read as (3, 4), height and width swapped.
+        ("new_grid", lambda: F.resample_position_table(torch.randn(1, 12, 4), {4, 3}, old_grid=(3, 4))),
+        ("new_grid", lambda: F.resample_position_table(torch.randn(1, 12, 4), {4: 0, 3: 0}, old_grid=(3, 4))),
+        # Past 2**53 the float64 angle rounded the position: 2**60 + 1 got 2**60's tables.
+        ("positions within", lambda: F.rope_cos_sin(torch.tensor([2**60 + 1]), 8)),
+        # Added in float32, an eps below float32's range was 0: an all-zero head gave NaN.
+        ("eps > 0 in float32", lambda: F.qk_norm_rope(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8),
+                                                      torch.ones(8), torch.ones(8), eps=1e-300)),
+        ("eps > 0 in float32", lambda: posenc.QKNormRotary(8, eps=1e-46)(q, q)),
+        # Attention factors that made every output inf or NaN: longrope's default
+        # sqrt(1 + ln(factor) / ln(original)) at original 1 or below, yarn's given 0 or its
+        # mscale ratio over a zero.
+        ("attention factor", lambda: F.apply_rope(q, scaling=dict(
+            rope_type="longrope", factor=4.0, original_max_position_embeddings=1, short_factor=[1.0] * 4,
+            long_factor=[1.0] * 4))),
+        ("attention_factor", lambda: F.apply_rope(q, scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=8, attention_factor=0.0))),
+        ("attention factor", lambda: F.apply_rope(q, scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=8, mscale=1.0,
+            mscale_all_dim=-10 / math.log(4.0)))),
+        ("attention factor", lambda: F.apply_rope(q, scaling=dict(
+            rope_type="yarn", factor=4.0, original_max_position_embeddings=8, attention_factor=1e300))),
     ]
 
 
@@ -357,3 +409,50 @@ def test_numpy_scalars_are_taken_as_python_numbers():
         F.rope_shift_kv(cache, torch.arange(4, 8), torch.arange(2, 6), rows=torch.arange(4, 8),
                         scaling=scaling, from_seq_len=a, to_seq_len=b)
     torch.testing.assert_close(caches[0], caches[1], **same)
+
+
+def test_a_numpy_rotary_dim_is_an_int():
+    """RopeConfig.parse refused np.int64 rotary_dim (an isinstance test) where rope_cos_sin
+    and every other int argument took it."""
+    np = pytest.importorskip("numpy")
+    from posenc import functional as F
+
+    q = torch.randn(1, 4, 2, 8)
+    assert torch.equal(F.apply_rope(q, rotary_dim=np.int64(4)), F.apply_rope(q, rotary_dim=4))
+    assert posenc.RotaryPositionalEncoding(8, rotary_dim=np.int64(4)).rotary_dim == 4
+
+
+def test_a_modules_bad_dropout_p_is_refused_in_eval_mode_too():
+    """nn.Dropout's F.dropout refuses p outside [0, 1] in eval mode too; the fused module
+    passed p=0 in eval mode and so ran with dropout.p = 2.0."""
+    x = torch.randn(2, 5, 8)
+    with pytest.raises(ValueError, match=r"dropout probability has to be between 0 and 1, but got 2\.0"):
+        torch.nn.functional.dropout(x, 2.0, False)
+    for module in (posenc.PositionalEncoding(8), posenc.LearnedPositionalEncoding(8)):
+        module.eval()
+        torch.testing.assert_close(module(x), x + module.pe[:, :5], rtol=0, atol=0)  # p=0.1 off in eval
+        module.dropout.p = 2.0
+        with pytest.raises(ValueError, match=r"dropout probability p in \[0, 1\], got 2\.0"):
+            module(x)
+
+
+def test_transformers_apply_rotary_pos_emb_refuses_a_bool_unsqueeze_dim():
+    from posenc.integrations.transformers import posenc_apply_rotary_pos_emb
+
+    q = torch.randn(1, 2, 3, 8)
+    cos, sin = posenc.functional.rope_cos_sin(torch.arange(3).unsqueeze(0), 8)
+    for bad in (True, 1.0, 3):
+        with pytest.raises(ValueError, match="expected unsqueeze_dim 1"):
+            posenc_apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=bad)
+    assert torch.equal(posenc_apply_rotary_pos_emb(q, q, cos, sin, unsqueeze_dim=1)[0],
+                       posenc_apply_rotary_pos_emb(q, q, cos, sin)[0])
+
+
+def test_qk_norm_rotary_repr_names_its_rope_settings_and_head_counts():
+    m = posenc.QKNormRotary(8, norm="hidden", num_heads=2, num_kv_heads=1, base=500.0,
+                            scaling={"rope_type": "linear", "factor": 2.0})
+    assert repr(m) == (
+        "QKNormRotary(\n"
+        "  head_dim=8, eps=1e-06, weight_offset=0.0, norm='hidden', num_heads=2, num_kv_heads=1, base=500.0, "
+        "scaling={'rope_type': 'linear', 'factor': 2.0}\n"
+        "  (q_norm): _NormWeight(16)\n  (k_norm): _NormWeight(8)\n)")

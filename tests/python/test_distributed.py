@@ -114,6 +114,50 @@ def test_context_parallel_helpers_single_process():
         context_parallel_indices(10, 4, 4)
 
 
+def test_context_parallel_helpers_refuse_what_they_would_misread():
+    """Each of these returned a result: positions of another length cut to the indices,
+    float positions, offsets and indices truncated, an index list that is not a permutation
+    (a token twice, one past seq_len), cu_seqlens not from 0 or decreasing (negative
+    offsets), a float seq_len (float indices); others raised Python's errors about tuples or
+    attributes instead of naming the argument."""
+    from posenc.distributed import (context_parallel_indices, context_parallel_positions, packed_shard,
+                                    sequence_positions, shard_sequence)
+
+    calls = [
+        (ValueError, "with seq_len=4 entries", lambda: context_parallel_positions(4, 2, 1, positions=torch.arange(10, 16))),
+        (ValueError, "with seq_len=4 entries", lambda: context_parallel_positions(4, 2, 1, positions=torch.arange(3))),
+        (TypeError, "integer positions", lambda: context_parallel_positions(2, 2, 1, positions=torch.tensor([2.7, 3.9]))),
+        (TypeError, "expected offset to be an int", lambda: context_parallel_positions(4, 2, 1, offset=0.5)),
+        (TypeError, "expected offset to be an int", lambda: sequence_positions(torch.zeros(1, 5), 1, offset=0.5)),
+        (ValueError, "permutation", lambda: context_parallel_indices(4, 2, 1, torch.tensor([0, 0, 0, 9]))),
+        (ValueError, "permutation", lambda: context_parallel_indices(4, 2, 1, torch.tensor([[0, 1, 2, 3], [0, 1, 1, 3]]))),
+        (TypeError, "integer rearrange indices", lambda: context_parallel_indices(4, 2, 1, torch.tensor([0.0, 1, 2, 3]))),
+        (TypeError, "expected seq_len to be an int", lambda: context_parallel_indices(8.0, 2, 1)),
+        (ValueError, "expected seq_len >= 0", lambda: context_parallel_indices(-1, 2, 1)),
+        (TypeError, "expected rank to be an int", lambda: context_parallel_indices(4, 2, 1.0)),
+        (TypeError, "expected world_size to be an int", lambda: context_parallel_indices(4, "2", 1)),
+        (TypeError, "expected load_balance", lambda: context_parallel_indices(4, 2, 1, 1)),
+        (TypeError, "expected dim to be an int", lambda: shard_sequence(torch.zeros(4), 0.0, 2, 1)),
+        (ValueError, "start at 0 and not decrease", lambda: packed_shard(torch.tensor([2, 5, 8]), torch.arange(3))),
+        (ValueError, "start at 0 and not decrease", lambda: packed_shard(torch.tensor([0, 6, 3, 8]), torch.arange(3))),
+        (ValueError, r"cu_seqlens of shape \(num_seqs \+ 1,\)", lambda: packed_shard(torch.tensor([], dtype=torch.long),
+                                                                           torch.arange(3))),
+        (TypeError, "cu_seqlens to be an integer tensor", lambda: packed_shard(torch.tensor([0.0, 2, 4]), torch.arange(3))),
+        (TypeError, "expected cu_seqlens to be a Tensor", lambda: packed_shard([0, 2, 4], torch.arange(3))),
+        (TypeError, "offsets to be an integer tensor", lambda: packed_shard(torch.tensor([0, 2, 4]), torch.arange(3),
+                                                                           torch.tensor([1.7, 2.2]))),
+        (ValueError, r"offsets of shape \(num_seqs,\)", lambda: packed_shard(torch.tensor([0, 2, 4]), torch.arange(3),
+                                                                          torch.tensor([1]))),
+    ]
+    for error, message, call in calls:
+        with pytest.raises(error, match=message):
+            call()
+    # What stays accepted: a permutation, per-row permutations, a load balancer's object.
+    assert context_parallel_indices(4, 2, 1, torch.tensor([3, 1, 0, 2])).tolist() == [0, 2]
+    balancer = type("Balancer", (), {"_generate_indices": lambda self: torch.tensor([[1, 0, 3, 2]])})()
+    assert context_parallel_indices(4, 2, 0, balancer).tolist() == [1, 0]
+
+
 def test_context_parallel_positions_of_multi_axis_positions_with_per_row_indices():
     """Per-row rearrange indices ((batch, seq)) with multi-axis positions: (n_axes, batch, seq)
     gathers each axis per row (2-D positions are (batch, seq)); (3, seq) with a batch of 3 was

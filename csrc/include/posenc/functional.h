@@ -1,5 +1,10 @@
-// Umbrella header of the helper functions (kept for the code that includes it): they and
-// the Timesteps module are declared in posenc/helpers.h.
+// posenc's functions (Python's posenc.functional), each declared in its family's header.
 #pragma once
 
-#include "posenc/helpers.h"
+#include "posenc/add_position.h"      // add_position
+#include "posenc/helpers.h"           // timestep_embedding, sinusoidal_2d_table, make_positions, ...
+#include "posenc/qk_norm_rope.h"      // qk_norm_rope
+#include "posenc/rope.h"              // apply_rope, rope_cos_sin, apply_rope_cos_sin, ...
+#include "posenc/rope_append_kv.h"    // rope_append_kv
+#include "posenc/rope_shift_kv.h"     // rope_shift_kv
+#include "posenc/sinusoidal_table.h"  // sinusoidal_table

@@ -27,7 +27,7 @@ at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, int64_t
 
 // MAE's fixed 2-D sin-cos table: (num_prefix_tokens + grid_h * grid_w, dim), zero prefix
 // rows, patches in row-major order, first dim/2 columns encode w, last dim/2 encode h
-// (frequencies 1 / base**(i / (dim/4)) in float64, rounded once to dtype; dim a multiple
+// (frequencies 1 / base**(i / (dim/4)) in float64, converted to dtype by Tensor::to; dim a multiple
 // of 4). Built on the host and moved to device. base_size and interpolation_scale give
 // diffusers' rescaled coordinates (get_2d_sincos_pos_embed of PixArt / SD3): each axis of n
 // patches at arange(n) / (n / base_size) / interpolation_scale, computed in float32 as

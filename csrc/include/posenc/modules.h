@@ -1,18 +1,8 @@
-// posenc's LibTorch modules (torch::nn style: Options + Impl + TORCH_MODULE holder).
+// posenc's LibTorch modules (torch::nn style: Options + Impl + TORCH_MODULE holder), each
+// declared in its family's header.
 #pragma once
 
-#include <torch/arg.h>
-#include <torch/nn/cloneable.h>
-#include <torch/nn/pimpl.h>
-#include <torch/types.h>
-
-#include <cstdint>
-#include <optional>
-#include <ostream>
-
 #include "posenc/add_position.h"  // PositionalEncoding, LearnedPositionalEncoding
-#include "posenc/helpers.h"  // the Timesteps module
-
-namespace posenc {
-
-}  // namespace posenc
+#include "posenc/helpers.h"       // Timesteps
+#include "posenc/qk_norm_rope.h"  // QKNormRotary
+#include "posenc/rope.h"          // RotaryPositionalEncoding

@@ -43,10 +43,12 @@ void qk_norm_rope_(const torch::Tensor& q, const torch::Tensor& k, const torch::
 class QkNormWeightImpl : public torch::nn::Cloneable<QkNormWeightImpl> {
  public:
   QkNormWeightImpl(int64_t size, double init) : size(size), init(init) { reset(); }
-  // Registers `weight` (size values of init), or on a second call sets it back to init.
+  // Registers `weight` (size values of init, in the default dtype as Python's module), or on
+  // a second call sets it back to init (keeping its dtype and device).
   void reset() override;
   // torch::load: refuses a weight of another size (as PositionalEncodingImpl::load).
   void load(torch::serialize::InputArchive& archive) override;
+  void pretty_print(std::ostream& stream) const override;
   int64_t size;
   double init;
   torch::Tensor weight;
@@ -81,6 +83,8 @@ struct ParsedQkNormRope;  // the options as the op reads them (api/qk_norm_rope.
 // forward starts from: after changing `options`, call reset() (it keeps the norm weights,
 // trained or not, unless their size changes). options.rope() holds the configuration only:
 // positions come with each call (RopePositions); set there, reset() raises a ValueError.
+// clone() runs reset() on the copy (LibTorch's Cloneable): a clone parses the options as
+// they are now, and copies the weights.
 class QKNormRotaryImpl : public torch::nn::Cloneable<QKNormRotaryImpl> {
  public:
   explicit QKNormRotaryImpl(const QKNormRotaryOptions& options);

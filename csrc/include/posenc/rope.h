@@ -190,7 +190,8 @@ struct ParsedRope;  // the options as the op reads them (api/rope.cpp)
 // (run by the constructor) parses and checks the options once, into the call every forward
 // starts from: after changing `options`, call reset(), as for torch::nn's modules (until then
 // forward, inv_freq() and attention_scaling() keep the parsed ones; check_positions, the
-// range check's switch, is read at each call).
+// range check's switch, is read at each call). clone() runs reset() on the copy, as
+// LibTorch's Cloneable does: a clone parses the options as they are now.
 class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositionalEncodingImpl> {
  public:
   explicit RotaryPositionalEncodingImpl(const RotaryPositionalEncodingOptions& options);

@@ -101,6 +101,9 @@ void check_rope_scaling(const math::RopeScalingParams& s) {
       if (s.type == math::RopeType::kYarn) {
         // Optional (defaults 32 and 1), but a given 0 would put a correction dimension at
         // infinity (Hugging Face reads a 0 as "not given"; here it is an error).
+        if (math::rope_has(s, math::RopeKey::attention_factor)) {
+          require_positive(s, math::RopeKey::attention_factor, "attention_factor", s.attention_factor);
+        }
         for (const auto& [k, key, value] :
              {std::tuple<math::RopeKey, const char*, double>{math::RopeKey::beta_fast, "beta_fast",
                                                              s.beta_fast},
@@ -149,6 +152,15 @@ void check_rope_scaling(const math::RopeScalingParams& s) {
     default:
       break;
   }
+  // The factor cos and sin are multiplied by (yarn's, longrope's), from the keys above: one
+  // that is not a positive float32 number (longrope's default with
+  // original_max_position_embeddings <= 1, yarn's mscale ratio over a zero) would make the
+  // outputs inf or NaN.
+  const double attention = math::rope_attention_factor(s);
+  TORCH_CHECK_VALUE(attention > 0.0 && std::isfinite(static_cast<float>(attention)),
+                    "posenc: expected the rope scaling's attention factor (given as 'attention_factor', or "
+                    "computed from 'factor', 'original_max_position_embeddings', 'mscale', 'mscale_all_dim') to be "
+                    "a positive finite float32 number, got ", py_float(attention));
 }
 
 void check_rope_scaling_lists(const math::RopeScalingParams& s, int64_t rotary_dim,

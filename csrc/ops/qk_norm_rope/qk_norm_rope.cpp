@@ -198,6 +198,11 @@ int64_t check_qk_norm_rope(const QkNormRopeCall& c, bool backward) {
   check_rope_settings(c.rope);
   TORCH_CHECK_VALUE(std::isfinite(c.eps) && c.eps > 0.0,
                     "posenc: ", c.op, ": expected eps > 0 (added to the mean square), got ", c.eps);
+  // Below float64 the mean square and eps are float32: an eps that rounds to 0 there would
+  // turn an all-zero head into 0 * rsqrt(0) = NaN.
+  TORCH_CHECK_VALUE(c.rope.q.scalar_type() == at::kDouble || static_cast<float>(c.eps) > 0.0f,
+                    "posenc: ", c.op, ": expected eps > 0 in float32 (the norm of ", py_dtype(c.rope.q.scalar_type()),
+                    " q and k is computed in float32), got ", c.eps, ", which rounds to 0 there");
   TORCH_CHECK_VALUE(std::isfinite(c.weight_offset),
                     "posenc: ", c.op, ": expected weight_offset to be finite, got ",
                     c.weight_offset);

@@ -149,11 +149,9 @@ def posenc_apply_rotary_pos_emb(
     """
     if isinstance(position_ids, int) and not isinstance(position_ids, bool):
         unsqueeze_dim = position_ids
-    if unsqueeze_dim == 1:
-        layout = "bhsd"
-    elif unsqueeze_dim == 2:
-        layout = "bshd"
-    else:
+    # True == 1 and 1.0 == 1 would be taken for the int.
+    layout = None if isinstance(unsqueeze_dim, (bool, float)) else {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
+    if layout is None:
         raise ValueError(f"posenc apply_rotary_pos_emb: expected unsqueeze_dim 1 (q, k as (batch, heads, seq, "
                          f"head_dim)) or 2 ((batch, seq, heads, head_dim)), got {unsqueeze_dim!r}")
     return posenc.functional.apply_rope_cos_sin(_promoted(q, cos, sin), _promoted(k, cos, sin), cos, sin,
