@@ -337,10 +337,11 @@ class PositionalEncoding(_AddPositionModule):
 class LearnedPositionalEncoding(_AddPositionModule):
     r"""Learned absolute position embeddings (BERT, GPT-2, ViT) with fused dropout.
 
-    Same arguments and forward as :class:`PositionalEncoding`, but ``pe`` is an
-    ``nn.Parameter`` of shape (1, max_len, d_model), initialised from a normal distribution
-    with std ``init_std`` truncated at +-2 std (TensorFlow BERT's truncated_normal
-    initializer; the resulting std is about 0.88 init_std. timm's ViT calls
+    Same arguments and forward as :class:`PositionalEncoding` (``batch_first``: x is (batch,
+    seq, d_model) if True, the default, else (seq, batch, d_model)), plus ``init_std`` and
+    ``padding_idx`` (below); ``pe`` is an ``nn.Parameter`` of shape (1, max_len, d_model),
+    initialised from a normal distribution with std ``init_std`` truncated at +-2 std
+    (TensorFlow BERT's truncated_normal initializer; the resulting std is about 0.88 init_std. timm's ViT calls
     ``trunc_normal_(std=.02)`` with bounds +-2 in absolute terms, in effect untruncated, and
     Hugging Face BERT a plain normal: call ``nn.init`` on ``pe`` to match either). Its gradient is the
     sum over the batch of the gradient reaching x, for exactly the positions used.

@@ -28,8 +28,9 @@ def timestep_embedding(
 
     ``t``: 1-D tensor of N (possibly fractional) timesteps. Returns (N, dim) float32:
     ``[sin | cos]`` halves with frequencies ``exp(-ln(max_period) * i / (half -
-    downscale_freq_shift))``, scaled angles, halves swapped when ``flip_sin_to_cos``,
-    and one zero column appended when ``dim`` is odd. Computed in float32 with the same
+    downscale_freq_shift))``, angles ``t * frequency`` multiplied by ``scale`` (diffusers'
+    ``scale``; default 1), halves swapped when ``flip_sin_to_cos``, and one zero column
+    appended when ``dim`` is odd. Computed in float32 with the same
     operation order as diffusers so the numbers agree. Where diffusers divides 0 by 0
     (``dim // 2 == downscale_freq_shift``, e.g. dim 2 or 3 with the default shift) and
     returns NaN, this raises ValueError instead. Op ``torch.ops.posenc.timestep_embedding``

@@ -65,9 +65,29 @@ def qk_norm_rope(
     dtype (or float32 when q is float16/bfloat16). Gradients flow to q, k and both weights
     (one fused backward); double backward goes through a composite of ATen ops.
 
-    ``inplace=True`` writes the results into q and k (inference: no autograd) and returns
-    them. ``config``: a parsed :class:`~posenc.functional.RopeConfig` instead of RoPE's
-    keywords (as :func:`apply_rope`). Returns ``(q, k)``.
+    Args:
+        q, k: as :func:`apply_rope`'s (every layout; k may have fewer heads).
+        q_weight, k_weight: the RMSNorm weights of q and of k (Hugging Face's
+            ``q_norm.weight`` and ``k_norm.weight``): ``(head_dim,)`` for ``norm="head"``,
+            ``(heads * head_dim,)`` of q's (resp. k's) heads for ``norm="hidden"``.
+        eps, weight_offset, norm: the norm's settings, as above (defaults: Qwen3's).
+        positions, offset, cu_seqlens: the positions the normalised q and k turn at, as
+            :func:`apply_rope`'s: int64 (seq,) or (batch, seq) positions (default ``0 ..
+            seq-1``; with ``sections`` one coordinate per axis), plus ``offset`` (an int, or an
+            int64 tensor of one offset per sequence), restarting at each sequence of
+            ``cu_seqlens`` for "thd".
+        seq_len: for "dynamic" and "longrope" scaling, the length they scale for, as
+            :func:`apply_rope`'s (default: read from the call).
+        check_inputs: also check CUDA ``cu_seqlens`` on the host in eager mode (one device
+            sync), as :func:`apply_rope`'s.
+        base, interleaved, rotary_dim, rotary_offset, scaling, layout, sections, sections_mode: the
+            RoPE settings of :func:`apply_rope`. With ``rotary_offset`` (or a ``rotary_dim``
+            below head_dim) the whole vector is normalised and only the rotary features turn.
+        inplace: write the results into q and k (inference: no autograd) and return them.
+        config: a parsed :class:`~posenc.functional.RopeConfig` instead of RoPE's keywords
+            (as :func:`apply_rope`).
+
+    Returns ``(q, k)``.
     """
     fn = "qk_norm_rope"
     for name, t in (("k", k), ("q_weight", q_weight), ("k_weight", k_weight)):
@@ -115,8 +135,9 @@ class QKNormRotary(torch.nn.Module):
             Gemma 3 (``weight_offset=1.0``; weights start at 0), OLMo 2 (``norm="hidden"``:
             then ``num_heads`` and ``num_kv_heads`` size the weights).
         num_heads, num_kv_heads: q's and k's head counts (needed for ``norm="hidden"``).
-        base, interleaved, rotary_dim, scaling, layout, sections, sections_mode: RoPE's, as
-            :func:`~posenc.functional.apply_rope`.
+        base, interleaved, rotary_dim, rotary_offset, scaling, layout, sections, sections_mode: RoPE's,
+            as :func:`~posenc.functional.apply_rope` (``rotary_offset``: the first rotated
+            feature; every feature is normalised).
 
     ``q, k = m(q, k, positions=..., offset=...)``.
     """

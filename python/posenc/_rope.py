@@ -286,7 +286,7 @@ def rope_frequencies(
 ) -> Tuple[Tensor, float]:
     """``(inv_freq, attention_factor)`` of a RoPE configuration: float64 inverse
     frequencies of the ``rotary_dim // 2`` pairs (Hugging Face's ``inv_freq``, unrounded) and
-    the factor cos and sin are multiplied by (yarn's attention scaling, else 1).
+    the factor cos and sin are multiplied by (yarn's or longrope's attention factor, else 1).
     ``seq_len`` (longest position + 1) matters for "dynamic" and "longrope" only. With ``sections`` (see
     :func:`apply_rope`), each pair's frequency as multi-axis RoPE computes it. A scaling
     dict's ``partial_rotary_factor`` applies to ``rotary_dim`` as to a head_dim (as
@@ -673,6 +673,10 @@ def apply_rope(
             all; with ``sections``, ``2 * sum(sections)``); pairs are halves
             ``(i, i + rotary_dim/2)`` (GPT-NeoX, HF LLaMA) or adjacent ``(2i, 2i+1)`` when
             ``interleaved`` (GPT-J, Meta).
+        rotary_offset: the first rotated feature (default 0): features ``[rotary_offset,
+            rotary_offset + rotary_dim)`` rotate and the others pass through, ``rotary_dim``
+            defaulting to ``head_dim - rotary_offset`` (DeepSeek's ``[nope | rope]`` heads:
+            ``rotary_offset=qk_nope_head_dim``).
         scaling: None or a Hugging Face ``rope_scaling`` / ``rope_parameters`` dict (transformers
             4 or 5) of type "default", "linear", "dynamic", "yarn", "llama3", "longrope"
             (Phi-3: ``short_factor`` / ``long_factor`` lists, one factor per pair) or
@@ -799,6 +803,9 @@ class RotaryPositionalEncoding(nn.Module):
             (GPT-NeoX, Hugging Face ``rotate_half``).
         rotary_dim: rotate only the first ``rotary_dim`` features (partial rotary);
             default ``dim`` (``2 * sum(sections)`` with sections).
+        rotary_offset: rotate the ``rotary_dim`` features from this one on instead of the
+            first (default 0; ``rotary_dim`` then defaults to ``dim - rotary_offset``), as in
+            :func:`posenc.functional.apply_rope` (DeepSeek's ``[nope | rope]`` heads).
         scaling: None or a Hugging Face ``rope_scaling`` dict ("linear", "dynamic", "yarn",
             "llama3", "longrope" or "proportional"). "dynamic" needs
             ``original_max_position_embeddings`` (in the dict, or ``max_position_embeddings``

@@ -81,6 +81,9 @@ def rope_append_kv(
             repeated index of ``index_put_``: the slot's contents are then unspecified).
         base, interleaved, rotary_dim, scaling, sections, sections_mode, seq_len: the RoPE
             settings of :func:`apply_rope`.
+        rotary_offset: the first rotated feature (default 0), as :func:`apply_rope`'s: k's
+            features outside ``[rotary_offset, rotary_offset + rotary_dim)`` (DeepSeek's nope
+            part) are written to the cache unrotated.
         inplace: rotate q (and k, with ``return_k``) in their own storage.
         return_k: also return the rotated k.
         k_scale, v_scale: FP8 caches only (default 1.0): the per-tensor scale of each cache, a
@@ -104,7 +107,8 @@ def rope_append_kv(
     Every row or slot written must lie in the cache: on the CPU an ``IndexError`` is raised
     before anything is written (the caches unchanged); CUDA kernels never write outside the
     cache (an out-of-range row stops the kernel with a device-side assert, as ATen's
-    indexing). Returns the rotated q, or (q, k) with ``return_k``.
+    indexing; by construction, not run: no GPU has run posenc's CUDA kernels). Returns the
+    rotated q, or (q, k) with ``return_k``.
     """
     fn = "rope_append_kv"
     for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache), ("v_cache", v_cache)):

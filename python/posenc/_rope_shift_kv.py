@@ -81,7 +81,8 @@ def rope_shift_kv(
         config: a parsed :class:`~posenc.functional.RopeConfig` instead of the keywords.
 
     Every row or slot must lie in the cache: on the CPU an ``IndexError`` is raised before
-    anything is written; CUDA kernels never write outside the cache (a device-side assert).
+    anything is written; CUDA kernels never write outside the cache (a device-side assert;
+    by construction, not run: no GPU has run posenc's CUDA kernels).
     Returns ``k_cache``.
     """
     fn = "rope_shift_kv"

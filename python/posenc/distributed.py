@@ -583,7 +583,12 @@ def context_parallel_positions(seq_len: int, world_size: int, rank: int, load_ba
     ``(n_axes, seq)`` or ``(n_axes, batch, seq)``) at those indices. Pass them as
     ``positions=`` with the local q/k or x: the results are the slices of the unsplit
     call's. With per-row indices (``(batch, seq)`` rearrangements) 2-D positions are read as
-    ``(batch, seq)``: give multi-axis ones as ``(n_axes, batch, seq)``."""
+    ``(batch, seq)``: give multi-axis ones as ``(n_axes, batch, seq)``.
+
+    ``world_size`` is the number of ranks the sequence of ``seq_len`` tokens is split over,
+    ``rank`` the one whose tokens are returned; ``load_balance`` chooses the split as in
+    :func:`context_parallel_indices`: None / False contiguous chunks, True / "head_tail"
+    torch's head-tail ("zigzag") chunks, or a rearrange-index tensor or load balancer."""
     fn = "context_parallel_positions"
     offset = _int_arg(fn, "offset", offset)
     if positions is not None:
@@ -612,7 +617,11 @@ def context_parallel_positions(seq_len: int, world_size: int, rank: int, load_ba
 def shard_sequence(x: Tensor, dim: int, world_size: int, rank: int, load_balance: LoadBalance = None) -> Tensor:
     """``rank``'s shard of dimension ``dim`` of the full tensor ``x`` under the split of
     :func:`context_parallel_indices` (the local q, k or x of a context-parallel rank).
-    Batch-dependent rearrangements ((batch, seq) indices) need ``x`` with the batch first."""
+    ``world_size`` is the number of ranks dimension ``dim`` is split over; ``load_balance``
+    chooses the split as there: None / False contiguous chunks (as ``Shard(dim)``), True /
+    "head_tail" torch's head-tail ("zigzag") chunks, or a rearrange-index tensor or load
+    balancer. Batch-dependent rearrangements ((batch, seq) indices) need ``x`` with the batch
+    first."""
     x, dim = _tensor_arg("shard_sequence", "x", x), _int_arg("shard_sequence", "dim", dim)
     indices = context_parallel_indices(x.shape[dim], world_size, rank, load_balance, device=x.device)
     if indices.dim() == 1:

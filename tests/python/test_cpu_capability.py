@@ -3,7 +3,7 @@
 Each vector-ISA kernel is built for the baseline (DEFAULT) and AVX2; the library picks one
 once per process, capped by POSENC_CPU_CAPABILITY=default|avx2|avx512. "avx512" is the AVX2
 build with its AVX-512 paths (dropout in one pass from a 16-lane Philox; sinusoidal_table's
-sweep), "avx2" the same build with the 8-lane AVX2 Philox and the fused float32 dropout path. Each level runs in its own process (the choice is made once)
+sweep; qk_norm_rope's rows; FP8 cache quantisation), "avx2" the same build with the 8-lane AVX2 Philox and the fused float32 dropout path. Each level runs in its own process (the choice is made once)
 and every CPU kernel must give the same bits at every level the host supports: the dropout
 masks (Philox, saved bits), the sums of the table gradient, the RoPE rotations (one fma per
 output, so the baseline must not round a * b + c twice).

@@ -900,7 +900,10 @@ def test_resample_rejects_an_integer_table():
 
 
 def test_resample_non_square_grid_to_square_grid_of_equal_size_is_resampled():
-    """posenc's documented difference from timm: 8x2 -> 4x4 (16 cells both) is resampled."""
+    """A grid of the same cell count but another shape (8x2 -> 4x4, 16 cells both) is
+    interpolated, not returned as is: the result is bicubic antialiased F.interpolate of the
+    grid with the class token row kept (timm 1.0.31's resample_abs_pos_embed gives the same
+    bits; not compared here). Equal grids (8x2 -> 8x2) are the identity."""
     torch.manual_seed(6)
     pe = torch.randn(1, 1 + 16, 8)
     got = resample_position_table(pe, (4, 4), old_grid=(8, 2))
