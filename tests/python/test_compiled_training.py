@@ -77,3 +77,35 @@ def test_compiled_training_matches_eager_across_recompiles():
     for model in (eager, compiled):
         dropped = (model.pe(torch.randn(2, 64, D) + 10) == 0).double().mean().item()
         assert 0.2 < dropped < 0.4, dropped
+
+
+def test_compiled_autograd_needs_the_forward_compiled_too():
+    """Compiled autograd (torch._dynamo.config.compiled_autograd) traces each autograd node of
+    the graph it runs. A posenc op's node is C++ code torch's tracer cannot key (its settings
+    are not listed to compiled autograd): a graph recorded in eager mode raises, naming the
+    node, rather than run a graph cached for other settings. A compiled forward puts posenc's
+    backward inside the compiled function, whose node compiled autograd takes: the
+    gradients are eager's (docs/guide/func.md)."""
+    from torch._dynamo import compiled_autograd
+
+    torch._dynamo.reset()
+    q = torch.randn(1, 4, 2, 8, requires_grad=True)
+    x = torch.randn(1, 4, 8, requires_grad=True)
+    table = torch.randn(10, 8)
+
+    def eager_loss():
+        rotated = posenc.functional.apply_rope(q, base=500.0)
+        return rotated.square().sum() + posenc.functional.add_position(x, table).square().sum()
+
+    loss = eager_loss()
+    with pytest.raises(NotImplementedError, match=r"compiled_args not implemented: posenc::"):
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            loss.backward()
+    q.grad = x.grad = None
+    eager_loss().backward()
+    want = q.grad.clone(), x.grad.clone()
+    q.grad = x.grad = None
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        torch.compile(lambda: eager_loss().backward(), backend="aot_eager")()
+    torch.testing.assert_close((q.grad, x.grad), want, rtol=0, atol=0)
+    torch._dynamo.reset()
