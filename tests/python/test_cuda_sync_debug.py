@@ -95,5 +95,5 @@ def test_the_steps_run_on_the_cpu():
     parametrization above covers them all."""
     steps = _steps("cpu")
     assert len(steps) == 19
-    for name, call in steps:
+    for _name, call in steps:
         call()
