@@ -15,6 +15,7 @@ from typing import Mapping, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from posenc._common import _bool_arg, _check_positive_int, _float_arg, _specialised
 from posenc._dtensor import is_dtensor, place_beside
@@ -36,7 +37,8 @@ def rope_cos_sin(
     """``(cos, sin)`` tables of RoPE in the Hugging Face layout (``LlamaRotaryEmbedding``).
 
     Args:
-        positions: integer (seq,) or (batch, seq) positions (Hugging Face's ``position_ids``).
+        positions: integer (seq,) or (batch, seq) positions (Hugging Face's ``position_ids``),
+            within [-2**53, 2**53] (a ValueError on the CPU, a device-side assert on CUDA).
         dim: the head dimension; the tables cover its first ``rotary_dim`` features.
         base, scaling, rotary_dim: as :func:`posenc.functional.apply_rope`: base default 10000
             (or the dict's ``rope_theta``), a transformers 4 or 5 ``rope_scaling`` /
@@ -126,22 +128,30 @@ def rope_cos_sin(
 
 
 def _check_position_range(positions: Tensor) -> None:
-    """Positions within [-2**53, 2**53], as apply_rope's op requires: past it the float64
-    angle rounds the position (2**60 + 1 got 2**60's tables). A CPU tensor is read here (a
-    ValueError); on another device, or under torch.compile, the check stays on the device
-    (torch._assert_async: a device-side assert, no host sync). A DTensor's shards are not
-    checked (one rank alone would raise); meta tensors hold no values."""
-    if positions.numel() == 0 or positions.is_meta or is_dtensor(positions):
+    """int64 positions within [-2**53, 2**53], as apply_rope's op requires: past it the
+    float64 angle rounds the position (2**60 + 1 got 2**60's tables); narrower integer dtypes
+    cannot leave it. A plain CPU tensor is read here (a ValueError); CUDA tensors, and any
+    under torch.compile, are checked on the device (torch._assert_async: a device-side
+    assert, no host sync). Not checked: tensors under a transform or tracer that cannot read
+    values (vmap, FakeTensorMode, make_fx, torch.jit.trace), DTensors (one rank alone would
+    raise), meta tensors, other devices (ATen has no _assert_async there)."""
+    if positions.dtype != torch.int64 or positions.numel() == 0 or positions.is_meta or is_dtensor(positions):
         return
     limit = 2**53
-    if positions.is_cpu and not torch.compiler.is_compiling():
+    message = "rope_cos_sin: expected positions within [-2**53, 2**53] (integers exact in the float64 angle)"
+    if torch.compiler.is_compiling():
+        if positions.is_cpu or positions.is_cuda:
+            torch._assert_async(((positions >= -limit) & (positions <= limit)).all(), message)
+        return
+    if (torch.jit.is_tracing() or _get_current_dispatch_mode() is not None or type(positions) is not Tensor
+            or torch._C._functorch.is_functorch_wrapped_tensor(positions)):
+        return
+    if positions.is_cpu:
         lo, hi = (int(v) for v in positions.aminmax())
         if lo < -limit or hi > limit:
-            raise ValueError(f"rope_cos_sin: expected positions within [-2**53, 2**53] (integers exact in the "
-                             f"float64 angle), got values in [{lo}, {hi}]")
-        return
-    torch._assert_async(((positions >= -limit) & (positions <= limit)).all(),
-                        "rope_cos_sin: expected positions within [-2**53, 2**53] (integers exact in the float64 angle)")
+            raise ValueError(f"{message}, got values in [{lo}, {hi}]")
+    elif positions.is_cuda:
+        torch._assert_async(((positions >= -limit) & (positions <= limit)).all(), message)
 
 
 def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],

@@ -525,8 +525,8 @@ def context_parallel_indices(seq_len: int, world_size: int, rank: int, load_bala
     * a rearrange-index tensor (``(seq,)``, ``(1, seq)`` or ``(batch, seq)``, e.g. a
       load balancer's ``_generate_indices()``) or a load balancer object itself: the
       rearranged sequence split into contiguous chunks; ``(batch, seq)`` gives ``(batch, S_local)``.
-      Each row must be a permutation of ``0 .. seq_len - 1`` (checked: one read of the
-      device when the indices are on a GPU).
+      Each row must be a permutation of ``0 .. seq_len - 1`` (checked: a ValueError for CPU
+      indices, a device-side assert for CUDA ones).
     """
     fn = "context_parallel_indices"
     seq_len = _int_arg(fn, "seq_len", seq_len)
@@ -562,10 +562,14 @@ def context_parallel_indices(seq_len: int, world_size: int, rank: int, load_bala
                          f"seq_len={seq_len}, got shape {tuple(indices.shape)}")
     if indices.dim() == 2 and indices.shape[0] == 1:
         indices = indices[0]
-    # Each row a permutation (a repeated or missing index would give a rank the wrong tokens).
-    if not bool((indices.sort(dim=-1).values == torch.arange(seq_len, device=indices.device)).all()):
-        raise ValueError(f"{fn}: expected each row of the rearrange indices to be a permutation of "
-                         f"0 .. seq_len - 1 = {seq_len - 1}")
+    # Each row a permutation (a repeated or missing index would give a rank the wrong tokens):
+    # read on the CPU (a ValueError), asserted on a CUDA device (no host sync per call).
+    permutation = (indices.sort(dim=-1).values == torch.arange(seq_len, device=indices.device)).all()
+    message = f"{fn}: expected each row of the rearrange indices to be a permutation of 0 .. seq_len - 1"
+    if indices.is_cuda:
+        torch._assert_async(permutation, message)
+    elif not bool(permutation):
+        raise ValueError(f"{message} = {seq_len - 1}")
     if seq_len % world_size != 0:
         raise ValueError(f"context_parallel_indices: rearranged sequences split evenly; seq_len={seq_len} does "
                          f"not divide by world_size={world_size}")

@@ -265,10 +265,16 @@ TEST(QKNormRotaryModule, ResizedWeightsFollowTheModulesDtype) {
 // The weights are made in the default dtype, as Python's QKNormRotary makes them (they were
 // float32 whatever it was: a float64 default then refused float64 q as mixed dtypes).
 TEST(QKNormRotaryModule, WeightsTakeTheDefaultDtype) {
-  const caffe2::TypeMeta saved = torch::get_default_dtype();
-  torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
-  posenc::QKNormRotary m(posenc::QKNormRotaryOptions(8));
-  torch::set_default_dtype(saved);
+  struct DefaultDtype {  // restored however the block ends
+    caffe2::TypeMeta saved = torch::get_default_dtype();
+    ~DefaultDtype() { torch::set_default_dtype(saved); }
+  };
+  posenc::QKNormRotary m{nullptr};
+  {
+    DefaultDtype restore;
+    torch::set_default_dtype(caffe2::TypeMeta::Make<double>());
+    m = posenc::QKNormRotary(posenc::QKNormRotaryOptions(8));
+  }
   EXPECT_EQ(m->q_norm->weight.scalar_type(), torch::kDouble);
   EXPECT_EQ(m->k_norm->weight.scalar_type(), torch::kDouble);
   auto q = torch::randn({1, 2, 3, 8}, torch::kDouble), k = torch::randn({1, 2, 1, 8}, torch::kDouble);

@@ -505,3 +505,31 @@ def test_large_call_streams_with_the_bits_of_small_calls(dtype, layout, interlea
     assert torch.equal(out_q.detach(), torch.cat([p[0] for p in parts], seq_dim))
     assert torch.equal(out_k, torch.cat([p[1] for p in parts], seq_dim))
     assert torch.equal(grad_q, torch.cat([p[2] for p in parts], seq_dim))
+
+
+def test_position_range_check_keeps_narrow_dtypes_and_tracers():
+    """rope_cos_sin refuses int64 positions past 2**53 (their float64 angle rounds them). Its
+    first device-side form compared int32 positions with 2**53 converted to int32 (0), so
+    under torch.compile every positive int32 position was refused, and its host read broke
+    vmap, FakeTensorMode and make_fx, which took the tables before."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from posenc.functional import rope_cos_sin
+
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda p: rope_cos_sin(p, 8), fullgraph=True, backend="aot_eager")
+    for dtype in (torch.int32, torch.int16, torch.uint8, torch.int64):
+        positions = torch.arange(5, dtype=dtype)
+        assert torch.equal(compiled(positions)[0], rope_cos_sin(positions, 8)[0])
+    with pytest.raises(RuntimeError, match=r"expected positions within \[-2\*\*53, 2\*\*53\]"):
+        compiled(torch.tensor([2**60]))
+    with pytest.raises(ValueError, match=r"got values in \[1152921504606846977, 1152921504606846977\]"):
+        rope_cos_sin(torch.tensor([2**60 + 1]), 8)
+    grid = torch.arange(10).view(2, 5)
+    assert torch.equal(torch.vmap(lambda p: rope_cos_sin(p, 8)[0])(grid), rope_cos_sin(grid, 8)[0])
+    with FakeTensorMode():
+        assert rope_cos_sin(torch.arange(5), 8)[0].shape == (5, 8)
+    traced = make_fx(lambda p: rope_cos_sin(p, 8)[0], tracing_mode="symbolic")(torch.arange(5))
+    assert torch.equal(traced(torch.arange(7)), rope_cos_sin(torch.arange(7), 8)[0])
+    torch._dynamo.reset()

@@ -7,6 +7,7 @@
 #include <tuple>
 
 #include "ops/common/float_types.h"
+#include "ops/common/py_format.h"
 
 namespace posenc {
 namespace ops {
