@@ -507,7 +507,7 @@ def test_large_call_streams_with_the_bits_of_small_calls(dtype, layout, interlea
     assert torch.equal(grad_q, torch.cat([p[2] for p in parts], seq_dim))
 
 
-def test_position_range_check_keeps_narrow_dtypes_and_tracers():
+def test_position_range_check_under_compile_keeps_narrow_dtypes_and_tracers():
     """rope_cos_sin refuses int64 positions past 2**53 (their float64 angle rounds them). Its
     first device-side form compared int32 positions with 2**53 converted to int32 (0), so
     under torch.compile every positive int32 position was refused, and its host read broke
