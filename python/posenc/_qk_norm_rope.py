@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import numbers
-from typing import Any, Mapping, Optional, Tuple, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 from torch import Tensor
@@ -181,9 +182,9 @@ class QKNormRotary(torch.nn.Module):
         self.head_dim, self.eps, self.weight_offset, self.norm = head_dim, eps, weight_offset, norm
         # RoPE's configuration, parsed once (RopeConfig) and passed on at each call.
         self.rope_config = RopeConfig.parse(head_dim=head_dim, fn="QKNormRotary", **rope)
-        # (A dict copied: a later edit of the caller's would show here, not in the parsed config.)
-        self._rope_keywords = tuple((name, dict(value) if isinstance(value, Mapping) else value)
-                                    for name, value in rope.items() if value is not None)
+        # Copied (lists in the scaling dict too): a later edit of the caller's would show here,
+        # not in the parsed configuration.
+        self._rope_keywords = tuple((name, copy.deepcopy(value)) for name, value in rope.items() if value is not None)
         rotary_width(self.rope_config)  # the op checks the values now, for heads of head_dim features
 
     def __setstate__(self, state: dict) -> None:

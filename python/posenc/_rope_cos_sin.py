@@ -38,7 +38,9 @@ def rope_cos_sin(
 
     Args:
         positions: integer (seq,) or (batch, seq) positions (Hugging Face's ``position_ids``),
-            within [-2**53, 2**53] (a ValueError on the CPU, a device-side assert on CUDA).
+            within [-2**53, 2**53] (a ValueError on the CPU, a device-side assert on CUDA, a
+            RuntimeError under torch.compile; not checked under vmap, a TorchDispatchMode or
+            torch.jit.trace).
         dim: the head dimension; the tables cover its first ``rotary_dim`` features.
         base, scaling, rotary_dim: as :func:`posenc.functional.apply_rope`: base default 10000
             (or the dict's ``rope_theta``), a transformers 4 or 5 ``rope_scaling`` /
@@ -68,7 +70,8 @@ def rope_cos_sin(
     fn = "rope_cos_sin"
     if not isinstance(positions, Tensor):
         raise TypeError(f"{fn}: expected positions to be a Tensor, got {type(positions).__name__}")
-    if positions.is_floating_point() or positions.is_complex() or positions.dtype == torch.bool:
+    # uint64 too: past 2**63 it has no int64 twin, and its range is not checked (int64's is).
+    if positions.is_floating_point() or positions.is_complex() or positions.dtype in (torch.bool, torch.uint64):
         raise TypeError(f"{fn}: expected positions to be an integer tensor (int64 position_ids), got {positions.dtype}")
     if positions.dim() not in (1, 2):
         raise ValueError(f"{fn}: expected positions of shape (seq,) or (batch, seq), got {tuple(positions.shape)}")
@@ -129,12 +132,13 @@ def rope_cos_sin(
 
 def _check_position_range(positions: Tensor) -> None:
     """int64 positions within [-2**53, 2**53], as apply_rope's op requires: past it the
-    float64 angle rounds the position (2**60 + 1 got 2**60's tables); narrower integer dtypes
-    cannot leave it. A plain CPU tensor is read here (a ValueError); CUDA tensors, and any
-    under torch.compile, are checked on the device (torch._assert_async: a device-side
-    assert, no host sync). Not checked: tensors under a transform or tracer that cannot read
-    values (vmap, FakeTensorMode, make_fx, torch.jit.trace), DTensors (one rank alone would
-    raise), meta tensors, other devices (ATen has no _assert_async there)."""
+    float64 angle rounds the position (2**60 + 1 got 2**60's tables); the narrower integer
+    dtypes cannot leave it (uint64 is refused before). A plain CPU tensor is read here (a
+    ValueError); CUDA tensors, and any under torch.compile, are checked on the device
+    (torch._assert_async: a device-side assert, no host sync). Not checked: tensors under a
+    transform, a TorchDispatchMode (any: FakeTensorMode and make_fx cannot read values) or
+    torch.jit.trace, DTensors (one rank alone would raise), meta tensors, other devices (ATen
+    has no _assert_async there)."""
     if positions.dtype != torch.int64 or positions.numel() == 0 or positions.is_meta or is_dtensor(positions):
         return
     limit = 2**53

@@ -525,8 +525,8 @@ def context_parallel_indices(seq_len: int, world_size: int, rank: int, load_bala
     * a rearrange-index tensor (``(seq,)``, ``(1, seq)`` or ``(batch, seq)``, e.g. a
       load balancer's ``_generate_indices()``) or a load balancer object itself: the
       rearranged sequence split into contiguous chunks; ``(batch, seq)`` gives ``(batch, S_local)``.
-      Each row must be a permutation of ``0 .. seq_len - 1`` (checked: a ValueError for CPU
-      indices, a device-side assert for CUDA ones).
+      Each row must be a permutation of ``0 .. seq_len - 1`` (checked: a device-side assert
+      for CUDA indices, a ValueError for others).
     """
     fn = "context_parallel_indices"
     seq_len = _int_arg(fn, "seq_len", seq_len)

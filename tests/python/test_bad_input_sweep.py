@@ -456,3 +456,8 @@ def test_qk_norm_rotary_repr_names_its_rope_settings_and_head_counts():
         "  head_dim=8, eps=1e-06, weight_offset=0.0, norm='hidden', num_heads=2, num_kv_heads=1, base=500.0, "
         "scaling={'rope_type': 'linear', 'factor': 2.0}\n"
         "  (q_norm): _NormWeight(16)\n  (k_norm): _NormWeight(8)\n)")
+    # The settings as the module took them: a later edit of the caller's objects is not shown.
+    sections, scaling = [1, 1, 2], {"rope_type": "linear", "factor": 2.0}
+    m = posenc.QKNormRotary(8, sections=sections, scaling=scaling)
+    sections[0], scaling["factor"] = 7, 9.0
+    assert "sections=[1, 1, 2]" in repr(m) and "'factor': 2.0" in repr(m)

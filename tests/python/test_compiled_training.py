@@ -87,6 +87,7 @@ def test_compiled_autograd_needs_the_forward_compiled_too():
     backward inside the compiled function, whose node compiled autograd takes: the
     gradients are eager's (docs/guide/func.md)."""
     from torch._dynamo import compiled_autograd
+    from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     q = torch.randn(1, 4, 2, 8, requires_grad=True)
@@ -105,7 +106,11 @@ def test_compiled_autograd_needs_the_forward_compiled_too():
     eager_loss().backward()
     want = q.grad.clone(), x.grad.clone()
     q.grad = x.grad = None
-    with torch._dynamo.config.patch(compiled_autograd=True):
-        torch.compile(lambda: eager_loss().backward(), backend="aot_eager")()
-    torch.testing.assert_close((q.grad, x.grad), want, rtol=0, atol=0)
-    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with torch._dynamo.config.patch(compiled_autograd=True):
+            torch.compile(lambda: eager_loss().backward(), backend="aot_eager")()
+        assert counters["compiled_autograd"]["captures"] >= 1  # the backward went through compiled autograd
+        torch.testing.assert_close((q.grad, x.grad), want, rtol=0, atol=0)
+    finally:
+        torch._dynamo.reset()

@@ -4,8 +4,8 @@ synchronising CUDA call torch makes (a blocking copy to or from the device, .ite
 or device synchronize) wherever it is made: in the Python front ends, in torch's ops and in
 posenc's C++ (which test_host_syncs.py and test_no_host_sync.py, on fake or CPU tensors, cannot
 see). The documented syncs are left out: the modules' check_positions with tensor positions,
-check_inputs=True, "dynamic" scaling without seq_len (it reads the longest position), and
-rope_cos_sin's "dynamic" tables. Needs a GPU (scripts/gpu_check.sh); not run here."""
+check_inputs=True, the length-scaled types ("dynamic", "longrope") without seq_len (apply_rope,
+rope_append_kv, rope_shift_kv's from/to_seq_len and rope_cos_sin read the longest position). Needs a GPU (scripts/gpu_check.sh); not run here."""
 
 import pytest
 import torch
@@ -77,10 +77,13 @@ def _steps(device):
     ]
 
 
+STEPS = [name for name, _ in _steps("cpu")]
+
+
 @pytest.mark.cuda
-@pytest.mark.parametrize("index", range(19))
-def test_hot_calls_do_not_sync(index):
-    name, call = _steps("cuda")[index]
+@pytest.mark.parametrize("step", STEPS)
+def test_hot_calls_do_not_sync(step):
+    call = dict(_steps("cuda"))[step]
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
@@ -91,9 +94,8 @@ def test_hot_calls_do_not_sync(index):
 
 
 def test_the_steps_run_on_the_cpu():
-    """Every step is a valid call (so the GPU test does not rot unseen), and the
-    parametrization above covers them all."""
+    """Every step is a valid call (so the GPU test does not rot unseen), each named once."""
     steps = _steps("cpu")
-    assert len(steps) == 19
+    assert len(dict(steps)) == len(steps)
     for _name, call in steps:
         call()

@@ -526,6 +526,8 @@ def test_position_range_check_under_compile_keeps_narrow_dtypes_and_tracers():
         compiled(torch.tensor([2**60]))
     with pytest.raises(ValueError, match=r"got values in \[1152921504606846977, 1152921504606846977\]"):
         rope_cos_sin(torch.tensor([2**60 + 1]), 8)
+    with pytest.raises(TypeError, match=r"integer tensor \(int64 position_ids\), got torch.uint64"):
+        rope_cos_sin(torch.tensor([2**60 + 1], dtype=torch.uint64), 8)  # was 2**60's tables, unchecked
     grid = torch.arange(10).view(2, 5)
     assert torch.equal(torch.vmap(lambda p: rope_cos_sin(p, 8)[0])(grid), rope_cos_sin(grid, 8)[0])
     with FakeTensorMode():
