@@ -188,6 +188,8 @@ class _AddPositionModule(nn.Module):
         if torch.jit.is_scripting():  # what TorchScript compiles: the op the function calls
             pe = self._table(self.pe)
             if self._scripted_fused_dropout and hasattr(dropout, "p"):
+                if not 0.0 <= dropout.p <= 1.0:  # in eval mode too, as nn.Dropout
+                    raise ValueError("posenc: expected dropout probability p in [0, 1], got " + str(dropout.p))
                 p = dropout.p if dropout.training else 0.0
                 return torch.ops.posenc.add_position(x, pe, positions, offset, self.batch_first, p)
             return dropout(torch.ops.posenc.add_position(x, pe, positions, offset, self.batch_first, 0.0))

@@ -354,10 +354,14 @@ def _calls_with_misused_arguments():
         ("new_grid", lambda: F.resample_position_table(torch.randn(1, 12, 4), {4: 0, 3: 0}, old_grid=(3, 4))),
         # Past 2**53 the float64 angle rounded the position: 2**60 + 1 got 2**60's tables.
         ("positions within", lambda: F.rope_cos_sin(torch.tensor([2**60 + 1]), 8)),
-        # Added in float32, an eps below float32's range was 0: an all-zero head gave NaN.
-        ("eps > 0 in float32", lambda: F.qk_norm_rope(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8),
-                                                      torch.ones(8), torch.ones(8), eps=1e-300)),
-        ("eps > 0 in float32", lambda: posenc.QKNormRotary(8, eps=1e-46)(q, q)),
+        # Added in float32, an eps below float32's range was 0 (a subnormal one is 0 under
+        # flush-to-zero): an all-zero head gave NaN.
+        ("eps >= 1.1754943508222875e-38", lambda: F.qk_norm_rope(torch.zeros(1, 2, 1, 8), torch.zeros(1, 2, 1, 8),
+                                                                  torch.ones(8), torch.ones(8), eps=1e-300)),
+        ("eps >= 1.1754943508222875e-38", lambda: posenc.QKNormRotary(8, eps=1e-46)(q, q)),
+        ("eps >= 1.1754943508222875e-38", lambda: posenc.QKNormRotary(8, eps=1e-40)(q, q)),
+        ("eps >= 2.2250738585072014e-308", lambda: posenc.QKNormRotary(8, eps=1e-310).double()(q.double(),
+                                                                                              q.double())),
         # Attention factors that made every output inf or NaN: longrope's default
         # sqrt(1 + ln(factor) / ln(original)) at original 1 or below, yarn's given 0 or its
         # mscale ratio over a zero.
@@ -432,8 +436,11 @@ def test_a_modules_bad_dropout_p_is_refused_in_eval_mode_too():
         module.eval()
         torch.testing.assert_close(module(x), x + module.pe[:, :5], rtol=0, atol=0)  # p=0.1 off in eval
         module.dropout.p = 2.0
+        scripted = torch.jit.script(module)  # (a scripted nn.Dropout's p is a constant)
         with pytest.raises(ValueError, match=r"dropout probability p in \[0, 1\], got 2\.0"):
             module(x)
+        with pytest.raises(torch.jit.Error, match=r"ValueError: posenc: expected dropout probability p in \[0, 1\], got 2"):
+            scripted(x)  # (TorchScript's str(2.0) is "2.")
 
 
 def test_transformers_apply_rotary_pos_emb_refuses_a_bool_unsqueeze_dim():

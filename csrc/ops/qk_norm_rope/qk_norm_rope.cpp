@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -198,11 +199,16 @@ int64_t check_qk_norm_rope(const QkNormRopeCall& c, bool backward) {
   check_rope_settings(c.rope);
   TORCH_CHECK_VALUE(std::isfinite(c.eps) && c.eps > 0.0,
                     "posenc: ", c.op, ": expected eps > 0 (added to the mean square), got ", c.eps);
-  // Below float64 the mean square and eps are float32: an eps that rounds to 0 there would
-  // turn an all-zero head into 0 * rsqrt(0) = NaN.
-  TORCH_CHECK_VALUE(c.rope.q.scalar_type() == at::kDouble || static_cast<float>(c.eps) > 0.0f,
-                    "posenc: ", c.op, ": expected eps > 0 in float32 (the norm of ", py_dtype(c.rope.q.scalar_type()),
-                    " q and k is computed in float32), got ", c.eps, ", which rounds to 0 there");
+  // The mean square and eps are float32 below float64: an eps that rounds to 0 there, or a
+  // subnormal one that flush-to-zero makes 0 (torch.set_flush_denormal), would turn an
+  // all-zero head into 0 * rsqrt(0) = NaN. So eps is at least the compute dtype's smallest
+  // normal number.
+  const bool f64 = c.rope.q.scalar_type() == at::kDouble;
+  TORCH_CHECK_VALUE(f64 ? c.eps >= std::numeric_limits<double>::min()
+                        : static_cast<float>(c.eps) >= std::numeric_limits<float>::min(),
+                    "posenc: ", c.op, ": expected eps >= ", f64 ? "2.2250738585072014e-308" : "1.1754943508222875e-38",
+                    " (the smallest normal number of ", f64 ? "float64" : "float32", ", in which the norm of ",
+                    py_dtype(c.rope.q.scalar_type()), " q and k is computed), got ", c.eps);
   TORCH_CHECK_VALUE(std::isfinite(c.weight_offset),
                     "posenc: ", c.op, ": expected weight_offset to be finite, got ",
                     c.weight_offset);
