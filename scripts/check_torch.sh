@@ -14,11 +14,18 @@ work="${2:-/tmp/posenc-torch-$version}"
 root="$(cd "$(dirname "$0")/.." && pwd)"
 jobs="${MAX_JOBS:-2}"
 
+# The script deletes its own src/ and build/ there: a work dir it did not make (a marker file
+# says it did) must be new or empty.
+if [ -d "$work" ] && [ ! -f "$work/.check_torch" ] && [ -n "$(ls -A "$work")" ]; then
+  echo "check_torch.sh: $work exists and was not made by this script; pass a new or empty work dir" >&2
+  exit 2
+fi
 mkdir -p "$work"
 work="$(cd "$work" && pwd)"  # absolute: the tests run from inside it
 case "$work/" in
   "$root/"*) echo "check_torch.sh: the work dir must lie outside this checkout ($root)" >&2; exit 2 ;;
 esac
+touch "$work/.check_torch"
 if [ ! -x "$work/venv/bin/python" ]; then
   python3 -m venv "$work/venv"
 fi

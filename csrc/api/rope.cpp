@@ -182,6 +182,14 @@ void RotaryPositionalEncodingImpl::reset() {
       : options.max_position_embeddings().has_value() ? std::optional<double>(static_cast<double>(model_len))
       : std::nullopt;
   if ((facts & math::kRopeScalesByLength) && (facts & math::kRopeOriginalFromModel)) {
+    // transformers scales "dynamic" by the config's max_position_embeddings and ignores the
+    // dict's key; posenc reads the key: both given and different are two readings (as in Python).
+    TORCH_CHECK_VALUE(!given.has_value() || !options.max_position_embeddings().has_value() ||
+                          *given == static_cast<double>(model_len),
+                      "RotaryPositionalEncoding: rope_type '", s.rope_type, "' scales beyond one length: "
+                      "transformers reads the config's max_position_embeddings (", model_len, ") and ignores "
+                      "the dict's original_max_position_embeddings (", given.value_or(0.0), "); pass one of "
+                      "them, or equal ones");
     // Such a type rescales only positions beyond original_max_position_embeddings, and the
     // module refuses positions at or beyond max_len: a baseline there (or the default,
     // max_len itself) would make the scaling a silent no-op.

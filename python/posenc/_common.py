@@ -21,14 +21,12 @@ def _int_arg(fn: str, name: str, value: Any) -> int:
     if not isinstance(value, bool):
         try:
             # An int as it is: under torch.compile possibly a dynamic one, which operator.index
-            # would specialise (a graph per value); the range test below only guards it.
+            # would specialise (a graph per value); _in_int64 leaves a dynamic one unchecked.
             number = value if isinstance(value, (int, torch.SymInt)) else operator.index(value)
         except TypeError:
             pass
         else:
-            if _INT64_MIN <= number <= _INT64_MAX:
-                return number
-            raise ValueError(f"{fn}: expected {name} to fit in int64, got {number}")
+            return _in_int64(fn, name, number)
     raise TypeError(f"{fn}: expected {name} to be an int, got {value!r}")
 
 
@@ -48,7 +46,7 @@ def _integer(value: Any) -> Any:
 
 
 def _in_int64(fn: str, name: str, number: Any) -> Any:
-    """An int from ``_integer`` checked to fit in int64 (ValueError naming it otherwise; the
+    """An int (of ``_integer`` or ``_int_arg``) checked to fit in int64 (ValueError naming it otherwise; the
     op's schema would refuse it with "expected int, found int"). A dynamic int is kept."""
     if isinstance(number, int) and not _INT64_MIN <= number <= _INT64_MAX:
         raise ValueError(f"{fn}: expected {name} to fit in int64, got {number}")

@@ -756,13 +756,27 @@ def rotary_width(config: RopeConfig) -> int:
     return torch.ops.posenc.rope_rotary_width(q, **dict(config.op_kwargs), **extra)
 
 
+def check_one_baseline(fn: str, rope_type: str, scaling: Any, max_position_embeddings: Optional[int]) -> None:
+    """A type that scales beyond one length ("dynamic"): transformers' rule scales by the
+    config's max_position_embeddings and ignores the dict's original_max_position_embeddings,
+    posenc reads the key. Both given and different are two readings: refused (rope_cos_sin
+    and RotaryPositionalEncoding alike)."""
+    given = scaling.get("original_max_position_embeddings") if isinstance(scaling, Mapping) else None
+    if (rope_type in LENGTH_BASELINE_TYPES and given is not None
+            and max_position_embeddings is not None and given != max_position_embeddings):
+        raise ValueError(f"{fn}: rope_type {rope_type!r} scales beyond one length: transformers reads the "
+                         f"config's max_position_embeddings ({max_position_embeddings}) and ignores the dict's "
+                         f"original_max_position_embeddings ({given}); pass one of them, or equal ones")
+
+
 def _check_length_baseline(scaling: dict, rope_type: str, max_len: int, model_len: Optional[int]) -> None:
     """A type that scales by length with original_max_position_embeddings defaulting to the
     model's ("dynamic") rescales only when a call's positions pass that baseline (the dict's,
     else ``model_len``: max_position_embeddings when given apart from max_len), and the module
     refuses positions at or beyond max_len: a baseline at or above max_len (or the default,
     max_len) would make the scaling a silent no-op."""
-    orig = scaling.get("original_max_position_embeddings", model_len)
+    orig = scaling.get("original_max_position_embeddings")  # a key given as None is not given
+    orig = model_len if orig is None else orig
     if orig is None:
         raise ValueError(
             f"RotaryPositionalEncoding: {rope_type!r} scaling needs 'original_max_position_embeddings' "
@@ -872,6 +886,7 @@ class RotaryPositionalEncoding(nn.Module):
             **rope)
         c = self.rope_config
         self._rotary_width = rotary_width(c)
+        check_one_baseline(fn, c.rope_type, self._scaling, max_position_embeddings)
         if c.rope_type in LENGTH_BASELINE_TYPES:
             _check_length_baseline(self._scaling, c.rope_type, self.max_len,
                                    None if max_position_embeddings is None else model_len)

@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from posenc._common import _bool_arg, _check_positive_int, _float_arg, _specialised
 from posenc._dtensor import is_dtensor, place_beside
-from posenc._rope import (LENGTH_BASELINE_TYPES, LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES,
-                          _host_frequencies, heads_batch_rule, resolve_config_keys, scaling_arguments)
+from posenc._rope import (LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, _host_frequencies, check_one_baseline,
+                          heads_batch_rule, resolve_config_keys, scaling_arguments)
 
 
 def rope_cos_sin(
@@ -94,14 +94,7 @@ def rope_cos_sin(
     # The model's defaults (max_position_embeddings) and the length a type scales by come from
     # the types' facts (scaling_arguments, LENGTH_SCALED_TYPES), as for apply_rope.
     rope_type, values = scaling_arguments(scaling, max_position_embeddings)
-    given = scaling.get("original_max_position_embeddings") if isinstance(scaling, Mapping) else None
-    if (rope_type in LENGTH_BASELINE_TYPES and given is not None
-            and max_position_embeddings is not None and given != max_position_embeddings):
-        # "dynamic": transformers' rule scales by config.max_position_embeddings and ignores
-        # the dict's key; posenc reads the key. Both given and different: two readings.
-        raise ValueError(f"{fn}: rope_type {rope_type!r} scales beyond one length: transformers reads the "
-                         f"config's max_position_embeddings ({max_position_embeddings}) and ignores the dict's "
-                         f"original_max_position_embeddings ({given}); pass one of them, or equal ones")
+    check_one_baseline(fn, rope_type, scaling, max_position_embeddings)
     if rope_type in PARTIAL_ROTARY_KEY_TYPES and rotary_dim != dim:
         # As apply_rope refuses it (the op's rotary-width rule): "proportional" turns pairs of
         # the whole head, its exponents over dim; over a narrower rotary_dim there are two readings.
@@ -131,31 +124,31 @@ def rope_cos_sin(
 
 
 def _check_position_range(positions: Tensor) -> None:
-    """int64 positions within [-2**53, 2**53], as apply_rope's op requires: past it the
-    float64 angle rounds the position (2**60 + 1 got 2**60's tables); the narrower integer
-    dtypes cannot leave it (uint64 is refused before). A plain CPU tensor is read here (a
-    ValueError); CUDA tensors, and any under torch.compile, are checked on the device
-    (torch._assert_async: a device-side assert, no host sync). Not checked: tensors under a
-    transform, a TorchDispatchMode (any: FakeTensorMode and make_fx cannot read values) or
-    torch.jit.trace, DTensors (one rank alone would raise), meta tensors, other devices (ATen
-    has no _assert_async there)."""
-    if positions.dtype != torch.int64 or positions.numel() == 0 or positions.is_meta or is_dtensor(positions):
+    """int64 positions within the range apply_rope's op takes ([-2**53, 2**53]: past it the
+    float64 angle rounds the position, 2**60 + 1 got 2**60's tables), checked by the op's own
+    bounds ops on a stand-in q (its shape only): ``rope_position_bounds`` reads a plain CPU
+    tensor (the op's ValueError); on CUDA, and under torch.compile, ``rope_position_extremes``
+    keeps its verdict on the device (an invalid call's bounds are (int64 min, int64 max)) and
+    torch._assert_async refuses it (no host sync). The narrower integer dtypes cannot leave
+    the range (uint64 is refused before). Not checked: tensors under a transform, a
+    TorchDispatchMode (any: FakeTensorMode and make_fx cannot read values) or
+    torch.jit.trace, DTensors (one rank alone would raise), meta tensors, other devices."""
+    if (positions.dtype != torch.int64 or positions.numel() == 0 or positions.is_meta or is_dtensor(positions)
+            or not (positions.is_cpu or positions.is_cuda)):
         return
-    limit = 2**53
-    message = "rope_cos_sin: expected positions within [-2**53, 2**53] (integers exact in the float64 angle)"
-    if torch.compiler.is_compiling():
-        if positions.is_cpu or positions.is_cuda:
-            torch._assert_async(((positions >= -limit) & (positions <= limit)).all(), message)
+    compiling = torch.compiler.is_compiling()
+    if not compiling and (torch.jit.is_tracing() or _get_current_dispatch_mode() is not None
+                          or type(positions) is not Tensor
+                          or torch._C._functorch.is_functorch_wrapped_tensor(positions)):
         return
-    if (torch.jit.is_tracing() or _get_current_dispatch_mode() is not None or type(positions) is not Tensor
-            or torch._C._functorch.is_functorch_wrapped_tensor(positions)):
-        return
-    if positions.is_cpu:
-        lo, hi = (int(v) for v in positions.aminmax())
-        if lo < -limit or hi > limit:
-            raise ValueError(f"{message}, got values in [{lo}, {hi}]")
-    elif positions.is_cuda:
-        torch._assert_async(((positions >= -limit) & (positions <= limit)).all(), message)
+    rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
+    q = torch.empty_strided((*rows.shape, 1, 2), (0, 0, 0, 0), device=positions.device)
+    if compiling or positions.is_cuda:
+        lo = torch.ops.posenc.rope_position_extremes(q, positions=rows)[0]
+        torch._assert_async(lo != torch.iinfo(torch.int64).min, "rope_cos_sin: expected positions within "
+                            "[-2**53, 2**53] (integers exact in the float64 angle)")
+    else:
+        torch.ops.posenc.rope_position_bounds(q, positions=rows)  # raises the op's ValueError
 
 
 def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],

@@ -65,7 +65,7 @@ worst to R, so no placement gives a silently wrong answer):
 
 ``make_positions``, ``resample_position_table``, ``timestep_embedding`` are compositions of
     ATen ops, which DTensor shards by ATen's own rules (``timestep_embedding`` makes a plain
-    frequency tensor inside: run it under ``implicit_replication()``; DTensor has no rule for
+    frequency tensor inside: run it under ``implicit_replication()``; torch 2.11's DTensor has no rule for
     the bicubic upsampling of ``resample_position_table``: resample ``full_tensor()``). ``rope_frequencies``,
     ``rope_grid_positions``, ``sinusoidal_2d_table``, ``rope_scaling_spec`` take no tensor.
 """

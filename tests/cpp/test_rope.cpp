@@ -459,6 +459,19 @@ TEST(RopeLongrope, ModuleFillsFactorAndSwitchesToLongFactors) {
   EXPECT_THROW(posenc::RotaryPositionalEncoding(
                    posenc::RotaryPositionalEncodingOptions(8).max_len(64).scaling(dynamic)),
                c10::ValueError);
+  // The scaling applied (positions past 16 rotate otherwise than unscaled).
+  posenc::RotaryPositionalEncoding plain(posenc::RotaryPositionalEncodingOptions(8).max_len(64));
+  EXPECT_FALSE(torch::allclose(std::get<0>(by_model->forward_at(long_q, long_q, posenc::RopePositions())),
+                               std::get<0>(plain->forward_at(long_q, long_q, posenc::RopePositions()))));
+  // Both lengths given and different: two readings (transformers reads the model's, posenc
+  // the key), refused as rope_cos_sin refuses them; equal ones agree.
+  EXPECT_THROW(posenc::RotaryPositionalEncoding(
+                   posenc::RotaryPositionalEncodingOptions(8).max_len(64).max_position_embeddings(32).scaling(keyed)),
+               c10::ValueError);
+  posenc::RotaryPositionalEncoding both(
+      posenc::RotaryPositionalEncodingOptions(8).max_len(64).max_position_embeddings(16).scaling(keyed));
+  EXPECT_TRUE(torch::equal(std::get<0>(both->forward_at(long_q, long_q, posenc::RopePositions())),
+                           std::get<0>(by_key->forward_at(long_q, long_q, posenc::RopePositions()))));
 }
 
 TEST(ApplyRopeCosSin, MatchesApplyRopeAndBackwardIsTheTranspose) {

@@ -25,7 +25,7 @@ class Tiny(nn.Module):
         self.emb = nn.Embedding(V, D)
         self.pe = posenc.PositionalEncoding(D, 0.3, 64)
         self.qkv = nn.Linear(D, 3 * D)
-        scaling = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 10}
+        scaling = {"rope_type": "dynamic", "factor": 2.0}  # a Hugging Face dict: the baseline is the model's length
         self.rope = posenc.RotaryPositionalEncoding(HD, 64, scaling=scaling, max_position_embeddings=10)
         self.out = nn.Linear(D, V)
 

@@ -140,6 +140,20 @@ def test_layout_and_scaling_names():
     assert torch.equal(by_model(long_q), keyed(long_q))
     with pytest.raises(ValueError, match=r"original_max_position_embeddings=64 >= max_len=64 would never apply"):
         posenc.RotaryPositionalEncoding(8, max_len=64, max_position_embeddings=64, scaling=dynamic)
+    # The scaling applied (positions past 16 rotate otherwise than unscaled).
+    assert not torch.allclose(by_model(long_q), posenc.RotaryPositionalEncoding(8, max_len=64)(long_q))
+    # A key given as None is not given (as the parser reads it): the model's length.
+    by_none = posenc.RotaryPositionalEncoding(8, max_len=64, max_position_embeddings=16,
+                                              scaling={**dynamic, "original_max_position_embeddings": None})
+    assert torch.equal(by_none(long_q), keyed(long_q))
+    # Both given and different: two readings (transformers reads the model's, posenc the key),
+    # refused as rope_cos_sin refuses them; equal ones agree.
+    with pytest.raises(ValueError, match=r"scales beyond one length.*\(32\).*\(16\)"):
+        posenc.RotaryPositionalEncoding(8, max_len=64, max_position_embeddings=32,
+                                        scaling={**dynamic, "original_max_position_embeddings": 16})
+    both = posenc.RotaryPositionalEncoding(8, max_len=64, max_position_embeddings=16,
+                                           scaling={**dynamic, "original_max_position_embeddings": 16})
+    assert torch.equal(both(long_q), keyed(long_q))
 
 
 @pytest.mark.parametrize("device", ["cpu", "meta"])

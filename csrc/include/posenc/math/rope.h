@@ -32,7 +32,8 @@ namespace math {
 //                        rotary pair, appended to the op's float[] scaling.
 //   original_from_model  original_max_position_embeddings, when not given, is the model's
 //                        max_position_embeddings (transformers reads the config's; the
-//                        modules' max_len, rope_cos_sin's max_position_embeddings).
+//                        modules' max_position_embeddings, default max_len;
+//                        rope_cos_sin's max_position_embeddings).
 //   factor_from_model    factor, when neither it nor attention_factor is given, is
 //                        max_position_embeddings / original_max_position_embeddings.
 //   partial_rotary_key   it reads partial_rotary_factor as its own scaling key (the share of
