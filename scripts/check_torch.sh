@@ -5,7 +5,7 @@
 # In the work dir: a venv with torch==<version> from PyPI (its CUDA build: about 5 GB) and the
 # test requirements, a copy of the committed sources (git archive HEAD), built there with
 # CMake (the CUDA kernels too where nvcc is found) and installed into the copy's python/posenc/lib;
-# then GoogleTest and the Python suite of the copy. Peers (transformers, ...) are not installed,
+# then the copy's ctest, C++ examples and Python suite. Peers (transformers, ...) are not installed,
 # so their tests skip. Nothing in this checkout changes. About 15 minutes on 2 cores once
 # torch's wheels are in pip's cache.
 set -euo pipefail
@@ -42,7 +42,11 @@ cmake -S "$work/src" -B "$work/build" -G Ninja -DPython3_EXECUTABLE="$work/venv/
   -DPOSENC_INSTALL_PYTHON_LIB=ON -DCMAKE_INSTALL_PREFIX="$work/install" > "$work/configure.log"
 cmake --build "$work/build" -j "$jobs"
 cmake --install "$work/build" > /dev/null
-"$work/build/posenc_tests"
+# As `make test`: ctest (GoogleTest, the CUDA kernels' resources and SASS), the C++ examples
+# against the installed CMake package (run_example.sh), then the Python suite.
+export PYTHONPATH="$work/src/python" MAX_JOBS="$jobs"
+ctest --test-dir "$work/build" --output-on-failure
+bash "$work/src/tests/cpp/run_example.sh" "$work/install" "$work/venv/bin/python"
 cd "$work/src"
-PYTHONPATH=python "$work/venv/bin/python" -m pytest tests/python -q -p no:cacheprovider -n "$jobs"
+"$work/venv/bin/python" -m pytest tests/python -q -p no:cacheprovider -n "$jobs"
 echo "check_torch.sh: posenc builds and passes its tests against torch $version"

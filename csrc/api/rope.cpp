@@ -176,11 +176,11 @@ void RotaryPositionalEncodingImpl::reset() {
   // max_len derives them again (written back, they read as given: a stale baseline).
   RopeScaling s = options.scaling();
   const unsigned facts = math::rope_type_facts(ops::parse_rope_type(s.rope_type));
-  const auto& given = s.original_max_position_embeddings;
-  // The baseline: the dict's, else the model's length when given apart from max_len.
-  const std::optional<double> orig = given.has_value() ? given
-      : options.max_position_embeddings().has_value() ? std::optional<double>(static_cast<double>(model_len))
-      : std::nullopt;
+  const std::optional<double> given = s.original_max_position_embeddings;
+  // The baseline: the dict's, else the model's length (max_position_embeddings, default max_len).
+  if ((facts & math::kRopeOriginalFromModel) && !given.has_value()) {
+    s.original_max_position_embeddings = static_cast<double>(model_len);
+  }
   if ((facts & math::kRopeScalesByLength) && (facts & math::kRopeOriginalFromModel)) {
     // transformers scales "dynamic" by the config's max_position_embeddings and ignores the
     // dict's key; posenc reads the key: both given and different are two readings (as in Python).
@@ -193,14 +193,11 @@ void RotaryPositionalEncodingImpl::reset() {
     // Such a type rescales only positions beyond original_max_position_embeddings, and the
     // module refuses positions at or beyond max_len: a baseline there (or the default,
     // max_len itself) would make the scaling a silent no-op.
-    TORCH_CHECK_VALUE(orig.has_value() && *orig < options.max_len(),
+    const double orig = *s.original_max_position_embeddings;
+    TORCH_CHECK_VALUE(orig < options.max_len(),
                       "RotaryPositionalEncoding: '", s.rope_type, "' scaling needs "
                       "original_max_position_embeddings (the context the model was trained on) "
-                      "below max_len=", options.max_len(), ", got ",
-                      orig.has_value() ? std::to_string(*orig) : std::string("none"));
-  }
-  if ((facts & math::kRopeOriginalFromModel) && !given.has_value()) {
-    s.original_max_position_embeddings = static_cast<double>(model_len);
+                      "below max_len=", options.max_len(), ", got ", orig);
   }
   if ((facts & math::kRopeFactorFromModel) && !s.factor.has_value() &&
       !s.attention_factor.has_value() && given.has_value()) {

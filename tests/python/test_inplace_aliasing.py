@@ -345,6 +345,36 @@ def test_compile_refuses_what_eager_refuses():
     assert torch.equal(buf, before)
 
 
+def test_export_refuses_aliased_concrete_operands_beside_symbolic_ones():
+    # The proof skips only the pairs it has no numbers for: with q, k, v of a dynamic length,
+    # one static cache passed as both k_cache and v_cache is still refused when traced, as
+    # eager refuses it (until 6747575 any symbolic operand skipped every pair: torch.export
+    # took the call, and what the package wrote was never checked).
+    class Append(torch.nn.Module):
+        def forward(self, q, k, v, k_cache, v_cache):
+            torch.ops.posenc.rope_append_kv_(q, k, v, k_cache, v_cache, None, True, offset=0)
+            return k_cache.clone(), v_cache.clone()
+
+    q, k, v = rand(1, 5, 2, 8), rand(1, 5, 2, 8), rand(1, 5, 2, 8)
+    cache = rand(1, 16, 2, 8)
+    message = "rope_append_kv_: expected k_cache and v_cache in separate memory"
+    with pytest.raises(RuntimeError, match=message):
+        Append()(q.clone(), k.clone(), v.clone(), cache, cache)
+    n = torch.export.Dim("n", max=16)
+    dynamic = ({1: n}, {1: n}, {1: n}, None, None)
+    before = cache.clone()
+    with pytest.raises(Exception, match=message):
+        torch.export.export(Append(), (q, k, v, cache, cache), dynamic_shapes=dynamic)
+    assert torch.equal(cache, before)
+    # Separate caches beside the same symbolic q, k, v: exported, and written as eager writes.
+    k_cache, v_cache = rand(1, 16, 2, 8), rand(1, 16, 2, 8)
+    exported = torch.export.export(Append(), (q.clone(), k.clone(), v.clone(), k_cache.clone(), v_cache.clone()),
+                                   dynamic_shapes=dynamic).module()
+    want = Append()(q.clone(), k.clone(), v.clone(), k_cache.clone(), v_cache.clone())
+    got = exported(q.clone(), k.clone(), v.clone(), k_cache.clone(), v_cache.clone())
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]) and not torch.equal(want[0], k_cache)
+
+
 def test_compiled_writes_into_a_view_at_a_symbolic_offset_are_refused():
     # Layer 1 of stacked caches taken inside the graph under dynamic shapes: Inductor (torch
     # 2.11) hands a custom op its written view at storage offset 0 (pytorch/pytorch#198068), so

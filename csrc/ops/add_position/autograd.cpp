@@ -98,7 +98,7 @@ struct AddPositionBackward : ag::Node {
 std::tuple<at::Tensor, at::Tensor> add_position_forward_autograd(
     const at::Tensor& x, const at::Tensor& table, const std::optional<at::Tensor>& positions,
     c10::SymInt offset, bool batch_first, double p, bool save_mask) {
-  ag::NodePtr<AddPositionBackward> node = ag::make_node<AddPositionBackward>(x, table);
+  auto node = ag::make_node<AddPositionBackward>(x, table);
   at::Tensor out, rng;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
@@ -164,7 +164,7 @@ struct AddPositionBackwardBackward : ag::Node {
 };
 
 at::Tensor add_position_backward_autograd(const at::Tensor& grad, const at::Tensor& rng, double p) {
-  ag::NodePtr<AddPositionBackwardBackward> node = ag::make_node<AddPositionBackwardBackward>(grad);
+  auto node = ag::make_node<AddPositionBackwardBackward>(grad);
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;

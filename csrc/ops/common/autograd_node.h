@@ -68,7 +68,8 @@ NodePtr<T> make_node(const Inputs&... inputs) {
 }
 
 // Records `outputs` as the node's outputs (output i gets the gradient apply reads at i); node:
-// a NodePtr<T> of make_node.
+// make_node's (null: nothing recorded). Ptr, not NodePtr<T>: T cannot be deduced through the
+// alias's conditional_t.
 template <class Ptr, class... Outputs>
 void record(const Ptr& node, const Outputs&... outputs) {
   if (node) torch::autograd::set_history(torch::autograd::flatten_tensor_args(outputs...), NodePtr<Node>(node));

@@ -75,7 +75,7 @@ struct QkNormRopeBackward : ag::Node {
 void qk_norm_rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   QkNormRopeCall call = QkNormRopeCall::pop(*stack, /*backward=*/false);
   const at::Tensor q = call.rope.q, k = *call.rope.k, wq = call.q_weight, wk = call.k_weight;
-  ag::NodePtr<QkNormRopeBackward> node = ag::make_node<QkNormRopeBackward>(q, k, wq, wk);
+  auto node = ag::make_node<QkNormRopeBackward>(q, k, wq, wk);
   if (node || ag::has_tangent(q, k, wq, wk)) resolve_rope_seq_len(call.rope);  // once, not again by the backward
   at::Tensor out_q, out_k;
   {

@@ -54,7 +54,7 @@ void rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   RopeCall call = RopeCall::pop(*stack);
   const at::Tensor q = call.q;
   const std::optional<at::Tensor> k = call.k;
-  ag::NodePtr<RopeBackward> node = ag::make_node<RopeBackward>(q, k);
+  auto node = ag::make_node<RopeBackward>(q, k);
   if (node || ag::has_tangent(q, k)) resolve_rope_seq_len(call);  // read once, not again by the backward
   at::Tensor out_q, out_k;
   {

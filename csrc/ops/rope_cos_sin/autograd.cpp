@@ -146,7 +146,7 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_autograd(
     const at::Tensor& q, const std::optional<at::Tensor>& k, const at::Tensor& cos,
     const at::Tensor& sin, c10::string_view layout, bool interleaved, bool transpose) {
   const CosSinSettings settings{std::string(layout), interleaved, transpose};
-  ag::NodePtr<RopeCosSinBackward> node = ag::make_node<RopeCosSinBackward>(q, k, cos, sin);
+  auto node = ag::make_node<RopeCosSinBackward>(q, k, cos, sin);
   at::Tensor out_q, out_k;
   {
     at::AutoDispatchBelowADInplaceOrView guard;

@@ -53,7 +53,7 @@ struct SinusoidalTableBackward : ag::Node {
 
 at::Tensor sinusoidal_table_autograd(const at::Tensor& positions, c10::SymInt d_model,
                                      double base, c10::string_view dtype) {
-  ag::NodePtr<SinusoidalTableBackward> node = ag::make_node<SinusoidalTableBackward>(positions);
+  auto node = ag::make_node<SinusoidalTableBackward>(positions);
   at::Tensor out;
   {
     at::AutoDispatchBelowADInplaceOrView guard;
