@@ -199,9 +199,10 @@ void RotaryPositionalEncodingImpl::reset() {
                       "original_max_position_embeddings (the context the model was trained on) "
                       "below max_len=", options.max_len(), ", got ", orig);
   }
-  if ((facts & math::kRopeFactorFromModel) && !s.factor.has_value() &&
-      !s.attention_factor.has_value() && given.has_value()) {
-    s.factor = static_cast<double>(model_len) / *given;
+  const auto& orig = s.original_max_position_embeddings;  // as filled above
+  if ((facts & math::kRopeFactorFromModel) && !s.factor.has_value() && orig.has_value() &&
+      *orig > 0) {  // else the op names the key
+    s.factor = static_cast<double>(model_len) / *orig;
   }
   // The options as the op reads them, parsed once (names, the scaling dict); every forward
   // copies this call and sets its tensors and positions.
@@ -294,15 +295,9 @@ std::tuple<torch::Tensor, torch::Tensor> RotaryPositionalEncodingImpl::forward_a
     const int64_t batch = q.size(axes.batch);
     const int64_t seq = q.size(axes.seq);
     if (batch > 0 && seq > 0) {
+      ops::check_position_run(where.offset(), seq, max_len);
       lo = where.offset();
-      // lo + seq - 1 would overflow past INT64_MAX, and so past any max_len: the first
-      // position out of range is lo or max_len.
-      if (lo > std::numeric_limits<int64_t>::max() - (seq - 1)) {
-        ops::throw_position_out_of_range(
-            max_len, std::max(lo, max_len),
-            c10::str(" (positions range from ", lo, " to ", lo, " + ", seq - 1, ")"));
-      }
-      hi = lo + (seq - 1);
+      hi = lo + (seq - 1);  // in int64: checked above
     }
     bounded = true;
   } else if (q.dim() == rank && !q.is_meta() && !on_meta(call.positions) && !on_meta(call.offsets) &&

@@ -51,7 +51,7 @@ LENGTH_SCALED_TYPES = _types_with("scales_by_length")
 LIST_KEY_TYPES = _types_with("list_keys")
 # The types whose original_max_position_embeddings defaults to the model's
 # max_position_embeddings, and those whose factor defaults to max_position_embeddings /
-# original_max_position_embeddings (neither factor nor attention_factor given).
+# original_max_position_embeddings when not given.
 ORIGINAL_FROM_MODEL_TYPES = _types_with("original_from_model")
 FACTOR_FROM_MODEL_TYPES = _types_with("factor_from_model")
 # "dynamic": scaled by the call's length beyond original_max_position_embeddings, whose
@@ -172,8 +172,8 @@ def scaling_arguments(
     ``max_position_embeddings`` is the model's (the module's max_len): as transformers fills
     them from the config, it is ``original_max_position_embeddings`` when the dict has none
     for the types of ORIGINAL_FROM_MODEL_TYPES ("yarn", "dynamic"), and sets ``factor`` to
-    max_position_embeddings / original_max_position_embeddings when neither factor nor
-    attention_factor is given for those of FACTOR_FROM_MODEL_TYPES ("longrope"). The list
+    max_position_embeddings / original_max_position_embeddings when it is not given for
+    those of FACTOR_FROM_MODEL_TYPES ("yarn", "longrope"). The list
     keys (LIST_KEY_TYPES: "longrope"'s ``short_factor``, ``long_factor``) follow the keys in
     ``values``.
     """
@@ -209,9 +209,9 @@ def scaling_arguments(
     if max_position_embeddings is not None and rope_type in ORIGINAL_FROM_MODEL_TYPES and orig not in given:
         values[orig] = float(max_position_embeddings)
         given.add(orig)
-    factor, attention = SCALING_KEYS.index("factor"), SCALING_KEYS.index("attention_factor")
+    factor = SCALING_KEYS.index("factor")
     if (max_position_embeddings is not None and rope_type in FACTOR_FROM_MODEL_TYPES
-            and factor not in given and attention not in given and orig in given and values[orig] > 0):
+            and factor not in given and orig in given and values[orig] > 0):
         values[factor] = max_position_embeddings / values[orig]
         given.add(factor)
     values.insert(0, float(sum(1 << i for i in given)))
@@ -826,7 +826,7 @@ class RotaryPositionalEncoding(nn.Module):
             below) below ``max_len`` (the trained context,
             Hugging Face's ``max_position_embeddings``: positions beyond it are what it
             rescales); for "yarn" it defaults to ``max_position_embeddings``, and
-            "longrope"'s ``factor`` to ``max_position_embeddings /
+            "yarn"'s and "longrope"'s ``factor`` to ``max_position_embeddings /
             original_max_position_embeddings``.
         max_position_embeddings: the model's length those defaults come from, as
             transformers fills them from its config (keyword only; default ``max_len``).
@@ -1079,34 +1079,37 @@ class RotaryPositionalEncoding(nn.Module):
             b, s, _ = LAYOUT_AXES[self.layout]
             batch, seq = (1 if b is None else q.shape[b]), q.shape[s]  # the op's rule: no token, no bound
             lo, hi = (offset, offset + seq - 1) if batch > 0 and seq > 0 else (0, -1)
-        else:
-            tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
-            # torch.jit.trace records neither an op that returns ints nor an assert (its graph
-            # drops ops whose results are unused): a traced module keeps the kernels' checks.
-            if (torch.jit.is_tracing() or (any(t.is_cuda for t in tensors) and not self.check_positions)
-                    or q.is_meta or any(t.is_meta for t in tensors)):
-                return None  # traced, unchecked, or shapes only (meta)
-            arguments = dict(
-                positions=positions, offsets=offsets, offset=0 if offsets is not None else offset,
-                cu_seqlens=cu_seqlens, rotary_dim=self.rotary_dim, layout=self.layout,
-                sections=list(self.rope_config.sections), sections_mode=self.sections_mode,
+            if hi >= lo and (lo < 0 or hi >= self.max_len):
+                # The one IndexError (hi may lie past int64: the op takes the run's length).
+                torch.ops.posenc.position_run_check(offset, seq, self.max_len)
+            return None
+        tensors = [t for t in (positions, offsets, cu_seqlens) if isinstance(t, Tensor)]
+        # torch.jit.trace records neither an op that returns ints nor an assert (its graph
+        # drops ops whose results are unused): a traced module keeps the kernels' checks.
+        if (torch.jit.is_tracing() or (any(t.is_cuda for t in tensors) and not self.check_positions)
+                or q.is_meta or any(t.is_meta for t in tensors)):
+            return None  # traced, unchecked, or shapes only (meta)
+        arguments = dict(
+            positions=positions, offsets=offsets, offset=0 if offsets is not None else offset,
+            cu_seqlens=cu_seqlens, rotary_dim=self.rotary_dim, layout=self.layout,
+            sections=list(self.rope_config.sections), sections_mode=self.sections_mode,
+        )
+        if torch.compiler.is_compiling():
+            # Bounds read to the host would break the graph (and sync): they stay a
+            # tensor, and the call is refused on the device.
+            lo, hi = torch.ops.posenc.rope_position_extremes(q, **arguments).unbind()
+            torch._assert_async(
+                (hi < lo) | ((lo >= 0) & (hi < self.max_len)),
+                f"RotaryPositionalEncoding: expected positions in [0, max_len={self.max_len}) (a compiled or "
+                f"exported module checks them on the device), got a position outside it, or index tensors "
+                f"the op refuses (an offset or position beyond 2**53, cu_seqlens not from 0 to the number of "
+                f"tokens)",
             )
-            if torch.compiler.is_compiling():
-                # Bounds read to the host would break the graph (and sync): they stay a
-                # tensor, and the call is refused on the device.
-                lo, hi = torch.ops.posenc.rope_position_extremes(q, **arguments).unbind()
-                torch._assert_async(
-                    (hi < lo) | ((lo >= 0) & (hi < self.max_len)),
-                    f"RotaryPositionalEncoding: expected positions in [0, max_len={self.max_len}) (a compiled or "
-                    f"exported module checks them on the device), got a position outside it, or index tensors "
-                    f"the op refuses (an offset or position beyond 2**53, cu_seqlens not from 0 to the number of "
-                    f"tokens)",
-                )
-                return None
-            lo, hi = torch.ops.posenc.rope_position_bounds(q, **arguments)
+            return None
+        lo, hi = torch.ops.posenc.rope_position_bounds(q, **arguments)
         if hi >= lo and (lo < 0 or hi >= self.max_len):
             torch.ops.posenc.position_range_check(lo, hi, self.max_len)  # raises the one IndexError
-        return hi if positions is not None or offsets is not None or cu_seqlens is not None else None
+        return hi
 
     def __prepare_scriptable__(self) -> nn.Module:
         """Its forward returns q alone or (q, k) depending on its arguments, a type

@@ -701,6 +701,24 @@ TEST(RotaryModule, ResetAfterChangingMaxLenIsAFreshModule) {
   }
 }
 
+TEST(RotaryModule, ALongropeBaselineOfZeroIsNamedNotItsDerivedFactor) {
+  // longrope's factor is max_position_embeddings / original_max_position_embeddings: a
+  // baseline of 0 gave factor inf, and the error blamed 'factor', a key never passed (as in
+  // Python, the op now names the baseline).
+  posenc::RopeScaling s;
+  s.rope_type = "longrope";
+  s.original_max_position_embeddings = 0.0;
+  s.short_factor = std::vector<double>(4, 1.0);
+  s.long_factor = std::vector<double>(4, 2.0);
+  try {
+    posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).max_len(64).scaling(s));
+    ADD_FAILURE() << "a longrope baseline of 0 was accepted";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("'original_max_position_embeddings' to be a positive number, got 0"),
+              std::string::npos) << e.what();
+  }
+}
+
 TEST(RotaryModule, InvFreqIsWhatForwardRotatesWithUntilReset) {
   // Options edited without reset(): forward still rotates with the parsed ones, and so do
   // inv_freq() and attention_scaling() (they read the edited base and sections before).

@@ -609,6 +609,15 @@ class TestModule:
         with pytest.raises(IndexError, match=r"max_len=4\), found 4 \(positions range from 0 to 4\)"):
             packed(torch.randn(7, 1, 8, device=device), cu_seqlens=torch.tensor([0, 2, 7], device=device))
         assert rope(q, offset=28).shape == q.shape  # 28..31 is fine
+        # offset + seq - 1 past int64 (as the C++ module: an IndexError, not the schema's
+        # RuntimeError about an int); at the very end of int64, max_len too.
+        int64_max = 2**63 - 1
+        for offset in (int64_max - 2, int64_max):
+            with pytest.raises(IndexError, match=rf"max_len=32\), found {offset} \(positions range from {offset} to "
+                                                 rf"{offset} \+ 3\)"):
+                rope(q, offset=offset)
+        with pytest.raises(IndexError, match=rf"max_len={int64_max}\), found {int64_max} "):
+            posenc.RotaryPositionalEncoding(8, max_len=int64_max)(q, offset=int64_max - 1)
         # Exact bounds: row 0 holds 29..31 + 0, row 1 holds 0..3 + 28; both inside.
         positions = torch.tensor([[29, 30, 31, 31], [0, 1, 2, 3]], device=device)
         assert rope(q, positions=positions, offset=torch.tensor([0, 28], device=device)).shape == q.shape

@@ -133,6 +133,15 @@ def test_rejects_bad_dtype_and_positions():
         torch.ops.posenc.sinusoidal_table(torch.arange(3, device="meta"), 4, 10000.0, "torch.float32")
 
 
+def test_the_op_and_its_front_ends_default_to_float32():
+    # The op's schema said float64 while the function, the C++ API and the 2-D table's op
+    # say float32: a call of the op without a dtype gave another table than the function's.
+    positions = torch.arange(5)
+    assert torch.ops.posenc.sinusoidal_table(positions, 8).dtype == torch.float32
+    assert torch.equal(torch.ops.posenc.sinusoidal_table(positions, 8), sinusoidal_table(positions, 8))
+    assert posenc.functional.sinusoidal_2d_table(3, 4, 8).dtype == torch.float32
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dim", [4, 9, 320])
 @pytest.mark.parametrize("flip", [False, True])

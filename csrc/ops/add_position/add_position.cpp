@@ -326,6 +326,10 @@ void position_range_check(int64_t lo, int64_t hi, int64_t max_len) {
   check_position_range(lo, hi, max_len);
 }
 
+void position_run_check(int64_t first, int64_t count, int64_t max_len) {
+  check_position_run(first, count, max_len);
+}
+
 std::tuple<int64_t, int64_t> position_bounds(const at::Tensor& positions,
                                              std::optional<int64_t> max_len) {
   TORCH_CHECK_TYPE(!positions.is_floating_point() && !positions.is_complex() &&
@@ -355,6 +359,9 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
   // The same range check from (min, max) already known (the RoPE modules'); no tensor, so
   // one kernel for every backend.
   m.def("position_range_check(int lo, int hi, int max_len) -> ()", &position_range_check);
+  // The same for positions first .. first + count - 1 (an offset and a length), whose end
+  // may lie past int64.
+  m.def("position_run_check(int first, int count, int max_len) -> ()", &position_run_check);
 }
 
 // Composed of ATen ops, so one kernel serves every backend.

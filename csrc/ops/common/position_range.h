@@ -8,6 +8,7 @@
 #include <c10/util/StringUtil.h>
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 namespace posenc {
@@ -28,6 +29,18 @@ inline void check_position_range(int64_t lo, int64_t hi, int64_t max_len) {
   if (hi < lo || (lo >= 0 && hi < max_len)) return;
   throw_position_out_of_range(max_len, lo < 0 ? lo : hi,
                               c10::str(" (positions range from ", lo, " to ", hi, ")"));
+}
+
+// The same check for the run first .. first + count - 1 (an offset and a sequence length: no
+// tensor to read): first + count - 1 may lie past INT64_MAX, and so past any max_len, where
+// the first position out of range is first or max_len.
+inline void check_position_run(int64_t first, int64_t count, int64_t max_len) {
+  if (count <= 0) return;  // no token, no bound
+  if (first > std::numeric_limits<int64_t>::max() - (count - 1)) {
+    throw_position_out_of_range(max_len, first < max_len ? max_len : first,
+                                c10::str(" (positions range from ", first, " to ", first, " + ", count - 1, ")"));
+  }
+  check_position_range(first, first + (count - 1), max_len);
 }
 
 }  // namespace ops

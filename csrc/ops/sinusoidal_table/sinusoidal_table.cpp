@@ -28,7 +28,7 @@ namespace ops {
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   m.def(
       "sinusoidal_table(Tensor positions, SymInt d_model, float base=10000.0, "
-      "str dtype=\"float64\") -> Tensor");
+      "str dtype=\"float32\") -> Tensor");
 }
 
 namespace {

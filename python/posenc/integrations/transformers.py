@@ -460,12 +460,10 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
         return None
     params = _rope_parameters(attn)
     rope_type = str(params.get("rope_type", params.get("type", "default")))
-    if "dynamic" in rope_type or rope_type == "longrope" or rope_type in LENGTH_SCALED_TYPES:
+    if "dynamic" in rope_type or rope_type in LENGTH_SCALED_TYPES:
         return None
-    original = params.get("original_max_position_embeddings")
+    # The keys transformers fills from the config (yarn's factor...): the types' facts.
     max_positions = getattr(attn.config, "max_position_embeddings", None)
-    if rope_type == "yarn" and params.get("factor") is None and original and max_positions:
-        params["factor"] = max_positions / original  # as transformers' _compute_yarn_parameters
     model_freq = inv_freq.detach().to("cpu", torch.float64)
     # The config as given, then without partial_rotary_factor (the rotary of Qwen3, OLMo 2
     # and Gemma 3 turns the whole head_dim whatever it says).
@@ -474,7 +472,8 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
         candidates.append({k: v for k, v in params.items() if k != "partial_rotary_factor"})
     for candidate in candidates:
         try:
-            config = RopeConfig.parse(head_dim=attn.head_dim, fn="qk_norm_rope", layout="bhsd", scaling=candidate)
+            config = RopeConfig.parse(head_dim=attn.head_dim, max_position_embeddings=max_positions,
+                                      fn="qk_norm_rope", layout="bhsd", scaling=candidate)
             rotary_dim = attn.head_dim if config.rotary_dim == -1 else config.rotary_dim
             ours, factor = torch.ops.posenc.rope_frequencies(rotary_dim, config.base, config.rope_type,
                                                              list(config.scaling), 0, list(config.sections),

@@ -34,8 +34,8 @@ namespace math {
 //                        max_position_embeddings (transformers reads the config's; the
 //                        modules' max_position_embeddings, default max_len;
 //                        rope_cos_sin's max_position_embeddings).
-//   factor_from_model    factor, when neither it nor attention_factor is given, is
-//                        max_position_embeddings / original_max_position_embeddings.
+//   factor_from_model    factor, when not given, is max_position_embeddings /
+//                        original_max_position_embeddings (transformers' yarn and longrope).
 //   partial_rotary_key   it reads partial_rotary_factor as its own scaling key (the share of
 //                        pairs that turn), where for the others a config's
 //                        partial_rotary_factor sets rotary_dim (Python's resolve_config_keys).
@@ -62,7 +62,7 @@ POSENC_ROPE_TYPE_FACTS(POSENC_X)
   X(kDefault, "default", 0u)                                                           \
   X(kLinear, "linear", 0u)                                                             \
   X(kDynamic, "dynamic", kRopeScalesByLength | kRopeOriginalFromModel)                 \
-  X(kYarn, "yarn", kRopeOriginalFromModel)                                             \
+  X(kYarn, "yarn", kRopeOriginalFromModel | kRopeFactorFromModel)                      \
   X(kLlama3, "llama3", 0u)                                                             \
   X(kLongrope, "longrope", kRopeScalesByLength | kRopeListKeys | kRopeFactorFromModel) \
   X(kProportional, "proportional", kRopePartialRotaryKey)
