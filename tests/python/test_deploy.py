@@ -306,7 +306,8 @@ def test_jit_script_keeps_dropout_and_gradients():
     torch.manual_seed(0)
     model = AddBoth(dropout=0.5)
     scripted = torch.jit.script(model)
-    scripted.train()
+    # Scripted from a model in training mode: it stays in training mode, every submodule too.
+    assert scripted.training and all(m.training for m in scripted.modules())
     x = torch.randn(4, 9, 12, requires_grad=True)
     y = scripted(x)
     kept = y != 0

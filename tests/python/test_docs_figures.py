@@ -5,10 +5,9 @@ import json
 import math
 import pathlib
 
+import matplotlib  # noqa: F401  (requirements-dev.txt: docs/figures.py draws with it)
 import pytest
 import torch
-
-pytest.importorskip("matplotlib")
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("posenc_docs_figures_test", ROOT / "docs" / "figures.py")

@@ -271,7 +271,8 @@ def test_vmap_over_per_sample_tensor_offsets(batch_first):
     for i in range(3):
         want = grad(lambda t, i=i: (xs[i] + rows_of(t, None, int(offsets[i]), batch_first)).square().sum())(table)
         torch.testing.assert_close(g[i], want, rtol=1e-12, atol=1e-12)
-    with pytest.raises(IndexError):  # offset 5 + 3 rows > 7
+    # offset 5 + 3 rows > 7
+    with pytest.raises(IndexError, match=r"expected positions in \[0, max_len=7\), found 7 at flat index 2"):
         vmap(lambda x, o: F.add_position(x, table, offset=o, batch_first=batch_first))(xs, torch.tensor([0, 5, 2]))
 
 

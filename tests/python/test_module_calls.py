@@ -415,8 +415,12 @@ def test_modules_pickled_before_the_parsed_configuration_still_load():
     assert torch.equal(old(q, q)[0], qkn(q, q)[0])
     again = pickle.loads(pickle.dumps(rope))  # today's pickles round-trip
     assert again.rope_config == rope.rope_config and torch.equal(again(q), rope(q))
-    with pytest.raises(TypeError):
+    from collections.abc import Mapping
+
+    assert isinstance(rope.scaling, Mapping) and rope.scaling["factor"] == 2.0
+    with pytest.raises(TypeError, match="does not support item assignment"):
         rope.scaling["factor"] = 8.0  # a read-only view: the edit cannot be silently dropped
+    assert rope.scaling["factor"] == 2.0
     assert rope.sections is None and posenc.RotaryPositionalEncoding(16, sections=[2, 2]).sections == (2, 2)
 
 

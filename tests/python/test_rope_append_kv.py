@@ -75,19 +75,24 @@ def reference(q, k, v, k_cache, v_cache, *, offset=0, positions=None, slot_mappi
         seq_len = int(pos.max()) + 1 if pos.numel() else 0
     q_ref, k_ref = formula_rope(qv, pos, seq_len, **rope), formula_rope(kv, pos, seq_len, **rope)
     kc, vc = k_cache.to(F64).clone(), v_cache.to(F64).clone()
-    kcv, vcv = cache_view(kc, layout), cache_view(vc, layout)
+    write_rows(cache_view(kc, layout), cache_view(vc, layout), k_ref, vv, rows, slot_mapping, layout)
+    back = {"bshd": lambda x: x, "bhsd": lambda x: x.transpose(1, 2), "thd": lambda x: x.squeeze(0)}[layout]
+    return back(q_ref), back(k_ref), kc, vc
+
+
+def write_rows(kcv, vcv, k_rows, v_rows, rows, slot_mapping, layout):
+    """Index copies of k_rows, v_rows ((batch, seq, heads, head_dim) views) into the cache views
+    kcv, vcv (cache_view): at rows (batch, seq), or for "thd" at slot_mapping's slots >= 0."""
     if layout == "thd":
         block = kcv.shape[1]
         for t, slot in enumerate(slot_mapping.tolist()):
             if slot >= 0:
-                kcv[slot // block, slot % block] = k_ref[0, t]
-                vcv[slot // block, slot % block] = vv[0, t]
+                kcv[slot // block, slot % block] = k_rows[0, t]
+                vcv[slot // block, slot % block] = v_rows[0, t]
     else:
-        for b in range(B):
-            kcv[b].index_copy_(0, rows[b], k_ref[b])
-            vcv[b].index_copy_(0, rows[b], vv[b])
-    back = {"bshd": lambda x: x, "bhsd": lambda x: x.transpose(1, 2), "thd": lambda x: x.squeeze(0)}[layout]
-    return back(q_ref), back(k_ref), kc, vc
+        for b in range(kcv.shape[0]):
+            kcv[b].index_copy_(0, rows[b], k_rows[b])
+            vcv[b].index_copy_(0, rows[b], v_rows[b])
 
 
 def make(layout, B=3, S=5, Hq=4, Hkv=2, D=16, max_len=12, dtype=F64, Dv=None, blocks=5, block=4):
@@ -118,6 +123,24 @@ def check(q, k, v, kc, vc, **kw):
     for got, before, ref in ((kc, kc0, kc_ref), (vc, vc0, vc_ref)):
         untouched = ref == before.to(F64)
         assert torch.equal(got[untouched], before[untouched])
+    # The same bits as apply_rope with the same RoPE keywords (half precision: rotated in
+    # float32, rounded once), in q, the returned k and the k cache rows written.
+    layout = kw.get("layout", "bshd")
+    offset, positions = kw.get("offset", 0), kw.get("positions")
+    rope = {n: x for n, x in kw.items() if n not in ("offset", "positions", "slot_mapping", "layout")}
+    where = dict(offset=offset) if positions is None else dict(positions=positions)  # positions: not offset
+    if layout == "thd":
+        apply_q, apply_k = apply_rope(q.unsqueeze(0), k.unsqueeze(0), **where, **rope)
+        apply_q, apply_k = apply_q.squeeze(0), apply_k.squeeze(0)
+    else:
+        apply_q, apply_k = apply_rope(q, k, layout=layout, **where, **rope)
+    assert torch.equal(out_q, apply_q) and torch.equal(out_k, apply_k)
+    kc_apply, vc_apply = kc0.clone(), vc0.clone()
+    B, S = tokens_view(q, layout).shape[:2]
+    offs = offset.to(torch.int64) if isinstance(offset, torch.Tensor) else torch.full((B,), offset)
+    write_rows(cache_view(kc_apply, layout), cache_view(vc_apply, layout), tokens_view(apply_k, layout),
+               tokens_view(v, layout), offs[:, None] + torch.arange(S)[None, :], kw.get("slot_mapping"), layout)
+    assert torch.equal(kc, kc_apply) and torch.equal(vc, vc_apply)
     return out_q, out_k
 
 
@@ -312,6 +335,9 @@ def test_prefill_large_enough_to_stream(dtype, interleaved, rotary_dim, aligned,
     torch.testing.assert_close(out_q.to(F64), q_ref, **TOL[dtype])
     torch.testing.assert_close(kc.to(F64), kc_ref, **TOL[dtype])
     assert torch.equal(vc.to(F64), vc_ref)
+    apply_q, apply_k = apply_rope(q, k, offset=5, **kw)  # the same bits (bfloat16: rotated in float32)
+    assert torch.equal(out_q, apply_q)
+    assert torch.equal(cache_view(kc, layout)[:, 5:5 + S], tokens_view(apply_k, layout))
     if torch.ops.posenc.cpu_capability() == "default":
         # The baseline kernels have no streaming stores: the comparison below would set plain
         # stores against plain stores (make test-python-baseline runs this file).

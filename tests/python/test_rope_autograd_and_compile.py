@@ -312,15 +312,20 @@ def test_rope_position_extremes_of_index_tensors_the_op_refuses():
     module on CUDA would otherwise rotate a call eager refuses)."""
     q4, q3 = torch.randn(1, 1, 1, 4), torch.randn(6, 1, 4)
     invalid = [torch.iinfo(torch.int64).min, torch.iinfo(torch.int64).max]
+    in_range = r"expected positions within \[-2\*\*53, 2\*\*53\] \(integers exact in the float64 angle\), got "
+    cu = r"expected cu_seqlens to start at 0, never decrease and end at the number of tokens 6, got "
     calls = [
-        (q4, dict(positions=torch.tensor([-2**63]), offsets=torch.tensor([-2**63 + 3]))),  # the sum wraps to 3
-        (q4, dict(positions=torch.tensor([2**53 + 1]))),
-        (q3, dict(cu_seqlens=torch.tensor([0, 4, 2, 6]), layout="thd")),  # decreasing
-        (q3, dict(cu_seqlens=torch.tensor([0, 2, 7]), layout="thd")),  # 7 of 6 tokens
-        (q3, dict(cu_seqlens=torch.tensor([1, 2, 6]), layout="thd")),
+        (q4, dict(positions=torch.tensor([-2**63]), offsets=torch.tensor([-2**63 + 3])),  # the sum wraps to 3
+         in_range + "-9223372036854775808"),
+        (q4, dict(positions=torch.tensor([2**53 + 1])), in_range + "9007199254740993"),
+        (q3, dict(cu_seqlens=torch.tensor([0, 4, 2, 6]), layout="thd"),  # decreasing
+         cu + "first value 0, last value 6, shortest step -2"),
+        (q3, dict(cu_seqlens=torch.tensor([0, 2, 7]), layout="thd"),  # 7 of 6 tokens
+         cu + "first value 0, last value 7, shortest step 2"),
+        (q3, dict(cu_seqlens=torch.tensor([1, 2, 6]), layout="thd"), cu + "first value 1, last value 6, shortest step 1"),
     ]
-    for q, kwargs in calls:
-        with pytest.raises(ValueError):
+    for q, kwargs, message in calls:
+        with pytest.raises(ValueError, match=message):
             torch.ops.posenc.rope_position_bounds(q, **kwargs)
         assert torch.ops.posenc.rope_position_extremes(q, **kwargs).tolist() == invalid, kwargs
     ok = torch.ops.posenc.rope_position_extremes(q4, positions=torch.tensor([2**53]))

@@ -218,16 +218,19 @@ def test_generic_layouts_and_conventions(device, case, dtype):
     pos = torch.randint(-50, 3000, (n, B, S) if per_row else (n, S))
     offsets = torch.randint(0, 100, (B,))
     base = 777.0
-    oq, ok = apply_rope(q, k, positions=pos.to(device), offset=offsets.to(device), sections=sections,
-                        sections_mode=mode, interleaved=interleaved, base=base, layout=layout)
+    kw = dict(positions=pos.to(device), offset=offsets.to(device), sections=sections, sections_mode=mode,
+              interleaved=interleaved, base=base, layout=layout)
+    oq, ok = apply_rope(q, k, **kw)
     full = (pos if per_row else pos[:, None, :]) + offsets[None, :, None]
     for out, x in ((oq, q), (ok, k)):
         ref = generic_multi_axis_rope(to_bshd(x.cpu().to(F64), layout), full, sections, mode, base, interleaved)
         close(to_bshd(out, layout), ref, dtype)
+    if dtype in (torch.float16, torch.bfloat16):  # rotated in float32, rounded once: those bits
+        wq, wk = apply_rope(q.float(), k.float(), **kw)
+        assert torch.equal(oq, wq.to(dtype)) and torch.equal(ok, wk.to(dtype))
     # In place gives the same numbers.
     q2, k2 = q.clone(), k.clone()
-    apply_rope(q2, k2, positions=pos.to(device), offset=offsets.to(device), sections=sections, sections_mode=mode,
-               interleaved=interleaved, base=base, layout=layout, inplace=True)
+    apply_rope(q2, k2, inplace=True, **kw)
     assert torch.equal(q2, oq) and torch.equal(k2, ok)
 
 
@@ -467,11 +470,8 @@ def test_timm_rope_vit_settings():
     axes swapped and base 100 (the EVA-02 recipe on these models is 6.3 off)."""
     sincos = pytest.importorskip("timm.layers.pos_embed_sincos")
     head_dim, h, w = 64, 4, 6
-    try:
-        rope = sincos.RotaryEmbeddingCat(dim=head_dim, in_pixels=False, feat_shape=[h, w], temperature=100.0,
-                                         grid_indexing="xy")
-    except TypeError as error:  # a timm without grid_indexing
-        pytest.skip(f"this timm's RotaryEmbeddingCat has no grid_indexing: {error}")
+    rope = sincos.RotaryEmbeddingCat(dim=head_dim, in_pixels=False, feat_shape=[h, w], temperature=100.0,
+                                     grid_indexing="xy")  # timm is pinned (requirements-peers.txt)
     x = torch.randn(2, 3, 1 + h * w, head_dim, dtype=torch.float64)
     want = torch.cat([x[:, :, :1], sincos.apply_rot_embed_cat(x[:, :, 1:], rope.get_embed().double())], dim=2)
     pos = torch.cat([torch.zeros(2, 1, dtype=torch.long), grid_positions(h, w).flip(0)], 1)

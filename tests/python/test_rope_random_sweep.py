@@ -117,6 +117,13 @@ def test_random_configuration(device, seed):
     torch.testing.assert_close(oq.cpu().to(F64), reference(q), **TOL[dtype])
     if k is not None:
         torch.testing.assert_close(ok.cpu().to(F64), reference(k), **TOL[dtype])
+    if dtype in (torch.float16, torch.bfloat16):
+        # Rotated in float32 and rounded once: the bits of the float32 call's output rounded.
+        want = apply_rope(q.float(), k.float() if k is not None else None, **common)
+        wq, wk = want if k is not None else (want, None)
+        assert torch.equal(oq, wq.to(dtype))
+        if k is not None:
+            assert torch.equal(ok, wk.to(dtype))
 
     # In place, on views with the same strides: the same numbers, in their own storage.
     qi = same_view(q)
