@@ -406,11 +406,6 @@ def _plain_setting(fn: str, name: str, value: Any) -> Any:
     return _in_int64(fn, name, int(value)) if want == "int" else float(value)
 
 
-def rotary_begin(settings: Tuple[Tuple[str, Any], ...]) -> int:
-    """Where the rotary features of a head start (math::rope_rotary_begin's rule)."""
-    return dict(settings).get("rotary_offset", 0)
-
-
 def with_rope_settings(fn: Any) -> Any:
     """Lists RoPE's configuration keywords (``_CONFIG_KEYWORDS``: base, interleaved,
     rotary_dim, scaling, layout, sections, sections_mode and the plain settings) as

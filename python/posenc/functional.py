@@ -30,5 +30,3 @@ __all__ = [
     "timestep_embedding",
 ]
 
-
-from posenc._common import _float_arg, _int_arg, _table_dtype, _tensor_arg  # noqa: E402,F401

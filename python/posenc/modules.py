@@ -10,7 +10,6 @@ annotations`` here: TorchScript reads the annotations as types.
 """
 
 from posenc._add_position import LearnedPositionalEncoding, PositionalEncoding
-from posenc._add_position import _AddPositionModule, _check_positions_on_host  # noqa: F401  (their old home)
 from posenc._helpers import Timesteps
 from posenc._rope import RotaryPositionalEncoding
 

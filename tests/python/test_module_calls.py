@@ -113,7 +113,7 @@ def test_every_call_form_gives_the_formula(call, monkeypatch):
     offset = 0 if call == "m(x)" or call == "m(x=x)" else 3
     torch.testing.assert_close(out.double(), expected_eval(x, offset), rtol=0, atol=1e-6)
     assert calls == [0 if "positions" in call else offset]  # every form through the one function
-    assert "__call__" not in type(m).__dict__ and "__call__" not in posenc.modules._AddPositionModule.__dict__
+    assert "__call__" not in type(m).__dict__ and "__call__" not in posenc._add_position._AddPositionModule.__dict__
 
 
 def test_hooks_run_and_see_the_call_as_made(monkeypatch):

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ops/common/aten_fallback.h"
+#include "ops/common/float_types.h"
 #include "ops/common/op_handles.h"
 #include "ops/common/inference_only.h"
 #include "ops/common/meta_support.h"
@@ -112,15 +113,6 @@ c10::IValue optional_ivalue(const std::optional<c10::SymInt>& v) {
   return v.has_value() ? c10::IValue(*v) : c10::IValue();
 }
 
-bool is_rope_float(at::ScalarType t) {
-  return t == at::kFloat || t == at::kDouble || t == at::kHalf || t == at::kBFloat16;
-}
-
-// The cache as (batch or block, row or index, kv_heads, head_dim): no copy.
-at::Tensor cache_view(const at::Tensor& cache, RopeLayout layout) {
-  return layout == RopeLayout::kBHSD ? cache.transpose(1, 2) : cache;
-}
-
 }  // namespace
 
 RopeShiftKvCall RopeShiftKvCall::pop(torch::jit::Stack& stack) {
@@ -176,9 +168,9 @@ int64_t RopeShiftKvCall::n() const { return from_positions.size(-1); }
 
 RopeCall RopeShiftKvCall::end(bool to) const {
   RopeCall r = config;
-  const at::Tensor cv = cache_view(k_cache, config.layout);
+  const at::Tensor cv = kv_cache_view(k_cache, config.layout);
   const c10::SymInt batch = paged() ? c10::SymInt(1) : cv.sym_size(0);
-  const at::ScalarType dtype = is_rope_float(k_cache.scalar_type()) ? k_cache.scalar_type() : at::kFloat;
+  const at::ScalarType dtype = is_supported_float(k_cache.scalar_type()) ? k_cache.scalar_type() : at::kFloat;
   // A stand-in q of the items' shape without memory (one element, expanded): RoPE's checks
   // and launch read its sizes, never its values (so not filled: a kernel launch on CUDA).
   r.q = k_cache.new_empty({1, 1, 1, 1}, at::TensorOptions(dtype))
@@ -259,7 +251,7 @@ int64_t check_rope_shift_kv(const RopeShiftKvCall& c) {
   TORCH_CHECK_VALUE(layout != RopeLayout::kSBHD, "posenc: rope_shift_kv: expected layout 'bshd', "
                     "'bhsd' (contiguous cache) or 'thd' (paged cache), got 'sbhd'");
   const at::Tensor& cache = c.k_cache;
-  TORCH_CHECK_TYPE(is_rope_float(cache.scalar_type()) || kv_cache_format(cache) != KvCacheFormat::kSame,
+  TORCH_CHECK_TYPE(is_supported_float(cache.scalar_type()) || kv_cache_format(cache) != KvCacheFormat::kSame,
                    "posenc: rope_shift_kv: expected k_cache of dtype float16, bfloat16, float32, "
                    "float64, float8_e4m3fn or float8_e5m2, got ", cache.scalar_type());
   TORCH_CHECK(cache.dim() == 4, "posenc: rope_shift_kv: expected k_cache of shape ",
@@ -269,7 +261,7 @@ int64_t check_rope_shift_kv(const RopeShiftKvCall& c) {
   check_index("to_positions", c.to_positions, cache);
   TORCH_CHECK(c.from_positions.dim() >= 1, "posenc: rope_shift_kv: expected from_positions of "
               "shape (n,) or (batch, n), got shape ", c.from_positions.sym_sizes());
-  const at::Tensor cv = cache_view(cache, layout);
+  const at::Tensor cv = kv_cache_view(cache, layout);
   const c10::SymInt batch = c.paged() ? c10::SymInt(1) : cv.sym_size(0);
   const c10::SymInt n = c.from_positions.sym_size(-1);
   const int64_t axes = c.config.n_axes();
@@ -365,7 +357,7 @@ void check_rope_shift_kv_values(const RopeShiftKvCall& c) {
                       "expected k_scale * ", fmax, " (the format's largest value, dequantised) to be finite "
                       "in float32, got k_scale = ", v);
   }
-  const at::Tensor cv = cache_view(c.k_cache, c.config.layout);
+  const at::Tensor cv = kv_cache_view(c.k_cache, c.config.layout);
   const int64_t n = c.n();
   if (c.paged()) {
     if (!c.slot_mapping->is_cpu()) return;
@@ -412,7 +404,7 @@ ShiftKvLaunch prepare_shift_kv_launch(const RopeShiftKvCall& c, int64_t rot) {
   a.factor = a.to.attention_factor / a.from.attention_factor;
   a.from.attention_factor = 1.0;
   a.to.attention_factor = 1.0;
-  const at::Tensor cv = cache_view(c.k_cache, c.config.layout);
+  const at::Tensor cv = kv_cache_view(c.k_cache, c.config.layout);
   a.heads = cv.size(2);
   a.cache = cv.mutable_data_ptr();
   for (int d = 0; d < 4; ++d) a.cache_stride[d] = cv.stride(d);
@@ -508,7 +500,7 @@ void rope_shift_kv_composite(const c10::OperatorHandle&, torch::jit::Stack* stac
   const at::Device device = cache.device();
   warn_aten_fallback("rope_shift_kv_", device);
   const int64_t n = c.n(), half = rot / 2;
-  const at::Tensor cv = cache_view(cache, c.config.layout);
+  const at::Tensor cv = kv_cache_view(cache, c.config.layout);
   const int64_t batch = c.batch();
   if (n == 0 || batch == 0 || half == 0 || cv.numel() == 0) return;
   const KvCacheFormat format = kv_cache_format(cache);
