@@ -12,7 +12,6 @@ from posenc._common import _bool_arg, _optional_tensor_args
 from posenc._qk_norm_rope import check_norm_settings
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
-_LAYOUTS = ("bshd", "bhsd", "thd")
 # The schema's defaults of the op's arguments, so that a call passes only those that
 # differ: torch.ops parses each keyword it is given (about half a microsecond each, a decoding
 # step's cost).
@@ -120,8 +119,6 @@ def rope_append_kv(
                          f"{'q_weight' if k_weight is None else 'k_weight'} alone")
     check_norm_settings(fn, eps, weight_offset, norm)
     config = config_of(q, config, fn, **rope)
-    if config.layout not in _LAYOUTS:
-        raise ValueError(f"{fn}: unknown layout {config.layout!r}; expected one of {', '.join(_LAYOUTS)}")
     # RoPE's arguments exactly as apply_rope normalises them (no packed sequences here).
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=None,
                                   check_inputs=False, seq_len=seq_len, fn=fn)

@@ -11,8 +11,6 @@ from posenc._common import _in_int64, _integer
 from posenc._rope import RopeConfig, config_of, with_rope_settings
 from posenc._rope_append_kv import _scale_arg
 
-_LAYOUTS = ("bshd", "bhsd", "thd")
-
 
 def _seq_len_arg(value: Any, name: str, fn: str) -> Any:
     if value is None:
@@ -90,8 +88,6 @@ def rope_shift_kv(
         if not isinstance(t, Tensor):
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
     config = config_of(k_cache, config, fn, **rope)
-    if config.layout not in _LAYOUTS:
-        raise ValueError(f"{fn}: unknown layout {config.layout!r}; expected one of {', '.join(_LAYOUTS)}")
     arguments = dict(config.op_kwargs)
     for name, value in (("rows", rows), ("slot_mapping", slot_mapping)):
         if value is not None and not isinstance(value, Tensor):

@@ -418,7 +418,8 @@ def test_bad_arguments_name_them():
         rope_append_kv(q, k, v, kc, vc[:, :5])
     with pytest.raises(ValueError, match="slot_mapping is only used"):
         rope_append_kv(q, k, v, kc, vc, slot_mapping=torch.zeros(5, dtype=torch.int64))
-    with pytest.raises(ValueError, match="layout"):
+    with pytest.raises(ValueError, match=r"expected layout 'bshd', 'bhsd' \(contiguous cache\) or 'thd' "
+                                         r"\(paged cache\), got 'sbhd'"):
         rope_append_kv(q, k, v, kc, vc, layout="sbhd")
     with pytest.raises(RuntimeError, match="offsets? of shape"):
         rope_append_kv(q, k, v, kc, vc, offset=torch.zeros(2, dtype=torch.int64))

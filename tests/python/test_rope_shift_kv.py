@@ -503,7 +503,7 @@ def test_out_of_range_and_repeated_rows_write_nothing():
     (lambda c, p: rope_shift_kv(c, p, p, slot_mapping=p), ValueError, "slot_mapping is for paged caches"),
     (lambda c, p: rope_shift_kv(c, p, p, layout="thd"), ValueError, "needs slot_mapping"),
     (lambda c, p: rope_shift_kv(c, p, p, layout="thd", slot_mapping=p, rows=p), ValueError, "rows is for"),
-    (lambda c, p: rope_shift_kv(c, p, p, layout="sbhd"), ValueError, "unknown layout 'sbhd'"),
+    (lambda c, p: rope_shift_kv(c, p, p, layout="sbhd"), ValueError, "(paged cache), got 'sbhd'"),
     (lambda c, p: torch.ops.posenc.rope_shift_kv_(c, p, p, layout="sbhd"), ValueError, "layout 'bshd'"),
     (lambda c, p: rope_shift_kv(c, p, p, k_scale=0.5), ValueError, "k_scale is only used with a float8"),
     (lambda c, p: rope_shift_kv(c.to(torch.float8_e4m3fn), p, p, k_scale=-1.0), ValueError,
