@@ -153,7 +153,8 @@ def resolve_config_keys(
         if scaling.get("rope_type", scaling.get("type")) == "mrope":  # transformers 4's Qwen2-VL name
             scaling.pop("type", None)
             scaling["rope_type"] = "default"
-    return scaling, base, rotary_dim, sections, "axial" if sections_mode is None else sections_mode
+    return (scaling, base, rotary_dim, sections,
+            _SCHEMA_DEFAULTS["sections_mode"] if sections_mode is None else sections_mode)
 
 
 def _scaling_mapping(fn: str, scaling: Any) -> Optional[Mapping]:
@@ -303,7 +304,7 @@ def rope_frequencies(
                         "0-dim tensor, and the frequencies of a traced seq_len would be constants of the graph)")
     seq_len = _int_arg(fn, "seq_len", seq_len)
     rotary_dim = rotary_dim if partial is None else partial
-    base = 10000.0 if base is None else _float_arg(fn, "base", base)
+    base = _SCHEMA_DEFAULTS["base"] if base is None else _float_arg(fn, "base", base)
     if torch.compiler.is_compiling():
         # Numbers torch.compile made symbols (a size, or an argument that changed between calls,
         # or dynamic=True) are specialised to their values, as rope_cos_sin's are: the host
@@ -490,7 +491,7 @@ class RopeConfig:
         interleaved = False if interleaved is None else _bool_arg(fn, "interleaved", interleaved)
         if base is not None and not isinstance(base, torch.SymFloat):
             base = _float_arg(fn, "base", base)
-        layout = "bshd" if layout is None else layout
+        layout = _SCHEMA_DEFAULTS["layout"] if layout is None else layout
         if not isinstance(layout, str):
             raise TypeError(f"{fn}: expected layout to be a str, one of {', '.join(LAYOUTS)}; got {layout!r}")
         if layout not in LAYOUTS:
@@ -505,8 +506,10 @@ class RopeConfig:
         rope_type, values = scaling_arguments(scaling, max_position_embeddings)
         plain = tuple((name, _plain_setting(fn, name, settings[name])) for name in PLAIN_SETTINGS
                       if settings[name] is not None)
-        return cls(base=float(10000.0 if base is None else base), rope_type=rope_type, scaling=tuple(values),
-                   rotary_dim=-1 if rotary_dim is None else rotary_dim, interleaved=bool(interleaved),
+        return cls(base=float(_SCHEMA_DEFAULTS["base"] if base is None else base), rope_type=rope_type,
+                   scaling=tuple(values),
+                   rotary_dim=_SCHEMA_DEFAULTS["rotary_dim"] if rotary_dim is None else rotary_dim,
+                   interleaved=bool(interleaved),
                    layout=layout, sections=tuple(_sections(sections)), sections_mode=sections_mode,
                    head_dim=head_dim, settings=plain)
 

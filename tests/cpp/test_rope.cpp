@@ -349,6 +349,36 @@ TEST(RopeCall, ArgumentListMatchesEverySchema) {
   }
 }
 
+// The defaults are stated in the schema (kRopeSchemaArguments), in RopeCall's fields and in
+// ApplyRopeOptions (POSENC_ROPE_CONFIG_OPTIONS): a call built from each, pushed for a boxed
+// call, is the schema's defaults (a direct dispatcher call and the C++ API then agree).
+TEST(RopeCall, TheDefaultsOfTheCallAndOfTheOptionsAreTheSchemas) {
+  const auto& schema = c10::Dispatcher::singleton().findSchemaOrThrow("posenc::rope", "").schema();
+  const auto q = torch::zeros({1, 1, 1, 8});
+  for (const bool from_options : {false, true}) {
+    posenc::ops::RopeCall call;
+    if (from_options) call = posenc::detail::make_rope_call(q, std::nullopt, posenc::ApplyRopeOptions(), 0);
+    torch::jit::Stack stack;
+    call.push(stack);
+    ASSERT_EQ(stack.size(), schema.arguments().size());
+    int compared = 0;
+    for (size_t i = 0; i < stack.size(); ++i) {
+      const auto& a = schema.arguments()[i];
+      if (!a.default_value().has_value()) continue;  // q
+      const c10::IValue& want = *a.default_value();
+      const c10::IValue& got = stack[i];
+      if (want.isNone()) {
+        EXPECT_TRUE(got.isNone() || (got.isTensor() && !got.toTensor().defined())) << a.name();
+      } else {
+        EXPECT_EQ(got, want) << a.name() << ": " << got << " against the schema's " << want
+                             << (from_options ? " (from ApplyRopeOptions)" : " (RopeCall)");
+      }
+      ++compared;
+    }
+    EXPECT_GE(compared, 14);
+  }
+}
+
 TEST(RopeMultiAxis, TextTokensAreExactlyOneAxisRope) {
   torch::manual_seed(0);
   auto q = torch::randn({2, 6, 3, 16});
