@@ -16,6 +16,9 @@ from posenc._rope import (LAYOUT_AXES, RopeConfig, config_of, heads_batch_rule, 
                           with_rope_settings)
 
 NORMS = ("head", "hidden")
+# The norm's defaults, as qk_norm_rope's schema (and rope_append_kv's, the same settings) states them.
+NORM_DEFAULTS = {a.name: a.default_value for a in torch.ops.posenc.qk_norm_rope.default._schema.arguments
+                 if a.name in ("eps", "weight_offset", "norm")}
 
 
 def check_norm_settings(fn: str, eps: Any, weight_offset: Any, norm: Any) -> None:
@@ -41,9 +44,9 @@ def qk_norm_rope(
     q_weight: Tensor,
     k_weight: Tensor,
     *,
-    eps: float = 1e-6,
-    weight_offset: float = 0.0,
-    norm: str = "head",
+    eps: float = NORM_DEFAULTS["eps"],
+    weight_offset: float = NORM_DEFAULTS["weight_offset"],
+    norm: str = NORM_DEFAULTS["norm"],
     positions: Optional[Tensor] = None,
     offset: Union[int, Tensor] = 0,
     cu_seqlens: Optional[Tensor] = None,
@@ -147,9 +150,9 @@ class QKNormRotary(torch.nn.Module):
         self,
         head_dim: int,
         *,
-        eps: float = 1e-6,
-        weight_offset: float = 0.0,
-        norm: str = "head",
+        eps: float = NORM_DEFAULTS["eps"],
+        weight_offset: float = NORM_DEFAULTS["weight_offset"],
+        norm: str = NORM_DEFAULTS["norm"],
         num_heads: Optional[int] = None,
         num_kv_heads: Optional[int] = None,
         device=None,

@@ -311,3 +311,31 @@ TEST(QKNormRotaryModule, LoadRefusesWeightsOfOtherSizes) {
   std::remove(path.c_str());
   EXPECT_TRUE(torch::equal(c->q_norm->weight, a->q_norm->weight));
 }
+
+// The norm's defaults are stated in the schemas (kQkNormSchemaSettings), in QkNormRopeCall's
+// fields and in the C++ API's options: each reads as the schema's.
+#include <ATen/core/dispatch/Dispatcher.h>
+
+#include "ops/qk_norm_rope/qk_norm_rope.h"
+
+TEST(QkNormRope, TheDefaultsOfTheCallAndOfTheOptionsAreTheSchemas) {
+  for (const char* op : {"posenc::qk_norm_rope", "posenc::rope_append_kv"}) {
+    const auto& schema = c10::Dispatcher::singleton().findSchemaOrThrow(op, "").schema();
+    const auto default_of = [&](const char* name) {
+      const auto index = schema.argumentIndexWithName(name);
+      EXPECT_TRUE(index.has_value()) << op << ": " << name;
+      return *schema.arguments().at(*index).default_value();
+    };
+    const posenc::ops::QkNormRopeCall call;
+    const posenc::QkNormRopeOptions options;
+    const posenc::QKNormRotaryOptions module(8);
+    for (const double eps : {call.eps, options.eps(), module.eps()}) EXPECT_EQ(eps, default_of("eps").toDouble()) << op;
+    for (const double w : {call.weight_offset, options.weight_offset(), module.weight_offset()}) {
+      EXPECT_EQ(w, default_of("weight_offset").toDouble()) << op;
+    }
+    const std::string norm = default_of("norm").toStringRef();
+    EXPECT_EQ(posenc::ops::qk_norm_name(call.norm), norm) << op;
+    EXPECT_EQ(options.norm(), norm) << op;
+    EXPECT_EQ(module.norm(), norm) << op;
+  }
+}
