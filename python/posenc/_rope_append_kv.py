@@ -62,7 +62,7 @@ def rope_append_kv(
             (Hugging Face): (batch, heads, seq, head_dim); "thd" (paged cache):
             (tokens, heads, head_dim). k and v have the cache's kv_heads (GQA/MQA: q may have
             more); v may have its own head_dim. float16, bfloat16, float32 or float64.
-        k_cache, v_cache: of k's (v's) dtype, or FP8 (``torch.float8_e4m3fn`` or
+        k_cache, v_cache: of k's dtype (v has k's dtype too), or FP8 (``torch.float8_e4m3fn`` or
             ``torch.float8_e5m2``, for k and v of float32, bfloat16 or float16), on their
             device. "bshd": (batch, max_len, kv_heads, head_dim); "bhsd": (batch, kv_heads,
             max_len, head_dim) (Hugging Face's static cache); "thd": paged, (num_blocks,

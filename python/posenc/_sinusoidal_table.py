@@ -17,8 +17,8 @@ def sinusoidal_table(
     ``positions`` may be integer or floating point, of any shape; the result has shape
     ``positions.shape + (d_model,)`` with interleaved columns
     ``PE[..., 2i] = sin(pos * base**(-2i/d_model))`` and ``PE[..., 2i+1] = cos(...)``.
-    An odd ``d_model`` ends with a sine column. Values are computed in float64 and rounded
-    once to ``dtype``.
+    An odd ``d_model`` ends with a sine column. Values are computed in float64 and converted
+    to ``dtype`` as ``Tensor.to`` converts them (through float32 for float16 and bfloat16).
     """
     if not isinstance(positions, Tensor):
         raise TypeError(f"sinusoidal_table: expected positions to be a Tensor, got {type(positions).__name__}")
