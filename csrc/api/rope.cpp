@@ -197,7 +197,10 @@ void RotaryPositionalEncodingImpl::reset() {
     TORCH_CHECK_VALUE(orig < options.max_len(),
                       "RotaryPositionalEncoding: '", s.rope_type, "' scaling needs "
                       "original_max_position_embeddings (the context the model was trained on) "
-                      "below max_len=", options.max_len(), ", got ", orig);
+                      "below max_len=", options.max_len(), ", got ",
+                      given.has_value() || options.max_position_embeddings().has_value()
+                          ? std::to_string(orig)
+                          : std::string("none (its default, max_len, would never rescale)"));
   }
   const auto& orig = s.original_max_position_embeddings;  // as filled above
   if ((facts & math::kRopeFactorFromModel) && !s.factor.has_value() && orig.has_value() &&

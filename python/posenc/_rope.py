@@ -174,7 +174,7 @@ def scaling_arguments(
     them from the config, it is ``original_max_position_embeddings`` when the dict has none
     for the types of ORIGINAL_FROM_MODEL_TYPES ("yarn", "dynamic"), and sets ``factor`` to
     max_position_embeddings / original_max_position_embeddings when it is not given for
-    those of FACTOR_FROM_MODEL_TYPES ("yarn", "longrope"). The list
+    those of FACTOR_FROM_MODEL_TYPES ("longrope"). The list
     keys (LIST_KEY_TYPES: "longrope"'s ``short_factor``, ``long_factor``) follow the keys in
     ``values``.
     """
@@ -824,7 +824,7 @@ class RotaryPositionalEncoding(nn.Module):
             below) below ``max_len`` (the trained context,
             Hugging Face's ``max_position_embeddings``: positions beyond it are what it
             rescales); for "yarn" it defaults to ``max_position_embeddings``, and
-            "yarn"'s and "longrope"'s ``factor`` to ``max_position_embeddings /
+            "longrope"'s ``factor`` to ``max_position_embeddings /
             original_max_position_embeddings``.
         max_position_embeddings: the model's length those defaults come from, as
             transformers fills them from its config (keyword only; default ``max_len``).

@@ -52,8 +52,8 @@ def rope_cos_sin(
         attention_scaling: multiply cos and sin by the scaling's attention factor (yarn's or
             longrope's ``attention_factor``, yarn's mscale; 1 for the others), as transformers does.
         max_position_embeddings: the model's ``max_position_embeddings``: the default of
-            ``original_max_position_embeddings`` for "yarn" and "dynamic" and of ``factor`` for "yarn"
-            and "longrope" (max_position_embeddings / original), as transformers fills them
+            ``original_max_position_embeddings`` for "yarn" and "dynamic" and of "longrope"'s ``factor``
+            (max_position_embeddings / original), as transformers fills them
             from the config (the types' facts: ``posenc._rope.ORIGINAL_FROM_MODEL_TYPES``,
             ``FACTOR_FROM_MODEL_TYPES``).
 

@@ -9,6 +9,7 @@ prefix="$1"; python="$2"
 root="$(cd "$(dirname "$0")/../.." && pwd)"
 torch_dir="$("$python" -c 'import torch; print(torch.utils.cmake_prefix_path)')/Torch"
 build="$root/build/example-app"
+mkdir -p "$root/build"  # a fresh copy's (scripts/check_torch.sh) has none: the logs go there
 # The installed package names no directory of the machine that built it: the -rpath-link to
 # torch's CUDA libraries is computed from the torch the application finds (posencConfig.cmake).
 ! grep -n "$root\|site-packages" "$prefix"/lib/cmake/posenc/posencTargets*.cmake ||

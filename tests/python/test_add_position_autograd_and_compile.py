@@ -118,7 +118,7 @@ def test_opcheck_add_position_backward_and_sinusoidal_table(device):
     opcheck(torch.ops.posenc.add_position_backward.default, (grad, rng, 0.3))
     opcheck(torch.ops.posenc.sinusoidal_table.default, (torch.randint(0, 100, (4, 3), device=device), 10))
     opcheck(torch.ops.posenc.sinusoidal_table.default, (torch.rand(5, device=device), 7, 500.0))
-    for dtype in ("float32", "bfloat16", "float16"):
+    for dtype in ("float64", "bfloat16", "float16"):  # float32: the default, above
         opcheck(torch.ops.posenc.sinusoidal_table.default, (torch.arange(40, device=device), 10, 500.0, dtype))
 
 

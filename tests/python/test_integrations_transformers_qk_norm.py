@@ -442,11 +442,11 @@ def test_autocast_training_matches_unpatched(model_type, fused_calls):
         # Fused: one rounding to bfloat16 where transformers rounds after the norm and after
         # the rotation (the gradients differ likewise).
         torch.testing.assert_close(got_logits, want_logits, rtol=0, atol=2e-2)
-        # Gradients: within 4 bfloat16 ulps (2**-7 relative each) of each one's largest value
-        # (seen: up to 2.3).
+        # Gradients: within 8 bfloat16 ulps (2**-7 relative each) of each one's largest value
+        # (seen: up to 2.3 here; oneDNN's bfloat16 matmuls differ between CPUs: the margin).
         assert got_grads.keys() == want_grads.keys()
         for n in want_grads:
-            bound = 4 * 2**-7 * float(want_grads[n].abs().max())
+            bound = 8 * 2**-7 * float(want_grads[n].abs().max())
             torch.testing.assert_close(got_grads[n], want_grads[n], rtol=0, atol=bound, msg=lambda m, n=n: f"{n}: {m}")
         return
     torch.testing.assert_close(got_logits, want_logits, **TOL)

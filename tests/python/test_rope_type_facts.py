@@ -56,7 +56,7 @@ def test_spec_exports_the_facts_of_every_type():
     assert _rope.LENGTH_SCALED_TYPES == ("dynamic", "longrope")
     assert _rope.LIST_KEY_TYPES == ("longrope",)
     assert _rope.ORIGINAL_FROM_MODEL_TYPES == ("dynamic", "yarn")
-    assert _rope.FACTOR_FROM_MODEL_TYPES == ("yarn", "longrope")
+    assert _rope.FACTOR_FROM_MODEL_TYPES == ("longrope",)
     assert _rope.PARTIAL_ROTARY_KEY_TYPES == ("proportional",)
 
 

@@ -164,13 +164,13 @@ struct RotaryPositionalEncodingOptions {
   // Positions must lie in [0, max_len).
   TORCH_ARG(int64_t, max_len) = 4096;
   // The model's max_position_embeddings, which the scaling defaults come from (default:
-  // max_len): "yarn"'s original_max_position_embeddings, "yarn"'s and "longrope"'s factor
+  // max_len): "yarn"'s original_max_position_embeddings, "longrope"'s factor
   // (max_position_embeddings / original_max_position_embeddings), as transformers fills them
   // from its config. Give it when max_len (the range check) is not the model's length: a
   // Phi-3 dict without factor would otherwise take its attention factor from max_len.
   TORCH_ARG(std::optional<int64_t>, max_position_embeddings) = std::nullopt;
   // As ApplyRopeOptions' (POSENC_ROPE_CONFIG_OPTIONS, POSENC_ROPE_SETTINGS). Scaling: "yarn"'s
-  // original_max_position_embeddings and the factor default as above; "dynamic" needs
+  // original_max_position_embeddings and "longrope"'s factor default as above; "dynamic" needs
   // original_max_position_embeddings (given, or max_position_embeddings) below max_len (it rescales only positions
   // beyond it). Multi-axis RoPE: every coordinate must lie in [0, max_len).
 #define POSENC_X(type, name, default_value, ...) TORCH_ARG(type, name) = default_value;

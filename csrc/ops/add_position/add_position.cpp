@@ -51,7 +51,7 @@ namespace ops {
 //   add_position_backward_with_table
 //                          fused backward for x and the table: grad read once, the
 //                          table gradient summed deterministically over the batch.
-//   position_bounds, position_range_check: the modules' range check of positions (below).
+//   position_bounds, position_range_check, position_run_check: the modules' range check of positions (below).
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   m.def(
       "add_position(Tensor x, Tensor table, Tensor? positions=None, SymInt offset=0, "

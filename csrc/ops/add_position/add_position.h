@@ -1,5 +1,5 @@
 // The add_position family (ops add_position, add_position_forward, add_position_backward,
-// add_position_backward_with_table, position_bounds, position_range_check): what its files
+// add_position_backward_with_table, position_bounds, position_range_check, position_run_check): what its files
 // share. add_position.cpp defines the schemas, the checks, the Meta kernels, the ATen
 // composite and the CPU and CUDA registrations; autograd.cpp the C++ autograd; the CUDA
 // kernels are in cuda/add_position/. The kernels' plain data (AddPositionArgs, cpu::DropoutArgs) is in

@@ -1,7 +1,7 @@
 // Positions outside a table of max_len rows: one message for every family. The add-position
 // kernels and modules (ops/add_position/add_position.cpp: the per-element CPU check and the
 // op position_bounds) and the RoPE modules (C++ in api/rope.cpp, Python through the op
-// position_range_check) all report through it.
+// position_range_check and position_run_check) all report through it.
 #pragma once
 
 #include <c10/util/Exception.h>

@@ -462,8 +462,13 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     if "dynamic" in rope_type or rope_type in LENGTH_SCALED_TYPES:
         return None
-    # The keys transformers fills from the config (yarn's factor...): the types' facts.
+    # The keys transformers fills from the config: the types' facts (RopeConfig.parse), and
+    # yarn's factor for a dict's factor of None (transformers 5's _compute_yarn_parameters;
+    # not a fact of the type: a dict without the key is refused by transformers, and by posenc).
     max_positions = getattr(attn.config, "max_position_embeddings", None)
+    original = params.get("original_max_position_embeddings")
+    if rope_type == "yarn" and "factor" in params and params["factor"] is None and original and max_positions:
+        params["factor"] = max_positions / original
     model_freq = inv_freq.detach().to("cpu", torch.float64)
     # The config as given, then without partial_rotary_factor (the rotary of Qwen3, OLMo 2
     # and Gemma 3 turns the whole head_dim whatever it says).

@@ -35,7 +35,9 @@ namespace math {
 //                        modules' max_position_embeddings, default max_len;
 //                        rope_cos_sin's max_position_embeddings).
 //   factor_from_model    factor, when not given, is max_position_embeddings /
-//                        original_max_position_embeddings (transformers' yarn and longrope).
+//                        original_max_position_embeddings (transformers' longrope; its yarn
+//                        derives it only for a dict's factor of None, which a dict without
+//                        the key would silently match: the integration reads that rule).
 //   partial_rotary_key   it reads partial_rotary_factor as its own scaling key (the share of
 //                        pairs that turn), where for the others a config's
 //                        partial_rotary_factor sets rotary_dim (Python's resolve_config_keys).
@@ -62,7 +64,7 @@ POSENC_ROPE_TYPE_FACTS(POSENC_X)
   X(kDefault, "default", 0u)                                                           \
   X(kLinear, "linear", 0u)                                                             \
   X(kDynamic, "dynamic", kRopeScalesByLength | kRopeOriginalFromModel)                 \
-  X(kYarn, "yarn", kRopeOriginalFromModel | kRopeFactorFromModel)                      \
+  X(kYarn, "yarn", kRopeOriginalFromModel)                                             \
   X(kLlama3, "llama3", 0u)                                                             \
   X(kLongrope, "longrope", kRopeScalesByLength | kRopeListKeys | kRopeFactorFromModel) \
   X(kProportional, "proportional", kRopePartialRotaryKey)
