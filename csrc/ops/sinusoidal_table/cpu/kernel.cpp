@@ -24,6 +24,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -32,6 +33,7 @@
 #endif
 
 #include "ops/common/cpu/half_lanes.h"  // bf16_round_bits, bf16_round_bits_512
+#include "ops/common/cpu/rope_rows.h"   // kStreamBytes, stream_fence
 
 namespace posenc {
 namespace ops {
@@ -273,6 +275,86 @@ POSENC_AVX512_TARGET void sweep_octet_avx512(const SinusoidalTableArgs& a,
     e = _mm512_add_pd(e, de);
   }
 }
+
+// One octet's state in sweep_two_octets_avx512: (cos, sin) of its 8 pairs, its steps and bound.
+struct Octet512 {
+  __m512d re, im, sr, si, e, de;
+};
+
+// Column pairs [i, i + 16) of rows [run, run + n): two octets of sweep_octet_avx512, the same
+// products, bounds and values, as two independent products per row (each hides the other's
+// latency), and with `stream` each row's 32 columns (64 bytes of a narrow dtype, 128 of
+// float32: whole 64-byte lines) written by streaming stores, which do not read the lines they
+// overwrite: a table of kStreamBytes or more is written once, not read first. The libm
+// values of uncertain pairs replace theirs after the sweep (below).
+template <typename T>
+POSENC_AVX512_TARGET void sweep_two_octets_avx512(const SinusoidalTableArgs& a, const Steps& st, int64_t run,
+                                                  int64_t n, int64_t i, bool stream) {
+  const int64_t d = a.d_model;
+  Octet512 o[2];
+  for (int h = 0; h < 2; ++h) {
+    alignas(64) double zr0[8], zi0[8];
+    const double w_max = anchor_octet(a, st, run, i + 8 * h, zr0, zi0);
+    o[h] = {_mm512_load_pd(zr0), _mm512_load_pd(zi0), _mm512_loadu_pd(st.sr + i + 8 * h),
+            _mm512_loadu_pd(st.si + i + 8 * h), _mm512_set1_pd(st.bound.a + w_max * st.bound.b),
+            _mm512_set1_pd(st.bound.da + w_max * st.bound.db)};
+  }
+  const __m512i order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  T* out = static_cast<T*>(a.out) + run * d + 2 * i;
+  uint16_t uncertain_rows[kRun];  // bit q: pair i + q of row run + k is uncertain
+  for (int64_t k = 0; k < n; ++k, out += d) {
+    __m512 v[2];
+    unsigned uncertain = 0;
+    for (int h = 0; h < 2; ++h) {
+      const __m256 s_lo = _mm512_cvtpd_ps(_mm512_sub_pd(o[h].im, o[h].e));
+      const __m256 s_hi = _mm512_cvtpd_ps(_mm512_add_pd(o[h].im, o[h].e));
+      const __m256 c_lo = _mm512_cvtpd_ps(_mm512_sub_pd(o[h].re, o[h].e));
+      const __m256 c_hi = _mm512_cvtpd_ps(_mm512_add_pd(o[h].re, o[h].e));
+      v[h] = _mm512_permutex2var_ps(_mm512_castps256_ps512(s_lo), order, _mm512_castps256_ps512(c_lo));
+      uncertain |= static_cast<unsigned>(_mm256_cmpneq_epi32_mask(_mm256_castps_si256(s_lo), _mm256_castps_si256(s_hi)) |
+                                         _mm256_cmpneq_epi32_mask(_mm256_castps_si256(c_lo), _mm256_castps_si256(c_hi)))
+                   << (8 * h);
+    }
+    // The 32 columns in T as whole lines, in registers.
+    constexpr int kLines = static_cast<int>(32 * sizeof(T) / 64);
+    __m512i line[kLines];
+    if constexpr (std::is_same_v<T, float>) {
+      line[0] = _mm512_castps_si512(v[0]);
+      line[1] = _mm512_castps_si512(v[1]);
+    } else {
+      __m256i half[2];
+      for (int h = 0; h < 2; ++h) {
+        if constexpr (std::is_same_v<T, c10::Half>) {
+          half[h] = _mm512_cvtps_ph(v[h], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        } else {
+          half[h] = _mm512_cvtepi32_epi16(bf16_round_bits_512(v[h]));  // no NaN in the table
+        }
+      }
+      line[0] = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+    }
+    uncertain_rows[k] = uncertain;
+    for (int l = 0; l < kLines; ++l) {
+      if (stream) {
+        _mm512_stream_si512(reinterpret_cast<__m512i*>(reinterpret_cast<char*>(out) + 64 * l), line[l]);
+      } else {
+        _mm512_storeu_si512(reinterpret_cast<char*>(out) + 64 * l, line[l]);
+      }
+    }
+    for (int h = 0; h < 2; ++h) {
+      const __m512d r = o[h].re;
+      o[h].re = _mm512_sub_pd(_mm512_mul_pd(r, o[h].sr), _mm512_mul_pd(o[h].im, o[h].si));
+      o[h].im = _mm512_add_pd(_mm512_mul_pd(r, o[h].si), _mm512_mul_pd(o[h].im, o[h].sr));
+      o[h].e = _mm512_add_pd(o[h].e, o[h].de);
+    }
+  }
+  // libm's values of the uncertain pairs (about 3 in 10^4), after the loop: no call in it
+  // (a call clobbers every vector register: the loop's state would live on the stack), and
+  // written after a fence, which orders the streaming stores before these plain ones.
+  if (stream) _mm_sfence();
+  for (int64_t k = 0; k < n; ++k) {
+    for (unsigned u = uncertain_rows[k]; u != 0; u &= u - 1) libm_pair<T>(a, run + k, i + __builtin_ctz(u));
+  }
+}
 POSENC_AVX512_WARNINGS_END
 #endif
 
@@ -280,13 +362,18 @@ POSENC_AVX512_WARNINGS_END
 // in a run 8 column pairs at a time down its rows (float32: whole 64-byte lines; a narrow
 // dtype's half lines wait in the cache, 32 bytes per row of the run, for the next 8 pairs).
 template <typename T>
-void progression_rows(const SinusoidalTableArgs& a, const Steps& st, int64_t first, int64_t last) {
+void progression_rows(const SinusoidalTableArgs& a, const Steps& st, int64_t first, int64_t last, bool stream) {
   const int64_t pairs = (a.d_model + 1) / 2;
   for (int64_t run = first; run < last; run += kRun) {
     const int64_t n = std::min(last, run + kRun) - run;
     int64_t i = 0;
 #if defined(CPU_CAPABILITY_AVX2)
     const bool avx512 = cpu_has_avx512();
+    if (avx512) {
+      for (const int64_t full = a.d_model / 2; i + 16 <= full; i += 16) {
+        sweep_two_octets_avx512<T>(a, st, run, n, i, stream);
+      }
+    }
     for (const int64_t full = a.d_model / 2; i + 8 <= full; i += 8) {
       if (avx512) {
         sweep_octet_avx512<T>(a, st, run, n, i);
@@ -321,7 +408,15 @@ void table_rows(const SinusoidalTableArgs& a) {
   const Steps st{w, sr, si, error_bound(step, pmax)};
   // Whole runs per task where there are enough rows.
   const int64_t runs_grain = a.rows >= 2 * kRun ? kRun : std::max<int64_t>(grain, 64);
-  at::parallel_for(0, a.rows, runs_grain, [&](int64_t b, int64_t e) { progression_rows<T>(a, st, b, e); });
+  // Streaming stores (sweep_two_octets_avx512) for a table of kStreamBytes or more whose rows
+  // are whole 64-byte lines from a 64-byte aligned start, so that every 16 pairs of a row are.
+  const bool stream = a.rows * d * static_cast<int64_t>(sizeof(T)) >= kStreamBytes &&
+                      (d * static_cast<int64_t>(sizeof(T))) % 64 == 0 &&
+                      reinterpret_cast<std::uintptr_t>(a.out) % 64 == 0;
+  at::parallel_for(0, a.rows, runs_grain, [&](int64_t b, int64_t e) {
+    progression_rows<T>(a, st, b, e, stream);
+    if (stream) stream_fence();  // before this thread's part is handed back
+  });
 }
 
 void sinusoidal_table_kernel(const SinusoidalTableArgs& a, c10::ScalarType dtype) {
