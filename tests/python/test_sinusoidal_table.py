@@ -42,7 +42,7 @@ TABLE_CASES = {
     "negative_to_positive": (lambda: torch.arange(-500, 700), 7),
     "huge_offset": (lambda: torch.arange(2**30, 2**30 + 300), 16),  # most values near a boundary
     # 8 MiB or more (16 MiB in float32): streamed 16 pairs at a time (AVX-512), many values
-    # patched by libm before their line is stored
+    # patched by libm after the sweep streamed their lines
     "huge_offset_streamed": (lambda: torch.arange(2**30, 2**30 + 8192), 512),
     "past_2_40": (lambda: torch.arange(2**40 - 5, 2**40 + 600), 24),  # libm per entry
     "half_integers": (lambda: torch.arange(1000, dtype=torch.float64) + 0.5, 10),

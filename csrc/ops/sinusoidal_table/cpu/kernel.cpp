@@ -359,8 +359,9 @@ POSENC_AVX512_WARNINGS_END
 #endif
 
 // Rows [first, last) of a table of float32 or narrower from the recurrence, run by run, and
-// in a run 8 column pairs at a time down its rows (float32: whole 64-byte lines; a narrow
-// dtype's half lines wait in the cache, 32 bytes per row of the run, for the next 8 pairs).
+// in a run 16 column pairs at a time down its rows where AVX-512 runs (whole 64-byte lines:
+// sweep_two_octets_avx512), else 8 (float32: whole lines; a narrow dtype's half lines wait
+// in the cache, 32 bytes per row of the run, for the next 8 pairs); then pair by pair.
 template <typename T>
 void progression_rows(const SinusoidalTableArgs& a, const Steps& st, int64_t first, int64_t last, bool stream) {
   const int64_t pairs = (a.d_model + 1) / 2;
@@ -386,15 +387,11 @@ void progression_rows(const SinusoidalTableArgs& a, const Steps& st, int64_t fir
   }
 }
 
+// A narrow table of an integer progression (step, the largest |position| pmax) from the
+// recurrence.
 template <typename T>
-void table_rows(const SinusoidalTableArgs& a) {
+void progression_table(const SinusoidalTableArgs& a, double step, double pmax, int64_t grain) {
   const int64_t d = a.d_model;
-  const int64_t grain = std::max<int64_t>(1, 16384 / d);
-  double step = 0.0, pmax = 0.0;
-  if (std::is_same_v<T, double> || !integer_progression(a.positions, a.rows, &step, &pmax)) {
-    at::parallel_for(0, a.rows, grain, [&](int64_t b, int64_t e) { libm_rows<T>(a, b, e); });
-    return;
-  }
   const int64_t pairs = (d + 1) / 2;
   const c10::DataPtr storage = c10::GetCPUAllocator()->allocate(3 * pairs * sizeof(double));
   double* w = static_cast<double*>(storage.get());
@@ -417,6 +414,19 @@ void table_rows(const SinusoidalTableArgs& a) {
     progression_rows<T>(a, st, b, e, stream);
     if (stream) stream_fence();  // before this thread's part is handed back
   });
+}
+
+template <typename T>
+void table_rows(const SinusoidalTableArgs& a) {
+  const int64_t grain = std::max<int64_t>(1, 16384 / a.d_model);
+  double step = 0.0, pmax = 0.0;
+  if constexpr (!std::is_same_v<T, double>) {  // the recurrence serves narrower tables only
+    if (integer_progression(a.positions, a.rows, &step, &pmax)) {
+      progression_table<T>(a, step, pmax, grain);
+      return;
+    }
+  }
+  at::parallel_for(0, a.rows, grain, [&](int64_t b, int64_t e) { libm_rows<T>(a, b, e); });
 }
 
 void sinusoidal_table_kernel(const SinusoidalTableArgs& a, c10::ScalarType dtype) {
