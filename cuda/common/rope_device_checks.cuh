@@ -39,7 +39,7 @@ __device__ __forceinline__ void assert_token_start(const RopeArgs& a, bool valid
   CUDA_KERNEL_ASSERT_MSG(valid, "posenc: rope: a packed token lies outside every sequence of "
                          "cu_seqlens");
   CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(shift - a.offset),
-                         "posenc: rope: expected offsets within [-2**53, 2**53]");
+                         "posenc: rope: expected offsets within " POSENC_ROPE_POSITION_RANGE);
 }
 
 }  // namespace rope_cuda

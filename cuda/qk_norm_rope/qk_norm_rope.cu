@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads)
     for (int64_t p = lane; p < half; p += 32) {
       const int64_t pos = rope_axis_position(ra, b, s, shift, restart, ra.pair_axis[p]);
       CUDA_KERNEL_ASSERT_MSG(rope_cuda::rope_in_position_domain(pos - shift),
-                             "posenc: qk_norm_rope: expected positions within [-2**53, 2**53]");
+                             "posenc: qk_norm_rope: expected positions within " POSENC_ROPE_POSITION_RANGE);
       acc_t sv, cv;
       math::rope_sincos<acc_t>(pos, ra.inv_freq[p], &sv, &cv);
       cs[p] = cv * factor;

@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(kRopeThreads, kMinBlocksPerSm)
           const int64_t pos =
               rope_axis_position(a, tb, t - tb * a.seq, ts.shift, ts.restart, a.pair_axis[pair]);
           CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(pos - ts.shift),
-                                 "posenc: rope: expected positions within [-2**53, 2**53]");
+                                 "posenc: rope: expected positions within " POSENC_ROPE_POSITION_RANGE);
           math::rope_sincos<acc_t>(pos, s_freq[pair], &sv, &cv);
         }
       }

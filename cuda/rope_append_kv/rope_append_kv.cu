@@ -188,12 +188,12 @@ __global__ void __launch_bounds__(kThreads)
                              "posenc: rope_append_kv: a cache row or slot_mapping slot out of "
                              "range (it was not written)");
       CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(shift - r.offset),
-                             "posenc: rope_append_kv: expected offset within [-2**53, 2**53]");
+                             "posenc: rope_append_kv: expected offset within " POSENC_ROPE_POSITION_RANGE);
     }
     for (int64_t i = threadIdx.x; i < half; i += blockDim.x) {
       const int64_t pos = rope_axis_position(r, b, s, shift, restart, r.pair_axis[i]);
       CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(pos - shift),
-                             "posenc: rope_append_kv: expected positions within [-2**53, 2**53]");
+                             "posenc: rope_append_kv: expected positions within " POSENC_ROPE_POSITION_RANGE);
       acc_t sv, cv;
       math::rope_sincos<acc_t>(pos, r.inv_freq[i], &sv, &cv);
       s_cos[i] = cv * factor;

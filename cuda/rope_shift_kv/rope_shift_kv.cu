@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(kThreads) rope_shift_kv_kernel(const __grid_co
       const int64_t p_new = rope_axis_position(a.to, b, j, 0, 0, a.to.pair_axis[i]);
       CUDA_KERNEL_ASSERT_MSG(rope_in_position_domain(p_old) && rope_in_position_domain(p_new),
                              "posenc: rope_shift_kv: expected from_positions and to_positions "
-                             "within [-2**53, 2**53]");
+                             "within " POSENC_ROPE_POSITION_RANGE);
       acc_t so, co, sn, cn;
       math::rope_sincos<acc_t>(p_old, a.from.inv_freq[i], &so, &co);
       math::rope_sincos<acc_t>(p_new, a.to.inv_freq[i], &sn, &cn);

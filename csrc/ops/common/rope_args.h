@@ -22,6 +22,9 @@ constexpr int64_t kMaxRopePairs = math::kRopeMaxPairs;
 // int64, and a summed position within +-2**53 is exact in the float64 angle (beyond, up to
 // 3 * 2**53, the float64 product rounds it).
 constexpr int64_t kRopeMaxPosition = int64_t{1} << 53;
+// That range as every message names it (host checks and the CUDA kernels' device asserts,
+// which take a string literal).
+#define POSENC_ROPE_POSITION_RANGE "[-2**53, 2**53]"
 
 // One of q and k: input and output (the same pointer in place) as (B, S, H, D) with
 // element strides.

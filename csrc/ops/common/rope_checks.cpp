@@ -86,7 +86,7 @@ void check_rope_rotary_dim_supported(int64_t rotary_dim) {
 
 void check_rope_position_value(const char* what, int64_t value) {
   TORCH_CHECK_VALUE(value >= -kRopeMaxPosition && value <= kRopeMaxPosition, "posenc: expected ",
-                    what, " within [-2**53, 2**53] (integers exact in the float64 angle), got ",
+                    what, " within " POSENC_ROPE_POSITION_RANGE " (integers exact in the float64 angle), got ",
                     value);
 }
 

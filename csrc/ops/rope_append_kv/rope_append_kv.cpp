@@ -643,7 +643,7 @@ void run_composite(torch::jit::Stack* stack, bool in_place, const c10::OperatorH
                                 .logical_and(rows.lt(max_len));
       assert_all_on_device(ok, "posenc: rope_append_kv: a batch row writes cache rows out of "
                                "range for max_len (offset + its cache length so far .. + seq - 1), "
-                               "or its offset is outside [-2**53, 2**53]");
+                               "or its offset is outside " POSENC_ROPE_POSITION_RANGE);
       rows = rows.masked_fill(ok.logical_not(), max_len);
     }
     const at::Tensor rows_b = steps_like(offsets, batch).unsqueeze(1).expand({batch, seq});
