@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from posenc._common import _bool_arg, _optional_tensor_args
-from posenc._qk_norm_rope import NORM_DEFAULTS, check_norm_settings
+from posenc._qk_norm_rope import check_norm_settings
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
 # The schema's defaults of the op's arguments, so that a call passes only those that
@@ -46,9 +46,9 @@ def rope_append_kv(
     v_scale: Union[float, Tensor, None] = None,
     q_weight: Optional[Tensor] = None,
     k_weight: Optional[Tensor] = None,
-    eps: float = NORM_DEFAULTS["eps"],
-    weight_offset: float = NORM_DEFAULTS["weight_offset"],
-    norm: str = NORM_DEFAULTS["norm"],
+    eps: float = _OWN_DEFAULTS["eps"],
+    weight_offset: float = _OWN_DEFAULTS["weight_offset"],
+    norm: str = _OWN_DEFAULTS["norm"],
     config: Optional[RopeConfig] = None,
     **rope: Any,
 ) -> Union[Tensor, Tuple[Tensor, Tensor]]:

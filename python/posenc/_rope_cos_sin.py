@@ -19,8 +19,8 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from posenc._common import _bool_arg, _check_positive_int, _float_arg, _specialised
 from posenc._dtensor import is_dtensor, place_beside
-from posenc._rope import (LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, _host_frequencies, check_one_baseline,
-                          heads_batch_rule, resolve_config_keys, scaling_arguments)
+from posenc._rope import (_SCHEMA_DEFAULTS, LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, _host_frequencies,
+                          check_one_baseline, heads_batch_rule, resolve_config_keys, scaling_arguments)
 
 
 def rope_cos_sin(
@@ -105,7 +105,7 @@ def rope_cos_sin(
         raise RuntimeError(f"{fn}: {rope_type!r} tables scale by the longest position, read from the positions' "
                            f"values, which torch.jit.trace would fix at the traced ones; rotate with "
                            f"posenc.functional.apply_rope, whose op reads them at run time")
-    base = 10000.0 if base is None else _float_arg(fn, "base", base)
+    base = _SCHEMA_DEFAULTS["base"] if base is None else _float_arg(fn, "base", base)
     if torch.compiler.is_compiling():
         # A number torch.compile made a symbol (a dim, rotary_dim, base or scaling value that
         # changed between calls, or dynamic=True) is specialised to its value, as a constant
