@@ -27,11 +27,12 @@ from posenc._dtensor import is_dtensor, is_sharded, place_beside
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts, the
 # multi-axis sections modes and the list-valued keys; then the facts of the types
-# (POSENC_ROPE_TYPE_FACTS: their names, and per type an int whose bit i is fact i), and the
-# layouts' geometry (ops::rope_layout_axes: 3 dims per layout).
-ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES, SCALING_LIST_KEYS, _FACTS, _TYPE_FACTS, _AXES = (
-    tuple(names) for names in torch.ops.posenc.rope_scaling_spec()
-)
+# (POSENC_ROPE_TYPE_FACTS: their names, and per type an int whose bit i is fact i), the
+# layouts' geometry (ops::rope_layout_axes: 3 dims per layout) and the largest position
+# magnitude the ops take (kRopeMaxPosition: 2**53, integers exact in the float64 angle).
+*_SPEC_LISTS, MAX_POSITION = torch.ops.posenc.rope_scaling_spec()
+ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES, SCALING_LIST_KEYS, _FACTS, _TYPE_FACTS, _AXES = map(
+    tuple, _SPEC_LISTS)
 # layout -> (batch, seq, heads) dims of q and k (head_dim is last); batch None: none ("thd"
 # packs its sequences into one token dim).
 LAYOUT_AXES = {

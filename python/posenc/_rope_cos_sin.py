@@ -19,8 +19,9 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode
 
 from posenc._common import _bool_arg, _check_positive_int, _float_arg, _specialised
 from posenc._dtensor import is_dtensor, place_beside
-from posenc._rope import (_SCHEMA_DEFAULTS, LENGTH_SCALED_TYPES, PARTIAL_ROTARY_KEY_TYPES, _host_frequencies,
-                          check_one_baseline, heads_batch_rule, resolve_config_keys, scaling_arguments)
+from posenc._rope import (_SCHEMA_DEFAULTS, LENGTH_SCALED_TYPES, MAX_POSITION, PARTIAL_ROTARY_KEY_TYPES,
+                          _host_frequencies, check_one_baseline, heads_batch_rule, resolve_config_keys,
+                          scaling_arguments)
 
 
 def rope_cos_sin(
@@ -124,11 +125,12 @@ def rope_cos_sin(
 
 
 def _check_position_range(positions: Tensor) -> None:
-    """int64 positions within the range apply_rope's op takes ([-2**53, 2**53]: past it the
-    float64 angle rounds the position, 2**60 + 1 got 2**60's tables), checked by the op's own
-    bounds ops on a stand-in q (its shape only): ``rope_position_bounds`` reads a plain CPU
-    tensor (the op's ValueError); on CUDA, and under torch.compile, ``rope_position_extremes``
-    keeps its verdict on the device (an invalid call's bounds are (int64 min, int64 max)) and
+    """int64 positions within the range apply_rope's op takes (MAX_POSITION, from the op:
+    [-2**53, 2**53]; past it the float64 angle rounds the position, 2**60 + 1 got 2**60's
+    tables). A plain CPU tensor: its extremes against that range (aminmax, a few microseconds),
+    and, out of it, the op's own bounds op on a stand-in q (its shape only) raises the op's
+    ValueError. On CUDA, and under torch.compile, ``rope_position_extremes`` keeps its verdict
+    on the device (an invalid call's bounds are (int64 min, int64 max)) and
     torch._assert_async refuses it (no host sync). The narrower integer dtypes cannot leave
     the range (uint64 is refused before). Not checked: tensors under a transform, a
     TorchDispatchMode (any: FakeTensorMode and make_fx cannot read values) or
@@ -141,6 +143,10 @@ def _check_position_range(positions: Tensor) -> None:
                           or type(positions) is not Tensor
                           or torch._C._functorch.is_functorch_wrapped_tensor(positions)):
         return
+    if not (compiling or positions.is_cuda):
+        lo, hi = positions.aminmax()
+        if -MAX_POSITION <= int(lo) and int(hi) <= MAX_POSITION:
+            return
     rows = positions if positions.dim() == 2 else positions.unsqueeze(0)
     q = torch.empty_strided((*rows.shape, 1, 2), (0, 0, 0, 0), device=positions.device)
     if compiling or positions.is_cuda:

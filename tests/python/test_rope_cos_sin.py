@@ -532,6 +532,11 @@ def test_position_range_check_under_compile_keeps_narrow_dtypes_and_tracers():
         compiled(torch.tensor([2**60]))
     with pytest.raises(ValueError, match=r"expected positions within \[-2\*\*53, 2\*\*53\].*got 1152921504606846977"):
         rope_cos_sin(torch.tensor([2**60 + 1]), 8)
+    # The eager CPU check's edges (its extremes against the op's range, the op's message past them).
+    assert torch.equal(rope_cos_sin(torch.tensor([-2**53, 0, 2**53]), 8)[0][1], torch.ones(8))
+    for bad in (-2**53 - 1, 2**53 + 1, -2**63, 2**63 - 1):
+        with pytest.raises(ValueError, match=rf"expected positions within \[-2\*\*53, 2\*\*53\].*got {bad}"):
+            rope_cos_sin(torch.tensor([[0, bad, 3]]), 8)
     with pytest.raises(TypeError, match=r"integer tensor \(int64 position_ids\), got torch.uint64"):
         rope_cos_sin(torch.tensor([2**60 + 1], dtype=torch.uint64), 8)  # was 2**60's tables, unchecked
     grid = torch.arange(10).view(2, 5)

@@ -46,7 +46,8 @@ def same(a, b):
 
 def test_spec_exports_the_facts_of_every_type():
     spec = torch.ops.posenc.rope_scaling_spec()
-    assert len(spec) == 8
+    assert len(spec) == 9
+    assert spec[8] == 2**53 == _rope.MAX_POSITION  # the positions' range, [-2**53, 2**53]
     types, facts, per_type = spec[0], spec[5], spec[6]
     assert facts == ["scales_by_length", "list_keys", "original_from_model", "factor_from_model",
                      "partial_rotary_key"]

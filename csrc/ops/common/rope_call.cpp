@@ -10,6 +10,7 @@
 #include <sstream>
 
 #include "ops/common/op_handles.h"
+#include "ops/common/rope_args.h"
 
 namespace posenc {
 namespace ops {
@@ -387,7 +388,7 @@ void check_rope_schema_matches(const c10::FunctionSchema& schema) {
 // and type lists and its per-type behaviour come from here).
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
            std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<int64_t>, std::vector<int64_t>>
+           std::vector<int64_t>, std::vector<int64_t>, int64_t>
 rope_scaling_spec() {
   std::vector<std::string> layouts, modes, fact_names;
   std::vector<int64_t> axes;
@@ -403,7 +404,7 @@ rope_scaling_spec() {
   std::vector<int64_t> facts;
   for (const auto& [v, n] : kRopeTypes) facts.push_back(math::rope_type_facts(v));
   return {rope_type_names(), rope_scaling_keys(), layouts, modes, rope_scaling_list_keys(),
-          fact_names, facts, axes};
+          fact_names, facts, axes, kRopeMaxPosition};
 }
 
 

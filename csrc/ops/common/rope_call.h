@@ -145,10 +145,11 @@ int64_t call_rope_rotary_width(const RopeCall& call);
 // rope_scaling_spec, defined with rope's schemas in rope/rope.cpp): (rope types, scaling
 // keys, layouts, sections modes, list-valued scaling keys), then (fact names, one int per
 // type whose bit i is fact i), from POSENC_ROPE_TYPE_FACTS and POSENC_ROPE_TYPES
-// (posenc/math/rope.h), then the layouts' (batch, seq, heads) dims, 3 per layout.
+// (posenc/math/rope.h), then the layouts' (batch, seq, heads) dims, 3 per layout, then the
+// largest position magnitude the ops take (kRopeMaxPosition).
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
            std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<int64_t>, std::vector<int64_t>>
+           std::vector<int64_t>, std::vector<int64_t>, int64_t>
 rope_scaling_spec();
 
 // Fails when the schema of `op` and RopeCall::for_each_argument disagree (registration).
