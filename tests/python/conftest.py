@@ -3,6 +3,7 @@ import importlib.util
 import inspect
 import math
 import os
+import pathlib
 import random
 import re
 
@@ -101,6 +102,25 @@ def strided_random(rng: random.Random, shape, dtype, device, low=-2.0, high=2.0)
     out = base.permute([perm.index(i) for i in range(len(shape))])
     assert tuple(out.shape) == tuple(shape)
     return out.to(device)
+
+
+def host_levels() -> list:
+    """The levels this CPU runs: always "default"; "avx2" with AVX2 + FMA + F16C; "avx512"
+    with AVX-512F/BW/VL too (the AVX-512 Philox path; a host without them cannot run it)."""
+    flags = set()
+    try:
+        for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    levels = ["default"]
+    if {"avx2", "fma", "f16c"} <= flags:
+        levels.append("avx2")
+        if {"avx512f", "avx512bw", "avx512vl"} <= flags:
+            levels.append("avx512")
+    return levels
 
 
 def pytest_configure(config):

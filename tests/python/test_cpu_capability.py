@@ -17,27 +17,9 @@ import pytest
 import torch
 
 import posenc  # noqa: F401  (registers torch.ops.posenc)
+from conftest import host_levels
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-def host_levels() -> list:
-    """The levels this CPU runs: always "default"; "avx2" with AVX2 + FMA + F16C; "avx512"
-    with AVX-512F/BW/VL too (the AVX-512 Philox path; a host without them cannot run it)."""
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
-    levels = ["default"]
-    if {"avx2", "fma", "f16c"} <= flags:
-        levels.append("avx2")
-        if {"avx512f", "avx512bw", "avx512vl"} <= flags:
-            levels.append("avx512")
-    return levels
 
 
 # Every CPU kernel once per dtype, on shapes that reach each path: rows of 512 (whole groups

@@ -25,6 +25,7 @@ import posenc  # noqa: F401
 from posenc.functional import apply_rope, rope_append_kv, rope_shift_kv
 from multi_axis_reference import generic_inv_freq_and_axis
 from rope_reference import longrope_inv_freq, proportional_inv_freq, reference_inv_freq, scaling_samples
+from conftest import host_levels
 
 F64 = torch.float64
 D = 16
@@ -716,8 +717,6 @@ def test_every_cpu_level_gives_the_same_bits(tmp_path):
     import pathlib
     import subprocess
     import sys
-
-    from test_cpu_capability import host_levels
 
     levels = host_levels()  # default, avx2, avx512: those this CPU runs
     if len(levels) < 2:
