@@ -238,48 +238,65 @@ void sweep_octet(const SinusoidalTableArgs& a, const Steps& st, int64_t run, int
 }
 
 POSENC_AVX512_WARNINGS_BEGIN
-// sweep_octet with the 8 pairs in one 512-bit register each for cos and sin: the same
-// products, bounds and roundings (so the same values), in a third of the instructions.
-template <typename T>
-POSENC_AVX512_TARGET void sweep_octet_avx512(const SinusoidalTableArgs& a,
-                                                                              const Steps& st, int64_t run,
-                                                                              int64_t n, int64_t i) {
-  const int64_t d = a.d_model;
-  alignas(64) double zr0[8], zi0[8];
-  const double w_max = anchor_octet(a, st, run, i, zr0, zi0);
-  __m512d re = _mm512_load_pd(zr0), im = _mm512_load_pd(zi0);
-  const __m512d sr = _mm512_loadu_pd(st.sr + i), si = _mm512_loadu_pd(st.si + i);
-  __m512d e = _mm512_set1_pd(st.bound.a + w_max * st.bound.b);
-  const __m512d de = _mm512_set1_pd(st.bound.da + w_max * st.bound.db);
-  // (sin, cos) of each pair in column order: lanes 0..7 of the sines, 16..23 of the cosines
-  const __m512i order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  T* out = static_cast<T*>(a.out) + run * d + 2 * i;
-  for (int64_t k = 0; k < n; ++k, out += d) {
-    const __m256 s_lo = _mm512_cvtpd_ps(_mm512_sub_pd(im, e)), s_hi = _mm512_cvtpd_ps(_mm512_add_pd(im, e));
-    const __m256 c_lo = _mm512_cvtpd_ps(_mm512_sub_pd(re, e)), c_hi = _mm512_cvtpd_ps(_mm512_add_pd(re, e));
-    const __m512 v = _mm512_permutex2var_ps(_mm512_castps256_ps512(s_lo), order, _mm512_castps256_ps512(c_lo));
-    if constexpr (std::is_same_v<T, float>) {
-      _mm512_storeu_ps(out, v);
-    } else if constexpr (std::is_same_v<T, c10::Half>) {
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-    } else {
-      // bfloat16: c10::round_to_nearest_even (the table holds no NaN).
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm512_cvtepi32_epi16(bf16_round_bits_512(v)));
-    }
-    unsigned uncertain = _mm256_cmpneq_epi32_mask(_mm256_castps_si256(s_lo), _mm256_castps_si256(s_hi)) |
-                         _mm256_cmpneq_epi32_mask(_mm256_castps_si256(c_lo), _mm256_castps_si256(c_hi));
-    for (; uncertain != 0; uncertain &= uncertain - 1) libm_pair<T>(a, run + k, i + __builtin_ctz(uncertain));
-    const __m512d r = re;
-    re = _mm512_sub_pd(_mm512_mul_pd(r, sr), _mm512_mul_pd(im, si));
-    im = _mm512_add_pd(_mm512_mul_pd(r, si), _mm512_mul_pd(im, sr));
-    e = _mm512_add_pd(e, de);
-  }
-}
-
-// One octet's state in sweep_two_octets_avx512: (cos, sin) of its 8 pairs, its steps and bound.
+// sweep_octet's state with the 8 pairs in one 512-bit register each for cos and sin: the
+// same products, bounds and roundings (so the same values), in a third of the instructions.
 struct Octet512 {
   __m512d re, im, sr, si, e, de;
 };
+
+POSENC_AVX512_TARGET inline Octet512 octet512_at(const SinusoidalTableArgs& a, const Steps& st, int64_t run,
+                                                 int64_t i) {
+  alignas(64) double zr0[8], zi0[8];
+  const double w_max = anchor_octet(a, st, run, i, zr0, zi0);
+  return {_mm512_load_pd(zr0), _mm512_load_pd(zi0), _mm512_loadu_pd(st.sr + i), _mm512_loadu_pd(st.si + i),
+          _mm512_set1_pd(st.bound.a + w_max * st.bound.b), _mm512_set1_pd(st.bound.da + w_max * st.bound.db)};
+}
+
+// One row of an octet: its 16 values (sin, cos) in column order as float32, and the mask of
+// its pairs whose value the bound leaves uncertain (bit q: pair q); then the octet steps on.
+POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m512 octet512_row(Octet512& o, unsigned& uncertain) {
+  // lanes 0..7 of the sines, 16..23 of the cosines
+  const __m512i order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m256 s_lo = _mm512_cvtpd_ps(_mm512_sub_pd(o.im, o.e)), s_hi = _mm512_cvtpd_ps(_mm512_add_pd(o.im, o.e));
+  const __m256 c_lo = _mm512_cvtpd_ps(_mm512_sub_pd(o.re, o.e)), c_hi = _mm512_cvtpd_ps(_mm512_add_pd(o.re, o.e));
+  uncertain = _mm256_cmpneq_epi32_mask(_mm256_castps_si256(s_lo), _mm256_castps_si256(s_hi)) |
+              _mm256_cmpneq_epi32_mask(_mm256_castps_si256(c_lo), _mm256_castps_si256(c_hi));
+  const __m512d r = o.re;
+  o.re = _mm512_sub_pd(_mm512_mul_pd(r, o.sr), _mm512_mul_pd(o.im, o.si));
+  o.im = _mm512_add_pd(_mm512_mul_pd(r, o.si), _mm512_mul_pd(o.im, o.sr));
+  o.e = _mm512_add_pd(o.e, o.de);
+  return _mm512_permutex2var_ps(_mm512_castps256_ps512(s_lo), order, _mm512_castps256_ps512(c_lo));
+}
+
+// 16 table values in a narrow dtype (float16: to nearest even; bfloat16:
+// c10::round_to_nearest_even, the table holding no NaN).
+template <typename T>
+POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m256i narrow_table16(__m512 v) {
+  if constexpr (std::is_same_v<T, c10::Half>) {
+    return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    return _mm512_cvtepi32_epi16(bf16_round_bits_512(v));
+  }
+}
+
+// Column pairs [i, i + 8) of rows [run, run + n): sweep_octet in 512-bit registers.
+template <typename T>
+POSENC_AVX512_TARGET void sweep_octet_avx512(const SinusoidalTableArgs& a, const Steps& st, int64_t run, int64_t n,
+                                             int64_t i) {
+  const int64_t d = a.d_model;
+  Octet512 o = octet512_at(a, st, run, i);
+  T* out = static_cast<T*>(a.out) + run * d + 2 * i;
+  for (int64_t k = 0; k < n; ++k, out += d) {
+    unsigned uncertain = 0;
+    const __m512 v = octet512_row(o, uncertain);
+    if constexpr (std::is_same_v<T, float>) {
+      _mm512_storeu_ps(out, v);
+    } else {
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), narrow_table16<T>(v));
+    }
+    for (; uncertain != 0; uncertain &= uncertain - 1) libm_pair<T>(a, run + k, i + __builtin_ctz(uncertain));
+  }
+}
 
 // Column pairs [i, i + 16) of rows [run, run + n): two octets of sweep_octet_avx512, the same
 // products, bounds and values, as two independent products per row (each hides the other's
@@ -291,30 +308,13 @@ template <typename T>
 POSENC_AVX512_TARGET void sweep_two_octets_avx512(const SinusoidalTableArgs& a, const Steps& st, int64_t run,
                                                   int64_t n, int64_t i, bool stream) {
   const int64_t d = a.d_model;
-  Octet512 o[2];
-  for (int h = 0; h < 2; ++h) {
-    alignas(64) double zr0[8], zi0[8];
-    const double w_max = anchor_octet(a, st, run, i + 8 * h, zr0, zi0);
-    o[h] = {_mm512_load_pd(zr0), _mm512_load_pd(zi0), _mm512_loadu_pd(st.sr + i + 8 * h),
-            _mm512_loadu_pd(st.si + i + 8 * h), _mm512_set1_pd(st.bound.a + w_max * st.bound.b),
-            _mm512_set1_pd(st.bound.da + w_max * st.bound.db)};
-  }
-  const __m512i order = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  Octet512 o[2] = {octet512_at(a, st, run, i), octet512_at(a, st, run, i + 8)};
   T* out = static_cast<T*>(a.out) + run * d + 2 * i;
   uint16_t uncertain_rows[kRun];  // bit q: pair i + q of row run + k is uncertain
   for (int64_t k = 0; k < n; ++k, out += d) {
-    __m512 v[2];
-    unsigned uncertain = 0;
-    for (int h = 0; h < 2; ++h) {
-      const __m256 s_lo = _mm512_cvtpd_ps(_mm512_sub_pd(o[h].im, o[h].e));
-      const __m256 s_hi = _mm512_cvtpd_ps(_mm512_add_pd(o[h].im, o[h].e));
-      const __m256 c_lo = _mm512_cvtpd_ps(_mm512_sub_pd(o[h].re, o[h].e));
-      const __m256 c_hi = _mm512_cvtpd_ps(_mm512_add_pd(o[h].re, o[h].e));
-      v[h] = _mm512_permutex2var_ps(_mm512_castps256_ps512(s_lo), order, _mm512_castps256_ps512(c_lo));
-      uncertain |= static_cast<unsigned>(_mm256_cmpneq_epi32_mask(_mm256_castps_si256(s_lo), _mm256_castps_si256(s_hi)) |
-                                         _mm256_cmpneq_epi32_mask(_mm256_castps_si256(c_lo), _mm256_castps_si256(c_hi)))
-                   << (8 * h);
-    }
+    unsigned uncertain[2];
+    const __m512 v[2] = {octet512_row(o[0], uncertain[0]), octet512_row(o[1], uncertain[1])};
+    uncertain_rows[k] = static_cast<uint16_t>(uncertain[0] | (uncertain[1] << 8));
     // The 32 columns in T as whole lines, in registers.
     constexpr int kLines = static_cast<int>(32 * sizeof(T) / 64);
     __m512i line[kLines];
@@ -322,17 +322,8 @@ POSENC_AVX512_TARGET void sweep_two_octets_avx512(const SinusoidalTableArgs& a, 
       line[0] = _mm512_castps_si512(v[0]);
       line[1] = _mm512_castps_si512(v[1]);
     } else {
-      __m256i half[2];
-      for (int h = 0; h < 2; ++h) {
-        if constexpr (std::is_same_v<T, c10::Half>) {
-          half[h] = _mm512_cvtps_ph(v[h], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        } else {
-          half[h] = _mm512_cvtepi32_epi16(bf16_round_bits_512(v[h]));  // no NaN in the table
-        }
-      }
-      line[0] = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+      line[0] = _mm512_inserti64x4(_mm512_castsi256_si512(narrow_table16<T>(v[0])), narrow_table16<T>(v[1]), 1);
     }
-    uncertain_rows[k] = uncertain;
     for (int l = 0; l < kLines; ++l) {
       if (stream) {
         _mm512_stream_si512(reinterpret_cast<__m512i*>(reinterpret_cast<char*>(out) + 64 * l), line[l]);
@@ -340,17 +331,12 @@ POSENC_AVX512_TARGET void sweep_two_octets_avx512(const SinusoidalTableArgs& a, 
         _mm512_storeu_si512(reinterpret_cast<char*>(out) + 64 * l, line[l]);
       }
     }
-    for (int h = 0; h < 2; ++h) {
-      const __m512d r = o[h].re;
-      o[h].re = _mm512_sub_pd(_mm512_mul_pd(r, o[h].sr), _mm512_mul_pd(o[h].im, o[h].si));
-      o[h].im = _mm512_add_pd(_mm512_mul_pd(r, o[h].si), _mm512_mul_pd(o[h].im, o[h].sr));
-      o[h].e = _mm512_add_pd(o[h].e, o[h].de);
-    }
   }
   // libm's values of the uncertain pairs (about 3 in 10^4), after the loop: no call in it
   // (a call clobbers every vector register: the loop's state would live on the stack), and
-  // written after a fence, which orders the streaming stores before these plain ones.
-  if (stream) _mm_sfence();
+  // written after a fence, which orders the streaming stores before these plain ones (and
+  // before the thread's part is handed back: every streaming store is fenced here).
+  if (stream) stream_fence();
   for (int64_t k = 0; k < n; ++k) {
     for (unsigned u = uncertain_rows[k]; u != 0; u &= u - 1) libm_pair<T>(a, run + k, i + __builtin_ctz(u));
   }
@@ -410,10 +396,7 @@ void progression_table(const SinusoidalTableArgs& a, double step, double pmax, i
   const bool stream = a.rows * d * static_cast<int64_t>(sizeof(T)) >= kStreamBytes &&
                       (d * static_cast<int64_t>(sizeof(T))) % 64 == 0 &&
                       reinterpret_cast<std::uintptr_t>(a.out) % 64 == 0;
-  at::parallel_for(0, a.rows, runs_grain, [&](int64_t b, int64_t e) {
-    progression_rows<T>(a, st, b, e, stream);
-    if (stream) stream_fence();  // before this thread's part is handed back
-  });
+  at::parallel_for(0, a.rows, runs_grain, [&](int64_t b, int64_t e) { progression_rows<T>(a, st, b, e, stream); });
 }
 
 template <typename T>
