@@ -4,6 +4,7 @@
 // writes over what another thread still reads computes a wrong answer (rope_append_kv_ with
 // v aliasing k copied the rotated k into the v cache), so "cannot tell" is a refusal.
 #include <ATen/MemoryOverlap.h>
+#include <c10/core/Allocator.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -84,10 +85,37 @@ bool residues_provably_disjoint(const at::Tensor& a, const at::Tensor& b) {
   return false;
 }
 
+// Whether t's memory lies at its own addresses alone: allocated by the allocator torch
+// allocates t's device with (its data carries that allocator's deleter: heap memory, the CUDA
+// caching allocator's blocks). Memory from elsewhere (a file or shared memory mapped by
+// torch.from_file or share_memory_, a numpy, DLPack or from_blob buffer) may be one memory at
+// two addresses: two mappings of one file are two storages whose addresses differ, and a
+// kernel that writes one reads the other's bytes changing under it.
+bool private_memory(const at::Tensor& t) {
+  const c10::Storage& s = t.storage();
+  const c10::Allocator* allocator = nullptr;
+  try {
+    allocator = c10::GetAllocator(s.device_type());
+  } catch (const c10::Error&) {
+    return false;  // no allocator registered for the device: cannot tell
+  }
+  if (allocator == nullptr) return false;
+  const c10::DeleterFnPtr deleter = allocator->raw_deleter();
+  return deleter != nullptr ? s.data_ptr().get_deleter() == deleter : s.allocator() == allocator;
+}
+
 // Why a and b were not proven apart, for the message.
 const char* overlap_detail(const at::Tensor& a, const at::Tensor& b) {
   if (!a.has_storage() || !b.has_storage()) return "tensors without storage, which cannot be checked";
-  if (!a.storage().is_alias_of(b.storage())) return "two storages over overlapping memory";
+  if (!a.storage().is_alias_of(b.storage())) {
+    const auto [a_lo, a_hi] = byte_span(a);
+    const auto [b_lo, b_hi] = byte_span(b);
+    return a_lo < b_hi && b_lo < a_hi
+               ? "two storages over overlapping memory"
+               : "two storages neither of which torch's allocator made (memory mapped from a file or "
+                 "shared, a numpy, DLPack or from_blob buffer: one memory may lie at two addresses, "
+                 "which no address comparison can rule out)";
+  }
   const auto s = at::get_overlap_status(a, b);
   return s == at::MemOverlapStatus::TooHard ? "views whose separation cannot be proven"
                                             : "overlapping tensors";
@@ -103,9 +131,12 @@ bool provably_disjoint(const at::Tensor& a, const at::Tensor& b) {
   if (!a.defined() || !b.defined() || a.numel() == 0 || b.numel() == 0) return true;
   if (!a.has_storage() || !b.has_storage()) return false;
   const bool one_storage = a.storage().is_alias_of(b.storage());
-  // Two storages share memory only when they wrap one buffer (from_blob, DLPack, numpy):
-  // their addresses tell, where they have any.
+  // Two storages share memory only when they wrap one buffer (from_blob, DLPack, numpy) or
+  // map one file or shared memory twice; a Meta or wrapper storage has no address (its own
+  // identity). Their addresses tell where one of them is private memory (private_memory):
+  // then the other can share its bytes only at the same addresses.
   if (!one_storage && (!has_address(a) || !has_address(b))) return true;
+  if (!one_storage && !private_memory(a) && !private_memory(b)) return false;
   const auto [a_lo, a_hi] = byte_span(a);
   const auto [b_lo, b_hi] = byte_span(b);
   if (a_hi <= b_lo || b_hi <= a_lo) return true;
