@@ -8,7 +8,6 @@ library (``posenc/math/rope.h``), the same code the kernels run.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import inspect
 import numbers
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
@@ -250,23 +249,16 @@ def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tupl
     as a constant. The op itself cannot be in a graph: it has no tensor input to take a
     device from, and Inductor cannot run an op that returns a float.
     """
-    inv_freq, factor = _frequencies_cached(rotary_dim, base, rope_type, values, seq_len, sections, sections_mode)
-    return list(inv_freq), factor
-
-
-@functools.lru_cache(maxsize=64)
-def _frequencies_cached(rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
-                        seq_len: int, sections: Tuple[int, ...],
-                        sections_mode: str) -> Tuple[Tuple[float, ...], float]:
-    """The op's answer, once per configuration (a model's layers call with the same one):
-    the op call and the read-back of up to 256 floats are not repeated per call."""
+    args = (rotary_dim, base, rope_type, list(values), seq_len, list(sections), sections_mode)
     tracing = torch._C._get_tracing_state()  # torch.jit.trace would record the op (float output)
+    if tracing is None and torch._C._len_torch_dispatch_stack() == 0:  # eager: nothing to set aside
+        inv_freq, factor = torch.ops.posenc.rope_frequencies(*args)
+        return inv_freq.tolist(), float(factor)
     torch._C._set_tracing_state(None)
     try:
         with _disable_current_modes():
-            inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
-                                                                 seq_len, list(sections), sections_mode)
-            return tuple(inv_freq.tolist()), float(factor)
+            inv_freq, factor = torch.ops.posenc.rope_frequencies(*args)
+            return inv_freq.tolist(), float(factor)
     finally:
         torch._C._set_tracing_state(tracing)
 

@@ -546,3 +546,14 @@ def test_position_range_check_under_compile_keeps_narrow_dtypes_and_tracers():
     traced = make_fx(lambda p: rope_cos_sin(p, 8)[0], tracing_mode="symbolic")(torch.arange(5))
     assert torch.equal(traced(torch.arange(7)), rope_cos_sin(torch.arange(7), 8)[0])
     torch._dynamo.reset()
+
+
+def test_every_call_asks_the_op_for_its_frequencies():
+    """No process-wide cache: the frequencies come from op rope_frequencies at every call, as
+    torch's profiler sees (an lru_cache once kept them per configuration, out of its sight)."""
+    from posenc.functional import rope_cos_sin
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            rope_cos_sin(torch.arange(4), 8, base=321.0)
+    assert sum(e.name == "posenc::rope_frequencies" for e in prof.events()) == 3
