@@ -68,43 +68,6 @@ inline void rotate_unit(const RopeCosSinArgs& a, const acc_t* x, acc_t* y, const
   }
 }
 
-#if defined(CPU_CAPABILITY_AVX2) && (defined(__GNUC__) || defined(__clang__))
-POSENC_AVX512_WARNINGS_BEGIN
-// rotate_unit_wide's whole steps of 16 pairs for a half-precision row of split halves on CPUs
-// with AVX-512 (compiled by target attribute, called where cpu_has_avx512()): each operand's
-// 16 values in one 512-bit register (the AVX2 path: two, widened by ATen's lane-crossing
-// conversion), each output one rounded product and one fused multiply-add as there, narrowed
-// as ATen rounds (narrow16): the same bits (test_cpu_capability.py compares the levels).
-// Returns the pairs done; the caller's scalar tail does the rest. kStream: the rows are
-// 32-byte aligned (rows_can_stream).
-template <typename scalar_t, bool kTranspose, bool kStream>
-POSENC_AVX512_TARGET int64_t rotate_halves_avx512(const scalar_t* x, scalar_t* y, const float* cs, const float* sn,
-                                                  int64_t half) {
-  int64_t p = 0;
-  for (; p + 16 <= half; p += 16) {
-    const __m512 x1 = load16(x + p), x2 = load16(x + half + p);
-    const __m512 c1 = _mm512_loadu_ps(cs + p), s1 = _mm512_loadu_ps(sn + p);
-    const __m512 c2 = _mm512_loadu_ps(cs + half + p), s2 = _mm512_loadu_ps(sn + half + p);
-    // fma_vec(x1, c1, -(x2 s1)) is x1 c1 - x2 s1 rounded once: fmsub of the rounded product.
-    const __m512 y1 = kTranspose ? _mm512_fmadd_ps(x1, c1, _mm512_mul_ps(x2, s2))
-                                 : _mm512_fmsub_ps(x1, c1, _mm512_mul_ps(x2, s1));
-    const __m512 y2 = kTranspose ? _mm512_fmsub_ps(x2, c2, _mm512_mul_ps(x1, s1))
-                                 : _mm512_fmadd_ps(x2, c2, _mm512_mul_ps(x1, s2));
-    auto* o1 = reinterpret_cast<__m256i*>(y + p);
-    auto* o2 = reinterpret_cast<__m256i*>(y + half + p);
-    if constexpr (kStream) {
-      _mm256_stream_si256(o1, narrow16<scalar_t>(y1));
-      _mm256_stream_si256(o2, narrow16<scalar_t>(y2));
-    } else {
-      _mm256_storeu_si256(o1, narrow16<scalar_t>(y1));
-      _mm256_storeu_si256(o2, narrow16<scalar_t>(y2));
-    }
-  }
-  return p;
-}
-POSENC_AVX512_WARNINGS_END
-#endif
-
 // The rotated features [0, rot) of a contiguous row of float32 or half precision, in float32
 // registers (load_widened / store_narrowed: half precision widened and rounded on the way,
 // no staging), math::rope_rotate_pair_tables lane by lane; the pairs past the last whole
@@ -118,11 +81,6 @@ inline void rotate_unit_wide(const RopeCosSinArgs& a, const scalar_t* x, scalar_
   const auto tables = [](const float* t) { return std::pair<VecF, VecF>{VecF::loadu(t), VecF::loadu(t + F)}; };
   int64_t p = 0;
   if (!a.interleaved) {
-#if defined(CPU_CAPABILITY_AVX2) && (defined(__GNUC__) || defined(__clang__))
-    if constexpr (!std::is_same_v<scalar_t, float>) {
-      if (cpu_has_avx512()) p = rotate_halves_avx512<scalar_t, kTranspose, kStream>(x, y, cs, sn, half);
-    }
-#endif
     for (; p + W <= half; p += W) {
       const auto [x1a, x1b] = load_widened(x + p);
       const auto [x2a, x2b] = load_widened(x + half + p);
