@@ -25,7 +25,8 @@ namespace {
 
 // The forward shared by the add-position modules: dropout(x + pe[rows]) through the fused
 // op; checks CUDA positions on the host first when asked (one device sync), since the
-// kernel can only flag bad rows with NaN.
+// kernel's check is a device-side assert, a RuntimeError at the next sync that leaves the
+// CUDA context unusable; an IndexError here does not.
 torch::Tensor add_position_module_forward(const torch::Tensor& x, const torch::Tensor& pe,
                                           int64_t offset,
                                           const std::optional<torch::Tensor>& given,

@@ -170,8 +170,9 @@ def scaling_arguments(
 ) -> Tuple[str, list]:
     """``(rope_type, values)`` for the op from a Hugging Face ``rope_scaling`` dict.
 
-    ``max_position_embeddings`` is the model's (the module's max_len): as transformers fills
-    them from the config, it is ``original_max_position_embeddings`` when the dict has none
+    ``max_position_embeddings`` is the model's (the module's ``max_position_embeddings=``,
+    default its max_len): as transformers fills them from the config, it is
+    ``original_max_position_embeddings`` when the dict has none
     for the types of ORIGINAL_FROM_MODEL_TYPES ("yarn", "dynamic"), and sets ``factor`` to
     max_position_embeddings / original_max_position_embeddings when it is not given for
     those of FACTOR_FROM_MODEL_TYPES ("longrope"). The list
@@ -465,7 +466,8 @@ class RopeConfig:
         ``interleaved``, ``rotary_dim``, ``scaling``, ``layout``, ``sections``,
         ``sections_mode`` and the plain settings: the keys of ``_CONFIG_KEYWORDS``, stated once) for heads of
         ``head_dim`` features. ``max_position_embeddings``: the model's (the module's
-        max_len), for the keys transformers fills from the config (``scaling_arguments``)."""
+        ``max_position_embeddings=``, default its max_len), for the keys transformers fills from
+        the config (``scaling_arguments``)."""
         if not settings and _DEFAULT_STATE:  # no keyword: the defaults, parsed once below the class
             # (empty while that first parse runs): that parse's state with this head_dim, without
             # running __init__ and __post_init__ again on the same values (~5 us of a decoding
@@ -678,7 +680,8 @@ def apply_rope(
             "longrope" switches to ``long_factor`` beyond ``original_max_position_embeddings``
             by it (read from the tensors when positions/offsets/cu_seqlens are given: a device
             sync; or pass ``seq_len``). "longrope" needs ``factor`` (max_position_embeddings /
-            original; the module fills it from max_len) or ``attention_factor``.
+            original; the module fills it from its ``max_position_embeddings=``, default
+            max_len) or ``attention_factor``.
         sections: multi-axis RoPE (M-RoPE, axial 2-D/3-D RoPE): the number of rotary pairs
             each position axis turns, summing to ``rotary_dim // 2``. ``offset`` is added on
             every axis.
@@ -704,8 +707,8 @@ def apply_rope(
             default the kernel checks them on the device, as ATen's indexing checks its
             indices: a bad ``cu_seqlens`` (or a position or offset outside [-2**53, 2**53])
             stops it with a device-side assert, a ``RuntimeError`` at the next
-            synchronisation. CPU index tensors are always checked by the op. DTensor
-            positions or offsets sharded over ranks: also their gathered bounds, so an
+            synchronisation (not run: no GPU here). CPU index tensors are always checked by
+            the op. DTensor positions or offsets sharded over ranks: also their gathered bounds, so an
             out-of-range one raises on every rank (docs/distributed.md).
         seq_len: for "dynamic" and "longrope" scaling, the length they scale for (longest position + 1);
             default: read from the call. Pass the global length when the call sees a shard

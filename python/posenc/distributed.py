@@ -526,7 +526,7 @@ def context_parallel_indices(seq_len: int, world_size: int, rank: int, load_bala
       load balancer's ``_generate_indices()``) or a load balancer object itself: the
       rearranged sequence split into contiguous chunks; ``(batch, seq)`` gives ``(batch, S_local)``.
       Each row must be a permutation of ``0 .. seq_len - 1`` (checked: a device-side assert
-      for CUDA indices, a ValueError for others).
+      for CUDA indices, not run: no GPU here; a ValueError for others).
     """
     fn = "context_parallel_indices"
     seq_len = _int_arg(fn, "seq_len", seq_len)

@@ -6,5 +6,5 @@
 #include "posenc/qk_norm_rope.h"      // qk_norm_rope
 #include "posenc/rope.h"              // apply_rope, apply_rope_cos_sin, rope_frequencies, ...
 #include "posenc/rope_append_kv.h"    // rope_append_kv
-#include "posenc/rope_shift_kv.h"     // rope_shift_kv
+#include "posenc/rope_shift_kv.h"     // rope_shift_kv_
 #include "posenc/sinusoidal_table.h"  // sinusoidal_table

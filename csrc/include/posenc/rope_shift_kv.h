@@ -24,8 +24,9 @@ namespace posenc {
 struct RopeShiftKvOptions {
   // The RoPE configuration the keys were written with (base, interleaved, rotary_dim,
   // scaling, layout, sections, sections_mode, rotary_offset), as apply_rope takes it; its
-  // positions, offset(s), cu_seqlens and inverse are not used (the positions are the
-  // function's from/to arguments). Layouts: "bshd": cache (batch, max_len, kv_heads,
+  // positions, offset(s), cu_seqlens, seq_len and inverse must stay unset (a ValueError
+  // otherwise: the positions are the function's from/to arguments, the lengths
+  // from_seq_len and to_seq_len). Layouts: "bshd": cache (batch, max_len, kv_heads,
   // head_dim); "bhsd": (batch, kv_heads, max_len, head_dim) (Hugging Face's static cache);
   // "thd": paged, (num_blocks, block_size, kv_heads, head_dim).
   TORCH_ARG(ApplyRopeOptions, rope) = {};
