@@ -15,13 +15,13 @@ PY="${1:-$root/.venv/bin/python}"
 BUILD="$root/build-sanitize"
 start=$(date +%s)
 
-echo "== sanitize: configure and build (CPU only, -O2 -g1) in build-sanitize/"
+echo "== sanitize: configure and build (CPU only, -O1 -g1) in build-sanitize/"
 san="-fsanitize=address,undefined"
 mkdir -p "$BUILD"
 # -g1 (line tables: file:line in every report frame) builds in about half the time of -g.
 # POSENC_WITH_CUDA in the environment overrides the cache (CMakeLists.txt): OFF here too.
 POSENC_WITH_CUDA=OFF cmake -S . -B "$BUILD" -G Ninja -DPython3_EXECUTABLE="$PY" \
-  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O2 -g1 -DNDEBUG" \
+  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DCMAKE_CXX_FLAGS_RELWITHDEBINFO="-O1 -g1 -DNDEBUG" \
   -DPOSENC_WITH_CUDA=OFF -DPOSENC_BUILD_TESTS=ON -DPOSENC_INSTALL_PYTHON_LIB=OFF \
   -DPOSENC_SANITIZER_SELFTEST=ON \
   -DCMAKE_CXX_FLAGS="$san -fno-sanitize-recover=all -fno-omit-frame-pointer" \

@@ -21,7 +21,7 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg,
-                             _integer, _optional_tensor_args, _real, _tensor_arg, _unhooked)
+                             _integer, _optional_tensor_args, _real, _table_dtype, _tensor_arg, _unhooked)
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -267,6 +267,9 @@ class PositionalEncoding(_AddPositionModule):
         batch_first: x is (batch, seq, d_model) if True (the classic layout), else
             (seq, batch, d_model) (the PyTorch-tutorial layout).
         base: wavelength base of the sinusoids (10000 in the paper).
+        device, dtype: ``pe``'s device and dtype (torch's factory arguments, as
+            ``nn.Embedding`` takes them; float16, bfloat16, float32 or float64), default the
+            default device and dtype.
 
     ``pe`` is built in float64 and rounded once: every entry is within 2**-25 of the
     exact value (the classic float32 construction is off by up to ~4e-4 at max_len 5000).
@@ -286,6 +289,8 @@ class PositionalEncoding(_AddPositionModule):
         *,
         batch_first: bool = True,
         base: float = 10000.0,
+        device: Optional[Union[torch.device, str, int]] = None,
+        dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
         max_len = _check_positive_int(type(self).__name__, "max_len", max_len)
@@ -294,8 +299,9 @@ class PositionalEncoding(_AddPositionModule):
             raise ValueError(f"{fn}: expected base to be {expected}, got {base!r}")
         self._base = float(base)
         # In the default dtype (float32 unless torch.set_default_dtype), as the classic
-        # module's torch.zeros(max_len, d_model) is.
-        self.register_buffer("pe", torch.empty(1, max_len, self.d_model))
+        # module's torch.zeros(max_len, d_model) is, unless dtype says otherwise.
+        self.register_buffer("pe", torch.empty(1, max_len, self.d_model, device=device,
+                                               dtype=None if dtype is None else _table_dtype(fn, dtype)))
         self.reset_parameters()
 
     @torch.no_grad()
@@ -357,7 +363,7 @@ class LearnedPositionalEncoding(_AddPositionModule):
     row is zeroed by :meth:`reset_parameters` and gets no gradient (forward adds it as it is,
     so a loaded or edited row is added; it is read detached in each call with grad enabled:
     a graph traced or exported under no_grad has no freeze). A negative value counts from
-    the end.
+    the end. ``device`` and ``dtype``: ``pe``'s, as :class:`PositionalEncoding` takes them.
     """
 
     padding_idx: Optional[int] = None  # modules pickled before the argument have none
@@ -371,6 +377,8 @@ class LearnedPositionalEncoding(_AddPositionModule):
         batch_first: bool = True,
         init_std: float = 0.02,
         padding_idx: Optional[int] = None,
+        device: Optional[Union[torch.device, str, int]] = None,
+        dtype: Optional[torch.dtype] = None,
     ) -> None:
         super().__init__(d_model, dropout, batch_first)
         max_len = _check_positive_int(type(self).__name__, "max_len", max_len)
@@ -388,7 +396,8 @@ class LearnedPositionalEncoding(_AddPositionModule):
                                  f"[{-max_len}, {max_len}), got {index}")
             padding_idx = index + max_len if index < 0 else index  # as nn.Embedding
         self.padding_idx = padding_idx
-        self.pe = nn.Parameter(torch.empty(1, max_len, self.d_model))
+        self.pe = nn.Parameter(torch.empty(1, max_len, self.d_model, device=device,
+                                           dtype=None if dtype is None else _table_dtype(fn, dtype)))
         self.reset_parameters()
 
     def reset_parameters(self) -> None:

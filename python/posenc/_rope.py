@@ -827,6 +827,8 @@ class RotaryPositionalEncoding(nn.Module):
             Give it when ``max_len`` (the range check) is not the model's length: a Phi-3
             dict without ``factor`` would otherwise take its attention factor from
             ``max_len``.
+        device: ``inv_freq``'s device (keyword only; default the default device), as Hugging
+            Face's rotary embeddings take it.
         layout: "bshd" (default), "bhsd", "sbhd" or "thd" (packed, with ``cu_seqlens``).
         sections, sections_mode: multi-axis RoPE (Qwen2-VL M-RoPE, axial 2-D/3-D RoPE), as
             in :func:`posenc.functional.apply_rope`; positions are then (n_axes, ...) and
@@ -860,6 +862,7 @@ class RotaryPositionalEncoding(nn.Module):
         base: Optional[float] = None,
         *,
         max_position_embeddings: Optional[int] = None,
+        device: Optional[Union[torch.device, str, int]] = None,
         **rope: Any,
     ) -> None:
         super().__init__()
@@ -887,9 +890,11 @@ class RotaryPositionalEncoding(nn.Module):
         # The frequencies (rope_frequencies checks what an empty call does not reach).
         inv_freq, factor = self._frequencies()
         self._attention_scaling = float(factor)
-        # On the default device (`with torch.device("meta")`, torch.set_default_device), as the
-        # module's other tensors would be: the op, which takes no tensor, returns a CPU one.
-        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device(), torch.float32), persistent=False)
+        # On `device`, else the default device (`with torch.device("meta")`,
+        # torch.set_default_device), as the module's other tensors would be: the op, which
+        # takes no tensor, returns a CPU one.
+        self.register_buffer("inv_freq", inv_freq.to(torch.get_default_device() if device is None else device,
+                                                     torch.float32), persistent=False)
 
     def _frequencies(self) -> Tuple[Tensor, float]:
         c = self.rope_config

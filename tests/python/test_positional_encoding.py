@@ -359,3 +359,32 @@ def test_reset_builds_the_table_on_the_cpu_under_another_default_device():
     finally:
         torch.set_default_device(before)
     assert torch.equal(m.pe, want)
+
+
+def test_device_and_dtype_factory_arguments():
+    """torch's factory arguments, as nn.Embedding takes them: ``pe`` made in that dtype (the
+    table rounded once to it, not through the default dtype) and on that device (meta:
+    shapes only, then to_empty and reset_parameters)."""
+    want64 = sinusoidal_table(torch.arange(32), 16, dtype=torch.float64)
+    pe = posenc.PositionalEncoding(16, 0.0, 32, dtype=torch.float64)
+    assert pe.pe.dtype == torch.float64 and torch.equal(pe.pe[0], want64)
+    half = posenc.PositionalEncoding(16, 0.0, 32, dtype=torch.bfloat16)
+    assert torch.equal(half.pe[0], sinusoidal_table(torch.arange(32), 16, dtype=torch.bfloat16))
+    meta = posenc.PositionalEncoding(16, 0.0, 32, device="meta", dtype=torch.float64)
+    assert meta.pe.is_meta and meta.pe.dtype == torch.float64
+    meta.to_empty(device="cpu").reset_parameters()
+    assert torch.equal(meta.pe[0], want64)
+
+    learned = posenc.LearnedPositionalEncoding(16, 0.0, 32, padding_idx=3, dtype=torch.float64)
+    assert learned.pe.dtype == torch.float64 and learned.pe.requires_grad
+    assert torch.equal(learned.pe[0, 3], torch.zeros(16, dtype=torch.float64)) and learned.pe[0, 4].abs().sum() > 0
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    assert torch.equal(learned(x), x + learned.pe[:, :5])
+    meta_learned = posenc.LearnedPositionalEncoding(16, 0.0, 32, device="meta")
+    assert meta_learned.pe.is_meta and meta_learned.pe.dtype == torch.get_default_dtype()
+
+    for cls in (posenc.PositionalEncoding, posenc.LearnedPositionalEncoding):
+        for bad in (torch.int64, torch.float8_e4m3fn, "float32"):
+            with pytest.raises(TypeError, match=rf"{cls.__name__}: expected dtype to be float16, bfloat16, float32 "
+                                                rf"or float64, got {bad!r}"):
+                cls(16, 0.0, 32, dtype=bad)

@@ -812,3 +812,15 @@ def test_inv_freq_is_made_on_the_default_device(context):
     rope.reset_parameters()
     torch.testing.assert_close(rope.inv_freq, posenc.RotaryPositionalEncoding(16, max_len=64).inv_freq,
                                rtol=0, atol=0)
+
+
+def test_device_factory_argument_places_inv_freq():
+    """``device=`` (Hugging Face's rotary embeddings take one) places ``inv_freq``; forward
+    does not read it (the kernel evaluates the frequencies), so a meta one still rotates."""
+    rope = posenc.RotaryPositionalEncoding(8, 16, device="meta")
+    assert rope.inv_freq.is_meta and rope.inv_freq.dtype == torch.float32
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    assert torch.equal(rope(q), posenc.RotaryPositionalEncoding(8, 16)(q))
+    rope.to_empty(device="cpu")
+    rope.reset_parameters()
+    assert torch.equal(rope.inv_freq, posenc.RotaryPositionalEncoding(8, 16).inv_freq)
