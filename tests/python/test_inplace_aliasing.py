@@ -96,7 +96,7 @@ def test_k_as_a_strided_slice_of_the_buffer_holding_k_cache_is_refused(path):
         call(path, "rope_append_kv", q, kc[:, 2:2 + S], v, kc, vc, None, False, offset=1)
 
 
-NEITHER_PRIVATE = r"two storages neither of which torch's allocator made"
+NEITHER_PRIVATE = r"two host storages neither of which torch's CPU allocator made"
 
 
 @pytest.mark.parametrize("path", PATHS)

@@ -4,7 +4,7 @@
 // writes over what another thread still reads computes a wrong answer (rope_append_kv_ with
 // v aliasing k copied the rotated k into the v cache), so "cannot tell" is a refusal.
 #include <ATen/MemoryOverlap.h>
-#include <c10/core/Allocator.h>
+#include <c10/core/CPUAllocator.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -85,23 +85,20 @@ bool residues_provably_disjoint(const at::Tensor& a, const at::Tensor& b) {
   return false;
 }
 
-// Whether t's memory lies at its own addresses alone: allocated by the allocator torch
-// allocates t's device with (its data carries that allocator's deleter: heap memory, the CUDA
-// caching allocator's blocks). Memory from elsewhere (a file or shared memory mapped by
-// torch.from_file or share_memory_, a numpy, DLPack or from_blob buffer) may be one memory at
-// two addresses: two mappings of one file are two storages whose addresses differ, and a
-// kernel that writes one reads the other's bytes changing under it.
+// Whether t's memory lies at its own addresses alone. Host memory that torch's CPU
+// allocator made (its data carries that allocator's deleter: heap memory) does; host memory
+// from elsewhere (a file or shared memory mapped by torch.from_file or share_memory_, a
+// numpy, DLPack or from_blob buffer) may be one memory at two addresses: two mappings of one
+// file are two storages whose addresses differ, and a kernel that writes one reads the
+// other's bytes changing under it. Device memory is taken to lie at its own addresses: a
+// process maps a CUDA allocation once (the caching allocator's blocks; IPC handles do not
+// open in the process that made them), so its addresses tell (not run on a GPU here).
 bool private_memory(const at::Tensor& t) {
   const c10::Storage& s = t.storage();
-  const c10::Allocator* allocator = nullptr;
-  try {
-    allocator = c10::GetAllocator(s.device_type());
-  } catch (const c10::Error&) {
-    return false;  // no allocator registered for the device: cannot tell
-  }
-  if (allocator == nullptr) return false;
-  const c10::DeleterFnPtr deleter = allocator->raw_deleter();
-  return deleter != nullptr ? s.data_ptr().get_deleter() == deleter : s.allocator() == allocator;
+  if (s.device_type() != c10::DeviceType::CPU) return true;
+  const c10::Allocator* allocator = c10::GetCPUAllocator();
+  const c10::DeleterFnPtr deleter = allocator == nullptr ? nullptr : allocator->raw_deleter();
+  return deleter != nullptr && s.data_ptr().get_deleter() == deleter;
 }
 
 // Why a and b were not proven apart, for the message.
@@ -112,9 +109,9 @@ const char* overlap_detail(const at::Tensor& a, const at::Tensor& b) {
     const auto [b_lo, b_hi] = byte_span(b);
     return a_lo < b_hi && b_lo < a_hi
                ? "two storages over overlapping memory"
-               : "two storages neither of which torch's allocator made (memory mapped from a file or "
-                 "shared, a numpy, DLPack or from_blob buffer: one memory may lie at two addresses, "
-                 "which no address comparison can rule out)";
+               : "two host storages neither of which torch's CPU allocator made (memory mapped from a "
+                 "file or shared, a numpy, DLPack or from_blob buffer: one memory may lie at two "
+                 "addresses, which no address comparison can rule out)";
   }
   const auto s = at::get_overlap_status(a, b);
   return s == at::MemOverlapStatus::TooHard ? "views whose separation cannot be proven"
@@ -133,8 +130,9 @@ bool provably_disjoint(const at::Tensor& a, const at::Tensor& b) {
   const bool one_storage = a.storage().is_alias_of(b.storage());
   // Two storages share memory only when they wrap one buffer (from_blob, DLPack, numpy) or
   // map one file or shared memory twice; a Meta or wrapper storage has no address (its own
-  // identity). Their addresses tell where one of them is private memory (private_memory):
-  // then the other can share its bytes only at the same addresses.
+  // identity). Their addresses tell where one of them is private memory (private_memory:
+  // device memory, or host memory of torch's CPU allocator): then the other can share its
+  // bytes only at the same addresses.
   if (!one_storage && (!has_address(a) || !has_address(b))) return true;
   if (!one_storage && !private_memory(a) && !private_memory(b)) return false;
   const auto [a_lo, a_hi] = byte_span(a);
