@@ -10,7 +10,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._common import _bool_arg, _check_positive_int
+from posenc._common import _bool_arg, _check_positive_int, _table_dtype
 from posenc._dtensor import place_beside
 from posenc._rope import (LAYOUT_AXES, RopeConfig, config_of, heads_batch_rule, rope_op_arguments, rotary_width,
                           with_rope_settings)
@@ -176,9 +176,8 @@ class QKNormRotary(torch.nn.Module):
         for name, size in (("num_heads", lq), ("num_kv_heads", lk)):  # as the C++ module refuses it
             if size > 2**63 - 1:
                 raise ValueError(f"QKNormRotary: expected {name} * head_dim to fit in int64, got {size}")
-        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-            raise TypeError(f"QKNormRotary: expected dtype to be a floating-point dtype (the norm weights'), "
-                            f"got {dtype!r}")
+        if dtype is not None:  # the norm weights' (a dtype the ops take, as the other modules' tables)
+            dtype = _table_dtype("QKNormRotary", dtype)
         init = 1.0 - weight_offset  # effective weights start at 1 (Gemma's zeros for offset 1)
         self.q_norm = _NormWeight(lq, init, device, dtype)
         self.k_norm = _NormWeight(lk, init, device, dtype)

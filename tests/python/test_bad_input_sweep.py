@@ -313,6 +313,9 @@ def _calls_with_misused_arguments():
         ("dim > 0", lambda: F.resample_position_table(torch.randn(1, 17, 0), 3)),
         ("num_heads", lambda: posenc.QKNormRotary(8, norm="hidden", num_heads=2**62, num_kv_heads=1)),
         ("dtype", lambda: posenc.QKNormRotary(8, dtype=torch.int64)),
+        ("dtype", lambda: posenc.QKNormRotary(8, dtype=torch.float8_e4m3fn)),  # floating, but no op takes it
+        ("dtype", lambda: posenc.PositionalEncoding(8, dtype=torch.int64)),
+        ("dtype", lambda: posenc.LearnedPositionalEncoding(8, dtype=torch.complex64)),
         ("real table", lambda: posenc.LearnedPositionalEncoding(4, max_len=5).load_table(
             torch.randn(5, 4, dtype=torch.complex64))),
         ("real table", lambda: posenc.LearnedPositionalEncoding(4, max_len=5).load_table(
