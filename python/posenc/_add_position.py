@@ -21,7 +21,8 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg,
-                             _integer, _optional_tensor_args, _real, _table_dtype, _tensor_arg, _unhooked)
+                             _integer, _optional_tensor_args, _real, _runs_as_written, _table_dtype, _tensor_arg,
+                             _written_forward)
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -138,9 +139,13 @@ def _check_positions_on_host(positions: Tensor, max_len: int) -> None:
 
 def _fusable_dropout(dropout: nn.Module) -> bool:
     """Whether the module's dropout child can run inside the fused op: exactly an
-    ``nn.Dropout`` (a subclass may override forward) that no hook would see, forward or
+    ``nn.Dropout`` (a subclass may override forward) running ``nn.Dropout.forward`` as written
+    (not a forward set on the child or on the class), that no hook would see, forward or
     backward (the fused op has no Dropout module call for a backward hook to attach to)."""
-    return type(dropout) is nn.Dropout and _unhooked(dropout)
+    return type(dropout) is nn.Dropout and _runs_as_written(dropout, _DROPOUT_FORWARD)
+
+
+_DROPOUT_FORWARD = _written_forward(nn.Dropout)  # nn.Dropout.forward as torch wrote it
 
 
 class _AddPositionModule(nn.Module):
@@ -181,9 +186,11 @@ class _AddPositionModule(nn.Module):
         :func:`posenc.functional.add_position` with the module's table and dropout.
 
         The dropout is fused into the add while the ``dropout`` child is a plain
-        ``nn.Dropout`` without hooks (forward or backward, its own or global), in the child's
-        own training mode (``module.dropout.eval()`` switches it off, as in the classic class).
-        A child that is replaced (``nn.Identity()``, another dropout, a subclass) or hooked is
+        ``nn.Dropout`` without hooks (forward or backward, its own or global) running
+        ``nn.Dropout.forward`` as written, in the child's own training mode
+        (``module.dropout.eval()`` switches it off, as in the classic class). A child that is
+        replaced (``nn.Identity()``, another dropout, a subclass), hooked or given another
+        ``forward`` is
         called on ``x + pe[rows]`` as the classic class calls it, so it runs and its hooks see
         what they would see there. The two draw different masks from one generator state:
         a recomputation (activation checkpointing) must see the hooks its forward saw."""

@@ -141,9 +141,25 @@ def _check_probability(fn: str, name: str, value: Any) -> float:
     return number
 
 
-def _unhooked(module: torch.nn.Module) -> bool:
-    """Whether a call of ``module`` would run no hook, its own or global, forward or backward:
-    only then may a fused op stand in for calling it (a hook would not see it run)."""
+def _written_forward(cls: type) -> Any:
+    """The forward ``cls`` was written with (its own or the base's it inherits), or None when
+    the one it has now was assigned later: a class's own function is named
+    ``<class>.forward``, a function assigned to the class afterwards is not. Read eagerly (at
+    import, or when a model is patched), never while torch.compile traces."""
+    for owner in cls.__mro__:
+        forward = owner.__dict__.get("forward")
+        if forward is not None:
+            return forward if getattr(forward, "__qualname__", None) == f"{owner.__qualname__}.forward" else None
+    return None
+
+
+def _runs_as_written(module: torch.nn.Module, forward: Any) -> bool:
+    """Whether a call of ``module`` runs ``forward`` (its class's as written: _written_forward)
+    and no hook, its own or global, forward or backward: only then may a fused op stand in for
+    calling it (a hook would not see it run; a forward set on the instance or assigned to the
+    class computes something else)."""
+    if forward is None or "forward" in module.__dict__ or type(module).forward is not forward:
+        return False
     hooks = torch.nn.modules.module
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
                 or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks

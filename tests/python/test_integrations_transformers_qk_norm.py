@@ -16,6 +16,7 @@ import importlib
 import inspect
 import pickle
 import threading
+import types
 
 import pytest
 import torch
@@ -618,6 +619,43 @@ def test_a_rotary_module_replaced_or_hooked_or_norm_eps_edited_after_patching(fu
         want, _ = attn(hidden, position_embeddings=cos_sin, attention_mask=None, position_ids=positions)
     torch.testing.assert_close(got, want, **TOL)
     assert len(fused_calls) == 1  # the model's own layer only
+
+
+def test_a_norm_or_rotary_forward_replaced_is_run(fused_calls, monkeypatch):
+    """The fused path computes the norms and the tables itself: a forward set on a norm or on
+    the rotary module (a common hack for context extension), or assigned to the norm class,
+    was never called (logits 0.07-0.21 off the unpatched model with the same edit; found by
+    an audit). Such layers now run their own path, as the unpatched model does; a forward
+    replaced before patching leaves the layers unfused from the start."""
+    tokens = ids(2, 8)
+    norm_class = type(tiny_model("qwen3").model.layers[0].self_attn.q_norm)
+    original_norm = norm_class.forward
+    for case in ("norm instance", "rotary instance", "norm class"):
+        model = tiny_model("qwen3")
+        unpatched = copy.deepcopy(model)
+        integration.apply_posenc_rope(model, qk_norm=True)
+        fused_calls.clear()
+        assert logits(model, tokens) is not None and len(fused_calls) == 2  # fused until the change
+        for m in (model, unpatched):
+            if case == "norm instance":
+                norm = m.model.layers[0].self_attn.q_norm
+                norm.forward = types.MethodType(lambda self, x: original_norm(self, x) * 2.0, norm)
+            elif case == "rotary instance":
+                rotary = m.model.rotary_emb
+                rotary.forward = (lambda forward: lambda x, position_ids: forward(x, position_ids * 2))(rotary.forward)
+        if case == "norm class":
+            monkeypatch.setattr(norm_class, "forward", lambda self, x: original_norm(self, x) * 0.5)
+        fused_calls.clear()
+        got, want = logits(model, tokens), logits(unpatched, tokens)
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, case=case: f"{case}: {m}")
+        assert len(fused_calls) == (1 if case == "norm instance" else 0), case  # layer 1 keeps its own norm
+        if case == "norm class":  # patched while the class's forward is not its own: never fused
+            again = tiny_model("qwen3")
+            integration.apply_posenc_rope(again, qk_norm=True)
+            fused_calls.clear()
+            logits(again, tokens)
+            assert not fused_calls
+            monkeypatch.undo()
 
 
 def test_compiled_patched_model_fuses_and_refuses_an_in_place_edit():

@@ -388,3 +388,21 @@ def test_device_and_dtype_factory_arguments():
             with pytest.raises(TypeError, match=rf"{cls.__name__}: expected dtype to be float16, bfloat16, float32 "
                                                 rf"or float64, got {bad!r}"):
                 cls(16, 0.0, 32, dtype=bad)
+
+
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+def test_a_dropout_child_whose_forward_is_replaced_is_called(cls, monkeypatch):
+    """The fused dropout stands in for the child's call only while that call would run
+    nn.Dropout.forward as torch wrote it: a forward set on the child, or assigned to
+    nn.Dropout, was silently skipped (the fused mask applied instead; found by an audit)."""
+    import types
+
+    x = torch.randn(2, 4, 8)
+    m = cls(8, 0.5, 16)
+    m.dropout.forward = types.MethodType(lambda self, y: y * 3.0, m.dropout)
+    assert torch.equal(m(x), (x + m.pe[:, :4]) * 3.0)
+    monkeypatch.setattr(torch.nn.Dropout, "forward", lambda self, y: y * 5.0)
+    m = cls(8, 0.5, 16)
+    assert torch.equal(m(x), (x + m.pe[:, :4]) * 5.0)
+    compiled = torch.compile(m, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), (x + m.pe[:, :4]) * 5.0)

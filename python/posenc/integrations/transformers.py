@@ -34,8 +34,9 @@ model's rotary module turns by (checked when the layer is patched: ``_fused_sett
 without them (a layer called on its own, any caller that passes only
 ``position_embeddings``), for RoPE types whose transformers tables depend on the call
 ("dynamic", "longrope"), or when the rotary module's frequencies are not (or no longer)
-posenc's (a bfloat16 cast, an edited buffer), or while a norm is hooked or replaced (a
-hook would miss its call; another module computes something else), the layer's own norms and
+posenc's (a bfloat16 cast, an edited buffer), or while a norm or the rotary module is hooked,
+replaced or given another ``forward`` (a hook would miss its call; another module or forward
+computes something else), the layer's own norms and
 then :func:`posenc.functional.apply_rope_cos_sin` on the given (cos, sin), so every call path
 computes what the unpatched layer computes (compiled code, which cannot see a buffer edited in
 place, raises instead: docs/integrations.md); no ``position_embeddings`` is a ValueError naming
@@ -92,7 +93,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
 import transformers.cache_utils
 
 import posenc.functional
-from posenc._common import _unhooked
+from posenc._common import _runs_as_written, _written_forward
 from posenc._rope import LENGTH_SCALED_TYPES, RopeConfig
 
 __all__ = [
@@ -426,6 +427,11 @@ class _FusedSettings(NamedTuple):
     # posenc, which did not look; such a layer runs its own path).
     holder: Optional[_HolderRef] = None
     attribute: str = ""
+    # The forward functions the norms' class and the rotary module's class were written with
+    # (_written_forward): a forward replaced since computes what the fused op does not (None:
+    # pickled by an older posenc, which did not look; such a layer runs its own path).
+    norm_forward: Any = None
+    rotary_forward: Any = None
 
 
 def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]]) -> Optional[_FusedSettings]:
@@ -453,6 +459,10 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
             or norm_class.__module__ != attn._posenc_base.__module__):
         return None
     rotary, buffer, scaling_name, holder, attribute = source
+    norm_forward, rotary_forward = _written_forward(norm_class), _written_forward(type(rotary))
+    if not all(_runs_as_written(*pair) for pair in ((attn.q_norm, norm_forward), (attn.k_norm, norm_forward),
+                                                     (rotary, rotary_forward))):
+        return None  # a forward replaced already, or a hook
     inv_freq = rotary._buffers[buffer]
     scaling = getattr(rotary, scaling_name, None)
     if (inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or isinstance(scaling, bool)
@@ -489,7 +499,7 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
                 and abs(float(scaling) - factor) <= 2.0**-17 * abs(factor)):
             return _FusedSettings(eps, config, rotary, buffer, inv_freq, inv_freq._version,
                                   inv_freq.detach().clone(), scaling_name, scaling, norm_class, _HolderRef(holder),
-                                  attribute)
+                                  attribute, norm_forward, rotary_forward)
     return None
 
 
@@ -501,16 +511,18 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     settings = attn.__dict__.get("_posenc_fused")
     if not isinstance(settings, _FusedSettings):  # None, or a plain tuple pickled by an older posenc
         return None
-    eps, config, rotary, buffer, inv_freq, version, checked, scaling_name, scaling, norm_class, holder, attribute = (
-        settings)
-    # The norms the fused op computes: still the model's own class with the eps checked, and no
-    # hook would miss their call (as PositionalEncoding calls a hooked dropout child).
-    if any(type(n) is not norm_class or not _unhooked(n) or _norm_eps(n) != eps for n in (attn.q_norm, attn.k_norm)):
+    (eps, config, rotary, buffer, inv_freq, version, checked, scaling_name, scaling, norm_class, holder, attribute,
+     norm_forward, rotary_forward) = settings
+    # The norms the fused op computes: still the model's own class with the eps checked, its
+    # forward as written, and no hook would miss their call (as PositionalEncoding calls a
+    # hooked dropout child, or one whose forward was replaced).
+    if any(type(n) is not norm_class or not _runs_as_written(n, norm_forward) or _norm_eps(n) != eps
+           for n in (attn.q_norm, attn.k_norm)):
         return None
     # The tables the layer receives still come from the checked rotary module, as it computes
-    # them: not one put in its place, no hook changing its inputs or outputs.
+    # them: not one put in its place, no forward replaced, no hook changing its inputs or outputs.
     holder = holder() if isinstance(holder, _HolderRef) else None
-    if holder is None or holder._modules.get(attribute) is not rotary or not _unhooked(rotary):
+    if holder is None or holder._modules.get(attribute) is not rotary or not _runs_as_written(rotary, rotary_forward):
         return None
     if rotary._buffers.get(buffer) is not inv_freq:  # replaced: model.to(dtype or device), reassigned
         return None
