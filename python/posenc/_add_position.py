@@ -221,7 +221,7 @@ class _AddPositionModule(nn.Module):
     def __prepare_scriptable__(self) -> "_AddPositionModule":
         """Called by ``torch.jit.script`` before it compiles forward: records whether the
         dropout child is fusable as eager mode decides it (_fusable_dropout: a plain
-        nn.Dropout without hooks; TorchScript cannot test a module's class reliably: its
+        nn.Dropout running its forward as written, without hooks; TorchScript cannot test a module's class reliably: its
         isinstance knows only module classes it has compiled before)."""
         self._scripted_fused_dropout = _fusable_dropout(self.dropout)
         return self
@@ -265,7 +265,7 @@ class PositionalEncoding(_AddPositionModule):
 
     A drop-in replacement for the classic ``PositionalEncoding(d_model, dropout,
     max_len=5000)`` of the Annotated Transformer: same arguments, a persistent buffer ``pe``
-    of shape (1, max_len, d_model) in the default dtype (so ``state_dict()`` holds exactly
+    of shape (1, max_len, d_model) in the default dtype unless ``dtype=`` (so ``state_dict()`` holds exactly
     ``pe``), and ``forward(x) = dropout(x + pe[:, :S])``, computed in one pass. The output
     keeps x's dtype (the classic ``x + pe`` promotes half x with a float32 ``pe`` to
     float32).
@@ -281,8 +281,9 @@ class PositionalEncoding(_AddPositionModule):
             ``nn.Embedding`` takes them; float16, bfloat16, float32 or float64), default the
             default device and dtype.
 
-    ``pe`` is built in float64 and rounded once: every entry is within 2**-25 of the
-    exact value (the classic float32 construction is off by up to ~4e-4 at max_len 5000).
+    ``pe`` is built in float64 and rounded once to its dtype: in float32 every entry is
+    within 2**-25 of the exact value (the classic float32 construction is off by up to ~4e-4
+    at max_len 5000); in another dtype, within half an ulp of it.
     The forward adds rows of ``pe`` as it is, so a loaded or edited table is honoured.
 
     A DTensor ``x`` needs no wrapper: ``pe`` (a buffer, the same on every rank) and plain

@@ -144,8 +144,10 @@ def _check_probability(fn: str, name: str, value: Any) -> float:
 def _written_forward(cls: type) -> Any:
     """The forward ``cls`` was written with (its own or the base's it inherits), or None when
     the one it has now was assigned later: a class's own function is named
-    ``<class>.forward``, a function assigned to the class afterwards is not. Read eagerly (at
-    import, or when a model is patched), never while torch.compile traces."""
+    ``<class>.forward``, a function assigned to the class afterwards is not (unless it copies
+    that name, as ``functools.wraps`` does: such a replacement, made before this is read, is
+    taken for the original). Read eagerly (at import, or when a model is patched), never
+    while torch.compile traces (its comparison of the names there is not Python's)."""
     for owner in cls.__mro__:
         forward = owner.__dict__.get("forward")
         if forward is not None:
@@ -153,12 +155,20 @@ def _written_forward(cls: type) -> Any:
     return None
 
 
+def _forward_as_written(module: torch.nn.Module, forward: Any) -> bool:
+    """Whether a call of ``module`` runs ``forward`` (its class's as written: _written_forward):
+    none set on the instance and none assigned to the class since. Under torch.compile this is
+    read when a graph is made: a forward assigned to the class later recompiles, one set on a
+    child module's instance later is not seen until torch._dynamo.reset() (as hooks added to
+    a child after compiling are not, in torch's own modules too)."""
+    return forward is not None and module.__dict__.get("forward") is None and type(module).forward is forward
+
+
 def _runs_as_written(module: torch.nn.Module, forward: Any) -> bool:
-    """Whether a call of ``module`` runs ``forward`` (its class's as written: _written_forward)
-    and no hook, its own or global, forward or backward: only then may a fused op stand in for
-    calling it (a hook would not see it run; a forward set on the instance or assigned to the
-    class computes something else)."""
-    if forward is None or "forward" in module.__dict__ or type(module).forward is not forward:
+    """Whether a call of ``module`` runs ``forward`` as written (_forward_as_written) and no
+    hook, its own or global, forward or backward: only then may a fused op stand in for
+    calling it (a hook would not see it run; another forward computes something else)."""
+    if not _forward_as_written(module, forward):
         return False
     hooks = torch.nn.modules.module
     return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks

@@ -658,6 +658,22 @@ def test_a_norm_or_rotary_forward_replaced_is_run(fused_calls, monkeypatch):
             monkeypatch.undo()
 
 
+def test_a_hook_present_when_patched_stops_fusing_only_while_it_is_there(fused_calls):
+    """Hooks are looked at per call: a norm hooked while the model is patched runs its own
+    path until the hook goes, then fuses (the check of replaced forwards at patching must not
+    take the hooks with it; found by a review of that change)."""
+    model = tiny_model("qwen3")
+    handle = model.model.layers[0].self_attn.q_norm.register_forward_hook(lambda module, args, out: None)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    fused_calls.clear()
+    logits(model, ids(2, 8))
+    assert len(fused_calls) == 1  # layer 0 runs its own norms while hooked
+    handle.remove()
+    fused_calls.clear()
+    logits(model, ids(2, 8))
+    assert len(fused_calls) == 2
+
+
 def test_compiled_patched_model_fuses_and_refuses_an_in_place_edit():
     """torch.compile of a patched model: the unpatched model's logits, through the fused op.
     An in-place edit of inv_freq after patching, which eager calls see by the buffer's version

@@ -401,6 +401,7 @@ def test_a_dropout_child_whose_forward_is_replaced_is_called(cls, monkeypatch):
     m = cls(8, 0.5, 16)
     m.dropout.forward = types.MethodType(lambda self, y: y * 3.0, m.dropout)
     assert torch.equal(m(x), (x + m.pe[:, :4]) * 3.0)
+    assert torch.equal(torch.compile(m, fullgraph=True, backend="eager")(x), (x + m.pe[:, :4]) * 3.0)
     monkeypatch.setattr(torch.nn.Dropout, "forward", lambda self, y: y * 5.0)
     m = cls(8, 0.5, 16)
     assert torch.equal(m(x), (x + m.pe[:, :4]) * 5.0)

@@ -52,9 +52,11 @@ void check_rope_position_value(const char* what, int64_t value);
 // tell" is a refusal).
 //
 // Whether a and b provably share no byte: empty tensors do not; otherwise their byte spans
-// [lowest, highest element] are disjoint (over any storages: two storages can wrap one
-// buffer, from_blob, DLPack, numpy; storages without an address, Meta or wrapper subclasses,
-// are their own memory), at::get_overlap_status proves them apart, or their addresses
+// [lowest, highest element] are disjoint (one storage, or two of which one is private memory,
+// written_memory.cpp's private_memory: two host storages torch's CPU allocator did not make,
+// from_blob, DLPack, numpy, a file mapped twice, may be one memory at two addresses; storages
+// without an address, Meta or wrapper subclasses, are their own memory),
+// at::get_overlap_status proves them apart, or their addresses
 // modulo one of their byte strides fall in disjoint intervals (slices of one buffer whose
 // rows or heads interleave: a fused qkv projection, k and v caches in one buffer).
 bool provably_disjoint(const at::Tensor& a, const at::Tensor& b);

@@ -90,9 +90,10 @@ bool residues_provably_disjoint(const at::Tensor& a, const at::Tensor& b) {
 // from elsewhere (a file or shared memory mapped by torch.from_file or share_memory_, a
 // numpy, DLPack or from_blob buffer) may be one memory at two addresses: two mappings of one
 // file are two storages whose addresses differ, and a kernel that writes one reads the
-// other's bytes changing under it. Device memory is taken to lie at its own addresses: a
-// process maps a CUDA allocation once (the caching allocator's blocks; IPC handles do not
-// open in the process that made them), so its addresses tell (not run on a GPU here).
+// other's bytes changing under it (pinned host memory too: another allocator's, refused in
+// pairs). Device memory is compared by address: a process normally maps a CUDA allocation
+// once (the caching allocator's blocks; IPC handles do not open in the process that made
+// them); one mapped twice through CUDA's virtual-memory API is not seen (not run on a GPU).
 bool private_memory(const at::Tensor& t) {
   const c10::Storage& s = t.storage();
   if (s.device_type() != c10::DeviceType::CPU) return true;

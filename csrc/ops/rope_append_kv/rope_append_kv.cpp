@@ -323,7 +323,8 @@ void check_rope_append_kv_overlap(const RopeAppendKvCall& c, bool in_place) {
        {"k_scale", optional(c.k_scale)}, {"v_scale", optional(c.v_scale)},
        {"q_weight", optional(c.q_weight)}, {"k_weight", optional(c.k_weight)}},
       in_place ? "pass copies or use inplace=False"
-               : "the caches must be memory of their own (pass copies of the inputs)");
+               : "the caches must be memory of their own (pass copies of the inputs; caches that torch "
+                 "did not allocate, shared or mapped from a file, as views of one storage)");
 }
 
 void check_rope_append_kv_rows(const KvCacheArgs& a) {
