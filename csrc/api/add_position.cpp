@@ -42,11 +42,22 @@ torch::Tensor add_position_module_forward(const torch::Tensor& x, const torch::T
   return add_position(x, pe, positions, offset, batch_first, p);
 }
 
+void check_dropout_option(const char* module, double dropout) {
+  TORCH_CHECK_VALUE(dropout >= 0.0 && dropout <= 1.0, module, ": expected dropout in [0, 1], got ",
+                    dropout);
+}
+
 void check_module_options(const char* module, int64_t d_model, int64_t max_len, double dropout) {
   TORCH_CHECK_VALUE(d_model > 0, module, ": expected d_model > 0, got ", d_model);
   TORCH_CHECK_VALUE(max_len > 0, module, ": expected max_len > 0, got ", max_len);
-  TORCH_CHECK_VALUE(dropout >= 0.0 && dropout <= 1.0, module, ": expected dropout in [0, 1], got ",
-                    dropout);
+  check_dropout_option(module, dropout);
+}
+
+// The dropout probability of a call: options.dropout() as it is now (read at each call, as
+// Python's module.dropout.p), checked in eval mode too (as nn.Dropout checks p), 0 in eval.
+double call_dropout(const char* module, double dropout, bool training) {
+  check_dropout_option(module, dropout);
+  return training ? dropout : 0.0;
 }
 
 }  // namespace
@@ -87,7 +98,7 @@ void PositionalEncodingImpl::pretty_print(std::ostream& stream) const {
 torch::Tensor PositionalEncodingImpl::forward(const torch::Tensor& x, int64_t offset,
                                               const std::optional<torch::Tensor>& positions) {
   return add_position_module_forward(x, pe, offset, positions, options.batch_first(),
-                                     is_training() ? options.dropout() : 0.0,
+                                     call_dropout("PositionalEncoding", options.dropout(), is_training()),
                                      options.check_positions());
 }
 
@@ -153,7 +164,7 @@ torch::Tensor LearnedPositionalEncodingImpl::forward(
     table = torch::where(keep, pe, pe.detach());
   }
   return add_position_module_forward(x, table, offset, positions, options.batch_first(),
-                                     is_training() ? options.dropout() : 0.0,
+                                     call_dropout("LearnedPositionalEncoding", options.dropout(), is_training()),
                                      options.check_positions());
 }
 

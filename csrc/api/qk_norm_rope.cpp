@@ -20,6 +20,7 @@ namespace detail {
 struct ParsedQkNormRope {
   ops::QkNormRopeCall call;  // every setting; the tensors and positions unset
   RopeScaling scaling;       // what decides a given seq_len's argument (rope_seq_len_argument)
+  int64_t head_dim;          // the heads the frequencies and the rotary width were set up for
 };
 }  // namespace detail
 
@@ -75,6 +76,9 @@ void QKNormRotaryImpl::reset() {
   const bool hidden = o.norm() == "hidden";
   for (auto [name, count] : {std::pair<const char*, std::optional<int64_t>>{"num_heads", o.num_heads()},
                               {"num_kv_heads", o.num_kv_heads()}}) {
+    // Checked when given, also where norm="head" does not read them (a typo is not ignored),
+    // as Python's QKNormRotary.
+    TORCH_CHECK_VALUE(!count.has_value() || *count > 0, "QKNormRotary: expected ", name, " > 0, got ", *count);
     TORCH_CHECK_VALUE(!hidden || count.value_or(0) > 0,
                       "QKNormRotary: norm='hidden' normalises each token's whole projection: expected ", name,
                       " > 0 (the weights have num_heads * head_dim and num_kv_heads * head_dim values), got ",
@@ -127,7 +131,7 @@ void QKNormRotaryImpl::reset() {
     probe.q = at::empty({0, 0, 1, o.head_dim()});
   }
   ops::call_rope_rotary_width(probe);
-  parsed_ = std::make_shared<const detail::ParsedQkNormRope>(detail::ParsedQkNormRope{std::move(call), r.scaling()});
+  parsed_ = std::make_shared<const detail::ParsedQkNormRope>(detail::ParsedQkNormRope{std::move(call), r.scaling(), o.head_dim()});
 }
 
 void QKNormRotaryImpl::pretty_print(std::ostream& stream) const {
@@ -138,12 +142,20 @@ void QKNormRotaryImpl::pretty_print(std::ostream& stream) const {
 std::tuple<torch::Tensor, torch::Tensor> QKNormRotaryImpl::forward(const torch::Tensor& q,
                                                                    const torch::Tensor& k,
                                                                    const RopePositions& where) {
-  ops::QkNormRopeCall call = parsed_->call;  // the options, parsed once by reset()
+  const detail::ParsedQkNormRope& parsed = *parsed_;  // the options, parsed once by reset()
+  // q's and k's head_dim is the module's: norm="hidden" weights (heads * head_dim values)
+  // also fit heads of another width, which would turn with other frequencies and pairs.
+  // (An undefined or 0-d tensor: the op's message.)
+  const auto fits = [&](const torch::Tensor& t) { return !t.defined() || t.dim() == 0 || t.size(-1) == parsed.head_dim; };
+  TORCH_CHECK_VALUE(fits(q) && fits(k),
+                    "QKNormRotary: expected q and k with head_dim ", parsed.head_dim,
+                    " (the module's head_dim), got shapes ", q.sizes(), " and ", k.sizes());
+  ops::QkNormRopeCall call = parsed.call;
   call.rope.q = q;
   call.rope.k = k;
   detail::set_rope_positions(call.rope, where);
   if (where.seq_len().has_value()) {
-    call.rope.seq_len = detail::rope_seq_len_argument(parsed_->scaling, where.seq_len());
+    call.rope.seq_len = detail::rope_seq_len_argument(parsed.scaling, where.seq_len());
   }
   call.q_weight = q_norm->weight;
   call.k_weight = k_norm->weight;

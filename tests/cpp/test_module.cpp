@@ -260,4 +260,20 @@ TEST(PositionalEncodingModule, RejectsBadOptions) {
                c10::Error);
 }
 
+// options.dropout() is read at each call (as Python's module.dropout.p) and checked in eval
+// mode too, as nn.Dropout checks p: an edited 5.0 was accepted until the module trained.
+TEST(PositionalEncodingModule, AnEditedDropoutIsCheckedInEvalModeToo) {
+  posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(8).max_len(16));
+  posenc::LearnedPositionalEncoding learned(posenc::LearnedPositionalEncodingOptions(8).max_len(16));
+  pe->eval();
+  learned->eval();
+  const auto x = torch::randn({2, 3, 8});
+  pe->options.dropout(5.0);
+  learned->options.dropout(-1.0);
+  EXPECT_THROW(pe(x), c10::ValueError);
+  EXPECT_THROW(learned(x), c10::ValueError);
+  pe->options.dropout(0.5);  // in eval mode: no dropout, the rows added
+  EXPECT_TRUE(torch::equal(pe(x), x + pe->pe.slice(1, 0, 3)));
+}
+
 }  // namespace

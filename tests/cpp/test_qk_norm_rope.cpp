@@ -339,3 +339,20 @@ TEST(QkNormRope, TheDefaultsOfTheCallAndOfTheOptionsAreTheSchemas) {
     EXPECT_EQ(module.norm(), norm) << op;
   }
 }
+
+// Heads of another width than the module's head_dim: a ValueError. norm="hidden" weights
+// (heads * head_dim values) also fit 4 heads of 128 where the module was built for 8 of 64,
+// which rotated them with other frequencies and pairs.
+TEST(QKNormRotaryModule, HeadsOfAnotherWidthAreRefused) {
+  posenc::QKNormRotary hidden(posenc::QKNormRotaryOptions(64).norm("hidden").num_heads(8).num_kv_heads(2));
+  try {
+    hidden(torch::randn({1, 3, 4, 128}), torch::randn({1, 3, 1, 128}));
+    ADD_FAILURE() << "heads of 128 features went through a module of head_dim 64";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("expected q and k with head_dim 64"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(std::get<0>(hidden(torch::randn({1, 3, 8, 64}), torch::randn({1, 3, 2, 64}))).size(3), 64);
+  // Head counts given where norm="head" does not read them are checked too, as in Python.
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(16).num_heads(-3)), c10::ValueError);
+  EXPECT_THROW(posenc::QKNormRotary(posenc::QKNormRotaryOptions(16).num_kv_heads(0)), c10::ValueError);
+}

@@ -30,6 +30,23 @@ def test_transformers5_dict_sets_base():
         apply_rope(q, scaling={"rope_type": "default", "theta": 3.0})
 
 
+@pytest.mark.parametrize("key", ["factor", "original_max_position_embeddings", "beta_fast"])
+def test_a_scaling_key_beside_the_default_type_is_refused(key):
+    """"default" reads no scaling key: a factor beside it (a dict whose type was left at
+    "default", C++'s RopeScaling without rope_type) was ignored, an unscaled RoPE; the op
+    refuses it for every front end."""
+    q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
+    match = rf"rope scaling type 'default' reads no rope scaling key, got {key}: set rope_type"
+    with pytest.raises(ValueError, match=match):
+        apply_rope(q, scaling={"rope_type": "default", key: 8.0})
+    with pytest.raises(ValueError, match=match):
+        posenc.RotaryPositionalEncoding(8, scaling={"rope_type": "default", key: 8.0})
+    with pytest.raises(ValueError, match=match):
+        rope_frequencies(8, scaling={"rope_type": "default", key: 8.0})
+    # The keys the default type's dicts do carry stay: rope_theta (base), partial_rotary_factor (rotary_dim).
+    assert apply_rope(q, scaling={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}).shape == q.shape
+
+
 def test_partial_rotary_factor_sets_rotary_dim():
     q = torch.randn(2, 5, 3, 32, dtype=torch.float64)
     cfg = {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25}

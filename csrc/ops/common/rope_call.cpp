@@ -158,6 +158,20 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
                     "posenc: rope scaling type '", rope_type_name(out.type), "' does not read the key "
                     "'partial_rotary_factor' (it sets rotary_dim there, as in a transformers config): pass "
                     "rotary_dim = int(head_dim * ", out.partial_rotary_factor, ") instead");
+  if (out.type == math::RopeType::kDefault && out.given != 0) {
+    // "default" reads no key: a factor given beside it (C++'s RopeScaling left at its default
+    // rope_type) would be ignored, an unscaled RoPE without a word.
+    std::string given;
+    for (int i = 0; i < math::kRopeScalingFields; ++i) {
+      if (math::rope_has(out, static_cast<math::RopeKey>(i))) given += std::string(given.empty() ? "" : ", ") + kScalingKeys[i];
+    }
+    std::string types;
+    for (const auto& [type, name] : kRopeTypes) {
+      if (type != math::RopeType::kDefault) types += std::string(types.empty() ? "" : ", ") + name;
+    }
+    TORCH_CHECK_VALUE(false, "posenc: rope scaling type 'default' reads no rope scaling key, got ", given,
+                      ": set rope_type to the scaling that reads them (", types, ")");
+  }
   if (!lists) return;
   out.list_length = extra / kScalingLists;
   for (int l = 0; l < kScalingLists; ++l) {
