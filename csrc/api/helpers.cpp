@@ -10,6 +10,7 @@
 #include <ostream>
 #include <vector>
 
+#include "module_state.h"
 #include "ops/common/op_handles.h"
 
 namespace posenc {
@@ -57,6 +58,8 @@ void TimestepsImpl::reset() {
   // fail here rather than at the first forward.
   forward(torch::empty({0}));
 }
+
+void TimestepsImpl::load(torch::serialize::InputArchive& archive) { detail::load_same_shapes(*this, archive); }
 
 void TimestepsImpl::pretty_print(std::ostream& stream) const {
   stream << "posenc::Timesteps(num_channels=" << options.num_channels()

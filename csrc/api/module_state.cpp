@@ -44,6 +44,15 @@ void read_archive(torch::nn::Module& module, torch::serialize::InputArchive& arc
                 child.key(), " in the archive");
     read_archive(*child.value(), sub, prefix + child.key() + ".", top, out);
   }
+  // What the module does not hold is refused, as Python's strict load_state_dict refuses
+  // unexpected keys (another module's archive: a LearnedPositionalEncoding's table loaded
+  // into a RotaryPositionalEncoding without a word).
+  for (const auto& key : archive.keys()) {
+    TORCH_CHECK(module.named_parameters(/*recurse=*/false).contains(key) ||
+                    module.named_buffers(/*recurse=*/false).contains(key) || module.named_children().contains(key),
+                "posenc: error loading ", top, ": unexpected tensor or submodule ", prefix, key,
+                " in the archive (an archive of another module?)");
+  }
 }
 
 }  // namespace

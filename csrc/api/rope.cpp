@@ -6,6 +6,7 @@
 #include <cmath>
 #include <limits>
 
+#include "module_state.h"
 #include "ops/common/position_range.h"
 #include "ops/common/op_handles.h"
 #include "ops/common/rope_call.h"
@@ -233,6 +234,10 @@ void RotaryPositionalEncodingImpl::reset() {
   inv_freq();  // checks what the op's empty call could not (rope_frequencies' own checks)
 }
 
+
+void RotaryPositionalEncodingImpl::load(torch::serialize::InputArchive& archive) {
+  detail::load_same_shapes(*this, archive);
+}
 
 int64_t RotaryPositionalEncodingImpl::rotary_width() const { return parsed_->rotary_width; }
 

@@ -3,11 +3,14 @@
 #include <sstream>
 #include <torch/torch.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstdio>
 #include <limits>
 #include <variant>
 #include <optional>
 #include <string>
+#include <thread>
 
 #include "posenc/math/rope.h"
 #include "posenc/posenc.h"
@@ -892,4 +895,67 @@ TEST(RopeFunctions, InPlaceIntoAViewWithTheNegativeBitIsRefused) {
   // Read only, the bit is honoured: the values read are the negated ones.
   auto [got, unused] = posenc::apply_rope(q, q.resolve_neg());
   EXPECT_TRUE(torch::equal(got, posenc::apply_rope(q.resolve_neg())));
+}
+
+// A RopeScaling left at its default rope_type with a key set: refused (the key was ignored,
+// an unscaled RoPE under a struct that says factor 8), by the function and the module.
+TEST(RopeScalingPresence, KeysBesideTheDefaultTypeAreRefused) {
+  posenc::RopeScaling s;
+  s.factor = 8.0;
+  try {
+    posenc::apply_rope(torch::randn({1, 3, 2, 8}), torch::Tensor(), posenc::ApplyRopeOptions().scaling(s));
+    ADD_FAILURE() << "a factor beside rope_type 'default' was ignored";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("rope scaling type 'default' reads no rope scaling key, got factor"),
+              std::string::npos) << e.what();
+  }
+  EXPECT_THROW(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).scaling(s)),
+               c10::ValueError);
+  s.rope_type = "linear";  // the type that reads it
+  EXPECT_NO_THROW(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).scaling(s)));
+}
+
+// Two threads calling one module's forward at once: each gets the single-threaded result.
+TEST(RotaryModule, ForwardFromTwoThreadsAtOnce) {
+  torch::manual_seed(0);
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(16).max_len(64));
+  posenc::PositionalEncoding pe(posenc::PositionalEncodingOptions(16).max_len(64));
+  pe->eval();
+  const auto q = torch::randn({2, 9, 4, 16}), k = torch::randn({2, 9, 2, 16}), x = torch::randn({2, 9, 16});
+  const auto [want_q, want_k] = rope(q, k, std::nullopt, 3);
+  const auto want_x = pe(x, 3);
+  std::atomic<int> wrong{0};
+  auto work = [&] {
+    for (int i = 0; i < 200; ++i) {
+      auto [oq, ok] = rope(q, k, std::nullopt, 3);
+      if (!torch::equal(oq, want_q) || !torch::equal(ok, want_k) || !torch::equal(pe(x, 3), want_x)) ++wrong;
+    }
+  };
+  std::thread a(work), b(work);
+  a.join();
+  b.join();
+  EXPECT_EQ(wrong.load(), 0);
+}
+
+// torch::load of another module's archive: refused, as Python's strict load_state_dict
+// refuses unexpected keys (a LearnedPositionalEncoding's table loaded into a RoPE module
+// without a word); a module's own archive loads.
+TEST(RotaryModule, LoadRefusesAnotherModulesArchive) {
+  const std::string path = ::testing::TempDir() + "posenc_learned_for_rope.pt";
+  torch::save(posenc::LearnedPositionalEncoding(posenc::LearnedPositionalEncodingOptions(8).max_len(16)), path);
+  posenc::RotaryPositionalEncoding rope(posenc::RotaryPositionalEncodingOptions(8));
+  try {
+    torch::load(rope, path);
+    ADD_FAILURE() << "another module's archive was loaded";
+  } catch (const c10::Error& e) {
+    EXPECT_NE(std::string(e.what()).find("unexpected tensor or submodule pe in the archive"), std::string::npos)
+        << e.what();
+  }
+  posenc::Timesteps steps(posenc::TimestepsOptions(8, true, 0.0));
+  EXPECT_THROW(torch::load(steps, path), c10::Error);
+  torch::save(rope, path);
+  EXPECT_NO_THROW(torch::load(rope, path));
+  torch::save(steps, path);
+  EXPECT_NO_THROW(torch::load(steps, path));
+  std::remove(path.c_str());
 }

@@ -87,6 +87,8 @@ class TimestepsImpl : public torch::nn::Cloneable<TimestepsImpl> {
 
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
+  // torch::load: as RotaryPositionalEncodingImpl::load (no tensor; another module's refused).
+  void load(torch::serialize::InputArchive& archive) override;
 
   torch::Tensor forward(const torch::Tensor& timesteps);
 

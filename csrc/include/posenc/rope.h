@@ -26,7 +26,8 @@ namespace posenc {
 
 // Hugging Face's rope_scaling dict as a struct: rope_type is "default", "linear", "dynamic",
 // "yarn", "llama3", "longrope" or "proportional"; a key left unset is "not given" (its default applies where
-// it has one). The keys are those of POSENC_ROPE_SCALING_KEYS and
+// it has one). "default" reads no key: a key set beside it (rope_type left at its default)
+// is a ValueError, not an unscaled RoPE. The keys are those of POSENC_ROPE_SCALING_KEYS and
 // POSENC_ROPE_SCALING_LIST_KEYS (posenc/math/rope.h), the lists the op reads.
 struct RopeScaling {
   std::string rope_type = "default";
@@ -198,6 +199,9 @@ class RotaryPositionalEncodingImpl : public torch::nn::Cloneable<RotaryPositiona
 
   void reset() override;
   void pretty_print(std::ostream& stream) const override;
+  // torch::load: the module holds no tensor; an archive that holds one (another module's) is
+  // refused, as Python's strict load_state_dict refuses unexpected keys.
+  void load(torch::serialize::InputArchive& archive) override;
 
   // Rotated (q, k); q alone with an undefined k (torch::Tensor()), the second output then
   // undefined. positions: int64 (seq,) or (batch, seq); offset: added to each position.
