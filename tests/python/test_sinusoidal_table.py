@@ -104,6 +104,25 @@ def test_gradient_wrt_float_positions(device, d):
     torch.testing.assert_close(grad, want, atol=1e-10, rtol=1e-10)
 
 
+@pytest.mark.parametrize("in_dim", [0, 1, -1])
+def test_vmap_is_one_call_without_the_fallback_warning(in_dim):
+    """vmap over positions: the op's own rule (one call on every sample's positions, the
+    batch dim where it was), the per-sample tables, no "batching rule not implemented"
+    warning; jacrev under vmap too."""
+    import warnings
+
+    pos = torch.rand(3, 5, dtype=torch.float64) * 100
+    table = lambda p: sinusoidal_table(p, 6, dtype=torch.float64)  # noqa: E731
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        got = torch.func.vmap(table, in_dims=in_dim)(pos)
+        jac = torch.func.vmap(torch.func.jacrev(table))(pos[0])
+    want = torch.stack([table(p) for p in pos.unbind(in_dim)])
+    assert torch.equal(got, want)
+    torch.testing.assert_close(jac, torch.stack([torch.autograd.functional.jacobian(table, p) for p in pos[0]]))
+    assert torch.func.vmap(table)(torch.empty(0, 4)).shape == (0, 4, 6)
+
+
 def test_odd_d_model_ends_with_sine():
     pos = torch.arange(50)
     got = sinusoidal_table(pos, 7, dtype=torch.float64)
