@@ -58,8 +58,13 @@ applied when a model is created (``from_pretrained`` / ``from_config`` / ``apply
 it cannot patch a model already loaded, and it would patch every later model of that class,
 not the one given. Its attention-interface registry (``AttentionInterface.register``) is
 called after the norms and the rotation, too late to fuse them; and the kernels-hub hook on
-these classes (``use_kernelized_func(apply_rotary_pos_emb)``) needs kernels >= 0.18.2 (not
-installable here) and replaces the rotation only, not the norms. The subclass keeps the
+these classes (``use_kernelized_func(apply_rotary_pos_emb)``, active when the ``kernels``
+package is installed before transformers is imported) replaces the rotation only, not the
+norms, and routes each instance's call through a context variable that kernels (0.19)
+turns into a module-level global under torch.compile (its ``CompileableContextVar``):
+process-wide state of its own. (That hook is also why the plain ``apply_posenc_rope(model)``
+stays per model type: transformers' attention forwards call their modeling module's
+``apply_rotary_pos_emb`` by name, and no other per-instance hook reaches that call.) The subclass keeps the
 class's name and passes ``isinstance`` checks (output recording, ``_can_record_outputs``).
 Before patching, each attention class's forward is checked against what the rewrite assumes
 (its parameters, and that it uses q_norm, k_norm, apply_rotary_pos_emb, the cache's update
