@@ -158,10 +158,14 @@ def _written_forward(cls: type) -> Any:
 def _forward_as_written(module: torch.nn.Module, forward: Any) -> bool:
     """Whether a call of ``module`` runs ``forward`` (its class's as written: _written_forward):
     none set on the instance and none assigned to the class since. Under torch.compile this is
-    read when a graph is made: a forward assigned to the class later recompiles, one set on a
-    child module's instance later is not seen until torch._dynamo.reset() (as hooks added to
-    a child after compiling are not, in torch's own modules too)."""
-    return forward is not None and module.__dict__.get("forward") is None and type(module).forward is forward
+    read when a graph is made, and a forward set on the instance or assigned to the class
+    later recompiles: ``module.forward`` is read first because torch.compile guards on that
+    attribute, and not on a lookup in the instance's ``__dict__`` (a forward set on a child
+    after compiling was ignored: the compiled module kept fusing its dropout)."""
+    if forward is None:
+        return False
+    module.forward  # noqa: B018 - read for torch.compile's guard on it (above)
+    return module.__dict__.get("forward") is None and type(module).forward is forward
 
 
 def _runs_as_written(module: torch.nn.Module, forward: Any) -> bool:

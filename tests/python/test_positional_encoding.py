@@ -407,3 +407,26 @@ def test_a_dropout_child_whose_forward_is_replaced_is_called(cls, monkeypatch):
     assert torch.equal(m(x), (x + m.pe[:, :4]) * 5.0)
     compiled = torch.compile(m, fullgraph=True, backend="eager")
     assert torch.equal(compiled(x), (x + m.pe[:, :4]) * 5.0)
+
+
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+def test_a_forward_set_on_the_dropout_child_after_compiling_is_called(cls):
+    """A module compiled while its dropout child ran as written, then the child given another
+    forward: the compiled module recompiles and calls it, as torch's own compiled nn.Dropout
+    child does (it kept the fused dropout: a lookup in the child's __dict__ is not guarded;
+    found by an audit); removing it fuses again, and a fresh child given a forward is called."""
+    import types
+
+    torch._dynamo.reset()
+    x = torch.ones(2, 4, 8)
+    m = cls(8, 0.5, 16)
+    compiled = torch.compile(m, backend="eager")
+    kept = compiled(x) / (x + m.pe[:, :4])
+    assert set(kept.unique().tolist()) <= {0.0, 2.0}  # the fused dropout, p = 0.5
+    m.dropout.forward = types.MethodType(lambda self, y: y * 5.0, m.dropout)
+    torch.testing.assert_close(compiled(x), (x + m.pe[:, :4]) * 5.0)
+    del m.dropout.forward
+    assert set((compiled(x) / (x + m.pe[:, :4])).unique().tolist()) <= {0.0, 2.0}
+    m.dropout = torch.nn.Dropout(0.5)
+    m.dropout.forward = types.MethodType(lambda self, y: y * 7.0, m.dropout)
+    torch.testing.assert_close(compiled(x), (x + m.pe[:, :4]) * 7.0)
