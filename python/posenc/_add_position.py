@@ -429,17 +429,20 @@ class LearnedPositionalEncoding(_AddPositionModule):
         padding_idx, or for a table nothing differentiates (no copy): under no_grad or frozen,
         and no forward-mode tangent or torch.func transform on it (torch.func.jvp's table does
         not require grad: its tangent was kept where a dual of a trainable one lost it).
-        Decided per call: a graph traced or exported under no_grad has no freeze. Compiled,
-        the freeze is always taken (a tangent traced under torch.compile cannot be told
-        apart; the where fuses into the add)."""
+        Decided per call: a graph exported under no_grad has no freeze. Compiled, the freeze
+        is always taken (a tangent traced under torch.compile cannot be told apart; the where
+        fuses into the add); traced by torch.jit.trace, whenever pe requires grad (the trace's
+        check runs the module again under no_grad: a graph without the freeze there failed
+        it, a TracingCheckError)."""
         padding_idx = self.padding_idx
         if padding_idx is None:
             return pe
         if not (torch.is_grad_enabled() and pe.requires_grad):
             untracked = True  # scripted: grad mode alone decides
             if not torch.jit.is_scripting():
-                untracked = not torch.compiler.is_compiling() and not (
-                    torch._C._functorch.is_functorch_wrapped_tensor(pe) or fwAD.unpack_dual(pe).tangent is not None)
+                untracked = not (torch.compiler.is_compiling() or (torch.jit.is_tracing() and pe.requires_grad)
+                                 or torch._C._functorch.is_functorch_wrapped_tensor(pe)
+                                 or fwAD.unpack_dual(pe).tangent is not None)
             if untracked:
                 return pe
         return torch.where(self._padding_keep(pe), pe, pe.detach())

@@ -420,6 +420,21 @@ def test_padding_idx_drops_the_rows_tangent_in_every_forward_mode():
     assert torch.equal(compiled(table, tangent), want)
 
 
+@pytest.mark.parametrize("train", [False, True])
+def test_jit_trace_of_a_padding_idx_module_passes_its_check_and_freezes_the_row(train):
+    """torch.jit.trace with its default check (which runs the module again under no_grad): a
+    module with padding_idx traced its freeze in one run and not in the other, a
+    TracingCheckError (found by an audit). The trace computes the module's numbers, and no
+    gradient reaches the padding row."""
+    torch.manual_seed(0)
+    m = posenc.LearnedPositionalEncoding(16, 0.0, max_len=64, padding_idx=0).train(train)
+    x = torch.randn(2, 10, 16)
+    traced = torch.jit.trace(m, (x,))
+    assert torch.equal(traced(x), m(x))
+    traced(x).square().sum().backward()
+    assert torch.equal(m.pe.grad[0, 0], torch.zeros(16)) and m.pe.grad[0, 1:10].abs().min() > 0
+
+
 def timm_resample(posemb, new_size, old_size=None, num_prefix_tokens=1, interpolation="bicubic", antialias=True):
     """timm's resample_abs_pos_embed, written out from its documented behaviour."""
     if old_size is None:
