@@ -87,8 +87,9 @@ def add_position(
 
     ``x`` is (batch, seq, d) when ``batch_first`` else (seq, batch, d); ``table`` is
     (max_len, d) or (1, max_len, d). Without ``positions`` rows ``offset .. offset+seq-1``
-    are added. ``positions`` is (seq,), (1, seq) or (batch, seq) whatever ``batch_first`` (as torch's
-    ``key_padding_mask``): with ``batch_first=False`` pass (batch, seq) too (a (seq, batch)
+    are added (``offset`` an int or a one-element integer tensor; beside ``positions`` only
+    the int 0, else a ValueError). ``positions`` is (seq,), (1, seq) or (batch, seq) whatever
+    ``batch_first`` (as torch's ``key_padding_mask``): with ``batch_first=False`` pass (batch, seq) too (a (seq, batch)
     tensor of a square x would be read transposed). Dropout applies only when ``training``,
     with p resolved to multiples of 2**-16 (16 Philox bits an element) and the survivors
     scaled by 1/(1-p): the output's expectation is x within 2**-17/(1-p) relative (8e-6 at
@@ -106,6 +107,11 @@ def add_position(
         p = _float_arg(fn, "p", p)
         if not 0.0 <= p <= 1.0:
             raise ValueError(f"posenc: expected dropout probability p in [0, 1], got {p}")
+    if positions is not None and isinstance(offset, Tensor):
+        # The op takes an int offset beside positions (0: not given); a tensor's value would be
+        # read on the host, which compiled and exported code cannot do: refused on every road.
+        raise ValueError(f"posenc: pass either offset or positions, not both (got a tensor offset beside "
+                         f"positions: leave offset at its default 0); got offset={offset!r}")
     if positions is None and _offset_as_rows(offset):
         positions, offset = _rows_of_offset(x, offset, batch_first), 0
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated

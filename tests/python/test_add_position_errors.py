@@ -59,6 +59,29 @@ def test_positions_wrong_dtype_shape_range(pe):
         pe(x, offset=2, positions=torch.arange(5))
 
 
+@pytest.mark.parametrize("value", [0, 2])
+def test_a_tensor_offset_beside_positions_is_refused_on_every_road(pe, value):
+    """A tensor offset beside positions: a ValueError in eager mode, under torch.compile and
+    torch.export alike (compiled, it reached the op's int offset: a crash inside the backend,
+    and eager took tensor(0) that compiled code cannot read; found by an audit)."""
+    x, positions, offset = torch.randn(2, 5, 16), torch.arange(5), torch.tensor(value)
+    match = r"either offset or positions, not both \(got a tensor offset beside positions"
+    with pytest.raises(ValueError, match=match):
+        pe(x, offset=offset, positions=positions)
+    with pytest.raises(ValueError, match=match):
+        posenc.functional.add_position(x, pe.pe, offset=offset, positions=positions)
+    compiled = torch.compile(lambda a, o, p: pe(a, offset=o, positions=p), backend="aot_eager")
+    with pytest.raises(Exception, match=match):
+        compiled(x, offset, positions)
+
+    class Call(torch.nn.Module):
+        def forward(self, a, o, p):
+            return pe(a, offset=o, positions=p)
+
+    with pytest.raises(Exception, match=match):
+        torch.export.export(Call(), (x, offset, positions))
+
+
 @pytest.mark.cuda
 def test_positions_on_another_device_and_cuda_range(module_cls):
     pe = module_cls(16, 0.1, 32).cuda()
