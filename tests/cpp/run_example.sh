@@ -72,4 +72,21 @@ if cmake -S "$root/examples/cpp" -B "$other/app" -G Ninja -Dposenc_DIR="$other/l
 fi
 grep -q "posenc was built against torch 1.0.0, but the Torch found is" "$other/configure.log" ||
   { echo "find_package(posenc) with another torch:"; tail -20 "$other/configure.log"; exit 1; }
+
+# A CPU-only torch of the same release beside a posenc built with its CUDA kernels: refused by
+# find_package, naming it (it failed at link or load time). A stand-in Torch_DIR runs the real
+# TorchConfig and then forgets its CUDA library, as a CPU-only torch's config never finds it.
+if grep -q "^set(posenc_WITH_CUDA ON)" "$prefix/lib/cmake/posenc/posencConfig.cmake"; then
+  cpu_torch="$other/cpu-torch"
+  mkdir -p "$cpu_torch"
+  cp "$torch_dir/TorchConfigVersion.cmake" "$cpu_torch/"
+  printf 'include("%s/TorchConfig.cmake")\nunset(C10_CUDA_LIBRARY CACHE)\nunset(C10_CUDA_LIBRARY)\n' "$torch_dir" \
+    > "$cpu_torch/TorchConfig.cmake"
+  if cmake -S "$root/examples/cpp" -B "$other/cpu-app" -G Ninja -Dposenc_DIR="$prefix/lib/cmake/posenc" \
+       -DTorch_DIR="$cpu_torch" > "$other/cpu-configure.log" 2>&1; then
+    echo "find_package(posenc) accepted a CPU-only torch for a CUDA build"; exit 1
+  fi
+  grep -q "has no CUDA libraries" "$other/cpu-configure.log" ||
+    { echo "find_package(posenc) with a CPU-only torch:"; tail -20 "$other/cpu-configure.log"; exit 1; }
+fi
 echo "run_example.sh: ok"
