@@ -131,7 +131,8 @@ void QKNormRotaryImpl::reset() {
     probe.q = at::empty({0, 0, 1, o.head_dim()});
   }
   ops::call_rope_rotary_width(probe);
-  parsed_ = std::make_shared<const detail::ParsedQkNormRope>(detail::ParsedQkNormRope{std::move(call), r.scaling(), o.head_dim()});
+  parsed_ = std::make_shared<const detail::ParsedQkNormRope>(
+      detail::ParsedQkNormRope{std::move(call), r.scaling(), o.head_dim()});
 }
 
 void QKNormRotaryImpl::pretty_print(std::ostream& stream) const {
@@ -146,7 +147,9 @@ std::tuple<torch::Tensor, torch::Tensor> QKNormRotaryImpl::forward(const torch::
   // q's and k's head_dim is the module's: norm="hidden" weights (heads * head_dim values)
   // also fit heads of another width, which would turn with other frequencies and pairs.
   // (An undefined or 0-d tensor: the op's message.)
-  const auto fits = [&](const torch::Tensor& t) { return !t.defined() || t.dim() == 0 || t.size(-1) == parsed.head_dim; };
+  const auto fits = [&](const torch::Tensor& t) {
+    return !t.defined() || t.dim() == 0 || t.size(-1) == parsed.head_dim;
+  };
   TORCH_CHECK_VALUE(fits(q) && fits(k),
                     "QKNormRotary: expected q and k with head_dim ", parsed.head_dim,
                     " (the module's head_dim), got shapes ", q.sizes(), " and ", k.sizes());

@@ -29,12 +29,12 @@ def sinusoidal_table(
                                              str(dtype).removeprefix("torch."))
 
 
-def _batch_rule(info, in_dims, positions, d_model, base=10000.0, dtype="float32"):
+def _batch_rule(info, in_dims, positions, *args, **kwargs):
     """vmap rule of posenc::sinusoidal_table: a table per position of any shape, so a vmapped
     positions is one call on all of them, its batch dim where it was (the table's columns
     come last). Without it vmap ran the op once per sample, with PyTorch's warning asking to
     report the missing rule."""
-    return torch.ops.posenc.sinusoidal_table(positions, d_model, base, dtype), in_dims[0]
+    return torch.ops.posenc.sinusoidal_table(positions, *args, **kwargs), in_dims[0]
 
 
 torch.library.register_vmap("posenc::sinusoidal_table", _batch_rule)

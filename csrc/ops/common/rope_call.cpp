@@ -163,7 +163,9 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
     // rope_type) would be ignored, an unscaled RoPE without a word.
     std::string given;
     for (int i = 0; i < math::kRopeScalingFields; ++i) {
-      if (math::rope_has(out, static_cast<math::RopeKey>(i))) given += std::string(given.empty() ? "" : ", ") + kScalingKeys[i];
+      if (math::rope_has(out, static_cast<math::RopeKey>(i))) {
+        given += std::string(given.empty() ? "" : ", ") + kScalingKeys[i];
+      }
     }
     std::string types;
     for (const auto& [type, name] : kRopeTypes) {
