@@ -274,23 +274,3 @@ def test_cuda_graph_default_calls_of_every_op():
         for got, want in zip(static_out, fn()):
             assert torch.equal(got, want)
         assert torch.equal(static_out[2], reference_add(x, table, pos))
-
-
-def test_cuda_graph_capture_of_sinusoidal_table_is_refused_and_timestep_embedding_replays():
-    """sinusoidal_table copies its host-computed frequencies from pinned memory: captured, a
-    replay would read that memory again after the call freed it, so capture is refused with a
-    RuntimeError naming it (outside capture it works); timestep_embedding computes on the
-    device, and its replays equal eager calls."""
-    from posenc.functional import sinusoidal_table, timestep_embedding
-
-    positions = torch.arange(7, device="cuda")
-    assert torch.equal(sinusoidal_table(positions, 16).cpu(), sinusoidal_table(positions.cpu(), 16))
-    graph = torch.cuda.CUDAGraph()
-    with pytest.raises(RuntimeError, match="sinusoidal_table: not capturable in a CUDA graph"):
-        with torch.cuda.graph(graph):
-            sinusoidal_table(positions, 16)
-    t = torch.tensor([1.0, 500.0, 999.0], device="cuda")
-    graph, out = capture(lambda: timestep_embedding(t, 32))
-    t.copy_(torch.tensor([3.0, 7.0, 11.0]))
-    graph.replay()
-    assert torch.equal(out, timestep_embedding(t, 32))
