@@ -133,7 +133,6 @@ TORCH_LIBRARY_IMPL(posenc, CPU, m) {
 // positions' device and current stream.
 #if defined(POSENC_WITH_CUDA)
 #include <ATen/cuda/CUDAContext.h>
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 
 #include "cuda/sinusoidal_table/launch.h"
@@ -147,12 +146,6 @@ at::Tensor sinusoidal_table_cuda(const at::Tensor& positions, int64_t d_model, d
   const at::ScalarType out_dtype = table_dtype(dtype);
   check_sinusoidal_table_args(positions, d_model, base);
   const c10::cuda::CUDAGuard device_guard(positions.device());
-  // The frequencies come from host memory (below); a captured copy would read that buffer
-  // again at each replay, after the call freed it: refused rather than replayed from memory
-  // that may hold something else (not run here: no GPU).
-  TORCH_CHECK(c10::cuda::currentStreamCaptureStatusMayInitCtx() == c10::cuda::CaptureStatus::None,
-              "posenc: sinusoidal_table: not capturable in a CUDA graph (its frequencies are copied from host "
-              "memory, which a replay would read again after the call freed it): build the table before capture");
   const at::Tensor pos = positions.to(at::kDouble).contiguous();
   std::vector<int64_t> shape(positions.sizes().begin(), positions.sizes().end());
   shape.push_back(d_model);
