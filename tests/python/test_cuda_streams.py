@@ -274,3 +274,19 @@ def test_cuda_graph_default_calls_of_every_op():
         for got, want in zip(static_out, fn()):
             assert torch.equal(got, want)
         assert torch.equal(static_out[2], reference_add(x, table, pos))
+
+
+def test_cuda_graph_sinusoidal_table_replays_its_host_frequencies():
+    """sinusoidal_table copies its host-computed frequencies from pinned memory; a block the
+    caching host allocator handed out during capture is never reused, so every replay reads
+    the same frequencies, also after other pinned allocations (the positions are read anew)."""
+    from posenc.functional import sinusoidal_table
+
+    positions = torch.arange(7, device="cuda")
+    graph, out = capture(lambda: sinusoidal_table(positions, 16))
+    positions.copy_(torch.arange(7, device="cuda") * 3)
+    for _ in range(4):  # pinned blocks of the frequencies' size, filled with something else
+        torch.full((16,), 7.0, dtype=torch.float64).pin_memory().to("cuda", non_blocking=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.cpu(), sinusoidal_table(positions.cpu(), 16))

@@ -152,7 +152,9 @@ at::Tensor sinusoidal_table_cuda(const at::Tensor& positions, int64_t d_model, d
   at::Tensor out = at::empty(shape, positions.options().dtype(out_dtype));
   if (out.numel() == 0) return out;
   // The host's frequencies (sinusoid_frequencies), copied from pinned memory without a sync
-  // (the caching host allocator keeps the buffer until the copy has run).
+  // (the caching host allocator keeps the buffer until the copy has run; a block allocated
+  // during CUDA graph capture is never handed out again, so a replay reads these values:
+  // torch's CachingHostAllocator.h, "Leaking memory like this is intentional").
   const std::vector<double> freq = sinusoid_frequencies(d_model, base);
   at::Tensor host_freq = at::empty({d_model}, at::TensorOptions().dtype(at::kDouble).pinned_memory(true));
   std::copy(freq.begin(), freq.end(), host_freq.mutable_data_ptr<double>());
