@@ -50,7 +50,7 @@ def composition_fp8(q, k, v, k_cache, v_cache, lengths, k_bits=None, v_bits=None
     scale, saturate, round), copy the bits into the rows. ``k_bits`` / ``v_bits``: uint8 views
     of the caches made by the caller (default: here). Given, torch.compile writes the rows of
     its inputs in place; a view taken inside the compiled function made Inductor copy both
-    whole caches out and back at every call (a decode step moved 32 MiB, not its 170 KB)."""
+    whole caches out and back at every call."""
     k_bits = k_cache.view(torch.uint8) if k_bits is None else k_bits
     v_bits = v_cache.view(torch.uint8) if v_bits is None else v_bits
     q, k32 = apply_rope(q, offset=lengths), apply_rope(k.float(), offset=lengths)

@@ -85,8 +85,8 @@ class Bench:
     allocates: bool = True
     # True where posenc reads and writes one tensor in place (and nothing else): its floor is
     # then one in-place pass over a tensor of nbytes / 2 (read and written, neg_), not a copy
-    # into a second buffer, which also reads the lines it writes (a write-allocate: ~1.7-2x
-    # slower than the in-place pass at the same bytes, which flattered these rows' fractions).
+    # into a second buffer, which also reads the lines it writes (write-allocate:
+    # docs/performance.md, "Read with care").
     in_place: bool = False
     # Dropout's rows: posenc's call on a slice that stays in cache, and how many such slices
     # the row's tensor holds. Scaled, its time is what the op costs without DRAM: posenc's own

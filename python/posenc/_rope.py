@@ -208,6 +208,14 @@ def scaling_arguments(
             raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
         values[i] = float(value)  # the op checks the value (finite, in range)
         given.add(i)
+    if rope_type == "default" and given:
+        # transformers logs such keys as unrecognized and builds an unscaled RoPE (a config's
+        # stray "factor": 1.0): the same here, with a warning. (The op refuses them: C++'s
+        # RopeScaling, whose rope_type defaults to "default", would hide a forgotten type.)
+        warnings.warn(f"rope: rope_type 'default' reads no scaling key; "
+                      f"{', '.join(SCALING_KEYS[i] for i in sorted(given))} ignored, as transformers ignores them",
+                      stacklevel=3)
+        values, given = [0.0] * len(SCALING_KEYS), set()
     orig = SCALING_KEYS.index("original_max_position_embeddings")
     if max_position_embeddings is not None and rope_type in ORIGINAL_FROM_MODEL_TYPES and orig not in given:
         values[orig] = float(max_position_embeddings)

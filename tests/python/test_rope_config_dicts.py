@@ -31,20 +31,27 @@ def test_transformers5_dict_sets_base():
 
 
 @pytest.mark.parametrize("key", ["factor", "original_max_position_embeddings", "beta_fast"])
-def test_a_scaling_key_beside_the_default_type_is_refused(key):
-    """"default" reads no scaling key: a factor beside it (a dict whose type was left at
-    "default", C++'s RopeScaling without rope_type) was ignored, an unscaled RoPE; the op
-    refuses it for every front end."""
+def test_a_scaling_key_beside_the_default_type(key):
+    """"default" reads no scaling key. A dict that has one (a config's stray "factor": 1.0)
+    gets transformers' treatment: the key is ignored, with a warning (transformers logs it
+    as unrecognized), for the function, the module and the frequencies alike. The op itself
+    refuses it: C++'s RopeScaling, whose rope_type defaults to "default", would otherwise
+    hide a forgotten type (GoogleTest KeysBesideTheDefaultTypeAreRefused)."""
     q = torch.randn(1, 4, 2, 8, dtype=torch.float64)
-    match = rf"rope scaling type 'default' reads no rope scaling key, got {key}: set rope_type"
-    with pytest.raises(ValueError, match=match):
-        apply_rope(q, scaling={"rope_type": "default", key: 8.0})
-    with pytest.raises(ValueError, match=match):
-        posenc.RotaryPositionalEncoding(8, scaling={"rope_type": "default", key: 8.0})
-    with pytest.raises(ValueError, match=match):
-        rope_frequencies(8, scaling={"rope_type": "default", key: 8.0})
-    # The keys the default type's dicts do carry stay: rope_theta (base), partial_rotary_factor (rotary_dim).
-    assert apply_rope(q, scaling={"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}).shape == q.shape
+    scaling = {"rope_type": "default", key: 8.0}
+    warned = rf"rope_type 'default' reads no scaling key; {key} ignored, as transformers ignores them"
+    with pytest.warns(UserWarning, match=warned):
+        assert torch.equal(apply_rope(q, scaling=scaling), apply_rope(q))
+    with pytest.warns(UserWarning, match=warned):
+        assert torch.equal(posenc.RotaryPositionalEncoding(8, scaling=scaling)(q), apply_rope(q))
+    with pytest.warns(UserWarning, match=warned):
+        assert torch.equal(rope_frequencies(8, scaling=scaling)[0], rope_frequencies(8)[0])
+    from posenc._rope import SCALING_KEYS
+
+    values = [0.0] * len(SCALING_KEYS)
+    values[SCALING_KEYS.index(key)] = 8.0
+    with pytest.raises(ValueError, match=rf"rope scaling type 'default' reads no rope scaling key, got {key}"):
+        torch.ops.posenc.rope(q, None, rope_type="default", scaling=[float(1 << SCALING_KEYS.index(key))] + values)
 
 
 def test_partial_rotary_factor_sets_rotary_dim():
