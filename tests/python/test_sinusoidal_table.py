@@ -105,18 +105,22 @@ def test_gradient_wrt_float_positions(device, d):
 
 
 @pytest.mark.parametrize("in_dim", [0, 1, -1])
-def test_vmap_is_one_call_without_the_fallback_warning(in_dim):
+def test_vmap_is_one_call_without_the_fallback(in_dim):
     """vmap over positions: the op's own rule (one call on every sample's positions, the
-    batch dim where it was), the per-sample tables, no "batching rule not implemented"
-    warning; jacrev under vmap too."""
-    import warnings
+    batch dim where it was), the per-sample tables, without vmap's per-sample fallback (and
+    its "batching rule not implemented" warning, a C++ one: the fallback is switched off
+    here, so taking it raises); jacrev under vmap too."""
+    from torch._C._functorch import _is_vmap_fallback_enabled, _set_vmap_fallback_enabled
 
     pos = torch.rand(3, 5, dtype=torch.float64) * 100
     table = lambda p: sinusoidal_table(p, 6, dtype=torch.float64)  # noqa: E731
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
+    enabled = _is_vmap_fallback_enabled()
+    _set_vmap_fallback_enabled(False)
+    try:
         got = torch.func.vmap(table, in_dims=in_dim)(pos)
         jac = torch.func.vmap(torch.func.jacrev(table))(pos[0])
+    finally:
+        _set_vmap_fallback_enabled(enabled)
     want = torch.stack([table(p) for p in pos.unbind(in_dim)])
     assert torch.equal(got, want)
     torch.testing.assert_close(jac, torch.stack([torch.autograd.functional.jacobian(table, p) for p in pos[0]]))
