@@ -14,15 +14,16 @@ __future__ import annotations`` here: TorchScript reads the annotations as types
 """
 
 import math
+import warnings
 from typing import Any, Optional, Tuple, Union
 
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
-from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg, _int_arg,
-                             _integer, _optional_tensor_args, _real, _runs_as_written, _table_dtype, _tensor_arg,
-                             _written_forward)
+from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg,
+                             _forward_as_written, _int_arg, _integer, _optional_tensor_args, _real, _runs_as_written,
+                             _table_dtype, _tensor_arg, _written_forward)
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -154,6 +155,20 @@ def _fusable_dropout(dropout: nn.Module) -> bool:
 _DROPOUT_FORWARD = _written_forward(nn.Dropout)  # nn.Dropout.forward as torch wrote it
 
 
+def _unfused_by_global_hooks_in_a_recomputable_call(dropout: nn.Module) -> bool:
+    """Whether a training-mode dropout child that would fuse but for a global hook runs in a
+    call that reentrant activation checkpointing makes: its forward (under no_grad) or its
+    recomputation (inside a backward). The recomputation then decides again, and a hook
+    present in only one of the two (a FlopCounterMode around the forward) sends the other to
+    the fused op, whose mask is another draw: a wrong gradient, which the module warns of
+    (found by an audit; the non-reentrant form raises a CheckpointError)."""
+    return (type(dropout) is nn.Dropout and dropout.training and dropout.p > 0
+            and (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1)
+            and _forward_as_written(dropout, _DROPOUT_FORWARD)
+            and not (dropout._forward_hooks or dropout._forward_pre_hooks or dropout._backward_hooks
+                     or dropout._backward_pre_hooks))
+
+
 class _AddPositionModule(nn.Module):
     """Shared front end: ``forward(x, offset=0, positions=None) = dropout(x + pe[rows])``
     through the fused op, with the classic ``nn.Dropout`` child and argument checks.
@@ -216,6 +231,14 @@ class _AddPositionModule(nn.Module):
         # turns dropout off; module.eval(); module.dropout.train() is MC dropout).
         # p is checked in eval mode too, as nn.Dropout's F.dropout checks it.
         p, training = (dropout.p, dropout.training) if fused else (0.0, False)
+        if not fused and _unfused_by_global_hooks_in_a_recomputable_call(dropout):
+            warnings.warn(f"{type(self).__name__}: its dropout runs as nn.Dropout (not fused) because a global "
+                          f"module hook is registered (FlopCounterMode, ModuleTracker, "
+                          f"register_module_forward_hook), under no_grad or inside a backward: if this is "
+                          f"torch.utils.checkpoint(use_reentrant=True)'s forward or recomputation and the hook "
+                          f"is not there in the other one, the two draw different masks and the gradient is "
+                          f"wrong; use use_reentrant=False (which refuses that) or keep the hook for both",
+                          stacklevel=2)
         y = functional.add_position(x, pe, positions=positions, offset=offset, batch_first=self.batch_first, p=p,
                                     training=training)
         return y if fused else dropout(y)

@@ -153,3 +153,34 @@ def test_cpu_and_cuda_draw_the_same_mask_from_the_same_state():
     cpu = torch.ops.posenc.add_position_backward(grad, rng, 0.4)
     gpu = torch.ops.posenc.add_position_backward(grad.cuda(), rng.cuda(), 0.4)
     assert torch.equal(cpu, gpu.cpu())
+
+
+@pytest.mark.parametrize("cls", [posenc.PositionalEncoding, posenc.LearnedPositionalEncoding])
+def test_reentrant_checkpoint_with_a_forward_only_global_hook_warns(cls):
+    """Reentrant activation checkpointing with a global module hook around its forward only
+    (FlopCounterMode): the forward runs nn.Dropout (a hook must see the child's call), the
+    recomputation, without the hook, the fused op: two masks, a wrong gradient, which a
+    warning now names (silent before; found by an audit). Without the hook the gradient's
+    mask is the forward's and nothing is said; the non-reentrant form raises a
+    CheckpointError instead (docs/guide/sinusoidal.md)."""
+    import warnings
+
+    from torch.utils.checkpoint import CheckpointError, checkpoint
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    m = cls(16, 0.4, max_len=20)
+    x = torch.randn(2, 6, 16, requires_grad=True)
+    with pytest.warns(UserWarning, match=r"use_reentrant=True\)'s forward or recomputation"):
+        with FlopCounterMode(display=False):
+            checkpoint(m, x, use_reentrant=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y = checkpoint(m, x, use_reentrant=True)
+        y.backward(torch.ones_like(y))
+    assert torch.equal(y != 0, x.grad != 0)  # the gradient's mask is the forward's
+    x.grad = None
+    with pytest.raises(CheckpointError):
+        with FlopCounterMode(display=False):
+            y = checkpoint(m, x, use_reentrant=False)
+        y.backward(torch.ones_like(y))
