@@ -162,11 +162,11 @@ def _unfused_by_global_hooks_in_a_recomputable_call(dropout: nn.Module) -> bool:
     present in only one of the two (a FlopCounterMode around the forward) sends the other to
     the fused op, whose mask is another draw: a wrong gradient, which the module warns of
     (found by an audit; the non-reentrant form raises a CheckpointError)."""
-    return (type(dropout) is nn.Dropout and dropout.training and dropout.p > 0
-            and (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1)
-            and _forward_as_written(dropout, _DROPOUT_FORWARD)
+    return (not torch.compiler.is_compiling() and type(dropout) is nn.Dropout and dropout.training
+            and dropout.p > 0 and _forward_as_written(dropout, _DROPOUT_FORWARD)
             and not (dropout._forward_hooks or dropout._forward_pre_hooks or dropout._backward_hooks
-                     or dropout._backward_pre_hooks))
+                     or dropout._backward_pre_hooks)
+            and (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1))
 
 
 class _AddPositionModule(nn.Module):
