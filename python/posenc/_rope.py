@@ -151,6 +151,14 @@ def resolve_config_keys(
                 raise ValueError(f"{fn}: sections_mode={sections_mode!r} disagrees with the scaling dict's {keys} "
                                  f"(sections_mode {' or '.join(map(repr, allowed))}); pass one of them")
             sections_mode = allowed[0] if sections_mode is None else sections_mode
+        width = head_dim if rotary_dim is None else rotary_dim
+        if (section is not None and sections_mode == "mrope_interleaved" and len(sections) == 3
+                and all(isinstance(n, numbers.Integral) and n >= 0 for n in sections)
+                and 2 * sum(sections) < width):
+            # transformers' interleaved M-RoPE (Qwen3-VL) turns the whole rotary part: the
+            # pairs its H and W sections do not take are T's, whatever mrope_section[0] says
+            # (a dict whose sections sum to less turned only 2 * sum(sections) features here).
+            sections = [width // 2 - sections[1] - sections[2], sections[1], sections[2]]
         if scaling.get("rope_type", scaling.get("type")) == "mrope":  # transformers 4's Qwen2-VL name
             scaling.pop("type", None)
             scaling["rope_type"] = "default"

@@ -99,6 +99,26 @@ def test_qwen_vl_dicts_set_sections():
         apply_rope(q, positions=pos, scaling=v5, sections=[16, 24, 24], layout="bhsd")
 
 
+@pytest.mark.parametrize("section", [[8, 20, 20], [0, 8, 8], [24, 20, 20]])
+def test_a_qwen3_vl_dict_whose_sections_sum_short_turns_the_whole_head(section):
+    """transformers' interleaved M-RoPE turns the whole rotary part, T taking every pair its
+    H and W sections do not (mrope_section[0] is never read): a dict whose sections sum to
+    less than head_dim / 2 turned only 2 * sum(sections) features at other frequencies here
+    (max diff 6.9; found by an audit). Explicit ``sections`` keep their documented rule (they
+    set rotary_dim: test_rope_multi_axis.py)."""
+    torch.manual_seed(0)
+    q, k = torch.randn(2, 4, 9, 128, dtype=torch.float64), torch.randn(2, 2, 9, 128, dtype=torch.float64)
+    pos = torch.randint(0, 500, (3, 2, 9))
+    v5 = {"rope_type": "default", "mrope_section": section, "mrope_interleaved": True, "rope_theta": 5e6}
+    oq, ok = apply_rope(q, k, positions=pos, scaling=v5, layout="bhsd")
+    rq, rk = qwen3vl_mrope_interleaved(q, k, pos, section, 5e6)
+    torch.testing.assert_close(oq, rq)
+    torch.testing.assert_close(ok, rk)
+    rope = posenc.RotaryPositionalEncoding(128, max_len=1000, scaling=v5, layout="bhsd")
+    assert sum(rope.sections) == 64 and list(rope.sections)[1:] == section[1:]
+    assert torch.equal(rope(q, k, positions=pos)[0], oq)
+
+
 def test_an_explicit_sections_mode_and_the_dicts_mrope_keys():
     """The dict's mrope keys and an explicit sections_mode: agreeing ones combine, others are
     a ValueError naming both. The explicit mode used to be replaced silently: "mrope" for a
