@@ -144,8 +144,9 @@ void check_rope_scaling(const math::RopeScalingParams& s) {
       }
       break;
     case math::RopeType::kProportional:
-      require_given(s, math::RopeKey::partial_rotary_factor, "partial_rotary_factor");
-      TORCH_CHECK_VALUE(s.partial_rotary_factor > 0.0 && s.partial_rotary_factor <= 1.0,
+      // Optional (default 1.0: every pair turns), as transformers reads it.
+      TORCH_CHECK_VALUE(!math::rope_has(s, math::RopeKey::partial_rotary_factor) ||
+                            (s.partial_rotary_factor > 0.0 && s.partial_rotary_factor <= 1.0),
                         "posenc: expected rope scaling key 'partial_rotary_factor' in (0, 1] for "
                         "rope_type 'proportional', got ", s.partial_rotary_factor);
       if (math::rope_has(s, math::RopeKey::factor)) require_positive(s, math::RopeKey::factor, "factor", s.factor);

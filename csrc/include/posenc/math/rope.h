@@ -84,7 +84,7 @@ enum class RopeType : int {
 //   beta_fast (default 32), beta_slow (default 1), attention_factor (default from mscale),
 //   mscale, mscale_all_dim, truncate (default true; nonzero is true): yarn;
 //   factor (for the default attention factor), attention_factor: longrope;
-//   partial_rotary_factor (the share of pairs that turn), factor (default 1): proportional.
+//   partial_rotary_factor (the share of pairs that turn, default 1), factor (default 1): proportional.
 #define POSENC_ROPE_SCALING_KEYS(X)  \
   X(factor)                          \
   X(low_freq_factor)                 \
@@ -336,9 +336,11 @@ POSENC_HOST_DEVICE double rope_inv_freq(int64_t i, int64_t rotary_dim, double ba
     }
     case RopeType::kProportional: {
       // Gemma 4 (transformers' _compute_proportional_rope_parameters): the first
-      // int(partial_rotary_factor * head_dim // 2) pairs turn, the others keep angle 0 in
-      // place (rotary_dim is the whole head_dim here); all divided by factor (default 1).
-      const double angles = floor(s.partial_rotary_factor * static_cast<double>(rotary_dim) / 2.0);
+      // int(partial_rotary_factor * head_dim // 2) pairs turn (partial_rotary_factor default
+      // 1: all of them), the others keep angle 0 in place (rotary_dim is the whole head_dim
+      // here); all divided by factor (default 1).
+      const double share = !rope_has(s, RopeKey::partial_rotary_factor) ? 1.0 : s.partial_rotary_factor;
+      const double angles = floor(share * static_cast<double>(rotary_dim) / 2.0);
       const double factor = !rope_has(s, RopeKey::factor) ? 1.0 : s.factor;
       return static_cast<double>(i) < angles ? rope_default_inv_freq(i, rotary_dim, base) / factor : 0.0;
     }
