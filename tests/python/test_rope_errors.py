@@ -162,12 +162,14 @@ def test_messages_name_what_the_caller_passed(device):
     "got nan"), and a width that comes from sections names sections, not the rotary_dim the
     caller never passed."""
     q = torch.randn(1, 5, 2, 16, device=device)
-    with pytest.raises(ValueError, match=r"^posenc: rope scaling type 'proportional' needs the key "
-                       r"'partial_rotary_factor', which was not given"):
-        apply_rope(q, scaling={"rope_type": "proportional"})
-    with pytest.raises(ValueError, match=r"^posenc: rope scaling type 'proportional' needs the key "
-                       r"'partial_rotary_factor', which was not given"):
-        rope_frequencies(16, scaling={"rope_type": "proportional"})
+    # ("proportional" without partial_rotary_factor is transformers' default 1.0 now, not a
+    # missing key: test_rope_proportional.py.)
+    with pytest.raises(ValueError, match=r"^posenc: rope scaling type 'linear' needs the key "
+                       r"'factor', which was not given"):
+        apply_rope(q, scaling={"rope_type": "linear"})
+    with pytest.raises(ValueError, match=r"^posenc: rope scaling type 'linear' needs the key "
+                       r"'factor', which was not given"):
+        rope_frequencies(16, scaling={"rope_type": "linear"})
     pos3 = torch.zeros(3, 5, dtype=torch.long, device=device)
     with pytest.raises(ValueError, match=r"^posenc: expected sections to hold at most head_dim / 2 = 8 "
                        r"rotary pairs, got sections=\[4, 4, 4\] \(12 pairs\)"):
