@@ -417,7 +417,6 @@ def test_a_forward_set_on_the_dropout_child_after_compiling_is_called(cls):
     found by an audit); removing it fuses again, and a fresh child given a forward is called."""
     import types
 
-    torch._dynamo.reset()
     x = torch.ones(2, 4, 8)
     m = cls(8, 0.5, 16)
     compiled = torch.compile(m, backend="eager")
