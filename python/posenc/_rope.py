@@ -7,7 +7,6 @@ library (``posenc/math/rope.h``), the same code the kernels run.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import inspect
 import numbers
@@ -267,15 +266,18 @@ def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tupl
     as a constant. The op itself cannot be in a graph: it has no tensor input to take a
     device from, and Inductor cannot run an op that returns a float.
     """
+    def call() -> Tuple[List[float], float]:
+        inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values), seq_len,
+                                                             list(sections), sections_mode)
+        return inv_freq.tolist(), float(factor)
+
     tracing = torch._C._get_tracing_state()  # torch.jit.trace would record the op (float output)
-    # Dispatch modes set aside only when there are any (that costs tens of microseconds a call).
-    modes = _disable_current_modes() if torch._C._len_torch_dispatch_stack() else contextlib.nullcontext()
+    if tracing is None and not torch._C._len_torch_dispatch_stack():
+        return call()  # eager: nothing to set aside (that costs tens of microseconds a call)
     torch._C._set_tracing_state(None)
     try:
-        with modes:
-            inv_freq, factor = torch.ops.posenc.rope_frequencies(rotary_dim, base, rope_type, list(values),
-                                                                 seq_len, list(sections), sections_mode)
-            return inv_freq.tolist(), float(factor)
+        with _disable_current_modes():
+            return call()
     finally:
         torch._C._set_tracing_state(tracing)
 
