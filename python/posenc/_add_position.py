@@ -22,8 +22,8 @@ import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
 
 from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg,
-                             _forward_as_written, _int_arg, _integer, _optional_tensor_args, _real, _runs_as_written,
-                             _table_dtype, _tensor_arg, _written_forward)
+                             _forward_as_written, _global_hooks, _int_arg, _integer, _optional_tensor_args, _own_hooks,
+                             _real, _runs_as_written, _table_dtype, _tensor_arg, _written_forward)
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -163,10 +163,8 @@ def _unfused_by_global_hooks_in_a_recomputable_call(dropout: nn.Module) -> bool:
     the fused op, whose mask is another draw: a wrong gradient, which the module warns of
     (found by an audit; the non-reentrant form raises a CheckpointError)."""
     return (not torch.compiler.is_compiling() and type(dropout) is nn.Dropout and dropout.training
-            and dropout.p > 0 and _forward_as_written(dropout, _DROPOUT_FORWARD)
-            and not (dropout._forward_hooks or dropout._forward_pre_hooks or dropout._backward_hooks
-                     or dropout._backward_pre_hooks)
-            and (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1))
+            and dropout.p > 0 and _forward_as_written(dropout, _DROPOUT_FORWARD) and not _own_hooks(dropout)
+            and _global_hooks() and (not torch.is_grad_enabled() or torch._C._current_graph_task_id() != -1))
 
 
 class _AddPositionModule(nn.Module):

@@ -172,9 +172,17 @@ def _runs_as_written(module: torch.nn.Module, forward: Any) -> bool:
     """Whether a call of ``module`` runs ``forward`` as written (_forward_as_written) and no
     hook, its own or global, forward or backward: only then may a fused op stand in for
     calling it (a hook would not see it run; another forward computes something else)."""
-    if not _forward_as_written(module, forward):
-        return False
+    return _forward_as_written(module, forward) and not (_own_hooks(module) or _global_hooks())
+
+
+def _own_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own, forward or backward."""
+    return bool(module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
+                or module._backward_pre_hooks)
+
+
+def _global_hooks() -> bool:
+    """Whether any global module hook is registered, forward or backward."""
     hooks = torch.nn.modules.module
-    return not (module._forward_hooks or module._forward_pre_hooks or module._backward_hooks
-                or module._backward_pre_hooks or hooks._global_forward_hooks or hooks._global_forward_pre_hooks
-                or hooks._global_backward_hooks or hooks._global_backward_pre_hooks)
+    return bool(hooks._global_forward_hooks or hooks._global_forward_pre_hooks or hooks._global_backward_hooks
+                or hooks._global_backward_pre_hooks)
