@@ -120,6 +120,16 @@ for dtype in (torch.bfloat16, torch.float16):
         with torch.no_grad():
             y = F.add_position(x, table, p=0.3, batch_first=True)
         out[("dropout_special", str(dtype), str(table.dtype))] = as_bits(y)
+# FP8 caches of a prefill large enough to stream (8 MiB or more written): whole 64-byte lines
+# (avx512), 32-byte halves (avx2), the scalar rounding (default); saturating, normal and
+# subnormal values.
+for fmt in (torch.float8_e4m3fn, torch.float8_e5m2):
+    q, k, v = (rand(1, 2048, h, 128, dtype=torch.float32)
+               * torch.tensor([300.0, 1.0, 3e-3])[torch.randint(0, 3, (1, 2048, h, 128), generator=g)]
+               for h in (8, 4, 4))
+    kc, vc = torch.zeros(1, 2056, 4, 128, dtype=fmt), torch.zeros(1, 2056, 4, 128, dtype=fmt)
+    F.rope_append_kv(q, k, v, kc, vc, offset=5, k_scale=0.37, v_scale=3.0)
+    out[("fp8_stream", str(fmt))] = (kc.view(torch.uint8), vc.view(torch.uint8))
 torch.save(out, sys.argv[1])
 """
 

@@ -278,3 +278,40 @@ def test_every_kind_of_float32_quantises_as_torch(fmt, scale):
         kc, vc = torch.zeros(4, 3, 1, d, dtype=fmt), torch.zeros(4, 3, 1, d, dtype=fmt)
         rope_append_kv(torch.zeros_like(v), k, v, kc, vc, v_scale=scale, rotary_dim=6 if d == 7 else None)
         assert torch.equal(vc.view(torch.uint8), quantise(v, fmt, scale).view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype,fmt,D,aligned,qk_norm", [
+    (torch.float32, torch.float8_e4m3fn, 128, True, False),
+    (torch.bfloat16, torch.float8_e5m2, 96, True, False),
+    (torch.float16, torch.float8_e4m3fn, 128, False, False),
+    (torch.bfloat16, torch.float8_e4m3fn, 128, True, True),
+])
+def test_large_prefill_into_fp8_caches_streams_with_the_same_bits(dtype, fmt, D, aligned, qk_norm):
+    """A prefill that writes 8 MiB or more (kStreamBytes) stores its FP8 cache rows' whole
+    64-byte lines with streaming stores where they are aligned (rows of 96 bytes: every other
+    head's row starts a line; a cache one byte off its allocation: none): the same bits as
+    eight calls small enough for plain stores, and the contract's (the quantised rows of the
+    float32 call)."""
+    g = torch.Generator().manual_seed(D + len(str(fmt)))
+    S, Hq, Hkv, offset = (2048 if dtype == torch.float32 else 4096), 8, 4, 3  # >= 12 MiB of q, k, v
+    q, k, v, kc, vc = make("bshd", dtype, fmt, D=D, Dv=D, g=g, B=1, S=S, Hq=Hq, Hkv=Hkv, L=S + 8)
+    if not aligned:
+        kc, vc = (torch.empty(c.numel() + 1, dtype=torch.uint8)[1:].view(c.shape).copy_(c.view(torch.uint8))
+                  .view(fmt) for c in (kc, vc))
+    norm = dict(q_weight=torch.rand(D, generator=g) + 0.5, k_weight=torch.rand(D, generator=g) + 0.5) if qk_norm else {}
+    kc_small, vc_small = kc.clone(), vc.clone()
+    scales = dict(k_scale=0.37, v_scale=torch.tensor(3.0))
+    got_q = rope_append_kv(q, k, v, kc, vc, offset=offset, **scales, **norm)
+    chunk = S // 8
+    parts = [rope_append_kv(q[:, s:s + chunk], k[:, s:s + chunk], v[:, s:s + chunk], kc_small, vc_small,
+                            offset=offset + s, **scales, **norm) for s in range(0, S, chunk)]
+    assert torch.equal(got_q, torch.cat(parts, 1))
+    assert torch.equal(kc.view(torch.uint8), kc_small.view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), vc_small.view(torch.uint8))
+    # The contract: the float32 call's rows, quantised; the rows around them keep their bits.
+    ref_k, ref_v = torch.full(kc.shape, math.nan), torch.full(vc.shape, math.nan)
+    rope_append_kv(q.float(), k.float(), v.float(), ref_k, ref_v, offset=offset, **norm)
+    for ref, cache, scale in ((ref_k, kc, 0.37), (ref_v, vc, 3.0)):
+        rows = cache.view(torch.uint8)[:, offset:offset + S]
+        assert torch.equal(rows, quantise(ref[:, offset:offset + S], fmt, scale).view(torch.uint8))
+        assert not ref[:, :offset].isfinite().any() and not ref[:, offset + S:].isfinite().any()

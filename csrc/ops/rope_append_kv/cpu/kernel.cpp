@@ -71,7 +71,7 @@ struct Fp8Bits {
 // addition for subnormals, as c10's), so the same bits as the scalar form. NaN lanes give
 // c10's NaN (0x7F) with their sign.
 template <bool kE4M3>
-inline void quantize8(const float* in, uint8_t* out, __m256 scale) {
+inline __m128i quantize8_bytes(const float* in, __m256 scale) {
   using B = Fp8Bits<kE4M3>;
   constexpr int kShift = B::kShift;
   constexpr uint32_t kNormalMin = B::kNormalMin, kDenormMask = B::kDenormMask, kBias = B::kBias;
@@ -96,7 +96,21 @@ inline void quantize8(const float* in, uint8_t* out, __m256 scale) {
       r, _mm256_setr_epi8(0, 4, 8, 12, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, -1, 0, 4, 8, 12, -1, -1, -1,
                           -1, -1, -1, -1, -1, -1, -1, -1, -1));
   const __m256i packed = _mm256_permutevar8x32_epi32(low, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
-  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_si128(packed);  // the 8 bytes in the low half
+}
+
+template <bool kE4M3>
+inline void quantize8(const float* in, uint8_t* out, __m256 scale) {
+  _mm_storel_epi64(reinterpret_cast<__m128i*>(out), quantize8_bytes<kE4M3>(in, scale));
+}
+
+// 32 values into 32 bytes at a 32-byte aligned `out` with one streaming store (stream_fence
+// after the last): the bits of quantize8's.
+template <bool kE4M3>
+inline void quantize32_stream(const float* in, uint8_t* out, __m256 scale) {
+  const __m128i lo = _mm_unpacklo_epi64(quantize8_bytes<kE4M3>(in, scale), quantize8_bytes<kE4M3>(in + 8, scale));
+  const __m128i hi = _mm_unpacklo_epi64(quantize8_bytes<kE4M3>(in + 16, scale), quantize8_bytes<kE4M3>(in + 24, scale));
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(out), _mm256_set_m128i(hi, lo));
 }
 #endif
 
@@ -106,16 +120,14 @@ POSENC_AVX512_WARNINGS_BEGIN
 // cpu_has_avx512()): the same steps, the blends as mask moves, the low bytes packed by one
 // truncating narrow (every lane holds a byte); the same bits. Returns the values done.
 template <bool kE4M3>
-POSENC_AVX512_TARGET int64_t quantize_avx512(const float* in, uint8_t* out, int64_t n, float scale_value) {
+POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m128i quantize16_bytes(const float* in, __m512 scale) {
   using B = Fp8Bits<kE4M3>;
   constexpr int kShift = B::kShift;
   constexpr uint32_t kNormalMin = B::kNormalMin, kDenormMask = B::kDenormMask, kBias = B::kBias;
-  const __m512 scale = _mm512_set1_ps(scale_value);
   const __m512 most = _mm512_set1_ps(kv_format_max(kE4M3 ? KvCacheFormat::kFloat8E4M3 : KvCacheFormat::kFloat8E5M2));
   const __m512i denorm_mask = _mm512_set1_epi32(static_cast<int>(kDenormMask));
-  int64_t j = 0;
-  for (; j + 16 <= n; j += 16) {
-    const __m512 y = _mm512_div_ps(_mm512_loadu_ps(in + j), scale);
+  {
+    const __m512 y = _mm512_div_ps(_mm512_loadu_ps(in), scale);
     const __m512i bits = _mm512_castps_si512(y);
     const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
     const __m512 mag = _mm512_min_ps(_mm512_castsi512_ps(_mm512_xor_si512(bits, sign)), most);  // saturate
@@ -129,26 +141,56 @@ POSENC_AVX512_TARGET int64_t quantize_avx512(const float* in, uint8_t* out, int6
                                       subnormal);
     r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7F));
     r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xFF)), _mm512_srli_epi32(sign, 24));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), _mm512_cvtepi32_epi8(r));
+    return _mm512_cvtepi32_epi8(r);
+  }
+}
+
+// n values quantised into `out`, 16 at a time; with `stream` and a 64-byte aligned `out`,
+// whole cache lines of 64 values by one streaming store each (a large call's cache rows: a
+// plain store first reads the line it overwrites; bfloat16 prefill (1, 2048, 32, 8, 128) into
+// e4m3 caches: benchmarks/NOTES.md). Returns the values done.
+template <bool kE4M3>
+POSENC_AVX512_TARGET int64_t quantize_avx512(const float* in, uint8_t* out, int64_t n, float scale_value, bool stream) {
+  const __m512 scale = _mm512_set1_ps(scale_value);
+  int64_t j = 0;
+  if (stream && reinterpret_cast<std::uintptr_t>(out) % 64 == 0) {
+    for (; j + 64 <= n; j += 64) {
+      __m512i line = _mm512_castsi128_si512(quantize16_bytes<kE4M3>(in + j, scale));
+      line = _mm512_inserti32x4(line, quantize16_bytes<kE4M3>(in + j + 16, scale), 1);
+      line = _mm512_inserti32x4(line, quantize16_bytes<kE4M3>(in + j + 32, scale), 2);
+      line = _mm512_inserti32x4(line, quantize16_bytes<kE4M3>(in + j + 48, scale), 3);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(out + j), line);
+    }
+  }
+  for (; j + 16 <= n; j += 16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + j), quantize16_bytes<kE4M3>(in + j, scale));
   }
   return j;
 }
 POSENC_AVX512_WARNINGS_END
 #endif
 
-// FP8 caches: n float32 values quantised into a cache row (element stride so).
-void quantize_row(const float* in, uint8_t* out, int64_t so, int64_t n, KvCacheFormat f, float scale) {
+// FP8 caches: n float32 values quantised into a cache row (element stride so); `stream`: a
+// large call's row, whose whole aligned lines may take streaming stores (stream_fence after
+// the last).
+void quantize_row(const float* in, uint8_t* out, int64_t so, int64_t n, KvCacheFormat f, float scale,
+                  bool stream = false) {
   int64_t j = 0;
 #if defined(CPU_CAPABILITY_AVX2)
   if (so == 1) {
+    const bool e4m3 = f == KvCacheFormat::kFloat8E4M3;
 #if defined(__GNUC__) || defined(__clang__)
     if (cpu_has_avx512()) {
-      j = f == KvCacheFormat::kFloat8E4M3 ? quantize_avx512<true>(in, out, n, scale)
-                                          : quantize_avx512<false>(in, out, n, scale);
+      j = e4m3 ? quantize_avx512<true>(in, out, n, scale, stream) : quantize_avx512<false>(in, out, n, scale, stream);
     }
 #endif
     const __m256 s = _mm256_set1_ps(scale);
-    if (f == KvCacheFormat::kFloat8E4M3) {
+    if (j == 0 && stream && reinterpret_cast<std::uintptr_t>(out) % 32 == 0) {
+      for (; j + 32 <= n; j += 32) {
+        e4m3 ? quantize32_stream<true>(in + j, out + j, s) : quantize32_stream<false>(in + j, out + j, s);
+      }
+    }
+    if (e4m3) {
       for (; j + 8 <= n; j += 8) quantize8<true>(in + j, out + j, s);
     } else {
       for (; j + 8 <= n; j += 8) quantize8<false>(in + j, out + j, s);
@@ -239,7 +281,7 @@ void normed_token(const KvCacheArgs& a, const QkNormRopeArgs& na, int64_t b, int
       for (int64_t h = 0; h < r.k.heads; ++h) {
         quantize_row(stage_out + h * D,
                      static_cast<uint8_t*>(a.k_cache) + outer * sc[0] + inner * sc[1] + h * sc[2], sc[3], D,
-                     a.k_format, a.k_scale);
+                     a.k_format, a.k_scale, stream);
       }
     }
   } else if (cached) {
@@ -322,7 +364,7 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
               const float* wide = widen_row(k_row, si[3], stage_in.data(), r.head_dim);
               rotate_row<float, float>(r, wide, 1, stage_out.data(), 1, angles);
               quantize_row(stage_out.data(), static_cast<uint8_t*>(a.k_cache) + k_at, sc[3],
-                           r.head_dim, a.k_format, a.k_scale);
+                           r.head_dim, a.k_format, a.k_scale, stream);
             }
           } else if (cached) {
             rotate_row<scalar_t, acc_t>(r, k_row, si[3], kc + k_at, sc[3], angles, stream);
@@ -343,7 +385,7 @@ void rope_append_kv_tokens(const KvCacheArgs& a) {
           if constexpr (kCanQuantize) {
             quantize_row(widen_row(v_row, sv[3], stage_in.data(), a.v_head_dim),
                          static_cast<uint8_t*>(a.v_cache) + v_at, svc[3], a.v_head_dim, a.v_format,
-                         a.v_scale);
+                         a.v_scale, stream);
           }
         } else {
           copy_row(v_row, sv[3], vc + v_at, svc[3], a.v_head_dim, stream);
