@@ -625,8 +625,8 @@ def test_a_norm_or_rotary_forward_replaced_is_run(fused_calls, monkeypatch):
     """The fused path computes the norms and the tables itself: a forward set on a norm or on
     the rotary module (a common hack for context extension), or assigned to the norm class,
     was never called (logits 0.07-0.21 off the unpatched model with the same edit; found by
-    an audit). Such layers now run their own path, as the unpatched model does; a forward
-    replaced before patching leaves the layers unfused from the start."""
+    an audit). Such layers now run their own path, as the unpatched model does; a class's
+    forward replaced before patching leaves the layers unfused from the start."""
     tokens = ids(2, 8)
     norm_class = type(tiny_model("qwen3").model.layers[0].self_attn.q_norm)
     original_norm = norm_class.forward
@@ -672,6 +672,26 @@ def test_a_hook_present_when_patched_stops_fusing_only_while_it_is_there(fused_c
     fused_calls.clear()
     logits(model, ids(2, 8))
     assert len(fused_calls) == 2
+
+
+def test_a_forward_set_on_an_instance_when_patched_stops_fusing_only_while_it_is_there(fused_calls):
+    """As hooks: a forward set on a norm's or the rotary module's instance is looked at per call
+    (one check, _fused_arguments): the layer runs its own path while it is there and fuses
+    once it is deleted (the check at patching also left such a layer unfused for good)."""
+    tokens = ids(2, 8)
+    for which in ("norm", "rotary"):
+        model = tiny_model("qwen3")
+        unpatched = copy.deepcopy(model)
+        module = model.model.layers[0].self_attn.q_norm if which == "norm" else model.model.rotary_emb
+        module.forward = module.forward  # the class's forward, set on the instance
+        integration.apply_posenc_rope(model, qk_norm=True)
+        fused_calls.clear()
+        torch.testing.assert_close(logits(model, tokens), logits(unpatched, tokens), **TOL)
+        assert len(fused_calls) == (1 if which == "norm" else 0), which
+        del module.forward
+        fused_calls.clear()
+        torch.testing.assert_close(logits(model, tokens), logits(unpatched, tokens), **TOL)
+        assert len(fused_calls) == 2, which
 
 
 def test_compiled_patched_model_fuses_and_refuses_an_in_place_edit():

@@ -98,7 +98,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
 import transformers.cache_utils
 
 import posenc.functional
-from posenc._common import _forward_as_written, _runs_as_written, _written_forward
+from posenc._common import _runs_as_written, _written_forward
 from posenc._rope import LENGTH_SCALED_TYPES, RopeConfig
 
 __all__ = [
@@ -464,10 +464,10 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
             or norm_class.__module__ != attn._posenc_base.__module__):
         return None
     rotary, buffer, scaling_name, holder, attribute = source
+    # The forwards as the classes were written; whether a call runs them (and no hook) is
+    # looked at per call (_fused_arguments), where a forward replaced before or after this runs
+    # the layer's own path.
     norm_forward, rotary_forward = _written_forward(norm_class), _written_forward(type(rotary))
-    if not all(_forward_as_written(*pair) for pair in ((attn.q_norm, norm_forward), (attn.k_norm, norm_forward),
-                                                        (rotary, rotary_forward))):
-        return None  # a forward replaced already (hooks are looked at per call)
     inv_freq = rotary._buffers[buffer]
     scaling = getattr(rotary, scaling_name, None)
     if (inv_freq.dtype != torch.float32 or inv_freq.dim() != 1 or isinstance(scaling, bool)
