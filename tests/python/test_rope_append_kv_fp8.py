@@ -285,6 +285,7 @@ def test_every_kind_of_float32_quantises_as_torch(fmt, scale):
     (torch.bfloat16, torch.float8_e5m2, 96, True, False),
     (torch.float16, torch.float8_e4m3fn, 128, False, False),
     (torch.bfloat16, torch.float8_e4m3fn, 128, True, True),
+    (torch.float32, torch.float8_e5m2, 128, True, True),
 ])
 def test_large_prefill_into_fp8_caches_streams_with_the_same_bits(dtype, fmt, D, aligned, qk_norm):
     """A prefill that writes 8 MiB or more (kStreamBytes) stores its FP8 cache rows' whole

@@ -118,7 +118,7 @@ inline void quantize32_stream(const float* in, uint8_t* out, __m256 scale) {
 POSENC_AVX512_WARNINGS_BEGIN
 // quantize8 on 16 lanes for CPUs with AVX-512 (compiled by target attribute, called where
 // cpu_has_avx512()): the same steps, the blends as mask moves, the low bytes packed by one
-// truncating narrow (every lane holds a byte); the same bits. Returns the values done.
+// truncating narrow (every lane holds a byte); the same bits: the 16 bytes.
 template <bool kE4M3>
 POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m128i quantize16_bytes(const float* in, __m512 scale) {
   using B = Fp8Bits<kE4M3>;
@@ -126,23 +126,21 @@ POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m128i quantize16_by
   constexpr uint32_t kNormalMin = B::kNormalMin, kDenormMask = B::kDenormMask, kBias = B::kBias;
   const __m512 most = _mm512_set1_ps(kv_format_max(kE4M3 ? KvCacheFormat::kFloat8E4M3 : KvCacheFormat::kFloat8E5M2));
   const __m512i denorm_mask = _mm512_set1_epi32(static_cast<int>(kDenormMask));
-  {
-    const __m512 y = _mm512_div_ps(_mm512_loadu_ps(in), scale);
-    const __m512i bits = _mm512_castps_si512(y);
-    const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
-    const __m512 mag = _mm512_min_ps(_mm512_castsi512_ps(_mm512_xor_si512(bits, sign)), most);  // saturate
-    const __m512i a = _mm512_castps_si512(mag);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, kShift), _mm512_set1_epi32(1));
-    const __m512i normal = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(kBias))), odd), kShift);
-    const __m512i subnormal =
-        _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(mag, _mm512_castsi512_ps(denorm_mask))), denorm_mask);
-    __m512i r = _mm512_mask_mov_epi32(normal, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(kNormalMin)), a),
-                                      subnormal);
-    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7F));
-    r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xFF)), _mm512_srli_epi32(sign, 24));
-    return _mm512_cvtepi32_epi8(r);
-  }
+  const __m512 y = _mm512_div_ps(_mm512_loadu_ps(in), scale);
+  const __m512i bits = _mm512_castps_si512(y);
+  const __m512i sign = _mm512_and_si512(bits, _mm512_set1_epi32(INT32_MIN));
+  const __m512 mag = _mm512_min_ps(_mm512_castsi512_ps(_mm512_xor_si512(bits, sign)), most);  // saturate
+  const __m512i a = _mm512_castps_si512(mag);
+  const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(a, kShift), _mm512_set1_epi32(1));
+  const __m512i normal = _mm512_srli_epi32(
+      _mm512_add_epi32(_mm512_add_epi32(a, _mm512_set1_epi32(static_cast<int>(kBias))), odd), kShift);
+  const __m512i subnormal =
+      _mm512_sub_epi32(_mm512_castps_si512(_mm512_add_ps(mag, _mm512_castsi512_ps(denorm_mask))), denorm_mask);
+  __m512i r = _mm512_mask_mov_epi32(normal, _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(kNormalMin)), a),
+                                    subnormal);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(y, y, _CMP_UNORD_Q), _mm512_set1_epi32(0x7F));
+  r = _mm512_or_si512(_mm512_and_si512(r, _mm512_set1_epi32(0xFF)), _mm512_srli_epi32(sign, 24));
+  return _mm512_cvtepi32_epi8(r);
 }
 
 // n values quantised into `out`, 16 at a time; with `stream` and a 64-byte aligned `out`,
