@@ -22,6 +22,12 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 transformers = pytest.importorskip("transformers")
 from posenc.integrations import transformers as integration  # noqa: E402
 
+# Whether transformers runs with the kernels package (transformers 5.25 requires it): its
+# rotation functions are then nn.Module instances (use_kernel_forward_from_hub). The suite runs
+# as installed; test_the_integration_without_the_kernels_package runs its core again without.
+KERNELS = isinstance(importlib.import_module("transformers.models.llama.modeling_llama").apply_rotary_pos_emb,
+                     torch.nn.Module)
+
 COMMON = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256)
 CONFIGS = {
@@ -233,8 +239,11 @@ def test_patch_is_per_type_idempotent_and_reversible():
     integration.apply_posenc_rope_to("llama")
     integration.apply_posenc_rope("llama")  # twice: still one saved original
     integration.apply_posenc_rope(transformers.GPTJConfig())
-    assert llama.apply_rotary_pos_emb is integration.posenc_apply_rotary_pos_emb
-    assert gptj.apply_rotary_pos_emb is integration.posenc_gptj_apply_rotary_pos_emb
+    # What the modeling module's call runs; with the kernels package (which transformers 5.25
+    # installs) the functions are modules, and the patched ones stay modules of their class.
+    assert integration._runs(llama.apply_rotary_pos_emb) is integration.posenc_apply_rotary_pos_emb
+    assert integration._runs(gptj.apply_rotary_pos_emb) is integration.posenc_gptj_apply_rotary_pos_emb
+    assert type(llama.apply_rotary_pos_emb) is (type(original) if KERNELS else type(lambda: 0))
     integration.revert_posenc_rope("llama")
     assert llama.apply_rotary_pos_emb is original and integration.is_patched("gptj")
     integration.revert_posenc_rope()
@@ -246,6 +255,34 @@ def test_patch_is_per_type_idempotent_and_reversible():
     with integration.posenc_rope("qwen2"):
         pass
     assert integration.is_patched("qwen2")  # patched before the block: left patched
+
+
+def test_the_integration_without_the_kernels_package():
+    """transformers without the kernels package (5.24 and earlier, or a --no-deps install):
+    plain functions where 5.25 has modules. With kernels installed, the core tests again in a
+    process that hides it (conftest's POSENC_TEST_HIDE_KERNELS); without it, this suite is that
+    run already."""
+    import os
+    import subprocess
+    import sys
+
+    if not KERNELS:
+        pytest.skip("transformers runs without the kernels package here: the suite itself covers it")
+    env = dict(os.environ, POSENC_TEST_HIDE_KERNELS="1", OMP_NUM_THREADS="1")
+    hidden = subprocess.run(
+        [sys.executable, "-c", "import sys; sys.modules['kernels'] = None; import torch; "
+         "import transformers.models.llama.modeling_llama as m; print(type(m.apply_rotary_pos_emb).__name__)"],
+        env=env, capture_output=True, text=True, timeout=300)
+    assert hidden.stdout.strip() == "function", hidden.stderr[-2000:]
+    tests = ["test_integrations_transformers.py::test_logits_gradients_and_generation_match",
+             "test_integrations_transformers.py::test_patch_is_per_type_idempotent_and_reversible",
+             "test_integrations_transformers_qk_norm.py::test_hooked_or_replaced_norms_run_as_the_model_runs_them"]
+    here = pathlib.Path(__file__).parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist",
+                          *(str(here / t) for t in tests)], env=env, capture_output=True, text=True, timeout=900,
+                         cwd=ROOT)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    assert f"{len(CONFIGS) + 2} passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
 
 def test_patch_and_revert_from_several_threads():

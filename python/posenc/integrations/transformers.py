@@ -9,7 +9,11 @@ replaces the ``apply_rotary_pos_emb`` function of the model's modeling module
 :func:`posenc.functional.apply_rope_cos_sin` on the cos/sin tables the model computed, as
 Liger-Kernel's ``apply_liger_kernel_to_llama(rope=True)`` does. The patch is per model type,
 not per instance: every model of that type in the process uses it until
-:func:`revert_posenc_rope`. :func:`posenc_rope` is the same as a context manager.
+:func:`revert_posenc_rope`. :func:`posenc_rope` is the same as a context manager. With the
+``kernels`` package (which transformers 5.25 requires), transformers' function is an
+``nn.Module`` (``use_kernel_forward_from_hub``): the patch puts a copy of that module whose
+``forward`` is posenc's in its place, so the call stays a module call (module hooks fire; the
+kernels package still finds the module's class by name), and revert puts the original back.
 
 Supported model types: see ``SUPPORTED_MODEL_TYPES``. Llama, Mistral, Qwen2, Qwen3, Gemma and
 GPT-NeoX share transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (halves
@@ -40,7 +44,9 @@ computes something else), the layer's own norms and
 then :func:`posenc.functional.apply_rope_cos_sin` on the given (cos, sin), so every call path
 computes what the unpatched layer computes (compiled code, which cannot see a buffer edited in
 place, raises instead: docs/integrations.md); no ``position_embeddings`` is a ValueError naming
-it. With a ``transformers.StaticCache`` (``generate(..., cache_implementation="static")``), a
+it. With the ``kernels`` package (its rotation a module), a call that does not fuse runs the
+class's own forward instead, whose rotation kernels routes through module calls a hook sees.
+With a ``transformers.StaticCache`` (``generate(..., cache_implementation="static")``), a
 fused layer whose cache layer is a plain ``StaticLayer`` also writes its keys and values there
 in the same call, :func:`posenc.functional.rope_append_kv` with ``q_weight`` / ``k_weight``, at
 the rows the layer's ``update`` would (its ``cumulative_length`` onwards, read on the device:
@@ -77,6 +83,7 @@ missing); ``import posenc`` does not.
 from __future__ import annotations
 
 import contextlib
+import copy
 import copyreg
 import importlib
 import inspect
@@ -98,7 +105,7 @@ except ImportError as error:  # pragma: no cover - exercised by a test that hide
 import transformers.cache_utils
 
 import posenc.functional
-from posenc._common import _runs_as_written, _written_forward
+from posenc._common import _own_hooks, _runs_as_written, _written_forward
 from posenc._rope import LENGTH_SCALED_TYPES, RopeConfig
 
 __all__ = [
@@ -270,23 +277,46 @@ def apply_posenc_rope_to(model_type: str) -> None:
         _patch(module, model_type)
 
 
+def _runs(function: Any) -> Any:
+    """What a call of a modeling module's rotation function runs: the function itself, or, where
+    the ``kernels`` package (which transformers 5.25 installs) made it a module
+    (``use_kernel_forward_from_hub``: an ``nn.Module`` whose forward calls the function), that
+    module's forward (posenc's replacement once patched)."""
+    if isinstance(function, torch.nn.Module):
+        return function.__dict__.get("forward", function.forward)
+    return function
+
+
+def _replaced(current: Any, replacement: Callable) -> Any:
+    """What the modeling module holds while patched: the replacement; where transformers holds a
+    kernels module, a copy of that module whose forward is the replacement, so that the call
+    stays a module call (global module hooks see it as they see the unpatched call; its hooks
+    are the original's) and the kernels package's lookups of the name (``type(...)()`` when a
+    model's private copy is unpickled) still find its class."""
+    if not isinstance(current, torch.nn.Module):
+        return replacement
+    patched = copy.copy(current)
+    patched.forward = replacement
+    return patched
+
+
 def _patch(module: Any, model_type: str) -> None:
     todo = []
     for name, replacement, expected in _PATCHES[model_type]:
         current = getattr(module, name, None)
-        if current is replacement:
-            continue
         if current is None:
             raise RuntimeError(f"apply_posenc_rope: {module.__name__} has no {name} to patch "
                                f"(transformers {transformers.__version__})")
-        names = tuple(inspect.signature(current).parameters)[: len(expected)]
+        if _runs(current) is replacement:
+            continue
+        names = tuple(inspect.signature(_runs(current)).parameters)[: len(expected)]
         if names != expected:
             raise RuntimeError(f"apply_posenc_rope: {module.__name__}.{name} takes {names}, not {expected} as the "
                                f"posenc replacement expects (transformers {transformers.__version__})")
         todo.append((name, replacement, current))
     for name, replacement, current in todo:
         _ORIGINALS[(module.__name__, name)] = current
-        setattr(module, name, replacement)
+        setattr(module, name, _replaced(current, replacement))
 
 
 def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
@@ -535,6 +565,13 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
         return None
     if getattr(rotary, scaling_name, None) != scaling:  # reassigned (compiled code guards on it)
         return None
+    # The modeling module's rotation, where the kernels package made it a module: one whose
+    # call a hook would see, or whose forward is neither its class's nor posenc's, runs.
+    rotation = type(attn)._posenc_modeling.apply_rotary_pos_emb
+    if isinstance(rotation, torch.nn.Module) and (
+            _own_hooks(rotation) or rotation.__dict__.get("forward", posenc_apply_rotary_pos_emb)
+            is not posenc_apply_rotary_pos_emb):
+        return None
     if not isinstance(positions, Tensor) or positions.dtype != torch.int64:  # the op's dtype (int32 falls back)
         return None
     if positions.dim() not in (1, 2) or len(input_shape) != 2 or positions.shape[-1] != input_shape[1]:
@@ -580,6 +617,7 @@ class _PosencQKNormAttention:
     _posenc_attention_functions: Any
     _posenc_sliding_window: bool
     _posenc_rotation_keeps_dtype: bool
+    _posenc_modeling: Any  # the attention class's modeling module
 
     def forward(self, hidden_states: Tensor, position_embeddings: Optional[Tuple[Tensor, Tensor]] = None,
                 attention_mask: Optional[Tensor] = None, cache: Any = None, **kwargs: Any):
@@ -597,12 +635,17 @@ class _PosencQKNormAttention:
                              f"argument position_embeddings (the (cos, sin) tables of the model's rotary embedding); "
                              f"transformers' own forward needs it too")
         input_shape = hidden_states.shape[:-1]
+        fused = _fused_arguments(self, kwargs.get("position_ids"), input_shape)
+        if fused is None and isinstance(cls._posenc_modeling.apply_rotary_pos_emb, torch.nn.Module):
+            # The kernels package's module rotation (transformers 5.25 installs kernels): the
+            # class's own forward, which calls it as kernels routes it (through the instance's
+            # private copy: two module calls a hook sees).
+            return cls._posenc_base.forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states)
         key_states = self.k_proj(hidden_states)
         value_states = self.v_proj(hidden_states).view(hidden_shape).transpose(1, 2)
 
-        fused = _fused_arguments(self, kwargs.get("position_ids"), input_shape)
         if (fused is not None and not cls._posenc_rotation_keeps_dtype
                 and _promoted_dtype(query_states, self.q_norm.weight, self.k_norm.weight,
                                     *position_embeddings) != query_states.dtype):
@@ -635,10 +678,18 @@ class _PosencQKNormAttention:
                 query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
                 key_states = self.k_norm(key_states.view(hidden_shape)).transpose(1, 2)
             cos, sin = position_embeddings
-            if not cls._posenc_rotation_keeps_dtype:  # the model's rotation promotes (not OLMo 2's)
-                query_states, key_states = _promoted(query_states, cos, sin), _promoted(key_states, cos, sin)
-            query_states, key_states = posenc.functional.apply_rope_cos_sin(
-                query_states, key_states, cos, sin, layout="bhsd")
+            rotation = cls._posenc_modeling.apply_rotary_pos_emb
+            if isinstance(rotation, torch.nn.Module):
+                # The kernels package's module (transformers 5.25 installs it), where a fusable
+                # call's dtypes promote (autocast): called as the model calls it (its forward is
+                # posenc's rotation while apply_posenc_rope(model) patches the type, else
+                # transformers'); a hook sees it once, not also kernels' private copy.
+                query_states, key_states = rotation(query_states, key_states, cos, sin)
+            else:
+                if not cls._posenc_rotation_keeps_dtype:  # the model's rotation promotes (not OLMo 2's)
+                    query_states, key_states = _promoted(query_states, cos, sin), _promoted(key_states, cos, sin)
+                query_states, key_states = posenc.functional.apply_rope_cos_sin(
+                    query_states, key_states, cos, sin, layout="bhsd")
 
         if cache is not None and layer is None:
             key_states, value_states = cache.update(key_states, value_states, self.layer_idx, kwargs=kwargs)
@@ -700,6 +751,7 @@ def _qk_norm_class(base: type, norm: str, weight_offset: float) -> type:
             "_posenc_attention_functions": functions,
             "_posenc_sliding_window": "sliding_window" in code.co_names,
             "_posenc_rotation_keeps_dtype": base.__module__ in _ROTATION_KEEPS_DTYPE,
+            "_posenc_modeling": module,
         })
         _QK_NORM_CLASSES[key] = cls
         return cls
@@ -757,7 +809,7 @@ def is_patched(model: Union[Any, str]) -> bool:
     """Whether ``model``'s type (a model, config or model-type string) currently uses posenc."""
     model_type = _model_type(model)
     module = _modeling_module(model_type)
-    return all(getattr(module, name, None) is replacement for name, replacement, _ in _PATCHES[model_type])
+    return all(_runs(getattr(module, name, None)) is replacement for name, replacement, _ in _PATCHES[model_type])
 
 
 @contextlib.contextmanager
