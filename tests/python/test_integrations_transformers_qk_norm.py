@@ -694,6 +694,41 @@ def test_a_forward_set_on_an_instance_when_patched_stops_fusing_only_while_it_is
         assert len(fused_calls) == 2, which
 
 
+def test_a_hook_on_the_kernels_rotation_or_its_private_copy_is_seen(fused_calls):
+    """With the kernels package (transformers 5.25 requires it), the model's rotation is a
+    module call, routed through each attention layer's private copy of the module: a hook on
+    either (changing the output here) runs as in the unpatched model, and the layer does not
+    fuse while it is there (a hook on the private copy was missed by a first version)."""
+    rotation = importlib.import_module("transformers.models.qwen3.modeling_qwen3").apply_rotary_pos_emb
+    if not isinstance(rotation, torch.nn.Module):
+        pytest.skip("transformers runs without the kernels package here: its rotation is a function")
+
+    def scale(module, args, output):
+        return tuple(t * 1.25 for t in output)
+
+    tokens = ids(2, 8)
+    for which in ("global", "private"):
+        model = tiny_model("qwen3")
+        unpatched = copy.deepcopy(model)
+        integration.apply_posenc_rope(model, qk_norm=True)
+        if which == "global":
+            handles = [rotation.register_forward_hook(scale)]
+        else:
+            handles = [m.model.layers[0].self_attn._kernel_funcs["rotary_pos_emb"].register_forward_hook(scale)
+                       for m in (model, unpatched)]
+        fused_calls.clear()
+        try:
+            got, want = logits(model, tokens), logits(unpatched, tokens)
+        finally:
+            for h in handles:
+                h.remove()
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, which=which: f"{which}: {m}")
+        assert len(fused_calls) == (0 if which == "global" else 1), which
+        fused_calls.clear()
+        logits(model, tokens)
+        assert len(fused_calls) == 2, which  # fused again once the hook is gone
+
+
 def test_compiled_patched_model_fuses_and_refuses_an_in_place_edit():
     """torch.compile of a patched model: the unpatched model's logits, through the fused op.
     An in-place edit of inv_freq after patching, which eager calls see by the buffer's version

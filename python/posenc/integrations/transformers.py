@@ -11,9 +11,10 @@ Liger-Kernel's ``apply_liger_kernel_to_llama(rope=True)`` does. The patch is per
 not per instance: every model of that type in the process uses it until
 :func:`revert_posenc_rope`. :func:`posenc_rope` is the same as a context manager. With the
 ``kernels`` package (which transformers 5.25 requires), transformers' function is an
-``nn.Module`` (``use_kernel_forward_from_hub``): the patch puts a copy of that module whose
-``forward`` is posenc's in its place, so the call stays a module call (module hooks fire; the
-kernels package still finds the module's class by name), and revert puts the original back.
+``nn.Module`` (``use_kernel_forward_from_hub``): the patch sets posenc's function as that
+module's own ``forward``, so the call stays a module call (module hooks fire; the kernels
+package still finds the module's class by name; compiled code sees the change and
+recompiles), and revert puts its forward back.
 
 Supported model types: see ``SUPPORTED_MODEL_TYPES``. Llama, Mistral, Qwen2, Qwen3, Gemma and
 GPT-NeoX share transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (halves
@@ -83,7 +84,6 @@ missing); ``import posenc`` does not.
 from __future__ import annotations
 
 import contextlib
-import copy
 import copyreg
 import importlib
 import inspect
@@ -239,7 +239,8 @@ _PATCHES: Dict[str, Tuple[Tuple[str, Callable, Tuple[str, ...]], ...]] = {
 SUPPORTED_MODEL_TYPES: Tuple[str, ...] = tuple(_PATCHES)
 
 # (modeling module name, function name) -> transformers' own function, while patched.
-_ORIGINALS: Dict[Tuple[str, str], Callable] = {}
+# (a kernels module: the module and its own forward before, _NO_FORWARD for none)
+_ORIGINALS: Dict[Tuple[str, str], Any] = {}
 _ORIGINALS_LOCK = threading.Lock()  # patch and revert from several threads: one at a time
 
 
@@ -287,17 +288,7 @@ def _runs(function: Any) -> Any:
     return function
 
 
-def _replaced(current: Any, replacement: Callable) -> Any:
-    """What the modeling module holds while patched: the replacement; where transformers holds a
-    kernels module, a copy of that module whose forward is the replacement, so that the call
-    stays a module call (global module hooks see it as they see the unpatched call; its hooks
-    are the original's) and the kernels package's lookups of the name (``type(...)()`` when a
-    model's private copy is unpickled) still find its class."""
-    if not isinstance(current, torch.nn.Module):
-        return replacement
-    patched = copy.copy(current)
-    patched.forward = replacement
-    return patched
+_NO_FORWARD = object()  # a kernels module without a forward of its own (its class's runs)
 
 
 def _patch(module: Any, model_type: str) -> None:
@@ -315,8 +306,30 @@ def _patch(module: Any, model_type: str) -> None:
                                f"posenc replacement expects (transformers {transformers.__version__})")
         todo.append((name, replacement, current))
     for name, replacement, current in todo:
-        _ORIGINALS[(module.__name__, name)] = current
-        setattr(module, name, _replaced(current, replacement))
+        if isinstance(current, torch.nn.Module):
+            # The kernels package's module (transformers 5.25 requires kernels): its own forward
+            # becomes posenc's, the module stays in place. The call stays a module call (module
+            # hooks fire), kernels finds the module's class where it looks it up by name
+            # (unpickling a model), and compiled code recompiles: dynamo guards the forward
+            # in that module's __dict__ (reached through kernels' wrapper of the attention's
+            # forward), not the modeling module's name, so a copy put there was not seen by
+            # code compiled before the patch.
+            _ORIGINALS[(module.__name__, name)] = (current, current.__dict__.get("forward", _NO_FORWARD))
+            current.forward = replacement
+        else:
+            _ORIGINALS[(module.__name__, name)] = current
+            setattr(module, name, replacement)
+
+
+def _restore(module_name: str, name: str, saved: Any) -> None:
+    if isinstance(saved, tuple):  # a kernels module: its own forward as it was
+        current, forward = saved
+        if forward is _NO_FORWARD:
+            current.__dict__.pop("forward", None)
+        else:
+            current.forward = forward
+    else:
+        setattr(importlib.import_module(module_name), name, saved)
 
 
 def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
@@ -538,6 +551,18 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
     return None
 
 
+def _kernels_module_as_written(module: Any) -> bool:
+    """Whether a kernels rotation module (or a layer's private copy of it) runs its class's
+    forward (kernelize may bind it on the instance) or posenc's, without hooks of its own."""
+    if not isinstance(module, torch.nn.Module):
+        return True
+    if _own_hooks(module):
+        return False
+    forward = module.__dict__.get("forward")
+    return (forward is None or forward is posenc_apply_rotary_pos_emb
+            or getattr(forward, "__func__", None) is type(module).forward)
+
+
 def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Optional[dict]:
     """qk_norm_rope's keyword arguments when the layer is fusable (_fused_settings: its rotary
     module still holds the buffer that was checked, unchanged) and the call has position_ids
@@ -565,12 +590,12 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
         return None
     if getattr(rotary, scaling_name, None) != scaling:  # reassigned (compiled code guards on it)
         return None
-    # The modeling module's rotation, where the kernels package made it a module: one whose
-    # call a hook would see, or whose forward is neither its class's nor posenc's, runs.
+    # The modeling module's rotation, where the kernels package made it a module, and the
+    # layer's private copies of it that kernels routes the call through: one whose call a hook
+    # would see, or whose forward is neither its class's nor posenc's, runs.
     rotation = type(attn)._posenc_modeling.apply_rotary_pos_emb
-    if isinstance(rotation, torch.nn.Module) and (
-            _own_hooks(rotation) or rotation.__dict__.get("forward", posenc_apply_rotary_pos_emb)
-            is not posenc_apply_rotary_pos_emb):
+    if isinstance(rotation, torch.nn.Module) and not all(
+            _kernels_module_as_written(f) for f in (rotation, *attn.__dict__.get("_kernel_funcs", {}).values())):
         return None
     if not isinstance(positions, Tensor) or positions.dtype != torch.int64:  # the op's dtype (int32 falls back)
         return None
@@ -636,10 +661,13 @@ class _PosencQKNormAttention:
                              f"transformers' own forward needs it too")
         input_shape = hidden_states.shape[:-1]
         fused = _fused_arguments(self, kwargs.get("position_ids"), input_shape)
-        if fused is None and isinstance(cls._posenc_modeling.apply_rotary_pos_emb, torch.nn.Module):
-            # The kernels package's module rotation (transformers 5.25 installs kernels): the
-            # class's own forward, which calls it as kernels routes it (through the instance's
-            # private copy: two module calls a hook sees).
+        if isinstance(cls._posenc_modeling.apply_rotary_pos_emb, torch.nn.Module) and (
+                fused is None or (torch.is_autocast_enabled(hidden_states.device.type)
+                                  and not cls._posenc_rotation_keeps_dtype)):
+            # The kernels package's module rotation (transformers 5.25 installs kernels): a call
+            # that does not fuse (under autocast, the promotion below would stop it) runs the
+            # class's own forward, which calls the rotation as kernels routes it (through the
+            # instance's private copy: two module calls a hook sees).
             return cls._posenc_base.forward(self, hidden_states, position_embeddings, attention_mask, cache, **kwargs)
         hidden_shape = (*input_shape, -1, self.head_dim)
         query_states = self.q_proj(hidden_states)
@@ -680,10 +708,10 @@ class _PosencQKNormAttention:
             cos, sin = position_embeddings
             rotation = cls._posenc_modeling.apply_rotary_pos_emb
             if isinstance(rotation, torch.nn.Module):
-                # The kernels package's module (transformers 5.25 installs it), where a fusable
-                # call's dtypes promote (autocast): called as the model calls it (its forward is
-                # posenc's rotation while apply_posenc_rope(model) patches the type, else
-                # transformers'); a hook sees it once, not also kernels' private copy.
+                # The kernels package's module, where a fusable call's dtypes promote without
+                # autocast (norm weights or tables of another dtype than q): called as the model
+                # calls it (its forward posenc's while apply_posenc_rope(model) patches the
+                # type, else transformers'); a hook sees it once, not also kernels' private copy.
                 query_states, key_states = rotation(query_states, key_states, cos, sin)
             else:
                 if not cls._posenc_rotation_keeps_dtype:  # the model's rotation promotes (not OLMo 2's)
@@ -802,7 +830,7 @@ def revert_posenc_rope(model: Optional[Union[Any, str]] = None) -> None:
     module = None if model is None else _modeling_module(_model_type(model)).__name__
     with _ORIGINALS_LOCK:
         for module_name, name in [key for key in _ORIGINALS if module is None or key[0] == module]:
-            setattr(importlib.import_module(module_name), name, _ORIGINALS.pop((module_name, name)))
+            _restore(module_name, name, _ORIGINALS.pop((module_name, name)))
 
 
 def is_patched(model: Union[Any, str]) -> bool:
