@@ -16,7 +16,8 @@ module's own ``forward``, so the call stays a module call (module hooks fire; th
 package still finds the module's class by name; compiled code sees the change and
 recompiles), and revert puts its forward back.
 
-Supported model types: see ``SUPPORTED_MODEL_TYPES``. Llama, Mistral, Qwen2, Qwen3, Gemma and
+Supported model types: see ``SUPPORTED_MODEL_TYPES``. Llama, Mistral, Mixtral, Qwen2,
+Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma 2, Granite, Phi, Starcoder2, OLMoE, SmolLM3 and
 GPT-NeoX share transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (halves
 convention; GPT-NeoX's partial rotary included); GPT-J has its own
 ``apply_rotary_pos_emb(tensor, sin, cos)`` over adjacent pairs (``rotate_every_two``), routed
@@ -228,6 +229,18 @@ _PATCHES: Dict[str, Tuple[Tuple[str, Callable, Tuple[str, ...]], ...]] = {
     "qwen2": (_LLAMA_STYLE,),
     "qwen3": (_LLAMA_STYLE,),
     "gemma": (_LLAMA_STYLE,),
+    # Llama's apply_rotary_pos_emb and rotate_half verbatim in their modeling modules
+    # (transformers 5.25; Phi rotates the leading partial_rotary_factor of each head, slicing
+    # before the call), each checked against the unpatched model by the tests.
+    "mixtral": (_LLAMA_STYLE,),
+    "qwen2_moe": (_LLAMA_STYLE,),
+    "qwen3_moe": (_LLAMA_STYLE,),
+    "gemma2": (_LLAMA_STYLE,),
+    "granite": (_LLAMA_STYLE,),
+    "phi": (_LLAMA_STYLE,),
+    "starcoder2": (_LLAMA_STYLE,),
+    "olmoe": (_LLAMA_STYLE,),
+    "smollm3": (_LLAMA_STYLE,),
     "gpt_neox": (_LLAMA_STYLE,),
     "gptj": (("apply_rotary_pos_emb", posenc_gptj_apply_rotary_pos_emb, ("tensor", "sin", "cos")),),
     # MLA: the rotary part q_rot / k_rot of each head; rope_interleave (the default) takes the
