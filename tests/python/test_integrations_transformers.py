@@ -302,6 +302,30 @@ def test_the_integration_without_the_kernels_package():
     assert f"{len(CONFIGS) + 3} passed" in run.stdout and "skipped" not in run.stdout, run.stdout[-2000:]
 
 
+def test_revert_gives_a_kernels_module_its_own_forward_back():
+    """With the kernels package, the patch sets posenc's function as the module's own forward;
+    revert restores what the module had: no forward of its own, or the one it had (kernelize
+    binds one), not posenc's and not none."""
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    rotation = llama.apply_rotary_pos_emb
+    if not isinstance(rotation, torch.nn.Module):
+        pytest.skip("transformers runs without the kernels package here: its rotation is a function")
+    assert "forward" not in rotation.__dict__
+    integration.apply_posenc_rope("llama")
+    assert rotation.__dict__["forward"] is integration.posenc_apply_rotary_pos_emb
+    integration.revert_posenc_rope("llama")
+    assert "forward" not in rotation.__dict__ and llama.apply_rotary_pos_emb is rotation
+    own = type(rotation).forward.__get__(rotation)  # a forward of its own, as kernelize binds one
+    rotation.forward = own
+    try:
+        integration.apply_posenc_rope("llama")
+        assert integration.is_patched("llama")
+        integration.revert_posenc_rope("llama")
+        assert rotation.__dict__["forward"] is own and not integration.is_patched("llama")
+    finally:
+        rotation.__dict__.pop("forward", None)
+
+
 def test_a_patch_after_compiling_is_seen_by_the_compiled_model():
     """Code compiled before the patch (or the first of two models compiled before the second is
     patched) runs posenc after it, and transformers' rotation again after revert: with the

@@ -307,7 +307,9 @@ def test_the_plain_patch_reverted_under_a_qk_norm_model(fused_calls):
     want, want_other = logits(model, tokens), logits(other, tokens)
     integration.apply_posenc_rope("qwen3")
     integration.apply_posenc_rope(model, qk_norm=True)
+    del fused_calls[:]
     torch.testing.assert_close(logits(model, tokens), want, **TOL)
+    assert len(fused_calls) == model.config.num_hidden_layers  # both patches on: still fused
     torch.testing.assert_close(logits(other, tokens), want_other, **TOL)  # through the per-type patch
     integration.revert_posenc_rope("qwen3")
     del fused_calls[:]
@@ -727,6 +729,30 @@ def test_a_hook_on_the_kernels_rotation_or_its_private_copy_is_seen(fused_calls)
         fused_calls.clear()
         logits(model, tokens)
         assert len(fused_calls) == 2, which  # fused again once the hook is gone
+
+
+def test_a_forward_set_on_the_kernels_rotation_after_compiling_is_followed():
+    """A forward set on the kernels rotation module after torch.compile: compiled code follows
+    it (it guards the module's forward; it kept fusing, 0.11 off the unpatched model, in a
+    first version). No call-counting wrapper here: one around the op changes what dynamo
+    traces and guards."""
+    rotation = importlib.import_module("transformers.models.qwen3.modeling_qwen3").apply_rotary_pos_emb
+    if not isinstance(rotation, torch.nn.Module):
+        pytest.skip("transformers runs without the kernels package here: its rotation is a function")
+    tokens = ids(2, 8)
+    model = tiny_model("qwen3")
+    unpatched = copy.deepcopy(model)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    compiled = torch.compile(model, backend="eager")
+    with torch.no_grad():
+        before = compiled(tokens).logits
+        rotation.forward = lambda *args: tuple(t * 1.25 for t in type(rotation).forward(rotation, *args))
+        try:
+            got, want = compiled(tokens).logits, unpatched(tokens).logits
+        finally:
+            del rotation.forward
+    torch.testing.assert_close(got, want, **TOL)
+    assert (got - before).abs().max() > 0.01
 
 
 def test_compiled_patched_model_fuses_and_refuses_an_in_place_edit():

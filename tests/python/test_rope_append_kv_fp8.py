@@ -301,6 +301,7 @@ def test_large_prefill_into_fp8_caches_streams_with_the_same_bits(dtype, fmt, D,
                   .view(fmt) for c in (kc, vc))
     norm = dict(q_weight=torch.rand(D, generator=g) + 0.5, k_weight=torch.rand(D, generator=g) + 0.5) if qk_norm else {}
     kc_small, vc_small = kc.clone(), vc.clone()
+    kc_before, vc_before = kc.clone(), vc.clone()
     scales = dict(k_scale=0.37, v_scale=torch.tensor(3.0))
     got_q = rope_append_kv(q, k, v, kc, vc, offset=offset, **scales, **norm)
     chunk = S // 8
@@ -312,7 +313,9 @@ def test_large_prefill_into_fp8_caches_streams_with_the_same_bits(dtype, fmt, D,
     # The contract: the float32 call's rows, quantised; the rows around them keep their bits.
     ref_k, ref_v = torch.full(kc.shape, math.nan), torch.full(vc.shape, math.nan)
     rope_append_kv(q.float(), k.float(), v.float(), ref_k, ref_v, offset=offset, **norm)
-    for ref, cache, scale in ((ref_k, kc, 0.37), (ref_v, vc, 3.0)):
+    for ref, cache, before, scale in ((ref_k, kc, kc_before, 0.37), (ref_v, vc, vc_before, 3.0)):
         rows = cache.view(torch.uint8)[:, offset:offset + S]
         assert torch.equal(rows, quantise(ref[:, offset:offset + S], fmt, scale).view(torch.uint8))
         assert not ref[:, :offset].isfinite().any() and not ref[:, offset + S:].isfinite().any()
+        for part in (slice(0, offset), slice(offset + S, None)):  # the rows around them keep their bytes
+            assert torch.equal(cache.view(torch.uint8)[:, part], before.view(torch.uint8)[:, part])

@@ -14,12 +14,12 @@ not per instance: every model of that type in the process uses it until
 ``nn.Module`` (``use_kernel_forward_from_hub``): the patch sets posenc's function as that
 module's own ``forward``, so the call stays a module call (module hooks fire; the kernels
 package still finds the module's class by name; compiled code sees the change and
-recompiles), and revert puts its forward back.
+recompiles), and revert puts its forward back; while patched, the module does not hand the
+call on to each layer's private copy (``attn._kernel_funcs``): hooks on a copy do not fire.
 
-Supported model types: see ``SUPPORTED_MODEL_TYPES``. Llama, Mistral, Mixtral, Qwen2,
-Qwen2-MoE, Qwen3, Qwen3-MoE, Gemma, Gemma 2, Granite, Phi, Starcoder2, OLMoE, SmolLM3 and
-GPT-NeoX share transformers' ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` (halves
-convention; GPT-NeoX's partial rotary included); GPT-J has its own
+Supported model types: see ``SUPPORTED_MODEL_TYPES`` (``_PATCHES``). Llama and the types that
+carry its rotation (and GPT-NeoX) share transformers' ``apply_rotary_pos_emb(q, k, cos, sin,
+unsqueeze_dim=1)`` (halves convention; GPT-NeoX's partial rotary included); GPT-J has its own
 ``apply_rotary_pos_emb(tensor, sin, cos)`` over adjacent pairs (``rotate_every_two``), routed
 with ``interleaved=True``. DeepSeek V3 (MLA) also has ``apply_rotary_pos_emb_interleave``
 (adjacent pairs of the rotary part, returned de-interleaved), DeepSeek V4 a single-tensor
@@ -564,13 +564,19 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
     return None
 
 
-def _kernels_module_as_written(module: Any) -> bool:
+def _kernels_module_as_written(module: Any, guarded: bool = True) -> bool:
     """Whether a kernels rotation module (or a layer's private copy of it) runs its class's
-    forward (kernelize may bind it on the instance) or posenc's, without hooks of its own."""
+    forward (kernelize may bind it on the instance) or posenc's, without hooks of its own.
+    ``guarded``: ``module.forward`` is read first, so that torch.compile guards it (as
+    _forward_as_written) and a forward set after compiling recompiles; not for the private
+    copies, whose read sends dynamo into a recursion (a forward set on a private copy after
+    compiling is not followed by compiled code)."""
     if not isinstance(module, torch.nn.Module):
         return True
     if _own_hooks(module):
         return False
+    if guarded:
+        module.forward  # noqa: B018 - read for torch.compile's guard on it
     forward = module.__dict__.get("forward")
     return (forward is None or forward is posenc_apply_rotary_pos_emb
             or getattr(forward, "__func__", None) is type(module).forward)
@@ -607,8 +613,9 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     # layer's private copies of it that kernels routes the call through: one whose call a hook
     # would see, or whose forward is neither its class's nor posenc's, runs.
     rotation = type(attn)._posenc_modeling.apply_rotary_pos_emb
-    if isinstance(rotation, torch.nn.Module) and not all(
-            _kernels_module_as_written(f) for f in (rotation, *attn.__dict__.get("_kernel_funcs", {}).values())):
+    if isinstance(rotation, torch.nn.Module) and not (
+            _kernels_module_as_written(rotation)
+            and all(_kernels_module_as_written(f, False) for f in attn.__dict__.get("_kernel_funcs", {}).values())):
         return None
     if not isinstance(positions, Tensor) or positions.dtype != torch.int64:  # the op's dtype (int32 falls back)
         return None
