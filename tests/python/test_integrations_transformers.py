@@ -44,6 +44,9 @@ CONFIGS = {
     "qwen3_moe": lambda: transformers.Qwen3MoeConfig(**COMMON, head_dim=16, num_experts=4, num_experts_per_tok=2,
                                                      moe_intermediate_size=32),
     "gemma2": lambda: transformers.Gemma2Config(**COMMON, head_dim=16),
+    # Gemma3ForCausalLM: sliding-window and global layers, each with its own rotary tables
+    "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4,
+                                                         layer_types=["sliding_attention", "full_attention"]),
     "granite": lambda: transformers.GraniteConfig(**COMMON),
     # partial rotary: the leading half of each 16-wide head (sliced before the call)
     "phi": lambda: transformers.PhiConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

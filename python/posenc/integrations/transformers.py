@@ -236,6 +236,7 @@ _PATCHES: Dict[str, Tuple[Tuple[str, Callable, Tuple[str, ...]], ...]] = {
     "qwen2_moe": (_LLAMA_STYLE,),
     "qwen3_moe": (_LLAMA_STYLE,),
     "gemma2": (_LLAMA_STYLE,),
+    "gemma3_text": (_LLAMA_STYLE,),  # Gemma3ForCausalLM; its modeling module is gemma3's (_MODULES)
     "granite": (_LLAMA_STYLE,),
     "phi": (_LLAMA_STYLE,),
     "starcoder2": (_LLAMA_STYLE,),
@@ -250,6 +251,8 @@ _PATCHES: Dict[str, Tuple[Tuple[str, Callable, Tuple[str, ...]], ...]] = {
     "deepseek_v4": (("apply_rotary_pos_emb", posenc_deepseek_v4_apply_rotary_pos_emb, ("x", "cos", "sin")),),
 }
 SUPPORTED_MODEL_TYPES: Tuple[str, ...] = tuple(_PATCHES)
+# The model types whose modeling module is another type's (transformers.models.<that>.modeling_<that>).
+_MODULES: Dict[str, str] = {"gemma3_text": "gemma3"}
 
 # (modeling module name, function name) -> transformers' own function, while patched.
 # (a kernels module: the module and its own forward before, _NO_FORWARD for none)
@@ -277,7 +280,8 @@ def _modeling_module(model_type: str):
     if model_type not in _PATCHES:
         raise ValueError(f"apply_posenc_rope: model type {model_type!r} is not supported; supported: "
                          f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    return importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    package = _MODULES.get(model_type, model_type)
+    return importlib.import_module(f"transformers.models.{package}.modeling_{package}")
 
 
 def apply_posenc_rope_to(model_type: str) -> None:
