@@ -39,6 +39,7 @@ CASES = {
     "table": "sinusoidal_table(arange(16384), 512)",
     "pe_bwd": "PositionalEncoding(512, 0.1) backward of x (32, 512, 512), training (saved mask)",
     "pe_train": "PositionalEncoding(512, 0.1) forward of x (32, 512, 512), training, no_grad",
+    "pe_eval": "the same in eval mode (x + pe: no dropout)",
     "learned_train": "the same, LearnedPositionalEncoding",
 }
 
@@ -131,10 +132,12 @@ with torch.no_grad():
         with torch.enable_grad():
             out = module(xg)
         fn = lambda: torch.autograd.grad(out, xg, g, retain_graph=True)
-    elif name in ("pe_train", "learned_train"):
+    elif name in ("pe_train", "learned_train", "pe_eval"):
         import posenc
-        cls = posenc.PositionalEncoding if name == "pe_train" else posenc.LearnedPositionalEncoding
+        cls = posenc.LearnedPositionalEncoding if name == "learned_train" else posenc.PositionalEncoding
         module = cls(512, 0.1, max_len=512, batch_first=True)
+        if name == "pe_eval":
+            module.eval()
         x = torch.randn(32, 512, 512, dtype=dt)
         fn = lambda: module(x)
     elif name == "shift_mla":

@@ -120,6 +120,15 @@ for dtype in (torch.bfloat16, torch.float16):
         with torch.no_grad():
             y = F.add_position(x, table, p=0.3, batch_first=True)
         out[("dropout_special", str(dtype), str(table.dtype))] = as_bits(y)
+# add_position forwards large enough to stream (8 MiB or more written), eval and with dropout:
+# streamed vectors (avx2, avx512 outside its fused dropout groups), plain stores (default).
+for dtype in (torch.float32, torch.bfloat16):
+    x = rand(16, 512, 512, dtype=dtype)
+    table = rand(520, 512, dtype=dtype)
+    for p in (0.0, 0.3):
+        torch.manual_seed(11)
+        with torch.no_grad():
+            out[("add_position_stream", str(dtype), p)] = F.add_position(x, table, offset=3, p=p)
 # FP8 caches of a prefill large enough to stream (8 MiB or more written): whole 64-byte lines
 # (avx512), 32-byte halves (avx2), the scalar rounding (default); saturating, normal and
 # subnormal values.

@@ -429,3 +429,29 @@ def test_a_forward_set_on_the_dropout_child_after_compiling_is_called(cls):
     m.dropout = torch.nn.Dropout(0.5)
     m.dropout.forward = types.MethodType(lambda self, y: y * 7.0, m.dropout)
     torch.testing.assert_close(compiled(x), (x + m.pe[:, :4]) * 7.0)
+
+
+@pytest.mark.parametrize("dtype,table_dtype,batch_first", [
+    (torch.float32, torch.float32, True),
+    (torch.bfloat16, torch.bfloat16, True),
+    (torch.float16, torch.float32, False),
+    (torch.float64, torch.float64, True),
+])
+def test_a_large_forward_streams_with_the_bits_of_small_calls(dtype, table_dtype, batch_first):
+    """A forward that writes 8 MiB or more (kStreamBytes) stores its output with streaming
+    stores (add_position/cpu/kernel.cpp): the same bits as the same rows added by calls small
+    enough for plain stores, and the float64 reference's values."""
+    g = torch.Generator().manual_seed(5)
+    batch, seq, d = 16, 512, 512
+    shape = (batch, seq, d) if batch_first else (seq, batch, d)
+    x = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    table = torch.randn(seq + 7, d, generator=g, dtype=torch.float64).to(table_dtype)
+    out = posenc.functional.add_position(x, table, offset=7, batch_first=batch_first)
+    assert out.numel() * out.element_size() >= 8 << 20
+    dim = 0 if batch_first else 1
+    parts = [posenc.functional.add_position(part, table, offset=7, batch_first=batch_first)
+             for part in x.split(1, dim)]  # 0.5-1 MiB each: plain stores
+    assert torch.equal(out, torch.cat(parts, dim))
+    rows = table[7:7 + seq].double()
+    want = x.double() + (rows.unsqueeze(0) if batch_first else rows.unsqueeze(1))
+    torch.testing.assert_close(out.double(), want, rtol=0, atol=want.abs().max().item() * 2.0**-7)

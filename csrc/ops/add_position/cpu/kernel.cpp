@@ -858,12 +858,39 @@ void store_as(const Vectorized<acc_t>& v, T* dst, int64_t n) {
   }
 }
 
+#if defined(CPU_CAPABILITY_AVX2)
+// A whole vector v to dst (aligned to its stored width) by a streaming store, rounded to T as
+// store_as rounds it: the same bits.
+template <typename T, typename acc_t>
+inline void stream_as(const Vectorized<acc_t>& v, T* dst) {
+  if constexpr (std::is_same_v<T, float> && std::is_same_v<acc_t, float>) {
+    _mm256_stream_ps(dst, v);
+  } else if constexpr (std::is_same_v<T, double> && std::is_same_v<acc_t, double>) {
+    _mm256_stream_pd(dst, v);
+  } else {
+    static_assert(kReducedToFloat<T, acc_t>, "stream_as: float32, float64 or a reduced type through float32");
+    const Vectorized<T> narrowed = at::vec::convert_from_float<T>(v, v);  // the first W of 2 W
+    _mm_stream_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(narrowed));
+  }
+}
+
+// Whether combine_as may stream into out: whole vectors of T start aligned there.
+template <typename T, typename acc_t>
+inline bool streams_into(const T* out) {
+  const std::uintptr_t width = Vectorized<acc_t>::size() * sizeof(T);
+  return reinterpret_cast<std::uintptr_t>(out) % width == 0;
+}
+#endif
+
 // out[j] = (x[j] + t[j]) * factors[j] for j < n, for a table (kTable) and factors
 // (kScale) known at compile time. Four vectors per iteration while they are full: the
 // loop streams x and out through memory, and the wider body keeps more loads in flight
-// (measured: benchmarks/NOTES.md, CPU items 10 and 13).
+// (measured: benchmarks/NOTES.md, CPU items 10 and 13). `stream` (a call that writes
+// kStreamBytes or more): whole vectors into an aligned out by streaming stores (the caller
+// fences), so that out's lines are not read first; the same sums and roundings.
 template <bool kTable, bool kScale, typename scalar_t, typename table_t, typename acc_t>
-void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t* out, int64_t n) {
+void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t* out, int64_t n,
+                bool stream = false) {
   using Vec = Vectorized<acc_t>;
   constexpr int64_t W = Vec::size();
   constexpr int64_t kUnroll = 4;
@@ -882,6 +909,7 @@ void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scala
     // cross-lane permute: the same sums and roundings as the loop below in fewer vector
     // instructions, which bound it (issue 37: perf, one thread).
     const __m256i zero = _mm256_setzero_si256();
+    const bool streamed = stream && reinterpret_cast<std::uintptr_t>(out) % 32 == 0;
     for (; j + 16 <= n; j += 16) {
       const __m256i xv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + j));
       const __m256i tv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(t + j));
@@ -889,8 +917,19 @@ void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scala
                                       _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, tv)));
       const __m256 s1 = _mm256_add_ps(_mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, xv)),
                                       _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, tv)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + j),
-                          narrow_bf16_lanes(s0, s1));
+      auto* dst = reinterpret_cast<__m256i*>(out + j);
+      if (streamed) {
+        _mm256_stream_si256(dst, narrow_bf16_lanes(s0, s1));
+      } else {
+        _mm256_storeu_si256(dst, narrow_bf16_lanes(s0, s1));
+      }
+    }
+  }
+  if (stream && streams_into<scalar_t, acc_t>(out)) {
+    for (; j + kUnroll * W <= n; j += kUnroll * W) {
+      Vec v[kUnroll];
+      for (int64_t u = 0; u < kUnroll; ++u) v[u] = value(j + u * W, W);
+      for (int64_t u = 0; u < kUnroll; ++u) stream_as<scalar_t, acc_t>(v[u], out + j + u * W);
     }
   }
 #endif
@@ -907,13 +946,14 @@ void combine_as(const scalar_t* x, const table_t* t, const acc_t* factors, scala
 
 // The same with t and factors possibly null (no table row, no dropout).
 template <typename scalar_t, typename table_t, typename acc_t>
-void combine(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t* out, int64_t n) {
+void combine(const scalar_t* x, const table_t* t, const acc_t* factors, scalar_t* out, int64_t n,
+             bool stream = false) {
   if (t != nullptr) {
-    if (factors != nullptr) combine_as<true, true>(x, t, factors, out, n);
-    else combine_as<true, false>(x, t, factors, out, n);
+    if (factors != nullptr) combine_as<true, true>(x, t, factors, out, n, stream);
+    else combine_as<true, false>(x, t, factors, out, n, stream);
   } else {
-    if (factors != nullptr) combine_as<false, true>(x, t, factors, out, n);
-    else combine_as<false, false>(x, t, factors, out, n);
+    if (factors != nullptr) combine_as<false, true>(x, t, factors, out, n, stream);
+    else combine_as<false, false>(x, t, factors, out, n, stream);
   }
 }
 
@@ -933,6 +973,10 @@ void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_
   const int64_t rows = g.batch * g.seq;
   const int64_t d = g.d;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
+  // A large call's output by streaming stores (out of place; not x's own memory: an in-place
+  // call's lines were just loaded).
+  const bool stream = rows * d * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes &&
+                      static_cast<const void*>(out) != static_cast<const void*>(x);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     alignas(64) acc_t factors[kChunk];
     for (int64_t r = begin; r < end; ++r) {
@@ -953,9 +997,10 @@ void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_
           if (keep != nullptr) pack_keep_bits<acc_t>(factors, n, keep + done / 8);
         }
         combine<scalar_t, table_t, acc_t>(x_row + j, t_row + j, draw.active ? factors : nullptr,
-                                          o_row + j, n);
+                                          o_row + j, n, stream);
       }
     }
+    if (stream) stream_fence();  // before this thread's part is handed back
   });
 }
 

@@ -21,6 +21,20 @@ namespace ops {
 namespace cpu {
 POSENC_ISA_NAMESPACE_BEGIN
 
+// Streaming stores (RoPE's rows, rope_append_kv's, the tables, add_position's forward) pay off
+// once the rows written are well beyond what the caches keep: the data would be evicted before
+// anyone reads it, and a plain store first reads every line it overwrites. A prefill of 2048
+// tokens (48 MiB written in float32) streams; a decode step (a few hundred KiB, read back at
+// once by attention) does not: its rows are best left in the caches for the reader.
+// stream_fence() must follow a thread's last streaming store before its work is handed back.
+constexpr int64_t kStreamBytes = int64_t{8} << 20;
+
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
 #if defined(CPU_CAPABILITY_AVX2)
 // bfloat16 -> float32 in the lane order of AVX2's in-lane unpack: 16 values widen to
 // (elements 0-3, 8-11) and (4-7, 12-15) in two instructions (ATen's cvtbf16_fp32 crosses

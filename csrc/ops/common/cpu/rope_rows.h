@@ -389,19 +389,6 @@ inline void prefetch_walk_ahead(const scalar_t* base, int64_t token_stride, int6
                          head_dim, for_write);
 }
 
-// Streaming stores pay off once the rows written are well beyond what the caches keep: the
-// data would be evicted before anyone reads it, and a plain store first reads every line it
-// overwrites. A prefill of 2048 tokens (48 MiB written in float32) streams; a decode step
-// (a few hundred KiB, read back at once by attention) does not: its rows are best left in the
-// caches for the reader.
-constexpr int64_t kStreamBytes = int64_t{8} << 20;
-
-inline void stream_fence() {
-#if defined(CPU_CAPABILITY_AVX2)
-  _mm_sfence();
-#endif
-}
-
 // Whether a row's stores may stream: the call writes kStreamBytes or more (`large_call`) and
 // the row goes somewhere else than where it was read. A row written in place streams
 // never: its lines were just loaded (they sit in the cache, owned), so a streaming store
