@@ -464,7 +464,7 @@ POSENC_AVX512_TARGET void philox16_bits(uint64_t seed, uint64_t offset, uint64_t
 // compare (bits >= threshold), stored as it is when the mask is saved (bit i = element i:
 // pack_keep_bits' layout), and out = (x [+ t]) * (kept ? scale : 0), one rounding each, as
 // combine_as computes it.
-template <bool kTable, typename scalar_t, typename table_t>
+template <bool kTable, bool kStream, typename scalar_t, typename table_t>
 POSENC_AVX512_TARGET __attribute__((always_inline)) inline void dropout_group(const __m512i (&words)[4], __m512i threshold,
                                                                              __m512 scale, const scalar_t* x,
                                                                              const table_t* t, scalar_t* out,
@@ -480,7 +480,11 @@ POSENC_AVX512_TARGET __attribute__((always_inline)) inline void dropout_group(co
       __m512 v = load16(x + at);
       if constexpr (kTable) v = _mm512_add_ps(v, load16(t + at));
       v = _mm512_mul_ps(v, _mm512_maskz_mov_ps(static_cast<__mmask16>(kept >> (16 * h)), scale));
-      store16(out + at, v);
+      if constexpr (kStream) {
+        stream16(out + at, v);
+      } else {
+        store16(out + at, v);
+      }
     }
   }
 }
@@ -493,7 +497,7 @@ POSENC_AVX512_TARGET __attribute__((always_inline)) inline void dropout_group(co
 // for bit that path's results (test_cpu_capability.py compares the levels' outputs). In one
 // pass over the data where the general path makes four over an L1 chunk (bits, factors, the
 // mask, the combine).
-template <bool kTable, typename scalar_t, typename table_t>
+template <bool kTable, bool kStream, typename scalar_t, typename table_t>
 POSENC_AVX512_TARGET int64_t dropout_fused_avx512(const DropoutArgs& draw, int64_t first, int64_t n,
                                                   const scalar_t* x, const table_t* t, scalar_t* out,
                                                   uint8_t* keep) {
@@ -511,14 +515,15 @@ POSENC_AVX512_TARGET int64_t dropout_fused_avx512(const DropoutArgs& draw, int64
     philox16_groups<kGroups>(draw.seed, draw.offset, block, words);
     for (int g = 0; g < kGroups; ++g) {
       const int64_t e = done + g * kGroup;
-      dropout_group<kTable>(words[g], threshold, scale, x + e, at(t, e), out + e, at(keep, e / 8));
+      dropout_group<kTable, kStream>(words[g], threshold, scale, x + e, at(t, e), out + e, at(keep, e / 8));
     }
   }
   for (; done + kGroup <= n && static_cast<uint32_t>(block) <= 0xFFFFFFFFu - kWideLanes;
        done += kGroup, block += kWideLanes) {
     __m512i words[1][4];
     philox16_groups<1>(draw.seed, draw.offset, block, words);
-    dropout_group<kTable>(words[0], threshold, scale, x + done, at(t, done), out + done, at(keep, done / 8));
+    dropout_group<kTable, kStream>(words[0], threshold, scale, x + done, at(t, done), out + done,
+                                   at(keep, done / 8));
   }
   return done;
 }
@@ -584,15 +589,21 @@ int64_t masked_fast(const DropoutArgs& draw, int64_t first, int64_t n, const sca
 // float32) where they apply: returns the count of leading elements done, 0 elsewhere.
 template <typename scalar_t, typename table_t>
 int64_t dropout_fast(const DropoutArgs& draw, int64_t first, int64_t n, const scalar_t* x, const table_t* t,
-                     scalar_t* out, uint8_t* keep) {
+                     scalar_t* out, uint8_t* keep, bool stream = false) {
 #if defined(POSENC_AVX512_PHILOX)
   constexpr bool kHalf = std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>;
   if constexpr ((std::is_same_v<scalar_t, float> || kHalf) &&
                 (std::is_same_v<table_t, scalar_t> || std::is_same_v<table_t, float>)) {
     if (draw.active && draw.keep_bits == nullptr) {
       if (cpu_has_avx512()) {
-        return t != nullptr ? dropout_fused_avx512<true>(draw, first, n, x, t, out, keep)
-                            : dropout_fused_avx512<false>(draw, first, n, x, t, out, keep);
+        // `stream` (a call that writes kStreamBytes or more): streaming stores where out is
+        // aligned to the 16 values' width (the caller fences).
+        if (stream && reinterpret_cast<std::uintptr_t>(out) % (16 * sizeof(scalar_t)) == 0) {
+          return t != nullptr ? dropout_fused_avx512<true, true>(draw, first, n, x, t, out, keep)
+                              : dropout_fused_avx512<false, true>(draw, first, n, x, t, out, keep);
+        }
+        return t != nullptr ? dropout_fused_avx512<true, false>(draw, first, n, x, t, out, keep)
+                            : dropout_fused_avx512<false, false>(draw, first, n, x, t, out, keep);
       }
       if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<table_t, float>) {
         return t != nullptr ? dropout_fused_f32_avx2<true>(draw, first, n, x, t, out, keep)
@@ -989,7 +1000,7 @@ void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_
         const int64_t chunk = std::min(kChunk, d - j0);
         // The fused AVX-512 pass does whole groups from the start (a multiple of 128
         // elements, so the rest starts on a mask byte); the general path the rest.
-        const int64_t done = dropout_fast(draw, r * d + j0, chunk, x_row + j0, t_row + j0, o_row + j0, keep);
+        const int64_t done = dropout_fast(draw, r * d + j0, chunk, x_row + j0, t_row + j0, o_row + j0, keep, stream);
         const int64_t j = j0 + done, n = chunk - done;
         if (n == 0) continue;
         if (draw.active) {
