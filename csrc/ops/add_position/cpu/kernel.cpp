@@ -597,8 +597,9 @@ int64_t dropout_fast(const DropoutArgs& draw, int64_t first, int64_t n, const sc
     if (draw.active && draw.keep_bits == nullptr) {
       if (cpu_has_avx512()) {
         // `stream` (a call that writes kStreamBytes or more): streaming stores where out is
-        // aligned to the 16 values' width (the caller fences).
-        if (stream && reinterpret_cast<std::uintptr_t>(out) % (16 * sizeof(scalar_t)) == 0) {
+        // aligned to the 16 values' width (the caller fences); float32 only: a float32 train
+        // forward 0.75x, half precision (compute-bound here) 1.01-1.04x (benchmarks/NOTES.md).
+        if (std::is_same_v<scalar_t, float> && stream && reinterpret_cast<std::uintptr_t>(out) % 64 == 0) {
           return t != nullptr ? dropout_fused_avx512<true, true>(draw, first, n, x, t, out, keep)
                               : dropout_fused_avx512<false, true>(draw, first, n, x, t, out, keep);
         }
