@@ -47,6 +47,13 @@ CONFIGS = {
     # Gemma3ForCausalLM: sliding-window and global layers, each with its own rotary tables
     "gemma3_text": lambda: transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4,
                                                          layer_types=["sliding_attention", "full_attention"]),
+    # Gemma3ForConditionalGeneration (text-only calls here), whose modeling module is gemma3_text's
+    "gemma3": lambda: transformers.Gemma3Config(
+        text_config=dict(COMMON, vocab_size=300, head_dim=16, sliding_window=4,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=28, patch_size=14),
+        mm_tokens_per_image=4, image_token_index=299, boi_token_index=297, eoi_token_index=298),
     "granite": lambda: transformers.GraniteConfig(**COMMON),
     # partial rotary: the leading half of each 16-wide head (sliced before the call)
     "phi": lambda: transformers.PhiConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -150,7 +157,7 @@ def test_logits_gradients_and_generation_match(model_type, count_posenc_calls):
     assert integration.apply_posenc_rope(model) is model
     assert integration.is_patched(model) and integration.is_patched(model_type)
     got_logits, got_loss, got_grads = forward_backward()
-    layers = model.config.num_hidden_layers
+    layers = model.config.get_text_config().num_hidden_layers  # (gemma3: its text model's)
     assert calls_match(len(count_posenc_calls), layers, model_type), len(count_posenc_calls)
     torch.testing.assert_close(got_logits, logits, **TOL)
     torch.testing.assert_close(got_loss, loss, **TOL)
@@ -274,6 +281,10 @@ def test_patch_is_per_type_idempotent_and_reversible():
     with integration.posenc_rope("qwen2"):
         pass
     assert integration.is_patched("qwen2")  # patched before the block: left patched
+    integration.apply_posenc_rope("gemma3_text")
+    assert integration.is_patched("gemma3")  # one modeling module for both Gemma 3 types
+    integration.revert_posenc_rope("gemma3")
+    assert not integration.is_patched("gemma3_text")
 
 
 def test_the_integration_without_the_kernels_package():

@@ -5,7 +5,8 @@
     apply_posenc_rope(model)  # or apply_posenc_rope("llama") before loading
 
 replaces the ``apply_rotary_pos_emb`` function of the model's modeling module
-(``transformers.models.<type>.modeling_<type>``) with one that calls
+(``transformers.models.<type>.modeling_<type>``; ``_MODULES`` names the types that share
+another's) with one that calls
 :func:`posenc.functional.apply_rope_cos_sin` on the cos/sin tables the model computed, as
 Liger-Kernel's ``apply_liger_kernel_to_llama(rope=True)`` does. The patch is per model type,
 not per instance: every model of that type in the process uses it until
@@ -236,7 +237,11 @@ _PATCHES: Dict[str, Tuple[Tuple[str, Callable, Tuple[str, ...]], ...]] = {
     "qwen2_moe": (_LLAMA_STYLE,),
     "qwen3_moe": (_LLAMA_STYLE,),
     "gemma2": (_LLAMA_STYLE,),
-    "gemma3_text": (_LLAMA_STYLE,),  # Gemma3ForCausalLM; its modeling module is gemma3's (_MODULES)
+    # Gemma 3: Gemma3ForConditionalGeneration ("gemma3") and its text model alone,
+    # Gemma3ForCausalLM ("gemma3_text"), share one modeling module (_MODULES): patching either
+    # type patches both.
+    "gemma3": (_LLAMA_STYLE,),
+    "gemma3_text": (_LLAMA_STYLE,),
     "granite": (_LLAMA_STYLE,),
     "phi": (_LLAMA_STYLE,),
     "starcoder2": (_LLAMA_STYLE,),

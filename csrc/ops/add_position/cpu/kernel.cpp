@@ -481,7 +481,8 @@ POSENC_AVX512_TARGET __attribute__((always_inline)) inline void dropout_group(co
       if constexpr (kTable) v = _mm512_add_ps(v, load16(t + at));
       v = _mm512_mul_ps(v, _mm512_maskz_mov_ps(static_cast<__mmask16>(kept >> (16 * h)), scale));
       if constexpr (kStream) {
-        stream16(out + at, v);
+        static_assert(std::is_same_v<scalar_t, float>, "dropout_group streams float32 outputs only");
+        _mm512_stream_ps(out + at, v);
       } else {
         store16(out + at, v);
       }
@@ -597,11 +598,13 @@ int64_t dropout_fast(const DropoutArgs& draw, int64_t first, int64_t n, const sc
     if (draw.active && draw.keep_bits == nullptr) {
       if (cpu_has_avx512()) {
         // `stream` (a call that writes kStreamBytes or more): streaming stores where out is
-        // aligned to the 16 values' width (the caller fences); float32 only: a float32 train
-        // forward 0.75x, half precision (compute-bound here) 1.01-1.04x (benchmarks/NOTES.md).
-        if (std::is_same_v<scalar_t, float> && stream && reinterpret_cast<std::uintptr_t>(out) % 64 == 0) {
-          return t != nullptr ? dropout_fused_avx512<true, true>(draw, first, n, x, t, out, keep)
-                              : dropout_fused_avx512<false, true>(draw, first, n, x, t, out, keep);
+        // 64-byte aligned (the caller fences); float32 only: a float32 train forward 0.75x,
+        // half precision (compute-bound here) 1.01-1.04x (benchmarks/NOTES.md).
+        if constexpr (std::is_same_v<scalar_t, float>) {
+          if (stream && reinterpret_cast<std::uintptr_t>(out) % 64 == 0) {
+            return t != nullptr ? dropout_fused_avx512<true, true>(draw, first, n, x, t, out, keep)
+                                : dropout_fused_avx512<false, true>(draw, first, n, x, t, out, keep);
+          }
         }
         return t != nullptr ? dropout_fused_avx512<true, false>(draw, first, n, x, t, out, keep)
                             : dropout_fused_avx512<false, false>(draw, first, n, x, t, out, keep);
@@ -985,8 +988,8 @@ void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_
   const int64_t rows = g.batch * g.seq;
   const int64_t d = g.d;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
-  // A large call's output by streaming stores (out of place; not x's own memory: an in-place
-  // call's lines were just loaded).
+  // A large call's output by streaming stores (the output is a fresh tensor; were it x's own
+  // memory, its lines would have just been loaded and streaming would save nothing).
   const bool stream = rows * d * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes &&
                       static_cast<const void*>(out) != static_cast<const void*>(x);
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {

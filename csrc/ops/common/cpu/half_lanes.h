@@ -134,17 +134,6 @@ POSENC_AVX512_TARGET __attribute__((always_inline)) inline void store16(T* p, __
   }
 }
 
-// store16 by a streaming store, p aligned to the stored width (64 bytes for float32, 32 for
-// half precision); stream_fence after the last: the same bits.
-template <typename T>
-POSENC_AVX512_TARGET __attribute__((always_inline)) inline void stream16(T* p, __m512 v) {
-  if constexpr (std::is_same_v<T, float>) {
-    _mm512_stream_ps(p, v);
-  } else {
-    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), narrow16<T>(v));
-  }
-}
-
 // acc + v's lanes 0-7, then + its lanes 8-15: a sum over 8 lanes (qk_norm_rows.h kLanes) in
 // its order, fed 16 lanes at a time.
 POSENC_AVX512_TARGET __attribute__((always_inline)) inline __m256 add8(__m256 acc, __m512 v) {
