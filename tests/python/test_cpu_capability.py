@@ -122,13 +122,16 @@ for dtype in (torch.bfloat16, torch.float16):
         out[("dropout_special", str(dtype), str(table.dtype))] = as_bits(y)
 # add_position forwards large enough to stream (8 MiB or more written), eval and with dropout:
 # streamed vectors (avx2, avx512 outside its fused dropout groups), plain stores (default).
-for dtype in (torch.float32, torch.bfloat16):
-    x = rand(16, 512, 512, dtype=dtype)
-    table = rand(520, 512, dtype=dtype)
+# Rows of 200 (d % 128 != 0: the fused pass's remainder goes through the general path) and
+# float16 too.
+for dtype, seq, d in ((torch.float32, 512, 512), (torch.bfloat16, 512, 512), (torch.float32, 1024, 200),
+                      (torch.float16, 2048, 200)):
+    x = rand(16, seq, d, dtype=dtype)
+    table = rand(seq + 8, d, dtype=dtype)
     for p in (0.0, 0.3):
         torch.manual_seed(11)
         with torch.no_grad():
-            out[("add_position_stream", str(dtype), p)] = F.add_position(x, table, offset=3, p=p)
+            out[("add_position_stream", str(dtype), d, p)] = F.add_position(x, table, offset=3, p=p)
 # FP8 caches of a prefill large enough to stream (8 MiB or more written): whole 64-byte lines
 # (avx512), 32-byte halves (avx2), the scalar rounding (default); saturating, normal and
 # subnormal values.
