@@ -132,6 +132,15 @@ for dtype, seq, d in ((torch.float32, 512, 512), (torch.bfloat16, 512, 512), (to
         torch.manual_seed(11)
         with torch.no_grad():
             out[("add_position_stream", str(dtype), d, p)] = F.add_position(x, table, offset=3, p=p)
+# The backward with the table gradient of a call large enough to stream grad_x (saved mask,
+# batch rows two at a time: masked_saved_rows_fast).
+for dtype in (torch.float32, torch.bfloat16):
+    x = rand(16, 512, 512, dtype=dtype).requires_grad_()
+    table = rand(520, 512, dtype=torch.float32).requires_grad_()
+    torch.manual_seed(13)
+    y = F.add_position(x, table, offset=3, p=0.3)
+    out[("add_position_stream_backward", str(dtype))] = torch.autograd.grad(y, (x, table), rand(16, 512, 512,
+                                                                                              dtype=dtype))
 # FP8 caches of a prefill large enough to stream (8 MiB or more written): whole 64-byte lines
 # (avx512), 32-byte halves (avx2), the scalar rounding (default); saturating, normal and
 # subnormal values.
