@@ -591,7 +591,7 @@ def _kernels_module_as_written(module: Any, guarded: bool = True) -> bool:
             or getattr(forward, "__func__", None) is type(module).forward)
 
 
-def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Optional[dict]:
+def _fused_arguments(attn: Any, rotation: Any, positions: Any, input_shape: torch.Size) -> Optional[dict]:
     """qk_norm_rope's keyword arguments when the layer is fusable (_fused_settings: its rotary
     module still holds the buffer that was checked, unchanged) and the call has position_ids
     for every token (the decoder layer passes the ones its model computed position_embeddings
@@ -621,7 +621,6 @@ def _fused_arguments(attn: Any, positions: Any, input_shape: torch.Size) -> Opti
     # The modeling module's rotation, where the kernels package made it a module, and the
     # layer's private copies of it that kernels routes the call through: one whose call a hook
     # would see, or whose forward is neither its class's nor posenc's, runs.
-    rotation = type(attn)._posenc_modeling.apply_rotary_pos_emb
     if isinstance(rotation, torch.nn.Module) and not (
             _kernels_module_as_written(rotation)
             and all(_kernels_module_as_written(f, False) for f in attn.__dict__.get("_kernel_funcs", {}).values())):
@@ -689,8 +688,10 @@ class _PosencQKNormAttention:
                              f"argument position_embeddings (the (cos, sin) tables of the model's rotary embedding); "
                              f"transformers' own forward needs it too")
         input_shape = hidden_states.shape[:-1]
-        fused = _fused_arguments(self, kwargs.get("position_ids"), input_shape)
-        if isinstance(cls._posenc_modeling.apply_rotary_pos_emb, torch.nn.Module) and (
+        # The modeling module's rotation (read once a call): a function, or the kernels package's module.
+        rotation = cls._posenc_modeling.apply_rotary_pos_emb
+        fused = _fused_arguments(self, rotation, kwargs.get("position_ids"), input_shape)
+        if isinstance(rotation, torch.nn.Module) and (
                 fused is None or (torch.is_autocast_enabled(hidden_states.device.type)
                                   and not cls._posenc_rotation_keeps_dtype)):
             # The kernels package's module rotation (transformers 5.25 installs kernels): a call
@@ -735,7 +736,6 @@ class _PosencQKNormAttention:
                 query_states = self.q_norm(query_states.view(hidden_shape)).transpose(1, 2)
                 key_states = self.k_norm(key_states.view(hidden_shape)).transpose(1, 2)
             cos, sin = position_embeddings
-            rotation = cls._posenc_modeling.apply_rotary_pos_emb
             if isinstance(rotation, torch.nn.Module):
                 # The kernels package's module, where a fusable call's dtypes promote without
                 # autocast (norm weights or tables of another dtype than q): called as the model

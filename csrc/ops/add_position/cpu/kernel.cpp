@@ -996,10 +996,8 @@ void add_position_rows(const AddPositionArgs& g, const scalar_t* x, const table_
   const int64_t rows = g.batch * g.seq;
   const int64_t d = g.d;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(d, 1));
-  // A large call's output by streaming stores (the output is a fresh tensor; were it x's own
-  // memory, its lines would have just been loaded and streaming would save nothing).
-  const bool stream = rows * d * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes &&
-                      static_cast<const void*>(out) != static_cast<const void*>(x);
+  // A large call's output (a fresh tensor) by streaming stores.
+  const bool stream = rows * d * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes;
   at::parallel_for(0, rows, grain, [&](int64_t begin, int64_t end) {
     alignas(64) acc_t factors[kChunk];
     for (int64_t r = begin; r < end; ++r) {
@@ -1089,10 +1087,8 @@ void add_position_backward_rows(const AddPositionArgs& g, const scalar_t* grad,
     int64_t block_s = std::clamp<int64_t>(kAccElems / std::min(width, d), 1, std::max<int64_t>(1, g.seq));
     if (unique) block_s = std::min(block_s, std::max<int64_t>(1, (g.seq + threads - 1) / threads));
     const int64_t s_grain = unique ? block_s : g.seq;
-    // A large call's grad_x by streaming stores (masked_saved_rows_fast; a fresh tensor, never
-    // grad's own memory).
-    const bool stream = grad_x != nullptr && grad_x != grad &&
-                        g.batch * g.seq * d * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes;
+    // A large call's grad_x (a fresh tensor) by streaming stores (masked_saved_rows_fast).
+    const bool stream = grad_x != nullptr && g.batch * g.seq * d * static_cast<int64_t>(sizeof(scalar_t)) >= kStreamBytes;
     at::parallel_for(0, ranges * ((g.seq + s_grain - 1) / s_grain), 1, [&](int64_t begin, int64_t end) {
       alignas(64) acc_t factors[kChunk];
       // Uninitialised: each block of s zeroes the part it uses just below.
