@@ -37,6 +37,7 @@ CASES = {
     "learned_bwd_pos": "the same with (32, 512) positions 2 .. 513 (RoBERTa's, padding_idx 1)",
     "learned_bwd_pad": "the same, rows right-padded to 512 from 256-512 tokens (padding at 1)",
     "table": "sinusoidal_table(arange(16384), 512)",
+    "table_2d": "sinusoidal_2d_table(64, 64, 512)",
     "pe_bwd": "PositionalEncoding(512, 0.1) backward of x (32, 512, 512), training (saved mask)",
     "pe_train": "PositionalEncoding(512, 0.1) forward of x (32, 512, 512), training, no_grad",
     "pe_eval": "the same in eval mode (x + pe: no dropout)",
@@ -125,6 +126,8 @@ with torch.no_grad():
     elif name == "table":
         positions = torch.arange(16384)
         fn = lambda: F.sinusoidal_table(positions, 512, dtype=dt)
+    elif name == "table_2d":
+        fn = lambda: F.sinusoidal_2d_table(64, 64, 512, dtype=dt)
     elif name == "pe_bwd":
         import posenc
         module = posenc.PositionalEncoding(512, 0.1, max_len=512, batch_first=True).to(dt)

@@ -14,6 +14,7 @@
 #endif
 
 #include "ops/common/cpu/cpu_capability.h"
+#include "ops/common/cpu/cpu_support.h"  // kStreamBytes
 #include "posenc/math/host_device.h"
 
 namespace posenc {
@@ -21,14 +22,8 @@ namespace ops {
 namespace cpu {
 POSENC_ISA_NAMESPACE_BEGIN
 
-// Streaming stores (RoPE's rows, rope_append_kv's, the tables, add_position's forward) pay off
-// once the rows written are well beyond what the caches keep: the data would be evicted before
-// anyone reads it, and a plain store first reads every line it overwrites. A prefill of 2048
-// tokens (48 MiB written in float32) streams; a decode step (a few hundred KiB, read back at
-// once by attention) does not: its rows are best left in the caches for the reader.
-// stream_fence() must follow a thread's last streaming store before its work is handed back.
-constexpr int64_t kStreamBytes = int64_t{8} << 20;
-
+// stream_fence() must follow a thread's last streaming store (of a call that writes
+// kStreamBytes or more: cpu_support.h) before its work is handed back.
 inline void stream_fence() {
 #if defined(CPU_CAPABILITY_AVX2)
   _mm_sfence();
