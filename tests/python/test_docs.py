@@ -101,6 +101,25 @@ def test_every_public_header_has_a_cpp_header_section():
             assert any(e.comment and e.code for e in parsed.entries), name
 
 
+@pytest.mark.parametrize("constant,opening,closing", [
+    ("SUPPORTED_MODEL_TYPES", "`SUPPORTED_MODEL_TYPES` (each `config.model_type`):", "other model types raise"),
+    ("QK_NORM_MODEL_TYPES", "`apply_posenc_rope(model, qk_norm=True)` routes", "(`QK_NORM_MODEL_TYPES`)"),
+])
+def test_the_integration_page_lists_the_supported_types(constant, opening, closing):
+    """docs/integrations.md names each model type its list holds (by `config.model_type`), and
+    no other: the list is the code's (a type added or dropped without the page fails here)."""
+    pytest.importorskip("transformers")
+    from posenc.integrations import transformers as integration
+
+    text = (DOCS / "integrations.md").read_text()
+    assert text.count(opening) == 1, opening
+    paragraph = text[text.index(opening) + len(opening):]
+    paragraph = paragraph[:paragraph.index(closing)]
+    named = set(re.findall(r"`([a-z][a-z0-9_]*)`", paragraph))
+    listed = set(getattr(integration, constant))
+    assert named == listed, f"{constant}: the page misses {sorted(listed - named)}, names {sorted(named - listed)} too"
+
+
 def test_included_files_exist():
     """Every included file exists; those under _generated/ are written by the build
     (figures.generate, which test_docs_figures.py runs): they must be among what it writes."""

@@ -361,8 +361,8 @@ def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
     a config, or a model-type string. Patches the model type's modeling module (see the module
     docstring): every model of that type uses posenc's rotation until :func:`revert_posenc_rope`.
 
-    ``qk_norm=True`` (a loaded model of a type in ``QK_NORM_MODEL_TYPES``: Qwen3, Qwen3-MoE,
-    Gemma 3, OLMo 2): each attention layer's q_norm / k_norm and RoPE run as one fused
+    ``qk_norm=True`` (a loaded model of a type in ``QK_NORM_MODEL_TYPES``): each attention
+    layer's q_norm / k_norm and RoPE run as one fused
     :func:`posenc.functional.qk_norm_rope` at the positions the layer receives
     (``position_ids``) with the config's RoPE parameters (when the model's rotary module
     turns by them: checked against its ``inv_freq`` when patched); a call without them runs the
