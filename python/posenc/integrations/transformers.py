@@ -86,6 +86,7 @@ missing); ``import posenc`` does not.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import copyreg
 import importlib
 import inspect
@@ -259,9 +260,8 @@ SUPPORTED_MODEL_TYPES: Tuple[str, ...] = tuple(_PATCHES)
 # The model types whose modeling module is another type's (transformers.models.<that>.modeling_<that>).
 _MODULES: Dict[str, str] = {"gemma3_text": "gemma3"}
 
-# (modeling module name, function name) -> transformers' own function, while patched.
-# (a kernels module: the module and its own forward before, _NO_FORWARD for none)
-_ORIGINALS: Dict[Tuple[str, str], Any] = {}
+# (modeling module name, function name) -> what the patch replaced there (_Original), while patched.
+_ORIGINALS: Dict[Tuple[str, str], "_Original"] = {}
 _ORIGINALS_LOCK = threading.Lock()  # patch and revert from several threads: one at a time
 
 
@@ -313,6 +313,28 @@ def _runs(function: Any) -> Any:
 _NO_FORWARD = object()  # a kernels module without a forward of its own (its class's runs)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Original:
+    """What a patch replaced, and how revert puts it back: transformers' function, set back on
+    its modeling module; or the kernels package's module (``function``), which stays in place
+    while its own ``forward`` is posenc's, with the forward it had of its own before
+    (``_NO_FORWARD``: none, its class's ran)."""
+
+    module_name: str
+    name: str
+    function: Any
+    forward: Any = _NO_FORWARD
+
+    def restore(self) -> None:
+        if isinstance(self.function, torch.nn.Module):
+            if self.forward is _NO_FORWARD:
+                self.function.__dict__.pop("forward", None)
+            else:
+                self.function.forward = self.forward
+        else:
+            setattr(importlib.import_module(self.module_name), self.name, self.function)
+
+
 def _patch(module: Any, model_type: str) -> None:
     todo = []
     for name, replacement, expected in _PATCHES[model_type]:
@@ -336,22 +358,12 @@ def _patch(module: Any, model_type: str) -> None:
             # in that module's __dict__ (reached through kernels' wrapper of the attention's
             # forward), not the modeling module's name, so a copy put there was not seen by
             # code compiled before the patch.
-            _ORIGINALS[(module.__name__, name)] = (current, current.__dict__.get("forward", _NO_FORWARD))
+            _ORIGINALS[(module.__name__, name)] = _Original(module.__name__, name, current,
+                                                            current.__dict__.get("forward", _NO_FORWARD))
             current.forward = replacement
         else:
-            _ORIGINALS[(module.__name__, name)] = current
+            _ORIGINALS[(module.__name__, name)] = _Original(module.__name__, name, current)
             setattr(module, name, replacement)
-
-
-def _restore(module_name: str, name: str, saved: Any) -> None:
-    if isinstance(saved, tuple):  # a kernels module: its own forward as it was
-        current, forward = saved
-        if forward is _NO_FORWARD:
-            current.__dict__.pop("forward", None)
-        else:
-            current.forward = forward
-    else:
-        setattr(importlib.import_module(module_name), name, saved)
 
 
 def apply_posenc_rope(model: Any, qk_norm: bool = False) -> Any:
@@ -858,8 +870,8 @@ def revert_posenc_rope(model: Optional[Union[Any, str]] = None) -> None:
     config or model-type string), or for every patched type when None."""
     module = None if model is None else _modeling_module(_model_type(model)).__name__
     with _ORIGINALS_LOCK:
-        for module_name, name in [key for key in _ORIGINALS if module is None or key[0] == module]:
-            _restore(module_name, name, _ORIGINALS.pop((module_name, name)))
+        for key in [key for key in _ORIGINALS if module is None or key[0] == module]:
+            _ORIGINALS.pop(key).restore()
 
 
 def is_patched(model: Union[Any, str]) -> bool:
