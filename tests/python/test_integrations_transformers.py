@@ -451,3 +451,59 @@ def test_replacement_layouts_and_arguments():
     got = integration.posenc_gptj_apply_rotary_pos_emb(q.transpose(1, 2), half_sin, half_cos)
     torch.testing.assert_close(got.transpose(1, 2), posenc.functional.apply_rope(
         q, positions=torch.arange(5), layout="bhsd", interleaved=True), rtol=1e-12, atol=1e-12)
+
+
+def test_the_llama_style_replacement_refuses_tables_transformers_would_not_rotate_so():
+    """Llama's apply_rotary_pos_emb broadcasts cos.unsqueeze(unsqueeze_dim) against q: it
+    raises for tables narrower than the head (a Llama config with partial_rotary_factor in
+    its rope parameters builds them), and pairs a 2-D table's rows with q's heads. The
+    replacement ran both, as GPT-NeoX's partial rotary and as per-token tables (found by an
+    audit): silently unlike the model it patches. GPT-NeoX's own function keeps its partial
+    rotary."""
+    llama = importlib.import_module("transformers.models.llama.modeling_llama")
+    neox = importlib.import_module("transformers.models.gpt_neox.modeling_gpt_neox")
+    theirs = integration._runs(llama.apply_rotary_pos_emb)
+    q, k = torch.randn(2, 4, 4, 16, dtype=torch.float64), torch.randn(2, 2, 4, 16, dtype=torch.float64)
+    cos, sin = posenc.functional.rope_cos_sin(torch.arange(4).expand(2, 4), 16, dtype=torch.float64)
+    narrow = (cos[..., :8], sin[..., :8])
+    with pytest.raises(RuntimeError):
+        theirs(q, k, *narrow)
+    with pytest.raises(ValueError, match=r"expected cos and sin of shape \(1 or batch, seq, head_dim\) for q of "
+                                         r"shape \(2, 4, 4, 16\) with unsqueeze_dim=1 .* got cos \(2, 4, 8\)"):
+        integration.posenc_apply_rotary_pos_emb(q, k, *narrow)
+    # (seq, head_dim) tables with seq == heads: transformers turns head h by row h of the table
+    flat = (cos[0], sin[0])
+    theirs(q, q, *flat)  # runs: a per-head rotation
+    with pytest.raises(ValueError, match=r"got cos \(4, 16\), sin \(4, 16\)"):
+        integration.posenc_apply_rotary_pos_emb(q, q, *flat)
+    for bad in ((cos[:, :3], sin[:, :3]), (cos, sin[..., :8]), (cos[:1].expand(3, 4, 16), sin[:1].expand(3, 4, 16))):
+        with pytest.raises(ValueError, match="expected cos and sin of shape"):
+            integration.posenc_apply_rotary_pos_emb(q, k, *bad)
+    # Batch-1 tables broadcast over q's batch, as transformers' do.
+    for a, b in zip(integration.posenc_apply_rotary_pos_emb(q, k, cos[:1], sin[:1]), theirs(q, k, cos[:1], sin[:1])):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    # GPT-NeoX's function turns the leading features with narrower tables, as transformers' does
+    # (bhsd and bshd), and refuses the 2-D ones.
+    neox_theirs = integration._runs(neox.apply_rotary_pos_emb)
+    assert neox_theirs is not integration.posenc_gpt_neox_apply_rotary_pos_emb
+    for unsqueeze_dim in (1, 2):
+        qq, kk = (q, k) if unsqueeze_dim == 1 else (q.transpose(1, 2), k.transpose(1, 2))
+        got = integration.posenc_gpt_neox_apply_rotary_pos_emb(qq, kk, *narrow, unsqueeze_dim=unsqueeze_dim)
+        want = neox_theirs(qq, kk, *narrow, unsqueeze_dim=unsqueeze_dim)
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match=r"GPT-NeoX .*rotary_dim <= head_dim"):
+        integration.posenc_gpt_neox_apply_rotary_pos_emb(q, k, *flat)
+
+
+def test_a_patched_llama_with_partial_rotary_tables_raises_as_the_unpatched_one():
+    config = transformers.LlamaConfig(**COMMON)
+    config.rope_parameters = dict(rope_type="linear", factor=2.0, rope_theta=10000.0, partial_rotary_factor=0.5)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    ids = torch.randint(2, 128, (1, 9), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(RuntimeError, match="must match"):
+        model(input_ids=ids)
+    integration.apply_posenc_rope(model)
+    with pytest.raises(ValueError, match=r"expected cos and sin of shape .* got cos \(1, 9, 8\)"):
+        model(input_ids=ids)

@@ -19,8 +19,11 @@ recompiles), and revert puts its forward back; while patched, the module does no
 call on to each layer's private copy (``attn._kernel_funcs``): hooks on a copy do not fire.
 
 Supported model types: see ``SUPPORTED_MODEL_TYPES`` (``_PATCHES``). Llama and the types that
-carry its rotation (and GPT-NeoX) share transformers' ``apply_rotary_pos_emb(q, k, cos, sin,
-unsqueeze_dim=1)`` (halves convention; GPT-NeoX's partial rotary included); GPT-J has its own
+carry its rotation share transformers' ``apply_rotary_pos_emb(q, k, cos, sin,
+unsqueeze_dim=1)`` (halves convention, tables as wide as the head); GPT-NeoX's has the same
+signature and also turns the leading features of a head with narrower tables (its partial
+rotary), each with its replacement, which refuses (ValueError) tables of other shapes
+(where transformers' broadcast raises, or pairs a 2-D table's rows with q's heads); GPT-J has its own
 ``apply_rotary_pos_emb(tensor, sin, cos)`` over adjacent pairs (``rotate_every_two``), routed
 with ``interleaved=True``. DeepSeek V3 (MLA) also has ``apply_rotary_pos_emb_interleave``
 (adjacent pairs of the rotary part, returned de-interleaved), DeepSeek V4 a single-tensor
@@ -120,6 +123,7 @@ __all__ = [
     "posenc_apply_rotary_pos_emb",
     "posenc_deepseek_apply_rotary_pos_emb_interleave",
     "posenc_deepseek_v4_apply_rotary_pos_emb",
+    "posenc_gpt_neox_apply_rotary_pos_emb",
     "posenc_gptj_apply_rotary_pos_emb",
     "revert_posenc_rope",
     "revert_posenc_qk_norm",
@@ -158,20 +162,57 @@ def posenc_apply_rotary_pos_emb(
     """transformers' ``apply_rotary_pos_emb`` (Llama family) through posenc.
 
     q, k: (batch, heads, seq, head_dim) with ``unsqueeze_dim=1`` (transformers' layout) or
-    (batch, seq, heads, head_dim) with ``unsqueeze_dim=2``; cos, sin: (batch, seq, rotary_dim).
-    ``position_ids`` is ignored, as in transformers 4.4x (the tables are already per position);
-    transformers 5's signature has no ``position_ids``, so an int in that place is taken as
-    ``unsqueeze_dim``.
+    (batch, seq, heads, head_dim) with ``unsqueeze_dim=2``; cos, sin: (batch or 1, seq,
+    head_dim), as the model's rotary module returns them. Other table shapes raise
+    ValueError: Llama's function broadcasts ``cos.unsqueeze(unsqueeze_dim)`` against q, which
+    raises for tables narrower than the head (transformers' partial rotary is GPT-NeoX's:
+    :func:`posenc_gpt_neox_apply_rotary_pos_emb`) and pairs the dimensions of other shapes
+    differently from the tokens. ``position_ids`` is ignored, as in transformers 4.4x (the
+    tables are already per position); transformers 5's signature has no ``position_ids``, so
+    an int in that place is taken as ``unsqueeze_dim``.
     """
+    return _rotate_llama_style(q, k, cos, sin, position_ids, unsqueeze_dim, "apply_rotary_pos_emb", partial=False)
+
+
+def posenc_gpt_neox_apply_rotary_pos_emb(
+    q: Tensor,
+    k: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    position_ids: Optional[Tensor] = None,
+    unsqueeze_dim: int = 1,
+) -> Tuple[Tensor, Tensor]:
+    """GPT-NeoX's ``apply_rotary_pos_emb`` through posenc: as
+    :func:`posenc_apply_rotary_pos_emb`, with tables (batch or 1, seq, rotary_dim) that may be
+    narrower than the head (``partial_rotary_factor``): the leading rotary_dim features of each
+    head turn, the rest pass through."""
+    return _rotate_llama_style(q, k, cos, sin, position_ids, unsqueeze_dim, "GPT-NeoX apply_rotary_pos_emb",
+                               partial=True)
+
+
+def _rotate_llama_style(q: Tensor, k: Tensor, cos: Tensor, sin: Tensor, position_ids: Any, unsqueeze_dim: Any,
+                        fn: str, partial: bool) -> Tuple[Tensor, Tensor]:
     if isinstance(position_ids, int) and not isinstance(position_ids, bool):
         unsqueeze_dim = position_ids
     # True == 1 and 1.0 == 1 would be taken for the int.
     layout = None if isinstance(unsqueeze_dim, (bool, float)) else {1: "bhsd", 2: "bshd"}.get(unsqueeze_dim)
     if layout is None:
-        raise ValueError(f"posenc apply_rotary_pos_emb: expected unsqueeze_dim 1 (q, k as (batch, heads, seq, "
+        raise ValueError(f"posenc {fn}: expected unsqueeze_dim 1 (q, k as (batch, heads, seq, "
                          f"head_dim)) or 2 ((batch, seq, heads, head_dim)), got {unsqueeze_dim!r}")
-    return posenc.functional.apply_rope_cos_sin(_promoted(q, cos, sin), _promoted(k, cos, sin), cos, sin,
-                                                layout=layout)
+    # The tables transformers' rotary modules give, which its broadcast pairs with q's batch
+    # rows and tokens as posenc does; any other shape it pairs otherwise (a 2-D table's rows
+    # with q's heads) or refuses (a narrower table, but for GPT-NeoX's partial rotary).
+    if q.dim() == 4 and cos.dim() == 3 and tuple(sin.shape) == tuple(cos.shape):
+        batch, seq, head_dim = q.shape[0], q.shape[2 if layout == "bhsd" else 1], q.shape[3]
+        rotary = cos.shape[2]
+        if (cos.shape[0] in (1, batch) and cos.shape[1] == seq
+                and (rotary == head_dim or (partial and 0 < rotary < head_dim))):
+            return posenc.functional.apply_rope_cos_sin(_promoted(q, cos, sin), _promoted(k, cos, sin), cos, sin,
+                                                        layout=layout)
+    want = "rotary_dim <= head_dim" if partial else "head_dim"
+    raise ValueError(f"posenc {fn}: expected cos and sin of shape (1 or batch, seq, {want}) for q of shape "
+                     f"{tuple(q.shape)} with unsqueeze_dim={unsqueeze_dim} (as transformers' rotary module "
+                     f"returns them), got cos {tuple(cos.shape)}, sin {tuple(sin.shape)}")
 
 
 def posenc_gptj_apply_rotary_pos_emb(tensor: Tensor, sin: Tensor, cos: Tensor) -> Tensor:
@@ -248,7 +289,9 @@ _PATCHES: Dict[str, Tuple[Tuple[str, Callable, Tuple[str, ...]], ...]] = {
     "starcoder2": (_LLAMA_STYLE,),
     "olmoe": (_LLAMA_STYLE,),
     "smollm3": (_LLAMA_STYLE,),
-    "gpt_neox": (_LLAMA_STYLE,),
+    # GPT-NeoX's own function: tables narrower than the head (partial_rotary_factor) turn the
+    # leading features.
+    "gpt_neox": (("apply_rotary_pos_emb", posenc_gpt_neox_apply_rotary_pos_emb, ("q", "k", "cos", "sin")),),
     "gptj": (("apply_rotary_pos_emb", posenc_gptj_apply_rotary_pos_emb, ("tensor", "sin", "cos")),),
     # MLA: the rotary part q_rot / k_rot of each head; rope_interleave (the default) takes the
     # second function.
