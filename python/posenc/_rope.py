@@ -27,11 +27,15 @@ from posenc._dtensor import is_dtensor, is_sharded, place_beside
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts, the
 # multi-axis sections modes and the list-valued keys; then the facts of the types
 # (POSENC_ROPE_TYPE_FACTS: their names, and per type an int whose bit i is fact i), the
-# layouts' geometry (ops::rope_layout_axes: 3 dims per layout) and the largest position
-# magnitude the ops take (kRopeMaxPosition: 2**53, integers exact in the float64 angle).
-*_SPEC_LISTS, MAX_POSITION = torch.ops.posenc.rope_scaling_spec()
+# layouts' geometry (ops::rope_layout_axes: 3 dims per layout), the largest position
+# magnitude the ops take (kRopeMaxPosition: 2**53, integers exact in the float64 angle) and
+# the keys each type reads (POSENC_ROPE_TYPES' keys column: bit i is SCALING_KEYS[i]).
+*_SPEC_LISTS, MAX_POSITION, _TYPE_KEY_MASKS = torch.ops.posenc.rope_scaling_spec()
 ROPE_TYPES, SCALING_KEYS, LAYOUTS, SECTIONS_MODES, SCALING_LIST_KEYS, _FACTS, _TYPE_FACTS, _AXES = map(
     tuple, _SPEC_LISTS)
+# rope type -> the scaling keys its formulas read.
+TYPE_KEYS = {t: tuple(k for i, k in enumerate(SCALING_KEYS) if mask >> i & 1)
+             for t, mask in zip(ROPE_TYPES, _TYPE_KEY_MASKS)}
 # layout -> (batch, seq, heads) dims of q and k (head_dim is last); batch None: none ("thd"
 # packs its sequences into one token dim).
 LAYOUT_AXES = {
@@ -58,8 +62,9 @@ FACTOR_FROM_MODEL_TYPES = _types_with("factor_from_model")
 # default is the model's length (transformers reads only the model's; the module refuses a
 # default at max_len, rope_cos_sin a dict disagreeing with the model's).
 LENGTH_BASELINE_TYPES = tuple(t for t in LENGTH_SCALED_TYPES if t in ORIGINAL_FROM_MODEL_TYPES)
-# The types that read partial_rotary_factor as their own scaling key ("proportional").
-PARTIAL_ROTARY_KEY_TYPES = _types_with("partial_rotary_key")
+# The types that read partial_rotary_factor as their own scaling key ("proportional"); for
+# the others a config's partial_rotary_factor sets rotary_dim.
+PARTIAL_ROTARY_KEY_TYPES = tuple(t for t, keys in TYPE_KEYS.items() if "partial_rotary_factor" in keys)
 
 
 # The op's ``scaling`` list: [] for "default" with no key, else ``[given, *keys, *lists]``:
@@ -215,14 +220,22 @@ def scaling_arguments(
             raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
         values[i] = float(value)  # the op checks the value (finite, in range)
         given.add(i)
-    if rope_type == "default" and given:
-        # transformers logs such keys as unrecognized and builds an unscaled RoPE (a config's
-        # stray "factor": 1.0): the same here, with a warning. (The op refuses them: C++'s
-        # RopeScaling, whose rope_type defaults to "default", would hide a forgotten type.)
-        warnings.warn(f"rope: rope_type 'default' reads no scaling key; "
-                      f"{', '.join(SCALING_KEYS[i] for i in sorted(given))} ignored, as transformers ignores them",
+    # (partial_rotary_factor is read by every type, as rotary_dim where it is not a scaling
+    # key: resolve_config_keys takes it there; reaching here, the op refuses it with advice.)
+    unread = sorted(i for i in given
+                    if SCALING_KEYS[i] not in TYPE_KEYS[rope_type] and SCALING_KEYS[i] != "partial_rotary_factor")
+    if unread:
+        # transformers logs a key its type does not read as unrecognized and ignores it (a
+        # config's stray "factor": 1.0 beside "default" builds an unscaled RoPE): the same
+        # here, with a warning. (The op refuses them: C++'s RopeScaling, whose rope_type
+        # defaults to "default", would hide a forgotten type.)
+        reads = ", ".join(TYPE_KEYS[rope_type]) or "no scaling key"
+        warnings.warn(f"rope: rope_type {rope_type!r} reads {reads}; "
+                      f"{', '.join(SCALING_KEYS[i] for i in unread)} ignored, as transformers ignores them",
                       stacklevel=3)
-        values, given = [0.0] * len(SCALING_KEYS), set()
+        for i in unread:
+            values[i] = 0.0
+            given.discard(i)
     orig = SCALING_KEYS.index("original_max_position_embeddings")
     if max_position_embeddings is not None and rope_type in ORIGINAL_FROM_MODEL_TYPES and orig not in given:
         values[orig] = float(max_position_embeddings)
@@ -1083,7 +1096,7 @@ class RotaryPositionalEncoding(nn.Module):
         torch._assert_async refuses the call (a RuntimeError; a device-side assert on CUDA),
         with no host sync; torch.jit.trace keeps neither (the kernels' own checks remain).
         Returns the longest position when it was read from tensors (so "dynamic" need not
-        read it again)."""
+        read it again), not under vmap (each sample's own is read by the op)."""
         if q.dim() != (3 if self.layout == "thd" else 4):
             return  # the rope op raises for a wrong rank, with its own message
         offsets = offset if isinstance(offset, Tensor) else None
@@ -1126,6 +1139,12 @@ class RotaryPositionalEncoding(nn.Module):
         lo, hi = torch.ops.posenc.rope_position_bounds(q, **arguments)
         if hi >= lo and (lo < 0 or hi >= self.max_len):
             torch.ops.posenc.position_range_check(lo, hi, self.max_len)  # raises the one IndexError
+        if any(torch._C._functorch.is_functorch_wrapped_tensor(t) for t in tensors):
+            # Under vmap the bounds are those of all samples together (the op's batch rule):
+            # the range holds for each sample, but its longest position is its own, which the
+            # op reads per sample ("dynamic" and "longrope" took every sample's frequencies
+            # from the batch's longest: an audit).
+            return None
         return hi
 
     def __prepare_scriptable__(self) -> nn.Module:

@@ -537,7 +537,11 @@ posenc::RopeScaling sample_scaling(const std::string& type) {
   s.rope_type = type;
   if (type == "default") return s;
   s.factor = 4.0;
-  s.original_max_position_embeddings = 16;
+  // (only where the type reads it: a key it does not read is refused)
+  if (posenc::math::rope_type_keys(posenc::ops::parse_rope_type(type)) &
+      posenc::math::rope_key_bit(posenc::math::RopeKey::original_max_position_embeddings)) {
+    s.original_max_position_embeddings = 16;
+  }
   if (type == "llama3") {
     s.low_freq_factor = 1.0;
     s.high_freq_factor = 4.0;
@@ -913,6 +917,16 @@ TEST(RopeScalingPresence, KeysBesideTheDefaultTypeAreRefused) {
                c10::ValueError);
   s.rope_type = "linear";  // the type that reads it
   EXPECT_NO_THROW(posenc::RotaryPositionalEncoding(posenc::RotaryPositionalEncodingOptions(8).scaling(s)));
+  // A key of another type beside it (yarn's mscale): refused as well, naming what linear reads.
+  s.mscale = 1.0;
+  try {
+    posenc::apply_rope(torch::randn({1, 3, 2, 8}), torch::Tensor(), posenc::ApplyRopeOptions().scaling(s));
+    ADD_FAILURE() << "mscale beside rope_type 'linear' was ignored";
+  } catch (const c10::ValueError& e) {
+    EXPECT_NE(std::string(e.what()).find("rope scaling type 'linear' does not read the rope scaling key(s) mscale "
+                                         "(it reads factor)"),
+              std::string::npos) << e.what();
+  }
 }
 
 // Two threads calling one module's forward at once: each gets the single-threaded result.

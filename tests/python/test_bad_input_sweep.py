@@ -47,9 +47,11 @@ def is_clean_rejection(error: Exception) -> bool:
 HUGE = [2**31, 2**53 + 1, 2**62, 2**63 - 1, -(2**62), -(2**63), -1]
 NAN = float("nan")
 N_KEYS = len(torch.ops.posenc.rope_scaling_spec()[1])  # the rope ops' fixed scaling values
-# partial_rotary_factor is a key of "proportional" only (for the other types it is rotary_dim,
-# and the op refuses it): the usual bitmask gives every other key.
-PARTIAL_KEY = list(torch.ops.posenc.rope_scaling_spec()[1]).index("partial_rotary_factor")
+# The keys each type reads (bit i: key i; the op refuses the others): the usual bitmask gives
+# those of the type (every key but partial_rotary_factor, proportional's, for an unknown type).
+_SPEC = torch.ops.posenc.rope_scaling_spec()
+PARTIAL_KEY = list(_SPEC[1]).index("partial_rotary_factor")
+TYPE_KEY_MASKS = dict(zip(_SPEC[0], _SPEC[9]))
 
 
 def pick(rng, usual, unusual, p_unusual=0.3):
@@ -121,8 +123,9 @@ def rope_call(rng):
     scaling = [pick(rng, [2.0, 4.0, 64.0], [NAN, 0.0, -1.0, 1e-310, math.inf], 0.05)
                for _ in range(rng.choice([0, N_KEYS, N_KEYS, 3]))]
     if len(scaling) == N_KEYS:
-        scaling[PARTIAL_KEY] = 0.0
-        scaling.insert(0, pick(rng, [float(2**N_KEYS - 1 - 2**PARTIAL_KEY)], [0.5, -1.0, float(2**N_KEYS), NAN]))
+        mask = TYPE_KEY_MASKS.get(rope_type, 2**N_KEYS - 1 - 2**PARTIAL_KEY)
+        scaling = [v if mask >> i & 1 else 0.0 for i, v in enumerate(scaling)]
+        scaling.insert(0, pick(rng, [float(mask)], [0.5, -1.0, float(2**N_KEYS), NAN]))
     base = pick(rng, [10000.0], [1.0, -1.0, NAN, 1e300])
     seq_len = pick(rng, [0, -1], [2**62, -5])
     rotary_dim = pick(rng, [-1, 4], [0, 3, 2 * D + 2])

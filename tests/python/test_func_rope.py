@@ -167,6 +167,37 @@ def test_vmap_over_per_sample_tensor_offsets():
         assert torch.equal(got_q[i], want_q) and torch.equal(got_k[i], want_k)
 
 
+@pytest.mark.parametrize("scaling", [
+    {"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8},
+    {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 8,
+     "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0]},
+])
+@pytest.mark.parametrize("index", ["positions", "offset"])
+def test_the_module_under_vmap_scales_each_sample_by_its_own_length(scaling, index):
+    """A length-scaled type ("dynamic", "longrope") under vmap over per-sample positions or
+    offsets: each sample's frequencies follow its own longest position, as a loop over the
+    samples gives. The module passed the longest position its range check had read, which
+    under vmap is the batch's: every sample took the frequencies of the longest one (0.6-4.7
+    off in the forward, 0.3-6 in per-sample gradients; found by an audit). apply_rope was
+    right."""
+    rope = posenc.RotaryPositionalEncoding(8, max_len=128, scaling=scaling)
+    q = torch.randn(3, 1, 4, 2, 8, dtype=F64, generator=torch.Generator().manual_seed(3))
+    w = torch.randn(1, 4, 2, 8, dtype=F64, generator=torch.Generator().manual_seed(4))
+    if index == "positions":
+        idx = torch.tensor([[[0, 1, 2, 3]], [[0, 1, 2, 100]], [[4, 5, 6, 7]]])  # longest: 3, 100, 7
+        f = lambda x, p: rope(x, positions=p)  # noqa: E731
+    else:
+        idx = torch.tensor([0, 97, 4])
+        f = lambda x, o: rope(x, offset=o)  # noqa: E731
+    for g in (f, lambda x, i: apply_rope(x, **({"positions": i} if index == "positions" else {"offset": i}),
+                                         scaling=scaling)):
+        got = vmap(g)(q, idx)
+        got_grad = vmap(grad(lambda x, i, g=g: (g(x, i) * w).sum()))(q, idx)
+        for i in range(3):
+            assert torch.equal(got[i], g(q[i], idx[i]))
+            assert torch.equal(got_grad[i], grad(lambda x, g=g, i=i: (g(x, idx[i]) * w).sum())(q[i]))
+
+
 def test_vmap_of_the_in_place_ops_is_refused():
     """What docs/guide/func.md says: the ops that write in place have no batching rule, and
     vmap says so (PyTorch's RuntimeError), never a silent per-sample write."""

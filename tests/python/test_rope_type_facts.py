@@ -46,11 +46,10 @@ def same(a, b):
 
 def test_spec_exports_the_facts_of_every_type():
     spec = torch.ops.posenc.rope_scaling_spec()
-    assert len(spec) == 9
+    assert len(spec) == 10
     assert spec[8] == 2**53 == _rope.MAX_POSITION  # the positions' range, [-2**53, 2**53]
     types, facts, per_type = spec[0], spec[5], spec[6]
-    assert facts == ["scales_by_length", "list_keys", "original_from_model", "factor_from_model",
-                     "partial_rotary_key"]
+    assert facts == ["scales_by_length", "list_keys", "original_from_model", "factor_from_model"]
     assert len(per_type) == len(types) and all(0 <= f < 1 << len(facts) for f in per_type)
     assert set(SAMPLES) == set(types), "a new rope type needs a sample configuration in SAMPLES"
     # The sets as they stand, so that a change to the table is a visible change here.
@@ -59,6 +58,50 @@ def test_spec_exports_the_facts_of_every_type():
     assert _rope.ORIGINAL_FROM_MODEL_TYPES == ("dynamic", "yarn")
     assert _rope.FACTOR_FROM_MODEL_TYPES == ("longrope",)
     assert _rope.PARTIAL_ROTARY_KEY_TYPES == ("proportional",)
+    # The keys each type's formulas read (the keys column of POSENC_ROPE_TYPES).
+    assert _rope.TYPE_KEYS == {
+        "default": (),
+        "linear": ("factor",),
+        "dynamic": ("factor", "original_max_position_embeddings"),
+        "yarn": ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "attention_factor", "mscale",
+                 "mscale_all_dim", "truncate"),
+        "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+        "longrope": ("factor", "original_max_position_embeddings", "attention_factor"),
+        "proportional": ("factor", "partial_rotary_factor"),
+    }
+
+
+# A value each key may take in any type's sample (valid where the type reads it).
+FOREIGN_VALUES = {"factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32, "beta_fast": 16.0, "beta_slow": 2.0,
+                  "attention_factor": 1.5, "mscale": 1.0, "mscale_all_dim": 0.5, "truncate": False}
+
+
+@pytest.mark.parametrize("rope_type", sorted(SAMPLES))
+def test_a_key_the_type_does_not_read_is_dropped_with_a_warning_and_refused_by_the_op(rope_type):
+    """transformers ignores a key its type does not read (it logs it as unrecognized): the
+    dict reader drops it with a warning, so the frequencies are the dict's without it, and
+    the op, which would ignore it silently (a C++ RopeScaling with a field its type never
+    reads), refuses it. Until the keys column existed, only "default" warned; the other
+    types passed such keys to the op, which ignored them without a word (an audit)."""
+    sample = SAMPLES[rope_type]
+    want = frequencies(sample, seq_len=64)
+    unread = [k for k in FOREIGN_VALUES if k not in _rope.TYPE_KEYS[rope_type]]
+    assert unread or rope_type == "yarn"
+    for key in unread:
+        with pytest.warns(UserWarning, match=rf"rope: rope_type '{rope_type}' reads .*; {key} ignored, as "
+                                              r"transformers ignores them"):
+            got = frequencies({**sample, key: FOREIGN_VALUES[key]}, seq_len=64)
+        assert torch.equal(got[0], want[0]) and got[1] == want[1], key
+        # The op itself: the same values with the key's bit and value set.
+        kind, values = _rope.scaling_arguments(sample)
+        values = list(values) if values else [0.0] * (1 + len(_rope.SCALING_KEYS))
+        i = _rope.SCALING_KEYS.index(key)
+        values[0] += float(1 << i)
+        values[1 + i] = float(FOREIGN_VALUES[key])
+        with pytest.raises(ValueError, match=rf"rope scaling type '{rope_type}' (does not read the rope scaling "
+                                             rf"key\(s\) {key} \(it reads|reads no rope scaling key, got {key})"):
+            torch.ops.posenc.rope_frequencies(ROT, 10000.0, kind, values, 64, [], "axial")
 
 
 def test_the_layouts_geometry_is_the_ops():

@@ -26,8 +26,9 @@ namespace posenc {
 
 // Hugging Face's rope_scaling dict as a struct: rope_type is "default", "linear", "dynamic",
 // "yarn", "llama3", "longrope" or "proportional"; a key left unset is "not given" (its default applies where
-// it has one). "default" reads no key: a key set beside it (rope_type left at its default)
-// is a ValueError, not an unscaled RoPE. The keys are those of POSENC_ROPE_SCALING_KEYS and
+// it has one). A key set that the type does not read (POSENC_ROPE_TYPES' keys column) is a
+// ValueError, not a scaling that silently does not happen: "default" reads no key (a key set
+// beside it, rope_type left at its default, is not an unscaled RoPE). The keys are those of POSENC_ROPE_SCALING_KEYS and
 // POSENC_ROPE_SCALING_LIST_KEYS (posenc/math/rope.h), the lists the op reads.
 struct RopeScaling {
   std::string rope_type = "default";

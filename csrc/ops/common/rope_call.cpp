@@ -52,7 +52,7 @@ constexpr std::pair<RopeLayout, const char*> kLayouts[] = {
 // (batch, seq, heads) dims per layout, indexed by RopeLayout (kLayouts' order).
 constexpr RopeLayoutAxes kLayoutAxes[] = {{0, 1, 2}, {0, 2, 1}, {1, 0, 2}, {-1, 0, 1}};
 constexpr std::pair<math::RopeType, const char*> kRopeTypes[] = {
-#define POSENC_X(e, name, facts) {math::RopeType::e, name},
+#define POSENC_X(e, name, facts, keys) {math::RopeType::e, name},
     POSENC_ROPE_TYPES(POSENC_X)
 #undef POSENC_X
 };
@@ -150,29 +150,40 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
                       "' to be finite, got ", v);
     out.*kScalingFields[i] = v;
   }
-  // partial_rotary_factor is a key of the types that read it (partial_rotary_key); for the
+  // partial_rotary_factor is a key of the types that read it (math::rope_type_keys); for the
   // others a config's factor sets rotary_dim, which the front ends resolve (Python's
   // resolve_config_keys). Given to the op for another type it would be ignored: refused.
-  TORCH_CHECK_VALUE((math::rope_type_facts(out.type) & math::kRopePartialRotaryKey) != 0 ||
+  TORCH_CHECK_VALUE((math::rope_type_keys(out.type) & math::rope_key_bit(math::RopeKey::partial_rotary_factor)) != 0 ||
                         !math::rope_has(out, math::RopeKey::partial_rotary_factor),
                     "posenc: rope scaling type '", rope_type_name(out.type), "' does not read the key "
                     "'partial_rotary_factor' (it sets rotary_dim there, as in a transformers config): pass "
                     "rotary_dim = int(head_dim * ", out.partial_rotary_factor, ") instead");
-  if (out.type == math::RopeType::kDefault && out.given != 0) {
-    // "default" reads no key: a factor given beside it (C++'s RopeScaling left at its default
-    // rope_type) would be ignored, an unscaled RoPE without a word.
-    std::string given;
-    for (int i = 0; i < math::kRopeScalingFields; ++i) {
-      if (math::rope_has(out, static_cast<math::RopeKey>(i))) {
-        given += std::string(given.empty() ? "" : ", ") + kScalingKeys[i];
+  // A key the type does not read (math::rope_type_keys) would be ignored: a scaling that
+  // silently does not happen (for "default", C++'s RopeScaling left at its default rope_type
+  // with a factor set). Python's dict reader drops such keys with a warning first, as
+  // transformers ignores them.
+  const uint32_t unread = out.given & ~math::rope_type_keys(out.type);
+  if (unread != 0) {
+    const auto names = [](uint32_t mask) {
+      std::string joined_names;
+      for (int i = 0; i < math::kRopeScalingFields; ++i) {
+        if (mask & math::rope_key_bit(static_cast<math::RopeKey>(i))) {
+          joined_names += std::string(joined_names.empty() ? "" : ", ") + kScalingKeys[i];
+        }
       }
+      return joined_names;
+    };
+    if (out.type == math::RopeType::kDefault) {
+      std::string types;
+      for (const auto& [type, name] : kRopeTypes) {
+        if (type != math::RopeType::kDefault) types += std::string(types.empty() ? "" : ", ") + name;
+      }
+      TORCH_CHECK_VALUE(false, "posenc: rope scaling type 'default' reads no rope scaling key, got ", names(unread),
+                        ": set rope_type to the scaling that reads them (", types, ")");
     }
-    std::string types;
-    for (const auto& [type, name] : kRopeTypes) {
-      if (type != math::RopeType::kDefault) types += std::string(types.empty() ? "" : ", ") + name;
-    }
-    TORCH_CHECK_VALUE(false, "posenc: rope scaling type 'default' reads no rope scaling key, got ", given,
-                      ": set rope_type to the scaling that reads them (", types, ")");
+    TORCH_CHECK_VALUE(false, "posenc: rope scaling type '", rope_type_name(out.type), "' does not read the rope "
+                      "scaling key(s) ", names(unread), " (it reads ", names(math::rope_type_keys(out.type)),
+                      "): leave them out, as transformers ignores them");
   }
   if (!lists) return;
   out.list_length = extra / kScalingLists;
@@ -404,7 +415,7 @@ void check_rope_schema_matches(const c10::FunctionSchema& schema) {
 // and type lists and its per-type behaviour come from here).
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
            std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<int64_t>, std::vector<int64_t>, int64_t>
+           std::vector<int64_t>, std::vector<int64_t>, int64_t, std::vector<int64_t>>
 rope_scaling_spec() {
   std::vector<std::string> layouts, modes, fact_names;
   std::vector<int64_t> axes;
@@ -417,10 +428,13 @@ rope_scaling_spec() {
 #define POSENC_X(flag, name) fact_names.emplace_back(name);
   POSENC_ROPE_TYPE_FACTS(POSENC_X)
 #undef POSENC_X
-  std::vector<int64_t> facts;
-  for (const auto& [v, n] : kRopeTypes) facts.push_back(math::rope_type_facts(v));
+  std::vector<int64_t> facts, keys;
+  for (const auto& [v, n] : kRopeTypes) {
+    facts.push_back(math::rope_type_facts(v));
+    keys.push_back(math::rope_type_keys(v));
+  }
   return {rope_type_names(), rope_scaling_keys(), layouts, modes, rope_scaling_list_keys(),
-          fact_names, facts, axes, kRopeMaxPosition};
+          fact_names, facts, axes, kRopeMaxPosition, keys};
 }
 
 

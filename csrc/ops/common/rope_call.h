@@ -146,10 +146,11 @@ int64_t call_rope_rotary_width(const RopeCall& call);
 // keys, layouts, sections modes, list-valued scaling keys), then (fact names, one int per
 // type whose bit i is fact i), from POSENC_ROPE_TYPE_FACTS and POSENC_ROPE_TYPES
 // (posenc/math/rope.h), then the layouts' (batch, seq, heads) dims, 3 per layout, then the
-// largest position magnitude the ops take (kRopeMaxPosition).
+// largest position magnitude the ops take (kRopeMaxPosition), then the keys each type reads
+// (one int per type whose bit i is scaling key i: POSENC_ROPE_TYPES' keys column).
 std::tuple<std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
            std::vector<std::string>, std::vector<std::string>, std::vector<std::string>,
-           std::vector<int64_t>, std::vector<int64_t>, int64_t>
+           std::vector<int64_t>, std::vector<int64_t>, int64_t, std::vector<int64_t>>
 rope_scaling_spec();
 
 // Fails when the schema of `op` and RopeCall::for_each_argument disagree (registration).

@@ -36,8 +36,8 @@ namespace ops {
 //                         resolved: head_dim - rotary_offset, or 2 * sum(sections)), after
 //                         the call's checks: the one statement of that rule, which the
 //                         modules ask for at construction (an empty q suffices).
-//   rope_scaling_spec     the names the ops accept, the facts of the scaling types and
-//                         the position range, for Python (rope_call.h).
+//   rope_scaling_spec     the names the ops accept, the facts and keys of the scaling
+//                         types and the position range, for Python (rope_call.h).
 TORCH_LIBRARY_FRAGMENT(posenc, m) {
   const std::string tail = kRopeSchemaArguments;
   m.def(("rope(Tensor q, Tensor? k=None, " + tail + ") -> (Tensor, Tensor)").c_str());
@@ -45,7 +45,7 @@ TORCH_LIBRARY_FRAGMENT(posenc, m) {
   m.def(("rope_position_bounds(Tensor q, Tensor? k=None, " + tail + ") -> (int, int)").c_str());
   m.def(("rope_position_extremes(Tensor q, Tensor? k=None, " + tail + ") -> Tensor").c_str());
   m.def(("rope_rotary_width(Tensor q, Tensor? k=None, " + tail + ") -> int").c_str());
-  m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[], str[], int[], int[], int)",
+  m.def("rope_scaling_spec() -> (str[], str[], str[], str[], str[], str[], int[], int[], int, int[])",
         &rope_scaling_spec);
 }
 

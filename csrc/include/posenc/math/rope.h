@@ -22,6 +22,39 @@
 namespace posenc {
 namespace math {
 
+// The keys of Hugging Face's `rope_scaling` dict that posenc reads, in the order of the
+// rope op's float[] `scaling` argument: the one list that RopeScaling's fields, the op's
+// parser and error messages, the C++ API's RopeScaling::values() and Python's key list
+// (torch.ops.posenc.rope_scaling_spec) come from. Which type reads which key is the keys
+// column of POSENC_ROPE_TYPES (below); defaults: yarn's beta_fast 32, beta_slow 1,
+// attention_factor from mscale, truncate true (nonzero is true); proportional's
+// partial_rotary_factor (the share of pairs that turn) 1 and factor 1.
+#define POSENC_ROPE_SCALING_KEYS(X)  \
+  X(factor)                          \
+  X(low_freq_factor)                 \
+  X(high_freq_factor)                \
+  X(original_max_position_embeddings) \
+  X(beta_fast)                       \
+  X(beta_slow)                       \
+  X(attention_factor)                \
+  X(mscale)                          \
+  X(mscale_all_dim)                  \
+  X(truncate)                        \
+  X(partial_rotary_factor)
+
+// Most rotary pairs per head: rotary_dim <= 512.
+constexpr int kRopeMaxPairs = 256;
+
+// Each key of POSENC_ROPE_SCALING_KEYS by its index: bit i of RopeScalingParams::given.
+enum class RopeKey : int {
+#define POSENC_X(key) key,
+  POSENC_ROPE_SCALING_KEYS(POSENC_X)
+#undef POSENC_X
+};
+
+// Bit k of a key mask (RopeScalingParams::given, a type's keys in POSENC_ROPE_TYPES).
+inline constexpr uint32_t rope_key_bit(RopeKey k) { return uint32_t{1} << static_cast<int>(k); }
+
 // What a scaling type is besides its formula (rope_inv_freq): bit flags that every front end
 // (the C++ API and module; Python through rope_scaling_spec, by the names here) reads from
 // the table below instead of naming types. X(flag, "name"); flag i is bit i.
@@ -38,15 +71,14 @@ namespace math {
 //                        original_max_position_embeddings (transformers' longrope; its yarn
 //                        derives it only for a dict's factor of None, which a dict without
 //                        the key would silently match: the integration reads that rule).
-//   partial_rotary_key   it reads partial_rotary_factor as its own scaling key (the share of
-//                        pairs that turn), where for the others a config's
-//                        partial_rotary_factor sets rotary_dim (Python's resolve_config_keys).
+// (Which keys a type reads is its own column of POSENC_ROPE_TYPES: a type whose keys include
+// partial_rotary_factor reads it as the share of pairs that turn, where for the others a
+// config's partial_rotary_factor sets rotary_dim, Python's resolve_config_keys.)
 #define POSENC_ROPE_TYPE_FACTS(X)                  \
   X(kRopeScalesByLength, "scales_by_length")       \
   X(kRopeListKeys, "list_keys")                    \
   X(kRopeOriginalFromModel, "original_from_model") \
-  X(kRopeFactorFromModel, "factor_from_model")     \
-  X(kRopePartialRotaryKey, "partial_rotary_key")
+  X(kRopeFactorFromModel, "factor_from_model")
 
 enum RopeTypeFactBit : unsigned {
 #define POSENC_X(flag, name) flag##Bit,
@@ -57,46 +89,36 @@ enum RopeTypeFactBit : unsigned {
 POSENC_ROPE_TYPE_FACTS(POSENC_X)
 #undef POSENC_X
 
-// The scaling types, their Hugging Face names and facts: the one list that the op's parser,
-// its error messages, Python's list of types and every front end's per-type behaviour come
-// from (X(enumerator, "name", facts)).
-#define POSENC_ROPE_TYPES(X)                                                           \
-  X(kDefault, "default", 0u)                                                           \
-  X(kLinear, "linear", 0u)                                                             \
-  X(kDynamic, "dynamic", kRopeScalesByLength | kRopeOriginalFromModel)                 \
-  X(kYarn, "yarn", kRopeOriginalFromModel)                                             \
-  X(kLlama3, "llama3", 0u)                                                             \
-  X(kLongrope, "longrope", kRopeScalesByLength | kRopeListKeys | kRopeFactorFromModel) \
-  X(kProportional, "proportional", kRopePartialRotaryKey)
+// The scaling types, their Hugging Face names, facts and keys: the one list that the op's
+// parser, its error messages, Python's list of types and every front end's per-type
+// behaviour come from (X(enumerator, "name", facts, keys)). `keys`: the scaling keys the
+// type's formulas (rope_inv_freq, rope_attention_factor) read; a key given to a type that
+// does not read it is refused by the op (ignored, it would be a scaling that silently does
+// not happen) and dropped with a warning by Python's dict reader, as transformers ignores it.
+#define POSENC_ROPE_KEY(k) rope_key_bit(RopeKey::k)
+#define POSENC_ROPE_TYPES(X)                                                                                  \
+  X(kDefault, "default", 0u, 0u)                                                                              \
+  X(kLinear, "linear", 0u, POSENC_ROPE_KEY(factor))                                                           \
+  X(kDynamic, "dynamic", kRopeScalesByLength | kRopeOriginalFromModel,                                        \
+    POSENC_ROPE_KEY(factor) | POSENC_ROPE_KEY(original_max_position_embeddings))                              \
+  X(kYarn, "yarn", kRopeOriginalFromModel,                                                                    \
+    POSENC_ROPE_KEY(factor) | POSENC_ROPE_KEY(original_max_position_embeddings) | POSENC_ROPE_KEY(beta_fast) | \
+        POSENC_ROPE_KEY(beta_slow) | POSENC_ROPE_KEY(attention_factor) | POSENC_ROPE_KEY(mscale) |           \
+        POSENC_ROPE_KEY(mscale_all_dim) | POSENC_ROPE_KEY(truncate))                                          \
+  X(kLlama3, "llama3", 0u,                                                                                    \
+    POSENC_ROPE_KEY(factor) | POSENC_ROPE_KEY(low_freq_factor) | POSENC_ROPE_KEY(high_freq_factor) |         \
+        POSENC_ROPE_KEY(original_max_position_embeddings))                                                    \
+  X(kLongrope, "longrope", kRopeScalesByLength | kRopeListKeys | kRopeFactorFromModel,                        \
+    POSENC_ROPE_KEY(factor) | POSENC_ROPE_KEY(original_max_position_embeddings) |                             \
+        POSENC_ROPE_KEY(attention_factor))                                                                    \
+  X(kProportional, "proportional", 0u,                                                                        \
+    POSENC_ROPE_KEY(factor) | POSENC_ROPE_KEY(partial_rotary_factor))
 
 enum class RopeType : int {
-#define POSENC_X(e, name, facts) e,
+#define POSENC_X(e, name, facts, keys) e,
   POSENC_ROPE_TYPES(POSENC_X)
 #undef POSENC_X
 };
-
-// The keys of Hugging Face's `rope_scaling` dict that posenc reads, in the order of the
-// rope op's float[] `scaling` argument: the one list that RopeScaling's fields, the op's
-// parser and error messages, the C++ API's RopeScaling::values() and Python's key list
-// (torch.ops.posenc.rope_scaling_spec) come from. Which type reads which key:
-//   factor: linear, dynamic, yarn, llama3;   low_freq_factor, high_freq_factor: llama3;
-//   original_max_position_embeddings: dynamic, yarn, llama3, longrope;
-//   beta_fast (default 32), beta_slow (default 1), attention_factor (default from mscale),
-//   mscale, mscale_all_dim, truncate (default true; nonzero is true): yarn;
-//   factor (for the default attention factor), attention_factor: longrope;
-//   partial_rotary_factor (the share of pairs that turn, default 1), factor (default 1): proportional.
-#define POSENC_ROPE_SCALING_KEYS(X)  \
-  X(factor)                          \
-  X(low_freq_factor)                 \
-  X(high_freq_factor)                \
-  X(original_max_position_embeddings) \
-  X(beta_fast)                       \
-  X(beta_slow)                       \
-  X(attention_factor)                \
-  X(mscale)                          \
-  X(mscale_all_dim)                  \
-  X(truncate)                        \
-  X(partial_rotary_factor)
 
 // The list-valued keys (longrope: Phi-3, Phi-3.5, Phi-4-mini), one value per rotary pair:
 // appended to the op's float[] `scaling` after the keys above, in this order, each
@@ -105,16 +127,6 @@ enum class RopeType : int {
 #define POSENC_ROPE_SCALING_LIST_KEYS(X) \
   X(short_factor)                        \
   X(long_factor)
-
-// Most rotary pairs per head: rotary_dim <= 512.
-constexpr int kRopeMaxPairs = 256;
-
-// Each key of POSENC_ROPE_SCALING_KEYS by its index: bit i of RopeScalingParams::given.
-enum class RopeKey : int {
-#define POSENC_X(key) key,
-  POSENC_ROPE_SCALING_KEYS(POSENC_X)
-#undef POSENC_X
-};
 
 // The parameters of a `rope_scaling` dict, one field per key. Presence travels beside the
 // values: bit i of `given` says that key RopeKey(i) was in the dict (its field holds the
@@ -262,9 +274,21 @@ POSENC_HOST_DEVICE double yarn_correction_dim(double num_rotations, int64_t dim,
 // The facts (kRope* flags) of a type.
 inline constexpr unsigned rope_type_facts(RopeType t) {
   switch (t) {
-#define POSENC_X(e, name, facts) \
-  case RopeType::e:              \
+#define POSENC_X(e, name, facts, keys) \
+  case RopeType::e:                    \
     return facts;
+    POSENC_ROPE_TYPES(POSENC_X)
+#undef POSENC_X
+  }
+  return 0u;
+}
+
+// The keys a type reads (bit k: RopeKey(k), as RopeScalingParams::given).
+inline constexpr uint32_t rope_type_keys(RopeType t) {
+  switch (t) {
+#define POSENC_X(e, name, facts, keys) \
+  case RopeType::e:                    \
+    return keys;
     POSENC_ROPE_TYPES(POSENC_X)
 #undef POSENC_X
   }
