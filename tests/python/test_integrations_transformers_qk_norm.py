@@ -830,3 +830,44 @@ def test_hooked_or_replaced_norms_run_as_the_model_runs_them(fused_calls):
             assert not fused_calls
         else:  # layer 0 runs its own norms; layer 1 stays fused
             assert len(fused_calls) == 1, case
+
+
+def test_a_rotary_module_of_another_class_leaves_the_layers_unfused(fused_calls):
+    """The fused op turns by the rotary module's checked buffer and drops the tables the layer
+    receives: proven for the model's own rotary class only. A subclass with a learnable
+    temperature (inv_freq unchanged, so the buffer check passed) fused: its parameter got no
+    gradient, and once the temperature moved the logits differed by 0.06 (found by an audit).
+    Now such a layer runs its norms and rotates with the tables it is given."""
+    model = tiny_model("qwen3")
+    base = type(model.model.rotary_emb)
+
+    class LearnableTemperature(base):
+        def __init__(self, config):
+            super().__init__(config)
+            self.temp = torch.nn.Parameter(torch.ones(()))
+
+        def forward(self, x, position_ids):  # differentiable tables (the parent's forward is no_grad)
+            freqs = position_ids[..., None].float() * self.inv_freq * self.temp
+            emb = torch.cat((freqs, freqs), -1)
+            return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+    model.model.rotary_emb = LearnableTemperature(model.config)
+    tokens = ids(1, 6)
+
+    def temp_grad():
+        model.zero_grad(set_to_none=True)
+        model(tokens).logits.square().sum().backward()
+        return model.model.rotary_emb.temp.grad.clone()
+
+    want = temp_grad()
+    with torch.no_grad():
+        model.model.rotary_emb.temp.fill_(1.5)
+    want_logits = logits(model, tokens)
+    with torch.no_grad():
+        model.model.rotary_emb.temp.fill_(1.0)
+    integration.apply_posenc_rope(model, qk_norm=True)
+    torch.testing.assert_close(temp_grad(), want, **TOL)
+    with torch.no_grad():
+        model.model.rotary_emb.temp.fill_(1.5)
+    torch.testing.assert_close(logits(model, tokens), want_logits, **TOL)
+    assert not fused_calls

@@ -563,7 +563,8 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
     """The settings (_FusedSettings) of a layer whose norms and RoPE the fused op provably
     computes as transformers does; computed once when the layer is patched. Provably: both norms
     are the model's own RMS norm (one class, defined beside the attention: a norm put in its
-    place computes something else) and share one eps; the model's tables depend on the positions
+    place computes something else) and share one eps; the rotary module is the model's own class
+    (defined there too); the model's tables depend on the positions
     and the config only (not "dynamic" or "longrope", whose transformers tables change with the
     call's length and the rotary module's history); and the rotary module's float32 ``inv_freq``
     and ``attention_scaling`` are the ones posenc computes from the parsed config (to 2**-17
@@ -584,6 +585,12 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
             or norm_class.__module__ != attn._posenc_base.__module__):
         return None
     rotary, buffer, scaling_name, holder, attribute = source
+    # The model's own rotary class (defined beside the attention, as the norms'): a subclass
+    # or another class may compute other tables from the same buffer (a learnable temperature:
+    # tables with a gradient of their own, which the fused op, turning by the buffer, would
+    # drop; an audit).
+    if type(rotary).__module__ != attn._posenc_base.__module__:
+        return None
     # The forwards as the classes were written; whether a call runs them (and no hook) is
     # looked at per call (_fused_arguments), where a forward replaced before or after this runs
     # the layer's own path.
