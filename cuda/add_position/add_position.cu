@@ -119,7 +119,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
       rng_out[1] = static_cast<int64_t>(offset);
     }
   }
-  const acc_t scale = static_cast<acc_t>(dropout.scale);
+  const acc_t scale = math::dropout_scale<acc_t>(dropout.keep_prob);
   const index_t groups = (numel + kGroup - 1) / kGroup;
   const index_t stride = static_cast<index_t>(gridDim.x) * kThreads;
   if constexpr (kVectorized) {
@@ -184,11 +184,11 @@ template <typename scalar_t, typename index_t, bool kVectorized>
 __global__ void __launch_bounds__(kThreads, kMinBlocksPerSm)
     add_position_backward_kernel(const scalar_t* __restrict__ grad, scalar_t* __restrict__ out,
                                  index_t numel, const int64_t* __restrict__ rng,
-                                 uint32_t threshold, double scale_d) {
+                                 uint32_t threshold, double keep_prob) {
   using acc_t = cuda::opmath_t<scalar_t>;
   const uint64_t seed = static_cast<uint64_t>(rng[0]);
   const uint64_t offset = static_cast<uint64_t>(rng[1]);
-  const acc_t scale = static_cast<acc_t>(scale_d);
+  const acc_t scale = math::dropout_scale<acc_t>(keep_prob);
   const index_t groups = (numel + kGroup - 1) / kGroup;
   const index_t stride = static_cast<index_t>(gridDim.x) * kThreads;
   for (index_t g0 = static_cast<index_t>(blockIdx.x) * kThreads + threadIdx.x; g0 < groups;
@@ -247,7 +247,7 @@ struct ColumnGroupSum {
         j0(first_column),
         dropout(args.rng != nullptr),
         threshold(args.threshold),
-        scale(static_cast<acc_t>(args.scale)) {
+        scale(math::dropout_scale<acc_t>(args.keep_prob)) {
     if (dropout) {
       seed = static_cast<uint64_t>(args.rng[0]);
       offset = static_cast<uint64_t>(args.rng[1]);
@@ -507,7 +507,7 @@ POSENC_CUDA_INSTANTIATE_FLOATING(launch_add_position_forward, const AddPositionF
 
 template <typename scalar_t>
 cudaError_t launch_add_position_backward(const void* grad, void* out, int64_t numel, const int64_t* rng,
-                                         uint32_t threshold, double scale, cudaStream_t stream) {
+                                         uint32_t threshold, double keep_prob, cudaStream_t stream) {
   if (numel == 0) return cudaSuccess;
   const bool vectorized = is_aligned16(grad) && is_aligned16(out);
   auto launch = [&](auto index_zero) -> cudaError_t {
@@ -517,7 +517,7 @@ cudaError_t launch_add_position_backward(const void* grad, void* out, int64_t nu
     unsigned grid = 0;
     POSENC_CUDA_TRY(grid_for<scalar_t>(kernel, numel, &grid));
     kernel<<<grid, kThreads, 0, stream>>>(static_cast<const scalar_t*>(grad), static_cast<scalar_t*>(out),
-                                          static_cast<index_t>(numel), rng, threshold, scale);
+                                          static_cast<index_t>(numel), rng, threshold, keep_prob);
     return cudaGetLastError();
   };
   return fits_int32(numel) ? launch(uint32_t{0}) : launch(uint64_t{0});

@@ -21,7 +21,7 @@ namespace ops {
 struct CudaDropoutArgs {
   at::PhiloxCudaState philox;
   uint32_t threshold;
-  double scale;
+  double keep_prob;  // 1 - p: survivors scaled by math::dropout_scale of it
   bool active;
 };
 
@@ -43,7 +43,7 @@ cudaError_t launch_add_position_forward(const AddPositionForwardLaunch& f, cudaS
 // add_position_backward: out = grad * mask * scale, the mask drawn again from rng (seed, offset).
 template <typename scalar_t>
 cudaError_t launch_add_position_backward(const void* grad, void* out, int64_t numel, const int64_t* rng,
-                                         uint32_t threshold, double scale, cudaStream_t stream);
+                                         uint32_t threshold, double keep_prob, cudaStream_t stream);
 
 // add_position_backward_with_table: grad_x (null: not wanted) and the table gradient.
 struct TableBackwardArgs {
@@ -51,7 +51,7 @@ struct TableBackwardArgs {
   bool batch_first;
   const int64_t* rng;  // (seed, offset) on the device; null when p == 0
   uint32_t threshold;
-  double scale;
+  double keep_prob;  // 1 - p: survivors scaled by math::dropout_scale of it
 };
 // Positions that depend on s only: the (seq, d) sums over the batch, per s, into `sums`.
 template <typename scalar_t>

@@ -51,11 +51,19 @@ TEST(Philox, KnownAnswerVectors) {
 TEST(DropoutParams, ThresholdAndScale) {
   auto half = posenc::math::make_dropout_params(0.5);
   EXPECT_EQ(half.threshold, 32768u);
-  EXPECT_DOUBLE_EQ(half.scale, 2.0);
+  EXPECT_EQ(posenc::math::dropout_scale<double>(half.keep_prob), 2.0);
+  EXPECT_EQ(posenc::math::dropout_scale<float>(half.keep_prob), 2.0f);
   auto all = posenc::math::make_dropout_params(1.0);
   EXPECT_EQ(all.threshold, 65536u);
-  EXPECT_EQ(all.scale, 0.0);
+  EXPECT_EQ(posenc::math::dropout_scale<float>(all.keep_prob), 0.0f);
+  EXPECT_EQ(posenc::math::dropout_scale<double>(all.keep_prob), 0.0);
   EXPECT_EQ(posenc::math::make_dropout_params(0.0).threshold, 0u);
+  // ATen's nn.Dropout: 1 - p rounded to the dtype, one division in it (float32 at p = 0.15:
+  // 1.1764705181, where 1 / 0.85 rounded from float64 is 1.1764706373).
+  const auto p15 = posenc::math::make_dropout_params(0.15);
+  EXPECT_EQ(posenc::math::dropout_scale<float>(p15.keep_prob), 1.0f / static_cast<float>(1.0 - 0.15));
+  EXPECT_NE(posenc::math::dropout_scale<float>(p15.keep_prob), static_cast<float>(1.0 / (1.0 - 0.15)));
+  EXPECT_EQ(posenc::math::dropout_scale<double>(p15.keep_prob), 1.0 / (1.0 - 0.15));
 }
 
 TEST(DropoutMask, CpuKernelDrawsTheSharedScalarBits) {
@@ -75,11 +83,13 @@ TEST(DropoutMask, CpuKernelDrawsTheSharedScalarBits) {
       for (int64_t e = 0; e < n; ++e) {
         const auto bits = posenc::math::dropout_block_bits(seed, offset, e / 8);
         const bool keep = posenc::math::dropout_lane_bits(bits, static_cast<int>(e % 8)) >= params.threshold;
-        want[e] = keep ? params.scale : 0.0;
+        // The kept value: the scale in the compute dtype, times 1, rounded once to the dtype.
+        want[e] = !keep ? 0.0
+                  : dtype == torch::kDouble
+                      ? posenc::math::dropout_scale<double>(params.keep_prob)
+                      : static_cast<double>(posenc::math::dropout_scale<float>(params.keep_prob));
       }
-      // The kept value: the scale in the compute dtype, times 1, rounded once to the dtype.
-      const double scale = dtype == torch::kDouble ? params.scale : static_cast<float>(params.scale);
-      ASSERT_TRUE(torch::equal(got, want.mul(scale / params.scale).to(dtype))) << "n=" << n << " " << dtype;
+      ASSERT_TRUE(torch::equal(got, want.to(dtype))) << "n=" << n << " " << dtype;
     }
   }
 }

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from conftest import DEVICES, reference_add, strided_random as strided
+from dropout_reference import dropout_scale
 from posenc.functional import add_position
 
 F64 = torch.float64
@@ -55,7 +56,7 @@ def test_random_configuration(device, seed):
     else:
         # Dropped entries are exact zeros; kept ones are (x + t) * 1/(1-p), rounded once.
         kept = out.detach().cpu() != 0
-        scale = torch.tensor(1.0 / (1.0 - p), dtype=summed.dtype)
+        scale = dropout_scale(p, summed.dtype)
         torch.testing.assert_close(out.detach().cpu()[kept], (summed * scale).to(dtype)[kept], atol=0, rtol=0)
         frac = 1 - kept.double().mean().item()
         assert out.numel() < 200 or abs(frac - p) < 0.1

@@ -8,6 +8,7 @@ import torch
 
 import posenc
 from conftest import reference_add
+from dropout_reference import dropout_scale
 from posenc.functional import apply_rope
 
 pytestmark = pytest.mark.cuda
@@ -64,7 +65,7 @@ def test_positional_encoding_on_a_side_stream_equals_default_stream(dtype):
     frac = 1 - kept.double().mean().item()
     assert abs(frac - p) <= 4 * math.sqrt(p * (1 - p) / y1.numel())
     x = x_base.abs() + 2.0
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
+    scale = dropout_scale(p)
     want = (reference_add(x, pe.pe, rounded=False) * scale.cuda()).to(dtype)
     assert torch.equal(y1[kept], want[kept])
     want_grad = torch.where(kept, (g1.float() * scale.cuda()).to(dtype), torch.zeros_like(g1))
@@ -94,7 +95,7 @@ def test_learned_positional_encoding_on_a_side_stream_equals_default_stream():
     torch.testing.assert_close(gt1[0].double(), want, atol=1e-5, rtol=1e-6)
     # x's rows: (x + pe[positions]) * scale for survivors.
     x = x_base.abs() + 2.0
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32, device="cuda")
+    scale = dropout_scale(p, device="cuda")
     ref = reference_add(x, pe.pe.detach(), positions, rounded=False) * scale
     assert torch.equal(y1[kept], ref[kept])
 
@@ -160,7 +161,7 @@ def test_cuda_graph_positional_encoding_training_draws_a_fresh_mask_per_replay()
     assert not torch.equal(m1, m2)
     agree = (m1 == m2).double().mean().item()
     assert abs(agree - 0.5) < 0.01  # uncorrelated masks for p = 1/2
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32, device="cuda")
+    scale = dropout_scale(p, device="cuda")
     want = reference_add(static_x, pe.pe, rounded=False) * scale
     for y in (y1, y2):
         kept = y != 0
@@ -195,7 +196,7 @@ def test_cuda_graph_add_position_forward_rng_output_matches_the_mask():
         factor = torch.ops.posenc.add_position_backward(torch.ones(5, 300, 40), rng.cpu(), p)
         assert torch.equal(factor != 0, kept.cpu())
         g = torch.randn(5, 300, 40, device="cuda")
-        scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32, device="cuda")
+        scale = dropout_scale(p, device="cuda")
         assert torch.equal(torch.ops.posenc.add_position_backward(g, rng, p),
                            torch.where(kept, g * scale, torch.zeros_like(g)))
     assert len({s for s, _ in seen}) == 1  # one seed

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import posenc
 from posenc.functional import make_positions, resample_position_table, sinusoidal_2d_table
 from conftest import DEVICES, DTYPES, reference_add
-from dropout_reference import expected_masked, keep_mask
+from dropout_reference import dropout_scale, expected_masked, keep_mask
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -126,7 +126,7 @@ def table_grad_reference(grad_rows, idx, L):
 
 def dropout_masked_grad(y, g, p):
     """The x gradient of dropout(x + pe) from the forward's zeros: g * 1/(1-p) where kept."""
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
+    scale = dropout_scale(p)
     kept = y.detach() != 0
     return torch.where(kept, g * scale, torch.zeros_like(g))
 
@@ -602,7 +602,7 @@ def test_fused_backward_op_vector_widths_and_alignment(device, dtype, positions,
     kept = masked != 0
     if p > 0:
         assert 0.15 < 1 - kept.double().mean().item() < 0.45
-    scale = torch.tensor(1.0 / (1.0 - p), dtype=torch.float32)
+    scale = dropout_scale(p)
     rows = torch.where(kept, grad.float() * scale, torch.zeros((), device=device))
     want = table_grad_reference(rows, rows_used(pos, offset, B, S), L)
     assert gt.dtype == torch.float32 and gt.shape == (L, d)
@@ -720,7 +720,7 @@ def test_fused_backward_2d_positions_sum_in_row_order(dtype, batch_first, p, sav
             assert (grad != 0).all() and 0.15 < 1 - keep.double().mean().item() < 0.45
         gx, gt = op(grad, rng, pos, 0, batch_first, p, L, True)
         gt16 = op(grad, rng, pos, 0, batch_first, p, L, False, table_dtype=torch.bfloat16)[1]
-        terms = torch.where(keep, grad.float() * torch.tensor(1.0 / (1.0 - p)), torch.zeros(()))
+        terms = torch.where(keep, grad.float() * dropout_scale(p), torch.zeros(()))
         want = torch.zeros(L, d)
         flat_pos = (pos if batch_first else pos.t()).reshape(-1)
         for r, row in enumerate(terms.reshape(-1, d)):  # memory order, float32 adds
@@ -861,7 +861,7 @@ def test_learned_dropout_zeroed_fraction_and_exact_survivors(device, p, dtype, p
     assert abs(frac - p) <= 4 * math.sqrt(p * (1 - p) / n)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     summed = reference_add(x, m.pe.detach(), positions=pos, offset=offset, rounded=False)
-    want = (summed * torch.tensor(1.0 / (1.0 - p), dtype=acc)).to(dtype)
+    want = (summed * dropout_scale(p, acc)).to(dtype)
     assert torch.equal(y[kept], want[kept])
     # In eval mode nothing is dropped.
     with torch.no_grad():

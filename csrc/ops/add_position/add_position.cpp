@@ -474,9 +474,11 @@ at::Tensor scatter_rows_into_table(const at::Tensor& positions, const at::Tensor
 
 namespace {
 
-// keep ? scale : 0 in the accumulation dtype (scale rounded once to it, as the kernels do).
-at::Tensor keep_factors(const at::Tensor& keep, double scale, at::ScalarType acc) {
+// keep ? scale : 0 in the accumulation dtype (math::dropout_scale in it, as the kernels).
+at::Tensor keep_factors(const at::Tensor& keep, double keep_prob, at::ScalarType acc) {
   const auto options = keep.options().dtype(acc);
+  const double scale = acc == at::kDouble ? math::dropout_scale<double>(keep_prob)
+                                          : static_cast<double>(math::dropout_scale<float>(keep_prob));
   return at::where(keep, at::scalar_tensor(scale, options), at::scalar_tensor(0.0, options));
 }
 
@@ -529,7 +531,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_composite(
     }
     const auto params = math::make_dropout_params(p);
     const at::Tensor keep = dropout_keep_composite(seed, 0, params.threshold, x.sizes(), x.device());
-    sum = sum * keep_factors(keep, params.scale, acc);
+    sum = sum * keep_factors(keep, params.keep_prob, acc);
     if (save_mask) {
       rng = pack_keep_bits_composite(keep);
     } else {
@@ -558,7 +560,7 @@ at::Tensor add_position_backward_composite(const at::Tensor& grad_in, const at::
                                   params.threshold, grad.sizes(), grad.device());
   }
   const at::ScalarType acc = accumulate_dtype(grad);
-  return (grad.to(acc) * keep_factors(keep, params.scale, acc)).to(grad.scalar_type()).contiguous();
+  return (grad.to(acc) * keep_factors(keep, params.keep_prob, acc)).to(grad.scalar_type()).contiguous();
 }
 
 std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_composite(
@@ -597,7 +599,7 @@ cpu::DropoutArgs dropout_params(double p) {
   cpu::DropoutArgs draw;
   draw.active = true;
   draw.threshold = params.threshold;
-  draw.scale = params.scale;
+  draw.keep_prob = params.keep_prob;
   return draw;
 }
 
@@ -782,7 +784,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_cuda(
   if (dropout.active) {
     const auto params = math::make_dropout_params(p);
     dropout.threshold = params.threshold;
-    dropout.scale = params.scale;
+    dropout.keep_prob = params.keep_prob;
     auto* gen = at::get_generator_or_default<at::CUDAGeneratorImpl>(
         std::nullopt, at::cuda::detail::getDefaultCUDAGenerator(x.device().index()));
     std::lock_guard<std::mutex> lock(gen->mutex_);
@@ -818,7 +820,7 @@ at::Tensor add_position_backward_cuda(const at::Tensor& grad_in, const at::Tenso
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, grad.scalar_type(), "posenc_add_position_backward_cuda", [&] {
     C10_CUDA_CHECK(launch_add_position_backward<scalar_t>(grad.const_data_ptr(), out.mutable_data_ptr(), grad.numel(),
                                                           state.const_data_ptr<int64_t>(), params.threshold,
-                                                          params.scale, at::cuda::getCurrentCUDAStream()));
+                                                          params.keep_prob, at::cuda::getCurrentCUDAStream()));
   });
   return out;
 }
@@ -850,7 +852,7 @@ std::tuple<at::Tensor, at::Tensor> add_position_backward_with_table_cuda(
   const at::Tensor state = p > 0.0 ? rng.contiguous() : at::Tensor();
   const TableBackwardArgs args{g.batch, g.seq, g.d, g.batch_first,
                                p > 0.0 ? state.const_data_ptr<int64_t>() : nullptr, params.threshold,
-                               params.scale};
+                               params.keep_prob};
   void* gx = need_x ? grad_x.mutable_data_ptr() : nullptr;
   const auto stream = at::cuda::getCurrentCUDAStream();
   if (sorted) {

@@ -100,8 +100,18 @@ POSENC_ISA_NAMESPACE_END
 // The keep/drop parameters of one call, computed once on the host.
 struct DropoutParams {
   uint32_t threshold;  // drop iff bits16 < threshold; 0 disables dropout
-  double scale;        // 1 / (1 - p) for survivors, 0 when p == 1
+  double keep_prob;    // 1 - p (0 when p >= 1): survivors are scaled by dropout_scale of it
 };
+
+// The factor of the survivors in acc_t, as ATen's dropout computes it (nn.Dropout on CPU:
+// noise.div_(1 - p), 1 - p rounded to the tensor's dtype and one division in it): float32
+// 1.0f / float(1 - p), float64 1 / (1 - p); 0 when nothing is kept. (1 / (1 - p) in float64
+// rounded to float32 differs from it for about one p in five, p = 0.15 among them: an audit.)
+template <typename acc_t>
+POSENC_HOST_DEVICE acc_t dropout_scale(double keep_prob) {
+  const acc_t keep = static_cast<acc_t>(keep_prob);
+  return keep > acc_t(0) ? acc_t(1) / keep : acc_t(0);
+}
 
 POSENC_ISA_NAMESPACE_BEGIN
 
@@ -109,7 +119,7 @@ inline DropoutParams make_dropout_params(double p) {
   DropoutParams params;
   const double scaled = p * 65536.0 + 0.5;
   params.threshold = scaled >= 65536.0 ? 65536u : static_cast<uint32_t>(scaled);
-  params.scale = p >= 1.0 ? 0.0 : 1.0 / (1.0 - p);
+  params.keep_prob = p >= 1.0 ? 0.0 : 1.0 - p;
   return params;
 }
 

@@ -224,7 +224,7 @@ inline void keep16_factors(__m256i keep16, __m256 scale, __m256& f0, __m256& f1)
 template <bool kStore, bool kAcc>
 int64_t masked_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const float* src,
                         float* dst, float* acc) {
-  const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
+  const __m256 scale = _mm256_set1_ps(math::dropout_scale<float>(draw.keep_prob));
   return philox8_pieces(draw, first, n, [&](int64_t e, __m256i keep16) {
     __m256 f[2];
     keep16_factors(keep16, scale, f[0], f[1]);
@@ -343,7 +343,7 @@ int64_t masked_bits_half_avx2(const uint8_t* bits, float scale_f, int64_t n, con
 template <bool kTable>
 int64_t dropout_fused_f32_avx2(const DropoutArgs& draw, int64_t first, int64_t n, const float* x, const float* t,
                                float* out, uint8_t* keep) {
-  const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
+  const __m256 scale = _mm256_set1_ps(math::dropout_scale<float>(draw.keep_prob));
   return philox8_pieces(draw, first, n, [&](int64_t e, __m256i keep16) {
     if (keep != nullptr) {
       const __m128i packed = _mm_packs_epi16(_mm256_castsi256_si128(keep16), _mm256_extracti128_si256(keep16, 1));
@@ -505,7 +505,7 @@ POSENC_AVX512_TARGET int64_t dropout_fused_avx512(const DropoutArgs& draw, int64
   constexpr int64_t B = math::kDropoutBlock, kGroup = kWideLanes * B;  // 128 elements
   if (first % B != 0 || draw.threshold > 0xFFFFu) return 0;
   const __m512i threshold = _mm512_set1_epi16(static_cast<short>(static_cast<uint16_t>(draw.threshold)));
-  const __m512 scale = _mm512_set1_ps(static_cast<float>(draw.scale));
+  const __m512 scale = _mm512_set1_ps(math::dropout_scale<float>(draw.keep_prob));
   uint64_t block = static_cast<uint64_t>(first / B);
   int64_t done = 0;
   const auto at = [&](auto* p, int64_t e) { return p == nullptr ? p : p + e; };
@@ -631,7 +631,7 @@ int64_t masked_saved_fast(const DropoutArgs& draw, int64_t d, int64_t r, int64_t
                 (std::is_same_v<scalar_t, c10::BFloat16> || std::is_same_v<scalar_t, c10::Half>)) {
     if (draw.keep_bits != nullptr && cpu_has_avx512()) {
       const uint8_t* bits = draw.keep_bits + r * keep_row_bytes(d) + j / 8;
-      return masked_bits_avx512<kStore, kAcc>(&bits, &src, &dst, 1, n, static_cast<float>(draw.scale), acc);
+      return masked_bits_avx512<kStore, kAcc>(&bits, &src, &dst, 1, n, math::dropout_scale<float>(draw.keep_prob), acc);
     }
   }
 #endif
@@ -639,13 +639,13 @@ int64_t masked_saved_fast(const DropoutArgs& draw, int64_t d, int64_t r, int64_t
   if constexpr (std::is_same_v<scalar_t, float> && std::is_same_v<acc_t, float>) {
     if (draw.keep_bits != nullptr) {
       return masked_bits_f32_avx2<kStore, kAcc>(draw.keep_bits + r * keep_row_bytes(d) + j / 8,
-                                                static_cast<float>(draw.scale), n, src, dst, acc);
+                                                math::dropout_scale<float>(draw.keep_prob), n, src, dst, acc);
     }
   } else if constexpr (std::is_same_v<acc_t, float> && (std::is_same_v<scalar_t, c10::BFloat16> ||
                                                         std::is_same_v<scalar_t, c10::Half>)) {
     if (draw.keep_bits != nullptr) {
       return masked_bits_half_avx2<kStore, kAcc>(draw.keep_bits + r * keep_row_bytes(d) + j / 8,
-                                                 static_cast<float>(draw.scale), n, src, dst, acc);
+                                                 math::dropout_scale<float>(draw.keep_prob), n, src, dst, acc);
     }
   }
 #endif
@@ -681,11 +681,11 @@ int64_t masked_saved_rows_fast(const DropoutArgs& draw, int64_t d, const int64_t
     if constexpr (!std::is_same_v<scalar_t, float>) {
       if (cpu_has_avx512()) {
         // (Half-precision grad_x stores plainly: streamed, 1.00-1.10x the time: compute-bound.)
-        return masked_bits_avx512<true, true>(bits, src, dst, rows, n, static_cast<float>(draw.scale), acc);
+        return masked_bits_avx512<true, true>(bits, src, dst, rows, n, math::dropout_scale<float>(draw.keep_prob), acc);
       }
     }
 #endif
-    const __m256 scale = _mm256_set1_ps(static_cast<float>(draw.scale));
+    const __m256 scale = _mm256_set1_ps(math::dropout_scale<float>(draw.keep_prob));
     int64_t done = 0;
     if constexpr (std::is_same_v<scalar_t, float>) {
       // `stream` (a call that writes kStreamBytes or more): grad_x by streaming stores where
@@ -778,7 +778,7 @@ void dropout_factors(const DropoutArgs& draw, int64_t first, int64_t n, acc_t* f
   const int64_t nblocks = (first + n + B - 1) / B - block0;
   dropout_bits(draw.seed, draw.offset, static_cast<uint64_t>(block0), nblocks, bits);
   const uint16_t* mine = bits + (first - block0 * B);
-  const acc_t scale = static_cast<acc_t>(draw.scale);
+  const acc_t scale = math::dropout_scale<acc_t>(draw.keep_prob);
   const uint32_t threshold = draw.threshold;
   for (int64_t k = 0; k < n; ++k) factors[k] = mine[k] >= threshold ? scale : acc_t(0);
 }
@@ -827,7 +827,7 @@ void row_factors(const DropoutArgs& draw, int64_t d, int64_t r, int64_t j, int64
                  acc_t* factors) {
   if (draw.keep_bits != nullptr) {
     keep_bits_factors<acc_t>(draw.keep_bits + r * keep_row_bytes(d) + j / 8, n,
-                             static_cast<acc_t>(draw.scale), factors);
+                             math::dropout_scale<acc_t>(draw.keep_prob), factors);
   } else {
     dropout_factors<acc_t>(draw, r * d + j, n, factors);
   }

@@ -52,7 +52,7 @@ struct DropoutArgs {
   uint64_t seed = 0;
   uint64_t offset = 0;
   uint32_t threshold = 0;
-  double scale = 1.0;
+  double keep_prob = 1.0;  // 1 - p: survivors scaled by math::dropout_scale of it
   uint8_t* keep_bits_out = nullptr;
   const uint8_t* keep_bits = nullptr;
 };
