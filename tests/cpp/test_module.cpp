@@ -7,6 +7,7 @@
 #include <limits>
 #include <string>
 
+#include "posenc/math/philox.h"
 #include "posenc/posenc.h"
 
 namespace {
@@ -170,7 +171,7 @@ TEST(PositionalEncodingModule, SequenceFirstLayoutTrainingGradientsAreMaskTimesS
   auto x = torch::randn({11, 4, 8}, torch::requires_grad(true));  // (seq, batch, d_model)
   auto y = pe->forward(x, 5);
   auto kept = y.detach() != 0;
-  const float scale = static_cast<float>(1.0 / (1.0 - p));
+  const float scale = posenc::math::dropout_scale<float>(1.0 - p);  // nn.Dropout's float32 factor
   // Survivors are exactly (x + pe row) * scale, with row = 5 + seq index.
   auto summed = x.detach() + pe->pe[0].slice(0, 5, 16).unsqueeze(1);
   auto want = summed * scale;

@@ -36,7 +36,7 @@ def keep_mask(seed: int, offset: int, shape, p: float) -> torch.Tensor:
 def dropout_scale(p: float, dtype: torch.dtype = torch.float32, device=None) -> torch.Tensor:
     """The survivors' factor as nn.Dropout computes it in ``dtype`` (float32 or float64): 1 - p
     rounded to the dtype, then one division in it (0 for p >= 1). (1 / (1 - p) in float64
-    rounded to float32 differs for about one p in five, p = 0.15 among them.)"""
+    rounded to float32 differs for about a quarter of p values, p = 0.15 among them.)"""
     if p >= 1:
         return torch.zeros((), dtype=dtype, device=device)
     return torch.ones((), dtype=dtype, device=device) / torch.tensor(1.0 - p, dtype=dtype, device=device)

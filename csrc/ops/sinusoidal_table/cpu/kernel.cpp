@@ -32,7 +32,7 @@
 #include <immintrin.h>
 #endif
 
-#include "ops/common/cpu/half_lanes.h"  // bf16_round_bits, bf16_round_bits_512, kStreamBytes, stream_fence
+#include "ops/common/cpu/half_lanes.h"  // bf16_round_bits, bf16_round_bits_512, kStreamBytes (cpu_support.h), stream_fence
 
 namespace posenc {
 namespace ops {
