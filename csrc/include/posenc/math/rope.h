@@ -271,29 +271,24 @@ POSENC_HOST_DEVICE double yarn_correction_dim(double num_rotations, int64_t dim,
   return (static_cast<double>(dim) * log(max_pos / (num_rotations * two_pi))) / (2.0 * log(base));
 }
 
-// The facts (kRope* flags) of a type.
-inline constexpr unsigned rope_type_facts(RopeType t) {
+// A type's row of POSENC_ROPE_TYPES: its facts (kRope* flags) and the keys it reads (bit k:
+// RopeKey(k), as RopeScalingParams::given).
+struct RopeTypeRow {
+  unsigned facts;
+  uint32_t keys;
+};
+inline constexpr RopeTypeRow rope_type_row(RopeType t) {
   switch (t) {
 #define POSENC_X(e, name, facts, keys) \
   case RopeType::e:                    \
-    return facts;
+    return RopeTypeRow{facts, keys};
     POSENC_ROPE_TYPES(POSENC_X)
 #undef POSENC_X
   }
-  return 0u;
+  return RopeTypeRow{0u, 0u};
 }
-
-// The keys a type reads (bit k: RopeKey(k), as RopeScalingParams::given).
-inline constexpr uint32_t rope_type_keys(RopeType t) {
-  switch (t) {
-#define POSENC_X(e, name, facts, keys) \
-  case RopeType::e:                    \
-    return keys;
-    POSENC_ROPE_TYPES(POSENC_X)
-#undef POSENC_X
-  }
-  return 0u;
-}
+inline constexpr unsigned rope_type_facts(RopeType t) { return rope_type_row(t).facts; }
+inline constexpr uint32_t rope_type_keys(RopeType t) { return rope_type_row(t).keys; }
 
 // The types whose frequencies depend on the call's length (longest position + 1).
 inline constexpr bool rope_scales_by_length(RopeType t) {
