@@ -46,10 +46,10 @@ def is_clean_rejection(error: Exception) -> bool:
     return pattern is not None and pattern.search(message) is not None
 HUGE = [2**31, 2**53 + 1, 2**62, 2**63 - 1, -(2**62), -(2**63), -1]
 NAN = float("nan")
-N_KEYS = len(torch.ops.posenc.rope_scaling_spec()[1])  # the rope ops' fixed scaling values
+_SPEC = torch.ops.posenc.rope_scaling_spec()
+N_KEYS = len(_SPEC[1])  # the rope ops' fixed scaling values
 # The keys each type reads (bit i: key i; the op refuses the others): the usual bitmask gives
 # those of the type (every key but partial_rotary_factor, proportional's, for an unknown type).
-_SPEC = torch.ops.posenc.rope_scaling_spec()
 PARTIAL_KEY = list(_SPEC[1]).index("partial_rotary_factor")
 TYPE_KEY_MASKS = dict(zip(_SPEC[0], _SPEC[9]))
 

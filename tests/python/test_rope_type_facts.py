@@ -240,3 +240,18 @@ def test_partial_rotary_factor_follows_the_facts(rope_type):
         want = apply_rope(q, positions=positions, scaling=without(scaling, "partial_rotary_factor"), rotary_dim=8)
         assert torch.equal(out[..., 8:], q[..., 8:])
     torch.testing.assert_close(out, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("rope_type", sorted(t for t in SAMPLES if t not in _rope.PARTIAL_ROTARY_KEY_TYPES))
+def test_partial_rotary_factor_reaching_the_op_for_another_type_is_refused_with_advice(rope_type):
+    """For the types that do not read it as a scaling key, a config's partial_rotary_factor is
+    rotary_dim (the front ends resolve it): given to the op it is refused, saying so."""
+    kind, values = _rope.scaling_arguments(SAMPLES[rope_type])
+    values = list(values) if values else [0.0] * (1 + len(_rope.SCALING_KEYS))
+    i = _rope.SCALING_KEYS.index("partial_rotary_factor")
+    values[0] += float(1 << i)
+    values[1 + i] = 0.5
+    with pytest.raises(ValueError, match=rf"rope scaling type '{rope_type}' does not read the key "
+                                         r"'partial_rotary_factor' \(it sets rotary_dim there.*rotary_dim = "
+                                         r"int\(head_dim \* 0.5\) instead"):
+        torch.ops.posenc.rope_frequencies(ROT, 10000.0, kind, values, 64, [], "axial")

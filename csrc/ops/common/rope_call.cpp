@@ -150,20 +150,18 @@ void read_scaling_values(const std::vector<double>& fields, math::RopeScalingPar
                       "' to be finite, got ", v);
     out.*kScalingFields[i] = v;
   }
-  // partial_rotary_factor is a key of the types that read it (math::rope_type_keys); for the
-  // others a config's factor sets rotary_dim, which the front ends resolve (Python's
-  // resolve_config_keys). Given to the op for another type it would be ignored: refused.
-  TORCH_CHECK_VALUE((math::rope_type_keys(out.type) & math::rope_key_bit(math::RopeKey::partial_rotary_factor)) != 0 ||
-                        !math::rope_has(out, math::RopeKey::partial_rotary_factor),
-                    "posenc: rope scaling type '", rope_type_name(out.type), "' does not read the key "
-                    "'partial_rotary_factor' (it sets rotary_dim there, as in a transformers config): pass "
-                    "rotary_dim = int(head_dim * ", out.partial_rotary_factor, ") instead");
   // A key the type does not read (math::rope_type_keys) would be ignored: a scaling that
   // silently does not happen (for "default", C++'s RopeScaling left at its default rope_type
   // with a factor set). Python's dict reader drops such keys with a warning first, as
-  // transformers ignores them.
+  // transformers ignores them; partial_rotary_factor it leaves to this refusal, whose advice
+  // says what the key means for those types (rotary_dim, which the front ends resolve from a
+  // config: Python's resolve_config_keys).
   const uint32_t unread = out.given & ~math::rope_type_keys(out.type);
   if (unread != 0) {
+    TORCH_CHECK_VALUE((unread & math::rope_key_bit(math::RopeKey::partial_rotary_factor)) == 0,
+                      "posenc: rope scaling type '", rope_type_name(out.type), "' does not read the key "
+                      "'partial_rotary_factor' (it sets rotary_dim there, as in a transformers config): pass "
+                      "rotary_dim = int(head_dim * ", out.partial_rotary_factor, ") instead");
     const auto names = [](uint32_t mask) {
       std::string joined_names;
       for (int i = 0; i < math::kRopeScalingFields; ++i) {
