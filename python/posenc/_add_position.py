@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg,
                              _forward_as_written, _global_hooks, _int_arg, _integer, _optional_tensor_args, _own_hooks,
-                             _real, _runs_as_written, _table_dtype, _tensor_arg, _written_forward)
+                             _real, _runs_as_written, _static_numel, _table_dtype, _tensor_arg, _written_forward)
 from posenc._dtensor import is_dtensor, place_beside
 
 
@@ -32,7 +32,7 @@ def _offset_arg(fn: str, offset: Union[int, Tensor]) -> Union[int, Tensor]:
     one-element integer tensor; TypeError / ValueError naming ``fn`` otherwise."""
     if isinstance(offset, Tensor):
         # The op's SymInt would truncate a float tensor (3.7 as 3); a meta one has no value.
-        if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or offset.numel() != 1
+        if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or _static_numel(offset) != 1
                 or offset.is_meta):
             raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
     elif isinstance(offset, bool) or (not torch.compiler.is_compiling() and _integer(offset) is None):

@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 import operator
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import Tensor
@@ -72,6 +73,40 @@ def _specialised(value: Any) -> float:
     or dynamic=True) as its value, a constant of the graph (a guard on it: a recompile per
     value): .hex() needs the value. Outside torch.compile the number as a float."""
     return float.fromhex(float(value).hex())
+
+
+@contextlib.contextmanager
+def _untraced() -> Iterator[None]:
+    """torch.jit.trace's recording paused (its state is per thread), for what a trace keeps as
+    a constant anyway: a check's reads of sizes (traced, a size is a 0-dim tensor, and a
+    comparison of one warns that the trace may be wrong, though a check is no data flow: it
+    holds for the example, as every Python branch of a trace does) and the host's constants.
+    Never around a size that feeds an op (it would be fixed at the example's)."""
+    if not torch.jit.is_tracing():
+        yield
+        return
+    state = torch._C._get_tracing_state()
+    torch._C._set_tracing_state(None)
+    try:
+        yield
+    finally:
+        torch._C._set_tracing_state(state)
+
+
+def _static_shape(t: Tensor) -> torch.Size:
+    """t.shape as ints, for a check, also under torch.jit.trace (_untraced)."""
+    if not torch.jit.is_tracing():
+        return t.shape
+    with _untraced():
+        return t.shape
+
+
+def _static_numel(t: Tensor) -> int:
+    """t.numel() as an int, for a check, also under torch.jit.trace (_untraced)."""
+    if not torch.jit.is_tracing():
+        return t.numel()
+    with _untraced():
+        return t.numel()
 
 
 def _specialised_int(value: Any) -> int:

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _in_int64, _int_arg, _integer,
-                            _optional_tensor_args, _real, _specialised, _specialised_int, _tensor_arg)
+                            _optional_tensor_args, _real, _specialised, _specialised_int, _static_shape,
+                            _tensor_arg)
 from posenc._dtensor import is_dtensor, is_sharded, place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
@@ -562,9 +563,9 @@ def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any)
     if given:
         raise ValueError(f"{fn}: got config and {', '.join(given)}; pass the configuration once (in config, "
                          f"or as keywords)")
-    if isinstance(q, Tensor) and q.dim() and q.shape[-1] != config.head_dim:
+    if isinstance(q, Tensor) and q.dim() and _static_shape(q)[-1] != config.head_dim:
         raise ValueError(f"{fn}: expected q with head_dim {config.head_dim} (the config's), got shape "
-                         f"{tuple(q.shape)}")
+                         f"{tuple(_static_shape(q))}")
     return config
 
 
@@ -583,6 +584,8 @@ def per_sequence_offsets(
     b = LAYOUT_AXES[layout][0]
     count = q.shape[b] if b is not None and q.dim() > b else (
         cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else 1)
+    if not isinstance(count, Tensor):  # traced, a size stays one (the graph takes any batch)
+        count = max(count, 0)
     # A CPU offset is copied without a stream sync: pageable memory is staged at the call; a
     # pinned one would be read later by the DMA (a race with the caller's next `offset += 1`),
     # so that one is copied as before.
@@ -590,7 +593,7 @@ def per_sequence_offsets(
     # torch.func transform the wrapper cannot tell, so the copy blocks.)
     pinned = not torch.compiler.is_compiling() and not is_dtensor(offset) and (
         torch._C._functorch.is_functorch_wrapped_tensor(offset) or offset.is_pinned())
-    return offset.to(q.device, non_blocking=not pinned).reshape(1).expand(max(count, 0)).contiguous()
+    return offset.to(q.device, non_blocking=not pinned).reshape(1).expand(count).contiguous()
 
 
 def rope_op_arguments(
@@ -963,9 +966,9 @@ class RotaryPositionalEncoding(nn.Module):
             positions = input_pos
         # The module's dim is q's and k's head_dim (its frequencies are for it), as in C++.
         for name, t in (("q", q), ("k", k)):
-            if isinstance(t, Tensor) and (t.dim() == 0 or t.shape[-1] != self.dim):
+            if isinstance(t, Tensor) and (t.dim() == 0 or _static_shape(t)[-1] != self.dim):
                 raise ValueError(f"RotaryPositionalEncoding: expected {name} with head_dim {self.dim} (the module's "
-                                 f"dim), got shape {tuple(t.shape)}")
+                                 f"dim), got shape {tuple(_static_shape(t))}")
         if isinstance(offset, Tensor):  # a 0-dim offset as per-sequence offsets, once for the check and the op
             offset = per_sequence_offsets(q, offset, self.layout, cu_seqlens, "RotaryPositionalEncoding")
         longest = self._check_range(q, positions, offset, cu_seqlens)
@@ -1107,7 +1110,8 @@ class RotaryPositionalEncoding(nn.Module):
         if positions is None and offsets is None and cu_seqlens is None:
             # Positions offset .. offset + seq - 1: no tensor to read, traceable.
             b, s, _ = LAYOUT_AXES[self.layout]
-            batch, seq = (1 if b is None else q.shape[b]), q.shape[s]  # the op's rule: no token, no bound
+            shape = _static_shape(q)
+            batch, seq = (1 if b is None else shape[b]), shape[s]  # the op's rule: no token, no bound
             lo, hi = (offset, offset + seq - 1) if batch > 0 and seq > 0 else (0, -1)
             if hi >= lo and (lo < 0 or hi >= self.max_len):
                 # The one IndexError (hi may lie past int64: the op takes the run's length).

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-from posenc._common import _bool_arg, _check_positive_int, _float_arg, _specialised
+from posenc._common import _bool_arg, _check_positive_int, _float_arg, _specialised, _static_numel, _untraced
 from posenc._dtensor import is_dtensor, place_beside
 from posenc._rope import (_SCHEMA_DEFAULTS, LENGTH_SCALED_TYPES, MAX_POSITION, PARTIAL_ROTARY_KEY_TYPES,
                           _host_frequencies, check_one_baseline, heads_batch_rule, resolve_config_keys,
@@ -135,7 +135,7 @@ def _check_position_range(positions: Tensor) -> None:
     the range (uint64 is refused before). Not checked: tensors under a transform, a
     TorchDispatchMode (any: FakeTensorMode and make_fx cannot read values) or
     torch.jit.trace, DTensors (one rank alone would raise), meta tensors, other devices."""
-    if (positions.dtype != torch.int64 or positions.numel() == 0 or positions.is_meta or is_dtensor(positions)
+    if (positions.dtype != torch.int64 or _static_numel(positions) == 0 or positions.is_meta or is_dtensor(positions)
             or not (positions.is_cpu or positions.is_cuda)):
         return
     compiling = torch.compiler.is_compiling()
@@ -171,7 +171,8 @@ def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, val
         seq_len = int((positions.full_tensor() if is_dtensor(positions) else positions).max()) + 1
     inv_freq, factor = _host_frequencies(rotary_dim, base, rope_type, values, seq_len)
     # Copied without a stream sync (pageable host memory is staged at the call, so the list may go).
-    inv_freq = torch.tensor(inv_freq, dtype=torch.float64).to(positions.device, non_blocking=True)
+    with _untraced():  # under torch.jit.trace, a constant of the graph (as the table of a config is)
+        inv_freq = torch.tensor(inv_freq, dtype=torch.float64).to(positions.device, non_blocking=True)
     angles = positions.to(torch.float64).unsqueeze(-1) * inv_freq
     angles = torch.cat((angles, angles), dim=-1)
     cos, sin = angles.cos(), angles.sin()

@@ -172,7 +172,9 @@ def test_rope_cos_sin_under_jit_trace():
     from the positions' values, are refused (the trace fixed them at the traced positions:
     1.03 off at positions 0..29 after a trace at 0..3)."""
     fn = lambda p: functional.rope_cos_sin(p, 8, base=1234.5)  # noqa: E731  (a configuration not cached yet)
-    with pytest.warns(torch.jit.TracerWarning):  # the frequencies become constants of the trace
+    with warnings.catch_warnings():  # the frequencies are constants of the trace, without a TracerWarning
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("error", torch.jit.TracerWarning)
         traced = torch.jit.trace(fn, (torch.arange(4),))
     for got, want in zip(traced(torch.arange(30)), fn(torch.arange(30))):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
@@ -440,6 +442,42 @@ def test_jit_trace_reads_a_decode_offset_from_a_shape(tmp_path):
         torch.jit.trace(lambda q, c: rope(q, offset=3, seq_len=c.shape[1] + q.shape[1]),
                         (torch.randn(2, 1, 2, 8), torch.randn(2, 3, 16)))
 
+
+class TracedEverywhere(nn.Module):
+    """Every front end a traced model calls, offsets read from shapes (traced sizes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.pe = posenc.PositionalEncoding(16, 0.0, max_len=64, batch_first=True)
+        self.learned = posenc.LearnedPositionalEncoding(16, 0.0, max_len=64, batch_first=True)
+        self.rope = posenc.RotaryPositionalEncoding(8, 64)
+        self.qk = posenc.QKNormRotary(8)
+
+    def forward(self, x, q, cache):
+        past = cache.shape[1]
+        k = q[:, :, :1]
+        cos, sin = functional.rope_cos_sin(torch.arange(q.shape[1]) + past, 8)
+        return (self.pe(x, past), self.learned(x, past), self.rope(q, k), self.rope(q, k, offset=past),
+                self.qk(q, k, offset=past), functional.apply_rope(q, k, config=self.rope.rope_config),
+                functional.apply_rope_cos_sin(q, k, cos, sin, layout="bshd"),
+                functional.add_position(x, self.pe.pe, offset=past))
+
+
+def test_jit_trace_of_every_front_end_has_no_tracer_warning():
+    # The front ends' checks read sizes and numel() as ints (a check holds for the example, as
+    # any Python branch of a trace): traced sizes compared in Python gave a dozen
+    # TracerWarnings ("might cause the trace to be incorrect") that buried a real one.
+    model = TracedEverywhere()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # torch.jit.trace's own
+        warnings.simplefilter("error", torch.jit.TracerWarning)
+        traced = torch.jit.trace(model, (torch.randn(2, 3, 16), torch.randn(2, 3, 2, 8), torch.randn(2, 4, 16)),
+                                 check_trace=False)
+    # Sizes that feed an op stay traced: the graph takes other batches, lengths and offsets.
+    for batch, seq, past in ((2, 3, 4), (3, 1, 9), (1, 5, 0)):
+        args = (torch.randn(batch, seq, 16), torch.randn(batch, seq, 2, 8), torch.randn(batch, past, 16))
+        for got, want in zip(flatten(traced(*args)), flatten(model(*args)), strict=True):
+            assert torch.equal(got, want), (batch, seq, past)
 
 def test_a_zero_dim_offset_tensor_is_every_sequences_offset():
     q, k = torch.randn(3, 4, 2, 8), torch.randn(3, 4, 1, 8)
