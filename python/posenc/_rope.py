@@ -179,6 +179,13 @@ def _scaling_mapping(fn: str, scaling: Any) -> Optional[Mapping]:
     return scaling
 
 
+def unread_scaling_key(rope_type: str, key: str) -> bool:
+    """Whether ``key`` is a scaling key that ``rope_type`` does not read (transformers ignores
+    it). partial_rotary_factor is read by every type, as rotary_dim where it is not a scaling
+    key (resolve_config_keys takes it there; reaching the op, the op refuses it with advice)."""
+    return key in SCALING_KEYS and key not in TYPE_KEYS[rope_type] and key != "partial_rotary_factor"
+
+
 def scaling_arguments(
     scaling: Optional[Mapping], max_position_embeddings: Optional[int] = None
 ) -> Tuple[str, list]:
@@ -221,10 +228,7 @@ def scaling_arguments(
             raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
         values[i] = float(value)  # the op checks the value (finite, in range)
         given.add(i)
-    # (partial_rotary_factor is read by every type, as rotary_dim where it is not a scaling
-    # key: resolve_config_keys takes it there; reaching here, the op refuses it with advice.)
-    unread = sorted(i for i in given
-                    if SCALING_KEYS[i] not in TYPE_KEYS[rope_type] and SCALING_KEYS[i] != "partial_rotary_factor")
+    unread = sorted(i for i in given if unread_scaling_key(rope_type, SCALING_KEYS[i]))
     if unread:
         # transformers logs a key its type does not read as unrecognized and ignores it (a
         # config's stray "factor": 1.0 beside "default" builds an unscaled RoPE): the same

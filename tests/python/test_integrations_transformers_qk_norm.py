@@ -17,6 +17,7 @@ import inspect
 import pickle
 import threading
 import types
+import warnings
 
 import pytest
 import torch
@@ -871,3 +872,18 @@ def test_a_rotary_module_of_another_class_leaves_the_layers_unfused(fused_calls)
         model.model.rotary_emb.temp.fill_(1.5)
     torch.testing.assert_close(logits(model, tokens), want_logits, **TOL)
     assert not fused_calls
+
+
+def test_a_key_the_type_does_not_read_patches_under_warnings_as_errors(fused_calls):
+    """A stray scaling key beside the default RoPE (transformers ignores it): the patch's probe
+    parse warned that it drops the key, and under a filter that raises warnings (-W error)
+    apply_posenc_rope(qk_norm=True) raised at patching. The probe drops the keys the type does
+    not read itself, as transformers does, and compares the frequencies with the model's."""
+    model = tiny_model("qwen3", rope_parameters=dict(rope_type="default", rope_theta=10000.0, factor=1.0))
+    tokens = ids(2, 12)
+    want = logits(model, tokens)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        integration.apply_posenc_rope(model, qk_norm=True)
+    torch.testing.assert_close(logits(model, tokens), want, **TOL)
+    assert len(fused_calls) == model.config.num_hidden_layers
