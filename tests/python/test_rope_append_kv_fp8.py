@@ -156,6 +156,18 @@ def test_mixed_caches_strided_inputs_and_inplace(inplace):
     assert (out is q_in) == inplace
 
 
+def test_k_and_v_caches_of_two_fp8_formats():
+    """Each cache's format and scale are its own: k in e5m2 and v in e4m3fn in one call."""
+    g = torch.Generator().manual_seed(4)
+    q, k, v = (torch.randn(2, 3, h, 16, generator=g) * 30 for h in (4, 2, 2))
+    kc, vc = torch.zeros(2, 8, 2, 16, dtype=torch.float8_e5m2), torch.zeros(2, 8, 2, 16, dtype=torch.float8_e4m3fn)
+    ref_k, ref_v = torch.zeros(2, 8, 2, 16), torch.zeros(2, 8, 2, 16)
+    rope_append_kv(q, k, v, ref_k, ref_v, offset=4)
+    rope_append_kv(q, k, v, kc, vc, offset=4, k_scale=0.5, v_scale=0.125)
+    assert torch.equal(kc.view(torch.uint8), quantise(ref_k, torch.float8_e5m2, 0.5).view(torch.uint8))
+    assert torch.equal(vc.view(torch.uint8), quantise(ref_v, torch.float8_e4m3fn, 0.125).view(torch.uint8))
+
+
 @pytest.mark.parametrize("fmt", list(FP8))
 def test_nan_stays_nan_and_inf_saturates(fmt):
     k = torch.tensor([math.nan, math.inf, -math.inf, 1e30, -1e30, 0.5, -0.0, 1e-30]).view(1, 1, 1, 8)
