@@ -273,3 +273,26 @@ def test_offset_true_is_refused_under_compile_too():
     x, table = torch.randn(1, 2, 8), torch.randn(10, 8)
     with pytest.raises(Exception, match=r"expected offset to be an int, got True"):
         torch.compile(lambda x: add_position(x, table, offset=True), backend="eager")(x)
+
+
+def test_the_meta_forward_checks_the_offset_against_the_table():
+    """A meta dry run (and FakeTensor tracing with concrete sizes) refuses what the CPU kernel
+    refuses: a sequence past max_len, a negative offset (the Meta forward ignored the offset,
+    where the Meta backward checked it)."""
+    for device in ("cpu", "meta"):
+        table = torch.zeros(10, 8, device=device)
+        with pytest.raises(ValueError, match=r"sequence length 11 plus offset 0 exceeds max_len=10"):
+            add_position(torch.zeros(2, 11, 8, device=device), table)
+        with pytest.raises(ValueError, match=r"sequence length 6 plus offset 5 exceeds max_len=10"):
+            add_position(torch.zeros(2, 6, 8, device=device), table, offset=5)
+        with pytest.raises(ValueError, match=r"expected offset >= 0, got -1"):
+            torch.ops.posenc.add_position_forward(torch.zeros(2, 3, 8, device=device), table, None, -1, True, 0.0,
+                                                  False)
+        module = posenc.LearnedPositionalEncoding(8, max_len=10, device=device)
+        with pytest.raises(ValueError, match=r"exceeds max_len=10"):
+            module(torch.zeros(2, 11, 8, device=device))
+        assert add_position(torch.zeros(2, 6, 8, device=device), table, offset=4).shape == (2, 6, 8)
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode():
+        with pytest.raises(ValueError, match=r"exceeds max_len=10"):
+            add_position(torch.zeros(2, 11, 8), torch.zeros(10, 8))

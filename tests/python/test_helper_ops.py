@@ -220,8 +220,10 @@ def test_opcheck_helper_ops(device):
 
 # Value checks live in the ops: the raw op raises what the Python function raises.
 @pytest.mark.parametrize("python_call, op_call, error, message", [
-    (lambda: make_positions(torch.rand(2, 3), 1), lambda: ops.make_positions(torch.rand(2, 3), 1), ValueError,
+    (lambda: make_positions(torch.rand(2, 3), 1), lambda: ops.make_positions(torch.rand(2, 3), 1), TypeError,
      r"make_positions: expected integer tokens of shape \(batch, seq\), got torch.float32 tokens of shape \(2, 3\)"),
+    (lambda: make_positions(torch.ones(3, dtype=torch.long), 1), lambda: ops.make_positions(torch.ones(3, dtype=torch.long), 1),
+     ValueError, r"make_positions: expected integer tokens of shape \(batch, seq\), got torch.int64 tokens of shape \(3,\)"),
     (lambda: make_positions(torch.ones(2, 3, dtype=torch.long), 2**63 - 1),
      lambda: ops.make_positions(torch.ones(2, 3, dtype=torch.long), 2**63 - 1), ValueError,
      r"padding_idx within \+-2\*\*62, got 9223372036854775807"),

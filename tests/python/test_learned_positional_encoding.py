@@ -245,7 +245,7 @@ def test_make_positions_matches_fairseq_formula():
     mask = tokens.ne(1).int()
     want = (torch.cumsum(mask, dim=1).type_as(mask) * mask).long() + 1
     assert torch.equal(make_positions(tokens, 1), want)
-    with pytest.raises(ValueError, match="integer tokens of shape"):
+    with pytest.raises(TypeError, match="integer tokens of shape"):
         make_positions(torch.rand(2, 3), 1)
 
 

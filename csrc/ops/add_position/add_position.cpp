@@ -377,10 +377,18 @@ namespace {
 
 std::tuple<at::Tensor, at::Tensor> add_position_forward_meta(
     const at::Tensor& x, const at::Tensor& table, const std::optional<at::Tensor>& positions,
-    c10::SymInt /*offset*/, bool batch_first, double p, bool save_mask) {
+    c10::SymInt offset, bool batch_first, double p, bool save_mask) {
   check_add_position_structure(x, table, positions, batch_first, p);
   check_not_mixed_with_meta("add_position_forward",
                             {{"x", &x}, {"table", &table}, {"positions", optional_ptr(positions)}});
+  // The offset against the table as the real kernels check it, when the sizes are concrete
+  // (a meta dry run, FakeTensor tracing; symbolic sizes only trace, the kernels check at run
+  // time): check_add_position_backward_inputs_if_concrete's rule for the forward.
+  const std::optional<int64_t> off = offset.maybe_as_int();
+  if (off.has_value() && !x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
+      !table.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+    make_geometry(x, positions, *off, batch_first, table.size(-2));
+  }
   at::Tensor out = at::empty_symint(x.sym_sizes(), x.options());
   if (save_mask && p > 0.0) {
     // The keep mask, 1 bit per element, rows padded to whole bytes (the CPU kernel's layout).

@@ -16,10 +16,14 @@ namespace ops {
 namespace {
 
 at::Tensor make_positions(const at::Tensor& tokens, int64_t padding_idx, c10::SymInt offset) {
-  // ValueError, not TypeError, for float tokens too: one check of "integer (batch, seq)".
-  TORCH_CHECK_VALUE(tokens.dim() == 2 && !tokens.is_floating_point() && !tokens.is_complex(),
-                    "make_positions: expected integer tokens of shape (batch, seq), got ",
+  // One message for "integer (batch, seq)": TypeError for a dtype that is not an integer one
+  // (as add_position's float positions), ValueError for a shape.
+  const auto expected = [&] {
+    return c10::str("make_positions: expected integer tokens of shape (batch, seq), got ",
                     py_dtype(tokens.scalar_type()), " tokens of shape ", py_tuple(tokens.sizes()));
+  };
+  TORCH_CHECK_TYPE(!tokens.is_floating_point() && !tokens.is_complex(), expected());
+  TORCH_CHECK_VALUE(tokens.dim() == 2, expected());
   constexpr int64_t kLimit = int64_t{1} << 62;
   TORCH_CHECK_VALUE(padding_idx >= -kLimit && padding_idx <= kLimit,
                     "make_positions: expected padding_idx within +-2**62, got ", padding_idx);
