@@ -219,8 +219,11 @@ def test_inplace_refuses_gradients_and_tangents():
         grad(lambda x: apply_rope(x.clone(), inplace=True).sum())(q)
     with forward_ad.dual_level():
         dual = forward_ad.make_dual(q.clone(), torch.ones_like(q))
-        with pytest.raises(RuntimeError, match="inplace=True rotates q and k in their own storage"):
-            apply_rope(dual, inplace=True)
+        # Under no_grad too (it does not turn forward AD off): the advice is forward AD's own.
+        for mode in (torch.enable_grad, torch.no_grad):
+            with mode(), pytest.raises(RuntimeError, match="inplace=True rotates q and k in their own storage, "
+                                       "which cannot carry their forward-mode AD tangents .* use inplace=False$"):
+                apply_rope(dual, inplace=True)
     with torch.no_grad():  # inference: allowed, and the version counter moves
         x = q.clone()
         v = x._version

@@ -226,8 +226,10 @@ def test_qk_norm_rope_inplace_refuses_gradients_and_tangents():
         grad(lambda w: qk_norm_rope(q.clone(), k.clone(), w, wk, inplace=True)[0].sum())(wq)
     with forward_ad.dual_level():
         dual = forward_ad.make_dual(q.clone(), torch.ones_like(q))
-        with pytest.raises(RuntimeError, match="inplace=True overwrites q and k"):
-            qk_norm_rope(dual, k.clone(), wq, wk, inplace=True)
+        for mode in (torch.enable_grad, torch.no_grad):  # no_grad does not turn forward AD off
+            with mode(), pytest.raises(RuntimeError, match="inplace=True overwrites q and k, which cannot carry "
+                                       "forward-mode AD tangents .* use inplace=False$"):
+                qk_norm_rope(dual, k.clone(), wq, wk, inplace=True)
     with torch.no_grad():
         x, y = q.clone(), k.clone()
         vx, vy = x._version, y._version

@@ -119,10 +119,13 @@ void qk_norm_rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack
   const QkNormRopeCall call = QkNormRopeCall::pop(*stack, /*backward=*/false);
   const at::Tensor& q = call.rope.q;
   const at::Tensor& k = *call.rope.k;
-  TORCH_CHECK(!torch::autograd::compute_requires_grad(q, k, call.q_weight, call.k_weight) &&
-                  !ag::has_tangent(q, k, call.q_weight, call.k_weight),
+  TORCH_CHECK(!torch::autograd::compute_requires_grad(q, k, call.q_weight, call.k_weight),
               "posenc: qk_norm_rope: inplace=True overwrites q and k, which autograd cannot "
               "differentiate; use inplace=False for training, or run under torch.no_grad()");
+  // (torch.no_grad does not turn forward AD off: its own advice.)
+  TORCH_CHECK(!ag::has_tangent(q, k, call.q_weight, call.k_weight),
+              "posenc: qk_norm_rope: inplace=True overwrites q and k, which cannot carry forward-mode "
+              "AD tangents (torch.func.jvp, torch.autograd.forward_ad); use inplace=False");
   at::AutoDispatchBelowAutograd guard;
   call_qk_norm_rope_inplace(call);
 }

@@ -86,9 +86,13 @@ void rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
 
 void rope_inplace_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack) {
   const RopeCall call = RopeCall::pop(*stack);
-  TORCH_CHECK(!torch::autograd::compute_requires_grad(call.q, call.k) && !ag::has_tangent(call.q, call.k),
+  TORCH_CHECK(!torch::autograd::compute_requires_grad(call.q, call.k),
               "posenc: inplace=True rotates q and k in their own storage, which autograd cannot "
               "differentiate; use inplace=False for training, or run under torch.no_grad()");
+  // (torch.no_grad does not turn forward AD off: its own advice.)
+  TORCH_CHECK(!ag::has_tangent(call.q, call.k),
+              "posenc: inplace=True rotates q and k in their own storage, which cannot carry their "
+              "forward-mode AD tangents (torch.func.jvp, torch.autograd.forward_ad); use inplace=False");
   // Below autograd: ADInplaceOrView (bump_written_versions) moves q's and k's versions.
   at::AutoDispatchBelowAutograd guard;
   call_rope_inplace(call);
