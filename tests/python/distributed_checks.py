@@ -906,6 +906,22 @@ def positional_encoding_takes_dtensors():
     distribute_module(lpe, mesh)  # replicates its parameter
     close(lpe(dx, offset=1).full_tensor(), torch.ops.posenc.add_position(x, lpe.pe.full_tensor(), None, 1, True, 0.0),
           "learned, distributed")
+    # The replicated table's gradient from a batch split is Partial; torch.optim steps it as
+    # DTensor arithmetic, which reduces it where the step adds it to the table: the replicas
+    # stay equal, each the one-process step (docs/distributed.md).
+    ref = lpe.pe.full_tensor().detach().clone().requires_grad_()
+    grad = rand(*x.shape, seed=174)
+    lpe(distribute_tensor(x, mesh, [Shard(0)]), offset=1).backward(distribute_tensor(grad, mesh, [Shard(0)]))
+    torch.ops.posenc.add_position(x, ref, None, 1, True, 0.0).backward(grad)
+    assert lpe.pe.grad.placements[0].is_partial(), lpe.pe.grad.placements
+    torch.optim.SGD(lpe.parameters(), lr=0.5).step()
+    with torch.no_grad():
+        ref -= 0.5 * ref.grad
+    local = lpe.pe.to_local().detach()
+    replicas = [torch.empty_like(local) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(replicas, local)
+    assert all(torch.equal(r, replicas[0]) for r in replicas), "the replicas drifted apart"
+    close(local, ref, "learned, replicated table stepped with its Partial gradient")
 
 
 @check
