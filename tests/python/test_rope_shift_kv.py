@@ -492,6 +492,10 @@ def test_out_of_range_and_repeated_rows_write_nothing():
     t, m = error(lambda: rope_shift_kv(paged, old, new, layout="thd", slot_mapping=torch.tensor([4, 4])),
                  ValueError)
     assert "slot_mapping[0] and slot_mapping[1] are both 4" in m
+    # A repeat after an increasing run (the check skips its sort for strictly increasing lists).
+    t, m = error(lambda: rope_shift_kv(paged, torch.arange(5) + 5, torch.arange(5), layout="thd",
+                                       slot_mapping=torch.tensor([1, 3, -1, 5, 3])), ValueError)
+    assert "slot_mapping[1] and slot_mapping[4] are both 3" in m
     assert torch.equal(cache, before) and torch.equal(paged, before_paged)
 
 

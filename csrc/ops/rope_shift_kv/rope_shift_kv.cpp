@@ -320,13 +320,16 @@ void check_targets(const char* name, const int64_t* v, int64_t n, int64_t limit,
   std::vector<std::pair<int64_t, int64_t>> seen;
   seen.reserve(static_cast<size_t>(n));
   const std::string where = batch_row < 0 ? "" : " of batch row " + std::to_string(batch_row);
+  bool increasing = true;  // strictly: each listed once, no sort needed (a context shift's rows)
   for (int64_t j = 0; j < n; ++j) {
     if (skip_minus_one && v[j] == -1) continue;
     TORCH_CHECK_INDEX(v[j] >= 0 && v[j] < limit, "posenc: rope_shift_kv: ", name, "[", j, "] = ", v[j],
                       where, " is out of range for ", range, " = ", limit,
                       skip_minus_one ? " (-1: not turned)" : "", "; nothing was written");
+    increasing = increasing && (seen.empty() || seen.back().first < v[j]);
     seen.emplace_back(v[j], j);
   }
+  if (increasing) return;
   std::sort(seen.begin(), seen.end());
   for (size_t i = 1; i < seen.size(); ++i) {
     TORCH_CHECK_VALUE(seen[i].first != seen[i - 1].first, "posenc: rope_shift_kv: ", name, "[",

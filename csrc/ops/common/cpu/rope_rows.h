@@ -181,10 +181,11 @@ inline void rope_sincos8(const double* pos, const double* inv, __m256* s_out, __
 }
 #endif
 
-// The angles of a token whose position on axis a is pos[a] (one axis for plain RoPE); with
-// `pair_angles` false, cs and sn alone (angles that only feed others: rope_shift_kv's).
+// The cos and sin of a token whose position on axis a is pos[a] (one axis for plain RoPE),
+// times the attention factor (sin negated for the inverse rotation), into cs[0, half) and
+// sn[0, half): TokenAngles' cs and sn, or a table's row (rope_shift_kv's shared angles).
 template <typename acc_t>
-void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, bool pair_angles = true) {
+void token_cos_sin(const RopeArgs& a, const int64_t* pos, acc_t* cs, acc_t* sn) {
   const acc_t factor = static_cast<acc_t>(a.attention_factor);
   const acc_t sign = a.inverse ? acc_t(-1) : acc_t(1);
   const int64_t half = a.rotary_dim / 2;
@@ -207,8 +208,8 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, 
       } else {
         rope_sincos8(posd + i, a.inv_freq + i, &s, &c);
       }
-      _mm256_storeu_ps(t.cs + i, _mm256_mul_ps(c, f8));
-      _mm256_storeu_ps(t.sn + i, _mm256_mul_ps(_mm256_mul_ps(s, f8), fs8));
+      _mm256_storeu_ps(cs + i, _mm256_mul_ps(c, f8));
+      _mm256_storeu_ps(sn + i, _mm256_mul_ps(_mm256_mul_ps(s, f8), fs8));
     }
     if (i < half) {  // the last 1-7 pairs, in lanes padded with zero angles
       alignas(32) double pos8[8] = {}, inv8[8] = {};
@@ -222,8 +223,8 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, 
       _mm256_store_ps(c8, _mm256_mul_ps(c, f8));
       _mm256_store_ps(s8, _mm256_mul_ps(_mm256_mul_ps(s, f8), fs8));
       for (int64_t j = i; j < half; ++j) {
-        t.cs[j] = c8[j - i];
-        t.sn[j] = s8[j - i];
+        cs[j] = c8[j - i];
+        sn[j] = s8[j - i];
       }
       i = half;
     }
@@ -232,9 +233,16 @@ void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, 
   for (; i < half; ++i) {
     acc_t s, c;
     math::rope_sincos<acc_t>(pos[a.pair_axis[i]], a.inv_freq[i], &s, &c);
-    t.cs[i] = c * factor;
-    t.sn[i] = s * factor * sign;
+    cs[i] = c * factor;
+    sn[i] = s * factor * sign;
   }
+}
+
+// The angles of a token whose position on axis a is pos[a] (token_cos_sin); with
+// `pair_angles` false, cs and sn alone (angles that only feed others: rope_shift_kv's).
+template <typename acc_t>
+void token_angles(const RopeArgs& a, const int64_t* pos, TokenAngles<acc_t>& t, bool pair_angles = true) {
+  token_cos_sin<acc_t>(a, pos, t.cs, t.sn);
   if (pair_angles) fill_pair_angles(a, t);
 }
 

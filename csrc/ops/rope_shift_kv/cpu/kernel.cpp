@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <limits>
 #include <type_traits>
+#include <utility>
 
 #include "ops/common/cpu/rope_rows.h"
 
@@ -47,18 +48,27 @@ AngleTable<acc_t> shared_angle_table(const RopeShiftKvArgs& a, int64_t items) {
       !std::equal(from.inv_freq, from.inv_freq + half, to.inv_freq)) {
     return t;
   }
-  int64_t lo = std::numeric_limits<int64_t>::max(), hi = std::numeric_limits<int64_t>::min();
-  int64_t p[math::kRopeMaxAxes];
-  for (int64_t item = 0; item < items; ++item) {
-    const int64_t b = item / to.seq, j = item % to.seq;
-    int64_t outer = 0, inner = 0;
-    if (!shift_kv_row(a, b, j, &outer, &inner)) continue;
-    for (const RopeArgs* end : {&from, &to}) {
-      token_positions(*end, b, j, p);
-      lo = std::min(lo, p[0]);
-      hi = std::max(hi, p[0]);
-    }
-  }
+  // The positions' extremes, over the threads (min and max: the same whatever the split).
+  using Span = std::pair<int64_t, int64_t>;
+  const Span none{std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::min()};
+  const Span span = at::parallel_reduce(
+      0, items, 2048, none,
+      [&](int64_t first, int64_t last, Span span) {
+        int64_t p[math::kRopeMaxAxes];
+        for (int64_t item = first; item < last; ++item) {
+          const int64_t b = item / to.seq, j = item % to.seq;
+          int64_t outer = 0, inner = 0;
+          if (!shift_kv_row(a, b, j, &outer, &inner)) continue;
+          for (const RopeArgs* end : {&from, &to}) {
+            token_positions(*end, b, j, p);
+            span.first = std::min(span.first, p[0]);
+            span.second = std::max(span.second, p[0]);
+          }
+        }
+        return span;
+      },
+      [](Span x, Span y) { return Span{std::min(x.first, y.first), std::max(x.second, y.second)}; });
+  const int64_t lo = span.first, hi = span.second;
   // The span as unsigned: hi - lo may not fit int64_t.
   if (lo > hi || static_cast<uint64_t>(hi) - static_cast<uint64_t>(lo) >= static_cast<uint64_t>(2 * items - 1)) {
     return t;
@@ -67,12 +77,9 @@ AngleTable<acc_t> shared_angle_table(const RopeShiftKvArgs& a, int64_t items) {
   t.storage = c10::GetCPUAllocator()->allocate(static_cast<size_t>(count * 2 * half) * sizeof(acc_t));
   acc_t* rows = static_cast<acc_t*>(t.storage.get());
   at::parallel_for(0, count, std::max<int64_t>(1, 4096 / std::max<int64_t>(1, half)), [&](int64_t b0, int64_t b1) {
-    TokenAngles<acc_t> angles;
     for (int64_t i = b0; i < b1; ++i) {
       const int64_t pos = lo + i;
-      token_angles<acc_t>(to, &pos, angles, false);
-      std::copy(angles.cs, angles.cs + half, rows + i * 2 * half);
-      std::copy(angles.sn, angles.sn + half, rows + i * 2 * half + half);
+      token_cos_sin<acc_t>(to, &pos, rows + i * 2 * half, rows + i * 2 * half + half);  // into the row
     }
   });
   t.rows = rows;
