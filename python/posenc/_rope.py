@@ -21,7 +21,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _in_int64, _int_arg, _integer,
                             _optional_tensor_args, _real, _specialised, _specialised_int, _static_shape,
-                            _tensor_arg)
+                            _tensor_arg, _untraced)
 from posenc._dtensor import is_dtensor, is_sharded, place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
@@ -298,15 +298,10 @@ def _host_frequencies(rotary_dim: int, base: float, rope_type: str, values: Tupl
                                                              list(sections), sections_mode)
         return inv_freq.tolist(), float(factor)
 
-    tracing = torch._C._get_tracing_state()  # torch.jit.trace would record the op (float output)
-    if tracing is None and not torch._C._len_torch_dispatch_stack():
+    if not torch.jit.is_tracing() and not torch._C._len_torch_dispatch_stack():
         return call()  # eager: nothing to set aside (that costs tens of microseconds a call)
-    torch._C._set_tracing_state(None)
-    try:
-        with _disable_current_modes():
-            return call()
-    finally:
-        torch._C._set_tracing_state(tracing)
+    with _untraced(), _disable_current_modes():  # torch.jit.trace would record the op (float output)
+        return call()
 
 
 # torch.compiler.assume_constant_result(_host_frequencies) sets this one attribute; it is

@@ -1,10 +1,14 @@
 """RoPE: bad input raises a clear error naming the argument, its value and what was expected."""
 
+import re
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import posenc
-from conftest import DEVICES
+from conftest import DEVICES, host_levels
 from posenc._rope import SCALING_KEYS
 from posenc.functional import apply_rope, rope_frequencies
 
@@ -283,8 +287,10 @@ def test_module_names_bad_cu_seqlens_not_the_positions_they_imply(device):
 
 def test_settings_giving_non_finite_frequencies_are_refused():
     """Each scaling key passes its own check, but a linear factor of 1e-310 gives inf
-    frequencies (NaN outputs) and a dynamic base beyond float64 gives 0 (no rotation)."""
-    msg = r"give inverse frequency {} for pair {}; expected finite positive frequencies"
+    frequencies (NaN outputs) and a dynamic base beyond float64 gives 0 (no rotation); past
+    2**16 (a linear factor of 1e-300: NaN outputs, its angles beyond the reduction's reach)
+    a frequency is refused too."""
+    msg = r"give inverse frequency {} for pair {}; expected finite positive frequencies of at most 2\*\*16"
     with pytest.raises(ValueError, match=msg.format("inf", 0)):
         rope_frequencies(8, scaling={"rope_type": "linear", "factor": 1e-310})
     with pytest.raises(ValueError, match=msg.format("inf", 0)):
@@ -292,6 +298,43 @@ def test_settings_giving_non_finite_frequencies_are_refused():
     with pytest.raises(ValueError, match=msg.format(0, 1)):
         torch.ops.posenc.rope_frequencies(8, 1e300, "dynamic", [0b1001, 2.0, 0.0, 0.0, 4.0] + [0.0] * (len(SCALING_KEYS) - 4),
                                           2**62)
+    for factor in (1e-300, 2.0**-16 / 1.5):
+        with pytest.raises(ValueError, match=msg.format(re.escape(f"{1 / factor:g}"), 0)):
+            apply_rope(torch.randn(1, 2, 1, 8), scaling={"rope_type": "linear", "factor": factor})
+    assert rope_frequencies(8, scaling={"rope_type": "linear", "factor": 2.0**-16})[0][0] == 2.0**16
+    long = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [1e-308] * 4,
+            "original_max_position_embeddings": 4, "factor": 4.0}
+    with pytest.raises(ValueError, match=r"expected finite positive frequencies of at most 2\*\*16"):
+        apply_rope(torch.randn(1, 9, 1, 8), scaling=long)
+
+
+@pytest.mark.parametrize("level", host_levels())
+def test_angles_past_2_to_the_55_take_their_quadrant(level, monkeypatch):
+    """The reduction's quadrant at the largest angles the frequency bound allows: from k0 mod 4
+    plus a second step's adjust, whose sum left [-2, 5] past ~2**55.8 (a quarter turn off:
+    inverse frequency 10 at position 6369051672525776 gave (cos, sin) = (0.7165, 0.6976)
+    where float64 gives (0.6976, -0.7165); found by fuzzing). Every CPU level (the AVX2
+    kernel has its own vector form), against cos and sin of the same float64 angle."""
+    script = """
+import math, torch
+from posenc.functional import apply_rope
+pos = [6369051672525776, 2**53 - 1, 2**53, 3 * 2**51 + 7, 2**52 + 12345]
+for factor in (0.1, 2.0**-16, 0.001):
+    x = torch.zeros(1, len(pos), 1, 2, dtype=torch.float64)
+    x[..., 0] = 1.0
+    out = apply_rope(x, positions=torch.tensor(pos), scaling={"rope_type": "linear", "factor": factor})
+    out32 = apply_rope(x.float(), positions=torch.tensor(pos), scaling={"rope_type": "linear", "factor": factor})
+    for i, p in enumerate(pos):
+        angle = float(p) * (1.0 / factor)
+        want = (math.cos(angle), math.sin(angle))
+        for got, tol in ((out, 1e-9), (out32, 2e-7)):
+            c, s = float(got[0, i, 0, 0]), float(got[0, i, 0, 1])
+            assert abs(c - want[0]) <= tol and abs(s - want[1]) <= tol, (factor, p, (c, s), want)
+print("ok")
+"""
+    monkeypatch.setenv("POSENC_CPU_CAPABILITY", level)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 def test_module_on_meta_tensors_infers_shapes_without_reading_index_tensors():

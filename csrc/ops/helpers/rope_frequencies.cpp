@@ -31,10 +31,11 @@ RopePairFrequencies rope_pair_frequencies(int64_t rotary_dim, double base,
     // unrotated outputs.
     // ("proportional" leaves its last pairs unturned: frequency 0.)
     const bool unturned = scaling.type == math::RopeType::kProportional && freq == 0.0;
-    TORCH_CHECK_VALUE(std::isfinite(freq) && (freq > 0.0 || unturned), "posenc: the RoPE settings (base ", base,
-                      ", rotary_dim ", rotary_dim, ", the scaling keys, seq_len ", seq_len,
-                      ") give inverse frequency ", freq, " for pair ", p,
-                      "; expected finite positive frequencies");
+    // At most kRopeMaxInvFreq: the angles' reduction is exact to that bound (math/rope.h).
+    TORCH_CHECK_VALUE(std::isfinite(freq) && (freq > 0.0 || unturned) && freq <= math::kRopeMaxInvFreq,
+                      "posenc: the RoPE settings (base ", base, ", rotary_dim ", rotary_dim,
+                      ", the scaling keys, seq_len ", seq_len, ") give inverse frequency ", freq, " for pair ",
+                      p, "; expected finite positive frequencies of at most 2**16");
     f.inv_freq.push_back(freq);
     f.axis.push_back(static_cast<uint8_t>(math::rope_pair_axis(p, secs, n_axes, sections_mode)));
   }

@@ -408,6 +408,14 @@ POSENC_HOST_DEVICE void rope_sincos_reduced(double r, double* s, double* c) {
   *c = cos(r);
 }
 
+// The largest inverse frequency the kernels take (rope_pair_frequencies refuses more).
+// Positions reach 2^54 (an offset plus a position, each within 2^53), so angles stay within
+// 2^70, which rope_sincos's two steps reduce into [-pi/4, pi/4] (the first leaves at most
+// ~|angle| * 2^-52, far below the 2^42 the second takes exactly) with ~2^-36 radians of
+// error at most; at 1e300 (a linear factor of 1e-300) they could not, and the float
+// polynomials got inf: NaN outputs. No model comes near: 1 / factor of a linear factor 2^-16.
+constexpr double kRopeMaxInvFreq = 0x1p16;
+
 // The largest |r| rope_sincos hands the polynomials: pi/4 and a margin of 2^-10 (their
 // error stays < 1 ulp there; the rounding of angle * 2/pi puts r past pi/4 by at most
 // ~1e-4 for |angle| < 2^42, so those angles are reduced as they always were).
@@ -437,8 +445,11 @@ POSENC_HOST_DEVICE void rope_sincos(int64_t pos, double inv_freq, T* s, T* c) {
   // Quadrant q = (k0 + adjust) mod 4, from k0 mod 4 (exact in double): past 2^53 the sum
   // k0 + adjust is not representable (k0 is even there), its residue is. angle = r + q * pi/2:
   // q = 0: (sr, cr); 1: (cr, -sr); 2: (-sr, -cr); 3: (-cr, sr).
-  const double q_sum = (k0 - 4.0 * floor(k0 * 0.25)) + adjust;  // in [-2, 5]
-  const double q = q_sum < 0.0 ? q_sum + 4.0 : (q_sum >= 4.0 ? q_sum - 4.0 : q_sum);
+  // q_sum is a small integer (|adjust| grows with the angle: -5 near 2^56), exact, and its
+  // residue mod 4 by floor is exact too (one +-4 correction took [-2, 5] only: a quarter
+  // turn off past ~2^55.8; a fuzzing audit).
+  const double q_sum = (k0 - 4.0 * floor(k0 * 0.25)) + adjust;
+  const double q = q_sum - 4.0 * floor(q_sum * 0.25);
   const bool swap = q == 1.0 || q == 3.0;
   const T ss = swap ? cr : sr;
   const T cc = swap ? sr : cr;

@@ -146,9 +146,8 @@ inline void rope_sincos8(__m256d pos_lo, __m256d pos_hi, const double* inv, __m2
       const __m256d na = _mm256_xor_pd(adjust, sign64);
       r = _mm256_fmadd_pd(na, _mm256_set1_pd(6.1232339957367658e-17),
                           _mm256_fmadd_pd(na, _mm256_set1_pd(1.5707963267948965580e+00), r0));
-      const __m256d q_sum = _mm256_add_pd(q64, adjust);  // in [-2, 5]
-      q64 = _mm256_add_pd(q_sum, _mm256_and_pd(_mm256_cmp_pd(q_sum, _mm256_setzero_pd(), _CMP_LT_OQ), four));
-      q64 = _mm256_sub_pd(q64, _mm256_and_pd(_mm256_cmp_pd(q64, four, _CMP_GE_OQ), four));
+      const __m256d q_sum = _mm256_add_pd(q64, adjust);  // rope_sincos's residue mod 4, by floor
+      q64 = _mm256_sub_pd(q_sum, _mm256_mul_pd(four, _mm256_floor_pd(_mm256_mul_pd(q_sum, _mm256_set1_pd(0.25)))));
     }
     rf_half[h] = _mm256_cvtpd_ps(r);
     q_half[h] = _mm256_cvtpd_ps(q64);
