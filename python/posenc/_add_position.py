@@ -32,8 +32,8 @@ def _offset_arg(fn: str, offset: Union[int, Tensor]) -> Union[int, Tensor]:
     one-element integer tensor; TypeError / ValueError naming ``fn`` otherwise."""
     if isinstance(offset, Tensor):
         # The op's SymInt would truncate a float tensor (3.7 as 3); a meta one has no value.
-        if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool or _static_numel(offset) != 1
-                or offset.is_meta):
+        if (offset.is_floating_point() or offset.is_complex() or offset.dtype == torch.bool
+                or _static_numel(offset) != 1 or offset.is_meta):
             raise TypeError(f"{fn}: expected offset to be an int or a one-element integer tensor, got {offset!r}")
     elif isinstance(offset, bool) or (not torch.compiler.is_compiling() and _integer(offset) is None):
         raise TypeError(f"{fn}: expected offset to be an int, got {offset!r}")  # True would count as 1
