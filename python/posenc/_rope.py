@@ -130,6 +130,10 @@ def resolve_config_keys(
         if factor is not None:
             if not 0 < _real(fn, "scaling key 'partial_rotary_factor'", factor, "a number in (0, 1]") <= 1:
                 raise ValueError(f"{fn}: expected scaling key 'partial_rotary_factor' in (0, 1], got {factor!r}")
+            width = int(head_dim * factor)
+            if head_dim > 0 and (width <= 0 or width % 2):  # named by the key that gave it, not as rotary_dim
+                raise ValueError(f"{fn}: the scaling dict's partial_rotary_factor {factor!r} gives rotary_dim "
+                                 f"int({head_dim} * {factor!r}) = {width}; expected a positive even number")
             rotary_dim = take("partial_rotary_factor", rotary_dim, int(head_dim * factor), "rotary_dim",
                               rotary_dim is not None, factor)
         section = scaling.pop("mrope_section", None)
@@ -235,7 +239,9 @@ def scaling_arguments(
             value = 1.0 if value else 0.0
         elif isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise TypeError(f"rope: expected scaling key {key!r} to be a number, got {value!r}")
-        values[i] = float(value)  # the op checks the value (finite, in range)
+        # The op checks the value (finite, in range); an int past float's range reaches it as
+        # its sign's infinity (a bare OverflowError before).
+        values[i] = _float_arg("rope", f"scaling key {key!r}", value)
         given.add(i)
     unread = sorted(i for i in given if unread_scaling_key(rope_type, SCALING_KEYS[i]))
     if unread:
@@ -365,7 +371,7 @@ def _sections(sections: Optional[Sequence[int]]) -> List[int]:
         isinstance(s, numbers.Integral) and not isinstance(s, bool) for s in sections
     ):
         raise TypeError(f"apply_rope: expected sections to be a list of ints (rotary pairs per axis), got {sections!r}")
-    return [int(s) for s in sections]
+    return [_in_int64("apply_rope", "each of sections", int(s)) for s in sections]
 
 
 def grid_positions(

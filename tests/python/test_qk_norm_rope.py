@@ -10,7 +10,7 @@ from torch.library import opcheck
 import posenc  # noqa: F401
 from conftest import DEVICES
 from multi_axis_reference import generic_multi_axis_rope
-from posenc.functional import qk_norm_rope
+from posenc.functional import qk_norm_rope, rope_append_kv
 from rope_reference import from_bshd, reference_inv_freq, reference_rope, thd_positions, to_bshd
 
 F64 = torch.float64
@@ -414,6 +414,15 @@ def test_bad_inputs():
         torch.ops.posenc.qk_norm_rope(q, k, wq, wk, eps=float("nan"))
     with pytest.raises(ValueError, match="weight_offset to be finite"):
         torch.ops.posenc.qk_norm_rope(q, k, wq, wk, weight_offset=float("inf"))
+    # Finite in float64 but not in float32, where the norm of float32 q is computed (NaN outputs,
+    # and NaN rows written by rope_append_kv's QK-norm; found by fuzzing); float64 q takes it.
+    with pytest.raises(ValueError, match=r"weight_offset to be finite in float32 \(the norm of torch.float32 q and k "
+                                         r"is computed in float32\), got 1e\+39"):
+        qk_norm_rope(q, k, wq, wk, weight_offset=1e39)
+    with pytest.raises(ValueError, match=r"weight_offset to be finite in float32"):
+        rope_append_kv(q, k, k, torch.zeros(2, 16, *k.shape[2:]), torch.zeros(2, 16, *k.shape[2:]),
+                       q_weight=wq, k_weight=wk, weight_offset=1e39)
+    assert qk_norm_rope(q.double(), k.double(), wq.double(), wk.double(), weight_offset=1e39)[0].isfinite().all()
     with pytest.raises(ValueError, match="unknown norm 'rms'"):
         qk_norm_rope(q, k, wq, wk, norm="rms")
     with pytest.raises(TypeError, match="qk_norm_rope: expected norm to be a str, 'head' or 'hidden'; got 1"):

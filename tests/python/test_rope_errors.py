@@ -343,3 +343,19 @@ def test_module_on_meta_tensors_infers_shapes_without_reading_index_tensors():
     assert rope(q, positions=torch.arange(3, device="meta")).shape == q.shape
     oq, ok = rope(q, q, offset=torch.zeros(1, dtype=torch.long, device="meta"))
     assert oq.is_meta and ok.shape == q.shape
+
+
+def test_numbers_python_cannot_hand_the_op_are_value_errors():
+    """Found by fuzzing: a scaling value past float's range was a bare OverflowError, a section
+    past int64 the schema parser's RuntimeError, a partial_rotary_factor giving no rotary pair
+    was blamed on rotary_dim."""
+    q = torch.randn(1, 2, 1, 8)
+    with pytest.raises(ValueError, match=r"expected rope scaling key 'factor' to be finite, got inf"):
+        apply_rope(q, scaling={"rope_type": "linear", "factor": 10**400})
+    with pytest.raises(ValueError, match=r"apply_rope: expected each of sections to fit in int64, got 2\*\*70|"
+                                         r"apply_rope: expected each of sections to fit in int64, got 1180591620717411303424"):
+        apply_rope(q, sections=[2**70, 1])
+    with pytest.raises(ValueError, match=r"apply_rope: the scaling dict's partial_rotary_factor 0.01 gives rotary_dim "
+                                         r"int\(8 \* 0.01\) = 0; expected a positive even number"):
+        apply_rope(q, scaling={"rope_type": "default", "partial_rotary_factor": 0.01})
+    assert apply_rope(q, scaling={"rope_type": "default", "partial_rotary_factor": 0.25})[..., 2:].equal(q[..., 2:])

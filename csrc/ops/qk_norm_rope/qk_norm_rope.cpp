@@ -209,9 +209,11 @@ int64_t check_qk_norm_rope(const QkNormRopeCall& c, bool backward) {
                     "posenc: ", c.op, ": expected eps >= ", f64 ? "2.2250738585072014e-308" : "1.1754943508222875e-38",
                     " (the smallest normal number of ", f64 ? "float64" : "float32", ", in which the norm of ",
                     py_dtype(c.rope.q.scalar_type()), " q and k is computed), got ", c.eps);
-  TORCH_CHECK_VALUE(std::isfinite(c.weight_offset),
-                    "posenc: ", c.op, ": expected weight_offset to be finite, got ",
-                    c.weight_offset);
+  // Finite in the compute dtype too (1e39 is finite in float64, inf in float32: NaN outputs).
+  TORCH_CHECK_VALUE(f64 ? std::isfinite(c.weight_offset) : std::isfinite(static_cast<float>(c.weight_offset)),
+                    "posenc: ", c.op, ": expected weight_offset to be finite", f64 ? "" : " in float32",
+                    " (the norm of ", py_dtype(c.rope.q.scalar_type()), " q and k is computed in ",
+                    f64 ? "float64" : "float32", "), got ", c.weight_offset);
   const at::Tensor qv = rope_canonical_view(c.rope.q, c.rope.layout);
   const at::Tensor kv = rope_canonical_view(*c.rope.k, c.rope.layout);
   const bool head = c.norm == QkNorm::kHead;
