@@ -1,4 +1,6 @@
 
+import math
+
 import pytest
 import torch
 
@@ -201,9 +203,15 @@ def test_timestep_embedding_rejects_bad_input():
         (dict(max_period=0.0), "expected max_period to be a finite number > 0, got 0.0"),
         (dict(downscale_freq_shift=float("inf")), "expected downscale_freq_shift to be a finite number, got inf"),
         (dict(scale=float("nan")), "expected scale to be a finite number, got nan"),
+        # Finite settings past float32 (found by fuzzing: NaN columns).
+        (dict(scale=1e308), r"expected scale to be a finite number in float32 \(the embedding's dtype\), got 1e\+308"),
+        (dict(max_period=1e-308), r"max_period 1e-308 with dim 8 and downscale_freq_shift 1.0 gives frequencies up to "
+                                  r"exp\(709.*\) \(inf in float32\); expected at most exp\(88\)"),
     ):
         with pytest.raises(ValueError, match=msg):
             timestep_embedding(torch.rand(2), 8, **kwargs)
+    # The largest settings that pass give finite embeddings.
+    assert timestep_embedding(torch.rand(2), 8, max_period=math.exp(-88.0 * 3 / 4)).isfinite().all()
 
 
 

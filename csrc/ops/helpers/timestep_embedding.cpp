@@ -29,12 +29,25 @@ at::Tensor timestep_embedding(const at::Tensor& t, int64_t dim, double max_perio
                     py_float(downscale_freq_shift));
   TORCH_CHECK_VALUE(std::isfinite(scale), kFn, "scale to be a finite number, got ",
                     py_float(scale));
+  // Finite in float32 too, where the embedding is computed (1e308 is inf there: NaN columns).
+  TORCH_CHECK_VALUE(std::isfinite(static_cast<float>(scale)), kFn,
+                    "scale to be a finite number in float32 (the embedding's dtype), got ", py_float(scale));
   const int64_t half = dim / 2;
   const double denominator = static_cast<double>(half) - downscale_freq_shift;
   // diffusers divides 0 by 0 here (e.g. dim 2 or 3 with the default shift): NaN columns.
   TORCH_CHECK_VALUE(half == 0 || denominator != 0.0, "timestep_embedding: half of dim (", half,
                     ") minus downscale_freq_shift (", py_float(downscale_freq_shift),
                     ") must not be zero");
+  // The largest exponent (pair 0 or half - 1, as float32 computes them) within float32's exp:
+  // past ~88.7 the frequencies are inf (max_period 1e-308: NaN columns, found by fuzzing).
+  // 88 leaves room for exp's rounding; such a frequency (1.6e38) is no model's.
+  if (half > 1) {
+    const float top = static_cast<float>(half - 1) * static_cast<float>(-std::log(max_period)) /
+                      static_cast<float>(denominator);
+    TORCH_CHECK_VALUE(top <= 88.0f, "timestep_embedding: max_period ", py_float(max_period),
+                      " with dim ", dim, " and downscale_freq_shift ", py_float(downscale_freq_shift),
+                      " gives frequencies up to exp(", top, ") (inf in float32); expected at most exp(88)");
+  }
   // diffusers, operation for operation (float32 tensors, float64 Python scalars):
   const auto float32 = at::TensorOptions().dtype(at::kFloat).device(t.device());
   at::Tensor exponent = at::arange(half, float32) * -std::log(max_period);
