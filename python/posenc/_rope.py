@@ -595,6 +595,9 @@ def per_sequence_offsets(
                         f"{offset.dtype}")
     if offset.dim() != 0:
         return offset
+    if offset.is_meta and not q.is_meta:  # as the ops refuse a meta tensor among real ones
+        raise RuntimeError(f"{fn}: got offset on the meta device but q on {q.device}; a meta tensor holds no "
+                           f"value to copy")
     b = LAYOUT_AXES[layout][0]
     count = q.shape[b] if b is not None and q.dim() > b else (
         cu_seqlens.shape[0] - 1 if isinstance(cu_seqlens, Tensor) and cu_seqlens.dim() == 1 else 1)

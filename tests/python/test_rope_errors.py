@@ -359,3 +359,14 @@ def test_numbers_python_cannot_hand_the_op_are_value_errors():
                                          r"int\(8 \* 0.01\) = 0; expected a positive even number"):
         apply_rope(q, scaling={"rope_type": "default", "partial_rotary_factor": 0.01})
     assert apply_rope(q, scaling={"rope_type": "default", "partial_rotary_factor": 0.25})[..., 2:].equal(q[..., 2:])
+
+
+def test_a_meta_offset_beside_a_real_q_is_refused_by_name():
+    """A 0-dim meta offset with a CPU q: ATen's "Cannot copy out of meta tensor" (a
+    NotImplementedError) before; the ops' own refusal of a meta tensor among real ones now."""
+    q = torch.randn(1, 2, 1, 8)
+    with pytest.raises(RuntimeError, match=r"apply_rope: got offset on the meta device but q on cpu"):
+        apply_rope(q, offset=torch.tensor(3, device="meta"))
+    with pytest.raises(RuntimeError, match=r"RotaryPositionalEncoding: got offset on the meta device but q on cpu"):
+        posenc.RotaryPositionalEncoding(8)(q, offset=torch.tensor(3, device="meta"))
+    assert apply_rope(q.to("meta"), offset=torch.tensor(3, device="meta")).is_meta
