@@ -370,3 +370,15 @@ def test_a_meta_offset_beside_a_real_q_is_refused_by_name():
     with pytest.raises(RuntimeError, match=r"RotaryPositionalEncoding: got offset on the meta device but q on cpu"):
         posenc.RotaryPositionalEncoding(8)(q, offset=torch.tensor(3, device="meta"))
     assert apply_rope(q.to("meta"), offset=torch.tensor(3, device="meta")).is_meta
+
+
+def test_a_section_that_is_not_positive_is_named_before_the_width():
+    """sections=[-1, 5] was reported as "at most head_dim / 2 = 4 rotary pairs ... (5 pairs)"
+    (found by fuzzing): the section itself is what is wrong."""
+    q = torch.randn(1, 2, 1, 8)
+    for sections in ([-1, 5], [0, 2], [3, -2**62]):
+        with pytest.raises(ValueError, match=r"expected every section to be a positive number of rotary pairs, "
+                                             rf"got sections=\[{sections[0]}, {sections[1]}\]"):
+            apply_rope(q, positions=torch.zeros(2, 2, dtype=torch.long), sections=sections)
+    with pytest.raises(ValueError, match=r"expected sections to hold at most head_dim / 2 = 4 rotary pairs"):
+        apply_rope(q, positions=torch.zeros(2, 2, dtype=torch.long), sections=[2, 3])

@@ -73,6 +73,13 @@ void check_positions_shape(const RopeCall& c, const c10::SymInt& batch, const c1
   }
 }
 
+// One message for a section that is not a positive number of rotary pairs (or more than the
+// rotary part holds).
+void check_section(bool ok, c10::IntArrayRef sections) {
+  TORCH_CHECK_VALUE(ok, "posenc: expected every section to be a positive number of rotary pairs, got sections=",
+                    sections);
+}
+
 }  // namespace
 
 void check_rope_base(double base) {
@@ -189,8 +196,7 @@ void check_rope_sections(const std::vector<int64_t>& sections, math::RopeSection
                     " sections (one per position axis), got ", n, ": ", c10::IntArrayRef(sections));
   int64_t sum = 0;
   for (const int64_t s : sections) {
-    TORCH_CHECK_VALUE(s > 0 && s <= half, "posenc: expected every section to be a positive "
-                      "number of rotary pairs, got sections=", c10::IntArrayRef(sections));
+    check_section(s > 0 && s <= half, sections);
     sum += s;
   }
   TORCH_CHECK_VALUE(sum == half, "posenc: expected sections (rotary pairs per axis) to sum to "
@@ -284,7 +290,12 @@ int64_t check_rope_structure(const RopeCall& c) {
   int64_t rot = c.rotary_dim < 0 ? hd - begin : c.rotary_dim;
   if (c.rotary_dim < 0 && c.multi_axis()) {
     rot = 0;
-    for (const int64_t s : c.sections) rot += 2 * std::max<int64_t>(s, 0);  // bad ones: below
+    // Each positive before the width is named (sections=[-1, 5] was "at most 4 pairs"), and
+    // at most head_dim (a larger one fails the width check below: no sum past int64).
+    for (const int64_t s : c.sections) {
+      check_section(s > 0, c.sections);
+      rot += 2 * std::min<int64_t>(s, hd);
+    }
   }
   TORCH_CHECK_VALUE(c.rotary_dim == -1 || c.rotary_dim > 0,
                     "posenc: expected rotary_dim to be a positive even number or None, got ",
