@@ -443,24 +443,16 @@ def test_jit_trace_reads_a_decode_offset_from_a_shape(tmp_path):
                         (torch.randn(2, 1, 2, 8), torch.randn(2, 3, 16)))
 
 
-class TracedEverywhere(nn.Module):
-    """Every front end a traced model calls, offsets read from shapes (traced sizes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.pe = posenc.PositionalEncoding(16, 0.0, max_len=64, batch_first=True)
-        self.learned = posenc.LearnedPositionalEncoding(16, 0.0, max_len=64, batch_first=True)
-        self.rope = posenc.RotaryPositionalEncoding(8, 64)
-        self.qk = posenc.QKNormRotary(8)
+class TracedEverywhere(DecodeStep):
+    """DecodeStep and every other front end a traced model calls, offsets from shapes."""
 
     def forward(self, x, q, cache):
         past = cache.shape[1]
         k = q[:, :, :1]
         cos, sin = functional.rope_cos_sin(torch.arange(q.shape[1]) + past, 8)
-        return (self.pe(x, past), self.learned(x, past), self.rope(q, k), self.rope(q, k, offset=past),
-                self.qk(q, k, offset=past), functional.apply_rope(q, k, config=self.rope.rope_config),
-                functional.apply_rope_cos_sin(q, k, cos, sin, layout="bshd"),
-                functional.add_position(x, self.pe.pe, offset=past))
+        return (*super().forward(x, q, cache), self.rope(q, k),
+                functional.apply_rope(q, k, config=self.rope.rope_config),
+                functional.apply_rope_cos_sin(q, k, cos, sin, layout="bshd"))
 
 
 def test_jit_trace_of_every_front_end_has_no_tracer_warning():
