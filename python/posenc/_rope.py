@@ -161,15 +161,6 @@ def resolve_config_keys(
                                  f"(sections_mode {' or '.join(map(repr, allowed))}); pass one of them")
             sections_mode = allowed[0] if sections_mode is None else sections_mode
         width = head_dim if rotary_dim is None else rotary_dim
-        if (section is not None and sections_mode == "mrope"
-                and all(isinstance(n, numbers.Integral) and n >= 0 for n in sections) and 2 * sum(sections) < width):
-            # transformers' M-RoPE (Qwen2-VL) splits the rotary part's pairs by the sections and
-            # refuses a sum short of them ("split_with_sizes expects split_sizes to sum exactly");
-            # read as sections=, the dict turned only 2 * sum(sections) features (an audit).
-            raise ValueError(f"{fn}: the scaling dict's mrope_section {list(section)} sums to {sum(sections)} "
-                             f"pairs; M-RoPE splits the {width // 2} pairs of the rotary part ({width} features) "
-                             f"by it, as transformers does (expected a sum of {width // 2}; for a partial "
-                             f"rotation pass sections= and rotary_dim= as arguments)")
         if (section is not None and sections_mode == "mrope_interleaved" and len(sections) == 3
                 and all(isinstance(n, numbers.Integral) and n >= 0 for n in sections)
                 and 2 * sum(sections) < width):
@@ -570,7 +561,7 @@ def config_of(q: Tensor, config: Optional[RopeConfig], fn: str, **keywords: Any)
     if config is None:
         if not isinstance(q, Tensor):
             raise TypeError(f"{fn}: expected q to be a Tensor, got {type(q).__name__}")
-        return RopeConfig.parse(head_dim=q.shape[-1] if q.dim() else 0, fn=fn, **keywords)
+        return RopeConfig.parse(head_dim=_static_shape(q)[-1] if q.dim() else 0, fn=fn, **keywords)
     if not isinstance(config, RopeConfig):
         raise TypeError(f"{fn}: expected config to be a posenc RopeConfig or None, got {type(config).__name__}")
     given = [name for name, value in keywords.items() if value is not None]

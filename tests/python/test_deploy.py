@@ -452,6 +452,9 @@ class TracedEverywhere(DecodeStep):
         cos, sin = functional.rope_cos_sin(torch.arange(q.shape[1]) + past, 8)
         return (*super().forward(x, q, cache), self.rope(q, k),
                 functional.apply_rope(q, k, config=self.rope.rope_config),
+                functional.apply_rope(q, k, offset=past, scaling={"rope_type": "yarn", "factor": 2.0,
+                                                                  "original_max_position_embeddings": 16,
+                                                                  "partial_rotary_factor": 0.5}),
                 functional.apply_rope_cos_sin(q, k, cos, sin, layout="bshd"))
 
 

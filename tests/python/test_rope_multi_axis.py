@@ -419,30 +419,18 @@ def test_transformers_qwen2_vl_rotary_embedding(rope):
     torch.testing.assert_close(got_k, want_k, rtol=2e-5, atol=2e-5)
 
 
-def test_a_qwen2_vl_dict_whose_sections_sum_short_is_refused_as_transformers_refuses_it():
-    """A dict's mrope_section in the "mrope" order splits the rotary part's pairs: transformers
-    refuses a sum short of them; posenc turned only 2 * sum(sections) features (an audit). The
-    interleaved order (Qwen3-VL) widens T's section instead, as transformers does (tested above)."""
-    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # 8 of 16 pairs
+def test_a_dict_whose_mrope_sections_sum_short_turns_the_features_they_cover():
+    """GLM-4V's transformers 4 dict leaves partial_rotary_factor on the config: its sections
+    cover the rotary part, half the head, and the rest passes through (a review of a refusal
+    that broke it; transformers' Qwen2-VL refuses such a dict, its rotary is the whole head)."""
+    rope = {"type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}  # 8 of 16 pairs
     q = torch.randn(1, 2, 4, 32)
     pos = torch.randint(0, 50, (3, 1, 4))
-    message = (r"apply_rope: the scaling dict's mrope_section \[2, 3, 3\] sums to 8 pairs; M-RoPE splits the 16 "
-               r"pairs of the rotary part \(32 features\) by it, as transformers does \(expected a sum of 16")
-    for scaling in (rope, {**rope, "mrope_interleaved": False}):
-        with pytest.raises(ValueError, match=message):
-            apply_rope(q, positions=pos, scaling=scaling, layout="bhsd")
-        with pytest.raises(ValueError, match=r"mrope_section \[2, 3, 3\] sums to 8 pairs"):
-            posenc.RotaryPositionalEncoding(32, scaling=scaling)
-    # The sections as arguments: a partial rotation of 2 * sum(sections) features, as documented.
-    got = apply_rope(q, positions=pos, sections=[2, 3, 3], layout="bhsd")
+    got = apply_rope(q, positions=pos, scaling=rope, interleaved=True, layout="bhsd")
+    want = apply_rope(q, positions=pos, sections=[2, 3, 3], sections_mode="mrope", rotary_dim=16, interleaved=True,
+                      layout="bhsd")
+    assert torch.equal(got, want)
     assert torch.equal(got[..., 16:], q[..., 16:]) and not torch.equal(got[..., :16], q[..., :16])
-    transformers = pytest.importorskip("transformers")
-    from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
-    config = transformers.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=2, num_key_value_heads=1,
-                                            rope_parameters=rope)
-    with pytest.raises(RuntimeError, match="split_with_sizes expects split_sizes to sum exactly to 16"):
-        cos, sin = qwen2_vl.Qwen2VLRotaryEmbedding(config)(q, pos)
-        qwen2_vl.apply_rotary_pos_emb(q, q, cos, sin)
 
 
 def test_timm_rotary_embedding_cat():

@@ -23,6 +23,7 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <initializer_list>
 #include <optional>
 #include <tuple>
 
@@ -286,17 +287,26 @@ at::ScalarType table_gradient_dtype(const at::Tensor& grad, std::optional<at::Sc
   return table_dtype.value_or(acc);
 }
 
-// The same, when offset, table_len and grad's sizes are concrete (the composite and Meta
-// kernels; symbolic sizes only trace, and the real kernels check at run time).
+// The offset as an int when it and the sizes of the tensors are concrete (the composite and
+// Meta kernels: a meta dry run, FakeTensor tracing of concrete sizes), for the real kernels'
+// checks; none when any is symbolic (it only traces; the kernels check at run time).
+std::optional<int64_t> concrete_offset(const c10::SymInt& offset,
+                                       std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors) {
+    if (t != nullptr && t->defined() && t->unsafeGetTensorImpl()->has_symbolic_sizes_strides()) return std::nullopt;
+  }
+  // maybe_as_int, not is_heap_allocated: a SymInt stores ints near -2**63 on the heap too.
+  return offset.maybe_as_int();
+}
+
+// The backward's checks when offset, table_len and the sizes are concrete (concrete_offset).
 void check_add_position_backward_inputs_if_concrete(const at::Tensor& grad, const at::Tensor& rng,
                                                      const std::optional<at::Tensor>& positions,
                                                      const c10::SymInt& offset, bool batch_first,
                                                      double p, const c10::SymInt& table_len) {
-  // maybe_as_int, not is_heap_allocated: a SymInt stores ints near -2**63 on the heap too.
-  const std::optional<int64_t> off = offset.maybe_as_int();
+  const std::optional<int64_t> off = concrete_offset(offset, {&grad, optional_ptr(positions)});
   const std::optional<int64_t> len = table_len.maybe_as_int();
-  if (off.has_value() && len.has_value() &&
-      !grad.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+  if (off.has_value() && len.has_value()) {
     check_add_position_backward_inputs(grad, rng, positions, *off, batch_first, p, *len);
   }
 }
@@ -381,12 +391,8 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_meta(
   check_add_position_structure(x, table, positions, batch_first, p);
   check_not_mixed_with_meta("add_position_forward",
                             {{"x", &x}, {"table", &table}, {"positions", optional_ptr(positions)}});
-  // The offset against the table as the real kernels check it, when the sizes are concrete
-  // (a meta dry run, FakeTensor tracing; symbolic sizes only trace, the kernels check at run
-  // time): check_add_position_backward_inputs_if_concrete's rule for the forward.
-  const std::optional<int64_t> off = offset.maybe_as_int();
-  if (off.has_value() && !x.unsafeGetTensorImpl()->has_symbolic_sizes_strides() &&
-      !table.unsafeGetTensorImpl()->has_symbolic_sizes_strides()) {
+  // The offset against the table as the real kernels check it, when concrete.
+  if (const std::optional<int64_t> off = concrete_offset(offset, {&x, &table, optional_ptr(positions)})) {
     make_geometry(x, positions, *off, batch_first, table.size(-2));
   }
   at::Tensor out = at::empty_symint(x.sym_sizes(), x.options());
