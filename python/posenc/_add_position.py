@@ -20,6 +20,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 import torch.autograd.forward_ad as fwAD
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg,
                              _forward_as_written, _global_hooks, _int_arg, _integer, _optional_tensor_args, _own_hooks,
@@ -380,6 +381,20 @@ class PositionalEncoding(_AddPositionModule):
         return f"{super().extra_repr()}, base={self.base}"
 
 
+def _normalised_padding_idx(padding_idx: Any, max_len: int) -> Optional[int]:
+    """LearnedPositionalEncoding's padding_idx as nn.Embedding reads it: None, or an int in
+    [-max_len, max_len), a negative one counted from the end."""
+    if padding_idx is None:
+        return None
+    index = _integer(padding_idx)
+    if index is None:
+        raise TypeError(f"LearnedPositionalEncoding: expected padding_idx to be an int or None, got {padding_idx!r}")
+    if not -max_len <= index < max_len:
+        raise ValueError(f"LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = "
+                         f"[{-max_len}, {max_len}), got {index}")
+    return int(index) + max_len if index < 0 else int(index)
+
+
 class LearnedPositionalEncoding(_AddPositionModule):
     r"""Learned absolute position embeddings (BERT, GPT-2, ViT) with fused dropout.
 
@@ -424,19 +439,17 @@ class LearnedPositionalEncoding(_AddPositionModule):
         if not 0 <= _real(fn, "init_std", init_std, expected) < math.inf:
             raise ValueError(f"{fn}: expected init_std to be {expected}, got {init_std!r}")
         self.init_std = float(init_std)
-        if padding_idx is not None:
-            index = _integer(padding_idx)
-            if index is None:
-                raise TypeError(f"LearnedPositionalEncoding: expected padding_idx to be an int or None, got "
-                                f"{padding_idx!r}")
-            if not -max_len <= index < max_len:
-                raise ValueError(f"LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = "
-                                 f"[{-max_len}, {max_len}), got {index}")
-            padding_idx = index + max_len if index < 0 else index  # as nn.Embedding
-        self.padding_idx = padding_idx
+        self.padding_idx = _normalised_padding_idx(padding_idx, max_len)
         self.pe = nn.Parameter(torch.empty(1, max_len, self.d_model, device=device,
                                            dtype=None if dtype is None else _table_dtype(fn, dtype)))
         self.reset_parameters()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # padding_idx set after construction is read as the constructor reads it (a negative
+        # one from the end; out of range refused): -1 froze no row (a fuzzing audit).
+        if name == "padding_idx" and ("pe" in self.__dict__.get("_parameters", {}) or hasattr(type(self), "pe")):
+            value = _normalised_padding_idx(value, self.max_len)
+        super().__setattr__(name, value)
 
     def reset_parameters(self) -> None:
         if self.init_std == 0:
@@ -508,6 +521,15 @@ class LearnedPositionalEncoding(_AddPositionModule):
 
                 table = distribute_tensor(table.reshape(self.pe.shape).to(self.pe.device), self.pe.device_mesh,
                                           self.pe.placements)
+            if parametrize.is_parametrized(self, "pe"):
+                # pe is computed from its parametrization's original: a copy into it went to the
+                # computed copy and was lost (a fuzzing audit). Set as `module.pe = table` sets it,
+                # through the parametrization's right_inverse (torch refuses one without).
+                self.pe = table.reshape(self.pe.shape).to(self.pe.dtype)
+                return
+            if "pe" not in self._parameters:  # computed by a hook (torch.nn.utils.weight_norm)
+                raise RuntimeError("load_table: pe is computed from other parameters here (a hook such as "
+                                   "torch.nn.utils.weight_norm's): load those, or remove the hook first")
             self.pe.copy_(table.reshape(self.pe.shape))
 
     def extra_repr(self) -> str:
