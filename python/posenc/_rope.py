@@ -909,7 +909,7 @@ class RotaryPositionalEncoding(nn.Module):
     ) -> None:
         super().__init__()
         fn = "RotaryPositionalEncoding"
-        self.dim = _check_positive_int(fn, "dim", dim)
+        dim = _check_positive_int(fn, "dim", dim)
         self._max_len = _check_positive_int(fn, "max_len", max_len)
         model_len = self._max_len if max_position_embeddings is None else _check_positive_int(
             fn, "max_position_embeddings", max_position_embeddings)
@@ -921,7 +921,7 @@ class RotaryPositionalEncoding(nn.Module):
         # settings below read it (read-only: a changed setting would have to be parsed again:
         # build a new module).
         self.rope_config = RopeConfig.parse(
-            head_dim=self.dim, base=base, max_position_embeddings=model_len, fn="RotaryPositionalEncoding",
+            head_dim=dim, base=base, max_position_embeddings=model_len, fn="RotaryPositionalEncoding",
             **rope)
         c = self.rope_config
         self._rotary_width = rotary_width(c)
@@ -1053,13 +1053,18 @@ class RotaryPositionalEncoding(nn.Module):
                         ("base", "interleaved", "rotary_dim", "layout", "sections", "sections_mode")}
             state["_scaling"] = state.pop("scaling", None)
             state["rope_config"] = RopeConfig.parse(
-                head_dim=state["dim"], scaling=state["_scaling"], max_position_embeddings=state["_max_len"],
+                head_dim=state.pop("dim"), scaling=state["_scaling"], max_position_embeddings=state["_max_len"],
                 fn="RotaryPositionalEncoding", **settings)
         state.setdefault("_rotary_width", rotary_width(state["rope_config"]))
+        state.pop("dim", None)  # before 2026-12-07 a plain (writable) attribute: the config's head_dim
         super().__setstate__(state)
 
     # The settings, read from the parsed configuration (read-only: the scaling's defaults
     # and attention factor were derived from them once; build a new module to change one).
+    @property
+    def dim(self) -> int:
+        return self.rope_config.head_dim
+
     @property
     def max_len(self) -> int:
         return self._max_len

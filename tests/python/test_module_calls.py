@@ -365,6 +365,9 @@ def test_a_parsed_configuration_is_immutable_and_given_once():
     rope = posenc.RotaryPositionalEncoding(16)
     with pytest.raises(AttributeError):
         rope.base = 500.0  # a setting is the parsed configuration's: build a new module
+    with pytest.raises(AttributeError):  # dim too (a plain attribute: 8 made the module refuse its 16-wide q)
+        rope.dim = 8
+    assert rope.dim == 16 and rope(torch.randn(1, 2, 1, 16)).shape == (1, 2, 1, 16)
     with pytest.raises(Exception, match="cannot assign|frozen"):
         rope.rope_config.base = 500.0
     config = functional.RopeConfig.parse(head_dim=16, base=500.0, interleaved=True)
@@ -398,8 +401,8 @@ def test_modules_pickled_before_the_parsed_configuration_still_load():
     state = dict(rope.__dict__)
     del state["rope_config"], state["_scaling"]
     state["max_len"], state["attention_scaling"] = state.pop("_max_len"), state.pop("_attention_scaling")
-    state.update(base=10000.0, interleaved=True, rotary_dim=8, layout="bshd", sections=None, sections_mode="axial",
-                 scaling=dict(scaling))
+    state.update(dim=16, base=10000.0, interleaved=True, rotary_dim=8, layout="bshd", sections=None,
+                 sections_mode="axial", scaling=dict(scaling))  # dim: an attribute before 2026-12-07 too
     old = posenc.RotaryPositionalEncoding.__new__(posenc.RotaryPositionalEncoding)
     old.__setstate__(state)
     q = torch.randn(1, 4, 2, 16, dtype=torch.float64)
@@ -415,6 +418,10 @@ def test_modules_pickled_before_the_parsed_configuration_still_load():
     assert torch.equal(old(q, q)[0], qkn(q, q)[0])
     again = pickle.loads(pickle.dumps(rope))  # today's pickles round-trip
     assert again.rope_config == rope.rope_config and torch.equal(again(q), rope(q))
+    state = dict(rope.__dict__, dim=16)  # pickled with dim as an attribute (before 2026-12-07)
+    old = posenc.RotaryPositionalEncoding.__new__(posenc.RotaryPositionalEncoding)
+    old.__setstate__(state)
+    assert "dim" not in old.__dict__ and old.dim == 16 and torch.equal(old(q), rope(q))
     from collections.abc import Mapping
 
     assert isinstance(rope.scaling, Mapping) and rope.scaling["factor"] == 2.0
