@@ -525,7 +525,7 @@ class LearnedPositionalEncoding(_AddPositionModule):
                 # pe is computed from its parametrization's original: a copy into it went to the
                 # computed copy and was lost (a fuzzing audit). Set as `module.pe = table` sets it,
                 # through the parametrization's right_inverse (torch refuses one without).
-                self.pe = table.reshape(self.pe.shape).to(self.pe.dtype)
+                self.pe = table.reshape(self.pe.shape).to(self.pe.device, self.pe.dtype)  # as copy_ casts
                 return
             if "pe" not in self._parameters:  # computed by a hook (torch.nn.utils.weight_norm)
                 raise RuntimeError("load_table: pe is computed from other parameters here (a hook such as "

@@ -1146,9 +1146,11 @@ def test_load_table_into_a_parametrized_or_hooked_table():
     table = torch.randn(20, 3)
     lpe = posenc.LearnedPositionalEncoding(3, 0.0, max_len=20)
     parametrize.register_parametrization(lpe, "pe", Double())
-    lpe.load_table(table)
+    original = lpe.parametrizations.pe.original
+    lpe.load_table(table.double())  # cast to pe's dtype, as the plain copy casts
     assert torch.equal(lpe.pe[0], table)
-    assert torch.equal(lpe.parametrizations.pe.original[0], table / 2)
+    assert lpe.parametrizations.pe.original is original and original.dtype == torch.float32
+    assert torch.equal(original[0], table / 2)
     hooked = posenc.LearnedPositionalEncoding(3, 0.0, max_len=20)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.nn.utils.weight_norm's deprecation
