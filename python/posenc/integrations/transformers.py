@@ -612,13 +612,13 @@ def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]])
     if rope_type == "yarn" and "factor" in params and params["factor"] is None and original and max_positions:
         params["factor"] = max_positions / original
     model_freq = inv_freq.detach().to("cpu", torch.float64)
-    # The config as given, then without partial_rotary_factor (the rotary of Qwen3, OLMo 2
-    # and Gemma 3 turns the whole head_dim whatever it says).
     # Keys the type does not read dropped here, as transformers ignores them (the probe's parse
     # would warn, and a filter that raises warnings stopped the patching): the frequencies are
     # compared with the model's below.
     if rope_type in ROPE_TYPES:
         params = {k: v for k, v in params.items() if not unread_scaling_key(rope_type, k)}
+    # The config as given, then without partial_rotary_factor (the rotary of Qwen3, OLMo 2
+    # and Gemma 3 turns the whole head_dim whatever it says).
     candidates = [params]
     if "partial_rotary_factor" in params:
         candidates.append({k: v for k, v in params.items() if k != "partial_rotary_factor"})
