@@ -181,7 +181,7 @@ class QKNormRotary(torch.nn.Module):
         init = 1.0 - weight_offset  # effective weights start at 1 (Gemma's zeros for offset 1)
         self.q_norm = _NormWeight(lq, init, device, dtype)
         self.k_norm = _NormWeight(lk, init, device, dtype)
-        self.head_dim, self.eps, self.weight_offset, self.norm = head_dim, eps, weight_offset, norm
+        self.eps, self.weight_offset, self.norm = eps, weight_offset, norm
         # RoPE's configuration, parsed once (RopeConfig) and passed on at each call.
         self.rope_config = RopeConfig.parse(head_dim=head_dim, fn="QKNormRotary", **rope)
         # Copied (lists in the scaling dict too): a later edit of the caller's would show here,
@@ -196,7 +196,16 @@ class QKNormRotary(torch.nn.Module):
             state = dict(state)
             state["rope_config"] = RopeConfig.parse(head_dim=state["head_dim"], fn="QKNormRotary",
                                                     **state.pop("rope_options"))
+        if "head_dim" in state:  # before 2026-12-07 a plain (writable) attribute: the config's head_dim
+            state = dict(state)
+            del state["head_dim"]
         super().__setstate__(state)
+
+    @property
+    def head_dim(self) -> int:
+        """Features per head (read-only: the RoPE configuration was parsed for it, and the
+        weights sized by it; build a new module to change it)."""
+        return self.rope_config.head_dim
 
     def forward(self, q: Tensor, k: Tensor, *, positions: Optional[Tensor] = None, offset: Union[int, Tensor] = 0,
                 cu_seqlens: Optional[Tensor] = None, seq_len: Optional[int] = None) -> Tuple[Tensor, Tensor]:

@@ -368,6 +368,10 @@ def test_a_parsed_configuration_is_immutable_and_given_once():
     with pytest.raises(AttributeError):  # dim too (a plain attribute: 8 made the module refuse its 16-wide q)
         rope.dim = 8
     assert rope.dim == 16 and rope(torch.randn(1, 2, 1, 16)).shape == (1, 2, 1, 16)
+    qkn = posenc.QKNormRotary(16, norm="hidden", num_heads=2, num_kv_heads=1)
+    with pytest.raises(AttributeError):  # QKNormRotary's head_dim too (set to 8, repr said num_heads=4)
+        qkn.head_dim = 8
+    assert qkn.head_dim == 16 and "head_dim=16, " in repr(qkn) and "num_heads=2, num_kv_heads=1" in repr(qkn)
     with pytest.raises(Exception, match="cannot assign|frozen"):
         rope.rope_config.base = 500.0
     config = functional.RopeConfig.parse(head_dim=16, base=500.0, interleaved=True)
@@ -409,13 +413,17 @@ def test_modules_pickled_before_the_parsed_configuration_still_load():
     assert torch.equal(old(q, offset=3), rope(q, offset=3))
     assert old.rope_config == rope.rope_config
     qkn = posenc.QKNormRotary(16, interleaved=True, dtype=torch.float64)
-    state = dict(qkn.__dict__)
+    state = dict(qkn.__dict__, head_dim=16)  # head_dim: an attribute before 2026-12-07
     del state["rope_config"]
     state["rope_options"] = dict(base=None, interleaved=True, rotary_dim=None, scaling=None, layout="bshd",
                                  sections=None, sections_mode="axial")
     old = posenc.QKNormRotary.__new__(posenc.QKNormRotary)
     old.__setstate__(state)
     assert torch.equal(old(q, q)[0], qkn(q, q)[0])
+    assert "head_dim" not in old.__dict__ and old.head_dim == 16
+    old = posenc.QKNormRotary.__new__(posenc.QKNormRotary)
+    old.__setstate__(dict(qkn.__dict__, head_dim=16))  # the parsed configuration and head_dim
+    assert "head_dim" not in old.__dict__ and old.head_dim == 16 and torch.equal(old(q, q)[1], qkn(q, q)[1])
     again = pickle.loads(pickle.dumps(rope))  # today's pickles round-trip
     assert again.rope_config == rope.rope_config and torch.equal(again(q), rope(q))
     state = dict(rope.__dict__, dim=16)  # pickled with dim as an attribute (before 2026-12-07)
