@@ -314,27 +314,36 @@ int64_t check_rope_shift_kv(const RopeShiftKvCall& c) {
 
 namespace {
 
-// Each (row, item) of one batch row or the slots: in range, each listed once.
+// Each (row, item) of one batch row or the slots: in range, each listed once. A strictly
+// increasing list (a context shift's rows) is checked in one pass, without a copy; any other is
+// sorted with the items' indices to name two that list the same row.
 void check_targets(const char* name, const int64_t* v, int64_t n, int64_t limit, bool skip_minus_one,
                    const char* range, int64_t batch_row) {
-  std::vector<std::pair<int64_t, int64_t>> seen;
-  seen.reserve(static_cast<size_t>(n));
-  const std::string where = batch_row < 0 ? "" : " of batch row " + std::to_string(batch_row);
-  bool increasing = true;  // strictly: each listed once, no sort needed (a context shift's rows)
+  // Only built for a message (TORCH_CHECK evaluates its message where the check fails).
+  const auto where = [batch_row] {
+    return batch_row < 0 ? std::string() : " of batch row " + std::to_string(batch_row);
+  };
+  bool increasing = true;
+  int64_t last = -1;  // below every row and slot
   for (int64_t j = 0; j < n; ++j) {
     if (skip_minus_one && v[j] == -1) continue;
     TORCH_CHECK_INDEX(v[j] >= 0 && v[j] < limit, "posenc: rope_shift_kv: ", name, "[", j, "] = ", v[j],
-                      where, " is out of range for ", range, " = ", limit,
+                      where(), " is out of range for ", range, " = ", limit,
                       skip_minus_one ? " (-1: not turned)" : "", "; nothing was written");
-    increasing = increasing && (seen.empty() || seen.back().first < v[j]);
-    seen.emplace_back(v[j], j);
+    increasing = increasing && last < v[j];
+    last = v[j];
   }
   if (increasing) return;
+  std::vector<std::pair<int64_t, int64_t>> seen;
+  seen.reserve(static_cast<size_t>(n));
+  for (int64_t j = 0; j < n; ++j) {
+    if (!(skip_minus_one && v[j] == -1)) seen.emplace_back(v[j], j);
+  }
   std::sort(seen.begin(), seen.end());
   for (size_t i = 1; i < seen.size(); ++i) {
     TORCH_CHECK_VALUE(seen[i].first != seen[i - 1].first, "posenc: rope_shift_kv: ", name, "[",
                       seen[i - 1].second, "] and ", name, "[", seen[i].second, "] are both ",
-                      seen[i].first, where, "; expected each ", skip_minus_one ? "slot" : "row",
+                      seen[i].first, where(), "; expected each ", skip_minus_one ? "slot" : "row",
                       " once (it would turn twice); nothing was written");
   }
 }
