@@ -115,6 +115,34 @@ def _specialised_int(value: Any) -> int:
     return int(_specialised(value // 2**32)) * 2**32 + int(_specialised(value % 2**32))
 
 
+def _refuse_captured_writes(fn: str, **written: Any) -> None:
+    """Refuse an in-place write, inside a torch.func transform that differentiates (grad, vjp,
+    jacrev, jvp, ...), into a tensor the transformed function captured rather than took as an
+    input (or into a view of one): an op may have saved it for its gradient, which would then
+    silently use the overwritten values. torch.func refuses such a write by ATen's in-place ops,
+    but its check reads only schemas that return their first argument (posenc's in-place ops
+    return nothing, or write several tensors); so each tensor to be written is put to that
+    check by an in-place op on an empty view of it (no element written: a no-op where it
+    passes). Outside torch.func transforms (and under torch.compile), nothing is done."""
+    if torch._C._functorch.peek_interpreter_stack() is None or torch.compiler.is_compiling():
+        return
+    for name, t in written.items():
+        if not isinstance(t, Tensor) or t.dim() == 0:
+            continue
+        try:
+            with torch.no_grad():  # the empty view's write is not the caller's: no graph, no leaf-view error
+                t.narrow(-1, 0, 0).zero_()
+        except RuntimeError as e:
+            if "captured Tensor" not in str(e):
+                raise
+            raise RuntimeError(
+                f"{fn}: would write {name} in place, a tensor captured by a torch.func transform (grad, vjp, "
+                f"jacrev, jvp, ...) rather than passed to the transformed function: the transform cannot see the "
+                f"write (a gradient could silently use the overwritten values), and torch.func refuses it as it "
+                f"refuses ATen's in-place ops on captured tensors; pass {name} as an input of the transformed "
+                f"function, or write into a clone of it") from None
+
+
 def _bool_arg(fn: str, name: str, value: Any) -> bool:
     """value (a Python or numpy bool) as a bool, or TypeError naming it: bool() would take
     the string "False", 0.5 or a list as True."""

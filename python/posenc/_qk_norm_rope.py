@@ -10,7 +10,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._common import _bool_arg, _check_positive_int, _table_dtype
+from posenc._common import _bool_arg, _check_positive_int, _refuse_captured_writes, _table_dtype
 from posenc._dtensor import place_beside
 from posenc._rope import (LAYOUT_AXES, RopeConfig, config_of, heads_batch_rule, rope_op_arguments, rotary_width,
                           with_rope_settings)
@@ -103,6 +103,7 @@ def qk_norm_rope(
                                   check_inputs=check_inputs, seq_len=seq_len, fn=fn)
     q_weight, k_weight = place_beside(q, q_weight, k_weight)
     if _bool_arg(fn, "inplace", inplace):  # the op refuses a call that would record a graph (its autograd kernel)
+        _refuse_captured_writes(fn, q=q, k=k)
         torch.ops.posenc.qk_norm_rope_(
             q, k, q_weight, k_weight, eps=float(eps), weight_offset=float(weight_offset), norm=norm, **arguments)
         return q, k

@@ -20,8 +20,8 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _in_int64, _int_arg, _integer,
-                            _optional_tensor_args, _real, _specialised, _specialised_int, _static_shape,
-                            _tensor_arg, _untraced)
+                            _optional_tensor_args, _real, _refuse_captured_writes, _specialised, _specialised_int,
+                            _static_shape, _tensor_arg, _untraced)
 from posenc._dtensor import is_dtensor, is_sharded, place_beside
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
@@ -774,6 +774,7 @@ def apply_rope(
     if _bool_arg("apply_rope", "inverse", inverse):
         arguments["inverse"] = True
     if _bool_arg("apply_rope", "inplace", inplace):
+        _refuse_captured_writes("apply_rope", q=q, k=k)
         torch.ops.posenc.rope_(q, k, **arguments)
         return q if k is None else (q, k)
     out_q, out_k = torch.ops.posenc.rope(q, k, **arguments)

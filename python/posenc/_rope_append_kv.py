@@ -8,7 +8,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 from torch import Tensor
 
-from posenc._common import _bool_arg, _optional_tensor_args
+from posenc._common import _bool_arg, _optional_tensor_args, _refuse_captured_writes
 from posenc._qk_norm_rope import check_norm_settings
 from posenc._rope import RopeConfig, config_of, rope_op_arguments, with_rope_settings
 
@@ -134,6 +134,8 @@ def rope_append_kv(
                         ("norm", norm)):
         if value != _OWN_DEFAULTS[name]:
             arguments[name] = value
+    _refuse_captured_writes(fn, k_cache=k_cache, v_cache=v_cache, **(dict(q=q, k=k if return_k else None)
+                                                                      if inplace else {}))
     if inplace:
         # Without return_k, the overload whose schema reads k (keep_k): k is not written.
         op = torch.ops.posenc.rope_append_kv_.default if return_k else torch.ops.posenc.rope_append_kv_.keep_k

@@ -7,7 +7,7 @@ from typing import Any, Optional, Union
 import torch
 from torch import Tensor
 
-from posenc._common import _in_int64, _integer
+from posenc._common import _in_int64, _integer, _refuse_captured_writes
 from posenc._rope import RopeConfig, config_of, with_rope_settings
 from posenc._rope_append_kv import _scale_arg
 
@@ -101,5 +101,6 @@ def rope_shift_kv(
         value = _seq_len_arg(value, name, fn)
         if value is not None:
             arguments[name] = value
+    _refuse_captured_writes(fn, k_cache=k_cache)
     torch.ops.posenc.rope_shift_kv_(k_cache, from_positions, to_positions, **arguments)
     return k_cache

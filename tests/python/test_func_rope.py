@@ -231,6 +231,54 @@ def test_inplace_refuses_gradients_and_tangents():
         assert x._version > v
 
 
+def test_inplace_writes_into_captured_tensors_are_refused_under_grad_transforms():
+    """A function transformed by torch.func.grad / vjp / jvp that saves a captured tensor for a
+    gradient and then writes it in place with an in-place posenc op: the gradient would
+    silently use the overwritten values (torch.func's own check reads only schemas returning
+    their first argument). Refused as torch.func refuses ATen's in-place ops on captures, views
+    of captures too; a tensor the function made itself is written, with the right gradient."""
+    w = torch.randn(1, 3, 2, 4, dtype=F64)
+    q = torch.randn(1, 3, 2, 4, dtype=F64)
+    ones = torch.ones(4, dtype=F64)
+    F = posenc.functional
+    writes = {
+        "apply_rope": (lambda t: F.apply_rope(t, offset=5, inplace=True), "q"),
+        "qk_norm_rope": (lambda t: F.qk_norm_rope(t, t[:, :, :1].clone(), ones, ones, inplace=True), "q"),
+        "rope_shift_kv": (lambda t: F.rope_shift_kv(t, torch.arange(3), torch.arange(3) + 7), "k_cache"),
+        "rope_append_kv": (lambda t: F.rope_append_kv(q[:, :1].clone(), q[:, :1].clone(), q[:, :1].clone(), t,
+                                                      torch.zeros_like(t), offset=1), "k_cache"),
+    }
+    for fn, (write, name) in writes.items():
+        def f(w, of=lambda t: t, write=write):
+            y = (w * q).sum()  # saves q
+            write(of(q))
+            return y
+
+        message = f"{fn}: would write {name} in place, a tensor captured by a torch.func transform"
+        before = q.clone()
+        with pytest.raises(RuntimeError, match=message):
+            grad(f)(w)
+        with pytest.raises(RuntimeError, match=message):  # a view of the captured tensor
+            grad(f)(w, lambda t: t[:, 1:])
+        with pytest.raises(RuntimeError, match=message):
+            torch.func.vjp(f, w)
+        with pytest.raises(RuntimeError, match=message):
+            jvp(f, (w,), (torch.ones_like(w),))
+        assert torch.equal(q, before)  # refused before anything was written
+
+        def g(w, write=write):  # a tensor of its own: written, and then read with its new values
+            own = q.clone()
+            write(own)
+            return (w * own).sum()
+
+        written = q.clone()
+        with torch.no_grad():
+            write(written)
+        assert not torch.equal(written, q) and torch.equal(grad(g)(w), written)
+    with torch.no_grad():  # outside torch.func: writing a captured tensor is the caller's business
+        F.apply_rope(q.clone(), inplace=True)
+
+
 def test_a_missing_output_gradient_is_zero():
     """Only k's output used: q's gradient is zero (an undefined gradient, not an error)."""
     q = torch.randn(1, 3, 2, 4, dtype=F64, requires_grad=True)

@@ -455,6 +455,11 @@ def test_a_tangent_is_an_error_not_dropped():
         with pytest.raises(RuntimeError, match="no forward-mode AD.*got q that carries a tangent"):
             rope_append_kv(dual, k, v, kc, vc)
     with pytest.raises(RuntimeError, match="got v that"):  # functorch's jvp: the same refusal
+        torch.func.jvp(lambda v, kc, vc: rope_append_kv(q, k, v, kc, vc), (v, kc, vc),
+                       (torch.ones_like(v), torch.zeros_like(kc), torch.zeros_like(vc)))
+    # Caches the function captured: refused first, as writes into captured tensors
+    # (test_func_rope.py's test of them).
+    with pytest.raises(RuntimeError, match="would write k_cache in place, a tensor captured"):
         torch.func.jvp(lambda v: rope_append_kv(q, k, v, kc, vc), (v,), (torch.ones_like(v),))
 
 
