@@ -330,10 +330,7 @@ def rope_frequencies(
         scaling, base=base, rotary_dim=None, head_dim=rotary_dim, sections=sections, sections_mode=sections_mode,
         fn=fn)
     rope_type, values = scaling_arguments(scaling)
-    if isinstance(seq_len, Tensor) and torch.jit.is_tracing():
-        raise TypeError(f"{fn}: expected seq_len to be an int, got {seq_len!r} (under torch.jit.trace a size is a "
-                        "0-dim tensor, and the frequencies of a traced seq_len would be constants of the graph)")
-    seq_len = _int_arg(fn, "seq_len", seq_len)
+    seq_len = _int_arg(fn, "seq_len", seq_len)  # (a traced size refused: it would be a constant of the graph)
     rotary_dim = rotary_dim if partial is None else partial
     base = _SCHEMA_DEFAULTS["base"] if base is None else _float_arg(fn, "base", base)
     if torch.compiler.is_compiling():

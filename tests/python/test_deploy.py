@@ -443,6 +443,31 @@ def test_jit_trace_reads_a_decode_offset_from_a_shape(tmp_path):
                         (torch.randn(2, 1, 2, 8), torch.randn(2, 3, 16)))
 
 
+def test_tracing_refuses_sizes_that_the_graph_would_freeze():
+    """A size from a shape (a 0-dim tensor under torch.jit.trace) passed where posenc's helpers
+    take an int: the trace held the call's value as a constant, with no TracerWarning, and the
+    traced model was silently wrong at other sizes (make_positions' offset from a cache length:
+    0.063 off; grid_positions and sinusoidal_2d_table from an image's shape: 5.7 and 1.5 off).
+    Refused by name; ints trace as the constants they are."""
+    P = posenc.functional
+    tokens = torch.tensor([[5, 6], [7, 1]])
+    calls = {
+        "make_positions: expected offset": lambda c: P.make_positions(tokens, 1, offset=c.shape[1]),
+        "grid_positions: expected grid": lambda c: P.grid_positions(c.shape[0], c.shape[1]),
+        "sinusoidal_2d_table: expected grid_h": lambda c: P.sinusoidal_2d_table(c.shape[0], c.shape[1], 8),
+        "rope_frequencies: expected seq_len": lambda c: P.rope_frequencies(
+            8, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 2},
+            seq_len=c.shape[1])[0],
+    }
+    for message, call in calls.items():
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)
+            with pytest.raises(TypeError, match=f"{message} to be an int, got a tensor under torch.jit.trace"):
+                torch.jit.trace(call, (torch.zeros(2, 3),))
+    # Untraced, the helpers take tensors of one element as before.
+    assert torch.equal(P.make_positions(tokens, 1, offset=torch.tensor(3)), P.make_positions(tokens, 1, offset=3))
+
+
 class TracedEverywhere(DecodeStep):
     """DecodeStep and every other front end a traced model calls, offsets from shapes."""
 
@@ -490,7 +515,7 @@ def test_a_zero_dim_offset_tensor_is_every_sequences_offset():
         rope(q, k, offset=torch.tensor(100))
     # A traced size as rope_frequencies' seq_len would make its frequencies constants: refused.
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
-    with pytest.raises(TypeError, match="rope_frequencies: expected seq_len to be an int, got tensor"):
+    with pytest.raises(TypeError, match="rope_frequencies: expected seq_len to be an int, got a tensor under torch.jit.trace"):
         torch.jit.trace(lambda x: functional.rope_frequencies(16, scaling=dynamic, seq_len=x.shape[0])[0],
                         (torch.randn(4),))
     with torch.device("meta"):  # float64 on the CPU, as documented, whatever the default device
