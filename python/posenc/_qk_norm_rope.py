@@ -12,8 +12,8 @@ from torch import Tensor
 
 from posenc._common import _bool_arg, _check_positive_int, _refuse_captured_writes, _table_dtype
 from posenc._dtensor import place_beside
-from posenc._rope import (LAYOUT_AXES, RopeConfig, config_of, heads_batch_rule, rope_op_arguments, rotary_width,
-                          with_rope_settings)
+from posenc._rope import (LAYOUT_AXES, RopeConfig, _ParsedOnce, config_of, heads_batch_rule, rope_op_arguments,
+                          rotary_width, with_rope_settings)
 
 NORMS = ("head", "hidden")
 # The norm's defaults, as qk_norm_rope's schema (and rope_append_kv's, the same settings) states them.
@@ -129,7 +129,7 @@ class _NormWeight(torch.nn.Module):
 
 
 @with_rope_settings
-class QKNormRotary(torch.nn.Module):
+class QKNormRotary(_ParsedOnce, torch.nn.Module):
     r"""RMSNorm of q and k followed by RoPE, fused (:func:`posenc.functional.qk_norm_rope`),
     owning the two norm weights under Hugging Face's names, ``q_norm.weight`` and
     ``k_norm.weight``, so that an attention layer's checkpoint loads as is.

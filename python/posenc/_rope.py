@@ -824,8 +824,21 @@ def _check_length_baseline(scaling: dict, rope_type: str, max_len: int, model_le
         )
 
 
+class _ParsedOnce:
+    """Modules built from a parsed RoPE configuration (``rope_config``, set once): the
+    frequencies, attention factor, rotary width and weights derived from it at construction
+    would go stale under a reassigned one (the module rotated with the new settings and checked
+    and reported the old ones), so it is read-only, as the settings read from it are."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "rope_config" and "rope_config" in self.__dict__:
+            raise AttributeError(f"{type(self).__name__}: rope_config is read-only (the module was built from it); "
+                                 f"build a new module with the new settings")
+        super().__setattr__(name, value)
+
+
 @with_rope_settings
-class RotaryPositionalEncoding(nn.Module):
+class RotaryPositionalEncoding(_ParsedOnce, nn.Module):
     r"""Rotary position embedding (RoPE, Su et al.) of queries and keys, fused for q and k.
 
     ``q, k = rope(q, k)`` returns rotated copies (one kernel launch for both); ``x =

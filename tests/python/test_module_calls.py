@@ -374,6 +374,15 @@ def test_a_parsed_configuration_is_immutable_and_given_once():
     assert qkn.head_dim == 16 and "head_dim=16, " in repr(qkn) and "num_heads=2, num_kv_heads=1" in repr(qkn)
     with pytest.raises(Exception, match="cannot assign|frozen"):
         rope.rope_config.base = 500.0
+    # The configuration itself is set once: reassigned, the module rotated with the new one and
+    # kept the old attention factor, rotary width and scaling in its checks and repr.
+    yarn = functional.RopeConfig.parse(head_dim=16, scaling={"rope_type": "yarn", "factor": 4.0,
+                                                            "original_max_position_embeddings": 8})
+    for module in (rope, qkn):
+        with pytest.raises(AttributeError, match=f"{type(module).__name__}: rope_config is read-only"):
+            module.rope_config = yarn
+        assert module.rope_config.rope_type == "default"
+    assert rope.attention_scaling == 1.0 and pickle.loads(pickle.dumps(rope)).rope_config == rope.rope_config
     config = functional.RopeConfig.parse(head_dim=16, base=500.0, interleaved=True)
     q = torch.randn(1, 3, 2, 16, dtype=torch.float64)
     assert torch.equal(functional.apply_rope(q, config=config), functional.apply_rope(q, base=500.0, interleaved=True))
