@@ -193,6 +193,13 @@ def _python_number(value: Any) -> Any:
     return value
 
 
+def _real_setting(value: Any) -> Any:
+    """A numpy or Python number as a Python one, an int (not a bool) as a float; any other value
+    as it is, for the op's check and message."""
+    value = _python_number(value)
+    return float(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
 class Timesteps(nn.Module):
     """diffusers' ``Timesteps`` module: ``forward(timesteps)`` is
     ``functional.timestep_embedding(timesteps, num_channels, max_period=max_period,
@@ -224,9 +231,11 @@ class Timesteps(nn.Module):
         # values as given otherwise (the op checks them below, with its messages).
         self.num_channels = _python_number(num_channels)
         self.flip_sin_to_cos = _bool_arg("Timesteps", "flip_sin_to_cos", flip_sin_to_cos)
-        self.downscale_freq_shift = _python_number(downscale_freq_shift)
-        self.scale = _python_number(scale)
-        self.max_period = _python_number(max_period)
+        # The three real settings as floats (an int as a float: torch.jit.script types an
+        # attribute by its value, and an int one refused a float set later, which eager takes).
+        self.downscale_freq_shift = _real_setting(downscale_freq_shift)
+        self.scale = _real_setting(scale)
+        self.max_period = _real_setting(max_period)
         self(torch.empty(0))  # the op checks the settings on no timesteps
 
     def forward(self, timesteps: Tensor) -> Tensor:

@@ -532,6 +532,16 @@ def test_jit_script_of_timesteps_and_qk_norm_rotary():
         module = posenc.Timesteps(*args)  # numpy numbers (a config read with numpy) too
         scripted = torch.jit.script(module)
         assert torch.equal(scripted(t), module(t))
+    # diffusers' int arguments (scale=1, max_period=10000, a shift of 1): the settings are read at
+    # each call, and a float set later is taken by the scripted module as by the eager one (an
+    # int attribute refused it: "Could not cast attribute 'scale' to type int").
+    module = posenc.Timesteps(8, True, 1)
+    scripted = torch.jit.script(module)
+    for m in (module, scripted):
+        m.scale, m.max_period, m.downscale_freq_shift = 0.5, 500.5, 0.25
+    assert torch.equal(scripted(t), module(t)) and torch.equal(
+        module(t), posenc.functional.timestep_embedding(t, 8, flip_sin_to_cos=True, downscale_freq_shift=0.25,
+                                                        scale=0.5, max_period=500.5))
     with pytest.raises(RuntimeError, match="posenc: QKNormRotary cannot be compiled by torch.jit.script .* "
                                            "torch.jit.trace"):
         torch.jit.script(posenc.QKNormRotary(8))

@@ -67,8 +67,9 @@ def test_constructor_is_diffusers():
     m = posenc.Timesteps(320, True, 0)  # diffusers' positional form
     assert (m.num_channels, m.flip_sin_to_cos, m.downscale_freq_shift, m.scale, m.max_period) == (320, True, 0, 1, 10000)
     m = posenc.Timesteps(num_channels=8, flip_sin_to_cos=False, downscale_freq_shift=1, scale=3, max_period=50)
-    assert repr(m) == ("Timesteps(num_channels=8, flip_sin_to_cos=False, downscale_freq_shift=1, scale=3, "
-                       "max_period=50)")
+    # The real settings held as floats (torch.jit.script types attributes by value: test_deploy.py).
+    assert repr(m) == ("Timesteps(num_channels=8, flip_sin_to_cos=False, downscale_freq_shift=1.0, scale=3.0, "
+                       "max_period=50.0)")
     # The attributes are read at each call, as in diffusers.
     m.flip_sin_to_cos = True
     t = torch.tensor([1.0, 10.0])
