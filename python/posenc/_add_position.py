@@ -121,7 +121,26 @@ def add_position(
         # The kernel checks each rank's shard: one rank alone would raise (the others block
         # in their next collective). The bounds of the global positions raise on every rank.
         torch.ops.posenc.position_bounds(positions, table.shape[-2])
-    return torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p if training else 0.0)
+    p = p if training else 0.0
+    if not torch.compiler.is_compiling() and p > 0 and _under_vmap():
+        x = _batched_by_randomness(x)
+    return torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p)
+
+
+def _under_vmap() -> bool:
+    stack = torch._C._functorch.get_interpreter_stack()
+    return stack is not None and any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
+
+
+def _batched_by_randomness(x: Tensor) -> Tensor:
+    """x (the same values, bit for bit) batched wherever a vmap's randomness asks for a draw per
+    sample. Under vmap, torch calls a custom op's batching rule only where an input is batched
+    at that level; where none is, it calls the op once below the vmap, and the dropout drew one
+    mask for every sample under randomness="different" and did not raise under "error" (a
+    torch.func audit). A random op of torch's own, drawn here, follows the contract: batched
+    under "different" (then so is x, and the op's rule draws per sample), unbatched under
+    "same", refused under "error" with torch's message."""
+    return torch.where(torch.rand((), device=x.device) >= 0, x, x)
 
 
 # The modules call the functions through posenc.functional, the module users call (and

@@ -225,6 +225,35 @@ def test_vmap_randomness_modes(randomness):
         assert torch.equal(keep, keep[:1].expand_as(keep))
 
 
+@pytest.mark.parametrize("randomness", ["error", "same", "different"])
+def test_vmap_randomness_where_no_input_is_batched(randomness):
+    """Monte-Carlo dropout of one input, and per-sample gradients of a model whose dropout input
+    is unbatched: torch calls an op's batching rule only where an input is batched at the vmap
+    level, and the dropout drew one mask for every sample under "different" and did not raise
+    under "error" (a torch.func audit). The contract holds as for torch's own dropout; the values
+    kept are x + table exactly."""
+    x = torch.randn(B, S, D, dtype=F64)
+    table = torch.randn(L, D, dtype=F64)
+    module = posenc.PositionalEncoding(D, dropout=P, max_len=L, dtype=F64)  # in training mode, as built
+    idx = torch.arange(6)
+    calls = {"add_position": lambda i: F.add_position(x, table, p=P), "module": lambda i: module(x),
+             "per-sample grad": lambda d: grad(lambda x, d: (F.add_position(x, table, p=P) * d).sum())(x, d)}
+    for name, call in calls.items():
+        fn = vmap(call, randomness=randomness)
+        arg = torch.randn(6, B, S, D, dtype=F64) if name == "per-sample grad" else idx
+        if randomness == "error":
+            with pytest.raises(RuntimeError, match="vmap: called random operation while in randomness error mode"):
+                fn(arg)
+            continue
+        out = fn(arg)
+        keep = out != 0
+        masks = {tuple(k.flatten().tolist()) for k in keep}
+        assert len(masks) == (1 if randomness == "same" else 6), name
+        if name != "per-sample grad":
+            base = x + (table[:S] if name == "add_position" else module.pe[0, :S])
+            assert torch.equal(out[keep], (base / (1 - P)).expand_as(out)[keep])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_vmap_same_randomness_draws_once_and_never_rewinds_the_generator(dtype, monkeypatch):
     """randomness="same": every sample gets the first sample's mask, bit for bit what the op
