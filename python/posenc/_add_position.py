@@ -138,8 +138,13 @@ def _batched_by_randomness(x: Tensor) -> Tensor:
     at that level; where none is, it calls the op once below the vmap, and the dropout drew one
     mask for every sample under randomness="different" and did not raise under "error" (a
     torch.func audit). A random op of torch's own, drawn here, follows the contract: batched
-    under "different" (then so is x, and the op's rule draws per sample), unbatched under
-    "same", refused under "error" with torch's message."""
+    under "different" (then so is x, and the op's rule draws per sample), refused under "error"
+    with torch's message. Under "same" at every level nothing is drawn (the op's one call, or its
+    rule, draws one mask for all samples from the generator's state as it is)."""
+    functorch = torch._C._functorch
+    if all(functorch.CVmapInterpreterPtr(i).randomness() == functorch.RandomnessType.Same
+           for i in functorch.get_interpreter_stack() if i.key() == functorch.TransformType.Vmap):
+        return x
     return torch.where(torch.rand((), device=x.device) >= 0, x, x)
 
 

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 import torch
 from torch.autograd import forward_ad
-from torch.func import grad, hessian, jacfwd, jacrev, jvp, vjp, vmap
+from torch.func import grad, jacfwd, jacrev, jvp, vjp, vmap
 
 TOL = dict(rtol=1e-9, atol=1e-9)
 
@@ -41,9 +41,12 @@ def check_transforms(
     hessian_check: bool = True,
     batched: bool = True,
     batch_inputs: Sequence[torch.Tensor] | None = None,
+    randomness: str = "error",
 ) -> None:
     """``inputs``: float64 tensors (no grad). ``batch_inputs``: the same with a leading batch
-    dimension on the first one, for vmap (default: inputs[0] stacked 3 times, shifted)."""
+    dimension on the first one, for vmap (default: inputs[0] stacked 3 times, shifted).
+    ``randomness``: jacfwd's and the hessian's (their vmap of the forward; "same" for a
+    function that draws random numbers, which "error" refuses as for torch's dropout)."""
     inputs = tuple(inputs)
     n = len(inputs)
     argnums = tuple(range(n))
@@ -65,10 +68,13 @@ def check_transforms(
     tangents = tuple(torch.randn(x.shape, dtype=x.dtype, generator=g) for x in inputs)
     _close(jvp(f, inputs, tangents), jvp(ref, inputs, tangents), "jvp")
     _close(jacrev(f, argnums=argnums)(*inputs), jacrev(ref, argnums=argnums)(*inputs), "jacrev")
-    _close(jacfwd(f, argnums=argnums)(*inputs), jacfwd(ref, argnums=argnums)(*inputs), "jacfwd")
-    if hessian_check:
-        _close(hessian(scalar_sq(f), argnums=argnums)(*inputs),
-               hessian(scalar_sq(ref), argnums=argnums)(*inputs), "hessian")
+    _close(jacfwd(f, argnums=argnums, randomness=randomness)(*inputs),
+           jacfwd(ref, argnums=argnums, randomness=randomness)(*inputs), "jacfwd")
+    if hessian_check:  # torch.func.hessian, with the randomness given
+        def hess(fn):
+            return jacfwd(jacrev(fn, argnums=argnums), argnums=argnums, randomness=randomness)
+
+        _close(hess(scalar_sq(f))(*inputs), hess(scalar_sq(ref))(*inputs), "hessian")
     with forward_ad.dual_level():
         duals = [forward_ad.make_dual(x, t) for x, t in zip(inputs, tangents)]
         primal, tangent = forward_ad.unpack_dual(f(*duals))
