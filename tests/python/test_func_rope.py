@@ -279,6 +279,23 @@ def test_inplace_writes_into_captured_tensors_are_refused_under_grad_transforms(
         F.apply_rope(q.clone(), inplace=True)
 
 
+def test_tangents_of_their_own_dtypes():
+    """Forward AD takes a tangent of another floating dtype than its primal's (plain torch ops
+    carry it): q's and k's tangents of two dtypes are rotated each in its own (the formula's one
+    fused call refused them: "expected k to have q's dtype"), apply_rope_cos_sin's too."""
+    q, k = torch.randn(1, 3, 2, 8, dtype=torch.float16), torch.randn(1, 3, 1, 8, dtype=torch.float16)
+    tq, tk = torch.randn(q.shape), torch.randn(k.shape, dtype=torch.float16)
+    cos, sin = posenc.functional.rope_cos_sin(torch.arange(3), 8)
+    calls = {"apply_rope": lambda q, k: apply_rope(q, k),
+             "apply_rope_cos_sin": lambda q, k: posenc.functional.apply_rope_cos_sin(q, k, cos, sin, layout="bshd")}
+    for name, call in calls.items():
+        with forward_ad.dual_level():
+            oq, ok = call(forward_ad.make_dual(q, tq), forward_ad.make_dual(k, tk))
+            gq, gk = forward_ad.unpack_dual(oq).tangent, forward_ad.unpack_dual(ok).tangent
+        assert (gq.dtype, gk.dtype) == (torch.float32, torch.float16), name
+        assert torch.equal(gq, call(tq, tq[:, :, :1])[0]) and torch.equal(gk, call(tk, tk)[1]), name
+
+
 def test_a_missing_output_gradient_is_zero():
     """Only k's output used: q's gradient is zero (an undefined gradient, not an error)."""
     q = torch.randn(1, 3, 2, 4, dtype=F64, requires_grad=True)

@@ -26,8 +26,14 @@ def test_rotary_dim_and_head_dim(device):
         apply_rope(q, k, rotary_dim=10)
     with pytest.raises(ValueError, match="positive even number or None, got 0"):
         apply_rope(q, rotary_dim=0)
-    with pytest.raises(ValueError, match=r"even.*got 7 \(the head_dim of q\)"):
+    with pytest.raises(ValueError, match=r"even.*got 7 \(the heads' head_dim\)"):
         apply_rope(torch.randn(1, 2, 1, 7, device=device))
+    # Past rotary_offset, the width that is left; a cache's heads named as q's are (rope_shift_kv
+    # has no q: the message said "the head_dim of q", and 5 for heads of 8).
+    with pytest.raises(ValueError, match=r"even.*got 5 \(head_dim 8 - rotary_offset 3\)"):
+        apply_rope(q, rotary_offset=3)
+    with pytest.raises(ValueError, match=r"even.*got 5 \(the heads' head_dim\)"):
+        posenc.functional.rope_shift_kv(torch.zeros(1, 4, 1, 5, device=device), torch.arange(2), torch.arange(2) + 1)
     assert apply_rope(torch.randn(1, 2, 1, 7, device=device), rotary_dim=6).shape == (1, 2, 1, 7)
     with pytest.raises(RuntimeError, match="same head_dim"):
         apply_rope(q, torch.randn(2, 5, 1, 6, device=device))

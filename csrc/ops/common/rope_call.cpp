@@ -381,6 +381,11 @@ std::pair<at::Tensor, at::Tensor> call_rope_pair(RopeCall call, const at::Tensor
     call.k = std::nullopt;
     return {at::Tensor(), std::get<0>(call_rope(call))};
   }
+  if (b.defined() && b.scalar_type() != a.scalar_type()) {
+    // Tangents of their own dtypes (forward AD takes a tangent of another floating dtype than
+    // its primal's): one call each, as the op rotates a q and a k of one dtype.
+    return {call_rope_pair(call, a, at::Tensor()).first, call_rope_pair(call, at::Tensor(), b).second};
+  }
   call.q = a;
   call.k = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
   auto [ra, rb] = call_rope(call);

@@ -300,8 +300,13 @@ int64_t check_rope_structure(const RopeCall& c) {
   TORCH_CHECK_VALUE(c.rotary_dim == -1 || c.rotary_dim > 0,
                     "posenc: expected rotary_dim to be a positive even number or None, got ",
                     c.rotary_dim);
+  // Without rotary_dim, the width the heads leave (named by what the op's caller passed: q's or
+  // a cache's heads, past rotary_offset).
   TORCH_CHECK_VALUE(rot % 2 == 0, "posenc: expected rotary_dim to be even (features rotate in ",
-                    "pairs), got ", rot, c.rotary_dim < 0 ? " (the head_dim of q)" : "");
+                    "pairs), got ", rot,
+                    c.rotary_dim >= 0 ? std::string()
+                    : begin > 0       ? c10::str(" (head_dim ", hd, " - rotary_offset ", begin, ")")
+                                      : std::string(" (the heads' head_dim)"));
   // Without rotary_dim, sections set the width: name the argument the caller passed.
   TORCH_CHECK_VALUE(rot <= hd || c.rotary_dim >= 0 || !c.multi_axis(),
                     "posenc: expected sections to hold at most head_dim / 2 = ", hd / 2,

@@ -80,6 +80,9 @@ std::pair<at::Tensor, at::Tensor> rotate_pair(const at::Tensor& a, const at::Ten
     return apply_rope_cos_sin_op().call(x, y, cos, sin, s.layout, s.interleaved, s.transpose);
   };
   if (!a.defined()) return {at::Tensor(), std::get<0>(op(b, std::nullopt))};
+  if (b.defined() && b.scalar_type() != a.scalar_type()) {  // tangents of their own dtypes: a call each
+    return {std::get<0>(op(a, std::nullopt)), std::get<0>(op(b, std::nullopt))};
+  }
   auto [ra, rb] = op(a, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
   return {ra, b.defined() ? rb : at::Tensor()};
 }
