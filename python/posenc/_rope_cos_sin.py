@@ -166,6 +166,10 @@ def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, val
         if positions.is_meta:
             raise ValueError(f"rope_cos_sin: rope_type {rope_type!r} scales by the longest position, which "
                              f"positions on the meta device do not hold")
+        if torch._C._functorch.is_batchedtensor(positions):  # (torch's message asked to file a bug)
+            raise RuntimeError(f"rope_cos_sin: rope_type {rope_type!r} scales by the call's longest position, "
+                               f"which a vmap over positions cannot read per sample (a value on the host); "
+                               f"call it per sample (a loop over the samples)")
         # The longest position of the whole call: a sharded DTensor's max() read on the host
         # is its own shard's (each rank scaled by another length).
         seq_len = int((positions.full_tensor() if is_dtensor(positions) else positions).max()) + 1

@@ -291,3 +291,20 @@ def test_compile_vmap_grad_fullgraph(op):
     xs = torch.stack([q, q * 0.5, q + 1])
     compiled = torch.compile(vmap(grad(f)), fullgraph=True, backend="aot_eager")
     torch.testing.assert_close(compiled(xs), vmap(grad(ref))(xs), rtol=1e-9, atol=1e-9)
+
+
+def test_rope_cos_sin_under_vmap_of_positions():
+    """rope_cos_sin under vmap over positions: per sample for the types that do not read the
+    longest position; "dynamic" and "longrope", which do (a host value), are refused by name
+    (torch's message was that .item() under vmap is a bug to file with PyTorch)."""
+    pos = torch.tensor([[0, 1, 2, 3], [0, 1, 2, 100], [4, 5, 6, 7]])
+    cos, sin = vmap(lambda p: posenc.functional.rope_cos_sin(p, 8))(pos)
+    for i in range(3):
+        c, s = posenc.functional.rope_cos_sin(pos[i], 8)
+        assert torch.equal(cos[i], c) and torch.equal(sin[i], s)
+    for scaling in ({"rope_type": "dynamic", "factor": 4.0, "original_max_position_embeddings": 8},
+                    {"rope_type": "longrope", "factor": 4.0, "original_max_position_embeddings": 8,
+                     "short_factor": [1.0, 1.5, 2.0, 3.0], "long_factor": [2.0, 3.0, 5.0, 8.0]}):
+        with pytest.raises(RuntimeError, match=f"rope_cos_sin: rope_type '{scaling['rope_type']}' scales by the "
+                                               "call's longest position, which a vmap over positions cannot read"):
+            vmap(lambda p, scaling=scaling: posenc.functional.rope_cos_sin(p, 8, scaling=scaling))(pos)
