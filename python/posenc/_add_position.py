@@ -516,7 +516,15 @@ class LearnedPositionalEncoding(_AddPositionModule):
         tensor parallel)."""
         padding_idx = self.padding_idx
         assert padding_idx is not None
-        keep = (torch.arange(pe.shape[-2], device=pe.device) != padding_idx).view(-1, 1)
+        rows = pe.shape[-2]
+        # A scripted module's padding_idx set after scripting skips __setattr__: read as the
+        # constructor reads it here too (-1 froze no row there; out of range refused).
+        if padding_idx < -rows or padding_idx >= rows:
+            raise ValueError("LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = [" + str(-rows)
+                             + ", " + str(rows) + "), got " + str(padding_idx))
+        if padding_idx < 0:
+            padding_idx = padding_idx + rows
+        keep = (torch.arange(rows, device=pe.device) != padding_idx).view(-1, 1)
         if not torch.jit.is_scripting():  # (TorchScript compiles no DTensor test)
             keep = place_beside(pe, keep)[0]
         return keep

@@ -522,6 +522,23 @@ def test_a_zero_dim_offset_tensor_is_every_sequences_offset():
         assert functional.rope_frequencies(16)[0].device.type == "cpu"
 
 
+def test_jit_script_reads_a_later_padding_idx_as_the_constructor_does():
+    """padding_idx set on a scripted LearnedPositionalEncoding (no __setattr__ there): -1 is the
+    last row, frozen, as in the eager module (the scripted one froze no row); out of range is
+    refused at the call (it was taken: no row frozen)."""
+    eager = posenc.LearnedPositionalEncoding(4, 0.0, 10, padding_idx=2)
+    scripted = torch.jit.script(eager)
+    x = torch.randn(1, 10, 4)
+    for m in (eager, scripted):
+        m.padding_idx = -1
+        m(x).sum().backward()
+        grad = dict(m.named_parameters())["pe"].grad
+        assert torch.count_nonzero(grad[0, -1]) == 0 and torch.count_nonzero(grad[0, :-1]) == 9 * 4
+    scripted.padding_idx = 50
+    with pytest.raises(Exception, match=r"expected padding_idx in \[-max_len, max_len\) = \[-10, 10\), got 50"):
+        scripted(x)
+
+
 def test_jit_script_of_timesteps_and_qk_norm_rotary():
     """Timesteps scripts (its scripted branch calls the op the function calls, with the same
     numbers); QKNormRotary cannot (keyword-only arguments) and says what to do instead."""
