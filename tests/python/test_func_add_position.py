@@ -396,6 +396,29 @@ def test_timestep_embedding(kwargs, dim):
     check_transforms(f, ref, (t,))
 
 
+def test_timestep_embedding_has_a_batching_rule():
+    """vmap of timestep_embedding is one call on every sample's timesteps (the same bits as a
+    loop), not PyTorch's per-sample fallback (which printed that the op has no batching rule)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Calls(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func is torch.ops.aten.sin.default  # once in the op's (composite) body
+            return func(*args, **(kwargs or {}))
+
+    t = torch.rand(3, 5) * 100
+    for in_dim in (0, 1):
+        with Calls() as calls:
+            out = vmap(lambda x: F.timestep_embedding(x, 7, flip_sin_to_cos=True), in_dims=in_dim)(t)
+        assert calls.n == 1
+        loop = [F.timestep_embedding(t.select(in_dim, i), 7, flip_sin_to_cos=True) for i in range(t.shape[in_dim])]
+        assert torch.equal(out, torch.stack(loop))
+
+
 @pytest.mark.parametrize("mode,antialias", [("bicubic", True), ("bicubic", False), ("bilinear", True),
                                             ("nearest", False)])
 def test_resample_position_table(mode, antialias):
