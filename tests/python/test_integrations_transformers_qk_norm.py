@@ -12,6 +12,7 @@ transformers' own code runs on both sides. transformers is pinned (requirements-
 every model here builds."""
 
 import copy
+import io
 import importlib
 import inspect
 import pickle
@@ -342,6 +343,22 @@ def test_copies_and_pickles_stay_patched(fused_calls):
     del fused_calls[:]
     torch.testing.assert_close(logits(old, tokens), want, **TOL)
     assert not fused_calls
+    # The buffer edited in place after patching, then the model copied: the copies' buffers
+    # start new version counters, and they fused with the frequencies checked at patching (0.23
+    # off). They see the edit as the model does: their layers run their own path.
+    edited = copy.deepcopy(model)
+    integration.revert_posenc_qk_norm(edited)
+    with torch.no_grad():
+        for m in (model, edited):
+            m.model.rotary_emb.inv_freq.mul_(0.25)
+    want_edited = logits(edited, tokens)
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    for twin in (model, copy.deepcopy(model), pickle.loads(pickle.dumps(model)), torch.load(buffer, weights_only=False)):
+        del fused_calls[:]
+        torch.testing.assert_close(logits(twin, tokens), want_edited, **TOL)
+        assert not fused_calls
 
 
 @pytest.mark.parametrize("rope", [

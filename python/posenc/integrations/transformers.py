@@ -89,6 +89,7 @@ missing); ``import posenc`` does not.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import copyreg
 import importlib
@@ -557,6 +558,26 @@ class _FusedSettings(NamedTuple):
     # pickled by an older posenc, which did not look; such a layer runs its own path).
     norm_forward: Any = None
     rotary_forward: Any = None
+
+    # A copy (deepcopy, pickle, torch.save / torch.load) holds copied buffers whose version
+    # counters start again: the version stored at patching would no longer see an edit made
+    # before the copy (a copy fused with the checked frequencies, 0.23 off: an integration
+    # audit). A copy's settings take its buffer's version where the buffer still holds the
+    # checked values, and a version no buffer has (-1: the layer runs its own path) where not.
+    def __deepcopy__(self, memo: dict) -> "_FusedSettings":
+        return _rechecked_settings(*(copy.deepcopy(value, memo) for value in self))
+
+    def __reduce__(self) -> Tuple[Any, tuple]:
+        return _rechecked_settings, tuple(self)
+
+
+def _rechecked_settings(*fields: Any) -> _FusedSettings:
+    settings = _FusedSettings(*fields)
+    inv_freq, checked = settings.inv_freq, settings.checked
+    same = (isinstance(inv_freq, Tensor) and isinstance(checked, Tensor) and not inv_freq.is_meta
+            and not checked.is_meta and inv_freq.dtype == checked.dtype and inv_freq.shape == checked.shape
+            and torch.equal(inv_freq.detach().cpu(), checked.detach().cpu()))
+    return settings._replace(version=inv_freq._version if same else -1)
 
 
 def _fused_settings(attn: Any, source: Optional[Tuple[Any, str, str, Any, str]]) -> Optional[_FusedSettings]:
