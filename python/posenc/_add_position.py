@@ -122,6 +122,7 @@ def add_position(
         # in their next collective). The bounds of the global positions raise on every rank.
         torch.ops.posenc.position_bounds(positions, table.shape[-2])
     p = p if training else 0.0
+    # (Not under torch.compile: Dynamo cannot trace the interpreter stack's read; func.md.)
     if not torch.compiler.is_compiling() and p > 0 and _under_vmap():
         x = _batched_by_randomness(x)
     return torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p)
