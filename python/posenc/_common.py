@@ -15,16 +15,22 @@ from torch import Tensor
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 
+class _TracedSizeError(TypeError):
+    """_int_arg's refusal of a traced size (its message says why and what to do): callers that
+    word their own TypeError for a wrong type let this one through."""
+
+
 def _int_arg(fn: str, name: str, value: Any) -> int:
     """value as an int64 (Python or numpy integer, not bool): TypeError naming it for another
     type, ValueError outside int64. Only the type is normalised here: the op checks the
     value. Under torch.jit.trace a tensor is refused: a size there is a 0-dim tensor (x.shape[1]),
     and the graph would hold this call's value as a constant, silently wrong at other sizes."""
     if isinstance(value, Tensor) and torch.jit.is_tracing():
-        raise TypeError(f"{fn}: expected {name} to be an int, got a tensor under torch.jit.trace ({value!r}: a "
-                        f"size such as x.shape[1] is a 0-dim tensor there, and the trace would hold this call's "
-                        f"value as a constant, wrong at other sizes); pass an int to trace this one value, or "
-                        f"export with torch.export, which keeps sizes symbolic")
+        raise _TracedSizeError(
+            f"{fn}: expected {name} to be an int, got a tensor under torch.jit.trace ({value!r}: a size such as "
+            f"x.shape[1] is a 0-dim tensor there, and the trace would hold this call's value as a constant, wrong "
+            f"at other sizes); pass an int to trace this one value, or export with torch.export, which keeps "
+            f"sizes symbolic")
     if not isinstance(value, bool):
         try:
             # An int as it is: under torch.compile possibly a dynamic one, which operator.index

@@ -12,7 +12,7 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import Tensor, nn
 
-from posenc._common import _bool_arg, _float_arg, _int_arg, _table_dtype, _tensor_arg
+from posenc._common import _TracedSizeError, _bool_arg, _float_arg, _int_arg, _table_dtype, _tensor_arg
 
 
 def timestep_embedding(
@@ -40,6 +40,8 @@ def timestep_embedding(
     t = _tensor_arg(fn, "t", t)
     try:
         dim = _int_arg(fn, "dim", dim)  # ints and numpy ints; not 2.5, True or "8"
+    except _TracedSizeError:
+        raise
     except TypeError:
         raise TypeError(f"{fn}: expected dim to be a positive int, got {dim!r}") from None
     except ValueError:
@@ -179,6 +181,8 @@ def _as_grid(name: str, grid: GridLike) -> list[int]:
         raise ValueError(message)
     try:
         return [_int_arg("resample_position_table", name, v) for v in pair]
+    except _TracedSizeError:
+        raise
     except TypeError:
         raise TypeError(message) from None
     except ValueError:  # past int64

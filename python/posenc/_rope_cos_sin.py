@@ -157,6 +157,17 @@ def _check_position_range(positions: Tensor) -> None:
         torch.ops.posenc.rope_position_bounds(q, positions=rows)  # raises the op's ValueError
 
 
+def _vmapped(t: Tensor) -> bool:
+    """Whether t is batched by a vmap at any level (under the wrappers of inner transforms:
+    vmap(grad(f)) wraps a vmapped tensor made inside f for grad)."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        if functorch.is_batchedtensor(t):
+            return True
+        t = functorch.get_unwrapped(t)
+    return False
+
+
 def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, values: Tuple[float, ...],
             attention_scaling: bool, dtype: torch.dtype) -> Tuple[Tensor, Tensor]:
     """rope_cos_sin's tables from its checked, parsed arguments."""
@@ -166,7 +177,7 @@ def _tables(positions: Tensor, rotary_dim: int, base: float, rope_type: str, val
         if positions.is_meta:
             raise ValueError(f"rope_cos_sin: rope_type {rope_type!r} scales by the longest position, which "
                              f"positions on the meta device do not hold")
-        if torch._C._functorch.is_batchedtensor(positions):  # (torch's message asked to file a bug)
+        if _vmapped(positions):  # (torch's message asked to file a bug)
             raise RuntimeError(f"rope_cos_sin: rope_type {rope_type!r} scales by the call's longest position, "
                                f"which a vmap over positions cannot read per sample (a value on the host); "
                                f"call it per sample (a loop over the samples)")

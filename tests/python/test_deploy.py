@@ -455,6 +455,10 @@ def test_tracing_refuses_sizes_that_the_graph_would_freeze():
         "make_positions: expected offset": lambda c: P.make_positions(tokens, 1, offset=c.shape[1]),
         "grid_positions: expected grid": lambda c: P.grid_positions(c.shape[0], c.shape[1]),
         "sinusoidal_2d_table: expected grid_h": lambda c: P.sinusoidal_2d_table(c.shape[0], c.shape[1], 8),
+        "timestep_embedding: expected dim": lambda c: P.timestep_embedding(torch.arange(3.0), c.shape[1] + 5),
+        "sinusoidal_table: expected d_model": lambda c: P.sinusoidal_table(torch.arange(3), c.shape[1]),
+        "resample_position_table: expected new_grid": lambda c: P.resample_position_table(
+            torch.randn(1, 4, 8), (c.shape[0], c.shape[0])),
         "rope_frequencies: expected seq_len": lambda c: P.rope_frequencies(
             8, scaling={"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 2},
             seq_len=c.shape[1])[0],
@@ -515,7 +519,8 @@ def test_a_zero_dim_offset_tensor_is_every_sequences_offset():
         rope(q, k, offset=torch.tensor(100))
     # A traced size as rope_frequencies' seq_len would make its frequencies constants: refused.
     dynamic = {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 8}
-    with pytest.raises(TypeError, match="rope_frequencies: expected seq_len to be an int, got a tensor under torch.jit.trace"):
+    with pytest.raises(TypeError, match="rope_frequencies: expected seq_len to be an int, got a tensor under "
+                                        "torch.jit.trace"):
         torch.jit.trace(lambda x: functional.rope_frequencies(16, scaling=dynamic, seq_len=x.shape[0])[0],
                         (torch.randn(4),))
     with torch.device("meta"):  # float64 on the CPU, as documented, whatever the default device

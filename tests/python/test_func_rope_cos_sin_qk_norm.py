@@ -308,3 +308,6 @@ def test_rope_cos_sin_under_vmap_of_positions():
         with pytest.raises(RuntimeError, match=f"rope_cos_sin: rope_type '{scaling['rope_type']}' scales by the "
                                                "call's longest position, which a vmap over positions cannot read"):
             vmap(lambda p, scaling=scaling: posenc.functional.rope_cos_sin(p, 8, scaling=scaling))(pos)
+        with pytest.raises(RuntimeError, match="a vmap over positions cannot read"):  # under grad's wrapper too
+            vmap(grad(lambda w, p, scaling=scaling: (posenc.functional.rope_cos_sin(p * 1, 8, scaling=scaling)[0]
+                                                     * w).sum()), in_dims=(None, 0))(torch.ones(4, 8), pos)
