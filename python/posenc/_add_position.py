@@ -414,10 +414,16 @@ def _normalised_padding_idx(padding_idx: Any, max_len: int) -> Optional[int]:
     index = _integer(padding_idx)
     if index is None:
         raise TypeError(f"LearnedPositionalEncoding: expected padding_idx to be an int or None, got {padding_idx!r}")
-    if not -max_len <= index < max_len:
-        raise ValueError(f"LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = "
-                         f"[{-max_len}, {max_len}), got {index}")
-    return int(index) + max_len if index < 0 else int(index)
+    return _padding_row(int(index), max_len)
+
+
+def _padding_row(index: int, rows: int) -> int:
+    """padding_idx in [-rows, rows) as its row (a negative one from the end); out of range
+    refused. TorchScript compiles it too (a scripted module's padding_idx skips __setattr__)."""
+    if index < -rows or index >= rows:
+        raise ValueError("LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = [" + str(-rows)
+                         + ", " + str(rows) + "), got " + str(index))
+    return index + rows if index < 0 else index
 
 
 class LearnedPositionalEncoding(_AddPositionModule):
@@ -520,12 +526,7 @@ class LearnedPositionalEncoding(_AddPositionModule):
         rows = pe.shape[-2]
         # A scripted module's padding_idx set after scripting skips __setattr__: read as the
         # constructor reads it here too (-1 froze no row there; out of range refused).
-        if padding_idx < -rows or padding_idx >= rows:
-            raise ValueError("LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = [" + str(-rows)
-                             + ", " + str(rows) + "), got " + str(padding_idx))
-        if padding_idx < 0:
-            padding_idx = padding_idx + rows
-        keep = (torch.arange(rows, device=pe.device) != padding_idx).view(-1, 1)
+        keep = (torch.arange(rows, device=pe.device) != _padding_row(padding_idx, rows)).view(-1, 1)
         if not torch.jit.is_scripting():  # (TorchScript compiles no DTensor test)
             keep = place_beside(pe, keep)[0]
         return keep

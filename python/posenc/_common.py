@@ -135,9 +135,10 @@ def _refuse_captured_writes(fn: str, **written: Any) -> None:
     but its check reads only schemas that return their first argument (posenc's in-place ops
     return nothing, or write several tensors); so each tensor to be written is put to that
     check by an in-place op on an empty view of it (no element written: a no-op where it
-    passes; under torch.compile the traced check raises torch's own error, as for ATen's ops).
-    Outside torch.func transforms, nothing is done."""
-    if torch._C._functorch.peek_interpreter_stack() is None:
+    passes). Outside torch.func transforms nothing is done, and under torch.compile neither
+    (Dynamo's tracing reads a functorch interpreter stack always: the check would put its
+    in-place op into every graph)."""
+    if torch._C._functorch.peek_interpreter_stack() is None or torch.compiler.is_compiling():
         return
     for name, t in written.items():
         if not isinstance(t, Tensor) or t.dim() == 0:

@@ -530,7 +530,7 @@ def test_a_zero_dim_offset_tensor_is_every_sequences_offset():
 def test_jit_script_reads_a_later_padding_idx_as_the_constructor_does():
     """padding_idx set on a scripted LearnedPositionalEncoding (no __setattr__ there): -1 is the
     last row, frozen, as in the eager module (the scripted one froze no row); out of range is
-    refused at the call (it was taken: no row frozen)."""
+    refused by a call that freezes the row (it was taken: no row frozen)."""
     eager = posenc.LearnedPositionalEncoding(4, 0.0, 10, padding_idx=2)
     scripted = torch.jit.script(eager)
     x = torch.randn(1, 10, 4)
