@@ -89,9 +89,9 @@ def rope_append_kv(
             Python float or a 0-d / 1-element float32 tensor on the CPU or on the cache's
             device (a CUDA graph can hold the latter; its value is then checked by the
             kernel). An FP8 cache holds, bit for bit (a NaN's sign aside), what the same call
-            on float32 copies of k and v writes into a float32 cache, divided by the scale in float32, saturated to
-            the format's largest finite value (448 for e4m3fn, 57344 for e5m2: a finite value
-            never becomes NaN or inf) and rounded to nearest even: ``(x32 /
+            on float32 copies of k and v writes into a float32 cache, divided by the scale in
+            float32, saturated to the format's largest finite value (448 for e4m3fn, 57344 for
+            e5m2: a finite value never becomes NaN or inf) and rounded to nearest even: ``(x32 /
             scale).clamp(-max, max).to(cache.dtype)``. k is rotated once, in float32, before
             it is scaled.
         q_weight, k_weight, eps, weight_offset, norm: QK-norm (Qwen3, Gemma 3, OLMo 2
@@ -134,9 +134,8 @@ def rope_append_kv(
                         ("norm", norm)):
         if value != _OWN_DEFAULTS[name]:
             arguments[name] = value
-    if torch._C._functorch.peek_interpreter_stack() is not None and not torch.compiler.is_compiling():  # (as it)
-        written = dict(q=q, k=k if return_k else None) if inplace else {}
-        _refuse_captured_writes(fn, k_cache=k_cache, v_cache=v_cache, **written)
+    _refuse_captured_writes(fn, k_cache=k_cache, v_cache=v_cache, q=q if inplace else None,
+                            k=k if inplace and return_k else None)
     if inplace:
         # Without return_k, the overload whose schema reads k (keep_k): k is not written.
         op = torch.ops.posenc.rope_append_kv_.default if return_k else torch.ops.posenc.rope_append_kv_.keep_k
