@@ -123,14 +123,9 @@ def add_position(
         torch.ops.posenc.position_bounds(positions, table.shape[-2])
     p = p if training else 0.0
     # (Not under torch.compile: Dynamo cannot trace the interpreter stack's read; func.md.)
-    if not torch.compiler.is_compiling() and p > 0 and _under_vmap():
+    if not torch.compiler.is_compiling() and p > 0:
         x = _batched_by_randomness(x)
     return torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p)
-
-
-def _under_vmap() -> bool:
-    stack = torch._C._functorch.get_interpreter_stack()
-    return stack is not None and any(i.key() == torch._C._functorch.TransformType.Vmap for i in stack)
 
 
 def _batched_by_randomness(x: Tensor) -> Tensor:
@@ -141,11 +136,13 @@ def _batched_by_randomness(x: Tensor) -> Tensor:
     torch.func audit). A random op of torch's own, drawn here, follows the contract: batched
     under "different" (then so is x, and the op's rule draws per sample), refused under "error"
     with torch's message. Under "same" at every level nothing is drawn (the op's one call, or its
-    rule, draws one mask for all samples from the generator's state as it is)."""
+    rule, draws one mask for all samples from the generator's state as it is). Outside vmap,
+    x as it is: the interpreter stack is read once."""
     functorch = torch._C._functorch
+    stack = functorch.get_interpreter_stack() or ()
     if all(functorch.CVmapInterpreterPtr(i).randomness() == functorch.RandomnessType.Same
-           for i in functorch.get_interpreter_stack() if i.key() == functorch.TransformType.Vmap):
-        return x
+           for i in stack if i.key() == functorch.TransformType.Vmap):
+        return x  # no vmap, or "same" at every level
     return torch.where(torch.rand((), device=x.device) >= 0, x, x)
 
 
