@@ -220,6 +220,25 @@ def test_qk_norm_rope_rotation_of_the_tangent_is_the_rope_op():
     torch.testing.assert_close((dq, dk), (want_q, want_k), rtol=1e-12, atol=1e-12)
 
 
+def test_qk_norm_rope_keeps_a_wider_tangent():
+    """A float32 tangent of a float16 q stays float32 (as apply_rope's and torch's own ops'):
+    the op's float32 tangent was rounded to float16. A tangent of q's own dtype stays in it."""
+    g = torch.Generator().manual_seed(11)
+    q = torch.randn(1, 3, 2, 8, generator=g).to(torch.float16)
+    k = torch.randn(1, 3, 1, 8, generator=g).to(torch.float16)
+    wq, wk = torch.rand(8, generator=g).to(torch.float16), torch.rand(8, generator=g).to(torch.float16)
+    tq, tk = torch.randn(q.shape, generator=g), torch.randn(k.shape, generator=g).to(torch.float16)
+    with forward_ad.dual_level():
+        oq, ok = qk_norm_rope(forward_ad.make_dual(q, tq), forward_ad.make_dual(k, tk), wq, wk, offset=2)
+        gq, gk = forward_ad.unpack_dual(oq).tangent, forward_ad.unpack_dual(ok).tangent
+    assert (oq.dtype, gq.dtype, gk.dtype) == (torch.float16, torch.float32, torch.float16)
+    # the float64 formula on the float16 primals: float32's error, not float16's
+    f = lambda a: qk_norm_rope(a, k.double(), wq.double(), wk.double(), offset=2)[0]  # noqa: E731
+    _, want = jvp(f, (q.double(),), (tq.double(),))
+    torch.testing.assert_close(gq.double(), want, rtol=1e-5, atol=1e-5)
+    assert (gq.double() - want).abs().max() < (gq.half().double() - want).abs().max()
+
+
 def test_qk_norm_rope_inplace_refuses_gradients_and_tangents():
     q, k, wq, wk = qk_inputs("bshd", "head", seed=9)
     with pytest.raises(RuntimeError, match="inplace=True overwrites q and k"):
