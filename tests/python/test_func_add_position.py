@@ -96,6 +96,24 @@ def test_table_only_tangent_and_float32_table_with_float64_x():
     torch.testing.assert_close(out_t, t_table.double()[positions], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("table_dtype", [torch.float16, torch.float32])
+def test_a_wider_tangent_keeps_its_dtype(table_dtype):
+    """float16 x: a float32 tangent of the table (or of x) is carried in float32, as torch's
+    x + table carries it; the table's tangent alone was rounded to x's float16."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, L, D, generator=g).to(torch.float16)
+    table = torch.randn(L, D, generator=g).to(table_dtype)
+    tx, tt = torch.randn(x.shape, generator=g), torch.randn(table.shape, generator=g)
+    for tangents in ((None, tt), (tx, tt.to(table_dtype)), (tx.half(), tt)):
+        with forward_ad.dual_level():
+            xd = forward_ad.make_dual(x, tangents[0]) if tangents[0] is not None else x
+            out = F.add_position(xd, forward_ad.make_dual(table, tangents[1]))
+            got = forward_ad.unpack_dual(out).tangent
+        want = (0 if tangents[0] is None else tangents[0].double()) + tangents[1].double()
+        assert out.dtype == torch.float16 and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want.expand_as(got), rtol=1e-6, atol=1e-6)
+
+
 # ---- dropout: the mask of one call
 
 P = 0.4

@@ -237,6 +237,32 @@ def test_qk_norm_rope_keeps_a_wider_tangent():
     _, want = jvp(f, (q.double(),), (tq.double(),))
     torch.testing.assert_close(gq.double(), want, rtol=1e-5, atol=1e-5)
     assert (gq.double() - want).abs().max() < (gq.half().double() - want).abs().max()
+    with forward_ad.dual_level():  # a float32 tangent of the float16 weight alone
+        oq, ok = qk_norm_rope(q, k, forward_ad.make_dual(wq, tq[0, 0, 0].clone()), wk, offset=2)
+        assert forward_ad.unpack_dual(oq).tangent.dtype == torch.float32
+        assert forward_ad.unpack_dual(ok).tangent is None
+
+
+def test_cos_sin_table_tangents_keep_a_wider_dtype():
+    """float16 q and tables: float32 tangents of the tables stay float32 (they were rounded to
+    q's float16), alone or beside a float16 tangent of q."""
+    g = torch.Generator().manual_seed(12)
+    q = torch.randn(1, 3, 2, 8, generator=g).to(torch.float16)
+    cos, sin = posenc.functional.rope_cos_sin(torch.arange(3), 8)
+    tc, ts = torch.randn(cos.shape, generator=g), torch.randn(sin.shape, generator=g)
+    tx = torch.randn(q.shape, generator=g).to(torch.float16)
+    for with_q in (False, True):
+        with forward_ad.dual_level():
+            qd = forward_ad.make_dual(q, tx) if with_q else q
+            out = apply_rope_cos_sin(qd, None, forward_ad.make_dual(cos.half(), tc),
+                                     forward_ad.make_dual(sin.half(), ts), layout="bshd")
+            got = forward_ad.unpack_dual(out).tangent
+        f = lambda a, c, s: apply_rope_cos_sin(a, None, c, s, layout="bshd")  # noqa: E731
+        primals = (q.double(), cos.half().double(), sin.half().double())
+        _, want = jvp(f, primals, ((tx if with_q else torch.zeros_like(q)).double(), tc.double(), ts.double()))
+        assert got.dtype == torch.float32, with_q
+        tol = 2e-3 if with_q else 1e-5  # q's tangent term rotated in float16
+        torch.testing.assert_close(got.double(), want, rtol=tol, atol=tol)
 
 
 def test_qk_norm_rope_inplace_refuses_gradients_and_tangents():

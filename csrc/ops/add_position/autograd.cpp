@@ -121,8 +121,11 @@ std::tuple<at::Tensor, at::Tensor> add_position_forward_autograd(
     const at::Tensor table_t = ag::tangent(table);
     at::Tensor t;
     if (table_t.defined()) {
-      // x_t + table_t[rows] in one fused call (no dropout: the primal's mask follows).
-      const at::Tensor xt = x_t.defined() ? x_t : at::zeros_symint(x.sym_sizes(), x.options());
+      // x_t + table_t[rows] in one fused call (no dropout: the primal's mask follows), in the
+      // tangents' dtype (the op returns x_t's: a float32 table tangent is not rounded to x's
+      // float16).
+      const at::ScalarType dtype = ag::tangent_dtype(out, x, table);
+      const at::Tensor xt = x_t.defined() ? x_t.to(dtype) : at::zeros_symint(x.sym_sizes(), x.options().dtype(dtype));
       t = add_position_op().call(xt, table_t, positions, offset, batch_first, 0.0);
     } else {
       // A new tensor, not x's tangent itself (an in-place op on out updates out's tangent).

@@ -95,6 +95,19 @@ inline at::Tensor primal(const at::Tensor& t) {
   return tangent(t).defined() ? t._fw_primal(/*level=*/0) : t;
 }
 
+// The dtype out's tangent is carried in: out's, or the widest of the tangents of `inputs` it is
+// computed from where that is wider (forward AD allows a float32 tangent of a float16 tensor,
+// and torch's own ops carry it in float32: a tangent is never rounded to the output's dtype).
+template <class... Tensors>
+at::ScalarType tangent_dtype(const at::Tensor& out, const Tensors&... inputs) {
+  at::ScalarType dtype = out.scalar_type();
+  const auto widen = [&](const at::Tensor& t) {
+    if (t.defined()) dtype = at::promote_types(dtype, t.scalar_type());
+  };
+  (widen(tangent(inputs)), ...);
+  return dtype;
+}
+
 // Sets out's tangent (an undefined one: none).
 inline void set_tangent(const at::Tensor& out, const at::Tensor& t) {
   if (out.defined() && t.defined()) out._set_fw_grad(t, /*level=*/0, /*is_inplace_op=*/false);

@@ -105,13 +105,8 @@ void qk_norm_rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack)
     const at::Tensor uq = qk_norm_tangent(p, p.rope.q, p.q_weight, ag::tangent(q), ag::tangent(wq));
     const at::Tensor uk = qk_norm_tangent(p, *p.rope.k, p.k_weight, ag::tangent(k), ag::tangent(wk));
     auto [tq, tk] = call_rope_pair(p.rope, uq, uk);
-    // In the output's dtype, or the input's tangent's where that is wider (as apply_rope and
-    // torch's own ops carry a float32 tangent of a float16 tensor): never narrowed below it.
-    const auto carried = [](const at::Tensor& out, const at::Tensor& t_in) {
-      return t_in.defined() ? at::promote_types(out.scalar_type(), t_in.scalar_type()) : out.scalar_type();
-    };
-    if (tq.defined()) ag::set_tangent(out_q, tq.to(carried(out_q, ag::tangent(q))));
-    if (tk.defined()) ag::set_tangent(out_k, tk.to(carried(out_k, ag::tangent(k))));
+    if (tq.defined()) ag::set_tangent(out_q, tq.to(ag::tangent_dtype(out_q, q, wq)));
+    if (tk.defined()) ag::set_tangent(out_k, tk.to(ag::tangent_dtype(out_k, k, wk)));
   }
   stack->emplace_back(std::move(out_q));
   stack->emplace_back(std::move(out_k));

@@ -177,7 +177,9 @@ std::tuple<at::Tensor, at::Tensor> apply_rope_cos_sin_autograd(
     auto [tq, tk] = rotate_pair(ag::tangent(q), ag::tangent(k), pc, ps, settings);
     if (ag::has_tangent(cos, sin)) {
       const at::Tensor tc = ag::tangent(cos), ts = ag::tangent(sin);
-      auto [uq, uk] = rotate_pair(ag::primal(q), k.has_value() ? ag::primal(*k) : at::Tensor(),
+      // In the tables' tangents' dtype where it is wider than x's (the op returns x's dtype).
+      auto [uq, uk] = rotate_pair(ag::primal(q).to(ag::tangent_dtype(q, cos, sin)),
+                                  k.has_value() ? ag::primal(*k).to(ag::tangent_dtype(*k, cos, sin)) : at::Tensor(),
                                   tc.defined() ? tc : at::zeros_like(pc),
                                   ts.defined() ? ts : at::zeros_like(ps), settings);
       // The features past rotary_dim pass through: linear in x alone, so op(x, dc, ds)'s copy
