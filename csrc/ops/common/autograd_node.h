@@ -26,6 +26,7 @@
 
 #include <memory>
 #include <optional>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -106,6 +107,21 @@ at::ScalarType tangent_dtype(const at::Tensor& out, const Tensors&... inputs) {
   };
   (widen(tangent(inputs)), ...);
   return dtype;
+}
+
+// An op of (q, k?) applied to a pair (a, b) of gradients or tangents, either undefined (a
+// zero one): the results, undefined where the input was. One call when both are defined and of
+// one dtype; a lone b goes in as the op's q; two dtypes (forward AD allows a tangent of another
+// floating dtype than its primal's) a call each, as the ops take a q and a k of one dtype.
+// op(x, y) with y a std::optional<at::Tensor>, returning a tuple-like (out_x, out_y).
+template <class Op>
+std::pair<at::Tensor, at::Tensor> call_pair(const at::Tensor& a, const at::Tensor& b, const Op& op) {
+  const auto alone = [&](const at::Tensor& x) { return std::get<0>(op(x, std::optional<at::Tensor>())); };
+  if (!a.defined()) return {at::Tensor(), b.defined() ? alone(b) : at::Tensor()};
+  if (!b.defined()) return {alone(a), at::Tensor()};
+  if (b.scalar_type() != a.scalar_type()) return {alone(a), alone(b)};
+  auto out = op(a, std::optional<at::Tensor>(b));
+  return {std::get<0>(out), std::get<1>(out)};
 }
 
 // Sets out's tangent (an undefined one: none).

@@ -9,6 +9,7 @@
 #include <cmath>
 #include <sstream>
 
+#include "ops/common/autograd_node.h"  // call_pair
 #include "ops/common/op_handles.h"
 #include "ops/common/rope_args.h"
 
@@ -375,21 +376,11 @@ std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call) {
 }
 
 std::pair<at::Tensor, at::Tensor> call_rope_pair(RopeCall call, const at::Tensor& a, const at::Tensor& b) {
-  if (!a.defined() && !b.defined()) return {};
-  if (!a.defined()) {
-    call.q = b;
-    call.k = std::nullopt;
-    return {at::Tensor(), std::get<0>(call_rope(call))};
-  }
-  if (b.defined() && b.scalar_type() != a.scalar_type()) {
-    // Tangents of their own dtypes (forward AD takes a tangent of another floating dtype than
-    // its primal's): one call each, as the op rotates a q and a k of one dtype.
-    return {call_rope_pair(call, a, at::Tensor()).first, call_rope_pair(call, at::Tensor(), b).second};
-  }
-  call.q = a;
-  call.k = b.defined() ? std::optional<at::Tensor>(b) : std::nullopt;
-  auto [ra, rb] = call_rope(call);
-  return {ra, b.defined() ? rb : at::Tensor()};
+  return autograd::call_pair(a, b, [&](const at::Tensor& x, const std::optional<at::Tensor>& y) {
+    call.q = x;
+    call.k = y;
+    return call_rope(call);
+  });
 }
 
 int64_t call_rope_rotary_width(const RopeCall& call) {

@@ -135,7 +135,8 @@ void call_rope_inplace(const RopeCall& call);
 // The call applied to (a, b) as its q and k, either of which may be undefined (a zero
 // gradient or tangent: autograd's derivatives of the rotation, which is linear): the rotated
 // pair, undefined where the input was. One fused launch when both are defined; a lone b is
-// rotated as the call's q (q and k share batch, sequence and positions).
+// rotated as the call's q (q and k share batch, sequence and positions); two dtypes a call each
+// (autograd::call_pair).
 std::pair<at::Tensor, at::Tensor> call_rope_pair(RopeCall call, const at::Tensor& a, const at::Tensor& b);
 std::tuple<int64_t, int64_t> call_rope_position_bounds(const RopeCall& call);
 // The features the call rotates (rotary_dim resolved), after its checks: rope_rotary_width.

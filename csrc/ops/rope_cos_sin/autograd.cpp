@@ -68,23 +68,15 @@ struct CosSinSettings {
   bool transpose = false;
 };
 
-// The op on (a, b) with the given tables, either of a and b undefined (a zero gradient or
-// tangent): the rotated pair, undefined where the input was. One fused launch when both are
-// defined; a lone b is rotated as the op's q (q and k share batch, seq and head_dim, which is
-// all the tables are checked against).
+// The op on (a, b) with the given tables (ag::call_pair: either may be undefined; a lone b is
+// rotated as the op's q, since q and k share batch, seq and head_dim, which is all the tables
+// are checked against).
 std::pair<at::Tensor, at::Tensor> rotate_pair(const at::Tensor& a, const at::Tensor& b,
                                               const at::Tensor& cos, const at::Tensor& sin,
                                               const CosSinSettings& s) {
-  if (!a.defined() && !b.defined()) return {};
-  const auto op = [&](const at::Tensor& x, const std::optional<at::Tensor>& y) {
+  return ag::call_pair(a, b, [&](const at::Tensor& x, const std::optional<at::Tensor>& y) {
     return apply_rope_cos_sin_op().call(x, y, cos, sin, s.layout, s.interleaved, s.transpose);
-  };
-  if (!a.defined()) return {at::Tensor(), std::get<0>(op(b, std::nullopt))};
-  if (b.defined() && b.scalar_type() != a.scalar_type()) {  // tangents of their own dtypes: a call each
-    return {std::get<0>(op(a, std::nullopt)), std::get<0>(op(b, std::nullopt))};
-  }
-  auto [ra, rb] = op(a, b.defined() ? std::optional<at::Tensor>(b) : std::nullopt);
-  return {ra, b.defined() ? rb : at::Tensor()};
+  });
 }
 
 at::Tensor add_defined(const at::Tensor& a, const at::Tensor& b) {
