@@ -112,6 +112,20 @@ def strided_random(rng: random.Random, shape, dtype, device, low=-2.0, high=2.0)
     return out.to(device)
 
 
+@pytest.fixture
+def no_vmap_fallback():
+    """Within the test, an op without a batching rule under vmap raises ("Batching rule not
+    implemented") instead of running functorch's per-sample fallback. The fallback's own
+    warning ("There is a performance drop ...") is a C++ log line on stderr, not a Python
+    warning: neither recwarn nor warnings.simplefilter("error") sees it."""
+    enabled = torch._C._functorch._is_vmap_fallback_enabled()
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    try:
+        yield
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(enabled)
+
+
 def host_levels() -> list:
     """The levels this CPU runs: always "default"; "avx2" with AVX2 + FMA + F16C; "avx512"
     with AVX-512F/BW/VL too (the AVX-512 Philox path; a host without them cannot run it)."""

@@ -210,13 +210,11 @@ def test_dropout_vmap_per_sample_gradients_and_jvp():
 
 
 @pytest.mark.parametrize("randomness", ["same", "different"])
-def test_dropout_vmap_grad_uses_the_backward_batching_rule(randomness):
+def test_dropout_vmap_grad_uses_the_backward_batching_rule(randomness, no_vmap_fallback):
     """vmap(grad) with dropout reaches add_position_backward batched: its batching rule (one
     call per sample, each with its own rng state or the shared one) gives each sample its own
-    mask's gradient, without torch's fallback warning (which asked users to file an issue on
-    PyTorch for a posenc op)."""
-    import warnings
-
+    mask's gradient, not torch's per-sample fallback (which warned users to file an issue on
+    PyTorch for a posenc op; the fixture makes it an error)."""
     xs = torch.randn(3, B, S, D, dtype=F64)
     table = torch.randn(L, D, dtype=F64)
 
@@ -224,9 +222,7 @@ def test_dropout_vmap_grad_uses_the_backward_batching_rule(randomness):
         out = F.add_position(x, table, p=P)
         return out.square().sum(), out
 
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the fallback's performance warning fails the test
-        gx, outs = vmap(grad(loss, has_aux=True), randomness=randomness)(xs)
+    gx, outs = vmap(grad(loss, has_aux=True), randomness=randomness)(xs)
     torch.testing.assert_close(gx, 2 * outs * mask_of(outs))
     if randomness == "same":
         assert torch.equal(outs != 0, (outs[:1] != 0).expand_as(outs))
@@ -458,6 +454,22 @@ def test_resample_position_table(mode, antialias):
         return torch.cat([pe[:, :prefix], out.permute(0, 2, 3, 1).reshape(1, -1, d).to(pe.dtype)], 1)
 
     check_transforms(f, ref, (pe,))
+
+
+def test_resample_position_table_vmap_is_the_batched_composite(no_vmap_fallback):
+    """vmap of resample_position_table runs its composite on the batched tensor (ATen's
+    batching rules), not one call per sample through functorch's fallback (which printed
+    "There is a performance drop": the fixture makes it an error); the bits of a loop."""
+    pes = torch.randn(4, 1, 1 + 16, 3)
+    for in_dim, mode in ((0, "bicubic"), (2, "bilinear"), (3, "nearest")):
+        batched = pes.movedim(0, in_dim)
+        out = vmap(lambda p: F.resample_position_table(p, (3, 5), mode=mode), in_dims=in_dim)(batched)
+        assert torch.equal(out, torch.stack([F.resample_position_table(p, (3, 5), mode=mode) for p in pes]))
+    g = vmap(grad(lambda p: F.resample_position_table(p, (2, 3)).square().sum()))(pes)
+    for i in range(4):
+        p = pes[i].clone().requires_grad_()
+        F.resample_position_table(p, (2, 3)).square().sum().backward()
+        torch.testing.assert_close(g[i], p.grad, rtol=1e-6, atol=1e-6)
 
 
 # ---- torch.compile of a transform

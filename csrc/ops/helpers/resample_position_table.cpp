@@ -104,5 +104,11 @@ TORCH_LIBRARY_IMPL(posenc, CompositeImplicitAutograd, m) {
   m.impl("resample_position_table", &resample_position_table);
 }
 
+// Under vmap the same composite, its ATen ops batched (as ATen's own composites are): without
+// this, functorch's per-sample fallback ran it once per sample, with its warning.
+TORCH_LIBRARY_IMPL(posenc, FuncTorchBatchedDecomposition, m) {
+  m.impl("resample_position_table", &resample_position_table);
+}
+
 }  // namespace ops
 }  // namespace posenc
