@@ -114,16 +114,19 @@ void LearnedPositionalEncodingImpl::reset() {
   TORCH_CHECK_VALUE(options.init_std() >= 0.0 && std::isfinite(options.init_std()),
                     "LearnedPositionalEncoding: expected init_std to be finite and >= 0, got ",
                     options.init_std());
-  padding_row_ = std::nullopt;
-  if (const auto p = options.padding_idx()) {
-    TORCH_CHECK_VALUE(*p >= -options.max_len() && *p < options.max_len(),
-                      "LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = [",
-                      -options.max_len(), ", ", options.max_len(), "), got ", *p);
-    padding_row_ = *p < 0 ? *p + options.max_len() : *p;  // as torch::nn::Embedding
-  }
+  padding_row(options.max_len());  // checked
   const torch::Tensor table = torch::empty({1, options.max_len(), options.d_model()});
   detail::register_or_replace(*this, "pe", pe, table, /*buffer=*/false);  // as above
   reset_parameters();
+}
+
+std::optional<int64_t> LearnedPositionalEncodingImpl::padding_row(int64_t rows) const {
+  const auto p = options.padding_idx();
+  if (!p) return std::nullopt;
+  TORCH_CHECK_VALUE(*p >= -rows && *p < rows,
+                    "LearnedPositionalEncoding: expected padding_idx in [-max_len, max_len) = [",
+                    -rows, ", ", rows, "), got ", *p);
+  return *p < 0 ? *p + rows : *p;  // as torch::nn::Embedding
 }
 
 void LearnedPositionalEncodingImpl::load(torch::serialize::InputArchive& archive) {
@@ -141,7 +144,7 @@ void LearnedPositionalEncodingImpl::reset_parameters() {
   } else {
     pe.uniform_(-hi, hi).erfinv_().mul_(std * std::sqrt(2.0)).clamp_(-2.0 * std, 2.0 * std);
   }
-  if (padding_row_) pe.select(1, *padding_row_).zero_();
+  if (const auto row = padding_row(pe.size(1))) pe.select(1, *row).zero_();
 }
 
 void LearnedPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
@@ -149,18 +152,19 @@ void LearnedPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
          << ", dropout=" << options.dropout() << ", max_len=" << options.max_len()
          << ", batch_first=" << (options.batch_first() ? "true" : "false")
          << ", init_std=" << options.init_std();
-  if (padding_row_) stream << ", padding_idx=" << *padding_row_;
+  if (const auto p = options.padding_idx()) stream << ", padding_idx=" << (*p < 0 ? *p + pe.size(1) : *p);
   stream << ")";
 }
 
 torch::Tensor LearnedPositionalEncodingImpl::forward(
     const torch::Tensor& x, int64_t offset, const std::optional<torch::Tensor>& positions) {
   torch::Tensor table = pe;
-  if (padding_row_ && at::GradMode::is_enabled() && pe.requires_grad()) {
+  const std::optional<int64_t> padding = padding_row(pe.size(1));  // options as they are now
+  if (padding && at::GradMode::is_enabled() && pe.requires_grad()) {
     // The same values, the padding row read detached: no gradient reaches it (as the
     // Python module; torch::nn::Embedding's padding_idx).
     const auto rows = torch::arange(pe.size(1), pe.options().dtype(torch::kLong));
-    const auto keep = (rows != *padding_row_).view({1, -1, 1});
+    const auto keep = (rows != *padding).view({1, -1, 1});
     table = torch::where(keep, pe, pe.detach());
   }
   return add_position_module_forward(x, table, offset, positions, options.batch_first(),

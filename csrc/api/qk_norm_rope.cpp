@@ -154,6 +154,11 @@ std::tuple<torch::Tensor, torch::Tensor> QKNormRotaryImpl::forward(const torch::
                     "QKNormRotary: expected q and k with head_dim ", parsed.head_dim,
                     " (the module's head_dim), got shapes ", q.sizes(), " and ", k.sizes());
   ops::QkNormRopeCall call = parsed.call;
+  // The norm's settings as the options hold them now (the op checks them), as Python's module
+  // reads its eps, weight_offset and norm at each call.
+  call.eps = options.eps();
+  call.weight_offset = options.weight_offset();
+  call.norm = ops::parse_qk_norm(options.norm());
   call.rope.q = q;
   call.rope.k = k;
   detail::set_rope_positions(call.rope, where);

@@ -61,7 +61,9 @@ TEST(LearnedPositionalEncodingModule, TableGradientIsBatchSumAndDeterministic) {
 
 // padding_idx as torch::nn::Embedding's (fairseq, RoBERTa): the row starts at zero and gets
 // no gradient; forward adds it as it is; a negative one counts from the end; out of range
-// throws (c10::ValueError); the row follows reset() only.
+// throws (c10::ValueError). An edit of options.padding_idx is read at the next call, as
+// Python's module reads its padding_idx (it followed reset() alone, which redraws the table:
+// an edit without it was ignored silently).
 TEST(LearnedPositionalEncodingModule, PaddingIdxIsEmbeddings) {
   torch::manual_seed(4);
   for (const int64_t padding_idx : {int64_t{1}, int64_t{-9}}) {
@@ -97,6 +99,22 @@ TEST(LearnedPositionalEncodingModule, PaddingIdxIsEmbeddings) {
     const auto options = posenc::LearnedPositionalEncodingOptions(8).max_len(9).padding_idx(bad);
     EXPECT_THROW(posenc::LearnedPositionalEncoding{options}, c10::ValueError);
   }
+  // Set after construction (a trained table): that row gets no gradient from the next call,
+  // its values kept (as Python's; torch::nn::Embedding zeroes the row at construction only).
+  posenc::LearnedPositionalEncoding m(posenc::LearnedPositionalEncodingOptions(8).max_len(9).dropout(0.0));
+  const auto table = m->pe.detach().clone();
+  m->options.padding_idx(-7);  // row 2
+  const auto x = torch::randn({2, 4, 8});
+  const auto y = m(x);
+  EXPECT_TRUE(torch::equal(y, x + table[0].narrow(0, 0, 4)));
+  y.backward(torch::ones_like(y));
+  EXPECT_TRUE(torch::equal(m->pe.grad()[0][2], torch::zeros({8})));
+  EXPECT_TRUE(torch::equal(m->pe.grad()[0][1], torch::full({8}, 2.0f)));
+  std::ostringstream printed;
+  m->pretty_print(printed);
+  EXPECT_NE(printed.str().find("padding_idx=2"), std::string::npos) << printed.str();
+  m->options.padding_idx(9);
+  EXPECT_THROW(m(x), c10::ValueError);
 }
 
 // create_graph: the gradients of x and of the table are linear in the incoming gradient g

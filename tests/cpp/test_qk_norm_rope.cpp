@@ -214,6 +214,26 @@ TEST(QKNormRotaryModule, ResetReparsesOptionsAndKeepsWeights) {
   EXPECT_EQ(m->q_norm->weight.scalar_type(), torch::kDouble);
 }
 
+// eps, weight_offset and norm are read from the options at each call, as Python's module
+// reads its attributes: an edit without reset() was ignored silently (a bad eps too).
+TEST(QKNormRotaryModule, NormSettingsAreReadAtEachCall) {
+  auto q = torch::randn({1, 4, 2, 16}, torch::kDouble), k = torch::randn({1, 4, 1, 16}, torch::kDouble);
+  posenc::QKNormRotary m(posenc::QKNormRotaryOptions(16));
+  m->to(torch::kDouble);
+  m->options.eps(0.5).weight_offset(1.0);
+  const auto want = posenc::qk_norm_rope(q, k, m->q_norm->weight, m->k_norm->weight,
+                                         posenc::QkNormRopeOptions().eps(0.5).weight_offset(1.0));
+  const auto got = m(q, k);
+  EXPECT_TRUE(torch::equal(std::get<0>(got), std::get<0>(want)));
+  EXPECT_TRUE(torch::equal(std::get<1>(got), std::get<1>(want)));
+  m->options.eps(-1.0);
+  EXPECT_THROW(m(q, k), c10::ValueError);
+  m->options.eps(1e-6).norm("hidden");  // weights of head_dim values do not fit norm "hidden"
+  EXPECT_THROW(m(q, k), c10::Error);
+  m->options.norm("layer");
+  EXPECT_THROW(m(q, k), c10::ValueError);
+}
+
 TEST(QKNormRotaryModule, AGivenSeqLenIsReadWithTheParsedScaling) {
   // forward decided a given seq_len's argument from the live options: a "dynamic" module
   // whose options were edited to another type (no reset()) passed seq_len as 0, so the

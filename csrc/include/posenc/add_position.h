@@ -87,6 +87,7 @@ struct LearnedPositionalEncodingOptions {
   TORCH_ARG(bool, check_positions) = true;
   // torch::nn::Embedding's: the row is zeroed by reset_parameters() and gets no gradient
   // (fairseq, RoBERTa, XLM-R; make_positions puts padding tokens there). Negative: from the end.
+  // Read at each call (set later, the row keeps its values and gets no gradient from then on).
   TORCH_ARG(std::optional<int64_t>, padding_idx) = std::nullopt;
 };
 
@@ -116,8 +117,9 @@ class LearnedPositionalEncodingImpl
   torch::Tensor pe;
 
  private:
-  // options.padding_idx as a row of pe (negative ones counted from the end), set by reset().
-  std::optional<int64_t> padding_row_;
+  // options.padding_idx as a row of a table of `rows` rows (negative ones counted from the
+  // end), checked; read at each call, as Python's module reads its padding_idx.
+  std::optional<int64_t> padding_row(int64_t rows) const;
 
  protected:
   // The defaults for torch::nn::AnyModule / Sequential, which call forward(x).

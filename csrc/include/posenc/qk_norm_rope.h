@@ -80,7 +80,9 @@ struct ParsedQkNormRope;  // the options as the op reads them (api/qk_norm_rope.
 }  // namespace detail
 
 // reset() (run by the constructor) parses and checks the options once, into the call every
-// forward starts from: after changing `options`, call reset() (it keeps the norm weights,
+// forward starts from, except eps, weight_offset and norm, which forward reads (and the op
+// checks) at each call, as Python's module does: after changing another of `options`, call
+// reset() (it keeps the norm weights,
 // trained or not, unless their size changes). options.rope() holds the configuration only:
 // positions come with each call (RopePositions); set there, reset() raises a ValueError.
 // clone() runs reset() on the copy (LibTorch's Cloneable): a clone parses the options as
