@@ -116,16 +116,49 @@ def add_position(
                          f"positions: leave offset at its default 0); got offset={offset!r}")
     if positions is None and _offset_as_rows(offset):
         positions, offset = _rows_of_offset(x, offset, batch_first), 0
+    p = p if training else 0.0
+    rows_of_split = positions is None and p == 0 and type(offset) is int and _split_on_sequence(x, batch_first)
+    if rows_of_split:
+        # A DTensor x split on its sequence (torch's SequenceParallel style feeds each rank its
+        # part): each rank's rows as positions split alike, so the op keeps the split where it
+        # gathered x and returned it replicated. The run checked on the host, as a whole.
+        from posenc.distributed import sequence_positions
+
+        seq_dim = 1 if batch_first else 0
+        torch.ops.posenc.position_run_check(offset, x.shape[seq_dim], table.shape[-2])
+        positions, offset = sequence_positions(x, seq_dim, offset), 0
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
-    if is_dtensor(positions) and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
+    if (is_dtensor(positions) and positions.dtype == torch.int64 and not torch.compiler.is_compiling()
+            and not rows_of_split):
         # The kernel checks each rank's shard: one rank alone would raise (the others block
         # in their next collective). The bounds of the global positions raise on every rank.
         torch.ops.posenc.position_bounds(positions, table.shape[-2])
-    p = p if training else 0.0
     # (Not under torch.compile: Dynamo cannot trace the interpreter stack's read; func.md.)
     if not torch.compiler.is_compiling() and p > 0:
         x = _batched_by_randomness(x)
-    return torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p)
+    out = torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p)
+    return _placed_as(out, x) if is_dtensor(x) else out
+
+
+def _split_on_sequence(x: Tensor, batch_first: bool) -> bool:
+    """Whether x is a (batch, seq, d) / (seq, batch, d) DTensor split on its sequence in eager
+    mode (add_position's rows of the split)."""
+    if not is_dtensor(x) or x.dim() != 3 or torch.compiler.is_compiling():
+        return False
+    seq_dim = 1 if batch_first else 0
+    return any(pl.is_shard() and pl.dim % 3 == seq_dim for pl in x.placements)
+
+
+def _placed_as(out: Tensor, x: Tensor) -> Tensor:
+    """add_position's DTensor result in x's placements (a position added to each element keeps
+    it where it lies, as torch's pointwise ops keep theirs): where the op's rules gathered x (a
+    split with dropout, a split on the sequence beside replicated positions) it returned the
+    whole tensor replicated, and torch's SequenceParallel style, which hands each rank's part on
+    as it is (use_local_output), passed each rank the whole sequence as its part. Replicate to
+    Shard takes each rank's part (no communication). x's Partial placements stay the op's."""
+    if out.placements == x.placements or any(pl.is_partial() for pl in x.placements):
+        return out
+    return out.redistribute(x.device_mesh, x.placements)
 
 
 def _batched_by_randomness(x: Tensor) -> Tensor:

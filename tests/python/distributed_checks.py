@@ -880,8 +880,7 @@ def positional_encoding_takes_dtensors():
         dx = distribute_tensor(x, mesh, [placement]).requires_grad_()
         out = pe(dx, **kwargs)
         assert isinstance(out, DTensor), name
-        if "sequence" not in name:  # plain (replicated) positions beside a sequence split: DTensor picks
-            assert out.placements == (placement,), f"{name}: {out.placements}"
+        assert out.placements == (placement,), f"{name}: {out.placements}"
         close(out.full_tensor(), want, f"PositionalEncoding {name}")
         grad = rand(*x.shape, seed=173)
         want.backward(grad)
@@ -922,6 +921,51 @@ def positional_encoding_takes_dtensors():
     torch.distributed.all_gather(replicas, local)
     assert all(torch.equal(r, replicas[0]) for r in replicas), "the replicas drifted apart"
     close(local, ref, "learned, replicated table stepped with its Partial gradient")
+
+
+@check
+def sequence_parallel_style_keeps_the_split():
+    """torch's SequenceParallel style on PositionalEncoding (each rank's part of the sequence
+    in, its part out, as LayerNorm under the style): the module returned the whole sequence
+    replicated (DTensor gathered x: no positions), so with use_local_output each rank got the
+    whole sequence as its part. Now each rank's part of the one-process call, without dropout
+    (positions of the split: no gather) and with it (the same mask as the one-process call);
+    and the gradient of x."""
+    import posenc
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
+
+    mesh, _, Shard, _, distribute_tensor = env()
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    x = rand(2, 8, 16, seed=181)
+    grad = rand(2, 8, 16, seed=182)
+    for p in (0.0, 0.5):
+        pe = posenc.PositionalEncoding(16, dropout=p, max_len=32).double()
+        ref_x = x.clone().requires_grad_()
+        torch.manual_seed(183)
+        want = pe(ref_x)
+        want.backward(grad)
+        sp = parallelize_module(posenc.PositionalEncoding(16, dropout=p, max_len=32).double(), mesh,
+                                SequenceParallel(use_local_output=True))
+        local = x.chunk(world, 1)[rank].clone().requires_grad_()
+        torch.manual_seed(183)
+        got = sp(local)
+        assert not isinstance(got, DTensor) and got.shape == local.shape, (p, type(got), got.shape)
+        close(got, want.detach().chunk(world, 1)[rank], f"SequenceParallel p={p}")
+        got.backward(grad.chunk(world, 1)[rank])
+        close(local.grad, ref_x.grad.chunk(world, 1)[rank], f"SequenceParallel p={p} grad x")
+    # The function keeps x's placement too, offset included.
+    dx = distribute_tensor(x, mesh, [Shard(1)])
+    table = rand(32, 16, seed=184)
+    out = posenc.functional.add_position(dx, table, offset=5)
+    assert out.placements == (Shard(1),), out.placements
+    close(out.full_tensor(), posenc.functional.add_position(x, table, offset=5), "add_position split, offset 5")
+    try:
+        posenc.functional.add_position(dx, table, offset=30)
+    except IndexError:
+        pass
+    else:
+        raise AssertionError("rows past the table were accepted")
 
 
 @check
