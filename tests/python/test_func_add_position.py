@@ -463,7 +463,7 @@ def test_resample_position_table_vmap_is_the_batched_composite(no_vmap_fallback)
     pes = torch.randn(4, 1, 1 + 16, 3)
     for in_dim, mode in ((0, "bicubic"), (2, "bilinear"), (3, "nearest")):
         batched = pes.movedim(0, in_dim)
-        out = vmap(lambda p: F.resample_position_table(p, (3, 5), mode=mode), in_dims=in_dim)(batched)
+        out = vmap(lambda p, mode=mode: F.resample_position_table(p, (3, 5), mode=mode), in_dims=in_dim)(batched)
         assert torch.equal(out, torch.stack([F.resample_position_table(p, (3, 5), mode=mode) for p in pes]))
     g = vmap(grad(lambda p: F.resample_position_table(p, (2, 3)).square().sum()))(pes)
     for i in range(4):
