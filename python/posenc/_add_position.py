@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg,
                              _forward_as_written, _global_hooks, _int_arg, _integer, _optional_tensor_args, _own_hooks,
                              _real, _runs_as_written, _static_numel, _table_dtype, _tensor_arg, _written_forward)
-from posenc._dtensor import is_dtensor, place_beside
+from posenc._dtensor import is_dtensor, place_beside, placed_as, split_on
 
 
 def _offset_arg(fn: str, offset: Union[int, Tensor]) -> Union[int, Tensor]:
@@ -117,7 +117,8 @@ def add_position(
     if positions is None and _offset_as_rows(offset):
         positions, offset = _rows_of_offset(x, offset, batch_first), 0
     p = p if training else 0.0
-    rows_of_split = positions is None and p == 0 and type(offset) is int and _split_on_sequence(x, batch_first)
+    rows_of_split = (positions is None and p == 0 and type(offset) is int and x.dim() == 3
+                     and split_on(x, 1 if batch_first else 0) and not torch.compiler.is_compiling())
     if rows_of_split:
         # A DTensor x split on its sequence (torch's SequenceParallel style feeds each rank its
         # part): each rank's rows as positions split alike, so the op keeps the split where it
@@ -137,28 +138,7 @@ def add_position(
     if not torch.compiler.is_compiling() and p > 0:
         x = _batched_by_randomness(x)
     out = torch.ops.posenc.add_position(x, table, positions, offset, batch_first, p)
-    return _placed_as(out, x) if is_dtensor(x) else out
-
-
-def _split_on_sequence(x: Tensor, batch_first: bool) -> bool:
-    """Whether x is a (batch, seq, d) / (seq, batch, d) DTensor split on its sequence in eager
-    mode (add_position's rows of the split)."""
-    if not is_dtensor(x) or x.dim() != 3 or torch.compiler.is_compiling():
-        return False
-    seq_dim = 1 if batch_first else 0
-    return any(pl.is_shard() and pl.dim % 3 == seq_dim for pl in x.placements)
-
-
-def _placed_as(out: Tensor, x: Tensor) -> Tensor:
-    """add_position's DTensor result in x's placements (a position added to each element keeps
-    it where it lies, as torch's pointwise ops keep theirs): where the op's rules gathered x (a
-    split with dropout, a split on the sequence beside replicated positions) it returned the
-    whole tensor replicated, and torch's SequenceParallel style, which hands each rank's part on
-    as it is (use_local_output), passed each rank the whole sequence as its part. Replicate to
-    Shard takes each rank's part (no communication). x's Partial placements stay the op's."""
-    if out.placements == x.placements or any(pl.is_partial() for pl in x.placements):
-        return out
-    return out.redistribute(x.device_mesh, x.placements)
+    return placed_as(out, x) if is_dtensor(x) else out
 
 
 def _batched_by_randomness(x: Tensor) -> Tensor:

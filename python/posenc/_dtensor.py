@@ -29,3 +29,22 @@ def is_sharded(t: object) -> bool:
     """Whether t is a DTensor some rank holds only a part of (a placement other than
     Replicate): a value check of its local shard would raise on that rank alone."""
     return is_dtensor(t) and any(not p.is_replicate() for p in t.placements)
+
+
+def split_on(t: object, dim: int) -> bool:
+    """Whether t is a DTensor split (Shard) on its dimension ``dim`` on some mesh axis."""
+    return is_dtensor(t) and any(pl.is_shard() and pl.dim % t.dim() == dim % t.dim() for pl in t.placements)
+
+
+def placed_as(out: Tensor, like: Tensor) -> Tensor:
+    """A DTensor result of an op that keeps each element where it lies (add_position, RoPE's
+    rotation), in the placements of its input ``like``, as torch's pointwise ops keep theirs:
+    where the op's rules gathered the input (a split with dropout, a sequence split beside
+    replicated positions) they returned the whole tensor replicated, and torch's
+    SequenceParallel style, which hands each rank's part on as it is (use_local_output), gave
+    each rank the whole tensor as its part. Replicate to Shard takes each rank's part (no
+    communication). An input's Partial placements stay the op's."""
+    if (not is_dtensor(out) or not is_dtensor(like) or out.placements == like.placements
+            or any(pl.is_partial() for pl in like.placements)):
+        return out
+    return out.redistribute(like.device_mesh, like.placements)

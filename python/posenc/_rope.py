@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _in_int64, _int_arg, _integer,
                             _optional_tensor_args, _real, _refuse_captured_writes, _specialised, _specialised_int,
                             _static_shape, _tensor_arg, _untraced)
-from posenc._dtensor import is_dtensor, is_sharded, place_beside
+from posenc._dtensor import is_dtensor, is_sharded, place_beside, placed_as, split_on
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts, the
@@ -766,6 +766,14 @@ def apply_rope(
     """
     _optional_tensor_args("apply_rope", k=k)
     config = config_of(q, config, "apply_rope", **rope)
+    if (positions is None and cu_seqlens is None and type(offset) is int
+            and _rows_of_split(q, k, config, offset, seq_len)):
+        # A DTensor q (and k) split on the sequence (torch's SequenceParallel style feeds each
+        # rank its part): each rank's positions split alike, so the op keeps the split where
+        # it gathered q and k and returned them replicated.
+        from posenc.distributed import sequence_positions
+
+        positions, offset = sequence_positions(q, LAYOUT_AXES[config.layout][1], offset), 0
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len)
     if _bool_arg("apply_rope", "inverse", inverse):
@@ -775,7 +783,24 @@ def apply_rope(
         torch.ops.posenc.rope_(q, k, **arguments)
         return q if k is None else (q, k)
     out_q, out_k = torch.ops.posenc.rope(q, k, **arguments)
+    if is_dtensor(q):  # in q's and k's placements, as add_position keeps x's
+        out_q, out_k = placed_as(out_q, q), (out_k if k is None else placed_as(out_k, k))
     return out_q if k is None else (out_q, out_k)
+
+
+def _rows_of_split(q: Tensor, k: Optional[Tensor], config: RopeConfig, offset: int, seq_len: Optional[int]) -> bool:
+    """Whether apply_rope without index tensors gets positions split as q's sequence is: a
+    DTensor q (and k placed alike) of rank 4 split on its sequence, in eager mode, one position
+    axis, and a length that is not read from the call ("dynamic" / "longrope" without
+    seq_len: the rules keep no split there). An offset past 2**53 - seq stays the op's to refuse
+    (on every rank alike)."""
+    if not is_dtensor(q) or q.dim() != 4 or config.layout not in ("bshd", "bhsd", "sbhd") or config.sections:
+        return False
+    seq_dim = LAYOUT_AXES[config.layout][1]
+    return (split_on(q, seq_dim) and (k is None or (is_dtensor(k) and k.placements == q.placements))
+            and -(2**53) <= offset and offset + q.shape[seq_dim] - 1 <= 2**53
+            and (seq_len is not None or config.rope_type not in LENGTH_SCALED_TYPES)
+            and not torch.compiler.is_compiling())
 
 
 def rotary_width(config: RopeConfig) -> int:

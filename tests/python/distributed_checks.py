@@ -98,6 +98,12 @@ def run_rope_case(name, q, k, placements, kwargs, expect, grad_seed=5):
         close(dk.grad.full_tensor(), ref_k.grad, f"{name} grad k")
 
 
+def apply_rope_plain(q, **kwargs):
+    from posenc.functional import apply_rope
+
+    return apply_rope(q, **kwargs)
+
+
 @check
 def rope_rules():
     _, Replicate, Shard, Partial, _ = env()
@@ -123,9 +129,10 @@ def rope_rules():
             ("seq+positions(B,S)", (Shard(s), Shard(s), Shard(1), R), dict(positions=pos2), Shard(s)),
             ("seq+positions(S,)", (Shard(s), Shard(s), Shard(0), R), dict(positions=pos1), Shard(s)),
             ("seq+positions+offsets", (Shard(s), Shard(s), Shard(0), R), dict(positions=pos1, offset=offs), Shard(s)),
-            # No rule: positions would restart at 0 on every rank -> DTensor replicates, the result is right.
-            ("seq without positions", (Shard(s), Shard(s), R, R), dict(offset=2), R),
-            ("seq, positions replicated", (Shard(s), Shard(s), R, R), dict(positions=pos1), None),
+            # apply_rope gives the split its positions (the op's rules have none: positions would
+            # restart at 0 on every rank; below), and hands a gathered result back split.
+            ("seq without positions", (Shard(s), Shard(s), R, R), dict(offset=2), Shard(s)),
+            ("seq, positions replicated", (Shard(s), Shard(s), R, R), dict(positions=pos1), Shard(s)),
             ("scaling llama3 heads", (Shard(h), Shard(h), R, R),
              dict(scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                            "original_max_position_embeddings": 16}), Shard(h)),
@@ -136,6 +143,13 @@ def rope_rules():
         for name, placements, kwargs, expect in cases:
             run_rope_case(f"{layout} {name}", q, k, placements, {**base, **kwargs}, expect)
         run_rope_case(f"{layout} q only, heads", q, None, (Shard(h), R, R, R), base, Shard(h))
+        # The op itself on a sequence split without positions: no rule splits it (each rank's
+        # rows would start at 0): DTensor gathers, and the result is right.
+        mesh, _, _, _, distribute_tensor = env()
+        op_kw = {n: v for n, v in base.items() if v is not None}
+        raw = torch.ops.posenc.rope(distribute_tensor(q, mesh, [Shard(s)]), None, offset=2, **op_kw)[0]
+        assert raw.placements != (Shard(s),), f"{layout}: the op split a sequence without positions"
+        close(raw.full_tensor(), apply_rope_plain(q, offset=2, **base), f"{layout} op, sequence split")
 
 
 @check
@@ -283,8 +297,8 @@ def rope_multi_axis_and_packed():
     run_rope_case("thd heads offsets", qt, kt, (Shard(1), Shard(1), R, R),
                   dict(cu_seqlens=cu, layout="thd", offset=torch.tensor([4, 9])), Shard(1))
     # Token-sharded packed input: no rule (cu_seqlens describe the whole pack) -> replicated.
-    run_rope_case("thd tokens -> replicated", qt, kt, (Shard(0), Shard(0), R, R), dict(cu_seqlens=cu, layout="thd"),
-                  Replicate())
+    run_rope_case("thd tokens -> gathered, handed back split", qt, kt, (Shard(0), Shard(0), R, R),
+                  dict(cu_seqlens=cu, layout="thd"), Shard(0))
 
 
 @check
@@ -310,14 +324,13 @@ def rope_inplace():
         assert "in place" in str(e) or "in-place" in str(e), str(e)
     else:
         raise AssertionError("rope_ with k needing a redistribution did not raise")
-    # Sequence-sharded without positions: no rule keeps q's placement -> error, not a wrong answer.
+    # Sequence-sharded without positions: apply_rope gives the split its positions (the op's
+    # rules have none, and refused to write a redistributed copy).
     dq = distribute_tensor(q, mesh, [Shard(1)])
-    try:
-        apply_rope(dq, inplace=True)
-    except RuntimeError:
-        pass
-    else:
-        raise AssertionError("rope_ on a sequence-sharded q without positions did not raise")
+    with torch.no_grad():
+        apply_rope(dq, inplace=True, offset=3)
+    assert dq.placements == (Shard(1),)
+    close(dq.full_tensor(), apply_rope(q, offset=3), "inplace q, sequence split without positions")
 
 
 @check
@@ -925,10 +938,10 @@ def positional_encoding_takes_dtensors():
 
 @check
 def sequence_parallel_style_keeps_the_split():
-    """torch's SequenceParallel style on PositionalEncoding (each rank's part of the sequence
-    in, its part out, as LayerNorm under the style): the module returned the whole sequence
-    replicated (DTensor gathered x: no positions), so with use_local_output each rank got the
-    whole sequence as its part. Now each rank's part of the one-process call, without dropout
+    """torch's SequenceParallel style on PositionalEncoding and RotaryPositionalEncoding (each
+    rank's part of the sequence in, its part out, as LayerNorm under the style): the modules
+    returned the whole sequence replicated (DTensor gathered x: no positions), so with
+    use_local_output each rank got the whole sequence as its part. Now each rank's part of the one-process call, without dropout
     (positions of the split: no gather) and with it (the same mask as the one-process call);
     and the gradient of x."""
     import posenc
@@ -954,6 +967,22 @@ def sequence_parallel_style_keeps_the_split():
         close(got, want.detach().chunk(world, 1)[rank], f"SequenceParallel p={p}")
         got.backward(grad.chunk(world, 1)[rank])
         close(local.grad, ref_x.grad.chunk(world, 1)[rank], f"SequenceParallel p={p} grad x")
+    # RotaryPositionalEncoding alike (q alone: the style splits the first input), also with
+    # "dynamic" scaling, whose length the rules read from the whole call (gathered).
+    q = rand(2, 8, 4, 16, seed=185)
+    for scaling in (None, {"rope_type": "dynamic", "factor": 2.0, "original_max_position_embeddings": 4}):
+        rope = posenc.RotaryPositionalEncoding(16, max_len=64, scaling=scaling)
+        ref_q = q.clone().requires_grad_()
+        want = rope(ref_q, offset=1)
+        want.backward(grad[..., :16].reshape(2, 8, 1, 16).expand(2, 8, 4, 16))
+        sp = parallelize_module(posenc.RotaryPositionalEncoding(16, max_len=64, scaling=scaling), mesh,
+                                SequenceParallel(use_local_output=True))
+        local = q.chunk(world, 1)[rank].clone().requires_grad_()
+        got = sp(local, offset=1)
+        assert not isinstance(got, DTensor) and got.shape == local.shape, (scaling, type(got), got.shape)
+        close(got, want.detach().chunk(world, 1)[rank], f"SequenceParallel RoPE {scaling}")
+        got.backward(grad[..., :16].reshape(2, 8, 1, 16).expand(2, 8, 4, 16).chunk(world, 1)[rank])
+        close(local.grad, ref_q.grad.chunk(world, 1)[rank], f"SequenceParallel RoPE {scaling} grad q")
     # The function keeps x's placement too, offset included.
     dx = distribute_tensor(x, mesh, [Shard(1)])
     table = rand(32, 16, seed=184)
