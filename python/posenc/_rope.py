@@ -766,14 +766,7 @@ def apply_rope(
     """
     _optional_tensor_args("apply_rope", k=k)
     config = config_of(q, config, "apply_rope", **rope)
-    if (positions is None and cu_seqlens is None and type(offset) is int
-            and _rows_of_split(q, k, config, offset, seq_len)):
-        # A DTensor q (and k) split on the sequence (torch's SequenceParallel style feeds each
-        # rank its part): each rank's positions split alike, so the op keeps the split where
-        # it gathered q and k and returned them replicated.
-        from posenc.distributed import sequence_positions
-
-        positions, offset = sequence_positions(q, LAYOUT_AXES[config.layout][1], offset), 0
+    positions, offset = positions_of_split(q, k, config, positions, offset, cu_seqlens, seq_len)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len)
     if _bool_arg("apply_rope", "inverse", inverse):
@@ -788,19 +781,28 @@ def apply_rope(
     return out_q if k is None else (out_q, out_k)
 
 
-def _rows_of_split(q: Tensor, k: Optional[Tensor], config: RopeConfig, offset: int, seq_len: Optional[int]) -> bool:
-    """Whether apply_rope without index tensors gets positions split as q's sequence is: a
-    DTensor q (and k placed alike) of rank 4 split on its sequence, in eager mode, one position
-    axis, and a length that is not read from the call ("dynamic" / "longrope" without
-    seq_len: the rules keep no split there). An offset past 2**53 - seq stays the op's to refuse
-    (on every rank alike)."""
-    if not is_dtensor(q) or q.dim() != 4 or config.layout not in ("bshd", "bhsd", "sbhd") or config.sections:
-        return False
+def positions_of_split(q: Tensor, k: Optional[Tensor], config: RopeConfig, positions: Optional[Tensor],
+                       offset: Any, cu_seqlens: Optional[Tensor], seq_len: Optional[int]) -> Tuple[Any, Any]:
+    """(positions, offset) of a rotating call (apply_rope, qk_norm_rope). A DTensor q (and k
+    placed alike) split on its sequence (torch's SequenceParallel style feeds each rank its
+    part) without index tensors gets each rank's positions split alike, so the op keeps the
+    split where it gathered q and k (its rules have no split without positions: each rank's
+    rows would start at 0). Only in eager mode, for rank-4 layouts with one position axis, an
+    int offset whose run stays within 2**53 (else the op refuses it, on every rank alike) and
+    a length not read from the call ("dynamic" / "longrope" without seq_len: the rules keep no
+    split there)."""
+    if (positions is not None or cu_seqlens is not None or type(offset) is not int or not is_dtensor(q)
+            or q.dim() != 4 or config.layout not in ("bshd", "bhsd", "sbhd") or config.sections):
+        return positions, offset
     seq_dim = LAYOUT_AXES[config.layout][1]
-    return (split_on(q, seq_dim) and (k is None or (is_dtensor(k) and k.placements == q.placements))
+    if (split_on(q, seq_dim) and (k is None or (is_dtensor(k) and k.placements == q.placements))
             and -(2**53) <= offset and offset + q.shape[seq_dim] - 1 <= 2**53
             and (seq_len is not None or config.rope_type not in LENGTH_SCALED_TYPES)
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling()):
+        from posenc.distributed import sequence_positions
+
+        return sequence_positions(q, seq_dim, offset), 0
+    return positions, offset
 
 
 def rotary_width(config: RopeConfig) -> int:

@@ -170,7 +170,9 @@ def qk_norm_rope_rules():
         wq, wk = rand(lq, seed=14) + 2, rand(lk, seed=15) + 2
         cases = [("replicate", R, {}, R), ("batch", Shard(0), dict(offset=3), Shard(0)),
                  ("seq+positions", Shard(1), dict(positions=pos), Shard(1)),
-                 ("heads", Shard(2), {}, Shard(2) if norm == "head" else R)]
+                 # norm "hidden" spans a token's heads: its rules gather them, and the function
+                 # hands the result back split as q was
+                 ("heads", Shard(2), {}, Shard(2))]
         for name, place, kwargs, expect in cases:
             what = f"qk_norm_rope {norm} {name}"
             ref_in = [t.clone().requires_grad_() for t in (q, k, wq, wk)]
@@ -983,6 +985,25 @@ def sequence_parallel_style_keeps_the_split():
         close(got, want.detach().chunk(world, 1)[rank], f"SequenceParallel RoPE {scaling}")
         got.backward(grad[..., :16].reshape(2, 8, 1, 16).expand(2, 8, 4, 16).chunk(world, 1)[rank])
         close(local.grad, ref_q.grad.chunk(world, 1)[rank], f"SequenceParallel RoPE {scaling} grad q")
+    # qk_norm_rope alike (its own function), forward and gradients of q, k and the weights.
+    k, w, wk = rand(2, 8, 2, 16, seed=186), rand(16, seed=187), rand(16, seed=188)
+    for norm, weights in (("head", (w, wk)), ("hidden", (rand(64, seed=189), rand(32, seed=190)))):
+        ref = [t.clone().requires_grad_() for t in (q, k, *weights)]
+        want = posenc.functional.qk_norm_rope(*ref, norm=norm, offset=2)
+        dq, dk = (distribute_tensor(t, mesh, [Shard(1)]).requires_grad_() for t in (q, k))
+        dws = [t.clone().requires_grad_() for t in weights]
+        got = posenc.functional.qk_norm_rope(dq, dk, *dws, norm=norm, offset=2)
+        g = [rand(*t.shape, seed=191 + i) for i, t in enumerate(want)]
+        torch.autograd.backward(want, g)
+        assert [o.placements for o in got] == [(Shard(1),)] * 2, [o.placements for o in got]
+        torch.autograd.backward(got, [distribute_tensor(t, mesh, [Shard(1)]) for t in g])
+        for i, (o, r) in enumerate(zip(got, want)):
+            close(o.full_tensor(), r.detach(), f"qk_norm_rope {norm} sequence split {i}")
+        close(dq.grad.full_tensor(), ref[0].grad, f"qk_norm_rope {norm} grad q")
+        close(dk.grad.full_tensor(), ref[1].grad, f"qk_norm_rope {norm} grad k")
+        for dw, r in zip(dws, ref[2:]):
+            got_w = dw.grad.full_tensor() if isinstance(dw.grad, DTensor) else dw.grad
+            close(got_w, r.grad, f"qk_norm_rope {norm} grad weight")
     # The function keeps x's placement too, offset included.
     dx = distribute_tensor(x, mesh, [Shard(1)])
     table = rand(32, 16, seed=184)
