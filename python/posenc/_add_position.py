@@ -25,7 +25,7 @@ from torch.nn.utils import parametrize
 from posenc._common import (_TABLE_DTYPES, _bool_arg, _check_positive_int, _check_probability, _float_arg,
                              _forward_as_written, _global_hooks, _int_arg, _integer, _optional_tensor_args, _own_hooks,
                              _real, _runs_as_written, _static_numel, _table_dtype, _tensor_arg, _written_forward)
-from posenc._dtensor import is_dtensor, place_beside, placed_as, split_on
+from posenc._dtensor import is_dtensor, place_beside, placed_as
 
 
 def _offset_arg(fn: str, offset: Union[int, Tensor]) -> Union[int, Tensor]:
@@ -116,24 +116,12 @@ def add_position(
                          f"positions: leave offset at its default 0); got offset={offset!r}")
     if positions is None and _offset_as_rows(offset):
         positions, offset = _rows_of_offset(x, offset, batch_first), 0
-    p = p if training else 0.0
-    rows_of_split = (positions is None and p == 0 and type(offset) is int and x.dim() == 3
-                     and split_on(x, 1 if batch_first else 0) and not torch.compiler.is_compiling())
-    if rows_of_split:
-        # A DTensor x split on its sequence (torch's SequenceParallel style feeds each rank its
-        # part): each rank's rows as positions split alike, so the op keeps the split where it
-        # gathered x and returned it replicated. The run checked on the host, as a whole.
-        from posenc.distributed import sequence_positions
-
-        seq_dim = 1 if batch_first else 0
-        torch.ops.posenc.position_run_check(offset, x.shape[seq_dim], table.shape[-2])
-        positions, offset = sequence_positions(x, seq_dim, offset), 0
     table, positions = place_beside(x, table, positions)  # plain beside a DTensor x: replicated
-    if (is_dtensor(positions) and positions.dtype == torch.int64 and not torch.compiler.is_compiling()
-            and not rows_of_split):
+    if is_dtensor(positions) and positions.dtype == torch.int64 and not torch.compiler.is_compiling():
         # The kernel checks each rank's shard: one rank alone would raise (the others block
         # in their next collective). The bounds of the global positions raise on every rank.
         torch.ops.posenc.position_bounds(positions, table.shape[-2])
+    p = p if training else 0.0
     # (Not under torch.compile: Dynamo cannot trace the interpreter stack's read; func.md.)
     if not torch.compiler.is_compiling() and p > 0:
         x = _batched_by_randomness(x)

@@ -31,11 +31,6 @@ def is_sharded(t: object) -> bool:
     return is_dtensor(t) and any(not p.is_replicate() for p in t.placements)
 
 
-def split_on(t: object, dim: int) -> bool:
-    """Whether t is a DTensor split (Shard) on its dimension ``dim`` on some mesh axis."""
-    return is_dtensor(t) and any(pl.is_shard() and pl.dim % t.dim() == dim % t.dim() for pl in t.placements)
-
-
 def placed_as(out: Tensor, like: Tensor) -> Tensor:
     """A DTensor result of an op that keeps each element where it lies (add_position, RoPE's
     rotation), in the placements of its input ``like``, as torch's pointwise ops keep theirs:

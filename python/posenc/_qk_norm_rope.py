@@ -12,8 +12,8 @@ from torch import Tensor
 
 from posenc._common import _bool_arg, _check_positive_int, _refuse_captured_writes, _table_dtype
 from posenc._dtensor import is_dtensor, place_beside, placed_as
-from posenc._rope import (LAYOUT_AXES, RopeConfig, _ParsedOnce, config_of, heads_batch_rule, positions_of_split,
-                          rope_op_arguments, rotary_width, with_rope_settings)
+from posenc._rope import (LAYOUT_AXES, RopeConfig, _ParsedOnce, config_of, heads_batch_rule, rope_op_arguments,
+                          rotary_width, with_rope_settings)
 
 NORMS = ("head", "hidden")
 # The norm's defaults, as qk_norm_rope's schema (and rope_append_kv's, the same settings) states them.
@@ -99,7 +99,6 @@ def qk_norm_rope(
             raise TypeError(f"{fn}: expected {name} to be a Tensor, got {type(t).__name__}")
     check_norm_settings(fn, eps, weight_offset, norm)
     config = config_of(q, config, fn, **rope)
-    positions, offset = positions_of_split(q, k, config, positions, offset, cu_seqlens, seq_len)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len, fn=fn)
     q_weight, k_weight = place_beside(q, q_weight, k_weight)

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from posenc._common import (_bool_arg, _check_positive_int, _float_arg, _in_int64, _int_arg, _integer,
                             _optional_tensor_args, _real, _refuse_captured_writes, _specialised, _specialised_int,
                             _static_shape, _tensor_arg, _untraced)
-from posenc._dtensor import is_dtensor, is_sharded, place_beside, placed_as, split_on
+from posenc._dtensor import is_dtensor, is_sharded, place_beside, placed_as
 
 # The names the ops accept, from the library's own tables (posenc/math/rope.h): the rope
 # types, the scaling keys in the order of the op's ``scaling`` list, the layouts, the
@@ -766,7 +766,6 @@ def apply_rope(
     """
     _optional_tensor_args("apply_rope", k=k)
     config = config_of(q, config, "apply_rope", **rope)
-    positions, offset = positions_of_split(q, k, config, positions, offset, cu_seqlens, seq_len)
     arguments = rope_op_arguments(q, config, positions=positions, offset=offset, cu_seqlens=cu_seqlens,
                                   check_inputs=check_inputs, seq_len=seq_len)
     if _bool_arg("apply_rope", "inverse", inverse):
@@ -779,30 +778,6 @@ def apply_rope(
     if is_dtensor(q):  # in q's and k's placements, as add_position keeps x's
         out_q, out_k = placed_as(out_q, q), (out_k if k is None else placed_as(out_k, k))
     return out_q if k is None else (out_q, out_k)
-
-
-def positions_of_split(q: Tensor, k: Optional[Tensor], config: RopeConfig, positions: Optional[Tensor],
-                       offset: Any, cu_seqlens: Optional[Tensor], seq_len: Optional[int]) -> Tuple[Any, Any]:
-    """(positions, offset) of a rotating call (apply_rope, qk_norm_rope). A DTensor q (and k
-    placed alike) split on its sequence (torch's SequenceParallel style feeds each rank its
-    part) without index tensors gets each rank's positions split alike, so the op keeps the
-    split where it gathered q and k (its rules have no split without positions: each rank's
-    rows would start at 0). Only in eager mode, for rank-4 layouts with one position axis, an
-    int offset whose run stays within 2**53 (else the op refuses it, on every rank alike) and
-    a length not read from the call ("dynamic" / "longrope" without seq_len: the rules keep no
-    split there)."""
-    if (positions is not None or cu_seqlens is not None or type(offset) is not int or not is_dtensor(q)
-            or q.dim() != 4 or config.layout not in ("bshd", "bhsd", "sbhd") or config.sections):
-        return positions, offset
-    seq_dim = LAYOUT_AXES[config.layout][1]
-    if (split_on(q, seq_dim) and (k is None or (is_dtensor(k) and k.placements == q.placements))
-            and -(2**53) <= offset and offset + q.shape[seq_dim] - 1 <= 2**53
-            and (seq_len is not None or config.rope_type not in LENGTH_SCALED_TYPES)
-            and not torch.compiler.is_compiling()):
-        from posenc.distributed import sequence_positions
-
-        return sequence_positions(q, seq_dim, offset), 0
-    return positions, offset
 
 
 def rotary_width(config: RopeConfig) -> int:

@@ -129,8 +129,8 @@ def rope_rules():
             ("seq+positions(B,S)", (Shard(s), Shard(s), Shard(1), R), dict(positions=pos2), Shard(s)),
             ("seq+positions(S,)", (Shard(s), Shard(s), Shard(0), R), dict(positions=pos1), Shard(s)),
             ("seq+positions+offsets", (Shard(s), Shard(s), Shard(0), R), dict(positions=pos1, offset=offs), Shard(s)),
-            # apply_rope gives the split its positions (the op's rules have none: positions would
-            # restart at 0 on every rank; below), and hands a gathered result back split.
+            # The op's rules have no split without positions (each rank's would restart at 0;
+            # below): DTensor gathers, and apply_rope hands the result back split.
             ("seq without positions", (Shard(s), Shard(s), R, R), dict(offset=2), Shard(s)),
             ("seq, positions replicated", (Shard(s), Shard(s), R, R), dict(positions=pos1), Shard(s)),
             ("scaling llama3 heads", (Shard(h), Shard(h), R, R),
@@ -326,13 +326,14 @@ def rope_inplace():
         assert "in place" in str(e) or "in-place" in str(e), str(e)
     else:
         raise AssertionError("rope_ with k needing a redistribution did not raise")
-    # Sequence-sharded without positions: apply_rope gives the split its positions (the op's
-    # rules have none, and refused to write a redistributed copy).
+    # Sequence-sharded without positions: no rule keeps q's placement -> error, not a wrong answer.
     dq = distribute_tensor(q, mesh, [Shard(1)])
-    with torch.no_grad():
-        apply_rope(dq, inplace=True, offset=3)
-    assert dq.placements == (Shard(1),)
-    close(dq.full_tensor(), apply_rope(q, offset=3), "inplace q, sequence split without positions")
+    try:
+        apply_rope(dq, inplace=True)
+    except RuntimeError:
+        pass
+    else:
+        raise AssertionError("rope_ on a sequence-sharded q without positions did not raise")
 
 
 @check
@@ -943,9 +944,9 @@ def sequence_parallel_style_keeps_the_split():
     """torch's SequenceParallel style on PositionalEncoding and RotaryPositionalEncoding (each
     rank's part of the sequence in, its part out, as LayerNorm under the style): the modules
     returned the whole sequence replicated (DTensor gathered x: no positions), so with
-    use_local_output each rank got the whole sequence as its part. Now each rank's part of the one-process call, without dropout
-    (positions of the split: no gather) and with it (the same mask as the one-process call);
-    and the gradient of x."""
+    use_local_output each rank got the whole sequence as its part. Now each rank's part of the
+    one-process call (gathered and handed back), without dropout and with it (the same mask as
+    the one-process call); and the gradient of x."""
     import posenc
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor.parallel import SequenceParallel, parallelize_module
@@ -1010,12 +1011,20 @@ def sequence_parallel_style_keeps_the_split():
     out = posenc.functional.add_position(dx, table, offset=5)
     assert out.placements == (Shard(1),), out.placements
     close(out.full_tensor(), posenc.functional.add_position(x, table, offset=5), "add_position split, offset 5")
-    try:
+    try:  # the op's ValueError, which DTensor's sharding propagation re-raises as a RuntimeError
         posenc.functional.add_position(dx, table, offset=30)
-    except IndexError:
-        pass
+    except (ValueError, RuntimeError) as e:
+        assert "plus offset 30 exceeds max_len=32" in str(e), str(e)
     else:
         raise AssertionError("rows past the table were accepted")
+    # An uneven split (7 rows over the ranks, as distribute_tensor chunks them), with dropout.
+    x7 = rand(2, 7, 16, seed=195)
+    torch.manual_seed(196)
+    want = posenc.functional.add_position(x7, table, offset=1, p=0.5)
+    torch.manual_seed(196)
+    out = posenc.functional.add_position(distribute_tensor(x7, mesh, [Shard(1)]), table, offset=1, p=0.5)
+    assert out.placements == (Shard(1),), out.placements
+    close(out.full_tensor(), want, "add_position uneven split, dropout")
 
 
 @check
