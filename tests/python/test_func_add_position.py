@@ -472,6 +472,15 @@ def test_resample_position_table_vmap_is_the_batched_composite(no_vmap_fallback)
         torch.testing.assert_close(g[i], p.grad, rtol=1e-6, atol=1e-6)
 
 
+def test_make_positions_vmap_is_the_batched_composite(no_vmap_fallback):
+    """vmap of make_positions: its composite on the batched tokens, not functorch's per-sample
+    fallback (the fixture makes that an error); the values of a loop, over either dim."""
+    tokens = torch.randint(0, 4, (3, 2, 6))
+    for in_dim in (0, 2):
+        out = vmap(lambda t: F.make_positions(t, 1, offset=2), in_dims=in_dim)(tokens.movedim(0, in_dim))
+        assert torch.equal(out, torch.stack([F.make_positions(t, 1, offset=2) for t in tokens]))
+
+
 # ---- torch.compile of a transform
 
 def test_compile_vmap_grad_learned_table_fullgraph():

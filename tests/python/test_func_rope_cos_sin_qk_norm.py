@@ -243,6 +243,25 @@ def test_qk_norm_rope_keeps_a_wider_tangent():
         assert forward_ad.unpack_dual(ok).tangent is None
 
 
+def test_complex_tangents_are_refused():
+    """A complex tangent of a real primal (forward AD allows one): refused with a TypeError,
+    as the ops refuse complex inputs; qk_norm_rope returned it complex with a zero imaginary
+    part (its formula's real arithmetic dropped it)."""
+    q, k, wq, wk = qk_inputs("bshd", "head", seed=13)
+    cos, sin = posenc.functional.rope_cos_sin(torch.arange(q.shape[1]), q.shape[-1], dtype=q.dtype)
+    calls = {
+        "q": lambda t: qk_norm_rope(forward_ad.make_dual(q, t), k, wq, wk),
+        "weight": lambda t: qk_norm_rope(q, k, forward_ad.make_dual(wq, t[0, 0, 0].clone()), wk),
+        "cos": lambda t: apply_rope_cos_sin(q, None, forward_ad.make_dual(cos, t[0, :, 0].clone()), sin, layout="bshd"),
+        "table": lambda t: posenc.functional.add_position(q[0], forward_ad.make_dual(q[1, :, 0].clone(),
+                                                                                   t[1, :, 0].clone())),
+    }
+    for name, call in calls.items():
+        t = torch.complex(torch.randn(q.shape, dtype=q.dtype), torch.randn(q.shape, dtype=q.dtype))
+        with forward_ad.dual_level(), pytest.raises(TypeError, match="expected real floating-point tangents"):
+            call(t)
+
+
 def test_cos_sin_table_tangents_keep_a_wider_dtype():
     """float16 q and tables: float32 tangents of the tables stay float32 (they were rounded to
     q's float16), alone or beside a float16 tangent of q."""

@@ -99,11 +99,17 @@ inline at::Tensor primal(const at::Tensor& t) {
 // The dtype out's tangent is carried in: out's, or the widest of the tangents of `inputs` it is
 // computed from where that is wider (forward AD allows a float32 tangent of a float16 tensor,
 // and torch's own ops carry it in float32: a tangent is never rounded to the output's dtype).
+// A complex tangent (of a real primal: forward AD allows it) is refused, as the ops refuse a
+// complex input (the formula's real arithmetic would drop its imaginary part).
 template <class... Tensors>
 at::ScalarType tangent_dtype(const at::Tensor& out, const Tensors&... inputs) {
   at::ScalarType dtype = out.scalar_type();
   const auto widen = [&](const at::Tensor& t) {
-    if (t.defined()) dtype = at::promote_types(dtype, t.scalar_type());
+    if (!t.defined()) return;
+    TORCH_CHECK_TYPE(!at::isComplexType(t.scalar_type()),
+                     "posenc: expected real floating-point tangents (forward AD), got a ", t.scalar_type(),
+                     " tangent");
+    dtype = at::promote_types(dtype, t.scalar_type());
   };
   (widen(tangent(inputs)), ...);
   return dtype;

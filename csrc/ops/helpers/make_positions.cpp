@@ -59,5 +59,11 @@ TORCH_LIBRARY_IMPL(posenc, CompositeImplicitAutograd, m) {
   m.impl("make_positions", &make_positions);
 }
 
+// Under vmap the same composite, its ATen ops batched (as resample_position_table): without
+// this, functorch's per-sample fallback ran it once per sample, with its warning.
+TORCH_LIBRARY_IMPL(posenc, FuncTorchBatchedDecomposition, m) {
+  m.impl("make_positions", &make_positions);
+}
+
 }  // namespace ops
 }  // namespace posenc

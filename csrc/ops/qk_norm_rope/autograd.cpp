@@ -97,6 +97,8 @@ void qk_norm_rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack)
     ag::record(node, out_q, out_k);
   }
   if (ag::has_tangent(q, k, wq, wk)) {
+    // (first: it refuses a complex tangent, which the formula's real arithmetic would drop)
+    const at::ScalarType dtype_q = ag::tangent_dtype(out_q, q, wq), dtype_k = ag::tangent_dtype(out_k, k, wk);
     QkNormRopeCall p = call;  // the formula reads the primals
     p.rope.q = ag::primal(q);
     p.rope.k = ag::primal(k);
@@ -105,8 +107,8 @@ void qk_norm_rope_autograd(const c10::OperatorHandle&, torch::jit::Stack* stack)
     const at::Tensor uq = qk_norm_tangent(p, p.rope.q, p.q_weight, ag::tangent(q), ag::tangent(wq));
     const at::Tensor uk = qk_norm_tangent(p, *p.rope.k, p.k_weight, ag::tangent(k), ag::tangent(wk));
     auto [tq, tk] = call_rope_pair(p.rope, uq, uk);
-    if (tq.defined()) ag::set_tangent(out_q, tq.to(ag::tangent_dtype(out_q, q, wq)));
-    if (tk.defined()) ag::set_tangent(out_k, tk.to(ag::tangent_dtype(out_k, k, wk)));
+    if (tq.defined()) ag::set_tangent(out_q, tq.to(dtype_q));
+    if (tk.defined()) ag::set_tangent(out_k, tk.to(dtype_k));
   }
   stack->emplace_back(std::move(out_q));
   stack->emplace_back(std::move(out_k));
