@@ -95,7 +95,8 @@ def sinusoidal_2d_table(
     encode the patch's column index w and the last dim/2 its row index h, each as [sin | cos]
     halves of dim/4 frequencies ``1 / base**(i / (dim/4))``, in float64, converted to ``dtype``
     by ``Tensor.to`` (through float32 for float16 and bfloat16, as torch converts). ``dim``
-    must be a multiple of 4. Built on the host, then moved to ``device``.
+    must be a multiple of 4. The two axis tables (grid_w and grid_h rows) are computed on the
+    host in float64, moved to ``device``, and laid out over the grid there.
     Op ``torch.ops.posenc.sinusoidal_2d_table`` (the C++ ``posenc::sinusoidal_2d_table``
     calls it too: the same bits).
 

@@ -85,7 +85,8 @@ def rope_append_kv(
             part) are written to the cache unrotated.
         inplace: rotate q (and k, with ``return_k``) in their own storage.
         return_k: also return the rotated k.
-        k_scale, v_scale: FP8 caches only (default 1.0): the per-tensor scale of each cache, a
+        k_scale, v_scale: FP8 caches only (default None, which an FP8 cache reads as 1.0; a scale
+            given with a cache of k's dtype is a ValueError): the per-tensor scale of each cache, a
             Python float or a 0-d / 1-element float32 tensor on the CPU or on the cache's
             device (a CUDA graph can hold the latter; its value is then checked by the
             kernel). An FP8 cache holds, bit for bit (a NaN's sign aside), what the same call

@@ -68,7 +68,8 @@ def rope_shift_kv(
             would turn twice).
         slot_mapping: "thd" only: int64 (n,), slot ``block * block_size + index`` of each
             position; -1: not turned. Each slot at most once.
-        k_scale: FP8 caches only (default 1.0): the cache's per-tensor scale, a Python float
+        k_scale: FP8 caches only (default None, which an FP8 cache reads as 1.0; a scale given
+            with a cache of k's dtype is a ValueError): the cache's per-tensor scale, a Python float
             or a 0-d / 1-element float32 tensor on the CPU or on the cache's device.
         from_seq_len, to_seq_len: for "dynamic" and "longrope", the length each end scaled
             for (as ``seq_len`` of :func:`apply_rope` / :func:`rope_append_kv` when the keys
