@@ -4,7 +4,8 @@ PositionalEncoding(512) on x (1, 1, 512) with offset=100, eval and train, agains
 expression ``x + pe[:, 100:101]`` (and its dropout) and, in eval, the classic module it
 replaces (buffer + nn.Dropout child); RotaryPositionalEncoding(128) on q
 (1, 1, 32, 128), k (1, 1, 8, 128) with offset=100 against apply_rope, the raw op and Hugging
-Face's rotate_half in eager. Each variant: warm-up, then 2000 calls in 10 blocks of 200, the
+Face's rotate_half in eager, and the same with position_ids (1, 1) (the module's range check
+reads their bounds with the op rope_position_bounds). Each variant: warm-up, then 2000 calls in 10 blocks of 200, the
 blocks of all variants of a group interleaved; printed: the median over blocks of the mean
 us per call. Grad mode on, inputs without requires_grad (an inference call as users write it).
 The modules take one road (forward -> posenc.functional -> torch.ops.posenc), timed beside
@@ -122,6 +123,20 @@ def main() -> int:
     t = time_us(rope_fns, args.calls)
     t["module - raw op (us)"] = t["RotaryPositionalEncoding"] - t["raw op rope"]
     results.append(("RoPE q (1, 1, 32, 128), k (1, 1, 8, 128), offset=100", t))
+
+    # Hugging Face's position_ids (a (1, 1) tensor): the module also reads the positions' bounds
+    # for its max_len check (the op rope_position_bounds, timed alone), where an int offset is
+    # checked on the host.
+    bounds_op = torch.ops.posenc.rope_position_bounds.default
+    t = time_us({
+        "RotaryPositionalEncoding": lambda: rope(q, k, positions=position_ids),
+        "functional.apply_rope": lambda: posenc.functional.apply_rope(q, k, positions=position_ids),
+        "raw op rope": lambda: rope_op(q, k, positions=position_ids),
+        "raw op rope_position_bounds": lambda: bounds_op(q, positions=position_ids),
+        "eager HF rotate_half": hf,
+    }, args.calls)
+    t["module - raw op (us)"] = t["RotaryPositionalEncoding"] - t["raw op rope"]
+    results.append(("RoPE q (1, 1, 32, 128), k (1, 1, 8, 128), positions (1, 1)", t))
 
     for title, times in results:
         print(f"\n{title}")
