@@ -265,20 +265,3 @@ class Timesteps(nn.Module):
             f"downscale_freq_shift={self.downscale_freq_shift}, scale={self.scale}, max_period={self.max_period}"
         )
 
-
-def _timestep_batch_rule(info, in_dims, t, *args):
-    """vmap rule of posenc::timestep_embedding: rows depend on their timestep alone, so the
-    samples' timesteps are one call's, the rows split back per sample (the same bits). Without
-    it vmap ran the op once per sample, with PyTorch's warning asking to report the missing
-    rule. A t that is not 1-D per sample goes to the op as it is (its message). (t is the op's
-    one tensor: the rule runs only where it is batched.)"""
-    dim_t = in_dims[0]
-    if t.dim() != 2:
-        return torch.stack([torch.ops.posenc.timestep_embedding(t.select(dim_t, i), *args)
-                            for i in range(info.batch_size)]), 0
-    rows = t.movedim(dim_t, 0)
-    out = torch.ops.posenc.timestep_embedding(rows.reshape(-1), *args)
-    return out.view(rows.shape[0], rows.shape[1], out.shape[-1]), 0
-
-
-torch.library.register_vmap("posenc::timestep_embedding", _timestep_batch_rule)

@@ -415,9 +415,10 @@ def test_timestep_embedding(kwargs, dim):
     check_transforms(f, ref, (t,))
 
 
-def test_timestep_embedding_has_a_batching_rule():
-    """vmap of timestep_embedding is one call on every sample's timesteps (the same bits as a
-    loop), not PyTorch's per-sample fallback (which printed that the op has no batching rule)."""
+def test_timestep_embedding_has_a_batching_rule(no_vmap_fallback):
+    """vmap of timestep_embedding is one pass on every sample's timesteps (its composite
+    batched; the same bits as a loop), not PyTorch's per-sample fallback (which printed that the
+    op has no batching rule; the fixture makes it an error)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class Calls(TorchDispatchMode):

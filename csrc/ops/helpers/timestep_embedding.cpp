@@ -75,5 +75,12 @@ TORCH_LIBRARY_IMPL(posenc, CompositeImplicitAutograd, m) {
   m.impl("timestep_embedding", &timestep_embedding);
 }
 
+// Under vmap the same composite, its ATen ops batched (as make_positions and
+// resample_position_table): every sample's timesteps in one pass, not functorch's per-sample
+// fallback.
+TORCH_LIBRARY_IMPL(posenc, FuncTorchBatchedDecomposition, m) {
+  m.impl("timestep_embedding", &timestep_embedding);
+}
+
 }  // namespace ops
 }  // namespace posenc
