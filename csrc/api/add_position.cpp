@@ -152,7 +152,8 @@ void LearnedPositionalEncodingImpl::pretty_print(std::ostream& stream) const {
          << ", dropout=" << options.dropout() << ", max_len=" << options.max_len()
          << ", batch_first=" << (options.batch_first() ? "true" : "false")
          << ", init_std=" << options.init_std();
-  if (const auto p = options.padding_idx()) stream << ", padding_idx=" << (*p < 0 ? *p + pe.size(1) : *p);
+  // (the row padding_row reads, checked: an edit out of range is named here too)
+  if (const auto row = padding_row(pe.size(1))) stream << ", padding_idx=" << *row;
   stream << ")";
 }
 
